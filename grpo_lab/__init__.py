@@ -1,0 +1,9 @@
+"""grpo_lab: stepwise GRPO on 4-bit LoRA models, with the memory of every phase in view."""
+from .config import LabConfig, load_config, save_config
+from .errors import ConfigError, LabError
+from .lab import Lab
+from .types import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult
+
+__all__ = ["Lab", "LabConfig", "load_config", "save_config", "LabError", "ConfigError", "StepResult",
+           "Rollout", "Rewards", "Advantages", "LogProbs", "LossStats", "PromptBatch"]
+__version__ = "0.1.0"

@@ -1,0 +1,65 @@
+"""`grpo-lab` command line: thin wrappers over the library. User errors print one line and exit 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import LabError
+
+
+def _run(args) -> int:
+    from .config import load_config
+    from .runner import run
+
+    config = load_config(args.config, args.set)
+    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _tiny(args) -> int:
+    from .tiny import build_tiny_model, ensure_tiny_model
+
+    path = build_tiny_model(args.path, seed=args.seed) if args.force else ensure_tiny_model(args.path, seed=args.seed)
+    print(f"tiny model: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-lab", description="Stepwise GRPO on 4-bit LoRA models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run GRPO steps headless from a YAML config")
+    p.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
+    p.add_argument("--steps", type=int, help="number of steps (default: run.steps)")
+    p.add_argument("--out", help="run directory (default: run.output_dir or runs/<date-time>)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set grpo.beta=0.04 (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+
+    p = sub.add_parser("tiny", help="build the tiny local Qwen2 checkpoint")
+    p.add_argument("path", help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rebuild even if a checkpoint is there")
+    p.set_defaults(func=_tiny)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "steps", None) is not None and args.steps < 1:
+        print(f"grpo-lab: error: --steps: got {args.steps}; give a positive number of steps", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except LabError as err:
+        print(f"grpo-lab: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grpo-lab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The one typed config behind the notebook, the CLI, the widget editor and papermill.
+
+Sections mirror the parts of a GRPO run. Knobs TRL also has keep TRL's names
+(`num_generations`, `beta`, `loss_type`, `epsilon`, `scale_rewards`, ...), so a TRL
+user feels at home. Unknown keys are errors; every field carries its own help text.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError, format_validation_error
+from .generation.registry import BACKENDS
+from .losses import LOSSES
+from .rewards import REWARDS
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def normalize_device(value: Any) -> str:
+    """'cuda' -> 'cuda:0', 1 -> 'cuda:1'; anything not cpu/cuda[:N] is rejected."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a device; use 'cpu', 'cuda:N' or a GPU index")
+    if isinstance(value, int):
+        return f"cuda:{value}"
+    text = str(value).strip()
+    if not _DEVICE.match(text):
+        raise ValueError(f"{value!r} is not a device; use 'cpu', 'cuda:N' or a GPU index")
+    return "cuda:0" if text == "cuda" else text
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    name_or_path: str = Field(description="Local checkpoint directory (or hub id) loaded with from_pretrained.")
+    dtype: Dtype = Field("bfloat16", description="Dtype of the weights that are not quantized (embeddings, norms, LoRA).")
+    load_in_4bit: bool = Field(True, description="Quantize the learner's base to 4-bit with bitsandbytes (QLoRA).")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; nf4 is the QLoRA default.")
+    bnb_4bit_compute_dtype: Dtype = Field("bfloat16", description="Dtype the 4-bit layers compute in.")
+    bnb_4bit_use_double_quant: bool = Field(True, description="Also quantize the quantization constants (~0.4 bit/param saved).")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward instead of storing them.")
+
+
+class LoraSection(Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.")
+
+
+class PlacementSection(Section):
+    learner: str = Field("cpu", description="Device of the learner (policy + LoRA + optimizer): 'cpu' or 'cuda:N'.")
+    generator: Optional[list[str]] = Field(
+        None, description="Generator device(s); null = the learner's device (colocated). GPU indices or 'cuda:N'.")
+
+    @field_validator("learner", mode="before")
+    @classmethod
+    def _learner(cls, v):
+        return normalize_device(v)
+
+    @field_validator("generator", mode="before")
+    @classmethod
+    def _generator(cls, v):
+        if v is None:
+            return None
+        items = v if isinstance(v, (list, tuple)) else [v]
+        if not items:
+            raise ValueError("empty list; give at least one device or null for the learner's device")
+        return [normalize_device(d) for d in items]
+
+    def generator_devices(self) -> list[str]:
+        return self.generator or [self.learner]
+
+
+class GeneratorSection(Section):
+    backend: Literal[tuple(BACKENDS)] = Field("hf", description="Generator backend: 'hf' (transformers.generate) or 'vllm'.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    max_prompt_length: int = Field(256, gt=0, description="Prompts longer than this are truncated from the left.")
+    max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
+    chunk_size: Optional[int] = Field(
+        None, gt=0, description="Sequences (prompts x completions) per generate call; null = all at once.")
+
+
+class GRPOSection(Section):
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size G); needs >= 2 for an advantage.")
+    prompts_per_step: int = Field(4, ge=1, description="Distinct prompts per step; the batch is prompts_per_step x num_generations.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference policy; 0 = no reference needed.")
+    loss_type: Literal[tuple(LOSSES)] = Field("dapo", description="Loss normalisation: " + ", ".join(LOSSES) + ".")
+    epsilon: float = Field(0.2, gt=0.0, description="Lower clip range of the importance ratio.")
+    epsilon_high: Optional[float] = Field(None, gt=0.0, description="Upper clip range; null = epsilon (DAPO uses 0.28).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's std, the batch's std, or not at all (Dr. GRPO).")
+    learning_rate: float = Field(1e-5, gt=0.0, description="AdamW learning rate for the LoRA parameters.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    micro_batch_size: Optional[int] = Field(
+        None, gt=0, description="Sequences per log-prob/backward forward pass; null = the whole batch at once.")
+    num_iterations: int = Field(1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs.")
+    mask_truncated_completions: bool = Field(False, description="Exclude completions that hit max_completion_length from the loss.")
+
+
+class ReferenceSection(Section):
+    strategy: Optional[Literal["none", "adapter-disabled", "copy"]] = Field(
+        None, description="Reference policy: 'adapter-disabled' (no extra memory), 'copy' (frozen model), 'none' (beta must be 0); null = auto.")
+    device: Optional[str] = Field(None, description="Device for strategy 'copy'; null = the learner's device.")
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v):
+        return None if v is None else normalize_device(v)
+
+
+class MemorySection(Section):
+    sample_hz: float = Field(20.0, gt=0.0, le=1000.0, description="Memory sampler rate.")
+    host_threshold: float = Field(0.95, gt=0.0, le=1.0, description="Host RAM used/limit fraction at which the run stops between phases.")
+
+
+class DataSection(Section):
+    dataset: str = Field("arithmetic", description="'arithmetic' (built-in word problems) or a path to a JSONL file with 'prompt' and 'answer'.")
+    num_prompts: int = Field(512, ge=1, description="Size of the built-in arithmetic set.")
+    system_prompt: Optional[str] = Field(
+        "Solve the problem. Put only the final number inside <answer></answer>.",
+        description="System message prepended to every prompt; null = none.")
+    rewards: list[str] = Field(
+        default_factory=lambda: ["exact_answer", "format"],
+        description="Reward functions: names from " + ", ".join(REWARDS) + ", or 'module:function'.")
+    reward_weights: Optional[list[float]] = Field(None, description="One weight per reward function; null = all 1.")
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, v):
+        if not v:
+            raise ValueError("empty list; name at least one reward function")
+        for name in v:
+            if name not in REWARDS and ":" not in name:
+                raise ValueError(f"unknown reward {name!r}; use one of {sorted(REWARDS)} or 'module:function'")
+        return v
+
+
+class RunSection(Section):
+    steps: int = Field(10, ge=1, description="GRPO steps to run.")
+    seed: int = Field(0, description="Seed for data order, sampling and LoRA init.")
+    output_dir: Optional[str] = Field(None, description="Run directory; null = runs/<date-time>.")
+    save_every: int = Field(0, ge=0, description="Save the adapter every N steps (and at the end); 0 = only at the end.")
+
+
+class LabConfig(Section):
+    model: ModelSection
+    lora: LoraSection = Field(default_factory=LoraSection)
+    placement: PlacementSection = Field(default_factory=PlacementSection)
+    generator: GeneratorSection = Field(default_factory=GeneratorSection)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
+    reference: ReferenceSection = Field(default_factory=ReferenceSection)
+    memory: MemorySection = Field(default_factory=MemorySection)
+    data: DataSection = Field(default_factory=DataSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        ref = self.reference
+        if ref.strategy is None:
+            # why: the adapter-disabled policy is a free reference with LoRA; nothing at all is needed when beta = 0
+            object.__setattr__(ref, "strategy", "adapter-disabled" if self.grpo.beta > 0 else "none")
+        if ref.strategy == "none" and self.grpo.beta > 0:
+            raise ValueError(f"reference.strategy: 'none' needs grpo.beta = 0 (got {self.grpo.beta}); "
+                             "set beta: 0 or strategy: adapter-disabled")
+        weights = self.data.reward_weights
+        if weights is not None and len(weights) != len(self.data.rewards):
+            raise ValueError(f"data.reward_weights: {len(weights)} weights for {len(self.data.rewards)} rewards; give one per reward")
+        return self
+
+    @property
+    def epsilon_high(self) -> float:
+        return self.grpo.epsilon_high if self.grpo.epsilon_high is not None else self.grpo.epsilon
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def parse_config(data: dict) -> LabConfig:
+    """Validate a plain dict into a LabConfig; errors become one ConfigError naming the fields."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
+    try:
+        return LabConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply 'a.b=c' overrides (values parsed as YAML) to a nested dict, returning a new dict."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. grpo.beta=0.04")
+        parts = key.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(source: Union[str, Path, dict, LabConfig], overrides: Optional[list[str]] = None) -> LabConfig:
+    """A LabConfig from a YAML path, a dict or a LabConfig, with optional 'a.b=c' overrides."""
+    if isinstance(source, LabConfig):
+        data = source.to_dict()
+    elif isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/tiny-cpu.yaml")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    return parse_config(apply_overrides(data, overrides or []))
+
+
+def save_config(config: LabConfig, path: Union[str, Path]) -> Path:
+    """Write the resolved config as YAML, atomically (a reader never sees half a file)."""
+    from .io import atomic_write_text
+
+    return atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

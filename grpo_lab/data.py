@@ -1,0 +1,89 @@
+"""Prompts: a built-in arithmetic set (no download) and a JSONL loader, served in a seeded order."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Optional
+
+from .errors import LabError
+from .types import PromptBatch
+
+_TEMPLATES = [
+    ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", lambda a, b: a + b),
+    ("{name} had {a} marbles and gave away {b}. How many marbles are left?", lambda a, b: a - b),
+    ("A box holds {a} rows of {b} eggs. How many eggs are in the box?", lambda a, b: a * b),
+    ("{name} reads {a} pages a day for {b} days. How many pages is that?", lambda a, b: a * b),
+    ("A train carries {a} people and {b} more get on. How many people are on the train?", lambda a, b: a + b),
+]
+_NAMES = ["Ann", "Bo", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana"]
+
+
+def arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
+    """`n` word problems with integer answers, the same for the same seed."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        template, op = rng.choice(_TEMPLATES)
+        a, b = rng.randint(2, 20), rng.randint(1, 12)
+        a = max(a, b)  # keep subtraction non-negative
+        rows.append({"prompt": template.format(name=rng.choice(_NAMES), a=a, b=b), "answer": str(op(a, b))})
+    return rows
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    """Rows with a 'prompt' (text or chat messages) and optionally an 'answer' and other columns."""
+    path = Path(path)
+    if not path.is_file():
+        raise LabError(f"data.dataset: {str(path)!r} is neither 'arithmetic' nor an existing JSONL file")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise LabError(f"data.dataset: {path}:{i} is not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise LabError(f"data.dataset: {path}:{i} has no 'prompt' field; each line needs {{\"prompt\": ..., \"answer\": ...}}")
+        rows.append(row)
+    if not rows:
+        raise LabError(f"data.dataset: {path} has no rows")
+    return rows
+
+
+def load_rows(dataset: str, num_prompts: int, seed: int) -> list[dict]:
+    return arithmetic_problems(num_prompts, seed) if dataset == "arithmetic" else load_jsonl(dataset)
+
+
+def format_prompt(tokenizer, prompt, system_prompt: Optional[str]) -> str:
+    """Chat-template the prompt when the tokenizer has a template; plain text otherwise."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in messages) + "\n"
+
+
+class PromptSource:
+    """Serves batches of prompts in a seeded, reshuffled-every-epoch order."""
+
+    def __init__(self, rows: list[dict], tokenizer, system_prompt: Optional[str], seed: int):
+        self.rows, self.tokenizer, self.system_prompt = rows, tokenizer, system_prompt
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+
+    def next_batch(self, size: int) -> PromptBatch:
+        picked = []
+        while len(picked) < size:
+            if not self._order:
+                self._order = list(range(len(self.rows)))
+                self._rng.shuffle(self._order)
+            picked.append(self.rows[self._order.pop()])
+        extra_keys = sorted({k for r in picked for k in r} - {"prompt", "answer"})
+        return PromptBatch(
+            prompts=[format_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in picked],
+            answers=[None if r.get("answer") is None else str(r["answer"]) for r in picked],
+            extra={k: [r.get(k) for r in picked] for k in extra_keys},
+        )

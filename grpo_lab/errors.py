@@ -1,0 +1,30 @@
+"""User-facing errors: one line that names the field or value and the fix.
+
+Everything a user can get wrong (config, devices, paths) is raised as a `LabError`;
+the CLI prints it without a traceback and exits 2, a notebook shows it as one line.
+"""
+from __future__ import annotations
+
+
+class LabError(Exception):
+    """A problem the user can fix; the message is one line naming the field and the fix."""
+
+
+class ConfigError(LabError):
+    """An invalid config value, key or override."""
+
+
+def format_validation_error(err) -> str:
+    """Turn a pydantic ValidationError into 'field.path: problem' lines (one per error)."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check its spelling (see README 'Config reference')"
+        elif e["type"] == "literal_error":
+            msg = f"got {e.get('input')!r}; {msg.lower()}"
+        elif "input" in e and e["type"] not in ("missing", "value_error"):
+            msg = f"got {e['input']!r}; {msg}"
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(lines)

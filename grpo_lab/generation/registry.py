@@ -1,0 +1,23 @@
+"""Generator backends by name. Values are import paths so that naming a backend in a
+config never imports it (vLLM is optional and heavy)."""
+from __future__ import annotations
+
+import importlib
+
+from ..errors import LabError
+
+BACKENDS: dict[str, str] = {
+    "hf": "grpo_lab.generation.hf:HFGenerator",
+    "vllm": "grpo_lab.generation.vllm:VLLMGenerator",
+}
+
+
+def backend_class(name: str):
+    if name not in BACKENDS:
+        raise LabError(f"generator.backend: unknown backend {name!r}; use one of {sorted(BACKENDS)}")
+    module, _, attr = BACKENDS[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as err:
+        raise LabError(f"generator.backend: {name!r} needs a package that is not installed ({err.name}); "
+                       "install grpo-lab[cpu] on CPU machines or grpo-lab[gpu] on CUDA machines") from None

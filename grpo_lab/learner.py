@@ -1,0 +1,103 @@
+"""The learner: a (4-bit nf4) base loaded with `from_pretrained`, PEFT LoRA on top, AdamW over
+the LoRA parameters only. Departs from TRL/PEFT's `prepare_model_for_kbit_training`: it does
+not upcast every non-quantized weight to float32 (that doubles embedding memory on large vocabularies).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import LabError
+from .devices import check_model_path
+from .logprobs import add_logprob_head
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Learner:
+    model: torch.nn.Module        # PeftModel over the (4-bit) base
+    tokenizer: object
+    device: torch.device
+    optimizer: torch.optim.Optimizer
+
+    def trainable_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"  # why: generation appends after the prompt, so prompts are right-aligned
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_base(model_cfg, device: str):
+    """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(model_cfg.name_or_path)
+    kwargs = dict(dtype=_DTYPES[model_cfg.dtype], device_map={"": device})
+    if model_cfg.load_in_4bit:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise LabError("model.load_in_4bit needs bitsandbytes; install grpo-lab[cpu] or grpo-lab[gpu], "
+                           "or set model.load_in_4bit: false") from None
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
+            bnb_4bit_compute_dtype=_DTYPES[model_cfg.bnb_4bit_compute_dtype],
+            bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, **kwargs)
+    except OSError as err:
+        raise LabError(f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
+                       f"({str(err).splitlines()[0]}); give a local checkpoint directory") from None
+    model.requires_grad_(False)
+    model.config.use_cache = False  # why: training forwards never reuse a KV cache; generate() turns it back on
+    return model
+
+
+def logprob_temperature(config) -> float:
+    """Log-probs are taken at the sampling temperature (greedy decoding: 1)."""
+    return config.generator.temperature or 1.0
+
+
+def load_learner(config) -> Learner:
+    from peft import LoraConfig, get_peft_model
+
+    device = config.placement.learner
+    torch.manual_seed(config.run.seed)  # why here: LoRA A's random init must be reproducible
+    base = load_base(config.model, device)
+    add_logprob_head(base, logprob_temperature(config))  # before PEFT wraps it, as TRL requires
+    lora = config.lora
+    model = get_peft_model(base, LoraConfig(
+        r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+        target_modules=lora.target_modules, task_type="CAUSAL_LM",
+    ))
+    if config.model.gradient_checkpointing:
+        # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
+    return Learner(model=model, tokenizer=load_tokenizer(config.model.name_or_path),
+                   device=torch.device(device), optimizer=optimizer)
+
+
+def save_adapter(learner: Learner, path: str | Path) -> Path:
+    """Write the LoRA adapter (and tokenizer) atomically: a crash never leaves a half-written checkpoint."""
+    from .io import atomic_write_dir
+
+    def write(tmp: Path):
+        learner.model.save_pretrained(tmp)
+        learner.tokenizer.save_pretrained(tmp)
+
+    return atomic_write_dir(path, write)

@@ -1,0 +1,72 @@
+"""GRPO's clipped surrogate and the loss normalisations, as a registry keyed by TRL's `loss_type`.
+
+Departure from TRL: a loss here is normalised over the whole step batch, so splitting it
+into micro-batches (to fit memory) never changes the objective or the gradient. TRL's `bnpo`
+normalises per micro-batch; here it equals `dapo` on one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Whole-batch figures every micro-batch normalises by."""
+    num_sequences: int            # B*G
+    num_tokens: int               # completion tokens in the loss mask, whole batch
+    max_completion_length: int
+
+
+def clipped_surrogate(logps, old_logps, advantages, epsilon_low, epsilon_high):
+    """Per-token -min(r*A, clip(r)*A) and where the clip was active.  logps/old: [N, L], advantages: [N]."""
+    ratio = torch.exp(logps - old_logps)                               # [N, L]
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    adv = advantages.unsqueeze(1)                                      # [N, 1]
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    is_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+    return per_token, is_clipped
+
+
+def kl_k3(logps, ref_logps):
+    """Schulman's k3 estimator of KL(policy || reference), per token (TRL's choice)."""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
+
+
+def _grpo(per_token, mask, totals: BatchTotals):
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return per_seq.sum() / totals.num_sequences
+
+
+def _token_mean(per_token, mask, totals: BatchTotals):
+    return (per_token * mask).sum() / max(totals.num_tokens, 1)
+
+
+def _dr_grpo(per_token, mask, totals: BatchTotals):
+    return (per_token * mask).sum() / (totals.num_sequences * totals.max_completion_length)
+
+
+LOSSES: dict[str, Callable] = {
+    "grpo": _grpo,          # mean over tokens of each sequence, then over sequences
+    "bnpo": _token_mean,    # mean over all completion tokens of the batch
+    "dr_grpo": _dr_grpo,    # sum over tokens / (sequences x max_completion_length): no length bias
+    "dapo": _token_mean,    # mean over all completion tokens of the whole generation batch
+}
+
+
+def grpo_loss(logps, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], advantages, mask,
+              totals: BatchTotals, loss_type: str, beta: float, epsilon_low: float, epsilon_high: float,
+              sampling_weights: Optional[torch.Tensor] = None):
+    """The micro-batch's share of the step loss, plus per-token KL and clip flags for metrics."""
+    old = logps.detach() if old_logps is None else old_logps          # on-policy: ratio 1, gradient of r*A
+    per_token, is_clipped = clipped_surrogate(logps, old, advantages, epsilon_low, epsilon_high)
+    if sampling_weights is not None:
+        per_token = per_token * sampling_weights
+    kl = None
+    if beta != 0.0:
+        kl = kl_k3(logps, ref_logps)
+        per_token = per_token + beta * kl
+    return LOSSES[loss_type](per_token, mask, totals), kl, is_clipped

@@ -1,0 +1,55 @@
+"""Reference policies for the KL term, by strategy name.
+
+`adapter-disabled` is the LoRA policy with its adapter switched off: the base model, at zero
+extra memory (verl's choice; TRL keeps a copy under FSDP, which P5 shows can land on the wrong
+device). `copy` is a separate frozen model on a device of its own. Reference log-probs always
+come back on the CPU next to the rollout, so where the reference runs never meets where they
+are consumed (no device-mismatch errors deep inside torch).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .devices import ensure_on_device
+from .logprobs import add_logprob_head, rollout_logprobs
+from .types import Rollout
+
+
+class NoReference:
+    def logprobs(self, learner, rollout: Rollout, micro_batch_size: Optional[int]) -> Optional[torch.Tensor]:
+        return None
+
+
+class AdapterDisabledReference:
+    def logprobs(self, learner, rollout, micro_batch_size):
+        with learner.model.disable_adapter():  # PEFT restores the adapter in its own finally
+            return rollout_logprobs(learner.model, rollout, learner.device, micro_batch_size)
+
+
+class CopyReference:
+    """A frozen base model on `reference.device` (default: the learner's)."""
+
+    def __init__(self, config):
+        from .learner import load_base, logprob_temperature
+
+        self.device = torch.device(config.reference.device or config.placement.learner)
+        self.model = load_base(config.model, str(self.device))
+        add_logprob_head(self.model, logprob_temperature(config))
+        self.model.eval()
+        ensure_on_device(self.model, self.device, "reference.device")
+
+    def logprobs(self, learner, rollout, micro_batch_size):
+        return rollout_logprobs(self.model, rollout, self.device, micro_batch_size)
+
+
+REFERENCES = {
+    "none": lambda config: NoReference(),
+    "adapter-disabled": lambda config: AdapterDisabledReference(),
+    "copy": CopyReference,
+}
+
+
+def build_reference(config):
+    return REFERENCES[config.reference.strategy](config)

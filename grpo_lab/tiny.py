@@ -1,0 +1,84 @@
+"""A tiny Qwen2-architecture checkpoint with random weights and a byte-level BPE tokenizer
+trained on the fly, written with `save_pretrained` so it loads through the normal
+`from_pretrained` path. Shapes are chosen for vLLM's CPU kernels (head_dim 64).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+from .data import arithmetic_problems
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _train_tokenizer(vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [f"{r['prompt']} <answer>{r['answer']}</answer>" for r in arithmetic_problems(2000, seed)]
+    corpus += ["Solve the problem. Put only the final number inside <answer></answer>.", "system user assistant"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
+                                   padding_side="left")
+
+
+def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
+                     vocab_size: int = 384, eos_probability: float = 0.1) -> Path:
+    """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    tokenizer = _train_tokenizer(vocab_size, seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=1,
+        head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    _make_eos_reachable(model, tokenizer, eos_probability)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _make_eos_reachable(model, tokenizer, probability: float) -> None:
+    """Point the (tied) EOS row along the mean final hidden state, so EOS gets about `probability`
+    per token: random weights then end completions at varied lengths, as a real model does."""
+    import math
+
+    import torch
+
+    text = [r["prompt"] for r in arithmetic_problems(32, 1)]
+    ids = tokenizer(text, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        hidden = model.model(**ids).last_hidden_state[ids["attention_mask"].bool()]   # [T, H]
+        target = math.log(probability * model.config.vocab_size / (1 - probability))  # other logits are ~0
+        # least squares: the EOS row whose logit is `target` at every observed position
+        row = torch.linalg.lstsq(hidden, torch.full((hidden.shape[0], 1), target)).solution[:, 0]
+        model.lm_head.weight[tokenizer.eos_token_id] = row
+
+
+def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:
+    """Build the tiny model at `path` unless a checkpoint is already there."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        build_tiny_model(path, seed)
+    return path

