@@ -1,0 +1,41 @@
+"""Shared fixtures: one tiny local checkpoint per session, and configs pointing at it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from grpo_lab.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", seed=0))
+
+
+@pytest.fixture
+def tiny_config(tiny_model):
+    """A small, fast config dict for the tiny model (float32 compute for exact comparisons)."""
+    def make(**sections):
+        cfg = {
+            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+            "lora": {"r": 8, "lora_alpha": 16},
+            "generator": {"max_completion_length": 16, "max_prompt_length": 128},
+            "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-3},
+            "data": {"rewards": ["exact_answer", "format", "length"]},
+        }
+        for section, values in sections.items():
+            cfg.setdefault(section, {}).update(values)
+        return cfg
+    return make
+
+
+@pytest.fixture
+def loaded_lab(tiny_config):
+    from grpo_lab import Lab
+
+    def make(**sections):
+        return Lab(tiny_config(**sections)).load()
+    return make

@@ -1,0 +1,98 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_lab.config import LabConfig, apply_overrides, load_config, save_config
+from grpo_lab.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"model": {"name_or_path": "some/model"}}
+
+
+def with_(section, **values):
+    cfg = {"model": {"name_or_path": "some/model"}}
+    cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_loads_and_round_trips(preset, tmp_path):
+    cfg = load_config(preset)
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def test_defaults_follow_trl_names_and_resolve_reference():
+    cfg = load_config(BASE)
+    assert cfg.grpo.num_generations == 8 and cfg.grpo.loss_type == "dapo" and cfg.grpo.beta == 0.0
+    assert cfg.reference.strategy == "none"          # beta 0: nothing needed
+    assert load_config(with_("grpo", beta=0.1)).reference.strategy == "adapter-disabled"
+    assert cfg.epsilon_high == cfg.grpo.epsilon
+
+
+@pytest.mark.parametrize("data, field", [
+    (with_("grpo", bogus=1), "grpo.bogus"),
+    ({**BASE, "extra_section": {}}, "extra_section"),
+    (with_("generator", chunk_size=0), "generator.chunk_size"),
+    (with_("generator", chunk_size=-3), "generator.chunk_size"),
+    (with_("grpo", beta=-0.1), "grpo.beta"),
+    (with_("grpo", num_generations=1), "grpo.num_generations"),
+    (with_("grpo", loss_type="ppo"), "grpo.loss_type"),
+    (with_("placement", learner="gpu0"), "placement.learner"),
+    (with_("placement", generator=[]), "placement.generator"),
+    (with_("data", rewards=["nope"]), "data.rewards"),
+    ({"grpo": {}}, "model"),
+])
+def test_invalid_values_name_the_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(data)
+    message = str(err.value)
+    assert field in message and "\n" not in message
+
+
+def test_reference_none_with_positive_beta_is_refused():
+    with pytest.raises(ConfigError, match="reference.strategy.*beta"):
+        load_config({**BASE, "grpo": {"beta": 0.1}, "reference": {"strategy": "none"}})
+
+
+def test_reward_weights_must_match_rewards():
+    with pytest.raises(ConfigError, match="reward_weights"):
+        load_config(with_("data", rewards=["format"], reward_weights=[1.0, 2.0]))
+
+
+def test_overrides_parse_yaml_values_and_reject_unknown_keys():
+    cfg = load_config(BASE, ["grpo.beta=0.04", "generator.chunk_size=3", "placement.generator=[1, 2]",
+                             "generator.chunk_size=null"])
+    assert cfg.grpo.beta == 0.04 and cfg.generator.chunk_size is None
+    assert cfg.placement.generator == ["cuda:1", "cuda:2"]
+    with pytest.raises(ConfigError, match="grpo.nope"):
+        load_config(BASE, ["grpo.nope=1"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(BASE, ["grpo.beta"])
+    with pytest.raises(ConfigError, match="is a value"):
+        apply_overrides({"grpo": {"beta": 1}}, ["grpo.beta.x=1"])
+
+
+def test_assignment_is_validated():
+    cfg = load_config(BASE)
+    with pytest.raises(Exception):
+        cfg.grpo.micro_batch_size = 0
+    cfg.grpo.micro_batch_size = 2
+    assert cfg.grpo.micro_batch_size == 2
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_saved_yaml_is_plain_and_complete(tmp_path):
+    save_config(load_config(BASE), tmp_path / "c.yaml")
+    data = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    assert set(data) == set(LabConfig.model_fields)
+    assert data["reference"]["strategy"] == "none"

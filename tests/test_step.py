@@ -1,0 +1,150 @@
+"""The step's phases on the real 4-bit tiny model: weights, chunking invariance, determinism, references."""
+import math
+
+import pytest
+import torch
+
+from grpo_lab import Lab
+from grpo_lab.generation.base import GenerationRequest, chunked
+
+
+def lora_state(lab):
+    return {n: p.detach().clone() for n, p in lab.learner.model.named_parameters() if "lora_" in n}
+
+
+def base_state(lab):
+    """Every non-LoRA tensor, including the packed nf4 weights and their quantization constants."""
+    out = {n: t.detach().clone() for n, t in lab.learner.model.state_dict().items() if "lora_" not in n}
+    assert any(t.dtype == torch.uint8 for t in out.values()), "expected packed 4-bit weights"
+    return out
+
+
+def test_lora_parameters_are_the_only_trainable_ones(loaded_lab):
+    lab = loaded_lab()
+    trainable = [n for n, p in lab.learner.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    import bitsandbytes as bnb
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in lab.learner.model.modules())
+
+
+def test_step_changes_lora_and_leaves_4bit_base_bit_identical(loaded_lab):
+    lab = loaded_lab(grpo={"beta": 0.04})
+    lora_before, base_before = lora_state(lab), base_state(lab)
+    result = lab.step()
+    assert result.grad_norm > 0, "the tiny model's length reward should give a gradient"
+    lora_after, base_after = lora_state(lab), base_state(lab)
+    assert any(not torch.equal(lora_before[n], lora_after[n]) for n in lora_before)
+    for name, tensor in base_before.items():
+        assert torch.equal(tensor, base_after[name]), name
+
+
+def test_step_result_has_metrics_and_phase_times(loaded_lab):
+    lab = loaded_lab(grpo={"beta": 0.04})
+    metrics = lab.step().metrics()
+    for key in ("step", "reward_mean", "loss", "kl", "grad_norm", "clip_fraction", "completion_length_mean",
+                "seconds/rollout", "seconds/rewards", "seconds/advantages", "seconds/logprobs",
+                "seconds/backward", "seconds/optimizer", "seconds/sync"):
+        assert key in metrics, key
+    assert metrics["kl"] is not None and lab.history[0].step == 0 and lab.step_index == 1
+
+
+def test_phases_can_be_called_one_by_one(loaded_lab):
+    lab = loaded_lab(grpo={"beta": 0.04})
+    rollout = lab.rollout()
+    n = 2 * 4
+    assert rollout.completion_ids.shape[0] == n and len(rollout.completions) == n
+    assert rollout.sampler_logprobs.shape == rollout.completion_ids.shape
+    rewards = lab.rewards(rollout)
+    assert rewards.per_function.shape == (n, 3) and rewards.names == ["exact_answer", "format", "length"]
+    adv = lab.advantages(rewards)
+    groups = adv.values.view(2, 4)
+    assert torch.allclose(groups.sum(1), torch.zeros(2), atol=1e-4)   # zero-mean within each group
+    lp = lab.logprobs(rollout)
+    assert lp.old is None and lp.ref.shape == rollout.completion_ids.shape
+    stats = lab.loss_and_backward(rollout, adv, lp)
+    assert math.isfinite(stats.loss) and stats.num_tokens == int(rollout.completion_mask.sum())
+    assert lab.optimizer_step() >= 0
+    lab.sync()
+    assert set(lab.timeline.seconds(0)) == {"rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+def test_chunked_generation_equals_unchunked_greedy(loaded_lab, chunk_size):
+    lab = loaded_lab(generator={"temperature": 0})
+    batch = lab.prompts.next_batch(3)
+    request = GenerationRequest(max_completion_length=12, temperature=0)
+    lab.generator.chunk_size = None
+    whole = lab.generator.generate(batch, 2, request)
+    lab.generator.chunk_size = chunk_size
+    parts = lab.generator.generate(batch, 2, request)
+    assert torch.equal(whole.completion_ids, parts.completion_ids)
+    assert torch.equal(whole.completion_mask, parts.completion_mask)
+    assert torch.allclose(whole.sampler_logprobs, parts.sampler_logprobs, atol=1e-5)
+
+
+def test_chunked_splits_with_a_partial_last_chunk():
+    assert [list(c) for c in chunked(list(range(7)), 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [list(c) for c in chunked(list(range(7)), None)] == [list(range(7))]
+
+
+def test_micro_batched_logprobs_and_gradients_equal_the_whole_batch(loaded_lab):
+    lab = loaded_lab(grpo={"beta": 0.04, "micro_batch_size": None})
+    rollout = lab.rollout()
+    rewards = lab.rewards(rollout)
+    adv = lab.advantages(rewards)
+    whole_lp = lab.logprobs(rollout)
+    whole = lab.loss_and_backward(rollout, adv, whole_lp)
+    whole_grads = {n: p.grad.clone() for n, p in lab.learner.model.named_parameters() if p.grad is not None}
+    lab.config.grpo.micro_batch_size = 3   # does not divide 8
+    part_lp = lab.logprobs(rollout)
+    part = lab.loss_and_backward(rollout, adv, part_lp)
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(whole_lp.ref[mask], part_lp.ref[mask], atol=1e-5)
+    assert whole.loss == pytest.approx(part.loss, abs=1e-5)
+    assert whole.kl == pytest.approx(part.kl, abs=1e-6)
+    for n, p in lab.learner.model.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(whole_grads[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_learner_logprobs_match_the_sampler(loaded_lab):
+    """Same weights, same positions: the learner scores the tokens as generate() sampled them."""
+    lab = loaded_lab(generator={"temperature": 0.7})
+    rollout = lab.rollout()
+    from grpo_lab.logprobs import rollout_logprobs
+    learner = rollout_logprobs(lab.learner.model.eval(), rollout, lab.learner.device, None)
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(learner[mask], rollout.sampler_logprobs[mask], atol=1e-3)
+
+
+def test_same_seed_same_metrics(tiny_config):
+    def run():
+        lab = Lab(tiny_config(grpo={"beta": 0.04})).load()
+        return [{k: v for k, v in lab.step().metrics().items() if not k.startswith("seconds") and k != "step_seconds"}
+                for _ in range(2)]
+    assert run() == run()
+
+
+def test_reference_copy_equals_adapter_disabled_before_training(tiny_config):
+    """With LoRA B zero-initialised the policy is the base: both references give the base's log-probs."""
+    disabled = Lab(tiny_config(grpo={"beta": 0.1})).load()
+    copy = Lab(tiny_config(grpo={"beta": 0.1}, reference={"strategy": "copy", "device": "cpu"})).load()
+    rollout = disabled.rollout()
+    a, b = disabled.logprobs(rollout).ref, copy.logprobs(rollout).ref
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(a[mask], b[mask], atol=1e-5)
+    assert copy.reference.model is not copy.learner.model
+
+
+def test_reference_none_gives_no_kl(loaded_lab):
+    lab = loaded_lab(grpo={"beta": 0.0})
+    result = lab.step()
+    assert lab.config.reference.strategy == "none" and result.kl is None
+
+
+def test_num_iterations_computes_old_logprobs(loaded_lab):
+    lab = loaded_lab(grpo={"num_iterations": 2})
+    rollout = lab.rollout()
+    assert lab.logprobs(rollout).old is not None
+    result = lab.step()
+    assert math.isfinite(result.loss)
