@@ -68,12 +68,17 @@ def _make_eos_reachable(model, tokenizer, probability: float) -> None:
 
     text = [r["prompt"] for r in arithmetic_problems(32, 1)]
     ids = tokenizer(text, return_tensors="pt", padding=True)
-    with torch.no_grad():
-        hidden = model.model(**ids).last_hidden_state[ids["attention_mask"].bool()]   # [T, H]
-        target = math.log(probability * model.config.vocab_size / (1 - probability))  # other logits are ~0
-        # least squares: the EOS row whose logit is `target` at every observed position
-        row = torch.linalg.lstsq(hidden, torch.full((hidden.shape[0], 1), target)).solution[:, 0]
-        model.lm_head.weight[tokenizer.eos_token_id] = row
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # why: a fixed reduction order, so the same seed writes the same bytes
+    try:
+        with torch.no_grad():
+            hidden = model.model(**ids).last_hidden_state[ids["attention_mask"].bool()].double()   # [T, H]
+            target = math.log(probability * model.config.vocab_size / (1 - probability))  # other logits are ~0
+            # least squares: the EOS row whose logit is `target` at every observed position
+            row = torch.linalg.lstsq(hidden, torch.full((hidden.shape[0], 1), target, dtype=torch.float64)).solution[:, 0]
+            model.lm_head.weight[tokenizer.eos_token_id] = row.float()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:

@@ -1,0 +1,82 @@
+"""The CLI as a user runs it: the README's main command, metrics on disk, and bad input -> exit 2."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def grpo_lab(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "grpo_lab", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+
+def test_readme_run_command_finishes_and_writes_the_run(tmp_path):
+    """`scripts/demo.sh` is the README's main command: install, build the tiny model, run."""
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", "scripts/demo.sh", "--steps", "3", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"run directory: {out}" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        for key in ("reward_mean", "loss", "kl", "grad_norm", "seconds/rollout", "seconds/backward", "seconds/sync"):
+            assert key in row, key
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["run"]["steps"] == 3 and resolved["run"]["output_dir"] == str(out)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert "step 2:" in proc.stderr   # one summary line per step
+
+
+def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    proc = grpo_lab("run", "configs/tiny-cpu.yaml", "--steps", "1", "--out", str(out), "--quiet",
+                    "--set", f"model.name_or_path={tiny_model}", "--set", "grpo.loss_type=grpo")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["loss_type"] == "grpo"
+    again = grpo_lab("run", "configs/tiny-cpu.yaml", "--steps", "1", "--out", str(out), "--quiet",
+                     "--set", f"model.name_or_path={tiny_model}")
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1   # untouched
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("grpo.bogus=1", "grpo.bogus"),
+    ("generator.chunk_size=0", "generator.chunk_size"),
+    ("generator.chunk_size=-2", "generator.chunk_size"),
+    ("grpo.beta=-0.5", "grpo.beta"),
+    ("grpo.num_generations=1", "grpo.num_generations"),
+    ("model.name_or_path=./no/such/model", "model.name_or_path"),
+    ("placement.learner=cuda:99", "placement.learner"),
+    ("reference.strategy=none", "reference.strategy"),   # tiny-cpu has beta 0.04
+    ("data.dataset=missing.jsonl", "data.dataset"),
+])
+def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, tiny_model, override, expected):
+    out = tmp_path / "run"
+    sets = [] if override.startswith("model.") else ["--set", f"model.name_or_path={tiny_model}"]
+    proc = grpo_lab("run", "configs/tiny-cpu.yaml", "--out", str(out), *sets, "--set", override)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2
+    assert len(lines) == 1 and lines[0].startswith("grpo-lab: error:") and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_missing_config_file_and_bad_steps(tmp_path):
+    proc = grpo_lab("run", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = grpo_lab("run", "configs/tiny-cpu.yaml", "--steps", "0")
+    assert proc.returncode == 2 and "--steps" in proc.stderr
+
+
+def test_tiny_command_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        assert grpo_lab("tiny", str(tmp_path / name)).returncode == 0
+    for file in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+import torch
+
+from grpo_lab import Lab, LabError
+from grpo_lab.data import PromptSource, arithmetic_problems, load_jsonl
+from grpo_lab.rewards import exact_answer, extract_answer, format_reward, length_reward, resolve_reward
+
+
+def test_extract_and_exact_answer():
+    assert extract_answer("so <answer> 12 </answer>") == "12"
+    assert extract_answer("it is 3 then 7") == "7"
+    assert extract_answer("nothing") is None
+    assert exact_answer([""] * 3, ["<answer>5</answer>", "5", "six"], answer=["5", "5", "6"]) == [1.0, 1.0, 0.0]
+    with pytest.raises(LabError, match="answer"):
+        exact_answer([""], ["x"])
+
+
+def test_format_and_length_rewards():
+    assert format_reward([""] * 3, ["<answer>4</answer>", "<answer>four</answer>", "4"]) == [1.0, 0.5, 0.0]
+    assert length_reward([""] * 3, ["", "", ""], completion_ids=[[1] * 16, [1] * 8, [1] * 40]) == [1.0, 0.5, -0.5]
+
+
+def test_resolve_reward_by_name_path_and_callable():
+    assert resolve_reward("format") is format_reward
+    assert resolve_reward("grpo_lab.rewards:length_reward") is length_reward
+    assert resolve_reward(len) is len
+    with pytest.raises(LabError, match="cannot import"):
+        resolve_reward("no_such_module:f")
+
+
+def test_arithmetic_set_is_deterministic_and_correct():
+    rows = arithmetic_problems(50, seed=3)
+    assert rows == arithmetic_problems(50, seed=3) and rows != arithmetic_problems(50, seed=4)
+    assert all(int(r["answer"]) >= 0 for r in rows)
+
+
+def test_jsonl_loader_and_its_errors(tmp_path):
+    good = tmp_path / "d.jsonl"
+    good.write_text(json.dumps({"prompt": "1+1?", "answer": 2, "topic": "add"}) + "\n\n")
+    assert load_jsonl(good) == [{"prompt": "1+1?", "answer": 2, "topic": "add"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(LabError, match=r"bad.jsonl:2"):
+        load_jsonl(bad)
+    missing = tmp_path / "m.jsonl"
+    missing.write_text('{"question": "a"}\n')
+    with pytest.raises(LabError, match="no 'prompt'"):
+        load_jsonl(missing)
+
+
+def test_prompt_source_cycles_in_seeded_order():
+    class Tok:
+        chat_template = None
+    rows = [{"prompt": str(i), "answer": str(i)} for i in range(5)]
+    a = [PromptSource(rows, Tok(), None, seed=1).next_batch(7).answers for _ in range(2)]
+    assert a[0] == a[1] and sorted(a[0][:5]) == ["0", "1", "2", "3", "4"]
+
+
+def test_user_reward_callable_and_extra_columns(tiny_config, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}", "answer": str(i), "weight": i}) + "\n" for i in range(4)))
+    seen = {}
+
+    def my_reward(prompts, completions, completion_ids, answer, weight, **kwargs):
+        seen["weight"] = weight
+        return [float(len(c) % 3) for c in completions]
+
+    lab = Lab(tiny_config(data={"dataset": str(data), "rewards": ["format"]}), reward_funcs=[my_reward]).load()
+    rewards = lab.rewards(lab.rollout())
+    assert rewards.names == ["my_reward"] and len(seen["weight"]) == 8
+
+
+def test_reward_with_wrong_length_is_a_clear_error(loaded_lab):
+    lab = loaded_lab()
+    lab.reward_funcs = [lambda prompts, completions, **kw: [1.0]]
+    with pytest.raises(LabError, match="returned 1 values for 8 completions"):
+        lab.rewards(lab.rollout())
+
+
+def test_unscored_completions_get_zero_advantage(loaded_lab):
+    lab = loaded_lab()
+    lab.reward_funcs = [lambda prompts, completions, **kw: [None if i == 0 else float(i) for i in range(len(completions))]]
+    rewards = lab.rewards(lab.rollout())
+    adv = lab.advantages(rewards)
+    assert torch.isnan(rewards.total[0]) and adv.values[0] == 0 and torch.isfinite(adv.values).all()
