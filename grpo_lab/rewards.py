@@ -14,6 +14,13 @@ _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def completion_text(completion) -> str:
+    """A completion's text: plain text, or the last message's content in TRL's conversational format."""
+    if isinstance(completion, list):
+        return completion[-1]["content"] if completion else ""
+    return completion
+
+
 def extract_answer(text: str) -> Optional[str]:
     """The content of the last <answer>...</answer>, else the last number in the text."""
     tagged = _ANSWER.findall(text)
@@ -27,21 +34,21 @@ def exact_answer(prompts, completions, answer=None, **kwargs) -> list[float]:
     """1.0 when the extracted answer equals the reference answer, else 0.0."""
     if answer is None:
         raise LabError("reward 'exact_answer' needs an 'answer' for every prompt; use a dataset with answers")
-    return [float(extract_answer(c) == str(a).strip()) for c, a in zip(completions, answer)]
+    return [float(extract_answer(completion_text(c)) == str(a).strip()) for c, a in zip(completions, answer)]
 
 
 def format_reward(prompts, completions, **kwargs) -> list[float]:
     """1.0 for exactly one well-formed <answer>...</answer>, 0.5 for a tag without a number, else 0."""
     out = []
     for c in completions:
-        tags = _ANSWER.findall(c)
+        tags = _ANSWER.findall(completion_text(c))
         out.append(1.0 if len(tags) == 1 and _NUMBER.fullmatch(tags[0]) else 0.5 if tags else 0.0)
     return out
 
 
 def length_reward(prompts, completions, completion_ids=None, target_length: int = 16, **kwargs) -> list[float]:
     """1 - |len - target| / target, floored at -1: prefers completions near `target_length` tokens."""
-    lengths = [len(ids) for ids in completion_ids] if completion_ids is not None else [len(c.split()) for c in completions]
+    lengths = [len(ids) for ids in completion_ids] if completion_ids is not None else [len(completion_text(c).split()) for c in completions]
     return [max(-1.0, 1.0 - abs(n - target_length) / target_length) for n in lengths]
 
 

@@ -15,6 +15,8 @@ def test_extract_and_exact_answer():
     assert exact_answer([""] * 3, ["<answer>5</answer>", "5", "six"], answer=["5", "5", "6"]) == [1.0, 1.0, 0.0]
     with pytest.raises(LabError, match="answer"):
         exact_answer([""], ["x"])
+    chat = [[{"role": "assistant", "content": "<answer>5</answer>"}]]   # TRL's conversational format
+    assert exact_answer([""], chat, answer=["5"]) == [1.0] and format_reward([""], chat) == [1.0]
 
 
 def test_format_and_length_rewards():
