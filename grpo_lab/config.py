@@ -81,7 +81,7 @@ class PlacementSection(Section):
 
 
 class GeneratorSection(Section):
-    backend: Literal[tuple(BACKENDS)] = Field("hf", description="Generator backend: 'hf' (transformers.generate) or 'vllm'.")
+    backend: Literal[tuple(BACKENDS)] = Field("hf", description="Generator backend: " + ", ".join(BACKENDS) + " (hf = transformers.generate with the learner itself).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")

@@ -19,7 +19,7 @@ class HFGenerator(Generator):
         if devices != [config.placement.learner]:
             raise LabError(f"placement.generator: backend 'hf' samples with the learner itself on "
                            f"{config.placement.learner}, not on {devices}; set placement.generator: null "
-                           "or use generator.backend: vllm for a separate generator device")
+                           "(a separate generator device needs a backend that holds its own weights)")
         self.learner = learner
 
     def sync(self, learner) -> None:

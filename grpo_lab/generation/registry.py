@@ -8,7 +8,6 @@ from ..errors import LabError
 
 BACKENDS: dict[str, str] = {
     "hf": "grpo_lab.generation.hf:HFGenerator",
-    "vllm": "grpo_lab.generation.vllm:VLLMGenerator",
 }
 
 
