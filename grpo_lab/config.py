@@ -121,8 +121,11 @@ class ReferenceSection(Section):
 
 
 class MemorySection(Section):
-    sample_hz: float = Field(20.0, gt=0.0, le=1000.0, description="Memory sampler rate.")
+    sample_hz: float = Field(20.0, ge=0.0, le=1000.0, description="Memory sampler rate; 0 = only at phase starts and ends.")
     host_threshold: float = Field(0.95, gt=0.0, le=1.0, description="Host RAM used/limit fraction at which the run stops between phases.")
+    leak_window: int = Field(5, ge=2, description="Steps over which steadily rising after-step memory is flagged as a leak.")
+    leak_min_growth_mib: float = Field(4.0, gt=0.0, description="Mean growth per step (MiB) below which a rise is noise, not a leak.")
+    cuda_snapshots: bool = Field(False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only.")
 
 
 class DataSection(Section):

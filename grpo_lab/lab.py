@@ -4,6 +4,7 @@ and `step()` composes them. The headless runner, the widgets and papermill use t
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -35,10 +36,12 @@ class Lab:
                  overrides: Optional[list[str]] = None):
         self.config = load_config(config, overrides)
         self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or self.config.data.rewards)]
-        self.learner = self.generator = self.reference = self.prompts = None
+        self.learner = self.generator = self.reference = self.prompts = self.memory = None
         self.timeline = Timeline()
         self.history: list[StepResult] = []
         self.step_index = 0   # the step the next phase belongs to
+        self._saved_state = None   # host copy of LoRA + optimizer state, taken before a step's first update
+        self.leaks = None
 
     # --- setup ---
     def load(self) -> "Lab":
@@ -48,8 +51,15 @@ class Lab:
         from .learner import load_learner
         from .reference import build_reference
 
+        from .memory import LeakDetector, MemorySampler
+
         cfg = self.config
         preflight(cfg)
+        if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
+            self.memory = MemorySampler(self.devices(), cfg.memory.sample_hz, cfg.memory.host_threshold,
+                                        describe_offload=self.describe_offload).start()
+            self.timeline.listeners.append(self.memory)
+            self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
         self.learner = load_learner(cfg)
         self.reference = build_reference(cfg)
         self.generator = backend_class(cfg.generator.backend)(self.learner, cfg)
@@ -58,6 +68,38 @@ class Lab:
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
         return self
 
+    def devices(self) -> list[str]:
+        """Every device the placement uses: learner, generator(s), reference copy."""
+        p = self.config.placement
+        ref = [self.config.reference.device] if self.config.reference.device else []
+        return list(dict.fromkeys([p.learner, *p.generator_devices(), *ref]))
+
+    def describe_offload(self) -> str:
+        """What of the run lives in host RAM, for the host-RAM guard's message."""
+        cfg, on_host = self.config, []
+        if cfg.placement.learner == "cpu":
+            on_host.append("the learner (placement.learner=cpu)")
+        if cfg.reference.strategy == "copy" and (cfg.reference.device or cfg.placement.learner) == "cpu":
+            on_host.append("the reference copy (reference.device=cpu)")
+        return "in host RAM: " + ", ".join(on_host) if on_host else ""
+
+    @contextmanager
+    def _phase(self, name: str):
+        """Time and mark a phase; an out-of-memory error becomes a one-line LabError naming phase and device."""
+        from .memory.oom import as_lab_error, is_oom, release_memory
+
+        try:
+            with self.timeline.phase(name, self.step_index):
+                yield
+        except BaseException as err:
+            if not is_oom(err):
+                raise
+            error = as_lab_error(err, name, self.step_index, self.config.placement.learner, self.memory)
+            err.__traceback__ = None
+            del err  # why: the traceback's frames hold the failed phase's tensors
+            release_memory()
+            raise error from None
+
     def _require_loaded(self):
         if self.learner is None:
             raise LabError("the lab is not loaded; call lab.load() first")
@@ -65,45 +107,79 @@ class Lab:
     # --- the phases of a step, each timed and marked ---
     def rollout(self) -> Rollout:
         self._require_loaded()
-        with self.timeline.phase("rollout", self.step_index):
+        with self._phase("rollout"):
             return phases.rollout(self.generator, self.prompts, self.config)
 
     def rewards(self, rollout: Rollout) -> Rewards:
-        with self.timeline.phase("rewards", self.step_index):
+        with self._phase("rewards"):
             return phases.score(rollout, self.reward_funcs, self.config.data.reward_weights)
 
     def advantages(self, rewards: Rewards) -> Advantages:
-        with self.timeline.phase("advantages", self.step_index):
+        with self._phase("advantages"):
             return phases.compute_advantages(rewards, self.config.grpo.num_generations, self.config.grpo.scale_rewards)
 
     def logprobs(self, rollout: Rollout) -> LogProbs:
         self._require_loaded()
-        with self.timeline.phase("logprobs", self.step_index):
+        with self._phase("logprobs"):
             return phases.compute_logprobs(self.learner, self.reference, rollout, self.config)
 
     def loss_and_backward(self, rollout: Rollout, advantages: Advantages, logprobs: LogProbs) -> LossStats:
         self._require_loaded()
-        with self.timeline.phase("backward", self.step_index):
+        with self._phase("backward"):
             return phases.loss_and_backward(self.learner, rollout, advantages, logprobs, self.config)
 
     def optimizer_step(self) -> float:
+        from .rollback import TrainState
+
         self._require_loaded()
-        with self.timeline.phase("optimizer", self.step_index):
-            return phases.optimizer_step(self.learner, self.config.grpo.max_grad_norm)
+        if self._saved_state is None:
+            self._saved_state = TrainState(self.learner)
+        try:
+            with self._phase("optimizer"):
+                return phases.optimizer_step(self.learner, self.config.grpo.max_grad_norm)
+        except BaseException:
+            self.rollback()
+            raise
 
     def sync(self) -> None:
         self._require_loaded()
-        with self.timeline.phase("sync", self.step_index):
+        with self._phase("sync"):
             phases.sync_generator(self.generator, self.learner)
 
     # --- composition ---
     def step(self) -> StepResult:
-        """Run one whole GRPO step and append its result to `history`."""
+        """Run one whole GRPO step and append its result to `history`. All or nothing: if any phase
+        fails (out of memory included), LoRA weights and optimizer state are left as they were."""
+        from .memory.leaks import end_of_step
+
         self._require_loaded()
-        result = phases.step(self)
+        self._saved_state = None
+        try:
+            result = phases.step(self)
+        except BaseException:
+            self.rollback()
+            raise
+        self._saved_state = None   # why: the step succeeded; drop the host copy
+        result.memory = self.memory.rows_for(self.step_index)
+        result.leaks = self.leaks.observe(end_of_step(result.memory))
         self.history.append(result)
         self.step_index += 1
         return result
+
+    def rollback(self) -> None:
+        """Undo the current step's updates (if any) and drop its gradients."""
+        if self._saved_state is not None:
+            self._saved_state.restore(self.learner)
+            self._saved_state = None
+        elif self.learner is not None:
+            self.learner.optimizer.zero_grad(set_to_none=True)  # why: partial gradients of a failed backward
+
+    def memory_table(self, step: Optional[int] = None) -> str:
+        """The per-phase memory table (MiB) of `step` (default: the last one)."""
+        from .memory import format_table
+
+        step = self.history[-1].step if step is None else step
+        return format_table(self.memory.rows_for(step))
 
     def run(self, steps: int) -> list[StepResult]:
         return [self.step() for _ in range(steps)]
@@ -115,7 +191,9 @@ class Lab:
         return save_adapter(self.learner, path)
 
     def close(self) -> None:
-        """Release the generator and models (the Python objects go with the Lab)."""
+        """Stop the sampler, release the generator and models (the Python objects go with the Lab)."""
+        if self.memory is not None:
+            self.memory.stop()
         if self.generator is not None:
             self.generator.close()
         self.learner = self.generator = self.reference = None

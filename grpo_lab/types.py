@@ -90,9 +90,11 @@ class StepResult:
     truncated_fraction: float
     phase_seconds: dict[str, float]
     step_seconds: float
+    memory: list[dict] = field(default_factory=list)   # per phase x device x metric: start/peak/end/delta bytes
+    leaks: list[str] = field(default_factory=list)     # devices whose after-step memory keeps climbing
 
     def metrics(self) -> dict:
-        """Flat JSON-ready dict: one line of metrics.jsonl."""
+        """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list)."""
         out = {k: v for k, v in self.__dict__.items() if k not in ("rewards", "phase_seconds")}
         out.update({f"reward/{k}": v for k, v in self.rewards.items()})
         out.update({f"seconds/{k}": v for k, v in self.phase_seconds.items()})

@@ -1,0 +1,5 @@
+"""The memory observatory: probes, the phase-aware sampler, leak detection, reports and plots."""
+from .leaks import LeakDetector
+from .sampler import HostMemoryExceeded, MemorySampler, format_table
+
+__all__ = ["MemorySampler", "HostMemoryExceeded", "LeakDetector", "format_table"]

@@ -1,0 +1,52 @@
+"""Out-of-memory errors become a LabError naming the phase, the device and the memory at failure.
+
+The original exception and its traceback are dropped on purpose: a traceback keeps every frame
+of the failed phase alive, and with them its tensors, so the memory would stay held in the
+notebook kernel after the error (the classic "OOM once, OOM forever" kernel).
+"""
+from __future__ import annotations
+
+import gc
+import re
+
+from ..errors import LabError
+from .probes import MiB
+
+
+class OutOfMemory(LabError):
+    """A phase ran out of device or host memory; the step was rolled back."""
+
+
+def is_oom(err: BaseException) -> bool:
+    import torch
+
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
+
+
+def oom_device(err: BaseException, default: str) -> str:
+    if isinstance(err, MemoryError):
+        return "host"
+    found = re.search(r"GPU (\d+)", str(err))
+    return f"cuda:{found.group(1)}" if found else default
+
+
+def release_memory() -> None:
+    """Collect the failed phase's garbage and hand cached CUDA blocks back, so the next try starts clean."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # why: after an OOM the cache holds the failed phase's blocks
+
+
+def as_lab_error(err: BaseException, phase: str, step: int, default_device: str, sampler=None) -> OutOfMemory:
+    device = oom_device(err, default_device)
+    at = ""
+    if sampler is not None:
+        now = sampler.latest(device)
+        figures = [f"{k} {v / MiB:.0f} MiB" for k, v in now.items() if k in ("rss", "used", "limit", "allocated", "reserved", "total")]
+        at = f" ({', '.join(figures)})" if figures else ""
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    return OutOfMemory(f"out of memory in phase {phase!r} of step {step} on {device}{at}: {first}; "
+                       "the step was rolled back; lower grpo.micro_batch_size or generator.chunk_size and run it again")

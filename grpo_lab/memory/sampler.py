@@ -1,0 +1,156 @@
+"""The memory sampler: a background thread reads every probe at `memory.sample_hz`, and the
+step's phase markers (it is a Timeline listener) take a reading at every phase start and end,
+so even a phase shorter than one sampling period has its start, peak and end.
+
+Per phase and device it keeps start / peak / end / delta; on CUDA the peak is torch's exact
+`max_memory_allocated` since the phase began, not just the highest sample. The host-RAM guard
+runs at phase boundaries: if host used/limit crossed `host_threshold` at any sample since the
+last boundary, the next phase does not start (P4: stop before the OS or Ray kills the process).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from ..errors import LabError
+from .probes import MiB, probes_for
+
+# metrics summarised per phase (the others are still sampled and written to memory.csv)
+SUMMARY_METRICS = {"host": ("rss", "used"), "cuda": ("allocated", "reserved", "device_used")}
+
+
+class HostMemoryExceeded(LabError):
+    """Host RAM crossed memory.host_threshold; raised between phases."""
+
+
+class MemorySampler:
+    def __init__(self, devices: list[str], hz: float, host_threshold: float,
+                 describe_offload: Callable[[], str] = lambda: "", max_samples: int = 500_000):
+        self.probes = probes_for(devices)
+        self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
+        self.samples: deque = deque(maxlen=max_samples)   # (t, step, phase, device, metric, bytes)
+        self.total = 0                                    # samples ever taken (survives the deque's bound)
+        self.step, self.phase = 0, "idle"
+        self.phase_rows: list[dict] = []                  # per-phase summary rows, all steps
+        self.marks: list[tuple[int, str, float, float]] = []   # (step, phase, start, end) for plots
+        self._open: Optional[dict] = None                 # start reading and running peaks of the current phase
+        self._host_max_ratio = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.t0 = time.perf_counter()
+
+    # --- the thread ---
+    def start(self) -> "MemorySampler":
+        if self.hz > 0 and self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="grpo-lab-memory", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    def _loop(self) -> None:
+        period = 1.0 / self.hz
+        while not self._stop.wait(period):
+            self.read()
+
+    # --- readings ---
+    def read(self) -> dict[tuple[str, str], float]:
+        """Read every probe once, record the samples, update the open phase's peaks."""
+        t = time.perf_counter() - self.t0
+        reading = {}
+        for probe in self.probes:
+            for metric, value in probe.read().items():
+                reading[(probe.device, metric)] = value
+        with self._lock:
+            for (device, metric), value in reading.items():
+                self.samples.append((t, self.step, self.phase, device, metric, value))
+            self.total += len(reading)
+            if self._open is not None:
+                peaks = self._open["peak"]
+                for key, value in reading.items():
+                    peaks[key] = max(peaks.get(key, value), value)
+            host = self.host_ratio(reading)
+            self._host_max_ratio = max(self._host_max_ratio, host)
+        return reading
+
+    @staticmethod
+    def host_ratio(reading) -> float:
+        return reading[("host", "used")] / reading[("host", "limit")]
+
+    # --- Timeline listener ---
+    def phase_started(self, step: int, phase: str) -> None:
+        self.check_host(step, phase)
+        for probe in self.probes:
+            if hasattr(probe, "reset_peak"):
+                probe.reset_peak()   # why: torch's peak then covers exactly this phase
+        with self._lock:
+            self.step, self.phase = step, phase
+        start = self.read()
+        with self._lock:
+            self._open = {"start": start, "peak": dict(start), "t": time.perf_counter() - self.t0}
+
+    def phase_ended(self, record, error) -> None:
+        end = self.read()
+        with self._lock:
+            opened, self._open = self._open, None
+            self.phase = "idle"
+        if opened is None:
+            return
+        self.marks.append((record.step, record.phase, opened["t"], time.perf_counter() - self.t0))
+        for (device, metric), start in opened["start"].items():
+            kind = "host" if device == "host" else "cuda"
+            if metric not in SUMMARY_METRICS[kind]:
+                continue
+            peak = opened["peak"][(device, metric)]
+            if metric == "allocated":
+                peak = max(peak, end.get((device, "peak"), peak))
+            self.phase_rows.append({
+                "step": record.step, "phase": record.phase, "device": device, "metric": metric,
+                "start": start, "peak": peak, "end": end[(device, metric)], "delta": end[(device, metric)] - start,
+                "failed": error is not None,
+            })
+
+    def check_host(self, step: int, phase: str) -> None:
+        """Refuse to start `phase` when host RAM crossed the threshold since the last boundary."""
+        reading = {("host", k): v for k, v in self.probes[0].read().items()}
+        with self._lock:
+            ratio = max(self._host_max_ratio, self.host_ratio(reading))
+            self._host_max_ratio = 0.0
+        if ratio > self.host_threshold:
+            limit = reading[("host", "limit")] / 1024 ** 3
+            offload = self.describe_offload()
+            raise HostMemoryExceeded(
+                f"host RAM reached {ratio:.1%} of {limit:.1f} GiB (memory.host_threshold={self.host_threshold}); "
+                f"stopped before phase {phase!r} of step {step}, the step was rolled back"
+                f"{'; ' + offload if offload else ''}; free host memory, move state off the host, "
+                "or raise memory.host_threshold with care")
+
+    # --- views ---
+    def rows_for(self, step: int) -> list[dict]:
+        return [r for r in self.phase_rows if r["step"] == step]
+
+    def latest(self, device: str) -> dict[str, float]:
+        return {metric: value for (dev, metric), value in self.read().items() if dev == device}
+
+    def samples_since(self, index: int) -> list[tuple]:
+        """Samples with absolute index >= `index` that are still held (for streaming to CSV)."""
+        with self._lock:
+            held_from = self.total - len(self.samples)
+            return list(self.samples)[max(index - held_from, 0):]
+
+
+def format_table(rows: list[dict]) -> str:
+    """The per-phase table of one step, in MiB: one line per phase x device x metric."""
+    lines = [f"{'phase':<11}{'device':<9}{'metric':<12}{'start':>10}{'peak':>10}{'end':>10}{'delta':>10}"]
+    for r in rows:
+        lines.append(f"{r['phase']:<11}{r['device']:<9}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
+                     f"{r['peak'] / MiB:>10.1f}{r['end'] / MiB:>10.1f}{r['delta'] / MiB:>+10.1f}")
+    return "\n".join(lines)
