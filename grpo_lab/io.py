@@ -9,12 +9,19 @@ from pathlib import Path
 from typing import Callable, Union
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Union[str, Path], text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o666 & ~_umask())  # why: mkstemp creates 0600; a run's files should read like any other
     os.replace(tmp, path)
     return path
 
@@ -33,6 +40,7 @@ def atomic_write_dir(path: Union[str, Path], write: Callable[[Path], None]) -> P
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())
         old = path.with_name(f".{path.name}.old")
         if path.exists():
             os.replace(path, old)

@@ -1,5 +1,8 @@
 """The headless runner: the notebook's calls in a loop. Writes DIR/config.yaml (resolved),
-DIR/metrics.jsonl (one object per step) and DIR/adapter (the LoRA checkpoint)."""
+DIR/metrics.jsonl (one object per step, with its per-phase memory table), DIR/memory.csv (every
+memory sample), DIR/report.html and DIR/adapter (the LoRA checkpoint). When a step fails (host-RAM
+guard, out of memory), the CSV and report still cover every finished step and the last saved
+adapter is left as it was."""
 from __future__ import annotations
 
 import datetime as dt
@@ -11,6 +14,8 @@ from .config import LabConfig, save_config
 from .errors import LabError
 from .io import append_jsonl
 from .lab import Lab, preflight
+from .memory import format_compact
+from .memory.report import CsvStream, write_report
 
 
 def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
@@ -35,12 +40,23 @@ def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = Non
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     metrics = run_dir / "metrics.jsonl"
+    samples = CsvStream(run_dir / "memory.csv", lab.memory)
     bar = tqdm(range(steps), desc="grpo", unit="step", disable=not progress, file=sys.stderr)
-    for i in bar:
-        result = lab.step()
-        append_jsonl(metrics, result.metrics())
-        bar.write(result.summary(), file=sys.stderr)
-        if config.run.save_every and (i + 1) % config.run.save_every == 0:
-            lab.save_adapter(run_dir / "adapter")
-    lab.save_adapter(run_dir / "adapter")
+    try:
+        for i in bar:
+            result = lab.step()
+            append_jsonl(metrics, result.metrics())
+            samples.flush()
+            bar.write(result.summary(), file=sys.stderr)
+            if progress:
+                bar.write(format_compact(result.memory), file=sys.stderr)
+            if result.leaks:
+                bar.write(f"  leak detector: after-step memory keeps rising on {', '.join(result.leaks)}", file=sys.stderr)
+            if config.run.save_every and (i + 1) % config.run.save_every == 0:
+                lab.save_adapter(run_dir / "adapter")
+        lab.save_adapter(run_dir / "adapter")
+    finally:
+        samples.flush()
+        write_report(run_dir / "report.html", lab.memory, lab.history, title=f"grpo_lab run {run_dir}")
+        lab.close()
     return run_dir

@@ -154,3 +154,17 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['phase']:<11}{r['device']:<9}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
                      f"{r['peak'] / MiB:>10.1f}{r['end'] / MiB:>10.1f}{r['delta'] / MiB:>+10.1f}")
     return "\n".join(lines)
+
+
+def format_compact(rows: list[dict]) -> str:
+    """One line per phase: each device/metric as 'peak (delta)' MiB, for the CLI."""
+    keys = list(dict.fromkeys((r["device"], r["metric"]) for r in rows))
+    by_phase: dict[str, dict] = {}
+    for r in rows:
+        by_phase.setdefault(r["phase"], {})[(r["device"], r["metric"])] = r
+    head = "  memory MiB  " + "".join(f"{d + ' ' + m + ' peak (delta)':>28}" for d, m in keys)
+    lines = [head]
+    for phase, cells in by_phase.items():
+        lines.append(f"  {phase:<11} " + "".join(
+            f"{cells[k]['peak'] / MiB:>18.1f} ({cells[k]['delta'] / MiB:+7.1f})" if k in cells else " " * 28 for k in keys))
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""The memory observatory on CPU: per-phase tables, run reports, host-RAM guard, OOM rollback, leaks."""
+import csv
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import Lab, LabError
+from grpo_lab.memory import LeakDetector, MemorySampler
+from grpo_lab.memory.oom import OutOfMemory
+from grpo_lab.memory.probes import HostProbe, MiB
+from grpo_lab.phases import PHASES
+from grpo_lab.runner import run
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+
+def test_three_step_run_writes_csv_report_and_phase_tables(tiny_config, tmp_path):
+    from grpo_lab import load_config
+
+    out = run(load_config(tiny_config()), steps=3, out=str(tmp_path / "run"), progress=False)
+    rows = list(csv.DictReader(open(out / "memory.csv")))
+    assert {r["phase"] for r in rows} >= set(PHASES) and {r["device"] for r in rows} == {"host"}
+    assert {r["step"] for r in rows} >= {"0", "1", "2"} and all(int(r["bytes"]) > 0 for r in rows)
+    report = (out / "report.html").read_text()
+    assert "Memory timeline" in report and "Per-phase peak memory" in report and "plotly" in report
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        table = json.loads(line)["memory"]
+        assert {r["phase"] for r in table} == set(PHASES)
+        for r in table:
+            assert r["device"] == "host" and r["peak"] >= max(r["start"], r["end"]) - 1 and r["delta"] == r["end"] - r["start"]
+
+
+def test_sampler_thread_samples_at_its_rate_and_zero_means_boundaries_only():
+    import time
+
+    sampler = MemorySampler(["cpu"], hz=50, host_threshold=1.0).start()
+    time.sleep(0.5)
+    sampler.stop()
+    assert sampler.total >= 3 * 10          # 3 host metrics x at least 10 of the ~25 ticks
+    idle = MemorySampler(["cpu"], hz=0, host_threshold=1.0).start()
+    time.sleep(0.2)
+    assert idle.total == 0 and idle._thread is None
+
+
+def test_guard_stops_between_phases_keeps_last_checkpoint(tiny_model, tmp_path):
+    """A run crosses the host threshold in step 2: exit 2, one clear line, steps 0-1 kept, adapter untouched."""
+    probe = HostProbe().read()
+    threshold = (probe["used"] + 1.5 * 1024 ** 3) / probe["limit"]   # 1.5 GiB above now; the hog takes 3 GiB
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "HOG_RUN_DIR": str(out), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "run", "configs/tiny-cpu.yaml", "--out", str(out),
+                           "--steps", "5", "--quiet", "--set", f"model.name_or_path={tiny_model}",
+                           "--set", "run.save_every=1", "--set", f"memory.host_threshold={threshold:.4f}",
+                           "--set", "data.rewards=['memory_hog:hog_on_third_call']"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    error = [l for l in proc.stderr.splitlines() if l.startswith("grpo-lab: error:")]
+    assert len(error) == 1 and "host RAM" in error[0] and "step 2" in error[0] and "memory.host_threshold" in error[0]
+    assert "stopped before phase 'advantages'" in error[0]   # rewards (the hog) finished; the next phase did not start
+    assert "Traceback" not in proc.stderr
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    saved = hashlib.sha256((out / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert saved == (out / "adapter.sha256").read_text()
+    assert (out / "report.html").is_file() and (out / "memory.csv").is_file()
+
+
+def state_of(lab):
+    named = lab.learner.trainable_parameters()
+    params = {n: p.detach().clone() for n, p in named.items()}
+    state = lab.learner.optimizer.state
+    opt = {(n, k): v.clone() for n, p in named.items() for k, v in state.get(p, {}).items()}
+    return params, opt
+
+
+def assert_same_state(a, b):
+    assert a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys()
+    for k in a[0]:
+        assert torch.equal(a[0][k], b[0][k]), k
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+def test_oom_in_backward_leaves_state_bit_identical_and_a_smaller_micro_batch_works(loaded_lab, monkeypatch):
+    import grpo_lab.step as step_module
+
+    lab = loaded_lab(grpo={"beta": 0.04, "micro_batch_size": 4})
+    lab.step()                                  # optimizer state exists now
+    before = state_of(lab)
+    real = step_module.completion_logprobs
+
+    def tight_memory(model, prompt_ids, *args):   # as if more than 2 sequences per forward did not fit
+        if prompt_ids.shape[0] > 2 and torch.is_grad_enabled():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; fake)")
+        return real(model, prompt_ids, *args)
+
+    monkeypatch.setattr(step_module, "completion_logprobs", tight_memory)
+    with pytest.raises(OutOfMemory) as err:
+        lab.step()
+    message = str(err.value)
+    assert "phase 'backward'" in message and "cuda:0" in message and "micro_batch_size" in message and "\n" not in message
+    assert err.value.__cause__ is None and err.value.__suppress_context__   # no frames of the failed phase kept
+    assert_same_state(before, state_of(lab))
+    assert all(p.grad is None for p in lab.learner.trainable_parameters().values())
+    assert len(lab.history) == 1 and lab.step_index == 1
+
+    lab.config.grpo.micro_batch_size = 2
+    result = lab.step()
+    assert result.step == 1 and len(lab.history) == 2
+
+
+def test_host_oom_inside_the_optimizer_update_is_rolled_back(loaded_lab, monkeypatch):
+    lab = loaded_lab()
+    lab.step()
+    before = state_of(lab)
+    real_step = lab.learner.optimizer.step
+
+    def update_then_fail(*a, **k):
+        real_step(*a, **k)                       # the weights and moments have changed...
+        raise MemoryError()                      # ...when the host runs out
+
+    monkeypatch.setattr(lab.learner.optimizer, "step", update_then_fail)
+    with pytest.raises(OutOfMemory, match="phase 'optimizer'.* on host"):
+        lab.step()
+    assert_same_state(before, state_of(lab))
+
+
+def test_leak_detector_logic():
+    detector = LeakDetector(window=4, min_growth_per_step=4 * MiB)
+    flat = [detector.observe({"host": 1000 * MiB + (i % 2) * MiB}) for i in range(10)]
+    assert not any(flat)
+    detector = LeakDetector(window=4, min_growth_per_step=4 * MiB)
+    rising = [detector.observe({"cuda:0": (100 + 10 * i) * MiB}) for i in range(6)]
+    assert rising[:4] == [[], [], [], []] and rising[4] == ["cuda:0"]
+
+
+def test_deliberate_leak_is_flagged_and_clean_run_is_not(tiny_config):
+    sys.path.insert(0, str(HERE))
+    clean = Lab(tiny_config()).load()
+    assert not any(r.leaks for r in clean.run(10))
+    clean.close()
+    leaky = Lab(tiny_config(data={"rewards": ["memory_hog:leak_20mib"]})).load()
+    flagged = [r.leaks for r in leaky.run(7)]
+    assert "host" in flagged[-1] and not any(flagged[:5])
+    leaky.close()
+
+
+def test_metrics_line_is_json_with_the_table(loaded_lab):
+    lab = loaded_lab()
+    line = json.dumps(lab.step().metrics())
+    assert '"memory": [' in line and '"leaks": []' in line
+    assert "rollout" in lab.memory_table()
