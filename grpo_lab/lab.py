@@ -42,6 +42,7 @@ class Lab:
         self.step_index = 0   # the step the next phase belongs to
         self._saved_state = None   # host copy of LoRA + optimizer state, taken before a step's first update
         self.leaks = None
+        self._plots: list = []
 
     # --- setup ---
     def load(self) -> "Lab":
@@ -60,6 +61,11 @@ class Lab:
                                         describe_offload=self.describe_offload).start()
             self.timeline.listeners.append(self.memory)
             self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
+            if cfg.memory.cuda_snapshots:
+                from .memory.snapshots import AllocatorSnapshots
+
+                where = Path(cfg.run.output_dir or ".") / "memory_snapshots"
+                self.timeline.listeners.append(AllocatorSnapshots(where, self.devices()))
         self.learner = load_learner(cfg)
         self.reference = build_reference(cfg)
         self.generator = backend_class(cfg.generator.backend)(self.learner, cfg)
@@ -174,6 +180,15 @@ class Lab:
         elif self.learner is not None:
             self.learner.optimizer.zero_grad(set_to_none=True)  # why: partial gradients of a failed backward
 
+    def memory_plot(self, refresh_s: float = 0.5):
+        """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds); display it in a cell."""
+        from .memory.live import LivePlot
+
+        self._require_loaded()
+        plot = LivePlot(self.memory, refresh_s=refresh_s).start()
+        self._plots.append(plot)
+        return plot
+
     def memory_table(self, step: Optional[int] = None) -> str:
         """The per-phase memory table (MiB) of `step` (default: the last one)."""
         from .memory import format_table
@@ -192,6 +207,8 @@ class Lab:
 
     def close(self) -> None:
         """Stop the sampler, release the generator and models (the Python objects go with the Lab)."""
+        for plot in self._plots:
+            plot.stop()
         if self.memory is not None:
             self.memory.stop()
         if self.generator is not None:

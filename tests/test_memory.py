@@ -157,3 +157,47 @@ def test_metrics_line_is_json_with_the_table(loaded_lab):
     line = json.dumps(lab.step().metrics())
     assert '"memory": [' in line and '"leaks": []' in line
     assert "rollout" in lab.memory_table()
+
+
+def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
+    import time
+
+    lab = loaded_lab()
+    plot = lab.memory_plot(refresh_s=0.05)
+    lab.step()
+    time.sleep(0.3)
+    assert plot.refreshes >= 2                                   # the renderer thread ran during/after the step
+    plot.refresh()
+    names = {trace.name for trace in plot.fig.data}
+    assert {"host rss", "host used"} <= names and all(len(t.x) > 3 for t in plot.fig.data)
+    shapes = plot.fig.layout.shapes
+    assert sum(s.type == "rect" for s in shapes) == 7             # one band per phase of the step
+    assert any(s.type == "line" for s in shapes)                  # host limit / threshold lines
+    assert any("threshold" in a.text for a in plot.fig.layout.annotations)
+    lab.close()
+    assert plot._thread is None
+
+
+def test_cuda_snapshots_are_skipped_with_a_notice_on_cpu(tiny_config):
+    with pytest.warns(UserWarning, match="no CUDA device"):
+        Lab(tiny_config(memory={"cuda_snapshots": True})).load()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_spill_during_logprobs_shows_in_that_phase_and_device(tiny_config):
+    """P1 on one GPU: memory allocated on the placed GPU during the log-prob phase appears in its row."""
+    lab = Lab(tiny_config(placement={"learner": "cuda:0"}, grpo={"beta": 0.04})).load()
+    real = lab.reference.logprobs
+    held = []
+
+    def spilling(*args, **kwargs):
+        held.append(torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0"))   # what a DataParallel replica does
+        return real(*args, **kwargs)
+
+    lab.reference.logprobs = spilling
+    rows = lab.step().memory
+    spill = [r for r in rows if r["phase"] == "logprobs" and r["device"] == "cuda:0" and r["metric"] == "allocated"]
+    assert spill and spill[0]["delta"] >= 256 * MiB
+    quiet = [r for r in rows if r["phase"] == "rewards" and r["device"] == "cuda:0" and r["metric"] == "allocated"]
+    assert abs(quiet[0]["delta"]) < 16 * MiB

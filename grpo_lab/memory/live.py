@@ -1,0 +1,112 @@
+"""The live memory plot for notebooks: a plotly FigureWidget with one line per device and metric,
+shaded phase bands, and dashed lines for each device's capacity and the host-RAM threshold.
+
+A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled,
+downsampled to `max_points` per line); the sampler thread never touches the widget, and the
+kernel stays free to run cells while a step runs.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from .probes import MiB
+from .report import PHASE_COLORS, TIMELINE_METRICS, host_limits
+
+
+def _needs_notebook_extra():
+    try:
+        import anywidget  # noqa: F401
+        import plotly.graph_objects as go
+    except ImportError as err:
+        from ..errors import LabError
+
+        raise LabError(f"the live memory plot needs {err.name}; install grpo-lab[notebook]") from None
+    return go
+
+
+class LivePlot:
+    def __init__(self, sampler, refresh_s: float = 0.5, max_points: int = 600, max_bands: int = 60):
+        go = _needs_notebook_extra()
+        self.sampler, self.refresh_s, self.max_points, self.max_bands = sampler, refresh_s, max_points, max_bands
+        self._series: dict[tuple[str, str], tuple[list, list]] = {}
+        self._index = 0            # next sampler sample to ingest
+        self._marks_drawn = -1     # phase bands are redrawn only when a phase has ended
+        self._limits = host_limits(sampler)
+        self.fig = go.FigureWidget(layout=dict(
+            title="Live memory (MiB)", xaxis_title="seconds", yaxis_title="MiB", height=380,
+            margin=dict(t=40, l=50, r=20, b=40), legend=dict(orientation="h", y=-0.25)))
+        self._lines: dict[tuple[str, str], int] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.refreshes = 0
+
+    def _ingest(self) -> dict[tuple[str, str], tuple[list, list]]:
+        """Append only the samples taken since the last refresh; return each line downsampled."""
+        new = self.sampler.samples_since(self._index)
+        self._index += len(new)
+        for t, _, _, device, metric, value in new:
+            if metric in TIMELINE_METRICS:
+                xs, ys = self._series.setdefault((device, metric), ([], []))
+                xs.append(t)
+                ys.append(value / MiB)
+        out = {}
+        for key, (xs, ys) in self._series.items():
+            stride = max(1, len(xs) // self.max_points)
+            out[key] = (xs[::stride] + xs[-1:], ys[::stride] + ys[-1:])
+        return out
+
+    def _shapes(self) -> list[dict]:
+        bands = [dict(type="rect", xref="x", yref="paper", x0=start, x1=end, y0=0, y1=1, line_width=0,
+                      fillcolor=PHASE_COLORS.get(phase, "#cccccc"), opacity=0.12)
+                 for _, phase, start, end in self.sampler.marks[-self.max_bands:]]
+        lines = [dict(type="line", xref="paper", yref="y", x0=0, x1=1, y0=mib, y1=mib,
+                      line=dict(dash="dash", width=1, color="#888"), name=name)
+                 for name, mib in self._limits.items()]
+        return bands + lines
+
+    def refresh(self) -> None:
+        """Redraw from the sampler's buffer (called by the renderer thread, or by hand)."""
+        series = self._ingest()
+        with self.fig.batch_update():
+            for key, (xs, ys) in series.items():
+                if key not in self._lines:
+                    self.fig.add_scatter(x=xs, y=ys, mode="lines", name=f"{key[0]} {key[1]}")
+                    self._lines[key] = len(self.fig.data) - 1
+                else:
+                    trace = self.fig.data[self._lines[key]]
+                    trace.x, trace.y = xs, ys
+            if len(self.sampler.marks) != self._marks_drawn:   # why: validating shapes is the costly part of a redraw
+                self._marks_drawn = len(self.sampler.marks)
+                shapes = self._shapes()
+                self.fig.layout.shapes = shapes
+                self.fig.layout.annotations = [dict(xref="paper", x=0, y=line["y0"], yref="y", text=line["name"],
+                                                    showarrow=False, xanchor="left", yanchor="bottom", font=dict(size=10))
+                                               for line in shapes if line["type"] == "line"]
+        self.refreshes += 1
+
+    def start(self) -> "LivePlot":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="grpo-lab-plot", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.refresh()
+            except Exception:  # a closed comm (kernel restarted, cell cleared) must not kill the thread loudly
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        self.refresh()
+        display(self.fig)
