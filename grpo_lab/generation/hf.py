@@ -27,36 +27,62 @@ class HFGenerator(Generator):
 
     @torch.no_grad()  # why: a rollout needs no autograd graph
     def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
         model, tok = self.learner.model, self.tokenizer
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         greedy = request.temperature == 0
+        # why explicit: a checkpoint's generation_config (e.g. a repetition penalty) would change what is sampled
+        settings = GenerationConfig(
+            max_new_tokens=request.max_completion_length, do_sample=not greedy,
+            temperature=None if greedy else request.temperature, top_p=None if greedy else request.top_p,
+            top_k=None if greedy else (request.top_k or None), eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, use_cache=True)
+        recorder = SampledLogprobs(1.0 if greedy else request.temperature)
         was_training = model.training
         model.eval()  # why: gradient checkpointing is off in eval mode, so the KV cache is used
         try:
-            out = model.generate(
-                input_ids=input_ids.to(self.learner.device), attention_mask=attention.to(self.learner.device),
-                max_new_tokens=request.max_completion_length, do_sample=not greedy,
-                temperature=None if greedy else request.temperature, top_p=None if greedy else request.top_p,
-                top_k=None if greedy else (request.top_k or None),
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                return_dict_in_generate=True, output_logits=True, use_cache=True,
-            )
+            sequences = model.generate(input_ids=input_ids.to(self.learner.device),
+                                       attention_mask=attention.to(self.learner.device), generation_config=settings,
+                                       logits_processor=LogitsProcessorList([recorder]))
         finally:
             model.train(was_training)
-        new_tokens = out.sequences[:, width:].cpu()                      # [n, T]
-        temperature = 1.0 if greedy else request.temperature
-        # why: one [n, V] step at a time, so log-softmax never holds all T steps in float32 together
-        logprobs = torch.stack([
-            torch.log_softmax(step.float() / temperature, dim=-1).gather(-1, new_tokens[:, t:t + 1].to(step.device)).squeeze(-1).cpu()
-            for t, step in enumerate(out.logits)
-        ], dim=1) if out.logits else torch.zeros_like(new_tokens, dtype=torch.float32)
-        del out  # why: drop the per-step logits of this chunk before the next chunk runs
+        new_tokens = sequences[:, width:]
+        logprobs = recorder.finish(new_tokens).cpu()
         return [self._sample(row, lp, tok.eos_token_id, request.max_completion_length)
-                for row, lp in zip(new_tokens.tolist(), logprobs.tolist())]
+                for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())]
 
     @staticmethod
     def _sample(row: list[int], logprobs: list[float], eos: int, max_len: int) -> Sample:
         end = row.index(eos) + 1 if eos in row else len(row)
         return Sample(completion_ids=row[:end], logprobs=logprobs[:end], truncated=eos not in row[:end])
+
+
+class SampledLogprobs:
+    """A logits processor that records log_softmax(raw logits / T) of each sampled token.
+
+    It runs before the temperature/top-p warpers, so it sees the raw logits, and it keeps one
+    step's [n, V] log-softmax only: the token sampled from step t is known at step t+1's call.
+    (`output_logits=True` would keep every step's [n, V] logits: O(n x length x vocab).)"""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous = None
+        self.columns: list[torch.Tensor] = []   # [n] per generated token
+
+    def __call__(self, input_ids, scores):
+        if self.previous is not None:
+            self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, new_tokens) -> torch.Tensor:
+        """[n, T] log-probs of `new_tokens` (the last token's comes from the last stored step)."""
+        if self.previous is not None and len(self.columns) < new_tokens.shape[1]:
+            self.columns.append(self.previous.gather(-1, new_tokens[:, -1:].to(self.previous.device)).squeeze(-1))
+        self.previous = None   # why: drop the last [n, V] log-softmax as soon as it is used
+        if not self.columns:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32)
+        return torch.stack(self.columns, dim=1)
