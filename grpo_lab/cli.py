@@ -12,8 +12,16 @@ def _run(args) -> int:
     from .runner import run
 
     config = load_config(args.config, args.set)
-    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet)
+    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet, force=args.force)
     print(f"run directory: {run_dir}")
+    return 0
+
+
+def _plan(args) -> int:
+    from .config import load_config
+    from .planner import plan
+
+    print(plan(load_config(args.config, args.set)))
     return 0
 
 
@@ -36,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set grpo.beta=0.04 (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--force", action="store_true", help="run even when the memory plan says it does not fit")
     p.set_defaults(func=_run)
+
+    p = sub.add_parser("plan", help="print the per-device memory plan of a config, before loading anything")
+    p.add_argument("config", help="YAML config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("tiny", help="build the tiny local Qwen2 checkpoint")
     p.add_argument("path", help="output directory")

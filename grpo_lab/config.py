@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, format_validation_error
-from .generation.registry import BACKENDS
+from .generation.registry import BACKENDS, OWN_WEIGHTS
 from .losses import LOSSES
 from .rewards import REWARDS
 
@@ -60,6 +60,12 @@ class PlacementSection(Section):
     learner: str = Field("cpu", description="Device of the learner (policy + LoRA + optimizer): 'cpu' or 'cuda:N'.")
     generator: Optional[list[str]] = Field(
         None, description="Generator device(s); null = the learner's device (colocated). GPU indices or 'cuda:N'.")
+    optimizer_offload: bool = Field(
+        False, description="Keep AdamW's fp32 master weights and moments in host RAM (frees 12 bytes per LoRA parameter on the GPU).")
+    gpu_memory_gib: Optional[float] = Field(
+        None, gt=0, description="GPU capacity (GiB) the planner assumes for GPUs it cannot see (e.g. 40 for an A100-40GB); null = read the device.")
+    host_memory_gib: Optional[float] = Field(
+        None, gt=0, description="Host RAM (GiB) the planner assumes; null = this machine's (or its cgroup limit).")
 
     @field_validator("learner", mode="before")
     @classmethod
@@ -89,6 +95,11 @@ class GeneratorSection(Section):
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     chunk_size: Optional[int] = Field(
         None, gt=0, description="Sequences (prompts x completions) per generate call; null = all at once.")
+    gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1, description="Share of its GPU a generator with its own weights (vllm) may take; required when it shares the learner's GPU; null = 0.9 on a GPU of its own.")
+    model: Optional[str] = Field(None, description="Checkpoint the generator loads (e.g. an int4 AWQ copy); null = the learner's base. Backends with their own weights only.")
+    quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = Field(
+        None, description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.")
 
 
 class GRPOSection(Section):
@@ -177,10 +188,25 @@ class LabConfig(Section):
         if ref.strategy == "none" and self.grpo.beta > 0:
             raise ValueError(f"reference.strategy: 'none' needs grpo.beta = 0 (got {self.grpo.beta}); "
                              "set beta: 0 or strategy: adapter-disabled")
+        self._check_placement()
         weights = self.data.reward_weights
         if weights is not None and len(weights) != len(self.data.rewards):
             raise ValueError(f"data.reward_weights: {len(weights)} weights for {len(self.data.rewards)} rewards; give one per reward")
         return self
+
+    def _check_placement(self) -> None:
+        place, gen = self.placement, self.generator
+        own = gen.backend in OWN_WEIGHTS
+        shared_gpu = [d for d in place.generator_devices() if d == place.learner and d.startswith("cuda")]
+        if own and shared_gpu and gen.gpu_memory_utilization is None:
+            raise ValueError(f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
+                             "learner (colocated) and needs a memory share, e.g. 0.3; or place it on another GPU")
+        if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization):
+            raise ValueError(f"generator.model/quantization/gpu_memory_utilization: backend {gen.backend!r} samples with the "
+                             "learner's own weights; remove them or use a backend with its own weights")
+        if place.optimizer_offload and place.learner == "cpu":
+            raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
+                             "already; set it to false or place the learner on a GPU")
 
     @property
     def epsilon_high(self) -> float:

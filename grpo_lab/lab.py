@@ -13,6 +13,7 @@ import torch
 from . import step as phases
 from .config import LabConfig, load_config
 from .errors import LabError
+from .guard import check_learner
 from .phases import Timeline
 from .rewards import resolve_reward
 from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
@@ -67,6 +68,7 @@ class Lab:
                 where = Path(cfg.run.output_dir or ".") / "memory_snapshots"
                 self.timeline.listeners.append(AllocatorSnapshots(where, self.devices()))
         self.learner = load_learner(cfg)
+        check_learner(self.learner.model, [cfg.placement.learner])
         self.reference = build_reference(cfg)
         self.generator = backend_class(cfg.generator.backend)(self.learner, cfg)
         rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
@@ -105,6 +107,38 @@ class Lab:
             del err  # why: the traceback's frames hold the failed phase's tensors
             release_memory()
             raise error from None
+
+    # --- placement and plan ---
+    def place(self, learner=None, generator=None, reference=None, optimizer_offload=None) -> "Placement":
+        """Choose devices before `load()`: validated at once (devices exist; a colocated generator with its
+        own weights needs generator.gpu_memory_utilization); `lab.placement` shows the result."""
+        from .devices import check_placement
+
+        if self.learner is not None:
+            raise LabError("lab.place(): the models are loaded already; call it before lab.load() (or in a new Lab)")
+        data = self.config.to_dict()
+        if learner is not None:
+            data["placement"]["learner"] = learner
+        if generator is not None:
+            data["placement"]["generator"] = generator if isinstance(generator, (list, tuple)) else [generator]
+        if reference is not None:
+            data["reference"].update({"strategy": "copy", "device": reference})
+        if optimizer_offload is not None:
+            data["placement"]["optimizer_offload"] = optimizer_offload
+        config = load_config(data)
+        check_placement(config)
+        self.config = config
+        return self.placement
+
+    @property
+    def placement(self) -> "Placement":
+        return Placement(self.config)
+
+    def plan(self):
+        """The per-device memory plan of the current config (nothing is loaded)."""
+        from .planner import plan
+
+        return plan(self.config)
 
     def _require_loaded(self):
         if self.learner is None:
@@ -159,6 +193,7 @@ class Lab:
         from .memory.leaks import end_of_step
 
         self._require_loaded()
+        check_learner(self.learner.model, [self.config.placement.learner])  # why every step: a wrap in a cell spills at once
         self._saved_state = None
         try:
             result = phases.step(self)
@@ -214,3 +249,34 @@ class Lab:
         if self.generator is not None:
             self.generator.close()
         self.learner = self.generator = self.reference = None
+
+
+class Placement:
+    """Who sits where; prints as the device plan."""
+
+    def __init__(self, config: LabConfig):
+        self.config = config
+
+    def roles(self) -> dict[str, list[str]]:
+        cfg, place = self.config, self.config.placement
+        out: dict[str, list[str]] = {}
+        learner = "learner (4-bit base + LoRA" + (", AdamW state in host RAM)" if place.optimizer_offload else " + AdamW)")
+        out.setdefault(place.learner, []).append(learner)
+        for device in place.generator_devices():
+            shared = " colocated" if device == place.learner else ""
+            out.setdefault(device, []).append(f"generator ({cfg.generator.backend}{shared})")
+        if cfg.reference.strategy == "copy":
+            out.setdefault(cfg.reference.device or place.learner, []).append("reference (frozen copy)")
+        elif cfg.reference.strategy == "adapter-disabled":
+            out[place.learner].append("reference (adapter disabled, no copy)")
+        return out
+
+    @property
+    def mode(self) -> str:
+        place = self.config.placement
+        return "colocated" if place.learner in place.generator_devices() else "split"
+
+    def __repr__(self) -> str:
+        lines = [f"placement ({self.mode}):"]
+        lines += [f"  {device:<8} {', '.join(roles)}" for device, roles in self.roles().items()]
+        return "\n".join(lines)

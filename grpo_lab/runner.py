@@ -28,7 +28,20 @@ def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
     return path
 
 
-def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = None, progress: bool = True) -> Path:
+def check_plan(config: LabConfig) -> None:
+    """Refuse a run whose memory plan does not fit (the fix is named), before any weight is loaded."""
+    from .planner import plan
+
+    result = plan(config)
+    if not result.fits:
+        worst = max(result.failing(), key=lambda d: d.fraction)
+        fixes = "; ".join(result.fixes) if result.fixes else "a bigger device, a smaller model or shorter sequences"
+        raise LabError(f"memory plan: does not fit on {worst.device} ({worst.total / 1024 ** 3:.1f} of "
+                       f"{worst.capacity / 1024 ** 3:.1f} GiB); try {fixes}; `grpo-lab plan` shows the table, --force runs anyway")
+
+
+def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = None, progress: bool = True,
+        force: bool = False) -> Path:
     """Run `steps` GRPO steps headless; returns the run directory."""
     from tqdm.auto import tqdm
 
@@ -36,6 +49,8 @@ def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = Non
     run_dir = resolve_run_dir(config, out)
     config = config.model_copy(update={"run": config.run.model_copy(update={"steps": steps, "output_dir": str(run_dir)})})
     preflight(config)
+    if not force:
+        check_plan(config)
     lab = Lab(config).load()  # why before mkdir: a config that cannot load leaves no run directory behind
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")

@@ -1,0 +1,198 @@
+"""Assemble the per-device plan, the DataParallel what-if (P1), and the knobs that make a plan fit."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import LabError
+from ..generation.registry import OWN_WEIGHTS
+from .estimate import (CUDA_CONTEXT, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, GiB, activation_bytes,
+                       base_weight_bytes, generator_weight_bytes, kv_cache_bytes)
+from .shapes import ModelShape, load_shape
+
+
+def _home(device: str) -> str:
+    return "host" if device == "cpu" else device
+
+
+def capacity_of(device: str, cfg) -> float:
+    if device == "host":
+        if cfg.placement.host_memory_gib:
+            return cfg.placement.host_memory_gib * GiB
+        from ..memory.probes import HostProbe
+
+        return HostProbe().read()["limit"]
+    if cfg.placement.gpu_memory_gib:
+        return cfg.placement.gpu_memory_gib * GiB
+    from ..devices import cuda_device_count
+
+    index = int(device.split(":")[1])
+    if index < cuda_device_count():
+        import torch
+
+        return torch.cuda.get_device_properties(index).total_memory
+    raise LabError(f"placement.gpu_memory_gib: {device} is not on this machine; give the capacity (GiB) of the GPUs "
+                   "you plan for, e.g. --set placement.gpu_memory_gib=40")
+
+
+@dataclass
+class Plan:
+    config: object
+    shape: ModelShape
+    devices: dict[str, DevicePlan]
+    micro_batch: int
+    dataparallel: Optional[dict[str, DevicePlan]] = None   # the same run if the learner were wrapped (P1)
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices.values())
+
+    def failing(self) -> list[DevicePlan]:
+        return [d for d in self.devices.values() if not d.fits]
+
+    def __str__(self) -> str:
+        from .render import render
+
+        return render(self)
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(str(self))
+
+
+def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
+    place, gen, grpo = cfg.placement, cfg.generator, cfg.grpo
+    learner = _home(place.learner)
+    names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
+    if cfg.reference.strategy == "copy":
+        names.append(_home(cfg.reference.device or place.learner))
+    devices = {d: DevicePlan(d, capacity_of(d, cfg)) for d in dict.fromkeys(names)}
+    for d in devices.values():
+        d.add("CUDA context + workspace", CUDA_CONTEXT if d.device != "host" else 0)
+    devices["host"].add("Python, torch, libraries", HOST_BASELINE)
+
+    lrn = devices[learner]
+    lrn.roles.append("learner")
+    weights, fmt = base_weight_bytes(shape, cfg.model)
+    lrn.add("base weights", weights, fmt)
+    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    lrn.add("LoRA weights", lora * 4, f"{lora / 1e6:.1f}M params, fp32")
+    lrn.add("LoRA gradients", lora * 4, "fp32")
+    host = devices["host"]
+    if place.optimizer_offload:
+        host.add("AdamW master weights + moments (offloaded)", lora * 12, "fp32")
+    else:
+        lrn.add("AdamW moments", lora * 8, "2 x fp32")
+    host.add("step rollback copy", lora * 12, "LoRA + AdamW state, all-or-nothing steps")
+    act = activation_bytes(shape, cfg)
+    ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
+    lrn.add("activations (backward peak)", act["activations"], f"micro-batch {act['micro_batch']} x "
+            f"{act['tokens'] // act['micro_batch']} tokens, {ckpt}")
+    lrn.add("log-prob head tiles", act["log-prob head tiles"], "fused LM head, no [B, L, vocab] logits")
+    lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient")
+
+    if cfg.reference.strategy == "copy":
+        ref = devices[_home(cfg.reference.device or place.learner)]
+        ref.roles.append("reference copy")
+        ref.add("reference weights", weights, fmt)
+
+    sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
+    if gen.backend in OWN_WEIGHTS:
+        gens = [devices[_home(d)] for d in place.generator_devices()]
+        per_device = generator_weight_bytes(shape, cfg) / len(gens)
+        for d in gens:
+            d.roles.append(f"generator ({gen.backend}, TP {len(gens)})")
+            share = gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
+            if d.device == "host":
+                d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
+                d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens))
+            else:
+                d.add(f"{gen.backend} engine share ({share:.0%})", share * d.capacity - CUDA_CONTEXT,
+                      f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache")
+                if per_device + 1 * GiB > share * d.capacity:
+                    d.add("generator weights beyond its share", per_device + 1 * GiB - share * d.capacity,
+                          "raise gpu_memory_utilization, quantize, or add tensor-parallel GPUs")
+    else:
+        lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
+        lrn.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences), f"{sequences} sequences per call")
+        lrn.add("generation logits step", 2 * sequences * shape.vocab * 4, "one step's logits + log-softmax")
+    return devices, act["micro_batch"]
+
+
+def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan]) -> Optional[dict[str, DevicePlan]]:
+    """P1: HF Trainer wraps the learner in DataParallel when it sees more than one GPU; every GPU then
+    gets a replica of the learner and a slice of the micro-batch, the generator's GPU included."""
+    gpus = [d for d in devices if d != "host"]
+    learner = _home(cfg.placement.learner)
+    if len(gpus) < 2 or learner == "host":
+        return None
+    weights, fmt = base_weight_bytes(shape, cfg.model)
+    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    act = activation_bytes(shape, cfg)
+    out = {}
+    for name in gpus:
+        d = devices[name]
+        wrapped = DevicePlan(name, d.capacity, list(d.roles), list(d.items))
+        if name != learner:
+            wrapped.roles.append("DataParallel replica")
+            wrapped.add("learner replica: base weights", weights, fmt)
+            wrapped.add("learner replica: LoRA weights", lora * 4)
+            wrapped.add("scattered activations", act["activations"] / len(gpus), f"1/{len(gpus)} of the micro-batch")
+            wrapped.add("log-prob head tiles", act["log-prob head tiles"] / len(gpus))
+        out[name] = wrapped
+    return out
+
+
+def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
+    """Config changes worth trying, as (description, overrides)."""
+    out = []
+    if not cfg.model.gradient_checkpointing:
+        out.append(("turn on gradient checkpointing", ["model.gradient_checkpointing=true"]))
+    micro = cfg.grpo.micro_batch_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+    while micro > 1:
+        micro //= 2
+        out.append((f"grpo.micro_batch_size: {micro}", [f"grpo.micro_batch_size={micro}"]))
+    if cfg.generator.backend not in OWN_WEIGHTS:
+        seqs = cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+        while seqs > 1:
+            seqs //= 2
+            out.append((f"generator.chunk_size: {seqs}", [f"generator.chunk_size={seqs}"]))
+    if cfg.placement.learner != "cpu" and not cfg.placement.optimizer_offload:
+        out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
+    if cfg.reference.strategy == "copy":
+        out.append(("reference.strategy: adapter-disabled (no copy)", ["reference.strategy=adapter-disabled"]))
+    if cfg.model.dtype == "float32":
+        out.append(("model.dtype: bfloat16", ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]))
+    return out
+
+
+def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
+    """The memory plan of `cfg`: per device, the DataParallel what-if, and fixes when it does not fit."""
+    from ..config import load_config
+
+    shape = shape or load_shape(cfg.model.name_or_path)
+    devices, micro = build_devices(cfg, shape)
+    result = Plan(cfg, shape, devices, micro, dataparallel_what_if(cfg, shape, devices))
+    if not result.fits:
+        for description, overrides in candidate_fixes(cfg):
+            try:
+                trial = load_config(cfg, overrides)
+            except LabError:
+                continue
+            if all(d.fits for d in build_devices(trial, shape)[0].values()):
+                result.fixes.append(description)
+    return _dedupe_sizes(result)
+
+
+def _dedupe_sizes(result: Plan) -> Plan:
+    """Keep only the largest micro-batch / chunk size that fits (candidates come largest first)."""
+    seen, kept = set(), []
+    for fix in result.fixes:
+        key = fix.split(":")[0]
+        if key in ("grpo.micro_batch_size", "generator.chunk_size"):
+            if key in seen:
+                continue
+            seen.add(key)
+        kept.append(fix)
+    result.fixes = kept
+    return result

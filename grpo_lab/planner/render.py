@@ -1,0 +1,43 @@
+"""The plan as a table (CLI and notebook)."""
+from __future__ import annotations
+
+from .estimate import GiB
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / GiB:>8.2f} GiB" if nbytes >= GiB else f"{nbytes / 1024 ** 2:>8.1f} MiB"
+
+
+def _device_block(d, title_suffix: str = "") -> list[str]:
+    roles = ", ".join(d.roles) or "-"
+    lines = [f"{d.device:<8} {roles}{title_suffix}", f"  {'capacity':<44}{size(d.capacity)}"]
+    for item in d.items:
+        note = f"  {item.note}" if item.note else ""
+        lines.append(f"  {item.what:<44}{size(item.bytes)}{note}")
+    lines.append(f"  {'total':<44}{size(d.total)}  {d.fraction:.0%}  -> {d.verdict}")
+    return lines
+
+
+def render(plan) -> str:
+    cfg, shape = plan.config, plan.shape
+    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    quant = cfg.model.bnb_4bit_quant_type if cfg.model.load_in_4bit else cfg.model.dtype
+    lines = [f"memory plan: {cfg.model.name_or_path} ({shape.total_params / 1e9:.2f}B params, {quant}), "
+             f"LoRA r={cfg.lora.r} ({lora / 1e6:.1f}M), generator {cfg.generator.backend}, "
+             f"micro-batch {plan.micro_batch}, reference {cfg.reference.strategy}", ""]
+    for d in plan.devices.values():
+        lines += _device_block(d) + [""]
+    if plan.dataparallel:
+        gpus = ", ".join(plan.dataparallel)
+        lines.append(f"what if the learner were wrapped in DataParallel over {gpus} "
+                     "(HF Trainer does this when it sees more than one GPU; P1):")
+        for name, d in plan.dataparallel.items():
+            lines.append(f"  {name}: {d.total / GiB:.2f} of {d.capacity / GiB:.2f} GiB ({d.fraction:.0%}) -> {d.verdict}")
+        lines.append("  grpo_lab never wraps the learner, and its guard refuses a wrapped one (grpo_lab.trl for TRL).")
+        lines.append("")
+    verdict = "fits" if plan.fits else "does not fit on " + ", ".join(d.device for d in plan.failing())
+    lines.append(f"verdict: {verdict}")
+    if not plan.fits:
+        lines.append("each of these alone would make it fit: " + ("; ".join(plan.fixes) if plan.fixes else
+                     "none of grpo_lab's knobs; use a bigger device, a smaller model or shorter sequences"))
+    return "\n".join(lines)
