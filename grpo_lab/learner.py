@@ -12,6 +12,7 @@ import torch
 from .errors import LabError
 from .devices import check_model_path
 from .logprobs import add_logprob_head
+from .offload import HostAdamW
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -87,7 +88,8 @@ def load_learner(config) -> Learner:
         # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
+    adamw = HostAdamW if config.placement.optimizer_offload else torch.optim.AdamW
+    optimizer = adamw(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
     return Learner(model=model, tokenizer=load_tokenizer(config.model.name_or_path),
                    device=torch.device(device), optimizer=optimizer)
 

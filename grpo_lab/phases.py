@@ -25,22 +25,35 @@ class Timeline:
     def __init__(self):
         self.records: list[PhaseRecord] = []
         self.listeners: list = []   # objects with phase_started(step, phase) / phase_ended(record, error)
+        self.open: tuple[int, str, float] | None = None   # (step, phase, start) of the running phase
+
+    def begin(self, name: str, step: int) -> None:
+        """Start a phase (for callers that cannot use `with`, such as trainer callbacks)."""
+        for listener in self.listeners:
+            listener.phase_started(step, name)
+        self.open = (step, name, time.perf_counter())
+
+    def end(self, error: BaseException | None = None) -> None:
+        if self.open is None:
+            return
+        step, name, start = self.open
+        self.open = None
+        record = PhaseRecord(step, name, start, time.perf_counter())
+        self.records.append(record)
+        for listener in self.listeners:
+            listener.phase_ended(record, error)
 
     @contextmanager
     def phase(self, name: str, step: int):
-        for listener in self.listeners:
-            listener.phase_started(step, name)
-        start, error = time.perf_counter(), None
+        self.begin(name, step)
+        error = None
         try:
             yield
         except BaseException as err:
             error = err
             raise
         finally:
-            record = PhaseRecord(step, name, start, time.perf_counter())
-            self.records.append(record)
-            for listener in self.listeners:
-                listener.phase_ended(record, error)
+            self.end(error)
 
     def seconds(self, step: int) -> dict[str, float]:
         """Wall time per phase of `step` (summed when a phase ran more than once)."""

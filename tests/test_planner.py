@@ -1,0 +1,150 @@
+"""The pre-flight planner, placement, the DataParallel guard and optimizer offload."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import Lab, LabError, load_config
+from grpo_lab.errors import ConfigError
+from grpo_lab.guard import check_learner
+from grpo_lab.planner import load_shape, plan
+from grpo_lab.planner.estimate import GiB, base_weight_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+P1 = ROOT / "configs" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
+
+
+def grpo_lab_cli(*args):
+    return subprocess.run([sys.executable, "-m", "grpo_lab", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_loads_plans_and_says_what_it_is_for(preset, tiny_model):
+    header = preset.read_text().splitlines()[:3]
+    assert all(line.startswith("#") for line in header) and "grpo-lab" in "".join(preset.read_text().splitlines()[:6])
+    cfg = load_config(preset)
+    if not Path(cfg.model.name_or_path).exists() and cfg.model.name_or_path.startswith("."):
+        cfg = load_config(cfg, [f"model.name_or_path={tiny_model}"])    # tiny-cpu before its model is built
+    result = plan(cfg)
+    assert result.devices and all(d.total > 0 for d in result.devices.values())
+    assert result.fits, str(result)
+
+
+def test_p1_plan_on_a_machine_without_gpus_shows_the_spill():
+    proc = grpo_lab_cli("plan", str(P1))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "cuda:0   learner" in out and "cuda:1   generator (vllm" in out
+    spill = [l for l in out.splitlines() if l.strip().startswith("cuda:1:")]
+    assert spill and "does not fit" in spill[0]                       # learner replica on the generator GPU
+    assert out.strip().endswith("verdict: fits")                      # the guarded plan
+
+
+def test_planned_lora_and_weights_match_the_loaded_model(loaded_lab, tiny_model):
+    lab = loaded_lab()
+    shape = load_shape(tiny_model)
+    lora = sum(p.numel() for n, p in lab.learner.model.named_parameters() if "lora_" in n)
+    assert shape.lora_params(lab.config.lora.r, "all-linear") == lora
+    planned, _ = base_weight_bytes(shape, lab.config.model)
+    base = lab.learner.model.get_base_model()
+    storages = {t.data_ptr(): t.numel() * t.element_size() for n, t in base.state_dict().items() if "lora_" not in n}
+    actual = sum(storages.values())   # by storage: the tied embedding / LM head counts once; quant state included
+    assert abs(planned - actual) / actual < 0.10, (planned, actual)
+
+
+def test_plan_suggests_the_knob_that_makes_it_fit():
+    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-nf4-24gb.yaml",
+                      ["grpo.micro_batch_size=32", "model.gradient_checkpointing=false"])
+    result = plan(cfg)
+    assert not result.fits and [d.device for d in result.failing()] == ["cuda:0"]
+    assert any(f.startswith("grpo.micro_batch_size") for f in result.fixes)
+    fixed = load_config(cfg, ["grpo.micro_batch_size=" + next(f for f in result.fixes if "micro" in f).split(": ")[1]])
+    assert plan(fixed).fits
+
+
+def test_checkpointing_and_offload_lower_the_learner_gpu():
+    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-nf4-24gb.yaml")
+    base = plan(cfg).devices["cuda:0"].total
+    assert plan(load_config(cfg, ["model.gradient_checkpointing=false"])).devices["cuda:0"].total > base
+    offloaded = plan(load_config(cfg, ["placement.optimizer_offload=true"]))
+    assert offloaded.devices["cuda:0"].total < base
+    assert any("offloaded" in i.what for i in offloaded.devices["host"].items)
+
+
+def test_runner_refuses_a_plan_that_does_not_fit_unless_forced(tiny_model, tmp_path):
+    args = ["run", "configs/tiny-cpu.yaml", "--steps", "1", "--quiet", "--set", f"model.name_or_path={tiny_model}",
+            "--set", "placement.host_memory_gib=0.5"]
+    proc = grpo_lab_cli(*args, "--out", str(tmp_path / "a"))
+    assert proc.returncode == 2 and "memory plan: does not fit on host" in proc.stderr and "--force" in proc.stderr
+    assert not (tmp_path / "a").exists()
+    assert grpo_lab_cli(*args, "--out", str(tmp_path / "b"), "--force").returncode == 0
+
+
+def test_planning_an_unseen_gpu_needs_its_capacity():
+    with pytest.raises(LabError, match="placement.gpu_memory_gib"):
+        plan(load_config(P1, ["placement.gpu_memory_gib=null"]))
+
+
+def test_bad_placements_are_refused_before_loading(tiny_config):
+    lab = Lab(tiny_config())
+    with pytest.raises(LabError, match="placement.learner: device 'cuda:7' does not exist"):
+        lab.place(learner="cuda:7")
+    with pytest.raises(ConfigError, match="generator.gpu_memory_utilization.*colocated"):
+        load_config(tiny_config(placement={"learner": "cuda:0"}, generator={"backend": "vllm"}))
+    with pytest.raises(ConfigError, match="placement.optimizer_offload"):
+        lab.place(optimizer_offload=True)
+    assert lab.learner is None and lab.config.placement.learner == "cpu"   # nothing changed, nothing loaded
+    assert "learner" in repr(lab.placement) and "colocated" in repr(lab.placement)
+    lab.place(reference="cpu")
+    assert lab.config.reference.strategy == "copy" and "reference (frozen copy)" in repr(lab.placement)
+
+
+def test_place_after_load_is_refused(loaded_lab):
+    with pytest.raises(LabError, match="before lab.load"):
+        loaded_lab().place(learner="cpu")
+
+
+def test_dataparallel_wrapped_learner_is_refused(loaded_lab):
+    lab = loaded_lab()
+    lab.learner.model = torch.nn.DataParallel(lab.learner.model)
+    with pytest.raises(LabError, match="DataParallel.*generator's included"):
+        lab.step()
+
+
+def test_parameters_outside_the_plan_are_refused():
+    model = torch.nn.Linear(2, 2)
+    check_learner(model, ["cpu"])
+    with pytest.raises(LabError, match="outside the plan"):
+        check_learner(model, ["cuda:0"])
+
+
+def test_host_adamw_equals_adamw_and_survives_rollback_state():
+    from grpo_lab.offload import HostAdamW
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    plain, host = torch.optim.AdamW(a, lr=0.1, weight_decay=0.01), HostAdamW(b, lr=0.1, weight_decay=0.01)
+    for _ in range(3):
+        for params, opt in ((a, plain), (b, host)):
+            opt.zero_grad()
+            sum((p ** 2).sum() for p in params).backward()
+            opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    saved = host.state_dict()
+    sum((p ** 2).sum() for p in b).backward()
+    host.step()
+    host.load_state_dict(saved)
+    assert all(torch.equal(m, p.detach()) for m, p in zip(saved["master"], a))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_optimizer_offload_on_gpu_keeps_moments_on_the_host(tiny_config):
+    lab = Lab(tiny_config(placement={"learner": "cuda:0", "optimizer_offload": True})).load()
+    lab.step()
+    assert all(t.device.type == "cpu" for s in lab.learner.optimizer.state.values() for t in s.values())
