@@ -16,6 +16,9 @@ GENERATOR_BITS = {None: None, "awq": 4.25, "gptq": 4.25, "compressed-tensors": 4
 CUDA_CONTEXT = 0.5 * GiB         # CUDA context + cuBLAS workspace per GPU a process touches
 HOST_BASELINE = 1.0 * GiB        # Python, torch and libraries
 FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
+# tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch
+# fallback on CPU makes temporaries of tile size (measured ~8.5 with bench/planner_accuracy.py's probe)
+HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
 VLLM_SPLIT_SHARE = 0.9           # vLLM's default gpu_memory_utilization on a GPU of its own
 
 
@@ -68,8 +71,8 @@ def base_weight_bytes(shape: ModelShape, model_cfg) -> tuple[float, str]:
     return shape.linear_params * e + dense, model_cfg.dtype
 
 
-def activation_bytes(shape: ModelShape, cfg) -> dict[str, float]:
-    """Peak transients of one log-prob/backward micro-batch."""
+def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False) -> dict[str, float]:
+    """Peak transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU)."""
     grpo, gen = cfg.grpo, cfg.generator
     e = DTYPE_BYTES[cfg.model.bnb_4bit_compute_dtype if cfg.model.load_in_4bit else cfg.model.dtype]
     n = grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
@@ -81,9 +84,10 @@ def activation_bytes(shape: ModelShape, cfg) -> dict[str, float]:
         stored = shape.layers * h * e * tokens + 2 * per_layer * tokens   # layer inputs + one layer recomputed
     else:
         stored = shape.layers * per_layer * tokens + per_layer * tokens
-    completion_tokens = n * gen.max_completion_length
-    tile = min(completion_tokens, FUSED_HEAD_TILE[0]) * min(shape.vocab, FUSED_HEAD_TILE[1]) * e
-    head = 2 * tile + completion_tokens * (h * 4 + 8 * 4)     # forward + backward tile, hidden grad, stats
+    # with Triton only completion positions reach the head; the CPU fallback scores every position
+    scored = tokens if on_cpu else n * gen.max_completion_length
+    tile = min(scored, FUSED_HEAD_TILE[0]) * min(shape.vocab, FUSED_HEAD_TILE[1]) * e
+    head = HEAD_TILES["cpu" if on_cpu else "cuda"] * tile + scored * (h * 4 + 8 * 4)   # tiles, hidden grad, stats
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if cfg.model.load_in_4bit else 0
     return {"activations": stored, "log-prob head tiles": head, "4-bit dequant buffer": dequant,
             "micro_batch": n, "tokens": tokens}

@@ -84,11 +84,12 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     else:
         lrn.add("AdamW moments", lora * 8, "2 x fp32")
     host.add("step rollback copy", lora * 12, "LoRA + AdamW state, all-or-nothing steps")
-    act = activation_bytes(shape, cfg)
+    act = activation_bytes(shape, cfg, on_cpu=learner == "host")
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
     lrn.add("activations (backward peak)", act["activations"], f"micro-batch {act['micro_batch']} x "
             f"{act['tokens'] // act['micro_batch']} tokens, {ckpt}")
-    lrn.add("log-prob head tiles", act["log-prob head tiles"], "fused LM head, no [B, L, vocab] logits")
+    lrn.add("log-prob head tiles", act["log-prob head tiles"], "fused LM head, no [B, L, vocab] logits"
+            + (" (CPU: torch fallback, every position)" if learner == "host" else ""))
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient")
 
     if cfg.reference.strategy == "copy":
