@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_lab import Lab, LabError
+from grpo_lab import Lab
 from grpo_lab.memory import LeakDetector, MemorySampler
 from grpo_lab.memory.oom import OutOfMemory
 from grpo_lab.memory.probes import HostProbe, MiB

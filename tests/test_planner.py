@@ -1,5 +1,4 @@
 """The pre-flight planner, placement, the DataParallel guard and optimizer offload."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from grpo_lab import Lab, LabError, load_config
 from grpo_lab.errors import ConfigError
 from grpo_lab.guard import check_learner
 from grpo_lab.planner import load_shape, plan
-from grpo_lab.planner.estimate import GiB, base_weight_bytes
+from grpo_lab.planner.estimate import base_weight_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 P1 = ROOT / "configs" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
