@@ -100,6 +100,8 @@ class GeneratorSection(Section):
     model: Optional[str] = Field(None, description="Checkpoint the generator loads (e.g. an int4 AWQ copy); null = the learner's base. Backends with their own weights only.")
     quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = Field(
         None, description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.")
+    sleep_mode: bool = Field(False, description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner (not on CPU).")
+    cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
 
 
 class GRPOSection(Section):
@@ -118,6 +120,9 @@ class GRPOSection(Section):
         None, gt=0, description="Sequences per log-prob/backward forward pass; null = the whole batch at once.")
     num_iterations: int = Field(1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs.")
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit max_completion_length from the loss.")
+    importance_sampling_correction: bool = Field(
+        False, description="Weight each token's loss by min(learner/sampler probability, cap): corrects for a generator that differs from the learner (TRL's vllm_importance_sampling_correction).")
+    importance_sampling_cap: float = Field(2.0, gt=0, description="Truncation of the importance-sampling weight.")
 
 
 class ReferenceSection(Section):
@@ -201,8 +206,8 @@ class LabConfig(Section):
         if own and shared_gpu and gen.gpu_memory_utilization is None:
             raise ValueError(f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
                              "learner (colocated) and needs a memory share, e.g. 0.3; or place it on another GPU")
-        if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization):
-            raise ValueError(f"generator.model/quantization/gpu_memory_utilization: backend {gen.backend!r} samples with the "
+        if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
+            raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
                              "learner's own weights; remove them or use a backend with its own weights")
         if place.optimizer_offload and place.learner == "cpu":
             raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "

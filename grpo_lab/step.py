@@ -97,19 +97,23 @@ def loss_and_backward(learner, rollout: Rollout, advantages: Advantages, logprob
     model = learner.model
     model.train()  # why: gradient checkpointing (if on) only recomputes activations in train mode
     learner.optimizer.zero_grad(set_to_none=True)
-    loss_sum = kl_sum = clipped_sum = mismatch_sum = 0.0
+    loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = 0.0
     for rows in micro_batches(len(rollout), grpo.micro_batch_size):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
         logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
         take = lambda t: None if t is None else t[rows].to(device)  # noqa: E731
+        sampler = rollout.sampler_logprobs[rows].to(device)
+        old = take(logprobs.old)
+        gap = (logps.detach() if old is None else old) - sampler            # log(learner / sampler) per token
+        weights = torch.exp(gap).clamp(max=grpo.importance_sampling_cap) if grpo.importance_sampling_correction else None
         loss, kl, clipped = grpo_loss(
-            logps, take(logprobs.old), take(logprobs.ref), advantages.values[rows].to(device), mask, totals,
-            grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high)
+            logps, old, take(logprobs.ref), advantages.values[rows].to(device), mask, totals,
+            grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights)
         loss.backward()
         loss_sum += loss.item()
-        sampler = rollout.sampler_logprobs[rows].to(device)
-        mismatch_sum += ((logps.detach() - sampler).abs() * mask).sum().item()
+        mismatch_sum += (gap.abs() * mask).sum().item()
+        mismatch_kl_sum += ((torch.exp(gap) - gap - 1) * mask).sum().item()
         clipped_sum += (clipped.float() * mask).sum().item()
         if kl is not None:
             kl_sum += (kl.detach() * mask).sum().item()
@@ -117,6 +121,7 @@ def loss_and_backward(learner, rollout: Rollout, advantages: Advantages, logprob
     tokens = max(totals.num_tokens, 1)
     return LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
                      clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / tokens,
+                     logprob_kl=mismatch_kl_sum / tokens,
                      num_tokens=totals.num_tokens)
 
 
@@ -161,9 +166,9 @@ def summarize(step_index, rollout_: Rollout, rewards: Rewards, advantages: Advan
         rewards=dict(zip(rewards.names, means)),
         advantage_std=advantages.values.std().item(),
         loss=stats.loss, kl=stats.kl, clip_fraction=stats.clip_fraction,
-        logprob_mismatch=stats.logprob_mismatch, grad_norm=grad_norm,
+        logprob_mismatch=stats.logprob_mismatch, logprob_kl=stats.logprob_kl, grad_norm=grad_norm,
         completion_length_mean=lengths.mean().item(),
         completion_length_min=int(lengths.min().item()), completion_length_max=int(lengths.max().item()),
         truncated_fraction=rollout_.truncated.float().mean().item(),
-        phase_seconds=phase_seconds, step_seconds=seconds,
+        phase_seconds=phase_seconds, step_seconds=seconds, sync_seconds=phase_seconds.get("sync", 0.0),
     )

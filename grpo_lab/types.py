@@ -69,6 +69,7 @@ class LossStats:
     kl: Optional[float]              # mean per-token KL to the reference (None when beta = 0)
     clip_fraction: float             # fraction of completion tokens where the ratio was clipped
     logprob_mismatch: float          # mean |learner - sampler| log-prob over completion tokens
+    logprob_kl: float                # KL(sampler || learner) per token (k3 estimate on the sampled tokens)
     num_tokens: int
 
 
@@ -83,6 +84,7 @@ class StepResult:
     kl: Optional[float]
     clip_fraction: float
     logprob_mismatch: float
+    logprob_kl: float
     grad_norm: float
     completion_length_mean: float
     completion_length_min: int
@@ -90,6 +92,7 @@ class StepResult:
     truncated_fraction: float
     phase_seconds: dict[str, float]
     step_seconds: float
+    sync_seconds: float = 0.0                          # pushing the LoRA weights to the generator
     memory: list[dict] = field(default_factory=list)   # per phase x device x metric: start/peak/end/delta bytes
     leaks: list[str] = field(default_factory=list)     # devices whose after-step memory keeps climbing
 

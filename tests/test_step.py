@@ -120,7 +120,7 @@ def test_learner_logprobs_match_the_sampler(loaded_lab):
 def test_same_seed_same_metrics(tiny_config):
     def run():
         lab = Lab(tiny_config(grpo={"beta": 0.04})).load()
-        timing_and_memory = ("step_seconds", "memory", "leaks")
+        timing_and_memory = ("step_seconds", "sync_seconds", "memory", "leaks")
         return [{k: v for k, v in lab.step().metrics().items() if not k.startswith("seconds") and k not in timing_and_memory}
                 for _ in range(2)]
     assert run() == run()

@@ -8,7 +8,7 @@ from ..errors import LabError
 
 BACKENDS: dict[str, str] = {
     "hf": "grpo_lab.generation.hf:HFGenerator",
-    "vllm": "",   # planned: configs can name it and `grpo-lab plan` models it; loading says it is not built yet
+    "vllm": "grpo_lab.generation.vllm:VLLMGenerator",
 }
 
 # backends that hold their own copy of the weights (and so a memory share of their GPU)
@@ -18,9 +18,6 @@ OWN_WEIGHTS = {"vllm"}
 def backend_class(name: str):
     if name not in BACKENDS:
         raise LabError(f"generator.backend: unknown backend {name!r}; use one of {sorted(BACKENDS)}")
-    if not BACKENDS[name]:
-        raise LabError(f"generator.backend: {name!r} is not built yet; `grpo-lab plan` can plan it, "
-                       "but to run use generator.backend: hf")
     module, _, attr = BACKENDS[name].partition(":")
     try:
         return getattr(importlib.import_module(module), attr)

