@@ -24,8 +24,13 @@ def preflight(config: LabConfig) -> None:
     from .data import load_rows
     from .devices import check_model_path, check_placement
 
-    check_placement(config)
     check_model_path(config.model.name_or_path)
+    if config.generator.backend == "vllm":
+        from .generation.vllm import check_tensor_parallel, max_lora_rank
+
+        max_lora_rank(config.lora.r)
+        check_tensor_parallel(config.generator.model or config.model.name_or_path, config.placement.generator_devices())
+    check_placement(config)
     for name in config.data.rewards:
         resolve_reward(name)
     if config.data.dataset != "arithmetic":

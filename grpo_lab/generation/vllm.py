@@ -152,6 +152,18 @@ class VLLMGenerator(Generator):
         self._seeds = iter(torch.randint(0, 2 ** 31 - 1, (len(batch) * num_generations,)).tolist())
         return super().generate(batch, num_generations, request)
 
+    def score(self, prompt_ids: list[int], completion_ids: list[int], with_lora: bool = True) -> list[float]:
+        """The engine's log-probs of a fixed completion (temperature 1): what it would assign, not sample."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        with self.awake():
+            out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids + completion_ids)], params,
+                                    lora_request=self.lora_request if with_lora else None, use_tqdm=False)[0]
+        steps = out.prompt_logprobs[len(prompt_ids):]
+        return [step[token].logprob for token, step in zip(completion_ids, steps)]
+
     @contextlib.contextmanager
     def awake(self):
         """Colocated with sleep mode: the engine wakes for generation and sleeps after, freeing its
