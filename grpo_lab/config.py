@@ -187,9 +187,6 @@ class LabConfig(Section):
     @model_validator(mode="after")
     def _cross_checks(self):
         ref = self.reference
-        if ref.strategy is None:
-            # why: the adapter-disabled policy is a free reference with LoRA; nothing at all is needed when beta = 0
-            object.__setattr__(ref, "strategy", "adapter-disabled" if self.grpo.beta > 0 else "none")
         if ref.strategy == "none" and self.grpo.beta > 0:
             raise ValueError(f"reference.strategy: 'none' needs grpo.beta = 0 (got {self.grpo.beta}); "
                              "set beta: 0 or strategy: adapter-disabled")
@@ -212,6 +209,13 @@ class LabConfig(Section):
         if place.optimizer_offload and place.learner == "cpu":
             raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
                              "already; set it to false or place the learner on a GPU")
+
+    @property
+    def reference_strategy(self) -> str:
+        """reference.strategy with null resolved: adapter-disabled when beta > 0 (a free reference with LoRA), else none."""
+        if self.reference.strategy is not None:
+            return self.reference.strategy
+        return "adapter-disabled" if self.grpo.beta > 0 else "none"
 
     @property
     def epsilon_high(self) -> float:

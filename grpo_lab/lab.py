@@ -92,7 +92,7 @@ class Lab:
         cfg, on_host = self.config, []
         if cfg.placement.learner == "cpu":
             on_host.append("the learner (placement.learner=cpu)")
-        if cfg.reference.strategy == "copy" and (cfg.reference.device or cfg.placement.learner) == "cpu":
+        if cfg.reference_strategy == "copy" and (cfg.reference.device or cfg.placement.learner) == "cpu":
             on_host.append("the reference copy (reference.device=cpu)")
         return "in host RAM: " + ", ".join(on_host) if on_host else ""
 
@@ -229,6 +229,20 @@ class Lab:
         self._plots.append(plot)
         return plot
 
+    def ui(self):
+        """The notebook panel: config editor, step controls and the live memory plot."""
+        from .ui import Panel
+
+        return Panel(self)
+
+    def save_results(self, path: Union[str, Path]) -> Path:
+        """Every step's metrics (with its memory table) as JSON lines: what `grpo-lab sweep` collects."""
+        import json
+
+        from .io import atomic_write_text
+
+        return atomic_write_text(path, "".join(json.dumps(r.metrics()) + "\n" for r in self.history))
+
     def memory_table(self, step: Optional[int] = None) -> str:
         """The per-phase memory table (MiB) of `step` (default: the last one)."""
         from .memory import format_table
@@ -270,9 +284,9 @@ class Placement:
         for device in place.generator_devices():
             shared = " colocated" if device == place.learner else ""
             out.setdefault(device, []).append(f"generator ({cfg.generator.backend}{shared})")
-        if cfg.reference.strategy == "copy":
+        if cfg.reference_strategy == "copy":
             out.setdefault(cfg.reference.device or place.learner, []).append("reference (frozen copy)")
-        elif cfg.reference.strategy == "adapter-disabled":
+        elif cfg.reference_strategy == "adapter-disabled":
             out[place.learner].append("reference (adapter disabled, no copy)")
         return out
 

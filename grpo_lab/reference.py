@@ -52,4 +52,4 @@ REFERENCES = {
 
 
 def build_reference(config):
-    return REFERENCES[config.reference.strategy](config)
+    return REFERENCES[config.reference_strategy](config)

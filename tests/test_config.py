@@ -26,8 +26,8 @@ def test_every_preset_loads_and_round_trips(preset, tmp_path):
 def test_defaults_follow_trl_names_and_resolve_reference():
     cfg = load_config(BASE)
     assert cfg.grpo.num_generations == 8 and cfg.grpo.loss_type == "dapo" and cfg.grpo.beta == 0.0
-    assert cfg.reference.strategy == "none"          # beta 0: nothing needed
-    assert load_config(with_("grpo", beta=0.1)).reference.strategy == "adapter-disabled"
+    assert cfg.reference.strategy is None and cfg.reference_strategy == "none"   # auto; beta 0: nothing needed
+    assert load_config(with_("grpo", beta=0.1)).reference_strategy == "adapter-disabled"
     assert cfg.epsilon_high == cfg.grpo.epsilon
 
 
@@ -98,4 +98,4 @@ def test_saved_yaml_is_plain_and_complete(tmp_path):
     save_config(load_config(BASE), tmp_path / "c.yaml")
     data = yaml.safe_load((tmp_path / "c.yaml").read_text())
     assert set(data) == set(LabConfig.model_fields)
-    assert data["reference"]["strategy"] == "none"
+    assert data["reference"]["strategy"] is None   # auto stays auto in the saved file

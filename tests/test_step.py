@@ -140,7 +140,7 @@ def test_reference_copy_equals_adapter_disabled_before_training(tiny_config):
 def test_reference_none_gives_no_kl(loaded_lab):
     lab = loaded_lab(grpo={"beta": 0.0})
     result = lab.step()
-    assert lab.config.reference.strategy == "none" and result.kl is None
+    assert lab.config.reference_strategy == "none" and result.kl is None
 
 
 def test_num_iterations_computes_old_logprobs(loaded_lab):

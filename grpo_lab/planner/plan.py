@@ -64,7 +64,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     place, gen, grpo = cfg.placement, cfg.generator, cfg.grpo
     learner = _home(place.learner)
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
-    if cfg.reference.strategy == "copy":
+    if cfg.reference_strategy == "copy":
         names.append(_home(cfg.reference.device or place.learner))
     devices = {d: DevicePlan(d, capacity_of(d, cfg)) for d in dict.fromkeys(names)}
     for d in devices.values():
@@ -92,7 +92,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
             + (" (CPU: torch fallback, every position)" if learner == "host" else ""))
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient")
 
-    if cfg.reference.strategy == "copy":
+    if cfg.reference_strategy == "copy":
         ref = devices[_home(cfg.reference.device or place.learner)]
         ref.roles.append("reference copy")
         ref.add("reference weights", weights, fmt)
@@ -160,7 +160,7 @@ def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
             out.append((f"generator.chunk_size: {seqs}", [f"generator.chunk_size={seqs}"]))
     if cfg.placement.learner != "cpu" and not cfg.placement.optimizer_offload:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
-    if cfg.reference.strategy == "copy":
+    if cfg.reference_strategy == "copy":
         out.append(("reference.strategy: adapter-disabled (no copy)", ["reference.strategy=adapter-disabled"]))
     if cfg.model.dtype == "float32":
         out.append(("model.dtype: bfloat16", ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]))

@@ -24,7 +24,7 @@ def render(plan) -> str:
     quant = cfg.model.bnb_4bit_quant_type if cfg.model.load_in_4bit else cfg.model.dtype
     lines = [f"memory plan: {cfg.model.name_or_path} ({shape.total_params / 1e9:.2f}B params, {quant}), "
              f"LoRA r={cfg.lora.r} ({lora / 1e6:.1f}M), generator {cfg.generator.backend}, "
-             f"micro-batch {plan.micro_batch}, reference {cfg.reference.strategy}", ""]
+             f"micro-batch {plan.micro_batch}, reference {cfg.reference_strategy}", ""]
     for d in plan.devices.values():
         lines += _device_block(d) + [""]
     if plan.dataparallel:

@@ -1,0 +1,89 @@
+"""Widget logic without a browser: the editor validates edits, the buttons run phases and steps."""
+import pytest
+
+from grpo_lab import Lab
+from grpo_lab.phases import PHASES
+from grpo_lab.ui import ConfigEditor, Panel, StepControls
+
+
+def test_editor_has_a_tab_per_section_typed_inputs_and_help(tiny_config):
+    lab = Lab(tiny_config())
+    editor = ConfigEditor(lab.config)
+    assert [editor.tabs.get_title(i) for i in range(len(editor.tabs.children))] == list(type(lab.config).model_fields)
+    beta, _ = editor.inputs[("grpo", "beta")]
+    assert type(beta).__name__ == "FloatText" and "KL" in beta.tooltip
+    loss, _ = editor.inputs[("grpo", "loss_type")]
+    assert type(loss).__name__ == "Dropdown" and set(loss.options) == {"grpo", "bnpo", "dr_grpo", "dapo"}
+    assert type(editor.inputs[("model", "load_in_4bit")][0]).__name__ == "Checkbox"
+
+
+def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
+    lab = Lab(tiny_config())
+    editor = ConfigEditor(lab.config, on_change=lambda c: setattr(lab, "config", c))
+    editor.inputs[("grpo", "beta")][0].value = 0.2
+    editor.inputs[("generator", "chunk_size")][0].value = "3"
+    assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 3 and editor.message.value == ""
+    editor.inputs[("generator", "chunk_size")][0].value = "null"
+    assert lab.config.generator.chunk_size is None
+
+
+@pytest.mark.parametrize("section, name, bad, field", [
+    ("grpo", "num_generations", 1, "grpo.num_generations"),
+    ("grpo", "beta", -1.0, "grpo.beta"),
+    ("generator", "chunk_size", "0", "generator.chunk_size"),
+    ("placement", "learner", "gpu", "placement.learner"),
+])
+def test_invalid_edit_shows_a_message_and_leaves_the_config(tiny_config, section, name, bad, field):
+    lab = Lab(tiny_config())
+    editor = ConfigEditor(lab.config, on_change=lambda c: setattr(lab, "config", c))
+    before = lab.config.to_dict()
+    editor.inputs[(section, name)][0].value = bad
+    assert field in editor.message.value and lab.config.to_dict() == before
+
+
+def test_editor_saves_and_loads_yaml(tiny_config, tmp_path):
+    editor = ConfigEditor(Lab(tiny_config()).config)
+    editor.inputs[("grpo", "beta")][0].value = 0.3
+    editor.save(str(tmp_path / "c.yaml"))
+    other = ConfigEditor(Lab(tiny_config()).config)
+    other.load(str(tmp_path / "c.yaml"))
+    assert other.config.grpo.beta == 0.3 and other.inputs[("grpo", "beta")][0].value == 0.3
+    other.load(str(tmp_path / "missing.yaml"))
+    assert "does not exist" in other.message.value
+
+
+def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
+    lab = loaded_lab()
+    controls = StepControls(lab)
+    for phase in PHASES:
+        assert controls.next_button.description == f"phase: {phase}"
+        controls.next_button.click()
+    assert [r.phase for r in lab.timeline.records] == list(PHASES) and lab.step_index == 1
+    controls.step_button.click()
+    assert len(lab.history) == 1
+    controls.count.value = 2
+    controls.run_button.click()
+    controls.thread.join(timeout=120)
+    assert len(lab.history) == 3 and controls.progress.value == 2
+
+
+def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab):
+    lab = loaded_lab()
+    controls = StepControls(lab)
+    controls.run(50)
+    controls.stop_button.click()
+    controls.thread.join(timeout=120)
+    assert len(lab.history) <= 2 and "stopped between steps" in "".join(o["text"] for o in controls.log.outputs)
+    lab.config.grpo.micro_batch_size = 4
+    lab.reward_funcs = [lambda prompts, completions, **kw: [1.0]]      # wrong length -> LabError
+    controls.step_button.click()
+    assert "error: reward" in "".join(o["text"] for o in controls.log.outputs)
+    lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
+    controls.step_button.click()
+    assert len(lab.history) >= 1
+
+
+def test_panel_combines_editor_controls_and_plot(loaded_lab):
+    panel = loaded_lab().ui()
+    assert isinstance(panel, Panel) and panel.plot is not None
+    assert len(panel.widget.children) == 2
