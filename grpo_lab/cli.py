@@ -25,6 +25,14 @@ def _plan(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    from .sweep import parse_grid, sweep
+
+    out = sweep(args.notebook, parse_grid(args.grid), args.out)
+    print(f"sweep directory: {out} (summary.csv, summary.html)")
+    return 0
+
+
 def _tiny(args) -> int:
     from .tiny import build_tiny_model, ensure_tiny_model
 
@@ -51,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("sweep", help="run a notebook under papermill for every point of a parameter grid")
+    p.add_argument("notebook", help="notebook with a 'parameters' cell, e.g. notebooks/01_quickstart.ipynb")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a swept parameter (repeatable)")
+    p.add_argument("--out", required=True, help="sweep directory")
+    p.set_defaults(func=_sweep)
 
     p = sub.add_parser("tiny", help="build the tiny local Qwen2 checkpoint")
     p.add_argument("path", help="output directory")

@@ -1,0 +1,133 @@
+"""Papermill sweeps: run a notebook once per grid point and collect, per run, the last step's
+metrics and the peak memory per device into DIR/summary.csv and a DIR/summary.html plot.
+
+A sweepable notebook has a cell tagged `parameters` that includes `results_path`, and ends
+with `lab.save_results(results_path)` when it is set. A grid point that fails (out of memory
+included) is a row with its error: that is data too.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+import yaml
+
+from .errors import LabError
+from .memory.probes import MiB
+
+PEAK_METRIC = {"host": "rss"}   # per device: host RSS; GPUs: torch's allocated
+
+
+def notebook_parameters(notebook: Path) -> dict:
+    import nbformat
+
+    if not notebook.is_file():
+        raise LabError(f"sweep: notebook {str(notebook)!r} does not exist")
+    nb = nbformat.read(notebook, as_version=4)
+    if not any("parameters" in c.metadata.get("tags", []) for c in nb.cells):
+        raise LabError(f"sweep: {notebook.name} has no cell tagged 'parameters'; tag the cell that sets its defaults")
+    import papermill as pm
+
+    return pm.inspect_notebook(str(notebook))
+
+
+def parse_grid(items: list[str]) -> dict[str, list]:
+    """['key=v1,v2', ...] -> {'key': [v1, v2]} with each value parsed as YAML."""
+    grid: dict[str, list] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip() or not values.strip():
+            raise LabError(f"--grid {item!r}: expected KEY=V1,V2,..., e.g. micro_batch_size=2,4")
+        grid[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+    return grid
+
+
+def point_name(stem: str, point: dict) -> str:
+    text = "__".join(f"{k}={v}" for k, v in point.items())
+    return f"{stem}__" + re.sub(r"[^A-Za-z0-9_.=-]+", "-", text)
+
+
+def peaks(metrics: list[dict]) -> dict[str, float]:
+    """Peak memory per device over every phase of every step (MiB)."""
+    out: dict[str, float] = {}
+    for row in (r for m in metrics for r in m.get("memory", [])):
+        if row["metric"] == PEAK_METRIC.get(row["device"], "allocated"):
+            key = f"peak_{row['device']}_{row['metric']}_mib"
+            out[key] = max(out.get(key, 0.0), row["peak"] / MiB)
+    return out
+
+
+def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Path],
+          fixed: Optional[dict] = None, kernel_name: str = "python3") -> Path:
+    """Run `notebook` for every point of `grid`; returns DIR with summary.csv and summary.html."""
+    import papermill as pm
+
+    notebook, out = Path(notebook).resolve(), Path(out)
+    if not grid or any(not values for values in grid.values()):
+        raise LabError("sweep: the grid is empty; give --grid KEY=V1,V2 with at least one value")
+    params = notebook_parameters(notebook)
+    unknown = [k for k in [*grid, *(fixed or {})] if k not in params]
+    if unknown:
+        raise LabError(f"sweep: {unknown} are not parameters of {notebook.name}; its parameters are {sorted(params)}")
+    if "results_path" not in params:
+        raise LabError(f"sweep: {notebook.name} has no 'results_path' parameter, so its metrics cannot be collected")
+    if (out / "summary.csv").exists():
+        raise LabError(f"--out: {str(out)!r} already holds a sweep; choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values))
+        name = point_name(notebook.stem, point)
+        results = (out / f"{name}.jsonl").resolve()
+        row = {**point, "notebook": f"{name}.ipynb", "error": ""}
+        try:
+            pm.execute_notebook(str(notebook), str(out / f"{name}.ipynb"), cwd=str(notebook.parent),
+                                parameters={**(fixed or {}), **point, "results_path": str(results)},
+                                kernel_name=kernel_name, progress_bar=False)
+        except pm.PapermillExecutionError as err:
+            row["error"] = f"{err.ename}: {err.evalue}"[:300]
+        metrics = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
+        if metrics:
+            last = metrics[-1]
+            row.update({k: last[k] for k in ("step", "reward_mean", "loss", "step_seconds")})
+        row.update(peaks(metrics))
+        rows.append(row)
+    write_summary(out, rows, list(grid))
+    return out
+
+
+def write_summary(out: Path, rows: list[dict], keys: list[str]) -> None:
+    from .io import atomic_write_text
+
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out / "summary.csv", buffer.getvalue())
+    atomic_write_text(out / "summary.html", summary_html(rows, keys))
+
+
+def summary_html(rows: list[dict], keys: list[str]) -> str:
+    """Peak memory per device against the first swept parameter, a line per setting of the others."""
+    import plotly.graph_objects as go
+
+    x_key, others = keys[0], keys[1:]
+    fig = go.Figure()
+    peak_columns = sorted({k for r in rows for k in r if k.startswith("peak_")})
+    for column in peak_columns:
+        groups: dict[tuple, list] = {}
+        for r in rows:
+            if column in r:
+                groups.setdefault(tuple(r[k] for k in others), []).append((r[x_key], r[column]))
+        for group, points in groups.items():
+            label = column.removeprefix("peak_").removesuffix("_mib") + "".join(f" {k}={v}" for k, v in zip(others, group))
+            points.sort(key=lambda p: str(p[0]))
+            fig.add_trace(go.Scatter(x=[str(p[0]) for p in points], y=[p[1] for p in points], mode="lines+markers", name=label))
+    fig.update_layout(title=f"Peak memory per device against {x_key}", xaxis_title=x_key, yaxis_title="peak MiB")
+    return fig.to_html(include_plotlyjs=True, full_html=True)

@@ -1,0 +1,47 @@
+"""Papermill sweeps: a 2x2 grid on the tiny model, and bad input refused before anything runs."""
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from grpo_lab import LabError
+from grpo_lab.sweep import parse_grid, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "notebooks" / "01_quickstart.ipynb"
+
+
+@pytest.mark.slow
+def test_two_by_two_sweep_summarises_peaks_per_device(tiny_model, tmp_path):
+    out = sweep(QUICKSTART, parse_grid(["micro_batch_size=2,4", "steps=1,2"]), tmp_path / "sweep",
+                fixed={"model_path": tiny_model})
+    rows = list(csv.DictReader(open(out / "summary.csv")))
+    assert len(rows) == 4 and {(r["micro_batch_size"], r["steps"]) for r in rows} == {("2", "1"), ("2", "2"), ("4", "1"), ("4", "2")}
+    for r in rows:
+        assert r["error"] == "" and float(r["peak_host_rss_mib"]) > 100 and (out / r["notebook"]).is_file()
+    assert "Peak memory per device against micro_batch_size" in (out / "summary.html").read_text()
+
+
+def test_bad_sweeps_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(LabError, match=r"\['nope'\] are not parameters"):
+        sweep(QUICKSTART, {"nope": [1, 2]}, tmp_path / "a")
+    with pytest.raises(LabError, match="grid is empty"):
+        sweep(QUICKSTART, {}, tmp_path / "b")
+    bare = nbformat.v4.new_notebook()
+    bare.cells = [nbformat.v4.new_code_cell("x = 1")]
+    nbformat.write(bare, tmp_path / "bare.ipynb")
+    with pytest.raises(LabError, match="no cell tagged 'parameters'"):
+        sweep(tmp_path / "bare.ipynb", {"x": [1]}, tmp_path / "c")
+    assert not any((tmp_path / d).exists() for d in "abc")
+    with pytest.raises(LabError, match="KEY=V1,V2"):
+        parse_grid(["steps"])
+
+
+def test_sweep_cli_bad_key_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "sweep", str(QUICKSTART), "--grid", "nope=1,2",
+                           "--out", str(tmp_path / "s")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "not parameters of 01_quickstart.ipynb" in proc.stderr
+    assert not (tmp_path / "s").exists()
