@@ -33,6 +33,7 @@ class LivePlot:
         self._index = 0            # next sampler sample to ingest
         self._marks_drawn = -1     # phase bands are redrawn only when a phase has ended
         self._limits = host_limits(sampler)
+        self._near: dict[str, float] = {}
         self.fig = go.FigureWidget(layout=dict(
             title="Live memory (MiB)", xaxis_title="seconds", yaxis_title="MiB", height=380,
             margin=dict(t=40, l=50, r=20, b=40), legend=dict(orientation="h", y=-0.25)))
@@ -56,13 +57,21 @@ class LivePlot:
             out[key] = (xs[::stride] + xs[-1:], ys[::stride] + ys[-1:])
         return out
 
+    def _limits_in_view(self, series) -> dict[str, float]:
+        """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
+        top = max((max(ys) for _, ys in series.values() if ys), default=0.0)
+        near = {name: mib for name, mib in self._limits.items() if mib <= 2 * top}
+        far = [f"{name} {mib / 1024:.1f} GiB" for name, mib in self._limits.items() if name not in near]
+        self.fig.layout.title.text = "Live memory (MiB)" + (f"  ·  off scale: {', '.join(far)}" if far else "")
+        return near
+
     def _shapes(self) -> list[dict]:
         bands = [dict(type="rect", xref="x", yref="paper", x0=start, x1=end, y0=0, y1=1, line_width=0,
                       fillcolor=PHASE_COLORS.get(phase, "#cccccc"), opacity=0.12)
                  for _, phase, start, end in self.sampler.marks[-self.max_bands:]]
         lines = [dict(type="line", xref="paper", yref="y", x0=0, x1=1, y0=mib, y1=mib,
                       line=dict(dash="dash", width=1, color="#888"), name=name)
-                 for name, mib in self._limits.items()]
+                 for name, mib in self._near.items()]
         return bands + lines
 
     def refresh(self) -> None:
@@ -76,8 +85,10 @@ class LivePlot:
                 else:
                     trace = self.fig.data[self._lines[key]]
                     trace.x, trace.y = xs, ys
-            if len(self.sampler.marks) != self._marks_drawn:   # why: validating shapes is the costly part of a redraw
-                self._marks_drawn = len(self.sampler.marks)
+            near = self._limits_in_view(series)
+            if len(self.sampler.marks) != self._marks_drawn or near.keys() != self._near.keys():
+                # why only then: validating shapes is the costly part of a redraw
+                self._marks_drawn, self._near = len(self.sampler.marks), near
                 shapes = self._shapes()
                 self.fig.layout.shapes = shapes
                 self.fig.layout.annotations = [dict(xref="paper", x=0, y=line["y0"], yref="y", text=line["name"],
