@@ -41,7 +41,9 @@ def jupyter(tmp_path, tiny_model):
     port, token = free_port(), secrets.token_hex(16)
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}", "--allow-root"],
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}", "--allow-root",
+         # why: a workspace saved by an earlier session could reopen missing files behind modal dialogs
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "jupyter.log", "w"))
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
@@ -59,6 +61,7 @@ def jupyter(tmp_path, tiny_model):
 
 
 def test_quickstart_runs_in_a_real_browser(jupyter):
+    from playwright.sync_api import TimeoutError as NoDialog
     from playwright.sync_api import sync_playwright
 
     url, token, root = jupyter
@@ -66,13 +69,22 @@ def test_quickstart_runs_in_a_real_browser(jupyter):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.goto(f"{url}/lab/tree/notebooks/01_quickstart.ipynb?token={token}")
+        page.goto(f"{url}/lab/tree/notebooks/01_quickstart.ipynb?reset&token={token}")
         page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+        try:   # a first-time JupyterLab asks which kernel to start: take the preselected Python 3, as a user would
+            page.wait_for_selector(".jp-Dialog", timeout=10_000)
+            if "Select Kernel" in page.locator(".jp-Dialog").first.inner_text():
+                page.locator(".jp-Dialog .jp-mod-accept").first.click()
+        except NoDialog:
+            pass
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
         deadline = time.time() + 600
         while time.time() < deadline:   # nothing queued or running, something ran, kernel idle
+            if page.locator(".jp-Dialog").count():          # an unexpected dialog would block the run: record it
+                page.screenshot(path=str(ARTIFACTS / "dialog.png"))
+                pytest.fail("JupyterLab showed a dialog: " + page.locator(".jp-Dialog").first.inner_text()[:300])
             prompts = [t.strip() for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
             idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
             # (cells scrolled out of view are virtualised and show an empty prompt)
