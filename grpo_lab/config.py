@@ -218,6 +218,11 @@ class LabConfig(Section):
         return "adapter-disabled" if self.grpo.beta > 0 else "none"
 
     @property
+    def reference_device(self) -> str:
+        """Where a reference copy lives: reference.device, else the learner's device."""
+        return self.reference.device or self.placement.learner
+
+    @property
     def epsilon_high(self) -> float:
         return self.grpo.epsilon_high if self.grpo.epsilon_high is not None else self.grpo.epsilon
 

@@ -83,8 +83,8 @@ class Lab:
 
     def devices(self) -> list[str]:
         """Every device the placement uses: learner, generator(s), reference copy."""
-        p = self.config.placement
-        ref = [self.config.reference.device] if self.config.reference.device else []
+        cfg, p = self.config, self.config.placement
+        ref = [cfg.reference_device] if cfg.reference_strategy == "copy" else []
         return list(dict.fromkeys([p.learner, *p.generator_devices(), *ref]))
 
     def describe_offload(self) -> str:
@@ -92,7 +92,7 @@ class Lab:
         cfg, on_host = self.config, []
         if cfg.placement.learner == "cpu":
             on_host.append("the learner (placement.learner=cpu)")
-        if cfg.reference_strategy == "copy" and (cfg.reference.device or cfg.placement.learner) == "cpu":
+        if cfg.reference_strategy == "copy" and cfg.reference_device == "cpu":
             on_host.append("the reference copy (reference.device=cpu)")
         return "in host RAM: " + ", ".join(on_host) if on_host else ""
 
@@ -285,7 +285,7 @@ class Placement:
             shared = " colocated" if device == place.learner else ""
             out.setdefault(device, []).append(f"generator ({cfg.generator.backend}{shared})")
         if cfg.reference_strategy == "copy":
-            out.setdefault(cfg.reference.device or place.learner, []).append("reference (frozen copy)")
+            out.setdefault(cfg.reference_device, []).append("reference (frozen copy)")
         elif cfg.reference_strategy == "adapter-disabled":
             out[place.learner].append("reference (adapter disabled, no copy)")
         return out

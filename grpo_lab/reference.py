@@ -34,7 +34,7 @@ class CopyReference:
     def __init__(self, config):
         from .learner import load_base, logprob_temperature
 
-        self.device = torch.device(config.reference.device or config.placement.learner)
+        self.device = torch.device(config.reference_device)
         self.model = load_base(config.model, str(self.device))
         add_logprob_head(self.model, logprob_temperature(config))
         self.model.eval()

@@ -65,7 +65,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     learner = _home(place.learner)
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
     if cfg.reference_strategy == "copy":
-        names.append(_home(cfg.reference.device or place.learner))
+        names.append(_home(cfg.reference_device))
     devices = {d: DevicePlan(d, capacity_of(d, cfg)) for d in dict.fromkeys(names)}
     for d in devices.values():
         d.add("CUDA context + workspace", CUDA_CONTEXT if d.device != "host" else 0)
@@ -93,7 +93,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient")
 
     if cfg.reference_strategy == "copy":
-        ref = devices[_home(cfg.reference.device or place.learner)]
+        ref = devices[_home(cfg.reference_device)]
         ref.roles.append("reference copy")
         ref.add("reference weights", weights, fmt)
 
