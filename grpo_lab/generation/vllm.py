@@ -15,7 +15,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -56,20 +55,19 @@ def check_tensor_parallel(model_path: str, devices: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def visible_devices(devices: list[str]):
-    """Let the engine see exactly the generator GPUs (its worker processes inherit the variable)."""
-    if devices == ["cpu"]:
-        yield
-        return
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in devices)
+def scoped_env(values: dict[str, str]):
+    """Set environment variables for the block only (the engine reads them while it starts, and its worker
+    processes inherit them); the previous values come back after, so the next engine gets its own."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class VLLMGenerator(Generator):
@@ -90,16 +88,20 @@ class VLLMGenerator(Generator):
                       enable_lora=True, max_lora_rank=max_lora_rank(config.lora.r), max_loras=1,
                       max_model_len=gen.max_prompt_length + gen.max_completion_length,
                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode)
+        env = {
+            # why in-process: works from a notebook cell and a plain script; a split GPU placement needs its own
+            # process so that CUDA_VISIBLE_DEVICES can pin the engine to exactly the generator GPUs
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if (on_cpu or self.colocated) else "1",
+        }
         if on_cpu:
             kwargs["enforce_eager"] = True   # why: graph capture/compilation costs more than it saves for test-size models
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gen.cpu_kv_cache_gib))   # why: GiB of host RAM for the KV cache
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(gen.cpu_kv_cache_gib)   # why: GiB of host RAM for the KV cache
         else:
             kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization or 0.9
-        # why in-process: works from a notebook cell and a plain script; a split GPU placement needs its own
-        # process so that CUDA_VISIBLE_DEVICES can pin the engine to the generator GPUs
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if (on_cpu or self.colocated) else "1")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in devices)
+        env = {k: v for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES" or k not in os.environ}   # a user's export wins
         try:
-            with visible_devices(devices):
+            with scoped_env(env):
                 self.llm = vllm.LLM(**kwargs)
         except (ValueError, RuntimeError) as err:
             reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
@@ -109,14 +111,12 @@ class VLLMGenerator(Generator):
         self.adapter_root = Path(tempfile.mkdtemp(prefix="grpo-lab-lora-", dir=shm if shm.is_dir() else None))
         self.lora_request = None
         self.version = 0
-        self.sync_seconds = 0.0
         self.sync(learner)
 
     def sync(self, learner) -> None:
         """Push only the LoRA weights: save the adapter, load it as a new LoRARequest, evict the old one."""
         from vllm.lora.request import LoRARequest
 
-        started = time.perf_counter()
         self.version += 1
         path = self.adapter_root / f"v{self.version}"
         learner.model.save_pretrained(path)          # PEFT writes the adapter tensors only, never the base
@@ -125,7 +125,6 @@ class VLLMGenerator(Generator):
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)   # why: a superseded adapter must not hold engine memory
             shutil.rmtree(old.lora_path, ignore_errors=True)
-        self.sync_seconds = time.perf_counter() - started
 
     def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
         from vllm import SamplingParams
