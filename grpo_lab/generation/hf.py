@@ -51,11 +51,11 @@ class HFGenerator(Generator):
             model.train(was_training)
         new_tokens = sequences[:, width:]
         logprobs = recorder.finish(new_tokens).cpu()
-        return [self._sample(row, lp, tok.eos_token_id, request.max_completion_length)
+        return [self._sample(row, lp, tok.eos_token_id)
                 for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())]
 
     @staticmethod
-    def _sample(row: list[int], logprobs: list[float], eos: int, max_len: int) -> Sample:
+    def _sample(row: list[int], logprobs: list[float], eos: int) -> Sample:
         end = row.index(eos) + 1 if eos in row else len(row)
         return Sample(completion_ids=row[:end], logprobs=logprobs[:end], truncated=eos not in row[:end])
 

@@ -175,25 +175,17 @@ def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
     devices, micro = build_devices(cfg, shape)
     result = Plan(cfg, shape, devices, micro, dataparallel_what_if(cfg, shape, devices))
     if not result.fits:
+        fixed = set()   # knobs with a fix already: sizes come largest first, so the first that fits is the one to show
         for description, overrides in candidate_fixes(cfg):
+            knob = description.split(":")[0]
+            if knob in fixed:
+                continue
             try:
                 trial = load_config(cfg, overrides)
             except LabError:
                 continue
             if all(d.fits for d in build_devices(trial, shape)[0].values()):
                 result.fixes.append(description)
-    return _dedupe_sizes(result)
-
-
-def _dedupe_sizes(result: Plan) -> Plan:
-    """Keep only the largest micro-batch / chunk size that fits (candidates come largest first)."""
-    seen, kept = set(), []
-    for fix in result.fixes:
-        key = fix.split(":")[0]
-        if key in ("grpo.micro_batch_size", "generator.chunk_size"):
-            if key in seen:
-                continue
-            seen.add(key)
-        kept.append(fix)
-    result.fixes = kept
+                fixed.add(knob)
     return result
+

@@ -30,6 +30,11 @@ def _resolve(prop: dict, defs: dict) -> dict:
     return prop
 
 
+def as_text(value) -> str:
+    """How an optional or list value shows in its text input (YAML; null for None)."""
+    return "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip()
+
+
 def field_widget(name: str, prop: dict, value):
     """The input for one schema property; returns (widget, parse) where parse(widget.value) -> config value."""
     w = _widgets()
@@ -47,8 +52,7 @@ def field_widget(name: str, prop: dict, value):
     if kind == "string":
         return w.Text(value=value, **common), str
     # optional values, unions and lists: YAML text, "" or "null" = null
-    text = "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip()
-    return w.Text(value=text, placeholder="null", **common), lambda v: yaml.safe_load(v) if v.strip() else None
+    return w.Text(value=as_text(value), placeholder="null", **common), lambda v: yaml.safe_load(v) if v.strip() else None
 
 
 class ConfigEditor:
@@ -110,7 +114,7 @@ class ConfigEditor:
             for (section, name), (widget, _) in self.inputs.items():
                 value = data[section][name]
                 if isinstance(widget.value, str) and not isinstance(value, str):
-                    value = "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip()
+                    value = as_text(value)
                 widget.value = value
         finally:
             self._syncing = False
