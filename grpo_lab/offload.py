@@ -18,10 +18,11 @@ class HostAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for p, m in zip(self.device_params, self.master):
+            # why: AdamW runs where its state is, so the gradient travels to the host (4 bytes per LoRA param)
             m.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32)
         self.inner.step()
         for p, m in zip(self.device_params, self.master):
-            p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+            p.copy_(m.to(p.device, p.dtype, non_blocking=True))   # why: the device copy is what forward passes read
             m.grad = None  # why: the host copy of the gradient is used once
 
     def zero_grad(self, set_to_none: bool = True):

@@ -99,7 +99,7 @@ def place_reference(trainer) -> Optional[tuple]:
             raise LabError(f"reference model: it is on the meta device (no weights were loaded), the policy on "
                            f"{policy_device}; load it with real weights, or use beta=0 / a PEFT policy (adapter-disabled reference)")
         try:
-            ref.to(policy_device)
+            ref.to(policy_device)   # why (P5): its log-probs are consumed next to the policy's
         except (RuntimeError, ValueError) as err:
             raise LabError(f"reference model: cannot move it from {ref_device} to the policy's {policy_device} "
                            f"({str(err).splitlines()[0]}); load it on {policy_device}") from None
@@ -112,7 +112,7 @@ def _restore_reference(saved) -> None:
     if saved is None:
         return
     ref, device, training, grads = saved
-    ref.to(device)
+    ref.to(device)   # why: hand the GPU memory back as it was before the block
     ref.train(training)
     for name, p in ref.named_parameters():
         p.requires_grad_(grads[name])

@@ -50,7 +50,7 @@ class HFGenerator(Generator):
         finally:
             model.train(was_training)
         new_tokens = sequences[:, width:]
-        logprobs = recorder.finish(new_tokens).cpu()
+        logprobs = recorder.finish(new_tokens).cpu()   # why: a Rollout lives on the CPU; the device keeps nothing of it
         return [self._sample(row, lp, tok.eos_token_id)
                 for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())]
 
