@@ -80,3 +80,8 @@ def test_tiny_command_is_deterministic(tmp_path):
         assert grpo_lab("tiny", str(tmp_path / name)).returncode == 0
     for file in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"damaged")
+    assert grpo_lab("tiny", str(tmp_path / "a")).returncode == 0                 # present: left as it is
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == b"damaged"
+    assert grpo_lab("tiny", str(tmp_path / "a"), "--force").returncode == 0      # --force rebuilds it
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
