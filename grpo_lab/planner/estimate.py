@@ -17,7 +17,7 @@ CUDA_CONTEXT = 0.5 * GiB         # CUDA context + cuBLAS workspace per GPU a pro
 HOST_BASELINE = 1.0 * GiB        # Python, torch and libraries
 FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
 # tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch
-# fallback on CPU makes temporaries of tile size (measured ~8.5 with bench/planner_accuracy.py's probe)
+# fallback on CPU makes temporaries of tile size (8.3 measured by bench/fused_head_cpu.py; 8.5 keeps a margin)
 HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
 VLLM_SPLIT_SHARE = 0.9           # vLLM's default gpu_memory_utilization on a GPU of its own
 
