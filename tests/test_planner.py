@@ -122,23 +122,52 @@ def test_parameters_outside_the_plan_are_refused():
 
 
 def test_host_adamw_equals_adamw_and_survives_rollback_state():
+    import copy
+
     from grpo_lab.offload import HostAdamW
 
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
     b = [torch.nn.Parameter(x.detach().clone()) for x in a]
     plain, host = torch.optim.AdamW(a, lr=0.1, weight_decay=0.01), HostAdamW(b, lr=0.1, weight_decay=0.01)
+
+    def update(params, opt):
+        opt.zero_grad()
+        sum((torch.sin(p) * p ** 2).sum() for p in params).backward()
+        opt.step()
+
+    def same(xs, ys):
+        return all(torch.equal(x, y) for x, y in zip(xs, ys))
+
     for _ in range(3):
-        for params, opt in ((a, plain), (b, host)):
-            opt.zero_grad()
-            sum((p ** 2).sum() for p in params).backward()
-            opt.step()
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    saved = host.state_dict()
-    sum((p ** 2).sum() for p in b).backward()
-    host.step()
-    host.load_state_dict(saved)
-    assert all(torch.equal(m, p.detach()) for m, p in zip(saved["master"], a))
+        update(a, plain)
+        update(b, host)
+    assert same(a, b)
+
+    saved = copy.deepcopy(host.state_dict())            # a real snapshot: state_dict() shares the moment tensors
+    saved_params = [p.detach().clone() for p in b]
+    update(b, host)                                     # the extra step the reference `plain` never takes
+    after = host.state_dict()
+    assert not any(torch.equal(s, m) for s, m in zip(saved["master"], after["master"]))
+    for i in range(len(b)):                             # the snapshot really is the state before the extra step
+        old, new = saved["inner"]["state"][i], after["inner"]["state"][i]
+        assert int(old["step"]) == 3 and int(new["step"]) == 4
+        assert not torch.equal(old["exp_avg"], new["exp_avg"]) and not torch.equal(old["exp_avg_sq"], new["exp_avg_sq"])
+
+    with torch.no_grad():                               # what rollback does: the weights, then the optimizer
+        for p, s in zip(b, saved_params):
+            p.copy_(s)
+    host.load_state_dict(copy.deepcopy(saved))
+    assert same(host.master, a) and same(b, a)
+    for i, p in enumerate(a):
+        restored, reference = host.state[host.master[i]], plain.state[p]
+        assert set(restored) == set(reference)
+        assert all(torch.equal(restored[k], reference[k]) for k in reference), i
+
+    for _ in range(2):                                  # and updates from there are bit-identical to the reference's
+        update(a, plain)
+        update(b, host)
+        assert same(a, b) and same(host.master, a)
 
 
 @pytest.mark.gpu
