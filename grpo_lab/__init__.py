@@ -1,4 +1,8 @@
 """grpo_lab: stepwise GRPO on 4-bit LoRA models, with the memory of every phase in view."""
+from .quant import quiet_bitsandbytes
+
+quiet_bitsandbytes()   # before anything imports bitsandbytes (README: CPU notes)
+
 from .config import LabConfig, load_config, save_config
 from .errors import ConfigError, LabError
 from .lab import Lab

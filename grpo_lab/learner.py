@@ -13,6 +13,7 @@ from .errors import LabError
 from .devices import check_model_path
 from .logprobs import add_logprob_head
 from .offload import HostAdamW
+from .quant import pin_training_layout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -62,6 +63,7 @@ def load_base(model_cfg, device: str):
     except OSError as err:
         raise LabError(f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
                        f"({str(err).splitlines()[0]}); give a local checkpoint directory") from None
+    pin_training_layout(model)  # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
     model.requires_grad_(False)
     model.config.use_cache = False  # why: training forwards never reuse a KV cache; generate() turns it back on
     return model

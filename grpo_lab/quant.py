@@ -1,0 +1,43 @@
+"""bitsandbytes 4-bit layers, pinned to one code path on every CPU.
+
+bitsandbytes >= 0.48 repacks a `Linear4bit`'s nf4 weights into an AVX-512-BF16 inference layout
+the first time the layer runs in eval mode without gradients on a CPU with that flag; a later
+training forward on the packed layout fails in autograd (`result += bias` on a leaf). A learner
+runs eval/no-grad forwards every step (HF rollout, old and reference log-probs), so grpo_lab
+never lets its 4-bit layers repack (measured in bench/bnb_cpu_layout.py, docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import logging
+
+# bitsandbytes' CPU backend logs this at import on AVX-512-BF16 CPUs: the optional `kernels` package
+# (downloaded from the hub) would speed up the packed inference layout, which grpo_lab never uses.
+_KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward"
+
+
+class _DropKernelsNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_KERNELS_NOTICE)
+
+
+def quiet_bitsandbytes() -> None:
+    """Keep bitsandbytes' `pip install kernels` notice out of the user's output (it cannot matter here)."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _DropKernelsNotice) for f in logger.filters):
+        logger.addFilter(_DropKernelsNotice())
+
+
+def pin_training_layout(model) -> int:
+    """Keep every bitsandbytes 4-bit layer of `model` in its training layout; returns how many.
+
+    why: the packed CPU layout only serves eval/no-grad forwards and breaks the next training forward;
+    the reference copy is pinned too, so its log-probs are computed exactly as the policy's are."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    for layer in layers:
+        layer.grpo_lab_cpu_flag = bool(getattr(layer, "support_avx512bf16_for_cpu", False))  # what bnb detected
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)

@@ -1,0 +1,96 @@
+"""bitsandbytes picks a 4-bit code path by CPU: with AVX-512-BF16, `Linear4bit.forward` repacks a
+layer's nf4 weights into a CPU inference layout the first time it runs in eval mode without
+gradients, and a training forward on that layout fails in autograd (`result += bias`).
+
+These tests force the hardware flag bnb reads (`bitsandbytes.nn.modules.has_avx512bf16`, read
+when a layer is built) both ways, so CI walks both paths whatever its CPU: every eval/no-grad
+forward of the learner (HF rollout, old log-probs, the adapter-disabled reference) must be
+followed by a training step that works and leaves no layer in the packed layout.
+"""
+import math
+
+import pytest
+import torch
+
+from grpo_lab import Lab
+
+
+@pytest.fixture(params=[True, False], ids=["avx512bf16", "no-avx512bf16"])
+def cpu_flag(request, monkeypatch):
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: request.param)
+    return request.param
+
+
+def linear4bit_layers(model):
+    import bitsandbytes as bnb
+
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def assert_training_layout(model):
+    layers = linear4bit_layers(model)
+    assert layers, "expected bitsandbytes Linear4bit layers"
+    packed = [m for m in layers if getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
+    assert not packed, f"{len(packed)} of {len(layers)} 4-bit layers were repacked into the CPU inference layout"
+
+
+def lora_state(lab):
+    return {n: p.detach().clone() for n, p in lab.learner.model.named_parameters() if "lora_" in n}
+
+
+def train_and_check(lab, rollout, logprobs):
+    before = lora_state(lab)
+    stats = lab.loss_and_backward(rollout, lab.advantages(lab.rewards(rollout)), logprobs)
+    grad_norm = lab.optimizer_step()
+    assert math.isfinite(stats.loss) and math.isfinite(grad_norm) and grad_norm > 0
+    after = lora_state(lab)
+    assert any(not torch.equal(before[n], after[n]) for n in before), "the training step changed no LoRA weight"
+    assert_training_layout(lab.learner.model)
+
+
+def test_flag_reaches_the_layers(cpu_flag, loaded_lab):
+    """The forced flag is what the layers were built with, so the paths below are the ones named."""
+    lab = loaded_lab()
+    # the learner pins its layers to the training layout; the flag bnb read at build time is kept aside
+    assert all(getattr(m, "grpo_lab_cpu_flag", None) == cpu_flag for m in linear4bit_layers(lab.learner.model))
+
+
+def test_hf_rollout_then_training_step(cpu_flag, loaded_lab):
+    lab = loaded_lab(grpo={"beta": 0.0})
+    for _ in range(2):   # any number of eval/no-grad forwards, each followed by a training step
+        rollout = lab.rollout()
+        assert_training_layout(lab.learner.model)
+        train_and_check(lab, rollout, lab.logprobs(rollout))
+
+
+def test_adapter_disabled_reference_then_training_step(cpu_flag, loaded_lab):
+    lab = loaded_lab(grpo={"beta": 0.04}, reference={"strategy": "adapter-disabled"})
+    rollout = lab.rollout()
+    logprobs = lab.logprobs(rollout)          # the reference pass: eval, no grad, adapter off
+    assert logprobs.ref is not None
+    train_and_check(lab, rollout, logprobs)
+
+
+def test_whole_steps_with_old_logprobs(cpu_flag, loaded_lab):
+    """num_iterations > 1: the old-log-prob pass runs the learner in eval mode without gradients."""
+    lab = loaded_lab(grpo={"beta": 0.04, "num_iterations": 2})
+    for _ in range(2):
+        result = lab.step()
+        assert math.isfinite(result.loss) and result.grad_norm > 0
+    assert_training_layout(lab.learner.model)
+
+
+@pytest.mark.slow
+def test_vllm_old_logprob_pass_then_training_step(cpu_flag, loaded_lab):
+    """The vLLM backend never runs the learner in eval mode to sample, but the old-log-prob pass does."""
+    lab = loaded_lab(generator={"backend": "vllm"}, grpo={"num_iterations": 2})
+    try:
+        rollout = lab.rollout()
+        logprobs = lab.logprobs(rollout)
+        assert logprobs.old is not None
+        train_and_check(lab, rollout, logprobs)
+        assert math.isfinite(lab.step().loss)
+    finally:
+        lab.close()
