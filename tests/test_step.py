@@ -63,7 +63,20 @@ def test_phases_can_be_called_one_by_one(loaded_lab):
     assert lp.old is None and lp.ref.shape == rollout.completion_ids.shape
     stats = lab.loss_and_backward(rollout, adv, lp)
     assert math.isfinite(stats.loss) and stats.num_tokens == int(rollout.completion_mask.sum())
-    assert lab.optimizer_step() >= 0
+    params = lab.learner.trainable_parameters()
+    grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+    assert grads, "backward left no gradients"
+    by_hand = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values()))
+    before = lora_state(lab)
+    grad_norm = lab.optimizer_step()
+    assert by_hand > 0 and grad_norm == pytest.approx(by_hand, rel=1e-5)
+    after = lora_state(lab)
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and moved <= set(grads)
+    for n in before:                                   # AdamW's first update is 0 where the gradient is 0
+        if n in grads and not grads[n].any():
+            assert n not in moved, n
+    assert all(p.grad is None for p in params.values())
     lab.sync()
     assert set(lab.timeline.seconds(0)) == {"rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"}
 
@@ -143,9 +156,38 @@ def test_reference_none_gives_no_kl(loaded_lab):
     assert lab.config.reference_strategy == "none" and result.kl is None
 
 
-def test_num_iterations_computes_old_logprobs(loaded_lab):
-    lab = loaded_lab(grpo={"num_iterations": 2})
+def test_num_iterations_computes_old_logprobs(loaded_lab, monkeypatch):
+    """Two updates per rollout: the first with ratio exactly 1 (old = current), the second can clip."""
+    import grpo_lab.step as step_module
+
+    lab = loaded_lab(lora={"lora_dropout": 0.0},   # dropout would make the first ratio differ from 1
+                     grpo={"num_iterations": 2, "learning_rate": 5e-2, "epsilon": 0.01})
     rollout = lab.rollout()
-    assert lab.logprobs(rollout).old is not None
+    assert lab.logprobs(rollout).old.shape == rollout.completion_ids.shape
+
+    passes, stats, weights = [], [], [lora_state(lab)]
+    real_loss = step_module.grpo_loss
+
+    def recording_loss(logps, old, ref, advantages, mask, *args, **kwargs):
+        passes.append((logps.detach().clone(), old.clone(), mask.bool().clone()))
+        return real_loss(logps, old, ref, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "grpo_loss", recording_loss)
+    real_backward, real_update = lab.loss_and_backward, lab.optimizer_step
+    monkeypatch.setattr(lab, "loss_and_backward", lambda *a: stats.append(real_backward(*a)) or stats[-1])
+    monkeypatch.setattr(lab, "optimizer_step", lambda: (real_update(), weights.append(lora_state(lab)))[0])
     result = lab.step()
+
+    assert len(stats) == 2 and len(weights) == 3 and len(passes) == 2   # whole batch: one micro-batch per pass
+    for a, b in zip(weights, weights[1:]):             # each of the two updates moved the LoRA weights
+        assert any(not torch.equal(a[n], b[n]) for n in a)
+    assert {int(s["step"]) for s in lab.learner.optimizer.state.values()} == {2}
+
+    (logps1, old1, mask), (logps2, old2, _) = passes
+    assert torch.equal(old1, old2)                      # both passes against the same old policy
+    assert torch.equal(logps1[mask], old1[mask])        # first pass: ratio exactly 1...
+    assert torch.equal(torch.exp(logps1 - old1)[mask], torch.ones(int(mask.sum())))
+    assert stats[0].clip_fraction == 0.0               # ...so nothing can be clipped
+    assert not torch.equal(logps2[mask], old2[mask])    # second pass: the policy moved
+    assert stats[1].clip_fraction > 0.0 and result.clip_fraction == stats[1].clip_fraction
     assert math.isfinite(result.loss)
