@@ -55,7 +55,7 @@ def main() -> None:
         gc.collect()
         rows = []
         for micro in [args.micro[0], *args.micro]:   # the first load is a warm-up: one-off library initialisation
-            cfg = load_config("configs/tiny-cpu.yaml", [
+            cfg = load_config("tiny-cpu", [
                 f"model.name_or_path={tmp}", "memory.sample_hz=200", f"grpo.micro_batch_size={micro}",
                 "grpo.num_generations=8", "grpo.prompts_per_step=1", "generator.max_completion_length=128",
                 "generator.temperature=0", "generator.max_prompt_length=128"])

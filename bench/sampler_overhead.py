@@ -22,7 +22,7 @@ def main() -> None:
     from grpo_lab.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/tiny-cpu.yaml")
+    parser.add_argument("--config", default="tiny-cpu")
     parser.add_argument("--rounds", type=int, default=40, help="rounds of (off, 20 Hz, 20 Hz + plot)")
     parser.add_argument("--hz", type=float, default=20.0)
     parser.add_argument("--set", action="append", default=[])

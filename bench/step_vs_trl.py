@@ -62,7 +62,7 @@ def main() -> None:
     from grpo_lab.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/tiny-cpu.yaml")
+    parser.add_argument("--config", default="tiny-cpu")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="leading steps of each left out of the medians")
     parser.add_argument("--set", action="append", default=[])

@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def lab_for(model_path: str, steps_overrides: list[str]):
     from grpo_lab import Lab, load_config
 
-    cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={model_path}", "generator.backend=vllm",
+    cfg = load_config("tiny-cpu", [f"model.name_or_path={model_path}", "generator.backend=vllm",
                                                 "memory.sample_hz=0", *steps_overrides])
     return Lab(cfg).load()
 

@@ -12,8 +12,20 @@ def _run(args) -> int:
     from .runner import run
 
     config = load_config(args.config, args.set)
-    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet, force=args.force)
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()   # one line per step: no per-shard loading bars
+    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet, force=args.force, verbose=args.verbose)
     print(f"run directory: {run_dir}")
+    print(f"report: open {run_dir / 'report.html'} in a browser (memory timeline, per-phase peaks, rewards)")
+    return 0
+
+
+def _presets(args) -> int:
+    from .presets import listing
+
+    print(listing())
     return 0
 
 
@@ -34,9 +46,12 @@ def _sweep(args) -> int:
 
 
 def _tiny(args) -> int:
-    from .tiny import build_tiny_model, ensure_tiny_model
+    from .paths import check_output_dir
+    from .tiny import build_tiny_model, builtin_path, ensure_tiny_model
 
-    path = build_tiny_model(args.path, seed=args.seed) if args.force else ensure_tiny_model(args.path, seed=args.seed)
+    where = args.path or builtin_path()
+    check_output_dir(where, "grpo-lab tiny PATH" if args.path else "grpo-lab tiny (the user cache; set GRPO_LAB_CACHE)")
+    path = build_tiny_model(where, seed=args.seed) if args.force else ensure_tiny_model(where, seed=args.seed)
     print(f"tiny model: {path}")
     return 0
 
@@ -46,19 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run GRPO steps headless from a YAML config")
-    p.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
+    p.add_argument("config", help="a preset name (grpo-lab presets) or a YAML file, e.g. tiny-cpu")
     p.add_argument("--steps", type=int, help="number of steps (default: run.steps)")
     p.add_argument("--out", help="run directory (default: run.output_dir or runs/<date-time>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set grpo.beta=0.04 (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="print the per-phase memory table after every step (default: once, at the end)")
     p.add_argument("--force", action="store_true", help="run even when the memory plan says it does not fit")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("plan", help="print the per-device memory plan of a config, before loading anything")
-    p.add_argument("config", help="YAML config")
+    p.add_argument("config", help="a preset name or a YAML file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("presets", help="list the preset configs shipped with grpo_lab")
+    p.set_defaults(func=_presets)
 
     p = sub.add_parser("sweep", help="run a notebook under papermill for every point of a parameter grid")
     p.add_argument("notebook", help="notebook with a 'parameters' cell, e.g. notebooks/01_quickstart.ipynb")
@@ -67,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_sweep)
 
     p = sub.add_parser("tiny", help="build the tiny local Qwen2 checkpoint")
-    p.add_argument("path", help="output directory")
+    p.add_argument("path", nargs="?", help="output directory (default: the built-in model's place in the user cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if a checkpoint is there")
     p.set_defaults(func=_tiny)

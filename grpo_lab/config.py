@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError, format_validation_error
 from .generation.registry import BACKENDS, OWN_WEIGHTS
+from .paths import read_text
 from .losses import LOSSES
 from .rewards import REWARDS
 
@@ -35,7 +36,9 @@ def normalize_device(value: Any) -> str:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # why allow_inf_nan=False: an .inf or .nan in any float (lists included) is refused, never trained with;
+    # str_min_length=1: an empty string is never a value (null is, where a field allows it)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_min_length=1)
 
 
 class ModelSection(Section):
@@ -54,6 +57,15 @@ class LoraSection(Section):
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: Union[Literal["all-linear"], list[str]] = Field(
         "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _targets(cls, v):
+        if isinstance(v, (list, tuple)) and not v:
+            raise ValueError("empty list; name at least one module (e.g. [q_proj, v_proj]) or use 'all-linear'")
+        if v != "all-linear" and not isinstance(v, (list, tuple)):
+            raise ValueError(f"got {v!r}; use 'all-linear' or a list of module names, e.g. [q_proj, v_proj]")
+        return v
 
 
 class PlacementSection(Section):
@@ -168,7 +180,7 @@ class DataSection(Section):
 
 class RunSection(Section):
     steps: int = Field(10, ge=1, description="GRPO steps to run.")
-    seed: int = Field(0, description="Seed for data order, sampling and LoRA init.")
+    seed: int = Field(0, ge=0, lt=2 ** 32, description="Seed for data order, sampling and LoRA init (0 <= seed < 2**32).")
     output_dir: Optional[str] = Field(None, description="Run directory; null = runs/<date-time>.")
     save_every: int = Field(0, ge=0, description="Save the adapter every N steps (and at the end); 0 = only at the end.")
 
@@ -194,6 +206,9 @@ class LabConfig(Section):
         weights = self.data.reward_weights
         if weights is not None and len(weights) != len(self.data.rewards):
             raise ValueError(f"data.reward_weights: {len(weights)} weights for {len(self.data.rewards)} rewards; give one per reward")
+        if self.data.dataset == "arithmetic" and self.grpo.prompts_per_step > self.data.num_prompts:
+            raise ValueError(f"grpo.prompts_per_step: {self.grpo.prompts_per_step} distinct prompts per step, but the arithmetic "
+                             f"set has data.num_prompts = {self.data.num_prompts}; lower it or raise data.num_prompts")
         return self
 
     def _check_placement(self) -> None:
@@ -263,18 +278,30 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def config_source(source: Union[str, Path]) -> Path:
+    """The YAML file behind a path or a preset name (an existing file wins over a preset of the same name)."""
+    from .presets import preset_names, preset_path
+
+    path = Path(source)
+    if path.is_file():
+        return path
+    preset = preset_path(str(source))
+    if preset is not None:
+        return preset
+    raise ConfigError(f"config {str(source)!r} is neither a YAML file nor a preset; presets: {', '.join(preset_names())} "
+                      "(`grpo-lab presets` describes them)")
+
+
 def load_config(source: Union[str, Path, dict, LabConfig], overrides: Optional[list[str]] = None) -> LabConfig:
-    """A LabConfig from a YAML path, a dict or a LabConfig, with optional 'a.b=c' overrides."""
+    """A LabConfig from a YAML path, a preset name, a dict or a LabConfig, with optional 'a.b=c' overrides."""
     if isinstance(source, LabConfig):
         data = source.to_dict()
     elif isinstance(source, dict):
         data = source
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/tiny-cpu.yaml")
+        path = config_source(source)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(read_text(path, "config")) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     return parse_config(apply_overrides(data, overrides or []))

@@ -28,7 +28,10 @@ def check_device(device: str, field: str) -> None:
 
 
 def check_model_path(name_or_path: str) -> None:
-    """A local directory must hold config.json; anything else must look like a hub id."""
+    """A local directory must hold config.json; anything else must look like a hub id (a built-in is built here)."""
+    from .tiny import resolve_model_path
+
+    name_or_path = resolve_model_path(name_or_path)
     path = Path(name_or_path)
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -14,6 +14,7 @@ from .devices import check_model_path
 from .logprobs import add_logprob_head
 from .offload import HostAdamW
 from .quant import pin_training_layout
+from .tiny import resolve_model_path
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -44,6 +45,7 @@ def load_base(model_cfg, device: str):
     from transformers import AutoModelForCausalLM
 
     check_model_path(model_cfg.name_or_path)
+    path = resolve_model_path(model_cfg.name_or_path)
     kwargs = dict(dtype=_DTYPES[model_cfg.dtype], device_map={"": device})
     if model_cfg.load_in_4bit:
         try:
@@ -59,7 +61,7 @@ def load_base(model_cfg, device: str):
             bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
         raise LabError(f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
                        f"({str(err).splitlines()[0]}); give a local checkpoint directory") from None
@@ -82,18 +84,30 @@ def load_learner(config) -> Learner:
     base = load_base(config.model, device)
     add_logprob_head(base, logprob_temperature(config))  # before PEFT wraps it, as TRL requires
     lora = config.lora
-    model = get_peft_model(base, LoraConfig(
-        r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-        target_modules=lora.target_modules, task_type="CAUSAL_LM",
-    ))
+    try:
+        model = get_peft_model(base, LoraConfig(
+            r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+            target_modules=lora.target_modules, task_type="CAUSAL_LM",
+        ))
+    except ValueError as err:   # why: PEFT's ValueError for targets that match no module or an unsupported one
+        raise lora_target_error(base, lora.target_modules, err) from None
     if config.model.gradient_checkpointing:
         # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
     adamw = HostAdamW if config.placement.optimizer_offload else torch.optim.AdamW
     optimizer = adamw(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
-    return Learner(model=model, tokenizer=load_tokenizer(config.model.name_or_path),
+    return Learner(model=model, tokenizer=load_tokenizer(resolve_model_path(config.model.name_or_path)),
                    device=torch.device(device), optimizer=optimizer)
+
+
+def lora_target_error(base: torch.nn.Module, targets, err: Exception) -> LabError:
+    """lora.target_modules that PEFT refused, as one line listing the names it can adapt."""
+    names = sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules()
+                    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and name})
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return LabError(f"lora.target_modules: {targets!r} cannot be adapted ({reason[:200]}); "
+                    f"use 'all-linear' or names of this model's layers, e.g. {', '.join(names[:10])}")
 
 
 def save_adapter(learner: Learner, path: str | Path) -> Path:

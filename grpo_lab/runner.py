@@ -13,8 +13,9 @@ from typing import Optional
 from .config import LabConfig, save_config
 from .errors import LabError
 from .io import append_jsonl
+from .paths import check_output_dir
 from .lab import Lab, preflight
-from .memory import format_compact
+from .memory import format_compact, peak_rows
 from .memory.report import CsvStream, write_report
 
 
@@ -25,7 +26,7 @@ def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
         raise LabError(f"--out: {str(path)!r} already holds a run; choose another directory or remove it")
     if path.exists() and not path.is_dir():
         raise LabError(f"--out: {str(path)!r} is a file, not a directory")
-    return path
+    return check_output_dir(path, "--out" if out else "run.output_dir")  # why here: refused before any model loads
 
 
 def check_plan(config: LabConfig) -> None:
@@ -41,8 +42,9 @@ def check_plan(config: LabConfig) -> None:
 
 
 def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = None, progress: bool = True,
-        force: bool = False) -> Path:
-    """Run `steps` GRPO steps headless; returns the run directory."""
+        force: bool = False, verbose: bool = False) -> Path:
+    """Run `steps` GRPO steps headless; returns the run directory. Prints one line per step, and the
+    per-phase memory table once at the end (after every step with `verbose`)."""
     from tqdm.auto import tqdm
 
     steps = steps or config.run.steps
@@ -63,13 +65,16 @@ def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = Non
             append_jsonl(metrics, result.metrics())
             samples.flush()
             bar.write(result.summary(), file=sys.stderr)
-            if progress:
+            if verbose:
                 bar.write(format_compact(result.memory), file=sys.stderr)
             if result.leaks:
                 bar.write(f"  leak detector: after-step memory keeps rising on {', '.join(result.leaks)}", file=sys.stderr)
             if config.run.save_every and (i + 1) % config.run.save_every == 0:
                 lab.save_adapter(run_dir / "adapter")
         lab.save_adapter(run_dir / "adapter")
+        if progress and lab.history:
+            rows = [row for result in lab.history for row in result.memory]
+            print(format_compact(peak_rows(rows), f"peak of {len(lab.history)} steps, MiB"), file=sys.stderr)
     finally:
         samples.flush()
         write_report(run_dir / "report.html", lab.memory, lab.history, title=f"grpo_lab run {run_dir}")

@@ -4,10 +4,16 @@ trained on the fly, written with `save_pretrained` so it loads through the norma
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Union
 
 from .data import arithmetic_problems
+from .errors import LabError
+
+BUILTIN = "builtin:"
+TINY = "tiny-qwen2"
+TINY_VERSION = 1   # why in the cache name: a changed builder must not reuse an old checkpoint
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -82,8 +88,44 @@ def _make_eos_reachable(model, tokenizer, probability: float) -> None:
 
 
 def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:
-    """Build the tiny model at `path` unless a checkpoint is already there."""
+    """Build the tiny model at `path` unless a checkpoint is already there (atomically, one builder at a time)."""
+    import fcntl
+
+    from .io import atomic_write_dir
+
     path = Path(path)
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, seed)
+    if (path / "config.json").is_file():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # why: a notebook kernel and a CLI run may both build it first
+            if not (path / "config.json").is_file():
+                atomic_write_dir(path, lambda tmp: build_tiny_model(tmp, seed))
+    except OSError as err:
+        raise LabError(f"tiny model: cannot write {str(path)!r} ({err.strerror}); choose a writable directory"
+                       + (" or set GRPO_LAB_CACHE" if path.parent == cache_dir() else "")) from None
     return path
+
+
+def cache_dir() -> Path:
+    """Per-user cache: $GRPO_LAB_CACHE, else $XDG_CACHE_HOME/grpo_lab, else ~/.cache/grpo_lab."""
+    if os.environ.get("GRPO_LAB_CACHE"):
+        return Path(os.environ["GRPO_LAB_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "grpo_lab"
+
+
+def builtin_path(name: str = TINY) -> Path:
+    """Where the built-in model `name` lives in the user cache."""
+    return cache_dir() / f"{name}-v{TINY_VERSION}"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """`builtin:tiny-qwen2` -> its directory in the user cache, built on first use; anything else as given."""
+    if not name_or_path.startswith(BUILTIN):
+        return name_or_path
+    name = name_or_path.removeprefix(BUILTIN)
+    if name != TINY:
+        raise LabError(f"model.name_or_path: unknown built-in model {name_or_path!r}; the built-in one is '{BUILTIN}{TINY}'")
+    return str(ensure_tiny_model(builtin_path(name)))

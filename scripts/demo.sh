@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The main job: install (if needed), build the tiny local model (if absent), run GRPO steps on it.
+# The main job: install (if needed), then run GRPO steps on the built-in tiny model (preset tiny-cpu; the model
+# is built on first use in the user cache, GRPO_LAB_CACHE or ~/.cache/grpo_lab).
 # Extra arguments go to `grpo-lab run`, e.g. scripts/demo.sh --steps 3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
-.venv/bin/grpo-lab tiny .cache/tiny-qwen2
-exec .venv/bin/grpo-lab run configs/tiny-cpu.yaml "$@"
+exec .venv/bin/grpo-lab run tiny-cpu "$@"

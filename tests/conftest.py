@@ -8,11 +8,21 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    from grpo_lab.tiny import build_tiny_model
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory):
+    """A per-session GRPO_LAB_CACHE (inherited by every subprocess and notebook kernel), so tests never
+    touch the user's cache and `builtin:tiny-qwen2` resolves to the session's tiny model."""
+    path = tmp_path_factory.mktemp("user-cache")
+    os.environ["GRPO_LAB_CACHE"] = str(path)
+    return path
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", seed=0))
+
+@pytest.fixture(scope="session")
+def tiny_model(user_cache):
+    """The built-in tiny model (seed 0), built once per session where `builtin:tiny-qwen2` finds it."""
+    from grpo_lab.tiny import builtin_path, ensure_tiny_model
+
+    return str(ensure_tiny_model(builtin_path()))
 
 
 @pytest.fixture

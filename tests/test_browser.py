@@ -32,12 +32,10 @@ def free_port() -> int:
 
 @pytest.fixture
 def jupyter(tmp_path, tiny_model):
-    """A JupyterLab server rooted in a scratch copy of the repo's notebook layout."""
+    """A JupyterLab server rooted in a scratch directory holding only the notebook: presets come by name
+    and the built-in tiny model from GRPO_LAB_CACHE (set by conftest), as for a user outside the repo."""
     (tmp_path / "notebooks").mkdir()
     shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "notebooks")
-    os.symlink(ROOT / "configs", tmp_path / "configs")
-    (tmp_path / ".cache").mkdir()
-    os.symlink(tiny_model, tmp_path / ".cache" / "tiny-qwen2")
     port, token = free_port(), secrets.token_hex(16)
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",

@@ -36,11 +36,11 @@ def test_readme_run_command_finishes_and_writes_the_run(tmp_path):
 
 def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path):
     out = tmp_path / "run"
-    proc = grpo_lab("run", "configs/tiny-cpu.yaml", "--steps", "1", "--out", str(out), "--quiet",
+    proc = grpo_lab("run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet",
                     "--set", f"model.name_or_path={tiny_model}", "--set", "grpo.loss_type=grpo")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["loss_type"] == "grpo"
-    again = grpo_lab("run", "configs/tiny-cpu.yaml", "--steps", "1", "--out", str(out), "--quiet",
+    again = grpo_lab("run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet",
                      "--set", f"model.name_or_path={tiny_model}")
     assert again.returncode == 2 and "already holds a run" in again.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1   # untouched
@@ -60,7 +60,7 @@ def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path):
 def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, tiny_model, override, expected):
     out = tmp_path / "run"
     sets = [] if override.startswith("model.") else ["--set", f"model.name_or_path={tiny_model}"]
-    proc = grpo_lab("run", "configs/tiny-cpu.yaml", "--out", str(out), *sets, "--set", override)
+    proc = grpo_lab("run", "tiny-cpu", "--out", str(out), *sets, "--set", override)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2
     assert len(lines) == 1 and lines[0].startswith("grpo-lab: error:") and expected in lines[0], proc.stderr
@@ -71,7 +71,7 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, tiny_model, overr
 def test_missing_config_file_and_bad_steps(tmp_path):
     proc = grpo_lab("run", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = grpo_lab("run", "configs/tiny-cpu.yaml", "--steps", "0")
+    proc = grpo_lab("run", "tiny-cpu", "--steps", "0")
     assert proc.returncode == 2 and "--steps" in proc.stderr
 
 

@@ -17,7 +17,7 @@ def with_(section, **values):
     return cfg
 
 
-@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "presets").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_preset_loads_and_round_trips(preset, tmp_path):
     cfg = load_config(preset)
     save_config(cfg, tmp_path / "c.yaml")

@@ -98,7 +98,7 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
         return norm
 
     monkeypatch.setattr(step_module, "optimizer_step", update)
-    code = main(["run", str(ROOT / "configs" / "tiny-cpu.yaml"), "--out", str(out), "--steps", "5", "--quiet",
+    code = main(["run", "tiny-cpu", "--out", str(out), "--steps", "5", "--quiet",
                  "--set", f"model.name_or_path={tiny_model}", "--set", "run.save_every=1",
                  "--set", "memory.host_threshold=0.5"])
     stderr = capsys.readouterr().err

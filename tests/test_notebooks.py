@@ -15,12 +15,25 @@ def test_notebook_is_stripped_and_has_a_parameters_cell(notebook):
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
 
 
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_under_papermill(notebook, tiny_model, tmp_path):
+def run_notebook(notebook, out, cwd, parameters):
     import papermill as pm
 
-    pm.execute_notebook(str(notebook), str(tmp_path / notebook.name), cwd=str(notebook.parent),
-                        parameters={"model_path": tiny_model, "steps": 1}, kernel_name="python3",
+    pm.execute_notebook(str(notebook), str(out), cwd=str(cwd), parameters=parameters, kernel_name="python3",
                         progress_bar=False)
-    out = nbformat.read(tmp_path / notebook.name, as_version=4)
-    assert not any(o.get("output_type") == "error" for c in out.cells for o in c.get("outputs", []))
+    nb = nbformat.read(out, as_version=4)
+    assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_under_papermill_from_the_repo_root(notebook, tiny_model, tmp_path):
+    """With its own defaults (preset names, the built-in tiny model), from the repo root."""
+    run_notebook(notebook, tmp_path / notebook.name, ROOT, {"steps": 1})
+
+
+@pytest.mark.parametrize("where", ["notebooks", "elsewhere"])
+def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path):
+    cwd = ROOT / "notebooks" if where == "notebooks" else tmp_path / "unrelated"
+    cwd.mkdir(exist_ok=True)
+    run_notebook(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "out.ipynb", cwd, {"steps": 1})
+    if where == "elsewhere":
+        assert list(cwd.iterdir()) == []   # nothing written into the user's working directory

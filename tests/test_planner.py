@@ -13,7 +13,7 @@ from grpo_lab.planner import load_shape, plan
 from grpo_lab.planner.estimate import base_weight_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-P1 = ROOT / "configs" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
+P1 = ROOT / "grpo_lab" / "presets" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
 
 
 def grpo_lab_cli(*args):
@@ -21,13 +21,11 @@ def grpo_lab_cli(*args):
                           timeout=300)
 
 
-@pytest.mark.parametrize("preset", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "presets").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_preset_loads_plans_and_says_what_it_is_for(preset, tiny_model):
     header = preset.read_text().splitlines()[:3]
     assert all(line.startswith("#") for line in header) and "grpo-lab" in "".join(preset.read_text().splitlines()[:6])
-    cfg = load_config(preset)
-    if not Path(cfg.model.name_or_path).exists() and cfg.model.name_or_path.startswith("."):
-        cfg = load_config(cfg, [f"model.name_or_path={tiny_model}"])    # tiny-cpu before its model is built
+    cfg = load_config(preset.stem)   # by name
     result = plan(cfg)
     assert result.devices and all(d.total > 0 for d in result.devices.values())
     assert result.fits, str(result)
@@ -56,7 +54,7 @@ def test_planned_lora_and_weights_match_the_loaded_model(loaded_lab, tiny_model)
 
 
 def test_plan_suggests_the_knob_that_makes_it_fit():
-    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-nf4-24gb.yaml",
+    cfg = load_config(ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml",
                       ["grpo.micro_batch_size=32", "model.gradient_checkpointing=false"])
     result = plan(cfg)
     assert not result.fits and [d.device for d in result.failing()] == ["cuda:0"]
@@ -66,7 +64,7 @@ def test_plan_suggests_the_knob_that_makes_it_fit():
 
 
 def test_checkpointing_and_offload_lower_the_learner_gpu():
-    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-nf4-24gb.yaml")
+    cfg = load_config(ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml")
     base = plan(cfg).devices["cuda:0"].total
     assert plan(load_config(cfg, ["model.gradient_checkpointing=false"])).devices["cuda:0"].total > base
     offloaded = plan(load_config(cfg, ["placement.optimizer_offload=true"]))
@@ -75,7 +73,7 @@ def test_checkpointing_and_offload_lower_the_learner_gpu():
 
 
 def test_runner_refuses_a_plan_that_does_not_fit_unless_forced(tiny_model, tmp_path):
-    args = ["run", "configs/tiny-cpu.yaml", "--steps", "1", "--quiet", "--set", f"model.name_or_path={tiny_model}",
+    args = ["run", "tiny-cpu", "--steps", "1", "--quiet", "--set", f"model.name_or_path={tiny_model}",
             "--set", "placement.host_memory_gib=0.5"]
     proc = grpo_lab_cli(*args, "--out", str(tmp_path / "a"))
     assert proc.returncode == 2 and "memory plan: does not fit on host" in proc.stderr and "--force" in proc.stderr

@@ -42,7 +42,7 @@ def generator_logprobs(lab, rollout, with_lora=True):
 
 def test_cli_run_with_vllm_writes_mismatch_and_sync_seconds(tiny_model, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "run", "configs/tiny-cpu.yaml", "--set", "generator.backend=vllm",
+    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "run", "tiny-cpu", "--set", "generator.backend=vllm",
                            "--set", f"model.name_or_path={tiny_model}", "--steps", "3", "--out", str(out), "--quiet"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,7 +113,7 @@ def test_importance_sampling_correction_runs(vllm_lab):
 
 
 def bad(tiny_model, *overrides):
-    cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model}", "generator.backend=vllm", *overrides])
+    cfg = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "generator.backend=vllm", *overrides])
     with pytest.raises(LabError) as err:
         Lab(cfg).load()
     return str(err.value)

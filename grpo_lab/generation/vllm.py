@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LabError
+from ..tiny import resolve_model_path
 from .base import GenerationRequest, Generator, Sample
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values
@@ -77,13 +78,13 @@ class VLLMGenerator(Generator):
         vllm = import_vllm()
         devices = place.generator_devices()
         on_cpu = devices == ["cpu"]
-        model = gen.model or config.model.name_or_path
+        model = resolve_model_path(gen.model or config.model.name_or_path)
         tp = check_tensor_parallel(model, devices)
         self.colocated = place.learner in devices
         self.sleep_mode = gen.sleep_mode and self.colocated and not on_cpu
         if gen.sleep_mode and on_cpu:
             warnings.warn("generator.sleep_mode: vLLM has no sleep mode on the CPU; skipped", stacklevel=2)
-        kwargs = dict(model=model, tokenizer=config.model.name_or_path, dtype=config.model.dtype,
+        kwargs = dict(model=model, tokenizer=resolve_model_path(config.model.name_or_path), dtype=config.model.dtype,
                       quantization=gen.quantization, tensor_parallel_size=tp, seed=config.run.seed,
                       enable_lora=True, max_lora_rank=max_lora_rank(config.lora.r), max_loras=1,
                       max_model_len=gen.max_prompt_length + gen.max_completion_length,

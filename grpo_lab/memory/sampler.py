@@ -156,13 +156,23 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_compact(rows: list[dict]) -> str:
+def peak_rows(rows: list[dict]) -> list[dict]:
+    """Per phase x device x metric, the row (of any step) with the highest peak: a run's table in one."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["phase"], r["device"], r["metric"])
+        if key not in best or r["peak"] > best[key]["peak"]:
+            best[key] = r
+    return list(best.values())
+
+
+def format_compact(rows: list[dict], title: str = "memory MiB") -> str:
     """One line per phase: each device/metric as 'peak (delta)' MiB, for the CLI."""
     keys = list(dict.fromkeys((r["device"], r["metric"]) for r in rows))
     by_phase: dict[str, dict] = {}
     for r in rows:
         by_phase.setdefault(r["phase"], {})[(r["device"], r["metric"])] = r
-    head = "  memory MiB  " + "".join(f"{d + ' ' + m + ' peak (delta)':>28}" for d, m in keys)
+    head = f"  {title:<12}" + "".join(f"{d + ' ' + m + ' peak (delta)':>28}" for d, m in keys)
     lines = [head]
     for phase, cells in by_phase.items():
         lines.append(f"  {phase:<11} " + "".join(

@@ -66,6 +66,9 @@ def bundled_name(model_id: str) -> str:
 
 def load_shape(name_or_path: str) -> ModelShape:
     """Shape from `name_or_path/config.json`, else from the bundled copy of a known hub id."""
+    from ..tiny import resolve_model_path
+
+    name_or_path = resolve_model_path(name_or_path)
     local = Path(name_or_path) / "config.json"
     bundled = BUNDLED / f"{bundled_name(name_or_path)}.json"
     for path in (local, bundled):

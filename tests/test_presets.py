@@ -1,0 +1,65 @@
+"""Presets by name, anywhere a config path is accepted; the built-in tiny model in the user cache."""
+import os
+from pathlib import Path
+
+import pytest
+
+from grpo_lab import Lab, LabError, load_config
+from grpo_lab.cli import main
+from grpo_lab.presets import preset_names
+
+
+def test_presets_command_lists_every_preset_with_its_description(capsys):
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == preset_names() == ["p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu"]
+    assert all(len(line.split(None, 1)[1]) > 20 for line in lines)      # a real one-line description each
+
+
+def test_unknown_preset_is_one_line_listing_the_names(capsys, tmp_path):
+    assert main(["run", "tiny-gpu", "--out", str(tmp_path / "run")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "'tiny-gpu'" in err[0] and all(name in err[0] for name in preset_names())
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_file_wins_over_a_preset_of_the_same_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("tiny-cpu").write_text("model: {name_or_path: some/model}\ngrpo: {beta: 0.5}\n")
+    assert load_config("tiny-cpu").grpo.beta == 0.5
+    os.remove("tiny-cpu")
+    assert load_config("tiny-cpu").model.name_or_path == "builtin:tiny-qwen2"
+    assert load_config("tiny-cpu.yaml") == load_config("tiny-cpu")
+
+
+def test_plan_by_name(capsys):
+    assert main(["plan", "p1-qwq32b-nf4-2xa100-40gb"]) == 0
+    assert "cuda:1" in capsys.readouterr().out
+
+
+def test_lab_by_name_uses_the_builtin_model_from_the_user_cache(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)            # the working directory plays no part
+    lab = Lab("tiny-cpu", overrides=["memory.sample_hz=0"]).load()
+    assert lab.config.model.name_or_path == "builtin:tiny-qwen2"
+    assert Path(os.environ["GRPO_LAB_CACHE"]) in Path(tiny_model).parents
+    assert list(tmp_path.iterdir()) == []
+    lab.close()
+
+
+def test_builtin_model_is_built_on_first_use_where_the_cache_says(tmp_path, monkeypatch):
+    from grpo_lab.tiny import resolve_model_path
+
+    monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "cache"))
+    path = Path(resolve_model_path("builtin:tiny-qwen2"))
+    assert path.parent == tmp_path / "cache" and (path / "config.json").is_file()
+    assert sorted(p.name for p in path.parent.iterdir()) == [".tiny-qwen2-v1.lock", "tiny-qwen2-v1"]   # no temporary directory left
+    with pytest.raises(LabError, match="unknown built-in model"):
+        resolve_model_path("builtin:huge")
+
+
+def test_unwritable_cache_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "file" / "cache"))
+    assert main(["plan", "tiny-cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "GRPO_LAB_CACHE" in err
