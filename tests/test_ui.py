@@ -1,4 +1,6 @@
 """Widget logic without a browser: the editor validates edits, the buttons run phases and steps."""
+import threading
+
 import pytest
 
 from grpo_lab import Lab
@@ -63,24 +65,50 @@ def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
     assert len(lab.history) == 1
     controls.count.value = 2
     controls.run_button.click()
-    controls.thread.join(timeout=120)
-    assert len(lab.history) == 3 and controls.progress.value == 2
+    controls.thread.join(timeout=300)
+    assert not controls.thread.is_alive()
+    assert len(lab.history) == 3 and controls.progress.value == 2 and [r.step for r in lab.history] == [1, 2, 3]
+
+
+def log_text(controls):
+    return "".join(o["text"] for o in controls.log.outputs)
 
 
 def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab):
+    """Stop is clicked while step 1 of a 5-step run is inside its rewards phase (held there by the reward
+    function until the test lets it go): step 1 finishes, step 2 never starts."""
     lab = loaded_lab()
     controls = StepControls(lab)
-    controls.run(50)
-    controls.stop_button.click()
-    controls.thread.join(timeout=120)
-    assert len(lab.history) <= 2 and "stopped between steps" in "".join(o["text"] for o in controls.log.outputs)
+    inside_step_1, release = threading.Event(), threading.Event()
+    calls = []
+
+    def held_length(prompts, completions, **kwargs):
+        calls.append(lab.step_index)
+        if lab.step_index == 1:
+            inside_step_1.set()
+            if not release.wait(300):
+                raise RuntimeError("the test never released step 1")
+        return [float(len(c)) for c in completions]
+
+    lab.reward_funcs = [held_length]
+    controls.run(5)
+    assert inside_step_1.wait(300), "the run never reached step 1"
+    assert controls.thread.is_alive() and len(lab.history) == 1 and controls.progress.value == 1
+    controls.stop_button.click()                      # the user presses stop while step 1 runs
+    release.set()
+    controls.thread.join(timeout=300)
+    assert not controls.thread.is_alive()
+    assert calls == [0, 1] and [r.step for r in lab.history] == [0, 1] and controls.progress.value == 2
+    assert log_text(controls).count("stopped between steps") == 1
+
     lab.config.grpo.micro_batch_size = 4
     lab.reward_funcs = [lambda prompts, completions, **kw: [1.0]]      # wrong length -> LabError
     controls.step_button.click()
-    assert "error: reward" in "".join(o["text"] for o in controls.log.outputs)
+    assert "error: reward '<lambda>' returned 1 values for 8 completions" in log_text(controls)
+    assert len(lab.history) == 2 and lab.step_index == 2
     lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
     controls.step_button.click()
-    assert len(lab.history) >= 1
+    assert [r.step for r in lab.history] == [0, 1, 2] and lab.step_index == 3
 
 
 def test_panel_combines_editor_controls_and_plot(loaded_lab):
