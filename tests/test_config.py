@@ -113,7 +113,7 @@ def test_assignment_runs_the_cross_section_checks():
 
 
 def test_missing_and_malformed_files(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match=r"missing\.yaml' is neither a YAML file nor a preset; presets: .*tiny-cpu"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed")

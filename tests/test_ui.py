@@ -51,7 +51,8 @@ def test_editor_saves_and_loads_yaml(tiny_config, tmp_path):
     other.load(str(tmp_path / "c.yaml"))
     assert other.config.grpo.beta == 0.3 and other.inputs[("grpo", "beta")][0].value == 0.3
     other.load(str(tmp_path / "missing.yaml"))
-    assert "does not exist" in other.message.value
+    assert "missing.yaml' is neither a YAML file nor a preset" in other.message.value
+    assert other.config.grpo.beta == 0.3                      # a failed load leaves the config as it was
 
 
 def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
