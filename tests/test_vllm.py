@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,14 +18,38 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def vllm_lab(tiny_model):
+def vllm_run(tiny_model):
+    """One engine for the module. What the generator does right after load (first sync, LoRA B still zero)
+    is recorded here, before any test can step the lab, so the exactness check does not depend on test order."""
     cfg = {"model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
            "lora": {"r": 8, "lora_alpha": 16}, "generator": {"backend": "vllm", "max_completion_length": 16},
            "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 2e-2},
            "data": {"rewards": ["length"]}}
     lab = Lab(cfg).load()
-    yield lab
+    yield SimpleNamespace(lab=lab, first_sync=first_sync_record(lab))
     lab.close()
+
+
+@pytest.fixture
+def vllm_lab(vllm_run):
+    return vllm_run.lab
+
+
+def spread(prompts, completions, **kwargs):
+    """Rewards 0..3 inside every group of 4: nonzero advantages whatever was sampled."""
+    return [float(i % 4) for i in range(len(completions))]
+
+
+def first_sync_record(lab):
+    """The freshly loaded generator's adapter and its log-probs with and without it, on one rollout."""
+    from safetensors.torch import load_file
+
+    version, step_index = lab.generator.version, lab.step_index
+    adapter = load_file(Path(lab.generator.lora_request.lora_path) / "adapter_model.safetensors")
+    rollout = lab.rollout()
+    return SimpleNamespace(version=version, step_index=step_index, adapter=adapter, rollout=rollout,
+                           with_lora=generator_logprobs(lab, rollout, True),
+                           without_lora=generator_logprobs(lab, rollout, False))
 
 
 def learner_logprobs(lab, rollout):
@@ -52,17 +77,23 @@ def test_cli_run_with_vllm_writes_mismatch_and_sync_seconds(tiny_model, tmp_path
         assert row["logprob_mismatch"] > 0 and row["logprob_kl"] >= 0 and row["sync_seconds"] > 0
 
 
-def test_first_sync_with_zero_lora_b_is_exact_and_sync_moves_generator_to_learner(vllm_lab):
-    lab = vllm_lab
+def test_first_sync_with_zero_lora_b_is_exact_and_sync_moves_generator_to_learner(vllm_run, monkeypatch):
+    first, lab = vllm_run.first_sync, vllm_run.lab
+    assert first.version == 1 and first.step_index == 0                  # recorded right after load
+    b = [t for name, t in first.adapter.items() if "lora_B" in name]
+    assert b and all(not t.any() for t in b)                             # the synced adapter's B is zero...
+    assert any(t.any() for name, t in first.adapter.items() if "lora_A" in name)
+    mask = first.rollout.completion_mask.bool()
+    assert mask.any()
+    assert torch.allclose(first.with_lora[mask], first.without_lora[mask], atol=1e-5)   # ...so it changes nothing
+
+    monkeypatch.setattr(lab, "reward_funcs", [spread])      # a batch of equal rewards would not move the learner
     rollout = lab.rollout()
     mask = rollout.completion_mask.bool()
-    if lab.step_index == 0 and lab.generator.version == 1:   # LoRA B is still zero: the adapter changes nothing
-        assert torch.allclose(generator_logprobs(lab, rollout, True)[mask], generator_logprobs(lab, rollout, False)[mask],
-                              atol=1e-5)
     rewards = lab.rewards(rollout)
     advantages = lab.advantages(rewards)
     lab.loss_and_backward(rollout, advantages, lab.logprobs(rollout))
-    lab.optimizer_step()                                      # the learner moved; the generator has not yet
+    assert lab.optimizer_step() > 0                           # the learner moved; the generator has not yet
     learner_now = learner_logprobs(lab, rollout)
     stale = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
     lab.sync()
@@ -104,12 +135,63 @@ def test_twenty_syncs_do_not_grow_generator_memory(vllm_lab):
     assert not lab.history[-1].leaks
 
 
-def test_importance_sampling_correction_runs(vllm_lab):
-    vllm_lab.config.grpo.importance_sampling_correction = True
+def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand(vllm_lab, monkeypatch):
+    """On-policy (num_iterations 1) dapo: the corrected loss is sum(-A * w * mask) / tokens, with
+    w = min(exp(learner - sampler), cap) per token and the learner's log-probs as constants in w."""
+    import grpo_lab.step as step_module
+    from grpo_lab.logprobs import completion_logprobs, rollout_slice
+
+    lab = vllm_lab
+    grpo = lab.config.grpo
+    assert grpo.num_iterations == 1 and grpo.beta == 0 and grpo.loss_type == "dapo" and not grpo.micro_batch_size
+    monkeypatch.setattr(lab, "reward_funcs", [spread])      # nonzero advantages, so there is a gradient to weight
+    rollout = lab.rollout()
+    advantages = lab.advantages(lab.rewards(rollout))
+    logprobs = lab.logprobs(rollout)
+    model, params = lab.learner.model, lab.learner.trainable_parameters()
+    mask = rollout.completion_mask.float()
+    tokens = mask.sum()
+    adv = advantages.values.unsqueeze(1)
+
+    model.train()                                              # the learner's log-probs, as the loss computes them
+    lab.learner.optimizer.zero_grad(set_to_none=True)
+    logps = completion_logprobs(model, *rollout_slice(rollout, slice(None), lab.learner.device)).float()
+    gap = logps.detach() - rollout.sampler_logprobs           # log(learner / sampler) per token
+    ratio = torch.exp(gap)
+    on = mask.bool()
+    cap = torch.quantile(ratio[on], 0.75).item()               # a cap that truncates some tokens and not others
+    weights = ratio.clamp(max=cap)
+    assert (ratio[on] > cap).any() and (ratio[on] < cap).any() and not torch.allclose(weights[on], torch.ones(int(tokens)))
+    hand_loss = (-adv * weights * mask * torch.exp(logps - logps.detach())).sum() / tokens
+    hand_loss.backward(retain_graph=True)
+    hand_grads = {n: p.grad.clone() for n, p in params.items()}
+    lab.learner.optimizer.zero_grad(set_to_none=True)
+    plain_loss = (-adv * mask * torch.exp(logps - logps.detach())).sum() / tokens
+    plain_loss.backward()
+    plain_grads = {n: p.grad.clone() for n, p in params.items()}
+    del logps
+
+    seen = []
+    real_loss = step_module.grpo_loss
+    monkeypatch.setattr(step_module, "grpo_loss",
+                        lambda *a, sampling_weights=None, **k: seen.append(sampling_weights) or real_loss(
+                            *a, sampling_weights=sampling_weights, **k))
+    monkeypatch.setattr(grpo, "importance_sampling_correction", True)
+    monkeypatch.setattr(grpo, "importance_sampling_cap", cap)
     try:
-        assert torch.isfinite(torch.tensor(vllm_lab.step().loss))
+        stats = lab.loss_and_backward(rollout, advantages, logprobs)
+        grads = {n: p.grad.clone() for n, p in params.items()}
     finally:
-        vllm_lab.config.grpo.importance_sampling_correction = False
+        lab.learner.optimizer.zero_grad(set_to_none=True)      # the shared lab takes no update here
+
+    assert len(seen) == 1 and torch.allclose(seen[0][on], weights[on], rtol=1e-6, atol=0)
+    assert stats.loss == pytest.approx(hand_loss.item(), rel=1e-5, abs=1e-7)
+    assert stats.logprob_mismatch == pytest.approx(((gap.abs() * mask).sum() / tokens).item(), rel=1e-5)
+    differs = False
+    for n in params:
+        assert torch.allclose(grads[n], hand_grads[n], rtol=1e-4, atol=1e-7), n
+        differs |= not torch.allclose(grads[n], plain_grads[n], rtol=1e-3, atol=1e-6)
+    assert differs, "the weights did not change the gradient: the check could not tell them apart"
 
 
 def bad(tiny_model, *overrides):
