@@ -19,21 +19,24 @@ import yaml
 
 from .errors import LabError
 from .memory.probes import MiB
+from .paths import check_output_dir
 
 PEAK_METRIC = {"host": "rss"}   # per device: host RSS; GPUs: torch's allocated
 
 
 def notebook_parameters(notebook: Path) -> dict:
-    import nbformat
+    from .paths import read_notebook
 
-    if not notebook.is_file():
-        raise LabError(f"sweep: notebook {str(notebook)!r} does not exist")
-    nb = nbformat.read(notebook, as_version=4)
+    nb = read_notebook(notebook, "sweep NOTEBOOK")
     if not any("parameters" in c.metadata.get("tags", []) for c in nb.cells):
         raise LabError(f"sweep: {notebook.name} has no cell tagged 'parameters'; tag the cell that sets its defaults")
     import papermill as pm
 
-    return pm.inspect_notebook(str(notebook))
+    try:
+        return pm.inspect_notebook(str(notebook))
+    except ValueError as err:   # why: papermill's ValueError, e.g. a notebook without kernel metadata
+        raise LabError(f"sweep NOTEBOOK: papermill cannot read the parameters of {notebook.name} ({err}); "
+                       "open and save it in Jupyter to repair it") from None
 
 
 def parse_grid(items: list[str]) -> dict[str, list]:
@@ -78,7 +81,7 @@ def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Pat
         raise LabError(f"sweep: {notebook.name} has no 'results_path' parameter, so its metrics cannot be collected")
     if (out / "summary.csv").exists():
         raise LabError(f"--out: {str(out)!r} already holds a sweep; choose another directory")
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out, "--out").mkdir(parents=True, exist_ok=True)
     rows = []
     for values in itertools.product(*grid.values()):
         point = dict(zip(grid, values))
