@@ -33,11 +33,13 @@ def arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
 
 def load_jsonl(path: str | Path) -> list[dict]:
     """Rows with a 'prompt' (text or chat messages) and optionally an 'answer' and other columns."""
+    from .paths import read_text
+
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise LabError(f"data.dataset: {str(path)!r} is neither 'arithmetic' nor an existing JSONL file")
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(read_text(path, "data.dataset").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -46,10 +48,21 @@ def load_jsonl(path: str | Path) -> list[dict]:
             raise LabError(f"data.dataset: {path}:{i} is not valid JSON ({err.msg})") from None
         if not isinstance(row, dict) or "prompt" not in row:
             raise LabError(f"data.dataset: {path}:{i} has no 'prompt' field; each line needs {{\"prompt\": ..., \"answer\": ...}}")
+        if not is_prompt(row["prompt"]):
+            raise LabError(f"data.dataset: {path}:{i} 'prompt' is {type(row['prompt']).__name__} {str(row['prompt'])[:40]!r}; give "
+                           "non-empty text or a list of {\"role\": ..., \"content\": ...} messages")
         rows.append(row)
     if not rows:
         raise LabError(f"data.dataset: {path} has no rows")
     return rows
+
+
+def is_prompt(prompt) -> bool:
+    """Non-empty text, or a non-empty list of chat messages with string 'role' and 'content'."""
+    if isinstance(prompt, str):
+        return bool(prompt.strip())
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
 
 
 def load_rows(dataset: str, num_prompts: int, seed: int) -> list[dict]:

@@ -31,10 +31,17 @@ def preflight(config: LabConfig) -> None:
         max_lora_rank(config.lora.r)
         check_tensor_parallel(config.generator.model or config.model.name_or_path, config.placement.generator_devices())
     check_placement(config)
+    if config.generator.backend == "hf":
+        from .generation.hf import check_hf_placement
+
+        check_hf_placement(config)
     for name in config.data.rewards:
         resolve_reward(name)
     if config.data.dataset != "arithmetic":
-        load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
+        rows = load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
+        if config.grpo.prompts_per_step > len(rows):
+            raise LabError(f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
+                           f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset")
 
 
 class Lab:
