@@ -11,15 +11,20 @@ from ..errors import LabError
 from .base import GenerationRequest, Generator, Sample
 
 
+def check_hf_placement(config) -> None:
+    """The hf backend samples with the learner itself, so it has no device of its own (checked in preflight too)."""
+    devices = config.placement.generator_devices()
+    if devices != [config.placement.learner]:
+        raise LabError(f"placement.generator: backend 'hf' samples with the learner itself on "
+                       f"{config.placement.learner}, not on {devices}; set placement.generator: null "
+                       "(a separate generator device needs a backend that holds its own weights)")
+
+
 class HFGenerator(Generator):
     def __init__(self, learner, config):
         gen = config.generator
         super().__init__(learner.tokenizer, gen.max_prompt_length, gen.chunk_size)
-        devices = config.placement.generator_devices()
-        if devices != [config.placement.learner]:
-            raise LabError(f"placement.generator: backend 'hf' samples with the learner itself on "
-                           f"{config.placement.learner}, not on {devices}; set placement.generator: null "
-                           "(a separate generator device needs a backend that holds its own weights)")
+        check_hf_placement(config)
         self.learner = learner
 
     def sync(self, learner) -> None:
@@ -47,6 +52,12 @@ class HFGenerator(Generator):
             sequences = model.generate(input_ids=input_ids.to(self.learner.device),
                                        attention_mask=attention.to(self.learner.device), generation_config=settings,
                                        logits_processor=LogitsProcessorList([recorder]))
+        except RuntimeError as err:
+            if "probability tensor contains" not in str(err):   # torch.multinomial on inf/nan probabilities
+                raise
+            raise LabError("rollout: the policy's next-token probabilities are inf/nan, so nothing can be sampled; "
+                           "the LoRA weights diverged (lower grpo.learning_rate or grpo.max_grad_norm) or the model "
+                           "overflows in model.dtype/bnb_4bit_compute_dtype (try float32)") from None
         finally:
             model.train(was_training)
         new_tokens = sequences[:, width:]
