@@ -74,7 +74,23 @@ def resolve_reward(spec: Union[str, Callable]) -> Callable:
         raise LabError(f"data.rewards: cannot import {spec!r} ({err}); check the module path") from None
     if not callable(fn):
         raise LabError(f"data.rewards: {spec!r} is not callable")
+    check_reward_signature(spec, fn)
     return fn
+
+
+def check_reward_signature(spec: str, fn: Callable) -> None:
+    """A named function must take the keywords every reward call passes, or the first step would fail on it."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return   # no introspectable signature (some builtins): called as it is
+    try:
+        signature.bind(prompts=[], completions=[], completion_ids=[], answer=[])
+    except TypeError as err:
+        raise LabError(f"data.rewards: {spec!r} does not take the reward arguments ({err}); "
+                       "define it as f(prompts, completions, **kwargs)") from None
 
 
 def reward_name(fn: Callable) -> str:
