@@ -24,6 +24,8 @@ def format_validation_error(err) -> str:
             msg = "unknown key; remove it or check its spelling (see README 'Config reference')"
         elif e["type"] == "literal_error":
             msg = f"got {e.get('input')!r}; {msg.lower()}"
+        elif e["type"] == "string_too_short" and e.get("input") == "":
+            msg = "empty; give a value, or null where the field has a null default"
         elif "input" in e and e["type"] not in ("missing", "value_error"):
             msg = f"got {e['input']!r}; {msg}"
         lines.append(f"{loc}: {msg}" if loc else msg)
