@@ -308,6 +308,13 @@ def test_bad_model_checkpoints(capsys, base_config, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_bad_generator_model_is_named_as_such(capsys, base_config, tmp_path, a_file):
+    for path in (tmp_path / "missing", a_file):
+        refused(capsys, ["run", base_config, "--out", tmp_path / "run", "--set", "generator.backend=vllm",
+                         "--set", f"generator.model={path}"], "generator.model")
+    assert not (tmp_path / "run").exists()
+
+
 def test_checkpoint_transformers_cannot_read_is_one_labError(tiny_model, tmp_path):
     """An unknown model_type passes the planner (the sizes are fine) and fails in from_pretrained's config
     step, before any weight is read."""
