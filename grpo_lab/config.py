@@ -158,7 +158,7 @@ class MemorySection(Section):
 
 class DataSection(Section):
     dataset: str = Field("arithmetic", description="'arithmetic' (built-in word problems) or a path to a JSONL file with 'prompt' and 'answer'.")
-    num_prompts: int = Field(512, ge=1, description="Size of the built-in arithmetic set.")
+    num_prompts: int = Field(512, ge=1, le=100_000, description="Size of the built-in arithmetic set (made in memory at load; at most 100000).")
     system_prompt: Optional[str] = Field(
         "Solve the problem. Put only the final number inside <answer></answer>.",
         description="System message prepended to every prompt; null = none.")
