@@ -96,6 +96,10 @@ def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:
     path = Path(path)
     if (path / "config.json").is_file():
         return path
+    # why: the atomic swap below replaces whatever is at `path`; never a user's file or directory
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise LabError(f"tiny model: {str(path)!r} is {'a file' if not path.is_dir() else 'a directory with other files'} "
+                       "and no checkpoint; give a new or empty directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.parent / f".{path.name}.lock", "w") as lock:

@@ -265,6 +265,8 @@ def test_tiny_path_that_is_a_file_under_a_file_or_unwritable(capsys, a_file):
     refused(capsys, ["tiny", a_file / "model"], "grpo-lab tiny PATH", "is a file")
     refused(capsys, ["tiny", UNWRITABLE / "model"], "grpo-lab tiny PATH", "cannot write")
     assert a_file.read_text() == "keep me\n" and not list(a_file.parent.glob(".a_file*"))
+    refused(capsys, ["tiny", a_file.parent], "tiny model", "other files")   # was: swapped away, files deleted
+    assert a_file.read_text() == "keep me\n"
 
 
 def notebook(path: Path, **metadata) -> Path:
