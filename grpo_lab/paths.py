@@ -26,7 +26,8 @@ def check_output_dir(path: PathLike, what: str) -> Path:
     while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise LabError(f"{what}: cannot create {str(path)!r}: {str(ancestor)!r} is a file, not a directory; "
+        kind = "a broken link" if os.path.islink(ancestor) and not ancestor.exists() else "a file, not a directory"
+        raise LabError(f"{what}: cannot create {str(path)!r}: {str(ancestor)!r} is {kind}; "
                        "choose a path that is not under a file")
     try:
         os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".grpo-lab-write-check-"))
