@@ -4,7 +4,10 @@ bitsandbytes >= 0.48 repacks a `Linear4bit`'s nf4 weights into an AVX-512-BF16 i
 the first time the layer runs in eval mode without gradients on a CPU with that flag; a later
 training forward on the packed layout fails in autograd (`result += bias` on a leaf). A learner
 runs eval/no-grad forwards every step (HF rollout, old and reference log-probs), so grpo_lab
-never lets its 4-bit layers repack (measured in bench/bnb_cpu_layout.py, docs/benchmarks.md).
+never lets its 4-bit layers repack. The trade-off, measured in bench/bnb_cpu_layout.py
+(docs/benchmarks.md): the packed bf16 kernel makes an HF rollout 1.3x (bf16 compute) to 2x
+(float32) faster on an AVX-512-BF16 CPU, but sampler and learner log-probs then differ by ~2e-2
+instead of ~2e-6, and restoring the training layout needs bnb's private inverse, which is lossy.
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ def quiet_bitsandbytes() -> None:
 def pin_training_layout(model) -> int:
     """Keep every bitsandbytes 4-bit layer of `model` in its training layout; returns how many.
 
-    why: the packed CPU layout only serves eval/no-grad forwards and breaks the next training forward;
-    the reference copy is pinned too, so its log-probs are computed exactly as the policy's are."""
+    why never repack: the packed layout breaks the next training forward, and sampling on it would
+    make sampler log-probs differ from the learner's; the reference copy is pinned too, so its
+    log-probs are computed exactly as the policy's are."""
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:
