@@ -70,7 +70,7 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, tiny_model, overr
 
 def test_missing_config_file_and_bad_steps(tmp_path):
     proc = grpo_lab("run", str(tmp_path / "nope.yaml"))
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert proc.returncode == 2 and "is neither a YAML file nor a preset" in proc.stderr
     proc = grpo_lab("run", "tiny-cpu", "--steps", "0")
     assert proc.returncode == 2 and "--steps" in proc.stderr
 
