@@ -1,0 +1,33 @@
+"""The demo preset visibly learns: a first `grpo-lab run tiny-cpu` must show GRPO working.
+
+The tiny model has random weights, so the answer is out of reach; the length reward (target 16
+tokens, -1 for a completion truncated at 48) is the learnable signal. With seed 0 the mean reward
+of the first 3 steps is -0.12 and of the last 3 is +0.51 (+0.62; seeds 1-7: +0.39 to +0.66). The
+same run with learning_rate 1e-9 (no learning, same sampling) gives -0.40 for seed 0 and at most
++0.21 over seeds 0-3, so a margin of 0.3 separates learning from sampling noise.
+"""
+from __future__ import annotations
+
+import json
+
+MARGIN = 0.3
+
+
+def run_preset(tiny_model, out, *overrides):
+    from grpo_lab.config import load_config
+    from grpo_lab.runner import run
+
+    config = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "run.seed=0", *overrides])
+    run_dir = run(config, out=str(out), progress=False)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_cpu_preset_reward_rises_with_variance(tiny_model, tmp_path):
+    rows = run_preset(tiny_model, tmp_path / "run")
+    rewards = [r["reward_mean"] for r in rows]
+    stds = [r["reward_std"] for r in rows]
+    assert len(rows) >= 10, "the preset should run enough steps to show a curve"
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last - first > MARGIN, f"mean reward first 3 steps {first:.3f}, last 3 {last:.3f}: {rewards}"
+    # not collapsed to a constant: GRPO needs reward differences within groups to keep learning
+    assert sum(s > 0.05 for s in stds) >= 0.8 * len(stds), stds
