@@ -22,8 +22,9 @@ from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
 def preflight(config: LabConfig) -> None:
     """Everything that can be checked before a weight is loaded."""
     from .data import load_rows
-    from .devices import check_model_path, check_placement
+    from .devices import check_model_path, check_placement, check_torchvision
 
+    check_torchvision()
     check_model_path(config.model.name_or_path)
     if config.generator.backend == "vllm":
         from .generation.vllm import check_tensor_parallel, max_lora_rank

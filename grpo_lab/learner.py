@@ -51,7 +51,7 @@ def load_base(model_cfg, device: str):
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise LabError("model.load_in_4bit needs bitsandbytes; install grpo-lab[cpu] or grpo-lab[gpu], "
+            raise LabError("model.load_in_4bit needs bitsandbytes (a grpo-lab dependency): pip install bitsandbytes, "
                            "or set model.load_in_4bit: false") from None
         from transformers import BitsAndBytesConfig
 

@@ -43,6 +43,10 @@ def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 1
                      vocab_size: int = 384, eos_probability: float = 0.1) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files."""
     import torch
+
+    from .devices import check_torchvision
+
+    check_torchvision()   # why first: transformers' model classes import it
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)

