@@ -32,6 +32,20 @@ def test_readme_run_command_finishes_and_writes_the_run(tmp_path):
     assert resolved["run"]["steps"] == 3 and resolved["run"]["output_dir"] == str(out)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert "step 2:" in proc.stderr   # one summary line per step
+    # readable output: the per-phase memory table once, at the end; then the run directory and the report
+    assert proc.stderr.count("peak of 3 steps, MiB") == 1 and proc.stderr.count("rollout ") == 1
+    assert proc.stderr.rindex("peak of 3 steps") > proc.stderr.rindex("step 2:")
+    assert f"report: open {out / 'report.html'}" in proc.stdout and (out / "report.html").is_file()
+    for noise in ("Traceback", "Failed to load CPU gemm_4bit_forward", "Loading weights"):
+        assert noise not in proc.stderr, noise
+
+
+def test_verbose_prints_the_memory_table_after_every_step(tiny_model, tmp_path, capsys):
+    from grpo_lab.cli import main
+
+    assert main(["run", "tiny-cpu", "--steps", "2", "--out", str(tmp_path / "run"), "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("memory MiB") == 2 and err.count("peak of 2 steps, MiB") == 1
 
 
 def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path):
