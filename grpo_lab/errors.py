@@ -14,6 +14,19 @@ class ConfigError(LabError):
     """An invalid config value, key or override."""
 
 
+class NonFinite(LabError):
+    """A non-finite loss, gradient norm or updated weight: the step is refused, never applied.
+    The Lab fills in `step` (the phase functions do not know it)."""
+
+    def __init__(self, phase: str, problem: str, fix: str):
+        super().__init__(phase, problem, fix)
+        self.phase, self.problem, self.fix, self.step = phase, problem, fix, None
+
+    def __str__(self) -> str:
+        at = "" if self.step is None else f" at step {self.step}"
+        return f"{self.phase}: {self.problem}{at}; the step was refused and rolled back, nothing applied; {self.fix}"
+
+
 def format_validation_error(err) -> str:
     """Turn a pydantic ValidationError into 'field.path: problem' lines (one per error)."""
     lines = []

@@ -12,7 +12,7 @@ import torch
 
 from . import step as phases
 from .config import LabConfig, load_config
-from .errors import LabError
+from .errors import LabError, NonFinite
 from .guard import check_learner
 from .phases import Timeline
 from .rewards import resolve_reward
@@ -117,6 +117,9 @@ class Lab:
         try:
             with self.timeline.phase(name, self.step_index):
                 yield
+        except NonFinite as err:
+            err.step = self.step_index
+            raise
         except BaseException as err:
             if not is_oom(err):
                 raise

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import LabError
+from .errors import LabError, NonFinite
 from .generation.base import GenerationRequest
 from .logprobs import completion_logprobs, micro_batches, rollout_slice
 from .losses import BatchTotals, grpo_loss
@@ -110,8 +110,13 @@ def loss_and_backward(learner, rollout: Rollout, advantages: Advantages, logprob
         loss, kl, clipped = grpo_loss(
             logps, old, take(logprobs.ref), advantages.values[rows].to(device), mask, totals,
             grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights)
+        value = loss.item()
+        if not math.isfinite(value):
+            learner.optimizer.zero_grad(set_to_none=True)  # why: earlier micro-batches' gradients belong to a refused step
+            raise NonFinite("backward", f"loss is {value}", "check the rewards and advantages for inf/nan, "
+                            "or lower grpo.learning_rate / grpo.beta")
         loss.backward()
-        loss_sum += loss.item()
+        loss_sum += value
         mismatch_sum += (gap.abs() * mask).sum().item()
         mismatch_kl_sum += ((torch.exp(gap) - gap - 1) * mask).sum().item()
         clipped_sum += (clipped.float() * mask).sum().item()
@@ -126,11 +131,21 @@ def loss_and_backward(learner, rollout: Rollout, advantages: Advantages, logprob
 
 
 def optimizer_step(learner, max_grad_norm: float) -> float:
-    """Clip, update the LoRA parameters, drop the gradients; returns the pre-clip gradient norm."""
+    """Clip, update the LoRA parameters, drop the gradients; returns the pre-clip gradient norm.
+    A non-finite gradient norm is refused before the update, non-finite weights after it (the Lab
+    rolls the update back): NaN never reaches AdamW's moments or the adapter."""
     params = [p for p in learner.model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    if not math.isfinite(grad_norm):
+        learner.optimizer.zero_grad(set_to_none=True)  # why: these gradients must never be applied
+        raise NonFinite("optimizer", f"gradient norm is {grad_norm}", "lower grpo.learning_rate or check the "
+                        "rewards and advantages for inf/nan")
     learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)  # why: gradients are not needed until the next backward
+    bad = int(torch.stack([~torch.isfinite(p).all() for p in params]).sum().item())   # one sync for all LoRA tensors
+    if bad:
+        raise NonFinite("optimizer", f"the update made {bad} of {len(params)} LoRA weights non-finite",
+                        "lower grpo.learning_rate (or grpo.max_grad_norm)")
     return grad_norm
 
 
