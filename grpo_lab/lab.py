@@ -177,7 +177,7 @@ class Lab:
 
     def advantages(self, rewards: Rewards) -> Advantages:
         with self._phase("advantages"):
-            return phases.compute_advantages(rewards, self.config.grpo.num_generations, self.config.grpo.scale_rewards)
+            return phases.compute_advantages(rewards, self.config.grpo.scale_rewards)
 
     def logprobs(self, rollout: Rollout) -> LogProbs:
         self._require_loaded()

@@ -50,13 +50,16 @@ def score(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[list
     w = torch.tensor(weights if weights is not None else [1.0] * len(reward_funcs))
     total = (table * w).nansum(dim=1)
     total[torch.isnan(table).all(dim=1)] = math.nan   # why: no reward had an opinion; kept out of the baseline
-    return Rewards(per_function=table, names=[reward_name(f) for f in reward_funcs], total=total)
+    return Rewards(per_function=table, names=[reward_name(f) for f in reward_funcs], total=total,
+                   num_generations=rollout.num_generations)
 
 
-def compute_advantages(rewards: Rewards, num_generations: int, scale_rewards: str) -> Advantages:
-    """Group-relative advantages: reward minus its group's mean, over the group's (or batch's) std."""
+def compute_advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
+    """Group-relative advantages: reward minus its group's mean, over the group's (or batch's) std.
+    Groups are the rollout's own (`rewards.num_generations`), whatever the config says now."""
     from trl.trainer.utils import nanstd
 
+    num_generations = rewards.num_generations
     grouped = rewards.total.view(-1, num_generations)                              # [B, G]
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)          # [N]
     group_std = nanstd(grouped, dim=1).repeat_interleave(num_generations)            # [N]

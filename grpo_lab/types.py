@@ -48,6 +48,7 @@ class Rewards:
     per_function: torch.Tensor       # [N, F]
     names: list[str]                 # [F]
     total: torch.Tensor              # [N] weighted sum over functions
+    num_generations: int             # G: the group size of the rollout they score (not the config's, which may change)
 
 
 @dataclass

@@ -191,3 +191,15 @@ def test_num_iterations_computes_old_logprobs(loaded_lab, monkeypatch):
     assert not torch.equal(logps2[mask], old2[mask])    # second pass: the policy moved
     assert stats[1].clip_fraction > 0.0 and result.clip_fraction == stats[1].clip_fraction
     assert math.isfinite(result.loss)
+
+
+def test_advantages_group_by_the_rollouts_group_size_not_the_config(loaded_lab):
+    """An edit of grpo.num_generations between rollout and advantages must not regroup that rollout."""
+    lab = loaded_lab()                                    # G = 4, 2 prompts
+    rollout = lab.rollout()
+    rewards = lab.rewards(rollout)
+    expected = lab.advantages(rewards).values.clone()
+    assert rewards.total.view(2, 4).std(dim=1).gt(0).any()   # groups with variance: a regrouping would show
+    lab.config.grpo.num_generations = 2                   # takes effect at the next rollout
+    assert torch.equal(lab.advantages(rewards).values, expected)
+    assert len(lab.rollout()) == 2 * 2
