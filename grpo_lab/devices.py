@@ -27,8 +27,9 @@ def check_device(device: str, field: str) -> None:
                        f"use 'cpu'{'' if count == 0 else ' or cuda:0..' + str(count - 1)}")
 
 
-def check_model_path(name_or_path: str) -> None:
-    """A local directory must hold config.json; anything else must look like a hub id (a built-in is built here)."""
+def check_model_path(name_or_path: str) -> str:
+    """A local directory must hold config.json; anything else must look like a hub id. Returns what to load:
+    a built-in model is built here and its directory returned."""
     from .tiny import resolve_model_path
 
     name_or_path = resolve_model_path(name_or_path)
@@ -36,10 +37,11 @@ def check_model_path(name_or_path: str) -> None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise LabError(f"model.name_or_path: {name_or_path!r} has no config.json; point it at a checkpoint directory")
-        return
+        return name_or_path
     if path.exists() or not _HUB_ID.match(name_or_path) or name_or_path.startswith("."):
         raise LabError(f"model.name_or_path: {name_or_path!r} does not exist; build the tiny model with "
                        f"`grpo-lab tiny {name_or_path}` or give a checkpoint directory")
+    return name_or_path
 
 
 def check_torchvision() -> None:

@@ -30,12 +30,7 @@ def preflight(config: LabConfig) -> None:
         from .generation.vllm import check_tensor_parallel, max_lora_rank
 
         max_lora_rank(config.lora.r)
-        try:
-            check_tensor_parallel(config.generator.model or config.model.name_or_path, config.placement.generator_devices())
-        except LabError as err:   # why: the planner's messages name model.name_or_path; the path may be generator.model's
-            if config.generator.model and str(err).startswith("model.name_or_path:"):
-                raise LabError("generator.model:" + str(err).removeprefix("model.name_or_path:")) from None
-            raise
+        check_tensor_parallel(config)
     check_placement(config)
     if config.generator.backend == "hf":
         from .generation.hf import check_hf_placement

@@ -44,8 +44,7 @@ def load_base(model_cfg, device: str):
     """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen."""
     from transformers import AutoModelForCausalLM
 
-    check_model_path(model_cfg.name_or_path)
-    path = resolve_model_path(model_cfg.name_or_path)
+    path = check_model_path(model_cfg.name_or_path)
     kwargs = dict(dtype=_DTYPES[model_cfg.dtype], device_map={"": device})
     if model_cfg.load_in_4bit:
         try:

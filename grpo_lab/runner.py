@@ -24,8 +24,6 @@ def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
     path = Path(out or config.run.output_dir or Path("runs") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     if (path / "metrics.jsonl").exists() or (path / "config.yaml").exists():
         raise LabError(f"--out: {str(path)!r} already holds a run; choose another directory or remove it")
-    if path.exists() and not path.is_dir():
-        raise LabError(f"--out: {str(path)!r} is a file, not a directory")
     return check_output_dir(path, "--out" if out else "run.output_dir")  # why here: refused before any model loads
 
 

@@ -43,11 +43,19 @@ def max_lora_rank(r: int) -> int:
     raise LabError(f"lora.r: {r} is above vLLM's largest max_lora_rank ({LORA_RANKS[-1]}); use r <= {LORA_RANKS[-1]}")
 
 
-def check_tensor_parallel(model_path: str, devices: list[str]) -> int:
+def generator_checkpoint(config) -> tuple[str, str]:
+    """The generator's checkpoint and the config field it comes from: generator.model, else the learner's base."""
+    if config.generator.model:
+        return config.generator.model, "generator.model"
+    return config.model.name_or_path, "model.name_or_path"
+
+
+def check_tensor_parallel(config) -> int:
+    """Tensor parallel size = the number of generator devices; it must divide the checkpoint's heads."""
     from ..planner.shapes import load_shape
 
-    tp = len(devices)
-    shape = load_shape(model_path)
+    tp = len(config.placement.generator_devices())
+    shape = load_shape(*generator_checkpoint(config))
     for what, count in (("attention heads", shape.heads), ("KV heads", shape.kv_heads)):
         if count % tp and not (what == "KV heads" and tp % count == 0):
             raise LabError(f"placement.generator: {tp} devices means tensor parallel size {tp}, which does not divide "
@@ -78,8 +86,8 @@ class VLLMGenerator(Generator):
         vllm = import_vllm()
         devices = place.generator_devices()
         on_cpu = devices == ["cpu"]
-        model = resolve_model_path(gen.model or config.model.name_or_path)
-        tp = check_tensor_parallel(model, devices)
+        model = resolve_model_path(generator_checkpoint(config)[0])
+        tp = check_tensor_parallel(config)
         self.colocated = place.learner in devices
         self.sleep_mode = gen.sleep_mode and self.colocated and not on_cpu
         if gen.sleep_mode and on_cpu:

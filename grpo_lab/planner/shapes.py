@@ -23,14 +23,15 @@ class ModelShape:
     tied: bool
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelShape":
+    def from_config(cls, cfg: dict, field: str = "model.name_or_path") -> "ModelShape":
+        """`field` is the config field the checkpoint came from, named in every error."""
         cfg = cfg.get("text_config", cfg)
         if not isinstance(cfg, dict):
-            raise LabError("model.name_or_path: its config.json's text_config is not an object; repair the checkpoint")
+            raise LabError(f"{field}: its config.json's text_config is not an object; repair the checkpoint")
         sizes = ("num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
         bad = [k for k in sizes if k in cfg and (type(cfg[k]) is not int or cfg[k] <= 0)]
         if bad:
-            raise LabError(f"model.name_or_path: its config.json has {bad[0]} = {cfg[bad[0]]!r}, not a positive "
+            raise LabError(f"{field}: its config.json has {bad[0]} = {cfg[bad[0]]!r}, not a positive "
                            "integer; repair the checkpoint or point at another one")
         try:
             heads = cfg["num_attention_heads"]
@@ -39,7 +40,7 @@ class ModelShape:
                        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
                        tied=bool(cfg.get("tie_word_embeddings", False)))
         except KeyError as err:
-            raise LabError(f"model.name_or_path: its config.json has no {err.args[0]!r}; the planner knows decoder-only "
+            raise LabError(f"{field}: its config.json has no {err.args[0]!r}; the planner knows decoder-only "
                            "transformers (Llama/Qwen/Mistral-style)") from None
 
     def linear_layers(self) -> list[tuple[str, int, int]]:
@@ -71,23 +72,23 @@ def bundled_name(model_id: str) -> str:
     return model_id.replace("/", "--")
 
 
-def read_model_config(path: Path) -> dict:
-    """A checkpoint's config.json as a dict; unreadable, not JSON or not an object is one LabError."""
+def read_model_config(path: Path, field: str) -> dict:
+    """A checkpoint's config.json as a dict; unreadable, not JSON or not an object is one LabError naming `field`."""
     from ..paths import read_text
 
     try:
-        data = json.loads(read_text(path, "model.name_or_path"))
+        data = json.loads(read_text(path, field))
     except json.JSONDecodeError as err:
-        raise LabError(f"model.name_or_path: {str(path)!r} is not valid JSON ({err.msg}, line {err.lineno}); "
+        raise LabError(f"{field}: {str(path)!r} is not valid JSON ({err.msg}, line {err.lineno}); "
                        "repair the checkpoint or point at another one") from None
     if not isinstance(data, dict):
-        raise LabError(f"model.name_or_path: {str(path)!r} holds a JSON {type(data).__name__}, not a model config object; "
+        raise LabError(f"{field}: {str(path)!r} holds a JSON {type(data).__name__}, not a model config object; "
                        "repair the checkpoint or point at another one")
     return data
 
 
-def load_shape(name_or_path: str) -> ModelShape:
-    """Shape from `name_or_path/config.json`, else from the bundled copy of a known hub id."""
+def load_shape(name_or_path: str, field: str = "model.name_or_path") -> ModelShape:
+    """Shape from `name_or_path/config.json`, else from the bundled copy of a known hub id; errors name `field`."""
     from ..tiny import resolve_model_path
 
     name_or_path = resolve_model_path(name_or_path)
@@ -95,7 +96,7 @@ def load_shape(name_or_path: str) -> ModelShape:
     bundled = BUNDLED / f"{bundled_name(name_or_path)}.json"
     for path in (local, bundled):
         if path.is_file():
-            return ModelShape.from_config(read_model_config(path))
+            return ModelShape.from_config(read_model_config(path, field), field)
     known = sorted(p.stem.replace("--", "/") for p in BUNDLED.glob("*.json"))
-    raise LabError(f"model.name_or_path: no config.json at {name_or_path!r} and no bundled shape for it; "
+    raise LabError(f"{field}: no config.json at {name_or_path!r} and no bundled shape for it; "
                    f"plan offline with one of {known} or point it at a checkpoint directory")
