@@ -79,3 +79,15 @@ def test_a_broken_torchvision_is_one_line_naming_the_fix(monkeypatch, capsys, tm
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "torchvision" in err[0] and "pip uninstall -y torchvision torchaudio torchcodec" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_tiny_without_a_path_builds_the_builtin_model_in_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "cache"))
+    assert main(["tiny"]) == 0
+    built = tmp_path / "cache" / "tiny-qwen2-v1"
+    assert capsys.readouterr().out.strip() == f"tiny model: {built}" and (built / "config.json").is_file()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "file"))
+    assert main(["tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "GRPO_LAB_CACHE" in err
