@@ -4,13 +4,18 @@ TRL gets our completions through its public `rollout_func` hook and our reward f
 `_generate_and_score_completions` computes the advantages and its `_compute_loss` the loss, on the
 same PEFT model, with our old/reference log-probs fed in. Both must match grpo_lab's within 1e-5.
 """
+import math
+
 import pytest
 import torch
 
 from grpo_lab import Lab
 
 
-def trl_trainer(lab, rollout, tmp_path):
+def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
+    """A GRPOTrainer on the lab's model whose `rollout_func` returns `rollout`'s completions and its sampler
+    log-probs (or `sampler_logprobs` [N, L]; NaN goes to TRL as None, as vLLM sends it); `overrides` are
+    GRPOConfig fields. Returns the trainer and the inputs for its `_generate_and_score_completions`."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -19,7 +24,8 @@ def trl_trainer(lab, rollout, tmp_path):
     lengths = rollout.completion_lengths.tolist()
     prompt_rows = [ids[m.bool()].tolist() for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask)]
     completion_rows = [ids[:k] for ids, k in zip(rollout.completion_ids.tolist(), lengths)]
-    sampler_rows = [lp[:k] for lp, k in zip(rollout.sampler_logprobs.tolist(), lengths)]
+    sampler = rollout.sampler_logprobs if sampler_logprobs is None else sampler_logprobs
+    sampler_rows = [[None if math.isnan(x) else x for x in lp[:k]] for lp, k in zip(sampler.tolist(), lengths)]
 
     def rollout_func(prompts, trainer):
         assert len(prompts) == n
@@ -31,8 +37,9 @@ def trl_trainer(lab, rollout, tmp_path):
         per_device_train_batch_size=n, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=cfg.grpo.num_generations, max_completion_length=cfg.generator.max_completion_length,
         temperature=cfg.generator.temperature, beta=cfg.grpo.beta, loss_type=cfg.grpo.loss_type,
-        scale_rewards=cfg.grpo.scale_rewards, epsilon=cfg.grpo.epsilon, gradient_checkpointing=False,
-        reward_weights=cfg.data.reward_weights,
+        scale_rewards=cfg.grpo.scale_rewards, epsilon=cfg.grpo.epsilon, epsilon_high=cfg.epsilon_high,
+        num_iterations=cfg.grpo.num_iterations, mask_truncated_completions=cfg.grpo.mask_truncated_completions,
+        gradient_checkpointing=False, reward_weights=cfg.data.reward_weights, **overrides,
     )
     dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in zip(rollout.batch.prompts, rollout.batch.answers)])
     trainer = GRPOTrainer(model=lab.learner.model, reward_funcs=lab.reward_funcs, args=args, train_dataset=dataset,
@@ -41,6 +48,17 @@ def trl_trainer(lab, rollout, tmp_path):
     inputs = [{"prompt": p, "answer": a} for p, a in zip(rollout.repeated(rollout.batch.prompts),
                                                           rollout.repeated(rollout.batch.answers))]
     return trainer, inputs
+
+
+def vllm_importance_sampling(trainer, mode, clip_min, clip_max):
+    """Send the trainer down its vLLM importance-sampling path (`use_vllm` is set after construction, so no
+    vLLM engine is built; the completions still come from `rollout_func`, which TRL then treats as vLLM's)."""
+    trainer.use_vllm = True
+    trainer._last_loaded_step = trainer.state.global_step   # why: nothing to sync, there is no vLLM engine
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min = clip_min
+    trainer.vllm_importance_sampling_clip_max = clip_max
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])

@@ -1,0 +1,104 @@
+"""importance_weights equals the importance-sampling ratio TRL 1.16 computes itself.
+
+TRL's `_generate_and_score_completions` is sent down its vLLM branch (see test_trl_parity's
+`vllm_importance_sampling`) on our completions, with sampler log-probs that differ from the learner's
+by seeded noise: ratios land below, inside and above the bounds, and a few sampler log-probs are
+missing (NaN; vLLM sends None). TRL's old log-probs are its own forward; ours are grpo_lab's.
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_lab import Lab
+from grpo_lab.importance import MODES, importance_weights
+from grpo_lab.logprobs import rollout_logprobs
+from test_trl_parity import trl_trainer, vllm_importance_sampling
+
+BOUNDS = [(None, 3.0), (0.5, 3.0), (0.5, None), (None, None)]
+# mode, clip_min, clip_max, mask_truncated_completions. TRL (and grpo_lab's config) refuse a *_truncate mode
+# with no bound at all; the truncation mask changes only which tokens count, so once per mode is enough.
+CASES = ([(mode, lo, hi, False) for mode in MODES for lo, hi in BOUNDS if mode.endswith("_mask") or (lo, hi) != (None, None)]
+         + [(mode, 0.5, 3.0, True) for mode in MODES])
+NAN_AT = [(0, 0), (3, 1)]   # (row, token) where the sampler has no log-prob
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return {}
+
+
+@pytest.fixture
+def setup(shared, tiny_config, tmp_path_factory):
+    """One lab, rollout, noisy sampler and TRL trainer for the module (built on first use)."""
+    if not shared:
+        # 16 tokens: the tiny model ends 6 of these 16 completions, 2 of them at the last token
+        lab = Lab(tiny_config(grpo={"prompts_per_step": 4, "beta": 0.0})).load()
+        rollout = lab.rollout()
+        learner = rollout_logprobs(lab.learner.model.train(), rollout, lab.learner.device, None)
+        shared.update(lab=lab, rollout=rollout, learner=learner, sampler=noisy_sampler(rollout))
+        shared["trainer"], shared["inputs"] = trl_trainer(lab, rollout, tmp_path_factory.mktemp("trl"),
+                                                          sampler_logprobs=shared["sampler"])
+    return SimpleNamespace(**shared)
+
+
+def noisy_sampler(rollout, seed=0):
+    """Sampler log-probs off the learner's: per token N(0, 0.6), plus a per-row shift that spreads the
+    sequence log-ratios over [-2.5, 2.5] (ratios e^-2.5..e^2.5 around the bounds 0.5 and 3)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = rollout.completion_mask.float()
+    n = len(rollout)
+    shift = torch.linspace(-2.5, 2.5, n)[torch.randperm(n, generator=g)]
+    noise = 0.6 * torch.randn(mask.shape, generator=g) + (shift / mask.sum(1).clamp(min=1)).unsqueeze(1)
+    sampler = (rollout.sampler_logprobs - noise) * mask
+    for row, token in NAN_AT:
+        assert mask[row, token], "the NaN must sit on a completion token"
+        sampler[row, token] = math.nan
+    return sampler
+
+
+def raw_ratios(learner, sampler, mask, per_sequence):
+    """exp(learner - sampler) before any bound, per token or per sequence; NaN -> no correction."""
+    diff = torch.nan_to_num((learner - sampler) * mask, nan=0.0)
+    return torch.exp(diff.sum(-1, keepdim=True) if per_sequence else diff)
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max, mask_truncated", CASES)
+def test_importance_weights_match_trl(setup, mode, clip_min, clip_max, mask_truncated):
+    rollout, trainer = setup.rollout, setup.trainer
+    vllm_importance_sampling(trainer, mode, clip_min, clip_max)
+    trainer.mask_truncated_completions = mask_truncated
+    batch = trainer._generate_and_score_completions(setup.inputs)
+    theirs = batch["importance_sampling_ratio"].cpu()
+
+    mask = rollout.completion_mask.float()
+    if mask_truncated:   # TRL takes the ratio over the loss mask: a truncated completion gets none (ratio 1)
+        assert rollout.truncated.any() and (~rollout.truncated).any()
+        mask = mask * (~rollout.truncated).float().unsqueeze(1)
+    assert torch.equal(batch["completion_ids"].cpu(), rollout.completion_ids)
+    assert torch.equal(batch["completion_mask"].cpu().float(), mask)
+    ours = importance_weights(setup.learner, setup.sampler, mask, mode, clip_min, clip_max)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+    # the case is only a test if the ratios cross the bounds it sets, and some stay inside
+    per_sequence = MODES[mode][0]
+    raw = raw_ratios(setup.learner, setup.sampler, mask, per_sequence)
+    raw = raw.flatten() if per_sequence else raw[mask.bool()]
+    lo, hi = clip_min if clip_min is not None else 0.5, clip_max if clip_max is not None else 3.0
+    assert (raw < lo).any() and (raw > hi).any() and ((raw >= lo) & (raw <= hi)).any()
+    assert not torch.allclose(ours, torch.ones_like(ours))
+    if mode.endswith("_mask") and (clip_min, clip_max) != (None, None):
+        assert (ours == 0).any()
+
+
+def test_nan_sampler_logprob_is_no_correction(setup):
+    """A token the sampler could not score weighs 1 (token modes) and adds nothing to its sequence's ratio."""
+    mask = setup.rollout.completion_mask.float()
+    token = importance_weights(setup.learner, setup.sampler, mask, "token_truncate", None, 3.0)
+    assert torch.isfinite(token).all()
+    for row, t in NAN_AT:
+        assert token[row, t] == 1.0
+    sequence = importance_weights(setup.learner, setup.sampler, mask, "sequence_mask", None, None)
+    assert torch.isfinite(sequence).all()
