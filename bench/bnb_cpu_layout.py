@@ -147,7 +147,7 @@ def train_forward_backward(lab, rollout) -> tuple[float, float]:
 
     n = len(rollout)
     advantages = Advantages(values=torch.linspace(-1, 1, n), group_mean=torch.zeros(n), group_std=torch.ones(n))
-    stats = lab.loss_and_backward(rollout, advantages, lab.logprobs(rollout))
+    stats = lab.backward(rollout, advantages, lab.logprobs(rollout))
     grads = [p.grad for p in lab.learner.model.parameters() if p.requires_grad and p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0
     lab.learner.optimizer.zero_grad(set_to_none=True)

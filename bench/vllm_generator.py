@@ -49,7 +49,7 @@ def overhead(lab, rounds: int) -> tuple[float, float, float]:
         # the identical requests, prepared outside the timing
         torch.manual_seed(1)
         seeds = torch.randint(0, 2 ** 31 - 1, (len(batch) * g,)).tolist()
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in gen.encode_prompts(batch.prompts) for _ in range(g)]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in gen.encode_prompts(batch.prompts, cfg.generator.max_prompt_length) for _ in range(g)]
         params = [SamplingParams(temperature=request.temperature, max_tokens=request.max_completion_length, logprobs=0,
                                  seed=s, stop_token_ids=[gen.tokenizer.eos_token_id]) for s in seeds]
         t0 = time.perf_counter()

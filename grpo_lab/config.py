@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, format_validation_error
 from .generation.registry import BACKENDS, OWN_WEIGHTS
@@ -35,27 +35,55 @@ def normalize_device(value: Any) -> str:
     return "cuda:0" if text == "cuda" else text
 
 
+# When a field's new value takes effect in a loaded Lab (declared next to every field's help text):
+WHEN = {
+    "live": "read at the next phase that uses it",
+    "rebuild": "a change rebuilds the part that depends on it, at once",
+    "load": "fixed when the Lab loads; refused after load (make a new Lab)",
+}
+
+
+def knob(when: str, default: Any = ..., **kwargs) -> Any:
+    """A config field with its help text and when a change takes effect (one of WHEN)."""
+    assert when in WHEN, when
+    return Field(default, json_schema_extra={"when": when}, **kwargs)
+
+
 class Section(BaseModel):
     # why allow_inf_nan=False: an .inf or .nan in any float (lists included) is refused, never trained with;
     # str_min_length=1: an empty string is never a value (null is, where a field allows it)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_min_length=1)
+    _root: Optional["LabConfig"] = PrivateAttr(None)   # the config this section belongs to (set by LabConfig)
+    _name: str = PrivateAttr("")
+
+    def __eq__(self, other: Any) -> bool:   # by value; the private links to the root would recurse
+        return type(self) is type(other) and self.model_dump() == other.model_dump()
+
+    __hash__ = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # why: every edit goes through the root's update (whole-config checks, a loaded Lab's guard), never one field alone
+        if name in type(self).model_fields and self._root is not None:
+            self._root.update({f"{self._name}.{name}": value})
+        else:
+            super().__setattr__(name, value)
 
 
 class ModelSection(Section):
-    name_or_path: str = Field(description="Local checkpoint directory (or hub id) loaded with from_pretrained.")
-    dtype: Dtype = Field("bfloat16", description="Dtype of the weights that are not quantized (embeddings, norms, LoRA).")
-    load_in_4bit: bool = Field(True, description="Quantize the learner's base to 4-bit with bitsandbytes (QLoRA).")
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; nf4 is the QLoRA default.")
-    bnb_4bit_compute_dtype: Dtype = Field("bfloat16", description="Dtype the 4-bit layers compute in.")
-    bnb_4bit_use_double_quant: bool = Field(True, description="Also quantize the quantization constants (~0.4 bit/param saved).")
-    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward instead of storing them.")
+    name_or_path: str = knob("load", ..., description="Local checkpoint directory (or hub id) loaded with from_pretrained.")
+    dtype: Dtype = knob("load", "bfloat16", description="Dtype of the weights that are not quantized (embeddings, norms, LoRA).")
+    load_in_4bit: bool = knob("load", True, description="Quantize the learner's base to 4-bit with bitsandbytes (QLoRA).")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = knob("load", "nf4", description="4-bit data type; nf4 is the QLoRA default.")
+    bnb_4bit_compute_dtype: Dtype = knob("load", "bfloat16", description="Dtype the 4-bit layers compute in.")
+    bnb_4bit_use_double_quant: bool = knob("load", True, description="Also quantize the quantization constants (~0.4 bit/param saved).")
+    gradient_checkpointing: bool = knob("load", True, description="Recompute activations in backward instead of storing them.")
 
 
 class LoraSection(Section):
-    r: int = Field(16, gt=0, description="LoRA rank.")
-    lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
-    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+    r: int = knob("load", 16, gt=0, description="LoRA rank.")
+    lora_alpha: int = knob("load", 32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
+    lora_dropout: float = knob("load", 0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = knob("load", 
         "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.")
 
     @field_validator("target_modules", mode="before")
@@ -69,14 +97,14 @@ class LoraSection(Section):
 
 
 class PlacementSection(Section):
-    learner: str = Field("cpu", description="Device of the learner (policy + LoRA + optimizer): 'cpu' or 'cuda:N'.")
-    generator: Optional[list[str]] = Field(
+    learner: str = knob("load", "cpu", description="Device of the learner (policy + LoRA + optimizer): 'cpu' or 'cuda:N'.")
+    generator: Optional[list[str]] = knob("load", 
         None, description="Generator device(s); null = the learner's device (colocated). GPU indices or 'cuda:N'.")
-    optimizer_offload: bool = Field(
+    optimizer_offload: bool = knob("load", 
         False, description="Keep AdamW's fp32 master weights and moments in host RAM (frees 12 bytes per LoRA parameter on the GPU).")
-    gpu_memory_gib: Optional[float] = Field(
+    gpu_memory_gib: Optional[float] = knob("load", 
         None, gt=0, description="GPU capacity (GiB) the planner assumes for GPUs it cannot see (e.g. 40 for an A100-40GB); null = read the device.")
-    host_memory_gib: Optional[float] = Field(
+    host_memory_gib: Optional[float] = knob("load", 
         None, gt=0, description="Host RAM (GiB) the planner assumes; null = this machine's (or its cgroup limit).")
 
     @field_validator("learner", mode="before")
@@ -99,48 +127,57 @@ class PlacementSection(Section):
 
 
 class GeneratorSection(Section):
-    backend: Literal[tuple(BACKENDS)] = Field("hf", description="Generator backend: " + ", ".join(BACKENDS) + " (hf = transformers.generate with the learner itself).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
-    max_prompt_length: int = Field(256, gt=0, description="Prompts longer than this are truncated from the left.")
-    max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
-    chunk_size: Optional[int] = Field(
+    backend: Literal[tuple(BACKENDS)] = knob("load", "hf", description="Generator backend: " + ", ".join(BACKENDS) + " (hf = transformers.generate with the learner itself).")
+    temperature: float = knob("rebuild", 1.0, ge=0.0, description="Sampling temperature; 0 = greedy decoding.")
+    top_p: float = knob("live", 1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = knob("live", 0, ge=0, description="Top-k sampling; 0 = off.")
+    max_prompt_length: int = knob("live", 256, gt=0, description="Prompts longer than this are truncated from the left.")
+    max_completion_length: int = knob("live", 64, gt=0, description="Maximum new tokens per completion.")
+    chunk_size: Optional[int] = knob("live", 
         None, gt=0, description="Sequences (prompts x completions) per generate call; null = all at once.")
-    gpu_memory_utilization: Optional[float] = Field(
+    gpu_memory_utilization: Optional[float] = knob("load", 
         None, gt=0, le=1, description="Share of its GPU a generator with its own weights (vllm) may take; required when it shares the learner's GPU; null = 0.9 on a GPU of its own.")
-    model: Optional[str] = Field(None, description="Checkpoint the generator loads (e.g. an int4 AWQ copy); null = the learner's base. Backends with their own weights only.")
-    quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = Field(
+    model: Optional[str] = knob("load", None, description="Checkpoint the generator loads (e.g. an int4 AWQ copy); null = the learner's base. Backends with their own weights only.")
+    quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = knob("load", 
         None, description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.")
-    sleep_mode: bool = Field(False, description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner (not on CPU).")
-    cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
+    sleep_mode: bool = knob("load", False, description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner (not on CPU).")
+    cpu_kv_cache_gib: int = knob("load", 1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
 
 
 class GRPOSection(Section):
-    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size G); needs >= 2 for an advantage.")
-    prompts_per_step: int = Field(4, ge=1, description="Distinct prompts per step; the batch is prompts_per_step x num_generations.")
-    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference policy; 0 = no reference needed.")
-    loss_type: Literal[tuple(LOSSES)] = Field("dapo", description="Loss normalisation: " + ", ".join(LOSSES) + ".")
-    epsilon: float = Field(0.2, gt=0.0, description="Lower clip range of the importance ratio.")
-    epsilon_high: Optional[float] = Field(None, gt=0.0, description="Upper clip range; null = epsilon (DAPO uses 0.28).")
-    scale_rewards: Literal["group", "batch", "none"] = Field(
+    num_generations: int = knob("live", 8, ge=2, description="Completions per prompt (the group size G); needs >= 2 for an advantage.")
+    prompts_per_step: int = knob("live", 4, ge=1, description="Distinct prompts per step; the batch is prompts_per_step x num_generations.")
+    beta: float = knob("rebuild", 0.0, ge=0.0, description="KL coefficient to the reference policy; 0 = no reference needed.")
+    loss_type: Literal[tuple(LOSSES)] = knob("live", "dapo", description="Loss normalisation: " + ", ".join(LOSSES) + ".")
+    epsilon: float = knob("live", 0.2, gt=0.0, description="Lower clip range of the importance ratio.")
+    epsilon_high: Optional[float] = knob("live", None, gt=0.0, description="Upper clip range; null = epsilon (DAPO uses 0.28).")
+    scale_rewards: Literal["group", "batch", "none"] = knob("live", 
         "group", description="Divide advantages by the group's std, the batch's std, or not at all (Dr. GRPO).")
-    learning_rate: float = Field(1e-5, gt=0.0, description="AdamW learning rate for the LoRA parameters.")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
-    micro_batch_size: Optional[int] = Field(
+    learning_rate: float = knob("live", 1e-5, gt=0.0, description="AdamW learning rate for the LoRA parameters.")
+    weight_decay: float = knob("live", 0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = knob("live", 1.0, gt=0.0, description="Gradient clipping norm.")
+    micro_batch_size: Optional[int] = knob("live", 
         None, gt=0, description="Sequences per log-prob/backward forward pass; null = the whole batch at once.")
-    num_iterations: int = Field(1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs.")
-    mask_truncated_completions: bool = Field(False, description="Exclude completions that hit max_completion_length from the loss.")
-    importance_sampling_correction: bool = Field(
-        False, description="Weight each token's loss by min(learner/sampler probability, cap): corrects for a generator that differs from the learner (TRL's vllm_importance_sampling_correction).")
-    importance_sampling_cap: float = Field(2.0, gt=0, description="Truncation of the importance-sampling weight.")
+    num_iterations: int = knob("live", 1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs.")
+    mask_truncated_completions: bool = knob("live", False, description="Exclude completions that hit max_completion_length from the loss.")
+    importance_sampling_correction: bool = knob("live", 
+        True, description="Correct for a generator that samples from other weights than the learner's (backends with their own "
+        "weights, e.g. vllm; hf samples with the learner itself, so it never applies): weight the loss by learner/sampler "
+        "probability as importance_sampling_mode says (TRL's vllm_importance_sampling_correction).")
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = knob("live", 
+        "sequence_mask", description="token_* weigh each token by its own ratio, sequence_* each completion by the product "
+        "over its tokens; *_truncate clips the ratio to [clip_min, clip_max], *_mask zeroes ratios outside it (TRL's "
+        "vllm_importance_sampling_mode).")
+    importance_sampling_clip_max: Optional[float] = knob("live", 
+        3.0, gt=0, description="Upper bound C_max of the importance-sampling ratio; null = none (TRL's vllm_importance_sampling_clip_max).")
+    importance_sampling_clip_min: Optional[float] = knob("live", 
+        None, ge=0, description="Lower bound C_min of the importance-sampling ratio; null = none (TRL's vllm_importance_sampling_clip_min).")
 
 
 class ReferenceSection(Section):
-    strategy: Optional[Literal["none", "adapter-disabled", "copy"]] = Field(
+    strategy: Optional[Literal["none", "adapter-disabled", "copy"]] = knob("rebuild", 
         None, description="Reference policy: 'adapter-disabled' (no extra memory), 'copy' (frozen model), 'none' (beta must be 0); null = auto.")
-    device: Optional[str] = Field(None, description="Device for strategy 'copy'; null = the learner's device.")
+    device: Optional[str] = knob("load", None, description="Device for strategy 'copy'; null = the learner's device.")
 
     @field_validator("device", mode="before")
     @classmethod
@@ -149,23 +186,23 @@ class ReferenceSection(Section):
 
 
 class MemorySection(Section):
-    sample_hz: float = Field(20.0, ge=0.0, le=1000.0, description="Memory sampler rate; 0 = only at phase starts and ends.")
-    host_threshold: float = Field(0.95, gt=0.0, le=1.0, description="Host RAM used/limit fraction at which the run stops between phases.")
-    leak_window: int = Field(5, ge=2, description="Steps over which steadily rising after-step memory is flagged as a leak.")
-    leak_min_growth_mib: float = Field(4.0, gt=0.0, description="Mean growth per step (MiB) below which a rise is noise, not a leak.")
-    cuda_snapshots: bool = Field(False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only.")
+    sample_hz: float = knob("rebuild", 20.0, ge=0.0, le=1000.0, description="Memory sampler rate; 0 = only at phase starts and ends.")
+    host_threshold: float = knob("rebuild", 0.95, gt=0.0, le=1.0, description="Host RAM used/limit fraction at which the run stops between phases.")
+    leak_window: int = knob("rebuild", 5, ge=2, description="Steps over which steadily rising after-step memory is flagged as a leak.")
+    leak_min_growth_mib: float = knob("rebuild", 4.0, gt=0.0, description="Mean growth per step (MiB) below which a rise is noise, not a leak.")
+    cuda_snapshots: bool = knob("load", False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only.")
 
 
 class DataSection(Section):
-    dataset: str = Field("arithmetic", description="'arithmetic' (built-in word problems) or a path to a JSONL file with 'prompt' and 'answer'.")
-    num_prompts: int = Field(512, ge=1, le=100_000, description="Size of the built-in arithmetic set (made in memory at load; at most 100000).")
-    system_prompt: Optional[str] = Field(
+    dataset: str = knob("rebuild", "arithmetic", description="'arithmetic' (built-in word problems) or a path to a JSONL file with 'prompt' and 'answer'.")
+    num_prompts: int = knob("rebuild", 512, ge=1, le=100_000, description="Size of the built-in arithmetic set (made in memory at load; at most 100000).")
+    system_prompt: Optional[str] = knob("rebuild", 
         "Solve the problem. Put only the final number inside <answer></answer>.",
         description="System message prepended to every prompt; null = none.")
-    rewards: list[str] = Field(
+    rewards: list[str] = knob("rebuild", 
         default_factory=lambda: ["exact_answer", "format"],
         description="Reward functions: names from " + ", ".join(REWARDS) + ", or 'module:function'.")
-    reward_weights: Optional[list[float]] = Field(None, description="One weight per reward function; null = all 1.")
+    reward_weights: Optional[list[float]] = knob("live", None, description="One weight per reward function; null = all 1.")
 
     @field_validator("rewards")
     @classmethod
@@ -179,10 +216,10 @@ class DataSection(Section):
 
 
 class RunSection(Section):
-    steps: int = Field(10, ge=1, description="GRPO steps to run.")
-    seed: int = Field(0, ge=0, lt=2 ** 32, description="Seed for data order, sampling and LoRA init (0 <= seed < 2**32).")
-    output_dir: Optional[str] = Field(None, description="Run directory; null = runs/<date-time>.")
-    save_every: int = Field(0, ge=0, description="Save the adapter every N steps (and at the end); 0 = only at the end.")
+    steps: int = knob("live", 10, ge=1, description="GRPO steps to run.")
+    seed: int = knob("load", 0, ge=0, lt=2 ** 32, description="Seed for data order, sampling and LoRA init (0 <= seed < 2**32).")
+    output_dir: Optional[str] = knob("load", None, description="Run directory; null = runs/<date-time>.")
+    save_every: int = knob("live", 0, ge=0, description="Save the adapter every N steps (and at the end); 0 = only at the end.")
 
 
 class LabConfig(Section):
@@ -196,6 +233,66 @@ class LabConfig(Section):
     data: DataSection = Field(default_factory=DataSection)
     run: RunSection = Field(default_factory=RunSection)
 
+    _guard: Any = PrivateAttr(None)   # a loaded Lab's edit guard: check(changes) before, apply(changes) after an update
+
+    def model_post_init(self, context: Any) -> None:
+        for name in type(self).model_fields:
+            section = self.__dict__[name]
+            section._root, section._name = self, name
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in type(self).model_fields:   # a whole section: every field of it, through update
+            data = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+            if not isinstance(data, dict):
+                raise ConfigError(f"{name}: got {value!r}; assign a {name} section (a mapping of its fields)")
+            fields = type(self).model_fields[name].annotation.model_fields
+            defaults = {k: f.get_default(call_default_factory=True) for k, f in fields.items() if not f.is_required()}
+            self.update({f"{name}.{k}": v for k, v in {**defaults, **data}.items()})   # the section replaced, as pydantic does
+        else:
+            super().__setattr__(name, value)
+
+    def model_copy(self, *, update: Optional[dict] = None, deep: bool = False) -> "LabConfig":
+        """A deep copy (sections are never shared between two configs: each belongs to one root), unguarded."""
+        copy = super().model_copy(update=update, deep=True)
+        copy._guard = None
+        copy.model_post_init(None)
+        return copy
+
+    def update(self, changes: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Apply 'section.field' -> value edits all at once: validated with every cross-field check, then
+        (when a loaded Lab guards this config) checked and applied by it; all or nothing. Returns
+        {path: (old, new)} of the values that changed. The one path every way of editing takes."""
+        data = self.to_dict()
+        for path, value in changes.items():
+            section, _, name = str(path).partition(".")
+            fields = type(self).model_fields
+            if section not in fields or name not in fields[section].annotation.model_fields:
+                raise ConfigError(f"{path}: unknown field; fields look like grpo.beta (see README 'Config reference')")
+            data[section][name] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        new = parse_config(data)
+        changed = {path: (getattr(getattr(self, s), f), getattr(getattr(new, s), f)) for path, s, f in leaf_fields()
+                   if getattr(getattr(self, s), f) != getattr(getattr(new, s), f)}
+        if not changed:
+            return changed
+        if self._guard is not None:
+            self._guard.check(self, new, changed)
+        saved = {path: old for path, (old, _) in changed.items()}
+        self._write({path: new_value for path, (_, new_value) in changed.items()})
+        if self._guard is not None:
+            try:
+                self._guard.apply(self, changed)
+            except BaseException:
+                self._write(saved)   # why: all or nothing; a rebuild that failed leaves the old values in force
+                raise
+        return changed
+
+    def _write(self, values: dict[str, Any]) -> None:
+        for path, value in values.items():
+            section, _, name = path.partition(".")
+            target = self.__dict__[section]
+            target.__dict__[name] = value   # why not setattr: the values were validated together above
+            target.__pydantic_fields_set__.add(name)
+
     @model_validator(mode="after")
     def _cross_checks(self):
         ref = self.reference
@@ -206,6 +303,14 @@ class LabConfig(Section):
         weights = self.data.reward_weights
         if weights is not None and len(weights) != len(self.data.rewards):
             raise ValueError(f"data.reward_weights: {len(weights)} weights for {len(self.data.rewards)} rewards; give one per reward")
+        g = self.grpo
+        lo, hi = g.importance_sampling_clip_min, g.importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"grpo.importance_sampling_clip_min: {lo} is not below importance_sampling_clip_max = {hi}; "
+                             "lower it or raise the max")
+        if g.importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+            raise ValueError(f"grpo.importance_sampling_clip_max: mode {g.importance_sampling_mode} needs a bound to clip "
+                             "to; set importance_sampling_clip_max (TRL's default is 3.0)")
         if self.data.dataset == "arithmetic" and self.grpo.prompts_per_step > self.data.num_prompts:
             raise ValueError(f"grpo.prompts_per_step: {self.grpo.prompts_per_step} distinct prompts per step, but the arithmetic "
                              f"set has data.num_prompts = {self.data.num_prompts}; lower it or raise data.num_prompts")
@@ -243,6 +348,18 @@ class LabConfig(Section):
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+
+def leaf_fields() -> list[tuple[str, str, str]]:
+    """Every leaf field as ('section.field', section, field), in schema order."""
+    return [(f"{s}.{f}", s, f) for s, info in LabConfig.model_fields.items() for f in info.annotation.model_fields]
+
+
+def field_when(path: str) -> str:
+    """When a change of 'section.field' takes effect: 'live', 'rebuild' or 'load' (see WHEN)."""
+    section, _, name = path.partition(".")
+    info = LabConfig.model_fields[section].annotation.model_fields[name]
+    return (info.json_schema_extra or {})["when"]
 
 
 def parse_config(data: dict) -> LabConfig:

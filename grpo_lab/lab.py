@@ -1,6 +1,7 @@
 """`Lab`: the notebook's handle on a GRPO run. It holds the config, learner, generator,
-reference, prompts and history; each phase of a step is a method a cell can call alone,
-and `step()` composes them. The headless runner, the widgets and papermill use the same calls.
+reference, prompts and history; each phase of a step is a method a cell can call alone (named
+as in phases.PHASES), and `step()` runs the rest of the current step. The headless runner, the
+widgets and papermill use the same calls. Config edits after load go through knobs.py.
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import step as phases
-from .config import LabConfig, load_config
-from .errors import LabError, NonFinite
+from .config import LabConfig, leaf_fields, load_config
+from .errors import ConfigError, LabError, NonFinite
 from .guard import check_learner
-from .phases import Timeline
+from .lifecycle import StepState, check_order
+from .phases import BY_NAME, PHASE_NAMES, UPDATE_PHASES
+from .timeline import Timeline
 from .rewards import resolve_reward
 from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
 
@@ -48,21 +51,48 @@ def preflight(config: LabConfig) -> None:
 class Lab:
     def __init__(self, config: Union[LabConfig, dict, str, Path], reward_funcs: Optional[list[Callable]] = None,
                  overrides: Optional[list[str]] = None):
-        self.config = load_config(config, overrides)
-        self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or self.config.data.rewards)]
+        self._config = load_config(config, overrides)
+        self.reward_funcs_given = reward_funcs is not None
+        self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or self._config.data.rewards)]
         self.learner = self.generator = self.reference = self.prompts = self.memory = None
+        self.reference_strategy: Optional[str] = None   # the strategy the reference was built with
+        self.memory_devices: list[str] = []              # the devices the sampler watches
         self.timeline = Timeline()
         self.history: list[StepResult] = []
-        self.step_index = 0   # the step the next phase belongs to
-        self._saved_state = None   # host copy of LoRA + optimizer state, taken before a step's first update
+        self._step = StepState(index=0)
         self.leaks = None
         self._plots: list = []
+
+    # --- the config: one edit path (see knobs.py) ---
+    @property
+    def config(self) -> LabConfig:
+        return self._config
+
+    @config.setter
+    def config(self, new: Union[LabConfig, dict]) -> None:
+        """Assigning a whole config applies the fields that differ, as `configure` does (a loaded Lab refuses
+        load-time ones)."""
+        data = new.to_dict() if isinstance(new, LabConfig) else load_config(new).to_dict()
+        self._config.update({path: data[s][f] for path, s, f in leaf_fields()})
+
+    def configure(self, changes: Optional[dict] = None, **sections) -> dict:
+        """Change several fields at once, checked together: `lab.configure({"grpo.beta": 0.04})` or
+        `lab.configure(grpo={"beta": 0.04}, generator={"temperature": 0.7})`. Live fields apply at the next
+        phase that reads them, rebuild fields rebuild their part now, load-time fields are refused after
+        load. Returns {field: (old, new)} of what changed."""
+        flat = dict(changes or {})
+        for section, values in sections.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{section}: got {values!r}; pass a mapping of its fields, e.g. grpo={{'beta': 0.04}}")
+            flat.update({f"{section}.{name}": value for name, value in values.items()})
+        return self._config.update(flat)
 
     # --- setup ---
     def load(self) -> "Lab":
         """Check the plan, then load the learner, reference, generator and prompts."""
         from .data import PromptSource, load_rows
         from .generation import backend_class
+        from .knobs import LoadedLabGuard
         from .learner import load_learner
         from .reference import build_reference
 
@@ -71,7 +101,8 @@ class Lab:
         cfg = self.config
         preflight(cfg)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
-            self.memory = MemorySampler(self.devices(), cfg.memory.sample_hz, cfg.memory.host_threshold,
+            self.memory_devices = self.devices()
+            self.memory = MemorySampler(self.memory_devices, cfg.memory.sample_hz, cfg.memory.host_threshold,
                                         describe_offload=self.describe_offload).start()
             self.timeline.listeners.append(self.memory)
             self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
@@ -83,10 +114,12 @@ class Lab:
         self.learner = load_learner(cfg)
         check_learner(self.learner.model, [cfg.placement.learner])
         self.reference = build_reference(cfg)
+        self.reference_strategy = cfg.reference_strategy
         self.generator = backend_class(cfg.generator.backend)(self.learner, cfg)
         rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
         self.prompts = PromptSource(rows, self.learner.tokenizer, cfg.data.system_prompt, cfg.run.seed)
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
+        cfg._guard = LoadedLabGuard(self)   # why: from now on every edit is checked against what was built
         return self
 
     def devices(self) -> list[str]:
@@ -103,26 +136,6 @@ class Lab:
         if cfg.reference_strategy == "copy" and cfg.reference_device == "cpu":
             on_host.append("the reference copy (reference.device=cpu)")
         return "in host RAM: " + ", ".join(on_host) if on_host else ""
-
-    @contextmanager
-    def _phase(self, name: str):
-        """Time and mark a phase; an out-of-memory error becomes a one-line LabError naming phase and device."""
-        from .memory.oom import as_lab_error, is_oom, release_memory
-
-        try:
-            with self.timeline.phase(name, self.step_index):
-                yield
-        except NonFinite as err:
-            err.step = self.step_index
-            raise
-        except BaseException as err:
-            if not is_oom(err):
-                raise
-            error = as_lab_error(err, name, self.step_index, self.config.placement.learner, self.memory)
-            err.__traceback__ = None
-            del err  # why: the traceback's frames hold the failed phase's tensors
-            release_memory()
-            raise error from None
 
     # --- placement and plan ---
     def place(self, learner=None, generator=None, reference=None, optimizer_offload=None) -> "Placement":
@@ -160,76 +173,161 @@ class Lab:
         if self.learner is None:
             raise LabError("the lab is not loaded; call lab.load() first")
 
-    # --- the phases of a step, each timed and marked ---
-    def rollout(self) -> Rollout:
+    # --- the step lifecycle ---
+    @property
+    def step_index(self) -> int:
+        """The step the next phase belongs to; it advances by itself when a step's sync ends."""
+        return self._step.index
+
+    @property
+    def current(self) -> StepState:
+        """What the current step's phases produced so far (read-only view for cells and widgets)."""
+        return self._step
+
+    def next_phase(self) -> str:
+        """The phase the current step runs next, by the lifecycle's rules."""
+        s, iterations = self._step, self.config.grpo.num_iterations
+        for name, done in (("rollout", s.rollout), ("rewards", s.rewards), ("advantages", s.advantages),
+                           ("logprobs", s.logprobs)):
+            if done is None:
+                return name
+        if s.gradients:
+            return "optimizer"
+        return "backward" if s.updates < iterations else "sync"
+
+    @contextmanager
+    def _phase(self, name: str, **inputs):
+        """Check order, time and mark a phase; on any failure put the step back (see `_failed`); an
+        out-of-memory error becomes a one-line LabError naming phase and device."""
+        from .memory.oom import as_lab_error, is_oom, release_memory
+
         self._require_loaded()
+        check_order(self._step, name, self.config.grpo.num_iterations, **inputs)
+        try:
+            with self.timeline.phase(name, self.step_index):
+                yield
+        except BaseException as err:
+            self._failed(name)
+            if isinstance(err, NonFinite):
+                err.step = self.step_index
+                raise
+            if not is_oom(err):
+                raise
+            error = as_lab_error(err, name, self.step_index, self.config.placement.learner, self.memory)
+            err.__traceback__ = None
+            del err  # why: the traceback's frames hold the failed phase's tensors
+            release_memory()
+            raise error from None
+
+    def _failed(self, phase: str) -> None:
+        """A phase failed: undo the step's updates, and file the failed work as an attempt of its own."""
+        s = self._step
+        redo = {phase, *UPDATE_PHASES} if (phase in UPDATE_PHASES or s.updates or s.gradients) else {phase}
+        self.rollback()
+        self.timeline.retire(s.index, redo, s.attempts)
+        if self.memory is not None:
+            self.memory.retire(s.index, redo, s.attempts)
+        s.attempts += 1
+
+    # --- the phases of a step (phases.PHASES), each checked, timed and marked ---
+    def rollout(self) -> Rollout:
+        """Start the step (or restart it, when no update was applied yet) with a fresh rollout."""
         with self._phase("rollout"):
-            return phases.rollout(self.generator, self.prompts, self.config)
+            if self._step.started:   # a restart: the earlier rollout's phases become a failed attempt
+                self.timeline.retire(self.step_index, PHASE_NAMES, self._step.attempts)
+                self.memory.retire(self.step_index, PHASE_NAMES, self._step.attempts)
+                self._step = StepState(index=self.step_index, attempts=self._step.attempts + 1)
+            out = phases.rollout(self.generator, self.prompts, self.config)
+            out.step = self.step_index
+            self._step.rollout = out
+        return out
 
     def rewards(self, rollout: Rollout) -> Rewards:
-        with self._phase("rewards"):
-            return phases.score(rollout, self.reward_funcs, self.config.data.reward_weights)
+        with self._phase("rewards", rollout=rollout):
+            out = phases.rewards(rollout, self.reward_funcs, self.config.data.reward_weights)
+        self._step.rewards = out
+        return out
 
     def advantages(self, rewards: Rewards) -> Advantages:
-        with self._phase("advantages"):
-            return phases.compute_advantages(rewards, self.config.grpo.scale_rewards)
+        with self._phase("advantages", rewards=rewards):
+            out = phases.advantages(rewards, self.config.grpo.scale_rewards)
+        self._step.advantages = out
+        return out
 
     def logprobs(self, rollout: Rollout) -> LogProbs:
-        self._require_loaded()
-        with self._phase("logprobs"):
-            return phases.compute_logprobs(self.learner, self.reference, rollout, self.config)
+        with self._phase("logprobs", rollout=rollout):
+            out = phases.logprobs(self.learner, self.reference, rollout, self.config)
+        self._step.logprobs = out
+        return out
 
-    def loss_and_backward(self, rollout: Rollout, advantages: Advantages, logprobs: LogProbs) -> LossStats:
-        self._require_loaded()
-        with self._phase("backward"):
-            return phases.loss_and_backward(self.learner, rollout, advantages, logprobs, self.config)
+    def backward(self, rollout: Rollout, advantages: Advantages, logprobs: LogProbs) -> LossStats:
+        with self._phase("backward", rollout=rollout, advantages=advantages, logprobs=logprobs):
+            out = phases.backward(self.learner, rollout, advantages, logprobs, self.config)
+        self._step.stats, self._step.gradients = out, True
+        return out
 
-    def optimizer_step(self) -> float:
+    def optimizer(self) -> float:
+        """Clip and apply the gradients. The step's first update takes the rollback snapshot first (inside
+        the phase: a host out-of-memory while copying is this phase's one-line error)."""
         from .rollback import TrainState
 
-        self._require_loaded()
-        if self._saved_state is None:
-            self._saved_state = TrainState(self.learner)
-        try:
-            with self._phase("optimizer"):
-                return phases.optimizer_step(self.learner, self.config.grpo.max_grad_norm)
-        except BaseException:
-            self.rollback()
-            raise
+        with self._phase("optimizer"):
+            if self._step.snapshot is None:
+                self._step.snapshot = TrainState(self.learner)
+            out = phases.optimizer(self.learner, self.config)
+            self._step.updates += 1
+            self._step.gradients = False
+        self._step.grad_norm = out
+        return out
 
-    def sync(self) -> None:
-        self._require_loaded()
+    def sync(self) -> StepResult:
+        """Push the weights to the generator; this ends the step: its result joins `history`, the
+        rollback snapshot is dropped and the step index advances."""
         with self._phase("sync"):
-            phases.sync_generator(self.generator, self.learner)
+            phases.sync(self.generator, self.learner)
+        return self._finish_step()
 
-    # --- composition ---
-    def step(self) -> StepResult:
-        """Run one whole GRPO step and append its result to `history`. All or nothing: if any phase
-        fails (out of memory included), LoRA weights and optimizer state are left as they were."""
+    def _finish_step(self) -> StepResult:
         from .memory.leaks import end_of_step
 
-        self._require_loaded()
-        check_learner(self.learner.model, [self.config.placement.learner])  # why every step: a wrap in a cell spills at once
-        self._saved_state = None
-        try:
-            result = phases.step(self)
-        except BaseException:
-            self.rollback()
-            raise
-        self._saved_state = None   # why: the step succeeded; drop the host copy
-        result.memory = self.memory.rows_for(self.step_index)
+        s = self._step
+        result = phases.summarize(s.index, s.rollout, s.rewards, s.advantages, s.stats, s.grad_norm,
+                                  self.timeline.seconds(s.index), s.updates, s.attempts,
+                                  self.learner.optimizer.param_groups[0]["lr"])
+        result.memory = self.memory.rows_for(s.index)
         result.leaks = self.leaks.observe(end_of_step(result.memory))
         self.history.append(result)
-        self.step_index += 1
+        self._step = StepState(index=s.index + 1)   # why: the snapshot goes with the finished step
         return result
 
+    # --- composition ---
+    def run_next_phase(self) -> tuple[str, object]:
+        """Run the current step's next phase with the outputs of the phases before it; returns
+        (phase name, its output). The panel's phase button and `step()` both walk with it."""
+        name = self.next_phase()
+        args = [getattr(self._step, field) for field in BY_NAME[name].inputs]
+        return name, getattr(self, name)(*args)
+
+    def step(self) -> StepResult:
+        """Run the rest of the current step (all of it, when none is under way) and return its result.
+        All or nothing: if a phase fails (out of memory included), LoRA weights and optimizer state are
+        as they were before the step, and calling it again retries from the failed phase."""
+        self._require_loaded()
+        check_learner(self.learner.model, [self.config.placement.learner])  # why every step: a wrap in a cell spills at once
+        while True:
+            name, out = self.run_next_phase()
+            if name == "sync":
+                return out
+
     def rollback(self) -> None:
-        """Undo the current step's updates (if any) and drop its gradients."""
-        if self._saved_state is not None:
-            self._saved_state.restore(self.learner)
-            self._saved_state = None
+        """Undo the current step's updates (if any) and drop its gradients; its rollout, rewards,
+        advantages and log-probs are kept, so the step goes on from backward."""
+        s = self._step
+        if s.snapshot is not None:
+            s.snapshot.restore(self.learner)
         elif self.learner is not None:
             self.learner.optimizer.zero_grad(set_to_none=True)  # why: partial gradients of a failed backward
+        s.snapshot, s.updates, s.gradients, s.stats, s.grad_norm = None, 0, False, None, None
 
     def memory_plot(self, refresh_s: float = 0.5):
         """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds); display it in a cell."""
@@ -261,8 +359,9 @@ class Lab:
         step = self.history[-1].step if step is None else step
         return format_table(self.memory.rows_for(step))
 
-    def run(self, steps: int) -> list[StepResult]:
-        return [self.step() for _ in range(steps)]
+    def run(self, steps: Optional[int] = None) -> list[StepResult]:
+        """`steps` steps (default: run.steps, read now)."""
+        return [self.step() for _ in range(self.config.run.steps if steps is None else steps)]
 
     def save_adapter(self, path: Union[str, Path]) -> Path:
         from .learner import save_adapter
@@ -279,6 +378,7 @@ class Lab:
         if self.generator is not None:
             self.generator.close()
         self.learner = self.generator = self.reference = None
+        self._config._guard = None   # why: nothing loaded is left to protect; the config is a plain config again
 
 
 class Placement:

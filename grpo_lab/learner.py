@@ -74,18 +74,13 @@ def load_base(model_cfg, device: str):
     return model
 
 
-def logprob_temperature(config) -> float:
-    """Log-probs are taken at the sampling temperature (greedy decoding: 1)."""
-    return config.generator.temperature or 1.0
-
-
 def load_learner(config) -> Learner:
     from peft import LoraConfig, get_peft_model
 
     device = config.placement.learner
     torch.manual_seed(config.run.seed)  # why here: LoRA A's random init must be reproducible
     base = load_base(config.model, device)
-    add_logprob_head(base, logprob_temperature(config))  # before PEFT wraps it, as TRL requires
+    add_logprob_head(base)  # before PEFT wraps it, as TRL requires; each pass sets its rollout's temperature
     lora = config.lora
     try:
         model = get_peft_model(base, LoraConfig(

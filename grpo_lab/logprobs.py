@@ -16,11 +16,25 @@ import torch
 from .types import Rollout
 
 
-def add_logprob_head(model, temperature: float) -> None:
+def add_logprob_head(model, temperature: float = 1.0) -> None:
     """Patch a (not yet PEFT-wrapped) causal LM so `fused_lm_head=True` returns log-probs."""
+    model._grpo_lab_forward = model.forward   # the model's own forward, to re-patch from
+    model._grpo_lab_temperature = None
+    set_logprob_temperature(model, temperature)
+
+
+def set_logprob_temperature(model, temperature: float) -> None:
+    """Score at `temperature`. TRL's fused head bakes its temperature in, so a new one re-patches the
+    forward (cheap: no weight moves). Why per rollout: log-probs must be taken at the temperature the
+    rollout was sampled at, whatever generator.temperature says now."""
     from trl.trainer.utils import add_fused_lm_head
 
-    add_fused_lm_head(model, temperature=temperature)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base._grpo_lab_temperature == temperature:
+        return
+    base.forward = base._grpo_lab_forward
+    add_fused_lm_head(base, temperature=temperature)
+    base._grpo_lab_temperature = temperature
 
 
 def micro_batches(n: int, size: Optional[int]) -> Iterator[slice]:
@@ -49,10 +63,12 @@ def rollout_slice(rollout: Rollout, rows: slice, device) -> tuple[torch.Tensor, 
                  (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask))
 
 
-@torch.no_grad()  # why: old/reference log-probs are constants of the loss, no graph is kept
+@torch.no_grad()  # why: reference log-probs are constants of the loss, no graph is kept
 def rollout_logprobs(model, rollout: Rollout, device, micro_batch_size: Optional[int],
                      out_device="cpu") -> torch.Tensor:
-    """Log-probs of every completion of the rollout under `model`, micro-batched: [N, L] on `out_device`."""
+    """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
+    micro-batched: [N, L] on `out_device`."""
+    set_logprob_temperature(model, rollout.logprob_temperature)
     parts = []
     for rows in micro_batches(len(rollout), micro_batch_size):
         parts.append(completion_logprobs(model, *rollout_slice(rollout, rows, device)).float().to(out_device))

@@ -1,64 +1,33 @@
-"""Phase markers: every phase of a step runs inside `timeline.phase(name)`, which times it and
-tells listeners (the memory sampler, progress displays) when it starts and ends."""
+"""The phases of a GRPO step, named once. The Lab's phase methods and step.py's phase functions
+carry these names; the timeline, the memory tables, the report's colour bands and the panel's
+phase walk all read this registry, so a phase is never spelled two ways.
+
+    rollout -> rewards -> advantages -> logprobs -> backward -> optimizer -> sync
+"""
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-PHASES = ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync")
+
+@dataclass(frozen=True)
+class Phase:
+    name: str       # the Lab method, the step.py function and the timeline's label
+    colour: str     # band colour in the report and the live plot
+    does: str       # one line for tooltips and docs
+    inputs: tuple[str, ...] = ()   # what the Lab method takes, from the current step (lifecycle.StepState fields)
 
 
-@dataclass
-class PhaseRecord:
-    step: int
-    phase: str
-    start: float   # time.perf_counter()
-    end: float
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-
-class Timeline:
-    def __init__(self):
-        self.records: list[PhaseRecord] = []
-        self.listeners: list = []   # objects with phase_started(step, phase) / phase_ended(record, error)
-        self.open: tuple[int, str, float] | None = None   # (step, phase, start) of the running phase
-
-    def begin(self, name: str, step: int) -> None:
-        """Start a phase (for callers that cannot use `with`, such as trainer callbacks)."""
-        for listener in self.listeners:
-            listener.phase_started(step, name)
-        self.open = (step, name, time.perf_counter())
-
-    def end(self, error: BaseException | None = None) -> None:
-        if self.open is None:
-            return
-        step, name, start = self.open
-        self.open = None
-        record = PhaseRecord(step, name, start, time.perf_counter())
-        self.records.append(record)
-        for listener in self.listeners:
-            listener.phase_ended(record, error)
-
-    @contextmanager
-    def phase(self, name: str, step: int):
-        self.begin(name, step)
-        error = None
-        try:
-            yield
-        except BaseException as err:
-            error = err
-            raise
-        finally:
-            self.end(error)
-
-    def seconds(self, step: int) -> dict[str, float]:
-        """Wall time per phase of `step` (summed when a phase ran more than once)."""
-        out: dict[str, float] = {}
-        for r in self.records:
-            if r.step == step:
-                out[r.phase] = out.get(r.phase, 0.0) + r.seconds
-        return out
+PHASES: tuple[Phase, ...] = (
+    Phase("rollout", "#4c78a8", "sample num_generations completions for each of prompts_per_step prompts"),
+    Phase("rewards", "#9ecae9", "score every completion with the reward functions", ("rollout",)),
+    Phase("advantages", "#f58518", "group-relative advantages from the rewards", ("rewards",)),
+    Phase("logprobs", "#72b7b2", "reference log-probs (when beta > 0)", ("rollout",)),
+    Phase("backward", "#e45756", "loss and gradients, micro-batch by micro-batch (old log-probs on the first iteration)",
+          ("rollout", "advantages", "logprobs")),
+    Phase("optimizer", "#54a24b", "clip and apply the update to the LoRA weights"),
+    Phase("sync", "#b279a2", "push the LoRA weights to the generator; the step ends here"),
+)
+BY_NAME: dict[str, Phase] = {p.name: p for p in PHASES}
+PHASE_NAMES: tuple[str, ...] = tuple(BY_NAME)
+COLOURS: dict[str, str] = {p.name: p.colour for p in PHASES}
+UPDATE_PHASES = ("backward", "optimizer", "sync")   # redone from scratch when a step is rolled back

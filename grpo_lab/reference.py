@@ -24,6 +24,8 @@ class NoReference:
 
 class AdapterDisabledReference:
     def logprobs(self, learner, rollout, micro_batch_size):
+        # why train mode: the learner's passes all run in the mode of its loss forward (see step.backward)
+        learner.model.train()
         with learner.model.disable_adapter():  # PEFT restores the adapter in its own finally
             return rollout_logprobs(learner.model, rollout, learner.device, micro_batch_size)
 
@@ -32,11 +34,11 @@ class CopyReference:
     """A frozen base model on `reference.device` (default: the learner's)."""
 
     def __init__(self, config):
-        from .learner import load_base, logprob_temperature
+        from .learner import load_base
 
         self.device = torch.device(config.reference_device)
         self.model = load_base(config.model, str(self.device))
-        add_logprob_head(self.model, logprob_temperature(config))
+        add_logprob_head(self.model)
         self.model.eval()
         ensure_on_device(self.model, self.device, "reference.device")
 

@@ -1,23 +1,26 @@
-"""One GRPO step, phase by phase. Each phase is a public function taking the typed output of
-the one before; `step()` only composes them (via the Lab, which times and marks each phase):
+"""One GRPO step, phase by phase. Each phase (phases.PHASES) is a public function of the same
+name taking the typed output of the one before; the Lab times and marks each, checks their order
+and composes them into a step:
 
-    rollout -> rewards -> advantages -> log-probs -> loss and backward -> optimizer step -> sync
+    rollout -> rewards -> advantages -> logprobs -> (backward -> optimizer) x num_iterations -> sync
 
 Departs from TRL: micro-batching the log-prob/backward passes never changes the objective
-(losses normalise over the whole step batch), and a step is one optimizer update per
-rollout iteration (`num_iterations`), with no gradient accumulation across rollouts.
+(losses normalise over the whole step batch); a step is one optimizer update per rollout
+iteration (`num_iterations`), with no gradient accumulation across rollouts; and old log-probs
+are the first iteration's own forward, detached (no extra pass; see `backward`).
 """
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable, Optional
 
 import torch
 
 from .errors import LabError, NonFinite
 from .generation.base import GenerationRequest
-from .logprobs import completion_logprobs, micro_batches, rollout_slice
+from .generation.registry import OWN_WEIGHTS
+from .importance import importance_weights
+from .logprobs import completion_logprobs, micro_batches, rollout_slice, set_logprob_temperature
 from .losses import BatchTotals, grpo_loss
 from .rewards import reward_name
 from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
@@ -25,13 +28,12 @@ from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
 
 def rollout(generator, prompts, config) -> Rollout:
     """Sample `num_generations` completions for each of `prompts_per_step` prompts."""
-    gen, grpo = config.generator, config.grpo
+    grpo = config.grpo
     batch = prompts.next_batch(grpo.prompts_per_step)
-    request = GenerationRequest(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k)
-    return generator.generate(batch, grpo.num_generations, request)
+    return generator.generate(batch, grpo.num_generations, GenerationRequest.from_config(config))
 
 
-def score(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[list[float]] = None) -> Rewards:
+def rewards(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[list[float]] = None) -> Rewards:
     """Call every reward function with TRL's signature and combine them (NaN = no opinion)."""
     n = len(rollout)
     columns = {"answer": rollout.repeated(rollout.batch.answers)}
@@ -54,7 +56,7 @@ def score(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[list
                    num_generations=rollout.num_generations)
 
 
-def compute_advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
+def advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
     """Group-relative advantages: reward minus its group's mean, over the group's (or batch's) std.
     Groups are the rollout's own (`rewards.num_generations`), whatever the config says now."""
     from trl.trainer.utils import nanstd
@@ -71,17 +73,16 @@ def compute_advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
     return Advantages(values=values, group_mean=mean, group_std=group_std)
 
 
-def compute_logprobs(learner, reference, rollout: Rollout, config) -> LogProbs:
-    """Old log-probs (only when a rollout is reused for several updates) and reference log-probs."""
-    from .logprobs import rollout_logprobs
+def logprobs(learner, reference, rollout: Rollout, config) -> LogProbs:
+    """Reference log-probs, when the KL term is on (beta > 0). Old log-probs are not a pass of their own:
+    the rollout's first backward records them (see `backward`)."""
+    ref = reference.logprobs(learner, rollout, config.grpo.micro_batch_size) if config.grpo.beta > 0 else None
+    return LogProbs(ref=ref)
 
-    micro = config.grpo.micro_batch_size
-    old = None
-    if config.grpo.num_iterations > 1:  # why: on-policy (one update) the old log-probs equal the current ones, detached
-        learner.model.eval()
-        old = rollout_logprobs(learner.model, rollout, learner.device, micro)
-    ref = reference.logprobs(learner, rollout, micro) if config.grpo.beta > 0 else None
-    return LogProbs(old=old, ref=ref)
+
+def applies_importance_sampling(config) -> bool:
+    """IS corrects for a sampler that is not the learner: only a backend with its own weights can be one."""
+    return config.grpo.importance_sampling_correction and config.generator.backend in OWN_WEIGHTS
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
@@ -92,27 +93,45 @@ def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
     return mask
 
 
-def loss_and_backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogProbs, config) -> LossStats:
-    """Forward with gradients and backward, one micro-batch at a time; gradients accumulate in the LoRA params."""
+def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogProbs, config) -> LossStats:
+    """Forward with gradients and backward, one micro-batch at a time; gradients accumulate in the LoRA params.
+
+    The rollout's first backward (logprobs.old is None) is at the weights that sampled it: its own detached
+    log-probs are the old log-probs (ratio exactly 1, dropout included, as the forward is the same) and the
+    importance-sampling weights come from them; both are recorded for the rollout's later iterations."""
     grpo, device = config.grpo, learner.device
+    if grpo.beta > 0 and logprobs.ref is None:
+        raise LabError(f"backward: grpo.beta is {grpo.beta} but this step's logprobs phase ran at beta 0, so there are "
+                       "no reference log-probs; run lab.logprobs(rollout) again (before the step's first update)")
+    first = logprobs.old is None
+    is_on = applies_importance_sampling(config)
     mask_all = loss_mask(rollout, grpo.mask_truncated_completions)
-    totals = BatchTotals(len(rollout), int(mask_all.sum().item()), config.generator.max_completion_length)
+    totals = BatchTotals(len(rollout), int(mask_all.sum().item()), rollout.max_completion_length)
     model = learner.model
-    model.train()  # why: gradient checkpointing (if on) only recomputes activations in train mode
+    # why train mode for every learner pass (this one, the reference's, the first iteration's old log-probs):
+    # modes differ in LoRA dropout and gradient checkpointing, and one mode makes the first ratio exactly 1
+    model.train()
+    set_logprob_temperature(model, rollout.logprob_temperature)
     learner.optimizer.zero_grad(set_to_none=True)
+    olds, weights_all = [], []
     loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = 0.0
     for rows in micro_batches(len(rollout), grpo.micro_batch_size):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
         logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
-        take = lambda t: None if t is None else t[rows].to(device)  # noqa: E731
         sampler = rollout.sampler_logprobs[rows].to(device)
-        old = take(logprobs.old)
-        gap = (logps.detach() if old is None else old) - sampler            # log(learner / sampler) per token
-        weights = torch.exp(gap).clamp(max=grpo.importance_sampling_cap) if grpo.importance_sampling_correction else None
+        old = logps.detach() if first else logprobs.old[rows].to(device)
+        weights = None
+        if is_on:   # from the old log-probs, so every iteration of the rollout gets the same weights
+            weights = importance_weights(old, sampler, completion_mask.float(), grpo.importance_sampling_mode,
+                                         grpo.importance_sampling_clip_min, grpo.importance_sampling_clip_max)
+            weights_all.append(weights.cpu())
+        if first:
+            olds.append(old.cpu())
+        gap = old - sampler                                                  # log(learner / sampler) per token
         loss, kl, clipped = grpo_loss(
-            logps, old, take(logprobs.ref), advantages.values[rows].to(device), mask, totals,
-            grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights)
+            logps, old, None if logprobs.ref is None else logprobs.ref[rows].to(device), advantages.values[rows].to(device),
+            mask, totals, grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights)
         value = loss.item()
         if not math.isfinite(value):
             learner.optimizer.zero_grad(set_to_none=True)  # why: earlier micro-batches' gradients belong to a refused step
@@ -126,19 +145,36 @@ def loss_and_backward(learner, rollout: Rollout, advantages: Advantages, logprob
         if kl is not None:
             kl_sum += (kl.detach() * mask).sum().item()
         del logps, loss, kl  # why: free this micro-batch's activations before the next forward
+    if first:   # why after the loop: a backward that failed part-way records nothing
+        logprobs.old = torch.cat(olds)
+    logprobs.is_weights = torch.cat(weights_all) if is_on else None
     tokens = max(totals.num_tokens, 1)
     return LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
                      clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / tokens,
-                     logprob_kl=mismatch_kl_sum / tokens,
-                     num_tokens=totals.num_tokens)
+                     logprob_kl=mismatch_kl_sum / tokens, num_tokens=totals.num_tokens,
+                     **ratio_stats(logprobs.is_weights if is_on else None, rollout.completion_mask))
 
 
-def optimizer_step(learner, max_grad_norm: float) -> float:
+def ratio_stats(weights: Optional[torch.Tensor], completion_mask: torch.Tensor) -> dict:
+    """Min/mean/max of the importance-sampling weights, as TRL logs them (token modes: over completion tokens)."""
+    if weights is None:
+        return {}
+    flat = weights.flatten() if weights.shape[1] == 1 else weights[completion_mask.bool()]
+    if not flat.numel():
+        return {}
+    return {"is_ratio_min": flat.min().item(), "is_ratio_mean": flat.mean().item(), "is_ratio_max": flat.max().item()}
+
+
+def optimizer(learner, config) -> float:
     """Clip, update the LoRA parameters, drop the gradients; returns the pre-clip gradient norm.
-    A non-finite gradient norm is refused before the update, non-finite weights after it (the Lab
-    rolls the update back): NaN never reaches AdamW's moments or the adapter."""
+    learning_rate, weight_decay and max_grad_norm are read here (live). A non-finite gradient norm is
+    refused before the update, non-finite weights after it (the Lab rolls the update back): NaN never
+    reaches AdamW's moments or the adapter."""
+    grpo = config.grpo
+    for group in learner.optimizer.param_groups:   # why here: an edit between steps takes effect at this update
+        group["lr"], group["weight_decay"] = grpo.learning_rate, grpo.weight_decay
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grpo.max_grad_norm).item()
     if not math.isfinite(grad_norm):
         learner.optimizer.zero_grad(set_to_none=True)  # why: these gradients must never be applied
         raise NonFinite("optimizer", f"gradient norm is {grad_norm}", "lower grpo.learning_rate or check the "
@@ -152,41 +188,29 @@ def optimizer_step(learner, max_grad_norm: float) -> float:
     return grad_norm
 
 
-def sync_generator(generator, learner) -> None:
+def sync(generator, learner) -> None:
     """Push the updated LoRA weights to the generator (a no-op when it samples with the learner itself)."""
     generator.sync(learner)
 
 
-def step(lab) -> StepResult:
-    """One GRPO step: the phases above, in order, each timed and marked by the Lab."""
-    started = time.perf_counter()
-    rollout_ = lab.rollout()
-    rewards = lab.rewards(rollout_)
-    advantages = lab.advantages(rewards)
-    logprobs = lab.logprobs(rollout_)
-    for _ in range(lab.config.grpo.num_iterations):
-        stats = lab.loss_and_backward(rollout_, advantages, logprobs)
-        grad_norm = lab.optimizer_step()
-    lab.sync()
-    return summarize(lab.step_index, rollout_, rewards, advantages, stats, grad_norm,
-                     lab.timeline.seconds(lab.step_index), time.perf_counter() - started)
-
-
-def summarize(step_index, rollout_: Rollout, rewards: Rewards, advantages: Advantages, stats: LossStats,
-              grad_norm: float, phase_seconds: dict, seconds: float) -> StepResult:
-    total = rewards.total
+def summarize(step_index, rollout_: Rollout, rewards_: Rewards, advantages_: Advantages, stats: LossStats,
+              grad_norm: float, phase_seconds: dict, iterations: int, attempts: int, learning_rate: float) -> StepResult:
+    total = rewards_.total
     lengths = rollout_.completion_lengths.float()
-    means = torch.nanmean(rewards.per_function, dim=0).tolist()
+    means = torch.nanmean(rewards_.per_function, dim=0).tolist()
     return StepResult(
         step=step_index,
         reward_mean=torch.nanmean(total).item(),
         reward_std=total[~torch.isnan(total)].std().item() if (~torch.isnan(total)).sum() > 1 else 0.0,
-        rewards=dict(zip(rewards.names, means)),
-        advantage_std=advantages.values.std().item(),
+        rewards=dict(zip(rewards_.names, means)),
+        advantage_std=advantages_.values.std().item(),
         loss=stats.loss, kl=stats.kl, clip_fraction=stats.clip_fraction,
         logprob_mismatch=stats.logprob_mismatch, logprob_kl=stats.logprob_kl, grad_norm=grad_norm,
         completion_length_mean=lengths.mean().item(),
         completion_length_min=int(lengths.min().item()), completion_length_max=int(lengths.max().item()),
         truncated_fraction=rollout_.truncated.float().mean().item(),
-        phase_seconds=phase_seconds, step_seconds=seconds, sync_seconds=phase_seconds.get("sync", 0.0),
+        phase_seconds=phase_seconds, step_seconds=sum(phase_seconds.values()), sync_seconds=phase_seconds.get("sync", 0.0),
+        iterations=iterations, attempts=attempts, generate_calls=rollout_.generate_calls,
+        temperature=rollout_.temperature, learning_rate=learning_rate,
+        is_ratio_min=stats.is_ratio_min, is_ratio_mean=stats.is_ratio_mean, is_ratio_max=stats.is_ratio_max,
     )

@@ -26,7 +26,7 @@ import torch
 from .errors import LabError
 from .guard import WRAPPERS
 from .memory import LeakDetector, MemorySampler, format_table
-from .phases import Timeline
+from .timeline import Timeline
 
 try:
     from transformers import TrainerCallback

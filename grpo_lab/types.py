@@ -30,6 +30,15 @@ class Rollout:
     sampler_logprobs: torch.Tensor   # [N, L] log-prob of each sampled token under the sampler (0 where masked)
     truncated: torch.Tensor          # [N] bool: no EOS within max_completion_length
     completions: list[str]           # [N] decoded completion text
+    temperature: float = 1.0         # sampled at (0 = greedy); the log-prob passes score at this temperature (greedy: 1)
+    max_completion_length: int = 0   # the limit it was sampled with (dr_grpo normalises by it)
+    step: int = -1                   # the Lab step it belongs to (set by the Lab)
+    generate_calls: int = 1          # engine calls it took (generator.chunk_size splits the batch)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature learner/reference log-probs of this rollout are taken at: the sampling one (greedy: 1)."""
+        return self.temperature or 1.0
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -60,8 +69,10 @@ class Advantages:
 
 @dataclass
 class LogProbs:
-    old: Optional[torch.Tensor]      # [N, L] learner before the update (None: on-policy, num_iterations = 1)
-    ref: Optional[torch.Tensor]      # [N, L] reference policy (None: beta = 0)
+    ref: Optional[torch.Tensor]      # [N, L] reference policy (None: beta was 0 at the logprobs phase)
+    # Filled by the rollout's first backward, from its own forward (see step.backward), reused by later iterations:
+    old: Optional[torch.Tensor] = None          # [N, L] learner before this rollout's first update, detached
+    is_weights: Optional[torch.Tensor] = None   # [N, L] or [N, 1] importance-sampling weights (None: not applied)
 
 
 @dataclass
@@ -72,6 +83,9 @@ class LossStats:
     logprob_mismatch: float          # mean |learner - sampler| log-prob over completion tokens
     logprob_kl: float                # KL(sampler || learner) per token (k3 estimate on the sampled tokens)
     num_tokens: int
+    is_ratio_min: Optional[float] = None    # importance-sampling weights over completion tokens (None: not applied)
+    is_ratio_mean: Optional[float] = None
+    is_ratio_max: Optional[float] = None
 
 
 @dataclass
@@ -94,6 +108,14 @@ class StepResult:
     phase_seconds: dict[str, float]
     step_seconds: float
     sync_seconds: float = 0.0                          # pushing the LoRA weights to the generator
+    generate_calls: int = 1                            # engine calls of the rollout (generator.chunk_size)
+    temperature: float = 1.0                           # the rollout was sampled at (0 = greedy)
+    learning_rate: float = 0.0                         # of the step's last update
+    iterations: int = 1                                # optimizer updates on this rollout
+    attempts: int = 1                                  # 1 + rolled-back attempts (their rows: memory.rows_for(step, failed_attempts=True))
+    is_ratio_min: Optional[float] = None
+    is_ratio_mean: Optional[float] = None
+    is_ratio_max: Optional[float] = None
     memory: list[dict] = field(default_factory=list)   # per phase x device x metric: start/peak/end/delta bytes
     leaks: list[str] = field(default_factory=list)     # devices whose after-step memory keeps climbing
 

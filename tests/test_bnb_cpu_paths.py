@@ -42,8 +42,8 @@ def lora_state(lab):
 
 def train_and_check(lab, rollout, logprobs):
     before = lora_state(lab)
-    stats = lab.loss_and_backward(rollout, lab.advantages(lab.rewards(rollout)), logprobs)
-    grad_norm = lab.optimizer_step()
+    stats = lab.backward(rollout, lab.advantages(lab.rewards(rollout)), logprobs)
+    grad_norm = lab.optimizer()
     assert math.isfinite(stats.loss) and math.isfinite(grad_norm) and grad_norm > 0
     after = lora_state(lab)
     assert any(not torch.equal(before[n], after[n]) for n in before), "the training step changed no LoRA weight"

@@ -11,7 +11,7 @@ from grpo_lab import Lab
 from grpo_lab.memory import LeakDetector, MemorySampler
 from grpo_lab.memory.oom import OutOfMemory
 from grpo_lab.memory.probes import HostProbe, MiB
-from grpo_lab.phases import PHASES
+from grpo_lab.phases import PHASE_NAMES as PHASES
 from grpo_lab.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,21 +83,21 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
     monkeypatch.setattr(HostProbe, "read", fake_read)
     out = tmp_path / "run"
     seen = {}
-    real_update = step_module.optimizer_step
+    real_update = step_module.optimizer
 
-    def update(learner, max_grad_norm):
+    def update(learner, config):
         seen["updates"] = seen.get("updates", 0) + 1
         if seen["updates"] == 3:                                # step 2's update (num_iterations 1)
             seen["learner"] = learner
             seen["lora"], seen["optimizer"] = lora_of(learner), optimizer_of(learner)
             seen["adapter"] = (out / "adapter" / "adapter_model.safetensors").read_bytes()
-        norm = real_update(learner, max_grad_norm)
+        norm = real_update(learner, config)
         if seen["updates"] == 3:
             seen["lora_updated"] = lora_of(learner)
             host_full["on"] = True                              # as if the update had taken the host's RAM
         return norm
 
-    monkeypatch.setattr(step_module, "optimizer_step", update)
+    monkeypatch.setattr(step_module, "optimizer", update)
     code = main(["run", "tiny-cpu", "--out", str(out), "--steps", "5", "--quiet",
                  "--set", f"model.name_or_path={tiny_model}", "--set", "run.save_every=1",
                  "--set", "memory.host_threshold=0.5"])

@@ -22,6 +22,11 @@ def run_notebook(notebook, out, cwd, parameters):
                         progress_bar=False)
     nb = nbformat.read(out, as_version=4)
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+    return nb
+
+
+def printed(nb) -> str:
+    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
@@ -34,6 +39,11 @@ def test_notebook_runs_under_papermill_from_the_repo_root(notebook, tiny_model, 
 def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path):
     cwd = ROOT / "notebooks" if where == "notebooks" else tmp_path / "unrelated"
     cwd.mkdir(exist_ok=True)
-    run_notebook(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "out.ipynb", cwd, {"steps": 1})
+    nb = run_notebook(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "out.ipynb", cwd, {"steps": 1})
+    text = printed(nb)
+    # the knob cell's edits did what its comments say: 8 sequences in calls of 4, the new lr and temperature
+    assert "generate calls 2, learning rate 0.0003, temperature 0.7" in text, text[-2000:]
+    assert "refused: lora.r: fixed when the Lab loads" in text
+    assert "step 0:" in text and "| next: 1 rollout" in text     # the walk's sync ended step 0 by itself
     if where == "elsewhere":
         assert list(cwd.iterdir()) == []   # nothing written into the user's working directory

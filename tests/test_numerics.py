@@ -41,11 +41,11 @@ def phases_until_backward(lab):
 def test_injected_non_finite_gradient_is_refused_with_state_unchanged(stepped_lab):
     lab = stepped_lab
     before = train_state(lab)
-    lab.loss_and_backward(*phases_until_backward(lab))
+    lab.backward(*phases_until_backward(lab))
     grad = next(p.grad for p in lab.learner.model.parameters() if p.grad is not None)
     grad.view(-1)[0] = math.nan
     with pytest.raises(LabError, match=r"^optimizer: gradient norm is nan at step 1.*refused.*grpo\.") as err:
-        lab.optimizer_step()
+        lab.optimizer()
     assert "\n" not in str(err.value)
     assert_same_state(lab, before)
     assert all(p.grad is None for p in lab.learner.model.parameters())   # the bad gradients are gone
@@ -58,7 +58,7 @@ def test_non_finite_loss_is_refused_before_backward(stepped_lab):
     rollout, advantages, logprobs = phases_until_backward(lab)
     advantages.values[0] = math.inf
     with pytest.raises(LabError, match=r"^backward: loss is (nan|inf|-inf) at step 1") as err:
-        lab.loss_and_backward(rollout, advantages, logprobs)
+        lab.backward(rollout, advantages, logprobs)
     assert "\n" not in str(err.value)
     assert all(p.grad is None for p in lab.learner.model.parameters())
     assert_same_state(lab, before)
@@ -87,7 +87,7 @@ def test_cli_run_stops_with_one_line_on_non_finite_values(tiny_model, tmp_path, 
     from grpo_lab import step as step_module
     from grpo_lab.cli import main
 
-    real = step_module.compute_advantages
+    real = step_module.advantages
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -97,7 +97,7 @@ def test_cli_run_stops_with_one_line_on_non_finite_values(tiny_model, tmp_path, 
             out.values[:] = math.nan
         return out
 
-    monkeypatch.setattr(step_module, "compute_advantages", poisoned)
+    monkeypatch.setattr(step_module, "advantages", poisoned)
     out = tmp_path / "run"
     assert main(["run", "tiny-cpu", "--steps", "3", "--out", str(out), "--quiet"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

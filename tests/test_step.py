@@ -61,14 +61,14 @@ def test_phases_can_be_called_one_by_one(loaded_lab):
     assert torch.allclose(groups.sum(1), torch.zeros(2), atol=1e-4)   # zero-mean within each group
     lp = lab.logprobs(rollout)
     assert lp.old is None and lp.ref.shape == rollout.completion_ids.shape
-    stats = lab.loss_and_backward(rollout, adv, lp)
+    stats = lab.backward(rollout, adv, lp)
     assert math.isfinite(stats.loss) and stats.num_tokens == int(rollout.completion_mask.sum())
     params = lab.learner.trainable_parameters()
     grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
     assert grads, "backward left no gradients"
     by_hand = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values()))
     before = lora_state(lab)
-    grad_norm = lab.optimizer_step()
+    grad_norm = lab.optimizer()
     assert by_hand > 0 and grad_norm == pytest.approx(by_hand, rel=1e-5)
     after = lora_state(lab)
     moved = {n for n in before if not torch.equal(before[n], after[n])}
@@ -85,11 +85,9 @@ def test_phases_can_be_called_one_by_one(loaded_lab):
 def test_chunked_generation_equals_unchunked_greedy(loaded_lab, chunk_size):
     lab = loaded_lab(generator={"temperature": 0})
     batch = lab.prompts.next_batch(3)
-    request = GenerationRequest(max_completion_length=12, temperature=0)
-    lab.generator.chunk_size = None
-    whole = lab.generator.generate(batch, 2, request)
-    lab.generator.chunk_size = chunk_size
-    parts = lab.generator.generate(batch, 2, request)
+    whole = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=12, temperature=0))
+    parts = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=12, temperature=0,
+                                                               chunk_size=chunk_size))
     assert torch.equal(whole.completion_ids, parts.completion_ids)
     assert torch.equal(whole.completion_mask, parts.completion_mask)
     assert torch.allclose(whole.sampler_logprobs, parts.sampler_logprobs, atol=1e-5)
@@ -106,11 +104,12 @@ def test_micro_batched_logprobs_and_gradients_equal_the_whole_batch(loaded_lab):
     rewards = lab.rewards(rollout)
     adv = lab.advantages(rewards)
     whole_lp = lab.logprobs(rollout)
-    whole = lab.loss_and_backward(rollout, adv, whole_lp)
+    whole = lab.backward(rollout, adv, whole_lp)
     whole_grads = {n: p.grad.clone() for n, p in lab.learner.model.named_parameters() if p.grad is not None}
-    lab.config.grpo.micro_batch_size = 3   # does not divide 8
+    lab.rollback()                         # drop those gradients; the step goes on from its logprobs
+    lab.config.grpo.micro_batch_size = 3   # does not divide 8; live: the next phases read it
     part_lp = lab.logprobs(rollout)
-    part = lab.loss_and_backward(rollout, adv, part_lp)
+    part = lab.backward(rollout, adv, part_lp)
     mask = rollout.completion_mask.bool()
     assert torch.allclose(whole_lp.ref[mask], part_lp.ref[mask], atol=1e-5)
     assert whole.loss == pytest.approx(part.loss, abs=1e-5)
@@ -144,7 +143,8 @@ def test_reference_copy_equals_adapter_disabled_before_training(tiny_config):
     disabled = Lab(tiny_config(grpo={"beta": 0.1})).load()
     copy = Lab(tiny_config(grpo={"beta": 0.1}, reference={"strategy": "copy", "device": "cpu"})).load()
     rollout = disabled.rollout()
-    a, b = disabled.logprobs(rollout).ref, copy.logprobs(rollout).ref
+    a = disabled.logprobs(rollout).ref
+    b = copy.reference.logprobs(copy.learner, rollout, None)   # another Lab's rollout: through the reference itself
     mask = rollout.completion_mask.bool()
     assert torch.allclose(a[mask], b[mask], atol=1e-5)
     assert copy.reference.model is not copy.learner.model
@@ -156,14 +156,16 @@ def test_reference_none_gives_no_kl(loaded_lab):
     assert lab.config.reference_strategy == "none" and result.kl is None
 
 
-def test_num_iterations_computes_old_logprobs(loaded_lab, monkeypatch):
-    """Two updates per rollout: the first with ratio exactly 1 (old = current), the second can clip."""
+@pytest.mark.parametrize("lora_dropout", [0.0, 0.5])
+def test_num_iterations_old_logprobs_are_the_first_iterations_own(loaded_lab, monkeypatch, lora_dropout):
+    """Two updates per rollout: the first with ratio exactly 1 (old = its own forward, detached), with or
+    without LoRA dropout; the second against the same old log-probs, and it can clip."""
     import grpo_lab.step as step_module
 
-    lab = loaded_lab(lora={"lora_dropout": 0.0},   # dropout would make the first ratio differ from 1
+    lab = loaded_lab(lora={"lora_dropout": lora_dropout},
                      grpo={"num_iterations": 2, "learning_rate": 5e-2, "epsilon": 0.01})
     rollout = lab.rollout()
-    assert lab.logprobs(rollout).old.shape == rollout.completion_ids.shape
+    assert lab.logprobs(rollout).old is None             # no pass of its own: the first backward records it
 
     passes, stats, weights = [], [], [lora_state(lab)]
     real_loss = step_module.grpo_loss
@@ -173,21 +175,22 @@ def test_num_iterations_computes_old_logprobs(loaded_lab, monkeypatch):
         return real_loss(logps, old, ref, advantages, mask, *args, **kwargs)
 
     monkeypatch.setattr(step_module, "grpo_loss", recording_loss)
-    real_backward, real_update = lab.loss_and_backward, lab.optimizer_step
-    monkeypatch.setattr(lab, "loss_and_backward", lambda *a: stats.append(real_backward(*a)) or stats[-1])
-    monkeypatch.setattr(lab, "optimizer_step", lambda: (real_update(), weights.append(lora_state(lab)))[0])
+    real_backward, real_update = lab.backward, lab.optimizer
+    monkeypatch.setattr(lab, "backward", lambda *a: stats.append(real_backward(*a)) or stats[-1])
+    monkeypatch.setattr(lab, "optimizer", lambda: (real_update(), weights.append(lora_state(lab)))[0])
     result = lab.step()
 
     assert len(stats) == 2 and len(weights) == 3 and len(passes) == 2   # whole batch: one micro-batch per pass
+    assert result.iterations == 2
     for a, b in zip(weights, weights[1:]):             # each of the two updates moved the LoRA weights
         assert any(not torch.equal(a[n], b[n]) for n in a)
     assert {int(s["step"]) for s in lab.learner.optimizer.state.values()} == {2}
 
     (logps1, old1, mask), (logps2, old2, _) = passes
     assert torch.equal(old1, old2)                      # both passes against the same old policy
-    assert torch.equal(logps1[mask], old1[mask])        # first pass: ratio exactly 1...
+    assert torch.equal(logps1[mask], old1[mask])        # first pass: ratio exactly 1, dropout or not...
     assert torch.equal(torch.exp(logps1 - old1)[mask], torch.ones(int(mask.sum())))
-    assert stats[0].clip_fraction == 0.0               # ...so nothing can be clipped
+    assert stats[0].clip_fraction == 0.0               # ...so nothing can be clipped (epsilon is 0.01)
     assert not torch.equal(logps2[mask], old2[mask])    # second pass: the policy moved
     assert stats[1].clip_fraction > 0.0 and result.clip_fraction == stats[1].clip_fraction
     assert math.isfinite(result.loss)

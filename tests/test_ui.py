@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from grpo_lab import Lab
-from grpo_lab.phases import PHASES
+from grpo_lab.phases import PHASE_NAMES as PHASES
 from grpo_lab.ui import ConfigEditor, Panel, StepControls
 
 
@@ -61,14 +61,19 @@ def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
     for phase in PHASES:
         assert controls.next_button.description == f"phase: {phase}"
         controls.next_button.click()
-    assert [r.phase for r in lab.timeline.records] == list(PHASES) and lab.step_index == 1
+    # the walk's last phase ended step 0 by itself: its result is in history, the index moved on
+    assert [r.phase for r in lab.timeline.records] == list(PHASES) and lab.step_index == 1 and len(lab.history) == 1
+    assert controls.next_button.description == "phase: rollout"
     controls.step_button.click()
-    assert len(lab.history) == 1
+    assert len(lab.history) == 2
+    controls.next_button.click()                      # a walk begun, then "one step" runs the rest of that step
+    controls.step_button.click()
+    assert len(lab.history) == 3 and lab.history[-1].step == 2
     controls.count.value = 2
     controls.run_button.click()
     controls.thread.join(timeout=300)
     assert not controls.thread.is_alive()
-    assert len(lab.history) == 3 and controls.progress.value == 2 and [r.step for r in lab.history] == [1, 2, 3]
+    assert len(lab.history) == 5 and controls.progress.value == 2 and [r.step for r in lab.history] == [0, 1, 2, 3, 4]
 
 
 def log_text(controls):

@@ -92,14 +92,13 @@ def test_first_sync_with_zero_lora_b_is_exact_and_sync_moves_generator_to_learne
     mask = rollout.completion_mask.bool()
     rewards = lab.rewards(rollout)
     advantages = lab.advantages(rewards)
-    lab.loss_and_backward(rollout, advantages, lab.logprobs(rollout))
-    assert lab.optimizer_step() > 0                           # the learner moved; the generator has not yet
+    lab.backward(rollout, advantages, lab.logprobs(rollout))
+    assert lab.optimizer() > 0                           # the learner moved; the generator has not yet
     learner_now = learner_logprobs(lab, rollout)
     stale = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
     lab.sync()
     synced = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
     assert synced < stale, (synced, stale)
-    lab.step_index += 1
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, None])
@@ -107,16 +106,13 @@ def test_chunked_equals_unchunked_greedy_and_seeded(vllm_lab, chunk_size):
     lab = vllm_lab
     batch = lab.prompts.next_batch(3)
     for temperature in (0.0, 1.0):
-        request = GenerationRequest(max_completion_length=10, temperature=temperature)
-        lab.generator.chunk_size = None
         torch.manual_seed(7)
-        whole = lab.generator.generate(batch, 2, request)
-        lab.generator.chunk_size = chunk_size
+        whole = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=10, temperature=temperature))
         torch.manual_seed(7)
-        parts = lab.generator.generate(batch, 2, request)
+        parts = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=10, temperature=temperature,
+                                                                   chunk_size=chunk_size))
         assert torch.equal(whole.completion_ids, parts.completion_ids), temperature
         assert torch.allclose(whole.sampler_logprobs, parts.sampler_logprobs, atol=1e-5)
-    lab.generator.chunk_size = None
 
 
 def test_twenty_syncs_do_not_grow_generator_memory(vllm_lab):
@@ -179,7 +175,7 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
     monkeypatch.setattr(grpo, "importance_sampling_correction", True)
     monkeypatch.setattr(grpo, "importance_sampling_cap", cap)
     try:
-        stats = lab.loss_and_backward(rollout, advantages, logprobs)
+        stats = lab.backward(rollout, advantages, logprobs)
         grads = {n: p.grad.clone() for n, p in params.items()}
     finally:
         lab.learner.optimizer.zero_grad(set_to_none=True)      # the shared lab takes no update here

@@ -19,11 +19,19 @@ from ..types import PromptBatch, Rollout
 
 @dataclass
 class GenerationRequest:
-    """Sampling settings of one rollout; temperature 0 means greedy."""
+    """Settings of one rollout, read from the live config at the rollout phase (the generator keeps
+    no copy of them, so an edit between steps takes effect at the next rollout); temperature 0 = greedy."""
     max_completion_length: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    max_prompt_length: int = 256
+    chunk_size: Optional[int] = None     # sequences per engine call; None = all at once
+
+    @classmethod
+    def from_config(cls, config) -> "GenerationRequest":
+        gen = config.generator
+        return cls(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k, gen.max_prompt_length, gen.chunk_size)
 
 
 @dataclass
@@ -40,13 +48,24 @@ def chunked(items: Sequence, chunk_size: Optional[int]) -> Iterator[Sequence]:
         yield items[i * size:(i + 1) * size]
 
 
+def eos_token_ids(tokenizer, checkpoint: str) -> list[int]:
+    """The ids every backend stops on: the tokenizer's eos_token_id, then the checkpoint's generation_config
+    eos_token_id (an int or a list: Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>)."""
+    from transformers import GenerationConfig
+
+    try:
+        listed = GenerationConfig.from_pretrained(checkpoint).eos_token_id
+    except OSError:   # no generation_config.json: the tokenizer's EOS alone
+        listed = None
+    listed = [listed] if isinstance(listed, int) else list(listed or [])
+    return [t for t in dict.fromkeys([tokenizer.eos_token_id, *listed]) if t is not None]
+
+
 class Generator:
     """Base class: tokenization, repetition, chunking and padding shared by every backend."""
 
-    def __init__(self, tokenizer, max_prompt_length: int, chunk_size: Optional[int] = None):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.max_prompt_length = max_prompt_length
-        self.chunk_size = chunk_size
 
     # --- backends implement these ---
     def _generate_chunk(self, prompt_ids: list[list[int]], request: GenerationRequest) -> list[Sample]:
@@ -59,17 +78,26 @@ class Generator:
     def close(self) -> None:
         """Release the engine's memory."""
 
+    def check_live(self, config) -> None:
+        """Refuse (LabError) a config edit this running engine cannot honour (e.g. a length beyond what it was
+        started for); called before the edit is applied. Backends without such limits accept everything."""
+
     # --- shared ---
-    def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
+    def encode_prompts(self, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
         ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        return [p[-self.max_prompt_length:] for p in ids]   # truncate from the left, keep the question's end
+        return [p[-max_prompt_length:] for p in ids]   # truncate from the left, keep the question's end
 
     def generate(self, batch: PromptBatch, num_generations: int, request: GenerationRequest) -> Rollout:
-        prompt_ids = [p for p in self.encode_prompts(batch.prompts) for _ in range(num_generations)]  # [N]
+        prompt_ids = [p for p in self.encode_prompts(batch.prompts, request.max_prompt_length)
+                      for _ in range(num_generations)]  # [N]
         samples: list[Sample] = []
-        for chunk in chunked(prompt_ids, self.chunk_size):
+        calls = 0
+        for chunk in chunked(prompt_ids, request.chunk_size):
             samples.extend(self._generate_chunk(list(chunk), request))
-        return self._to_rollout(batch, num_generations, prompt_ids, samples, request)
+            calls += 1
+        out = self._to_rollout(batch, num_generations, prompt_ids, samples, request)
+        out.generate_calls = calls
+        return out
 
     def _to_rollout(self, batch, num_generations, prompt_ids, samples, request) -> Rollout:
         pad = self.tokenizer.pad_token_id
@@ -95,4 +123,5 @@ class Generator:
             sampler_logprobs=sampler_logprobs,
             truncated=torch.tensor([s.truncated for s in samples]),
             completions=self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True),
+            temperature=request.temperature, max_completion_length=request.max_completion_length,
         )

@@ -23,7 +23,7 @@ def check_hf_placement(config) -> None:
 class HFGenerator(Generator):
     def __init__(self, learner, config):
         gen = config.generator
-        super().__init__(learner.tokenizer, gen.max_prompt_length, gen.chunk_size)
+        super().__init__(learner.tokenizer)
         check_hf_placement(config)
         self.learner = learner
 

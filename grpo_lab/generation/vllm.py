@@ -82,7 +82,7 @@ def scoped_env(values: dict[str, str]):
 class VLLMGenerator(Generator):
     def __init__(self, learner, config):
         gen, place = config.generator, config.placement
-        super().__init__(learner.tokenizer, gen.max_prompt_length, gen.chunk_size)
+        super().__init__(learner.tokenizer)
         vllm = import_vllm()
         devices = place.generator_devices()
         on_cpu = devices == ["cpu"]

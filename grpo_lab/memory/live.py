@@ -11,7 +11,8 @@ import threading
 from typing import Optional
 
 from .probes import MiB
-from .report import PHASE_COLORS, TIMELINE_METRICS, host_limits
+from ..phases import COLOURS
+from .report import TIMELINE_METRICS, host_limits
 
 
 def _needs_notebook_extra():
@@ -67,7 +68,7 @@ class LivePlot:
 
     def _shapes(self) -> list[dict]:
         bands = [dict(type="rect", xref="x", yref="paper", x0=start, x1=end, y0=0, y1=1, line_width=0,
-                      fillcolor=PHASE_COLORS.get(phase, "#cccccc"), opacity=0.12)
+                      fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12)
                  for _, phase, start, end in self.sampler.marks[-self.max_bands:]]
         lines = [dict(type="line", xref="paper", yref="y", x0=0, x1=1, y0=mib, y1=mib,
                       line=dict(dash="dash", width=1, color="#888"), name=name)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from ..phases import COLOURS
 from .probes import MiB
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
-PHASE_COLORS = {"rollout": "#4c78a8", "rewards": "#9ecae9", "advantages": "#f58518", "logprobs": "#72b7b2",
-                "backward": "#e45756", "optimizer": "#54a24b", "sync": "#b279a2"}
 TIMELINE_METRICS = {"rss", "used", "allocated", "reserved", "device_used"}
 
 
@@ -42,10 +41,10 @@ def timeline_figure(samples, marks, limits: dict | None = None):
     for (device, metric), (xs, ys) in series.items():
         fig.add_trace(go.Scattergl(x=xs, y=ys, mode="lines", name=f"{device} {metric}"))
     for step, phase, start, end in marks:
-        fig.add_vrect(x0=start, x1=end, fillcolor=PHASE_COLORS.get(phase, "#cccccc"), opacity=0.12, line_width=0)
+        fig.add_vrect(x0=start, x1=end, fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12, line_width=0)
     for name, mib in (limits or {}).items():
         fig.add_hline(y=mib, line_dash="dash", annotation_text=name, annotation_position="top left")
-    fig.update_layout(title="Memory timeline (MiB); bands: " + ", ".join(PHASE_COLORS), xaxis_title="seconds",
+    fig.update_layout(title="Memory timeline (MiB); bands: " + ", ".join(COLOURS), xaxis_title="seconds",
                       yaxis_title="MiB", height=420, margin=dict(t=50, l=50, r=20, b=40))
     return fig
 

@@ -57,9 +57,16 @@ class MemorySampler:
             self._thread = None
 
     def _loop(self) -> None:
-        period = 1.0 / self.hz
-        while not self._stop.wait(period):
+        while self.hz > 0 and not self._stop.wait(1.0 / self.hz):   # why read hz each time: memory.sample_hz is editable
             self.read()
+
+    def set_rate(self, hz: float) -> None:
+        """Change the sampling rate of a running sampler (0 stops the thread; readings stay at phase boundaries)."""
+        self.hz = hz
+        if hz == 0:
+            self.stop()
+        else:
+            self.start()
 
     # --- readings ---
     def read(self) -> dict[tuple[str, str], float]:
@@ -115,7 +122,7 @@ class MemorySampler:
             self.phase_rows.append({
                 "step": record.step, "phase": record.phase, "device": device, "metric": metric,
                 "start": start, "peak": peak, "end": end[(device, metric)], "delta": end[(device, metric)] - start,
-                "failed": error is not None,
+                "failed": error is not None, "failed_attempt": None,
             })
 
     def check_host(self, step: int, phase: str) -> None:
@@ -134,8 +141,16 @@ class MemorySampler:
                 "or raise memory.host_threshold with care")
 
     # --- views ---
-    def rows_for(self, step: int) -> list[dict]:
-        return [r for r in self.phase_rows if r["step"] == step]
+    def retire(self, step: int, phases, attempt: int) -> None:
+        """Mark `step`'s rows of `phases` as a failed attempt's (the step was rolled back and that work is redone)."""
+        with self._lock:
+            for r in self.phase_rows:
+                if r["step"] == step and r["phase"] in phases and r["failed_attempt"] is None:
+                    r["failed_attempt"] = attempt
+
+    def rows_for(self, step: int, failed_attempts: bool = False) -> list[dict]:
+        """The per-phase rows of `step`: of the attempt that completed it, or with `failed_attempts` of those rolled back."""
+        return [r for r in self.phase_rows if r["step"] == step and (r["failed_attempt"] is not None) == failed_attempts]
 
     def latest(self, device: str) -> dict[str, float]:
         return {metric: value for (dev, metric), value in self.read().items() if dev == device}

@@ -6,31 +6,15 @@ from __future__ import annotations
 import threading
 
 from ..errors import LabError
-from ..phases import PHASES
 from .editor import _widgets
-
-
-# each phase of the walk: run it on the lab with the outputs of the phases before it (kept in `state`)
-WALK = {
-    "rollout": lambda lab, s: s.update(rollout=lab.rollout()),
-    "rewards": lambda lab, s: s.update(rewards=lab.rewards(s["rollout"])),
-    "advantages": lambda lab, s: s.update(advantages=lab.advantages(s["rewards"])),
-    "logprobs": lambda lab, s: s.update(logprobs=lab.logprobs(s["rollout"])),
-    "backward": lambda lab, s: s.update(stats=lab.loss_and_backward(s["rollout"], s["advantages"], s["logprobs"])),
-    "optimizer": lambda lab, s: s.update(grad_norm=lab.optimizer_step()),
-    "sync": lambda lab, s: lab.sync(),
-}
-
 
 class StepControls:
     def __init__(self, lab):
         w = _widgets()
         self.lab = lab
-        self.position = 0                 # next phase of the phase-by-phase walk
-        self.state: dict = {}
         self.thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.next_button = w.Button(description=f"phase: {PHASES[0]}", tooltip="run the next phase of the step")
+        self.next_button = w.Button(description=f"phase: {lab.next_phase()}", tooltip="run the next phase of the step")
         self.step_button = w.Button(description="one step")
         self.count = w.BoundedIntText(value=5, min=1, max=100_000, description="steps", layout=w.Layout(width="160px"))
         self.run_button = w.Button(description="run N", button_style="success")
@@ -55,19 +39,21 @@ class StepControls:
             self._say(f"error: {err}")
 
     def next_phase(self) -> str:
-        """Run the next phase of the current step with the outputs of the phases before it."""
-        phase = PHASES[self.position]
-        WALK[phase](self.lab, self.state)
-        self._say(f"{phase} done ({self.lab.timeline.records[-1].seconds:.2f}s)")
-        self.position = (self.position + 1) % len(PHASES)
-        if self.position == 0:
-            self.lab.step_index += 1
-            self.state = {}
-        self.next_button.description = f"phase: {PHASES[self.position]}"
+        """Run the current step's next phase (the Lab's lifecycle says which) with its earlier phases' outputs."""
+        try:
+            phase, out = self.lab.run_next_phase()
+            self._say(f"{phase} done ({self.lab.timeline.records[-1].seconds:.2f}s)")
+            if phase == "sync":
+                self._say(out.summary())
+        finally:
+            self.next_button.description = f"phase: {self.lab.next_phase()}"
         return phase
 
     def one_step(self):
-        result = self.lab.step()
+        try:
+            result = self.lab.step()   # the rest of the current step, when a phase walk is under way
+        finally:
+            self.next_button.description = f"phase: {self.lab.next_phase()}"
         self._say(result.summary())
         return result
 

@@ -1,0 +1,91 @@
+"""Config edits on a loaded Lab. Every field declares when it takes effect (config.WHEN):
+
+- live: read at the next phase that uses it (nothing to do here);
+- rebuild: the part that depends on it is rebuilt at once, by the function REBUILDS names;
+- load: refused after load with one line (the models were built from it: make a new Lab).
+
+Every way of editing (attribute assignment on lab.config, lab.configure, the widget editor,
+assigning lab.config) reaches `LabConfig.update`, which calls this guard: `check` before any
+value changes (refusals), `apply` after (rebuilds; a failure puts the old values back).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .config import field_when
+from .errors import LabError
+
+
+def rebuild_reference(lab) -> None:
+    from .reference import build_reference
+
+    if lab.config.reference_strategy != lab.reference_strategy:   # why: 'copy' loads a model; only build on a real change
+        lab.reference = build_reference(lab.config)
+        lab.reference_strategy = lab.config.reference_strategy
+
+
+def rebuild_prompts(lab) -> None:
+    from .data import PromptSource, load_rows
+
+    cfg = lab.config
+    rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
+    lab.prompts = PromptSource(rows, lab.learner.tokenizer, cfg.data.system_prompt, cfg.run.seed)
+
+
+def rebuild_rewards(lab) -> None:
+    from .rewards import resolve_reward
+
+    lab.reward_funcs = [resolve_reward(name) for name in lab.config.data.rewards]
+
+
+def rebuild_leak_detector(lab) -> None:
+    lab.leaks.window = lab.config.memory.leak_window
+    lab.leaks.min_growth = lab.config.memory.leak_min_growth_mib * 1024 ** 2
+
+
+REBUILDS: dict[str, Callable] = {
+    "grpo.beta": rebuild_reference,
+    "reference.strategy": rebuild_reference,
+    "data.dataset": rebuild_prompts,
+    "data.num_prompts": rebuild_prompts,
+    "data.system_prompt": rebuild_prompts,
+    "data.rewards": rebuild_rewards,
+    "memory.sample_hz": lambda lab: lab.memory.set_rate(lab.config.memory.sample_hz),
+    "memory.host_threshold": lambda lab: setattr(lab.memory, "host_threshold", lab.config.memory.host_threshold),
+    "memory.leak_window": rebuild_leak_detector,
+    "memory.leak_min_growth_mib": rebuild_leak_detector,
+}
+
+
+class LoadedLabGuard:
+    """Installed on a Lab's config by `Lab.load()`."""
+
+    def __init__(self, lab):
+        self.lab = lab
+
+    def check(self, config, new, changed: dict) -> None:
+        fixed = [path for path in changed if field_when(path) == "load"]
+        if fixed:
+            raise LabError(f"{', '.join(fixed)}: fixed when the Lab loads (the models, placement or engine were built "
+                           "from it); make a new Lab with the new value: lab.close(); lab = Lab(config).load()")
+        lab = self.lab
+        if "data.rewards" in changed and lab.reward_funcs_given:
+            raise LabError("data.rewards: this Lab's reward functions were passed to Lab(reward_funcs=...); pass new "
+                           "ones to a new Lab, or edit data.reward_weights")
+        if "data.rewards" in changed:
+            from .rewards import resolve_reward
+
+            for name in new.data.rewards:
+                resolve_reward(name)
+        if new.reference_strategy == "copy" and new.reference_device not in lab.memory_devices:
+            raise LabError(f"reference.strategy: a copy on {new.reference_device} after load would sit on a device this "
+                           f"Lab does not watch ({', '.join(lab.memory_devices)}); make a new Lab with it")
+        lab.generator.check_live(new)
+
+    def apply(self, config, changed: dict) -> None:
+        done = []
+        for path in changed:
+            rebuild = REBUILDS.get(path)
+            if rebuild is not None and rebuild not in done:
+                rebuild(self.lab)
+                done.append(rebuild)
