@@ -21,10 +21,11 @@ def test_editor_has_a_tab_per_section_typed_inputs_and_help(tiny_config):
 
 def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
     lab = Lab(tiny_config())
-    editor = ConfigEditor(lab.config, on_change=lambda c: setattr(lab, "config", c))
+    editor = ConfigEditor(lab.config)
     editor.inputs[("grpo", "beta")][0].value = 0.2
     editor.inputs[("generator", "chunk_size")][0].value = "3"
-    assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 3 and editor.message.value == ""
+    assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 3
+    assert editor.message.value == "generator.chunk_size: read at the next phase that uses it"   # when it applies, no error
     editor.inputs[("generator", "chunk_size")][0].value = "null"
     assert lab.config.generator.chunk_size is None
 
@@ -37,10 +38,31 @@ def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
 ])
 def test_invalid_edit_shows_a_message_and_leaves_the_config(tiny_config, section, name, bad, field):
     lab = Lab(tiny_config())
-    editor = ConfigEditor(lab.config, on_change=lambda c: setattr(lab, "config", c))
+    editor = ConfigEditor(lab.config)
     before = lab.config.to_dict()
     editor.inputs[(section, name)][0].value = bad
     assert field in editor.message.value and lab.config.to_dict() == before
+
+
+def test_editor_on_a_loaded_lab_edits_it_in_place_and_locks_load_time_fields(loaded_lab, tmp_path):
+    lab = loaded_lab()
+    editor = lab.ui().editor
+    assert editor.config is lab.config
+    assert editor.inputs[("lora", "r")][0].disabled and editor.inputs[("model", "dtype")][0].disabled
+    assert not editor.inputs[("grpo", "learning_rate")][0].disabled
+    assert "[live: read at the next phase that uses it]" in editor.inputs[("generator", "chunk_size")][0].tooltip
+    editor.inputs[("generator", "chunk_size")][0].value = "4"
+    assert lab.config.generator.chunk_size == 4 and "next phase" in editor.message.value
+    assert lab.rollout().generate_calls == 2                      # 8 sequences, 4 per call: the edit took effect
+    assert not editor.set("lora", "r", 32)                        # what a disabled input cannot send, set() refuses
+    assert "lora.r: fixed when the Lab loads" in editor.message.value and lab.config.lora.r == 8
+    other = lab.config.to_dict()
+    other["model"]["dtype"] = "bfloat16"
+    other["grpo"]["beta"] = 0.5
+    import yaml
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    editor.load(str(tmp_path / "other.yaml"))                     # all or nothing: beta is not applied either
+    assert "model.dtype: fixed when the Lab loads" in editor.message.value and lab.config.grpo.beta != 0.5
 
 
 def test_editor_saves_and_loads_yaml(tiny_config, tmp_path):

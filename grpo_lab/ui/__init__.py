@@ -12,7 +12,7 @@ class Panel:
         from .editor import _widgets
 
         w = _widgets()
-        self.editor = ConfigEditor(lab.config, on_change=lambda config: setattr(lab, "config", config))
+        self.editor = ConfigEditor(lab.config, loaded=lambda: lab.learner is not None)   # edits lab.config in place
         self.controls = StepControls(lab)
         self.plot = lab.memory_plot() if lab.memory is not None and lab.learner is not None else None
         parts = [w.HBox([self.editor.widget, self.controls.widget])]

@@ -1,18 +1,19 @@
 """The config editor: ipywidgets generated from LabConfig's JSON schema, one tab per section.
 
 Each field gets a typed input (checkbox, number, dropdown for choices, text for optional and
-list values, parsed as YAML), its help text as the tooltip, and inline validation: a value the
-config rejects shows the one-line error under the tabs and leaves the config unchanged.
+list values, parsed as YAML), its help text and when a change takes effect as the tooltip, and
+inline validation. Edits go through `LabConfig.update`, the path every edit takes: a value the
+config (or a loaded Lab) refuses shows the one-line error under the tabs and changes nothing.
+Once the Lab is loaded, load-time fields are read-only.
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Callable, Optional
 
 import yaml
 
-from ..config import LabConfig, load_config, save_config
+from ..config import WHEN, LabConfig, field_when, leaf_fields, load_config, save_config
 from ..errors import LabError
 
 
@@ -38,7 +39,8 @@ def as_text(value) -> str:
 def field_widget(name: str, prop: dict, value):
     """The input for one schema property; returns (widget, parse) where parse(widget.value) -> config value."""
     w = _widgets()
-    kind, tip = prop.get("type"), prop.get("description", "")
+    when = prop.get("when", "live")
+    kind, tip = prop.get("type"), f"{prop.get('description', '')} [{when}: {WHEN[when]}]"
     common = dict(description=name, tooltip=tip, style={"description_width": "190px"},
                   layout=w.Layout(width="460px"))
     if "enum" in prop:
@@ -55,10 +57,18 @@ def field_widget(name: str, prop: dict, value):
     return w.Text(value=as_text(value), placeholder="null", **common), lambda v: yaml.safe_load(v) if v.strip() else None
 
 
+LEGEND = ("<small>Edits apply to the Lab's config at once: <b>live</b> fields at the next phase that reads them, "
+          "<b>rebuild</b> fields rebuild their part now; <b>load-time</b> fields are read-only once the Lab is loaded "
+          "(make a new Lab to change them). Hover a field for its help.</small>")
+
+
 class ConfigEditor:
-    def __init__(self, config: LabConfig, on_change: Optional[Callable[[LabConfig], None]] = None):
+    def __init__(self, config: LabConfig, on_change: Optional[Callable[[LabConfig], None]] = None,
+                 loaded: Callable[[], bool] = lambda: False):
+        """Edits `config` in place (a Lab's config: `lab.config`); `loaded()` says whether its Lab is loaded;
+        `on_change(config)` is called after every applied edit."""
         w = _widgets()
-        self.config, self.on_change = config, on_change
+        self.config, self.on_change, self.loaded = config, on_change, loaded
         self.inputs: dict[tuple[str, str], tuple] = {}
         self.message = w.HTML(value="")
         schema = LabConfig.model_json_schema()
@@ -80,9 +90,17 @@ class ConfigEditor:
         load, save = w.Button(description="load"), w.Button(description="save")
         load.on_click(lambda _: self.load(self.path.value))
         save.on_click(lambda _: self.save(self.path.value))
-        self.widget = w.VBox([self.tabs, self.message, w.HBox([self.path, load, save])])
+        self.legend = w.HTML(value=LEGEND)
+        self.widget = w.VBox([self.tabs, self.message, self.legend, w.HBox([self.path, load, save])])
         self.widget.add_class("grpo-lab-editor")
         self._syncing = False
+        self.lock_load_time()
+
+    def lock_load_time(self) -> None:
+        """Load-time fields are read-only once the Lab is loaded (and editable again before)."""
+        locked = self.loaded()
+        for (section, name), (widget, _) in self.inputs.items():
+            widget.disabled = locked and field_when(f"{section}.{name}") == "load"
 
     def _changed(self, section: str, name: str):
         def handler(change):
@@ -91,20 +109,27 @@ class ConfigEditor:
         return handler
 
     def set(self, section: str, name: str, raw) -> bool:
-        """Validate one edit; apply it to the config if valid, else show why. Returns whether applied."""
-        widget, parse = self.inputs[(section, name)]
-        data = copy.deepcopy(self.config.to_dict())
+        """Apply one edit through the config's update (validated, guarded when loaded), else show why and put
+        the input back. Returns whether applied."""
+        _, parse = self.inputs[(section, name)]
+        path = f"{section}.{name}"
         try:
-            data[section][name] = parse(raw)
-            config = load_config(data)
+            changed = self.config.update({path: parse(raw)})
         except (LabError, yaml.YAMLError, ValueError, TypeError) as err:
-            self.message.value = f"<span style='color:#c00'>{err}</span>"
+            self._error(err)
+            self.refresh()   # why: the input shows what the config holds, not the refused value
             return False
-        self.message.value = ""
-        self.config = config
+        when = field_when(path)
+        self.message.value = f"{path}: {WHEN[when]}" if changed else ""
+        self.refresh()
         if self.on_change:
-            self.on_change(config)
+            self.on_change(self.config)
         return True
+
+    def _error(self, err) -> None:
+        import html
+
+        self.message.value = f"<span style='color:#c00'>{html.escape(str(err), quote=False)}</span>"
 
     def refresh(self) -> None:
         """Show the current config in every input."""
@@ -120,10 +145,12 @@ class ConfigEditor:
             self._syncing = False
 
     def load(self, path: str) -> None:
+        """Apply a YAML file's values, all at once (a loaded Lab refuses a file whose load-time fields differ)."""
         try:
-            self.config = load_config(Path(path))
+            data = load_config(Path(path)).to_dict()
+            self.config.update({p: data[s][f] for p, s, f in leaf_fields()})
         except LabError as err:
-            self.message.value = f"<span style='color:#c00'>{err}</span>"
+            self._error(err)
             return
         self.refresh()
         self.message.value = f"loaded {path}"
