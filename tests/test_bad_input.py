@@ -103,6 +103,8 @@ NULL_MEANS_DEFAULT = {   # null is the documented "automatic" value of these fie
     "generator.quantization": "the model dtype",
     "grpo.epsilon_high": "= epsilon",
     "grpo.micro_batch_size": "the whole batch",
+    "grpo.importance_sampling_clip_max": "no upper bound (the *_mask modes; *_truncate needs one bound, a cross check)",
+    "grpo.importance_sampling_clip_min": "no lower bound",
     "reference.strategy": "auto from beta",
     "reference.device": "the learner's device",
     "data.system_prompt": "no system message",

@@ -3,9 +3,10 @@ layer's nf4 weights into a CPU inference layout the first time it runs in eval m
 gradients, and a training forward on that layout fails in autograd (`result += bias`).
 
 These tests force the hardware flag bnb reads (`bitsandbytes.nn.modules.has_avx512bf16`, read
-when a layer is built) both ways, so CI walks both paths whatever its CPU: every eval/no-grad
-forward of the learner (HF rollout, old log-probs, the adapter-disabled reference) must be
-followed by a training step that works and leaves no layer in the packed layout.
+when a layer is built) both ways, so CI walks both paths whatever its CPU: every eval and/or no-grad
+forward of the learner (the HF rollout in eval mode, the adapter-disabled reference without gradients;
+old log-probs are the training forward's own) must be followed by a training step that works and
+leaves no layer in the packed layout.
 """
 import math
 
@@ -44,6 +45,7 @@ def train_and_check(lab, rollout, logprobs):
     before = lora_state(lab)
     stats = lab.backward(rollout, lab.advantages(lab.rewards(rollout)), logprobs)
     grad_norm = lab.optimizer()
+    lab.sync()                                   # the step's last phase: the next rollout starts the next step
     assert math.isfinite(stats.loss) and math.isfinite(grad_norm) and grad_norm > 0
     after = lora_state(lab)
     assert any(not torch.equal(before[n], after[n]) for n in before), "the training step changed no LoRA weight"
@@ -68,13 +70,13 @@ def test_hf_rollout_then_training_step(cpu_flag, loaded_lab):
 def test_adapter_disabled_reference_then_training_step(cpu_flag, loaded_lab):
     lab = loaded_lab(grpo={"beta": 0.04}, reference={"strategy": "adapter-disabled"})
     rollout = lab.rollout()
-    logprobs = lab.logprobs(rollout)          # the reference pass: eval, no grad, adapter off
+    logprobs = lab.logprobs(rollout)          # the reference pass: no grad, adapter off
     assert logprobs.ref is not None
     train_and_check(lab, rollout, logprobs)
 
 
 def test_whole_steps_with_old_logprobs(cpu_flag, loaded_lab):
-    """num_iterations > 1: the old-log-prob pass runs the learner in eval mode without gradients."""
+    """num_iterations > 1: no-grad reference passes and rollouts between updates of the same layers."""
     lab = loaded_lab(grpo={"beta": 0.04, "num_iterations": 2})
     for _ in range(2):
         result = lab.step()
@@ -83,14 +85,24 @@ def test_whole_steps_with_old_logprobs(cpu_flag, loaded_lab):
 
 
 @pytest.mark.slow
-def test_vllm_old_logprob_pass_then_training_step(cpu_flag, loaded_lab):
-    """The vLLM backend never runs the learner in eval mode to sample, but the old-log-prob pass does."""
-    lab = loaded_lab(generator={"backend": "vllm"}, grpo={"num_iterations": 2})
+def test_vllm_reference_pass_then_training_step(cpu_flag, loaded_lab):
+    """The vLLM backend never runs the learner to sample; the reference pass (no grad) and the first
+    iteration's old log-probs (the training forward's own) do."""
+    lab = loaded_lab(generator={"backend": "vllm"}, grpo={"num_iterations": 2, "beta": 0.04})
     try:
         rollout = lab.rollout()
+        advantages = lab.advantages(lab.rewards(rollout))
         logprobs = lab.logprobs(rollout)
+        assert logprobs.ref is not None and logprobs.old is None
+        before = lora_state(lab)
+        lab.backward(rollout, advantages, logprobs)
         assert logprobs.old is not None
-        train_and_check(lab, rollout, logprobs)
+        lab.optimizer()
+        lab.backward(rollout, advantages, logprobs)
+        lab.optimizer()
+        lab.sync()
+        assert any(not torch.equal(before[n], t) for n, t in lora_state(lab).items())
+        assert_training_layout(lab.learner.model)
         assert math.isfinite(lab.step().loss)
     finally:
         lab.close()
