@@ -67,7 +67,8 @@ def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = Non
                 bar.write(format_compact(result.memory), file=sys.stderr)
             if result.leaks:
                 bar.write(f"  leak detector: after-step memory keeps rising on {', '.join(result.leaks)}", file=sys.stderr)
-            if config.run.save_every and (i + 1) % config.run.save_every == 0:
+            every = lab.config.run.save_every   # live: read at each step
+            if every and (i + 1) % every == 0:
                 lab.save_adapter(run_dir / "adapter")
         lab.save_adapter(run_dir / "adapter")
         if progress and lab.history:
