@@ -1,14 +1,21 @@
 """`transformers.generate` backend. It samples from the learner module itself: the same
 weights, no copy and nothing to sync (a zero-cost generator on CPU or one GPU).
-Sampler log-probs are log_softmax(logits / temperature) of the raw logits, the quantity the
-learner's log-prob pass computes, so their gap is a true train/inference mismatch.
+Sampler log-probs are those of the distribution sampled from: logits / temperature, then top-k, then
+top-p, renormalised (greedy: log_softmax of the logits), as vLLM's processed_logprobs and TRL's
+importance-sampling correction use. It stops on `eos_token_ids`, the vllm backend's set too.
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import LabError
-from .base import GenerationRequest, Generator, Sample
+from ..tiny import resolve_model_path
+from .base import GenerationRequest, Generator, Sample, eos_token_ids
+
+# why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
+# repetition penalty), then from transformers' defaults (top_k 50): neither is what the request asked for.
+# Temperature, top-k and top-p are applied by `sampling_processors` instead, so that the recorder sees their result.
+NEUTRAL = dict(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0)
 
 
 def check_hf_placement(config) -> None:
@@ -22,10 +29,10 @@ def check_hf_placement(config) -> None:
 
 class HFGenerator(Generator):
     def __init__(self, learner, config):
-        gen = config.generator
         super().__init__(learner.tokenizer)
         check_hf_placement(config)
         self.learner = learner
+        self.eos_token_ids = eos_token_ids(learner.tokenizer, resolve_model_path(config.model.name_or_path))
 
     def sync(self, learner) -> None:
         """Nothing to do: generation reads the learner's own LoRA weights."""
@@ -38,20 +45,17 @@ class HFGenerator(Generator):
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        greedy = request.temperature == 0
-        # why explicit: a checkpoint's generation_config (e.g. a repetition penalty) would change what is sampled
-        settings = GenerationConfig(
-            max_new_tokens=request.max_completion_length, do_sample=not greedy,
-            temperature=None if greedy else request.temperature, top_p=None if greedy else request.top_p,
-            top_k=None if greedy else (request.top_k or None), eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, use_cache=True)
-        recorder = SampledLogprobs(1.0 if greedy else request.temperature)
+        sample = request.temperature > 0
+        settings = GenerationConfig(   # top_k 0 only when sampling: greedy never reads it, and warns about a 0
+            max_new_tokens=request.max_completion_length, do_sample=sample, **NEUTRAL, top_k=0 if sample else None,
+            eos_token_id=self.eos_token_ids, pad_token_id=tok.pad_token_id, use_cache=True)
+        recorder = SampledLogprobs()
         was_training = model.training
         model.eval()  # why: gradient checkpointing is off in eval mode, so the KV cache is used
         try:
             sequences = model.generate(input_ids=input_ids.to(self.learner.device),
                                        attention_mask=attention.to(self.learner.device), generation_config=settings,
-                                       logits_processor=LogitsProcessorList([recorder]))
+                                       logits_processor=LogitsProcessorList([*sampling_processors(request), recorder]))
         except RuntimeError as err:
             if "probability tensor contains" not in str(err):   # torch.multinomial on inf/nan probabilities
                 raise
@@ -62,31 +66,47 @@ class HFGenerator(Generator):
             model.train(was_training)
         new_tokens = sequences[:, width:]
         logprobs = recorder.finish(new_tokens).cpu()   # why: a Rollout lives on the CPU; the device keeps nothing of it
-        return [self._sample(row, lp, tok.eos_token_id)
+        return [self._sample(row, lp, self.eos_token_ids)
                 for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())]
 
     @staticmethod
-    def _sample(row: list[int], logprobs: list[float], eos: int) -> Sample:
-        end = row.index(eos) + 1 if eos in row else len(row)
-        return Sample(completion_ids=row[:end], logprobs=logprobs[:end], truncated=eos not in row[:end])
+    def _sample(row: list[int], logprobs: list[float], eos_ids: list[int]) -> Sample:
+        """Cut at the first stop token (kept); after it generate() only pads. None within the row = truncated."""
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), None)
+        return Sample(completion_ids=row[:end], logprobs=logprobs[:end], truncated=end is None)
+
+
+def sampling_processors(request: GenerationRequest) -> list:
+    """Temperature, then top-k, then top-p (vLLM's and transformers' order) as logits processors of our own:
+    transformers runs a caller's processors before its own warpers, so the recorder placed after these sees
+    the distribution sampled from. Greedy: none (the argmax of the raw logits)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    if request.temperature == 0:
+        return []
+    processors = [TemperatureLogitsWarper(request.temperature)] if request.temperature != 1 else []
+    if request.top_k:
+        processors.append(TopKLogitsWarper(request.top_k))
+    if request.top_p < 1:
+        processors.append(TopPLogitsWarper(request.top_p))
+    return processors
 
 
 class SampledLogprobs:
-    """A logits processor that records log_softmax(raw logits / T) of each sampled token.
+    """A logits processor that records log_softmax(scores) of each sampled token; placed last, after
+    `sampling_processors`, the scores are those sampled from (filtered tokens at -inf).
 
-    It runs before the temperature/top-p warpers, so it sees the raw logits, and it keeps one
-    step's [n, V] log-softmax only: the token sampled from step t is known at step t+1's call.
-    (`output_logits=True` would keep every step's [n, V] logits: O(n x length x vocab).)"""
+    It keeps one step's [n, V] log-softmax only: the token sampled from step t is known at step t+1's call.
+    (`output_scores=True` would keep every step's [n, V] scores: O(n x length x vocab).)"""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self):
         self.previous = None
         self.columns: list[torch.Tensor] = []   # [n] per generated token
 
     def __call__(self, input_ids, scores):
         if self.previous is not None:
             self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
     def finish(self, new_tokens) -> torch.Tensor:

