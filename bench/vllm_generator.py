@@ -51,7 +51,7 @@ def overhead(lab, rounds: int) -> tuple[float, float, float]:
         seeds = torch.randint(0, 2 ** 31 - 1, (len(batch) * g,)).tolist()
         prompts = [TokensPrompt(prompt_token_ids=p) for p in gen.encode_prompts(batch.prompts, cfg.generator.max_prompt_length) for _ in range(g)]
         params = [SamplingParams(temperature=request.temperature, max_tokens=request.max_completion_length, logprobs=0,
-                                 seed=s, stop_token_ids=[gen.tokenizer.eos_token_id]) for s in seeds]
+                                 seed=s, stop_token_ids=gen.eos_token_ids) for s in seeds]
         t0 = time.perf_counter()
         gen.llm.generate(prompts, params, lora_request=gen.lora_request, use_tqdm=False)
         raw.append(time.perf_counter() - t0)

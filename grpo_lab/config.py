@@ -128,7 +128,7 @@ class PlacementSection(Section):
 
 class GeneratorSection(Section):
     backend: Literal[tuple(BACKENDS)] = knob("load", "hf", description="Generator backend: " + ", ".join(BACKENDS) + " (hf = transformers.generate with the learner itself).")
-    temperature: float = knob("rebuild", 1.0, ge=0.0, description="Sampling temperature; 0 = greedy decoding.")
+    temperature: float = knob("live", 1.0, ge=0.0, description="Sampling temperature; 0 = greedy decoding. Read at the rollout; that rollout's log-probs are taken at the temperature it was sampled at.")
     top_p: float = knob("live", 1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = knob("live", 0, ge=0, description="Top-k sampling; 0 = off.")
     max_prompt_length: int = knob("live", 256, gt=0, description="Prompts longer than this are truncated from the left.")
@@ -253,8 +253,11 @@ class LabConfig(Section):
 
     def model_copy(self, *, update: Optional[dict] = None, deep: bool = False) -> "LabConfig":
         """A deep copy (sections are never shared between two configs: each belongs to one root), unguarded."""
-        copy = super().model_copy(update=update, deep=True)
-        copy._guard = None
+        guard, self._guard = self._guard, None   # why: the guard holds the Lab (threads, locks): never copied
+        try:
+            copy = super().model_copy(update=update, deep=True)
+        finally:
+            self._guard = guard
         copy.model_post_init(None)
         return copy
 

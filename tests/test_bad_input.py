@@ -352,6 +352,7 @@ def test_diverged_weights_stop_the_rollout_with_one_line():
     generator = HFGenerator.__new__(HFGenerator)
     generator.learner = SimpleNamespace(model=Diverged(), device=torch.device("cpu"))
     generator.tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    generator.eos_token_ids = [1]
     with pytest.raises(LabError, match="grpo.learning_rate"):
         generator._generate_chunk([[5, 6]], GenerationRequest(max_completion_length=4))
 

@@ -107,11 +107,7 @@ def test_every_leaf_field_declares_when_it_takes_effect():
             assert (field.json_schema_extra or {}).get("when") == whens[f"{section}.{name}"], f"{section}.{name}"
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: generator.temperature is declared 'rebuild' but knobs.REBUILDS has no entry for it; nothing is "
-        "rebuilt at the edit (the log-prob head is re-patched per rollout, i.e. it behaves as 'live')")))
-    if path == "generator.temperature" else path for path in REBUILD])
+@pytest.mark.parametrize("path", REBUILD)
 def test_every_rebuild_field_names_what_it_rebuilds(path):
     assert path in REBUILDS
 
@@ -214,9 +210,6 @@ def test_load_time_field_is_refused_through_configure_and_config_assignment(shar
     assert lab.config.to_dict() == before
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "library bug: LabConfig.model_copy() of a loaded Lab's config deep-copies the private _guard "
-    "(LoadedLabGuard -> Lab -> memory sampler) and raises TypeError: cannot pickle '_thread.RLock' object"))
 def test_a_copy_of_the_loaded_config_with_a_load_time_change_is_refused(shared_lab):
     lab = shared_lab
     before = lab.config.to_dict()

@@ -132,8 +132,8 @@ def test_twenty_syncs_do_not_grow_generator_memory(vllm_lab):
 
 
 def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand(vllm_lab, monkeypatch):
-    """On-policy (num_iterations 1) dapo: the corrected loss is sum(-A * w * mask) / tokens, with
-    w = min(exp(learner - sampler), cap) per token and the learner's log-probs as constants in w."""
+    """On-policy (num_iterations 1) dapo, mode token_truncate: the corrected loss is sum(-A * w * mask) / tokens,
+    with w = min(exp(learner - sampler), clip_max) per token and the learner's log-probs as constants in w."""
     import grpo_lab.step as step_module
     from grpo_lab.logprobs import completion_logprobs, rollout_slice
 
@@ -173,12 +173,13 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
                         lambda *a, sampling_weights=None, **k: seen.append(sampling_weights) or real_loss(
                             *a, sampling_weights=sampling_weights, **k))
     monkeypatch.setattr(grpo, "importance_sampling_correction", True)
-    monkeypatch.setattr(grpo, "importance_sampling_cap", cap)
+    monkeypatch.setattr(grpo, "importance_sampling_mode", "token_truncate")
+    monkeypatch.setattr(grpo, "importance_sampling_clip_max", cap)
     try:
         stats = lab.backward(rollout, advantages, logprobs)
         grads = {n: p.grad.clone() for n, p in params.items()}
     finally:
-        lab.learner.optimizer.zero_grad(set_to_none=True)      # the shared lab takes no update here
+        lab.rollback()                                         # the shared lab takes no update here
 
     assert len(seen) == 1 and torch.allclose(seen[0][on], weights[on], rtol=1e-6, atol=0)
     assert stats.loss == pytest.approx(hand_loss.item(), rel=1e-5, abs=1e-7)
@@ -188,6 +189,23 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
         assert torch.allclose(grads[n], hand_grads[n], rtol=1e-4, atol=1e-7), n
         differs |= not torch.allclose(grads[n], plain_grads[n], rtol=1e-3, atol=1e-6)
     assert differs, "the weights did not change the gradient: the check could not tell them apart"
+
+
+def test_lengths_are_live_within_the_engines_max_model_len(vllm_lab):
+    lab = vllm_lab
+    gen = lab.config.generator
+    started = gen.max_prompt_length + gen.max_completion_length
+    with pytest.raises(LabError, match=rf"^generator\.max_prompt_length \+ max_completion_length: {started + 1} tokens, "
+                                       rf"but this vLLM engine was started for {started}"):
+        gen.max_completion_length += 1
+    assert gen.max_prompt_length + gen.max_completion_length == started     # refused: nothing changed
+    gen.max_completion_length = 4                                           # within it: the next rollout obeys
+    try:
+        rollout = lab.rollout()
+        assert rollout.completion_ids.shape[1] <= 4 and rollout.max_completion_length == 4
+        assert lab.step().completion_length_max <= 4
+    finally:
+        gen.max_completion_length = started - gen.max_prompt_length
 
 
 def bad(tiny_model, *overrides):

@@ -95,10 +95,11 @@ class VLLMGenerator(Generator):
         self.sleep_mode = gen.sleep_mode and self.colocated and not on_cpu
         if gen.sleep_mode and on_cpu:
             warnings.warn("generator.sleep_mode: vLLM has no sleep mode on the CPU; skipped", stacklevel=2)
+        self.max_model_len = gen.max_prompt_length + gen.max_completion_length   # fixed for the engine's life
         kwargs = dict(model=model, tokenizer=checkpoint, dtype=config.model.dtype,
                       quantization=gen.quantization, tensor_parallel_size=tp, seed=config.run.seed,
                       enable_lora=True, max_lora_rank=max_lora_rank(config.lora.r), max_loras=1,
-                      max_model_len=gen.max_prompt_length + gen.max_completion_length,
+                      max_model_len=self.max_model_len,
                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode,
                       # why: vLLM adds this generation_config's EOS ids to every request's stop ids; the learner's,
                       # as eos_token_ids read them, so a generator.model with other ones cannot widen the set
@@ -127,6 +128,14 @@ class VLLMGenerator(Generator):
         self.lora_request = None
         self.version = 0
         self.sync(learner)
+
+    def check_live(self, config) -> None:
+        """Lengths are live, up to the max_model_len the engine was started with."""
+        gen = config.generator
+        need = gen.max_prompt_length + gen.max_completion_length
+        if need > self.max_model_len:
+            raise LabError(f"generator.max_prompt_length + max_completion_length: {need} tokens, but this vLLM engine was "
+                           f"started for {self.max_model_len}; stay within it, or make a new Lab with the longer lengths")
 
     def sync(self, learner) -> None:
         """Push only the LoRA weights: save the adapter, load it as a new LoRARequest, evict the old one."""
