@@ -5,7 +5,6 @@ TRL's `_generate_and_score_completions` is sent down its vLLM branch (see test_t
 by seeded noise: ratios land below, inside and above the bounds, and a few sampler log-probs are
 missing (NaN; vLLM sends None). TRL's old log-probs are its own forward; ours are grpo_lab's.
 """
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from grpo_lab import Lab
 from grpo_lab.importance import MODES, importance_weights
 from grpo_lab.logprobs import rollout_logprobs
-from test_trl_parity import trl_trainer, vllm_importance_sampling
+from test_trl_parity import noisy_sampler, trl_trainer, vllm_importance_sampling
 
 BOUNDS = [(None, 3.0), (0.5, 3.0), (0.5, None), (None, None)]
 # mode, clip_min, clip_max, mask_truncated_completions. TRL (and grpo_lab's config) refuse a *_truncate mode
@@ -26,36 +25,24 @@ NAN_AT = [(0, 0), (3, 1)]   # (row, token) where the sampler has no log-prob
 
 @pytest.fixture(scope="module")
 def shared():
-    return {}
+    state = {}
+    yield state
+    if "lab" in state:
+        state["lab"].close()
 
 
 @pytest.fixture
-def setup(shared, tiny_config, tmp_path_factory):
+def sampled(shared, tiny_config, tmp_path_factory):
     """One lab, rollout, noisy sampler and TRL trainer for the module (built on first use)."""
     if not shared:
-        # 16 tokens: the tiny model ends 6 of these 16 completions, 2 of them at the last token
+        # max_completion_length 16: some completions end, most are truncated (asserted where it matters)
         lab = Lab(tiny_config(grpo={"prompts_per_step": 4, "beta": 0.0})).load()
         rollout = lab.rollout()
         learner = rollout_logprobs(lab.learner.model.train(), rollout, lab.learner.device, None)
-        shared.update(lab=lab, rollout=rollout, learner=learner, sampler=noisy_sampler(rollout))
+        shared.update(lab=lab, rollout=rollout, learner=learner, sampler=noisy_sampler(rollout, nan_at=NAN_AT))
         shared["trainer"], shared["inputs"] = trl_trainer(lab, rollout, tmp_path_factory.mktemp("trl"),
                                                           sampler_logprobs=shared["sampler"])
     return SimpleNamespace(**shared)
-
-
-def noisy_sampler(rollout, seed=0):
-    """Sampler log-probs off the learner's: per token N(0, 0.6), plus a per-row shift that spreads the
-    sequence log-ratios over [-2.5, 2.5] (ratios e^-2.5..e^2.5 around the bounds 0.5 and 3)."""
-    g = torch.Generator().manual_seed(seed)
-    mask = rollout.completion_mask.float()
-    n = len(rollout)
-    shift = torch.linspace(-2.5, 2.5, n)[torch.randperm(n, generator=g)]
-    noise = 0.6 * torch.randn(mask.shape, generator=g) + (shift / mask.sum(1).clamp(min=1)).unsqueeze(1)
-    sampler = (rollout.sampler_logprobs - noise) * mask
-    for row, token in NAN_AT:
-        assert mask[row, token], "the NaN must sit on a completion token"
-        sampler[row, token] = math.nan
-    return sampler
 
 
 def raw_ratios(learner, sampler, mask, per_sequence):
@@ -65,11 +52,11 @@ def raw_ratios(learner, sampler, mask, per_sequence):
 
 
 @pytest.mark.parametrize("mode, clip_min, clip_max, mask_truncated", CASES)
-def test_importance_weights_match_trl(setup, mode, clip_min, clip_max, mask_truncated):
-    rollout, trainer = setup.rollout, setup.trainer
+def test_importance_weights_match_trl(sampled, mode, clip_min, clip_max, mask_truncated):
+    rollout, trainer = sampled.rollout, sampled.trainer
     vllm_importance_sampling(trainer, mode, clip_min, clip_max)
     trainer.mask_truncated_completions = mask_truncated
-    batch = trainer._generate_and_score_completions(setup.inputs)
+    batch = trainer._generate_and_score_completions(sampled.inputs)
     theirs = batch["importance_sampling_ratio"].cpu()
 
     mask = rollout.completion_mask.float()
@@ -78,13 +65,13 @@ def test_importance_weights_match_trl(setup, mode, clip_min, clip_max, mask_trun
         mask = mask * (~rollout.truncated).float().unsqueeze(1)
     assert torch.equal(batch["completion_ids"].cpu(), rollout.completion_ids)
     assert torch.equal(batch["completion_mask"].cpu().float(), mask)
-    ours = importance_weights(setup.learner, setup.sampler, mask, mode, clip_min, clip_max)
+    ours = importance_weights(sampled.learner, sampled.sampler, mask, mode, clip_min, clip_max)
     assert ours.shape == theirs.shape
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
     # the case is only a test if the ratios cross the bounds it sets, and some stay inside
     per_sequence = MODES[mode][0]
-    raw = raw_ratios(setup.learner, setup.sampler, mask, per_sequence)
+    raw = raw_ratios(sampled.learner, sampled.sampler, mask, per_sequence)
     raw = raw.flatten() if per_sequence else raw[mask.bool()]
     lo, hi = clip_min if clip_min is not None else 0.5, clip_max if clip_max is not None else 3.0
     assert (raw < lo).any() and (raw > hi).any() and ((raw >= lo) & (raw <= hi)).any()
@@ -93,12 +80,13 @@ def test_importance_weights_match_trl(setup, mode, clip_min, clip_max, mask_trun
         assert (ours == 0).any()
 
 
-def test_nan_sampler_logprob_is_no_correction(setup):
-    """A token the sampler could not score weighs 1 (token modes) and adds nothing to its sequence's ratio."""
-    mask = setup.rollout.completion_mask.float()
-    token = importance_weights(setup.learner, setup.sampler, mask, "token_truncate", None, 3.0)
-    assert torch.isfinite(token).all()
-    for row, t in NAN_AT:
-        assert token[row, t] == 1.0
-    sequence = importance_weights(setup.learner, setup.sampler, mask, "sequence_mask", None, None)
-    assert torch.isfinite(sequence).all()
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_sampler_logprob_is_no_correction(sampled, mode):
+    """A token the sampler could not score counts as if the sampler agreed with the learner there."""
+    mask = sampled.rollout.completion_mask.float()
+    agreed = sampled.sampler.clone()
+    for row, token in NAN_AT:
+        agreed[row, token] = sampled.learner[row, token]
+    ours = importance_weights(sampled.learner, sampled.sampler, mask, mode, 0.5, 3.0)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, importance_weights(sampled.learner, agreed, mask, mode, 0.5, 3.0))

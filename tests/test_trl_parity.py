@@ -1,15 +1,21 @@
 """Parity with TRL 1.16's GRPOTrainer, driving TRL's own code (not a copy of it).
 
 TRL gets our completions through its public `rollout_func` hook and our reward functions; its
-`_generate_and_score_completions` computes the advantages and its `_compute_loss` the loss, on the
-same PEFT model, with our old/reference log-probs fed in. Both must match grpo_lab's within 1e-5.
+`_generate_and_score_completions` computes the advantages (and, sent down its vLLM branch, the
+importance-sampling ratio) and its `_compute_loss` the loss and clip metrics, on the same PEFT model,
+with our old/reference log-probs fed in. All must match grpo_lab's within 1e-5.
+
+TRL runs with `use_bias_correction_kl=False`: its default (True) multiplies the KL term by the PPO
+ratio, which grpo_lab does not do (same value on-policy, not the same gradient, nor value off-policy).
 """
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo_lab import Lab
+from grpo_lab.logprobs import rollout_logprobs, set_logprob_temperature
 
 
 def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
@@ -39,11 +45,22 @@ def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
         temperature=cfg.generator.temperature, beta=cfg.grpo.beta, loss_type=cfg.grpo.loss_type,
         scale_rewards=cfg.grpo.scale_rewards, epsilon=cfg.grpo.epsilon, epsilon_high=cfg.epsilon_high,
         num_iterations=cfg.grpo.num_iterations, mask_truncated_completions=cfg.grpo.mask_truncated_completions,
-        gradient_checkpointing=False, reward_weights=cfg.data.reward_weights, **overrides,
+        gradient_checkpointing=False, reward_weights=cfg.data.reward_weights,
+        use_bias_correction_kl=False,  # grpo_lab's KL term is not weighted by the ratio (see the module docstring)
+        **overrides,
     )
+    # why first: TRL patches its own fused head (with entropy) over ours; a temperature change on our side
+    # afterwards would re-patch the forward from scratch and drop TRL's
+    set_logprob_temperature(lab.learner.model, rollout.logprob_temperature)
     dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in zip(rollout.batch.prompts, rollout.batch.answers)])
+    dtypes = {name: p.dtype for name, p in lab.learner.model.named_parameters() if p.requires_grad}
     trainer = GRPOTrainer(model=lab.learner.model, reward_funcs=lab.reward_funcs, args=args, train_dataset=dataset,
                           processing_class=lab.learner.tokenizer, rollout_func=rollout_func)
+    # why: TRL casts a 4-bit model's LoRA weights to bf16 (the QLoRA recipe); grpo_lab keeps them in float32,
+    # and gradients compare at float32 precision only in float32
+    for name, p in lab.learner.model.named_parameters():
+        if name in dtypes:
+            p.data = p.data.to(dtypes[name])
     trainer.current_gradient_accumulation_steps = 1
     inputs = [{"prompt": p, "answer": a} for p, a in zip(rollout.repeated(rollout.batch.prompts),
                                                           rollout.repeated(rollout.batch.answers))]
@@ -61,14 +78,28 @@ def vllm_importance_sampling(trainer, mode, clip_min, clip_max):
     trainer.vllm_importance_sampling_clip_max = clip_max
 
 
+@pytest.fixture
+def closing_lab(tiny_config):
+    """A loaded Lab, closed after the test (why: an open Lab's memory sampler keeps polling, and a dozen of
+    them slow every later test of the session)."""
+    labs = []
+
+    def make(**sections):
+        labs.append(Lab(tiny_config(**sections)).load())
+        return labs[-1]
+    yield make
+    for lab in labs:
+        lab.close()
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_advantages_and_loss_match_trl(tiny_config, tmp_path, loss_type, scale_rewards):
-    lab = Lab(tiny_config(
+def test_advantages_and_loss_match_trl(closing_lab, tmp_path, loss_type, scale_rewards):
+    lab = closing_lab(
         grpo={"beta": 0.04, "loss_type": loss_type, "scale_rewards": scale_rewards, "micro_batch_size": 3},
         generator={"temperature": 0.8},
         data={"rewards": ["exact_answer", "format", "length"], "reward_weights": [1.0, 0.5, 2.0]},
-    )).load()
+    )
     # one update first, so the policy differs from the reference and the KL term is non-zero
     lab.step()
     rollout = lab.rollout()
@@ -77,10 +108,10 @@ def test_advantages_and_loss_match_trl(tiny_config, tmp_path, loss_type, scale_r
     advantages = lab.advantages(rewards)
     logprobs = lab.logprobs(rollout)
 
-    # TRL's constructor changes the model it is given (4-bit: LoRA weights cast to bf16; beta > 0: a "ref"
-    # adapter added), so it is built first and both losses are computed on the model as TRL left it.
+    # TRL's constructor changes the model it is given (beta > 0: a "ref" adapter added), so it is built
+    # first and both losses are computed on the model as TRL left it.
     trainer, inputs = trl_trainer(lab, rollout, tmp_path)
-    ours = lab.loss_and_backward(rollout, advantages, logprobs)
+    ours = lab.backward(rollout, advantages, logprobs)
     assert ours.kl > 0
     batch = trainer._generate_and_score_completions(inputs)
     assert torch.equal(batch["completion_ids"].cpu(), rollout.completion_ids)
@@ -92,3 +123,162 @@ def test_advantages_and_loss_match_trl(tiny_config, tmp_path, loss_type, scale_r
     with torch.no_grad():
         theirs = trainer._compute_loss(lab.learner.model, batch).item()
     assert ours.loss == pytest.approx(theirs, abs=1e-5)
+
+
+def noisy_sampler(rollout, seed=0, nan_at=()):
+    """Sampler log-probs off the learner's by seeded noise: per token uniform in [-2, 2] around its row's
+    mean, and the row means set so that the summed log-ratios spread evenly over [-2.5, 2.5] among the
+    truncated completions and among the ended ones alike. Token and sequence ratios then fall below, inside
+    and above TRL's bounds (0.5, 3), with or without truncated completions masked. NaN (no log-prob from the
+    sampler) at the (row, token) pairs `nan_at`."""
+    g = torch.Generator().manual_seed(seed)
+    mask = rollout.completion_mask.float()
+    lengths = mask.sum(1).clamp(min=1)
+    noise = (torch.rand(mask.shape, generator=g) * 4 - 2) * mask
+    noise = noise - (noise.sum(1) / lengths).unsqueeze(1)                      # zero mean per row
+    shift = torch.empty(len(rollout))
+    for rows in (rollout.truncated, ~rollout.truncated):
+        index = rows.nonzero().flatten()
+        shift[index] = torch.linspace(-2.5, 2.5, len(index))[torch.randperm(len(index), generator=g)]
+    noise = (noise + (shift / lengths).unsqueeze(1)) * mask                   # row i sums to shift[i]
+    sampler = (rollout.sampler_logprobs - noise) * mask
+    for row, token in nan_at:
+        assert mask[row, token], "the NaN must sit on a completion token"
+        sampler[row, token] = math.nan
+    return sampler
+
+
+def spread(completions, **kwargs):
+    """Rewards 0..3 inside every group of 4, whatever was sampled: every completion gets an advantage."""
+    return [float(i % 4) for i in range(len(completions))]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    state = {}
+    yield state
+    if "lab" in state:
+        state["lab"].close()
+
+
+@pytest.fixture
+def step(shared, tiny_config, tmp_path_factory):
+    """One Lab in the middle of a num_iterations = 2 step, shared by the module: its rollout (sampler log-probs
+    noised, so importance sampling has something to correct), rewards, advantages and log-probs, and a TRL
+    trainer on the same model. Each test rolls the step's updates back first (lab.rollback keeps the rest)."""
+    if not shared:
+        lab = Lab(tiny_config(
+            # small epsilon: one 1e-3 update moves many ratios past it while the KL term stays small
+            grpo={"beta": 0.04, "num_iterations": 2, "prompts_per_step": 4, "micro_batch_size": 6,
+                  "learning_rate": 1e-3, "epsilon": 0.02},
+            generator={"temperature": 0.8},
+        ), reward_funcs=["exact_answer", "format", "length", spread]).load()
+        rollout = lab.rollout()
+        # why in place: the lab checks that backward gets the very rollout this step produced
+        rollout.sampler_logprobs = noisy_sampler(rollout)
+        rewards = lab.rewards(rollout)
+        advantages = lab.advantages(rewards)
+        logprobs = lab.logprobs(rollout)
+        trainer, inputs = trl_trainer(lab, rollout, tmp_path_factory.mktemp("trl"))
+        shared.update(lab=lab, rollout=rollout, advantages=advantages, logprobs=logprobs, trainer=trainer, inputs=inputs)
+    s = SimpleNamespace(**shared)
+    s.lab.rollback()
+    return s
+
+
+def lora_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def trl_loss_and_grads(trainer, model, batch):
+    """TRL's loss and its gradient on the LoRA weights (ours are put back afterwards)."""
+    ours = lora_grads(model)
+    model.zero_grad(set_to_none=True)
+    model.train()
+    loss = trainer._compute_loss(model, batch)
+    loss.backward()
+    theirs = lora_grads(model)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.grad = ours[n]
+    return loss.item(), theirs
+
+
+def assert_grads_close(ours, theirs, rel=1e-4):
+    """Each LoRA tensor's gradient within `rel` of TRL's, in norm (elementwise, float32 sums in a different
+    order differ by ~1e-6 absolute, which is large relative to the smallest elements)."""
+    for name, g in ours.items():
+        err = ((g - theirs[name]).norm() / theirs[name].norm().clamp(min=1e-12)).item()
+        assert err < rel, f"{name}: gradient differs from TRL's by {err:.1e} of its norm"
+
+
+IS_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+TRUNCATED_IS = pytest.mark.xfail(strict=True, reason=(
+    "step.backward takes the importance-sampling weights (and ratio_stats their min/mean/max) over the rollout's "
+    "completion mask; TRL over the loss mask, where a truncated completion gets ratio 1"))
+SCENARIOS = {
+    "off_policy": ({}, None),
+    "epsilon_high": ({"grpo.epsilon_high": 0.06}, None),
+    "mask_truncated": ({"grpo.mask_truncated_completions": True}, None),
+    **{f"is_{mode}": ({"grpo.importance_sampling_mode": mode}, mode) for mode in IS_MODES},
+    **{f"is_{mode}_mask_truncated": ({"grpo.importance_sampling_mode": mode, "grpo.mask_truncated_completions": True},
+                                     mode) for mode in ("token_mask", "sequence_mask")},
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=TRUNCATED_IS) if n.startswith("is_") and n.endswith("_mask_truncated")
+                                  else n for n in SCENARIOS])
+def test_off_policy_loss_matches_trl(step, monkeypatch, name):
+    """Both iterations of a num_iterations = 2 step: loss, gradient, KL and clip fraction equal TRL's
+    `_compute_loss` with old_per_token_logps = logprobs.old; with importance sampling, our weights equal
+    TRL's `importance_sampling_ratio` and its min/mean/max TRL's `sampling/importance_sampling_ratio/*`."""
+    changes, is_mode = SCENARIOS[name]
+    lab, rollout, advantages, logprobs, trainer = step.lab, step.rollout, step.advantages, step.logprobs, step.trainer
+    model = lab.learner.model
+    lab.configure({"grpo.epsilon_high": None, "grpo.mask_truncated_completions": False, **changes})
+    cfg = lab.config
+    trainer.epsilon_high, trainer.mask_truncated_completions = cfg.epsilon_high, cfg.grpo.mask_truncated_completions
+    trainer.use_vllm = False
+    monkeypatch.setattr("grpo_lab.step.applies_importance_sampling", lambda config: is_mode is not None)
+    if is_mode:
+        vllm_importance_sampling(trainer, is_mode, cfg.grpo.importance_sampling_clip_min,
+                                 cfg.grpo.importance_sampling_clip_max)
+    if cfg.grpo.mask_truncated_completions:
+        assert rollout.truncated.any() and (~rollout.truncated).any()
+
+    model.train()   # why: TRL files its metrics under "train" or "eval" by the model's mode
+    batch = trainer._generate_and_score_completions(step.inputs)
+    metrics = trainer._metrics["train"]
+    assert torch.allclose(batch["advantages"].cpu(), advantages.values, atol=1e-5)
+    batch["ref_per_token_logps"] = logprobs.ref
+
+    first = lab.backward(rollout, advantages, logprobs)
+    batch["old_per_token_logps"] = logprobs.old
+    with torch.no_grad():
+        assert first.loss == pytest.approx(trainer._compute_loss(model, batch).item(), abs=1e-5)
+    if is_mode:
+        weights = logprobs.is_weights
+        torch.testing.assert_close(weights, batch["importance_sampling_ratio"].cpu(), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(weights, torch.ones_like(weights))
+        if is_mode.endswith("_mask"):
+            assert (weights == 0).any()
+        for stat in ("min", "mean", "max"):
+            assert getattr(first, f"is_ratio_{stat}") == pytest.approx(
+                metrics[f"sampling/importance_sampling_ratio/{stat}"][-1], abs=1e-5)
+    else:
+        assert first.is_ratio_mean is None
+    lab.optimizer()
+
+    second = lab.backward(rollout, advantages, logprobs)
+    ours_grads = lora_grads(model)
+    theirs, theirs_grads = trl_loss_and_grads(trainer, model, batch)
+    assert second.loss == pytest.approx(theirs, abs=1e-5)
+    assert_grads_close(ours_grads, theirs_grads)
+    assert second.kl == pytest.approx(metrics["kl"][-1], rel=1e-4)
+    # our clip_fraction is TRL's clip_ratio/region_mean: tokens clipped low (A < 0) or high (A > 0), over the loss mask
+    assert second.clip_fraction == pytest.approx(metrics["clip_ratio/region_mean"][-1], abs=1e-6)
+    assert second.clip_fraction > 0
+    if name == "epsilon_high":   # only a test if some ratios fall between the two bounds, where A > 0
+        ratio = torch.exp(rollout_logprobs(model, rollout, lab.learner.device, None) - logprobs.old)
+        between = (ratio > 1 + cfg.grpo.epsilon) & (ratio <= 1 + cfg.epsilon_high) & (advantages.values > 0).unsqueeze(1)
+        assert (between & rollout.completion_mask.bool()).any()
