@@ -159,6 +159,9 @@ class GRPOSection(Section):
     micro_batch_size: Optional[int] = knob("live", 
         None, gt=0, description="Sequences per log-prob/backward forward pass; null = the whole batch at once.")
     num_iterations: int = knob("live", 1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs.")
+    use_bias_correction_kl: bool = knob("live", True, description="Multiply the KL term by the importance ratio "
+        "learner/old, so its gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, "
+        "on by default): changes the KL gradient whenever beta > 0, on-policy too.")
     mask_truncated_completions: bool = knob("live", False, description="Exclude completions that hit max_completion_length from the loss.")
     importance_sampling_correction: bool = knob("live", 
         True, description="Correct for a generator that samples from other weights than the learner's (backends with their own "

@@ -59,8 +59,8 @@ LOSSES: dict[str, Callable] = {
 
 def grpo_loss(logps, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], advantages, mask,
               totals: BatchTotals, loss_type: str, beta: float, epsilon_low: float, epsilon_high: float,
-              sampling_weights: Optional[torch.Tensor] = None):
-    """The micro-batch's share of the step loss, plus per-token KL and clip flags for metrics."""
+              sampling_weights: Optional[torch.Tensor] = None, bias_correction_kl: bool = False):
+    """The micro-batch's share of the step loss, plus per-token KL (as weighted in the loss) and clip flags."""
     old = logps.detach() if old_logps is None else old_logps          # on-policy: ratio 1, gradient of r*A
     per_token, is_clipped = clipped_surrogate(logps, old, advantages, epsilon_low, epsilon_high)
     if sampling_weights is not None:
@@ -68,5 +68,7 @@ def grpo_loss(logps, old_logps: Optional[torch.Tensor], ref_logps: Optional[torc
     kl = None
     if beta != 0.0:
         kl = kl_k3(logps, ref_logps)
+        if bias_correction_kl:   # TRL's default: ratio-weighted (differentiable, so it moves the gradient at ratio 1)
+            kl = kl * torch.exp(logps - old)
         per_token = per_token + beta * kl
     return LOSSES[loss_type](per_token, mask, totals), kl, is_clipped

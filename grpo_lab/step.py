@@ -114,7 +114,7 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     set_logprob_temperature(model, rollout.logprob_temperature)
     learner.optimizer.zero_grad(set_to_none=True)
     olds, weights_all = [], []
-    loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = 0.0
+    loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = mismatch_tokens = 0.0
     for rows in micro_batches(len(rollout), grpo.micro_batch_size):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
@@ -123,15 +123,19 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
         old = logps.detach() if first else logprobs.old[rows].to(device)
         weights = None
         if is_on:   # from the old log-probs, so every iteration of the rollout gets the same weights
-            weights = importance_weights(old, sampler, completion_mask.float(), grpo.importance_sampling_mode,
+            # over the loss mask, as TRL (mask_truncated_completions zeroes its completion mask first)
+            weights = importance_weights(old, sampler, mask, grpo.importance_sampling_mode,
                                          grpo.importance_sampling_clip_min, grpo.importance_sampling_clip_max)
             weights_all.append(weights.cpu())
         if first:
             olds.append(old.cpu())
         gap = old - sampler                                                  # log(learner / sampler) per token
+        seen = mask * torch.isfinite(gap)          # a sampler log-prob the engine did not return stays out of the metrics
+        gap = torch.nan_to_num(gap, nan=0.0, posinf=0.0, neginf=0.0)
         loss, kl, clipped = grpo_loss(
             logps, old, None if logprobs.ref is None else logprobs.ref[rows].to(device), advantages.values[rows].to(device),
-            mask, totals, grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights)
+            mask, totals, grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights,
+            bias_correction_kl=grpo.use_bias_correction_kl)
         value = loss.item()
         if not math.isfinite(value):
             learner.optimizer.zero_grad(set_to_none=True)  # why: earlier micro-batches' gradients belong to a refused step
@@ -139,8 +143,9 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
                             "or lower grpo.learning_rate / grpo.beta")
         loss.backward()
         loss_sum += value
-        mismatch_sum += (gap.abs() * mask).sum().item()
-        mismatch_kl_sum += ((torch.exp(gap) - gap - 1) * mask).sum().item()
+        mismatch_sum += (gap.abs() * seen).sum().item()
+        mismatch_kl_sum += ((torch.exp(gap) - gap - 1) * seen).sum().item()
+        mismatch_tokens += seen.sum().item()
         clipped_sum += (clipped.float() * mask).sum().item()
         if kl is not None:
             kl_sum += (kl.detach() * mask).sum().item()
@@ -150,16 +155,16 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     logprobs.is_weights = torch.cat(weights_all) if is_on else None
     tokens = max(totals.num_tokens, 1)
     return LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
-                     clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / tokens,
-                     logprob_kl=mismatch_kl_sum / tokens, num_tokens=totals.num_tokens,
-                     **ratio_stats(logprobs.is_weights if is_on else None, rollout.completion_mask))
+                     clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
+                     logprob_kl=mismatch_kl_sum / max(mismatch_tokens, 1), num_tokens=totals.num_tokens,
+                     **ratio_stats(logprobs.is_weights if is_on else None, mask_all))
 
 
-def ratio_stats(weights: Optional[torch.Tensor], completion_mask: torch.Tensor) -> dict:
-    """Min/mean/max of the importance-sampling weights, as TRL logs them (token modes: over completion tokens)."""
+def ratio_stats(weights: Optional[torch.Tensor], loss_mask_: torch.Tensor) -> dict:
+    """Min/mean/max of the importance-sampling weights, as TRL logs them (token modes: over the loss's tokens)."""
     if weights is None:
         return {}
-    flat = weights.flatten() if weights.shape[1] == 1 else weights[completion_mask.bool()]
+    flat = weights.flatten() if weights.shape[1] == 1 else weights[loss_mask_.bool()]
     if not flat.numel():
         return {}
     return {"is_ratio_min": flat.min().item(), "is_ratio_mean": flat.mean().item(), "is_ratio_max": flat.max().item()}

@@ -433,6 +433,26 @@ def test_learning_rate_scales_the_next_update(lab):
     assert lab.sync().learning_rate == 4e-3
 
 
+@observes("grpo.use_bias_correction_kl")
+def test_kl_bias_correction_changes_the_next_backwards_gradient_not_its_value(lab):
+    lab.configure({"grpo.beta": 0.5, "grpo.learning_rate": 5e-2})
+    rollout, advantages, logprobs = walk_to_backward(lab)
+    one_update(lab, rollout, advantages, logprobs)
+    lab.sync()                                  # the policy now differs from the reference: the KL has a gradient
+    rollout, advantages, logprobs = walk_to_backward(lab)
+
+    def backward(corrected):
+        lab.config.grpo.use_bias_correction_kl = corrected
+        stats = lab.backward(rollout, advantages, logprobs)
+        grads = {n: p.grad.clone() for n, p in lab.learner.trainable_parameters().items() if p.grad is not None}
+        lab.rollback()
+        return stats, grads
+
+    (on, on_grads), (off, off_grads) = backward(True), backward(False)
+    assert on.kl > 0 and on.loss == pytest.approx(off.loss, rel=1e-6)    # on-policy the ratio is 1: same value...
+    assert any(not torch.allclose(on_grads[n], off_grads[n], rtol=1e-4, atol=1e-8) for n in on_grads)   # ...not gradient
+
+
 @observes("grpo.weight_decay")
 def test_weight_decay_shrinks_the_weights_at_the_next_update(lab):
     rollout, advantages, logprobs = walk_to_backward(lab)

@@ -5,8 +5,8 @@ TRL gets our completions through its public `rollout_func` hook and our reward f
 importance-sampling ratio) and its `_compute_loss` the loss and clip metrics, on the same PEFT model,
 with our old/reference log-probs fed in. All must match grpo_lab's within 1e-5.
 
-TRL runs with `use_bias_correction_kl=False`: its default (True) multiplies the KL term by the PPO
-ratio, which grpo_lab does not do (same value on-policy, not the same gradient, nor value off-policy).
+`grpo.use_bias_correction_kl` (TRL's default, True: the KL term weighted by the PPO ratio) goes to TRL
+as the lab has it; the off-policy cases run it both ways.
 """
 import math
 from types import SimpleNamespace
@@ -46,7 +46,7 @@ def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
         scale_rewards=cfg.grpo.scale_rewards, epsilon=cfg.grpo.epsilon, epsilon_high=cfg.epsilon_high,
         num_iterations=cfg.grpo.num_iterations, mask_truncated_completions=cfg.grpo.mask_truncated_completions,
         gradient_checkpointing=False, reward_weights=cfg.data.reward_weights,
-        use_bias_correction_kl=False,  # grpo_lab's KL term is not weighted by the ratio (see the module docstring)
+        use_bias_correction_kl=cfg.grpo.use_bias_correction_kl,
         **overrides,
     )
     # why first: TRL patches its own fused head (with entropy) over ours; a temperature change on our side
@@ -213,11 +213,9 @@ def assert_grads_close(ours, theirs, rel=1e-4):
 
 
 IS_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-TRUNCATED_IS = pytest.mark.xfail(strict=True, reason=(
-    "step.backward takes the importance-sampling weights (and ratio_stats their min/mean/max) over the rollout's "
-    "completion mask; TRL over the loss mask, where a truncated completion gets ratio 1"))
 SCENARIOS = {
     "off_policy": ({}, None),
+    "off_policy_kl_unweighted": ({"grpo.use_bias_correction_kl": False}, None),
     "epsilon_high": ({"grpo.epsilon_high": 0.06}, None),
     "mask_truncated": ({"grpo.mask_truncated_completions": True}, None),
     **{f"is_{mode}": ({"grpo.importance_sampling_mode": mode}, mode) for mode in IS_MODES},
@@ -226,8 +224,7 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=TRUNCATED_IS) if n.startswith("is_") and n.endswith("_mask_truncated")
-                                  else n for n in SCENARIOS])
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     """Both iterations of a num_iterations = 2 step: loss, gradient, KL and clip fraction equal TRL's
     `_compute_loss` with old_per_token_logps = logprobs.old; with importance sampling, our weights equal
@@ -235,9 +232,11 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     changes, is_mode = SCENARIOS[name]
     lab, rollout, advantages, logprobs, trainer = step.lab, step.rollout, step.advantages, step.logprobs, step.trainer
     model = lab.learner.model
-    lab.configure({"grpo.epsilon_high": None, "grpo.mask_truncated_completions": False, **changes})
+    lab.configure({"grpo.epsilon_high": None, "grpo.mask_truncated_completions": False,
+                   "grpo.use_bias_correction_kl": True, **changes})
     cfg = lab.config
     trainer.epsilon_high, trainer.mask_truncated_completions = cfg.epsilon_high, cfg.grpo.mask_truncated_completions
+    trainer.args.use_bias_correction_kl = cfg.grpo.use_bias_correction_kl
     trainer.use_vllm = False
     monkeypatch.setattr("grpo_lab.step.applies_importance_sampling", lambda config: is_mode is not None)
     if is_mode:
