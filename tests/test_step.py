@@ -206,3 +206,17 @@ def test_advantages_group_by_the_rollouts_group_size_not_the_config(loaded_lab):
     lab.config.grpo.num_generations = 2                   # takes effect at the next rollout
     assert torch.equal(lab.advantages(rewards).values, expected)
     assert len(lab.rollout()) == 2 * 2
+
+
+def test_a_missing_sampler_logprob_stays_out_of_the_mismatch_metrics(loaded_lab):
+    """vLLM can return no log-prob for a token (NaN in the rollout): the metrics skip it, as TRL's do."""
+    lab = loaded_lab()
+    rollout = lab.rollout()
+    advantages = lab.advantages(lab.rewards(rollout))
+    logprobs = lab.logprobs(rollout)
+    clean = lab.backward(rollout, advantages, logprobs)
+    lab.rollback()
+    rollout.sampler_logprobs[0, 0] = math.nan
+    holed = lab.backward(rollout, advantages, logprobs)
+    assert math.isfinite(holed.logprob_mismatch) and math.isfinite(holed.logprob_kl)
+    assert holed.logprob_mismatch == pytest.approx(clean.logprob_mismatch, rel=0.5, abs=1e-4)
