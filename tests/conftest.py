@@ -49,3 +49,12 @@ def loaded_lab(tiny_config):
     def make(**sections):
         return Lab(tiny_config(**sections)).load()
     return make
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """State a test module builds once (e.g. a loaded Lab under "lab", closed at the module's end)."""
+    state = {}
+    yield state
+    if "lab" in state:
+        state["lab"].close()

@@ -23,14 +23,6 @@ CASES = ([(mode, lo, hi, False) for mode in MODES for lo, hi in BOUNDS if mode.e
 NAN_AT = [(0, 0), (3, 1)]   # (row, token) where the sampler has no log-prob
 
 
-@pytest.fixture(scope="module")
-def shared():
-    state = {}
-    yield state
-    if "lab" in state:
-        state["lab"].close()
-
-
 @pytest.fixture
 def sampled(shared, tiny_config, tmp_path_factory):
     """One lab, rollout, noisy sampler and TRL trainer for the module (built on first use)."""

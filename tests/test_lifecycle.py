@@ -1,7 +1,6 @@
 """One step lifecycle: a phase walk and `step()` are the same step; a step ends when its sync ends; phases out
 of order are refused in one line; a failure in any phase leaves the LoRA weights and AdamW state bit-identical
 to before that step (not before an earlier one), and the failed attempt's timings and memory rows stay apart."""
-import copy
 import math
 
 import pytest
@@ -10,24 +9,10 @@ import torch
 import grpo_lab.step as step_module
 from grpo_lab import Lab, LabError
 from grpo_lab.phases import PHASE_NAMES
+from test_numerics import assert_same_state, train_state
 
 # num_iterations 2: every step has two backward/optimizer pairs, so a failure can come after an applied update
 SECTIONS = dict(grpo={"beta": 0.04, "num_iterations": 2, "learning_rate": 5e-3}, lora={"lora_dropout": 0.1})
-
-
-def train_state(lab):
-    lora = {n: p.detach().clone() for n, p in lab.learner.model.named_parameters() if p.requires_grad}
-    return lora, copy.deepcopy(lab.learner.optimizer.state_dict())
-
-
-def assert_same_state(lab, before):
-    lora, optim = train_state(lab)
-    assert all(torch.equal(before[0][n], lora[n]) for n in lora), "LoRA weights differ"
-    old, new = before[1]["state"], optim["state"]
-    assert old.keys() == new.keys()
-    for key in old:
-        for name, value in old[key].items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(new[key][name])), (key, name)
 
 
 def comparable(result) -> dict:

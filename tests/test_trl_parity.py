@@ -153,14 +153,6 @@ def spread(completions, **kwargs):
     return [float(i % 4) for i in range(len(completions))]
 
 
-@pytest.fixture(scope="module")
-def shared():
-    state = {}
-    yield state
-    if "lab" in state:
-        state["lab"].close()
-
-
 @pytest.fixture
 def step(shared, tiny_config, tmp_path_factory):
     """One Lab in the middle of a num_iterations = 2 step, shared by the module: its rollout (sampler log-probs
