@@ -161,6 +161,8 @@ class Lab:
 
     @property
     def placement(self) -> "Placement":
+        from .placement import Placement
+
         return Placement(self.config)
 
     def plan(self):
@@ -379,34 +381,3 @@ class Lab:
             self.generator.close()
         self.learner = self.generator = self.reference = None
         self._config._guard = None   # why: nothing loaded is left to protect; the config is a plain config again
-
-
-class Placement:
-    """Who sits where; prints as the device plan."""
-
-    def __init__(self, config: LabConfig):
-        self.config = config
-
-    def roles(self) -> dict[str, list[str]]:
-        cfg, place = self.config, self.config.placement
-        out: dict[str, list[str]] = {}
-        learner = "learner (4-bit base + LoRA" + (", AdamW state in host RAM)" if place.optimizer_offload else " + AdamW)")
-        out.setdefault(place.learner, []).append(learner)
-        for device in place.generator_devices():
-            shared = " colocated" if device == place.learner else ""
-            out.setdefault(device, []).append(f"generator ({cfg.generator.backend}{shared})")
-        if cfg.reference_strategy == "copy":
-            out.setdefault(cfg.reference_device, []).append("reference (frozen copy)")
-        elif cfg.reference_strategy == "adapter-disabled":
-            out[place.learner].append("reference (adapter disabled, no copy)")
-        return out
-
-    @property
-    def mode(self) -> str:
-        place = self.config.placement
-        return "colocated" if place.learner in place.generator_devices() else "split"
-
-    def __repr__(self) -> str:
-        lines = [f"placement ({self.mode}):"]
-        lines += [f"  {device:<8} {', '.join(roles)}" for device, roles in self.roles().items()]
-        return "\n".join(lines)
