@@ -132,7 +132,8 @@ class ConfigEditor:
         self.message.value = f"<span style='color:#c00'>{html.escape(str(err), quote=False)}</span>"
 
     def refresh(self) -> None:
-        """Show the current config in every input."""
+        """Show the current config in every input (and lock load-time inputs if the Lab was loaded since)."""
+        self.lock_load_time()
         data = self.config.to_dict()
         self._syncing = True
         try:
