@@ -60,6 +60,7 @@ class Lab:
         self.timeline = Timeline()
         self.history: list[StepResult] = []
         self._step = StepState(index=0)
+        self._generator_behind = False   # a failed sync may have left the engine on weights the learner undid
         self.leaks = None
         self._plots: list = []
 
@@ -225,6 +226,7 @@ class Lab:
         """A phase failed: undo the step's updates, and file the failed work as an attempt of its own."""
         s = self._step
         redo = {phase, *UPDATE_PHASES} if (phase in UPDATE_PHASES or s.updates or s.gradients) else {phase}
+        self._generator_behind |= phase == "sync"   # why: the engine may hold the adapter the rollback undoes
         self.rollback()
         self.timeline.retire(s.index, redo, s.attempts)
         if self.memory is not None:
@@ -239,6 +241,9 @@ class Lab:
                 self.timeline.retire(self.step_index, PHASE_NAMES, self._step.attempts)
                 self.memory.retire(self.step_index, PHASE_NAMES, self._step.attempts)
                 self._step = StepState(index=self.step_index, attempts=self._step.attempts + 1)
+            if self._generator_behind:   # never sample from weights the learner no longer has
+                phases.sync(self.generator, self.learner)
+                self._generator_behind = False
             out = phases.rollout(self.generator, self.prompts, self.config)
             out.step = self.step_index
             self._step.rollout = out
@@ -287,6 +292,7 @@ class Lab:
         rollback snapshot is dropped and the step index advances."""
         with self._phase("sync"):
             phases.sync(self.generator, self.learner)
+            self._generator_behind = False
         return self._finish_step()
 
     def _finish_step(self) -> StepResult:

@@ -191,6 +191,35 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
     assert differs, "the weights did not change the gradient: the check could not tell them apart"
 
 
+def test_a_failed_sync_leaves_no_generator_ahead_of_the_learner(vllm_lab, monkeypatch):
+    """sync fails after the engine took the new adapter: the learner is rolled back, so the next rollout
+    must first put the generator back on the learner's weights (it would sample from undone weights)."""
+    lab = vllm_lab
+    monkeypatch.setattr(lab, "reward_funcs", [spread])
+    rollout = lab.rollout()
+    attempts = lab.current.attempts
+    advantages = lab.advantages(lab.rewards(rollout))
+    lab.backward(rollout, advantages, lab.logprobs(rollout))
+    assert lab.optimizer() > 0
+    real_sync = lab.generator.sync
+
+    def sync_then_fail(learner):
+        real_sync(learner)
+        raise RuntimeError("injected failure after the engine took the adapter")
+
+    monkeypatch.setattr(lab.generator, "sync", sync_then_fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        lab.sync()
+    monkeypatch.setattr(lab.generator, "sync", real_sync)
+    mask = rollout.completion_mask.bool()
+    learner_now = learner_logprobs(lab, rollout)                  # rolled back to before the step
+    ahead = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
+    lab.rollout()                                                 # the step starts over: the generator follows first
+    behind_no_more = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
+    assert behind_no_more < ahead, (behind_no_more, ahead)
+    assert lab.step().attempts == attempts + 2                  # the failed sync, then the restarted rollout
+
+
 def test_lengths_are_live_within_the_engines_max_model_len(vllm_lab):
     lab = vllm_lab
     gen = lab.config.generator
