@@ -5,6 +5,7 @@ widgets and papermill use the same calls. Config edits after load go through kno
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -61,6 +62,7 @@ class Lab:
         self.history: list[StepResult] = []
         self._step = StepState(index=0)
         self._generator_behind = False   # a failed sync may have left the engine on weights the learner undid
+        self._busy = threading.Lock()    # one phase at a time: a panel run and a cell must not interleave
         self.leaks = None
         self._plots: list = []
 
@@ -205,22 +207,28 @@ class Lab:
         from .memory.oom import as_lab_error, is_oom, release_memory
 
         self._require_loaded()
-        check_order(self._step, name, self.config.grpo.num_iterations, **inputs)
+        if not self._busy.acquire(blocking=False):
+            raise LabError(f"{name}: another phase of this Lab is running (a panel run or another thread); "
+                           "wait for it to finish, or press stop")
         try:
-            with self.timeline.phase(name, self.step_index):
-                yield
-        except BaseException as err:
-            self._failed(name)
-            if isinstance(err, NonFinite):
-                err.step = self.step_index
-                raise
-            if not is_oom(err):
-                raise
-            error = as_lab_error(err, name, self.step_index, self.config.placement.learner, self.memory)
-            err.__traceback__ = None
-            del err  # why: the traceback's frames hold the failed phase's tensors
-            release_memory()
-            raise error from None
+            check_order(self._step, name, self.config.grpo.num_iterations, **inputs)   # a refusal changes nothing
+            try:
+                with self.timeline.phase(name, self.step_index):
+                    yield
+            except BaseException as err:
+                self._failed(name)
+                if isinstance(err, NonFinite):
+                    err.step = self.step_index
+                    raise
+                if not is_oom(err):
+                    raise
+                error = as_lab_error(err, name, self.step_index, self.config.placement.learner, self.memory)
+                err.__traceback__ = None
+                del err  # why: the traceback's frames hold the failed phase's tensors
+                release_memory()
+                raise error from None
+        finally:
+            self._busy.release()
 
     def _failed(self, phase: str) -> None:
         """A phase failed: undo the step's updates, and file the failed work as an attempt of its own."""

@@ -143,3 +143,57 @@ def test_panel_combines_editor_controls_and_plot(loaded_lab):
     panel = loaded_lab().ui()
     assert isinstance(panel, Panel) and panel.plot is not None
     assert len(panel.widget.children) == 2
+
+
+def test_a_run_cannot_be_started_twice_and_cells_cannot_interleave_with_it(loaded_lab):
+    """While a run is inside step 0 (its reward function held), a second click on run, on one step or on the
+    phase button starts nothing, the buttons are disabled, and a cell's lab.step() is refused in one line;
+    the run then finishes its 2 steps and the buttons come back."""
+    from grpo_lab import LabError
+
+    lab = loaded_lab()
+    controls = StepControls(lab)
+    inside, release = threading.Event(), threading.Event()
+
+    def held(prompts, completions, **kwargs):
+        inside.set()
+        if not release.wait(300):
+            raise RuntimeError("the test never released the run")
+        return [float(len(c)) for c in completions]
+
+    lab.reward_funcs = [held]
+    controls.count.value = 2
+    controls.run_button.click()
+    controls.run_button.click()                       # a quick second click
+    assert inside.wait(300), "the run never reached its rewards phase"
+    assert controls.next_button.disabled and controls.step_button.disabled and controls.run_button.disabled
+    controls.step_button.click()                      # disabled in the browser; refused if clicked anyway
+    controls.next_button.click()
+    with pytest.raises(LabError, match=r"^rewards: another phase of this Lab is running") as err:
+        lab.step()                                    # a cell: the step's next phase is the one the run is in
+    assert "\n" not in str(err.value)
+    release.set()
+    controls.thread.join(timeout=300)
+    assert not controls.thread.is_alive()
+    assert len(lab.history) == 2 and [r.step for r in lab.history] == [0, 1]   # one run of 2 steps, nothing more
+    assert log_text(controls).count("a run is in progress") == 3
+    assert not (controls.next_button.disabled or controls.step_button.disabled or controls.run_button.disabled)
+
+
+def test_any_error_is_one_log_line_with_the_traceback_on_demand(loaded_lab):
+    lab = loaded_lab()
+    controls = StepControls(lab)
+
+    def broken(prompts, completions, **kwargs):
+        raise ValueError("the reward server is down\nsecond line")
+
+    lab.reward_funcs = [broken]
+    controls.step_button.click()
+    lines = [line for line in log_text(controls).splitlines() if line]
+    assert lines == ["error: ValueError: the reward server is down (the traceback button shows where)"]
+    controls.traceback_button.click()
+    text = log_text(controls)
+    assert "Traceback (most recent call last)" in text and "def broken" not in text and "in broken" in text
+    lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
+    controls.step_button.click()                      # the Lab stayed usable
+    assert len(lab.history) == 1
