@@ -205,6 +205,7 @@ class Lab:
         """Check order, time and mark a phase; on any failure put the step back (see `_failed`); an
         out-of-memory error becomes a one-line LabError naming phase and device."""
         from .memory.oom import as_lab_error, is_oom, release_memory
+        from .memory.sampler import HostMemoryExceeded
 
         self._require_loaded()
         if not self._busy.acquire(blocking=False):
@@ -216,13 +217,16 @@ class Lab:
                 with self.timeline.phase(name, self.step_index):
                     yield
             except BaseException as err:
-                self._failed(name)
+                undone = self._failed(name)
                 if isinstance(err, NonFinite):
                     err.step = self.step_index
                     raise
+                if isinstance(err, HostMemoryExceeded):
+                    err.undone = undone
+                    raise
                 if not is_oom(err):
                     raise
-                error = as_lab_error(err, name, self.step_index, self.config.placement.learner, self.memory)
+                error = as_lab_error(err, name, self.step_index, self.config.placement.learner, self.memory, undone)
                 err.__traceback__ = None
                 del err  # why: the traceback's frames hold the failed phase's tensors
                 release_memory()
@@ -230,9 +234,11 @@ class Lab:
         finally:
             self._busy.release()
 
-    def _failed(self, phase: str) -> None:
-        """A phase failed: undo the step's updates, and file the failed work as an attempt of its own."""
+    def _failed(self, phase: str) -> str:
+        """A phase failed: undo the step's updates, and file the failed work as an attempt of its own.
+        Returns what was put back, for the error message."""
         s = self._step
+        undone = "the step's updates were rolled back" if s.snapshot is not None else "no update had been applied"
         redo = {phase, *UPDATE_PHASES} if (phase in UPDATE_PHASES or s.updates or s.gradients) else {phase}
         self._generator_behind |= phase == "sync"   # why: the engine may hold the adapter the rollback undoes
         self.rollback()
@@ -240,6 +246,7 @@ class Lab:
         if self.memory is not None:
             self.memory.retire(s.index, redo, s.attempts)
         s.attempts += 1
+        return undone
 
     # --- the phases of a step (phases.PHASES), each checked, timed and marked ---
     def rollout(self) -> Rollout:
@@ -372,6 +379,9 @@ class Lab:
         """The per-phase memory table (MiB) of `step` (default: the last one)."""
         from .memory import format_table
 
+        if step is None and not self.history:
+            raise LabError("lab.memory_table(): no step has finished yet; run lab.step() (or a phase walk up to its "
+                           "sync) first")
         step = self.history[-1].step if step is None else step
         return format_table(self.memory.rows_for(step))
 

@@ -107,8 +107,8 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
     assert len(error) == 1, stderr[-2000:]
     assert error[0] == (
         "grpo-lab: error: host RAM reached 99.0% of 64.0 GiB (memory.host_threshold=0.5); stopped before phase "
-        "'sync' of step 2, the step was rolled back; in host RAM: the learner (placement.learner=cpu); free host memory, move state off the host, "
-        "or raise memory.host_threshold with care")
+        "'sync' of step 2, the step's updates were rolled back; in host RAM: the learner (placement.learner=cpu); "
+        "free host memory, move state off the host, or raise memory.host_threshold with care")
     assert "Traceback" not in stderr and seen["updates"] == 3
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
@@ -158,6 +158,7 @@ def test_oom_in_backward_leaves_state_bit_identical_and_a_smaller_micro_batch_wo
         lab.step()
     message = str(err.value)
     assert "phase 'backward'" in message and "cuda:0" in message and "micro_batch_size" in message and "\n" not in message
+    assert "no update had been applied" in message and "rolled back" not in message   # nothing was, so it says so
     assert err.value.__cause__ is None and err.value.__suppress_context__   # no frames of the failed phase kept
     assert_same_state(before, state_of(lab))
     assert all(p.grad is None for p in lab.learner.trainable_parameters().values())
@@ -179,9 +180,18 @@ def test_host_oom_inside_the_optimizer_update_is_rolled_back(loaded_lab, monkeyp
         raise MemoryError()                      # ...when the host runs out
 
     monkeypatch.setattr(lab.learner.optimizer, "step", update_then_fail)
-    with pytest.raises(OutOfMemory, match="phase 'optimizer'.* on host"):
+    with pytest.raises(OutOfMemory, match="phase 'optimizer'.* on host.*the step's updates were rolled back"):
         lab.step()
     assert_same_state(before, state_of(lab))
+
+
+def test_memory_table_before_any_step_is_one_line(tiny_config, loaded_lab):
+    from grpo_lab import LabError
+
+    for lab in (Lab(tiny_config()), loaded_lab()):
+        with pytest.raises(LabError, match=r"^lab\.memory_table\(\): no step has finished yet") as err:
+            lab.memory_table()
+        assert "\n" not in str(err.value)
 
 
 def test_leak_detector_logic():

@@ -14,7 +14,7 @@ from .probes import MiB
 
 
 class OutOfMemory(LabError):
-    """A phase ran out of device or host memory; the step was rolled back."""
+    """A phase ran out of device or host memory; the step's updates (if any) were rolled back."""
 
 
 def is_oom(err: BaseException) -> bool:
@@ -40,7 +40,8 @@ def release_memory() -> None:
         torch.cuda.empty_cache()  # why: after an OOM the cache holds the failed phase's blocks
 
 
-def as_lab_error(err: BaseException, phase: str, step: int, default_device: str, sampler=None) -> OutOfMemory:
+def as_lab_error(err: BaseException, phase: str, step: int, default_device: str, sampler=None,
+                 undone: str = "the step's updates were rolled back") -> OutOfMemory:
     device = oom_device(err, default_device)
     at = ""
     if sampler is not None:
@@ -49,4 +50,4 @@ def as_lab_error(err: BaseException, phase: str, step: int, default_device: str,
         at = f" ({', '.join(figures)})" if figures else ""
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     return OutOfMemory(f"out of memory in phase {phase!r} of step {step} on {device}{at}: {first}; "
-                       "the step was rolled back; lower grpo.micro_batch_size or generator.chunk_size and run it again")
+                       f"{undone}; lower grpo.micro_batch_size or generator.chunk_size and run it again")

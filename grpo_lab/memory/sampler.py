@@ -22,7 +22,15 @@ SUMMARY_METRICS = {"host": ("rss", "used"), "cuda": ("allocated", "reserved", "d
 
 
 class HostMemoryExceeded(LabError):
-    """Host RAM crossed memory.host_threshold; raised between phases."""
+    """Host RAM crossed memory.host_threshold; raised between phases. The Lab fills in `undone` (what it
+    put back), as only it knows whether the step had applied an update."""
+
+    def __init__(self, where: str, fix: str):
+        super().__init__(where, fix)
+        self.where, self.fix, self.undone = where, fix, None
+
+    def __str__(self) -> str:
+        return f"{self.where}{', ' + self.undone if self.undone else ''}; {self.fix}"
 
 
 class MemorySampler:
@@ -136,8 +144,8 @@ class MemorySampler:
             offload = self.describe_offload()
             raise HostMemoryExceeded(
                 f"host RAM reached {ratio:.1%} of {limit:.1f} GiB (memory.host_threshold={self.host_threshold}); "
-                f"stopped before phase {phase!r} of step {step}, the step was rolled back"
-                f"{'; ' + offload if offload else ''}; free host memory, move state off the host, "
+                f"stopped before phase {phase!r} of step {step}",
+                f"{offload + '; ' if offload else ''}free host memory, move state off the host, "
                 "or raise memory.host_threshold with care")
 
     # --- views ---
