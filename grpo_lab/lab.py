@@ -92,7 +92,19 @@ class Lab:
 
     # --- setup ---
     def load(self) -> "Lab":
-        """Check the plan, then load the learner, reference, generator and prompts."""
+        """Check the plan, then load the learner, reference, generator and prompts. A failure part-way
+        releases what was loaded (the sampler thread included), so the Lab can load again."""
+        if self.learner is not None:
+            raise LabError("lab.load(): this Lab is loaded already; lab.close() it first, or make a new Lab")
+        try:
+            return self._load()
+        except BaseException:
+            self._release()
+            self.memory = self.leaks = None   # why: a failed load leaves no sampler behind; the next load starts its own
+            self.timeline.listeners.clear()
+            raise
+
+    def _load(self) -> "Lab":
         from .data import PromptSource, load_rows
         from .generation import backend_class
         from .knobs import LoadedLabGuard
@@ -124,6 +136,18 @@ class Lab:
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
         cfg._guard = LoadedLabGuard(self)   # why: from now on every edit is checked against what was built
         return self
+
+    def _release(self) -> None:
+        """Stop the sampler and plots, close the generator, drop the models (close() and a failed load).
+        The stopped sampler's records stay readable (reports, tables)."""
+        for plot in self._plots:
+            plot.stop()
+        if self.memory is not None:
+            self.memory.stop()
+        if self.generator is not None:
+            self.generator.close()
+        self.learner = self.generator = self.reference = self.prompts = None
+        self._config._guard = None   # why: nothing loaded is left to protect; the config is a plain config again
 
     def devices(self) -> list[str]:
         """Every device the placement uses: learner, generator(s), reference copy."""
@@ -397,11 +421,4 @@ class Lab:
 
     def close(self) -> None:
         """Stop the sampler, release the generator and models (the Python objects go with the Lab)."""
-        for plot in self._plots:
-            plot.stop()
-        if self.memory is not None:
-            self.memory.stop()
-        if self.generator is not None:
-            self.generator.close()
-        self.learner = self.generator = self.reference = None
-        self._config._guard = None   # why: nothing loaded is left to protect; the config is a plain config again
+        self._release()

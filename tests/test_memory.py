@@ -263,3 +263,30 @@ def test_gpu_spill_during_logprobs_shows_in_that_phase_and_device(tiny_config):
     assert spill and spill[0]["delta"] >= 256 * MiB
     quiet = [r for r in rows if r["phase"] == "rewards" and r["device"] == "cuda:0" and r["metric"] == "allocated"]
     assert abs(quiet[0]["delta"]) < 16 * MiB
+
+
+def test_a_failed_load_stops_the_sampler_and_frees_what_it_loaded(tiny_config, monkeypatch):
+    """A failure part-way through load() leaves no sampler thread and no half-loaded models; the Lab can load
+    again once the cause is gone; a second load() of a loaded Lab is refused in one line."""
+    import threading
+
+    import grpo_lab.reference as reference
+    from grpo_lab import LabError
+
+    def samplers():
+        return [t for t in threading.enumerate() if t.name == "grpo-lab-memory" and t.is_alive()]
+
+    before = len(samplers())
+    lab = Lab(tiny_config(grpo={"beta": 0.04}))
+    monkeypatch.setattr(reference, "build_reference", lambda config: (_ for _ in ()).throw(RuntimeError("no reference")))
+    with pytest.raises(RuntimeError, match="no reference"):
+        lab.load()
+    assert len(samplers()) == before and lab.learner is None and lab.memory is None and not lab.timeline.listeners
+    monkeypatch.undo()
+    lab.load()
+    assert len(samplers()) == before + 1 and lab.step().step == 0
+    with pytest.raises(LabError, match=r"^lab\.load\(\): this Lab is loaded already") as err:
+        lab.load()
+    assert "\n" not in str(err.value)
+    lab.close()
+    assert len(samplers()) == before
