@@ -3,7 +3,7 @@ metrics and the peak memory per device into DIR/summary.csv and a DIR/summary.ht
 
 A sweepable notebook has a cell tagged `parameters` that includes `results_path`, and ends
 with `lab.save_results(results_path)` when it is set. A grid point that fails (out of memory
-included) is a row with its error: that is data too.
+included, or its kernel killed) is a row with its error, and the sweep goes on: that is data too.
 """
 from __future__ import annotations
 
@@ -94,6 +94,8 @@ def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Pat
                                 kernel_name=kernel_name, progress_bar=False)
         except pm.PapermillExecutionError as err:
             row["error"] = f"{err.ename}: {err.evalue}"[:300]
+        except Exception as err:   # why: a kernel killed mid-point (OOM killer: DeadKernelError) is a result, not the end
+            row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
         metrics = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
         if metrics:
             last = metrics[-1]
@@ -130,7 +132,9 @@ def summary_html(rows: list[dict], keys: list[str]) -> str:
                 groups.setdefault(tuple(r[k] for k in others), []).append((r[x_key], r[column]))
         for group, points in groups.items():
             label = column.removeprefix("peak_").removesuffix("_mib") + "".join(f" {k}={v}" for k, v in zip(others, group))
-            points.sort(key=lambda p: str(p[0]))
-            fig.add_trace(go.Scatter(x=[str(p[0]) for p in points], y=[p[1] for p in points], mode="lines+markers", name=label))
+            numeric = all(isinstance(p[0], (int, float)) and not isinstance(p[0], bool) for p in points)
+            points.sort(key=lambda p: p[0] if numeric else str(p[0]))   # why: 1, 2, 10, not '1', '10', '2'
+            fig.add_trace(go.Scatter(x=[p[0] if numeric else str(p[0]) for p in points], y=[p[1] for p in points],
+                                     mode="lines+markers", name=label))
     fig.update_layout(title=f"Peak memory per device against {x_key}", xaxis_title=x_key, yaxis_title="peak MiB")
     return fig.to_html(include_plotlyjs=True, full_html=True)

@@ -45,3 +45,32 @@ def test_sweep_cli_bad_key_exits_2(tmp_path):
                            "--out", str(tmp_path / "s")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "not parameters of 01_quickstart.ipynb" in proc.stderr
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.slow   # three real kernels, one of them killed (~20 s)
+def test_a_grid_point_whose_kernel_dies_is_a_row_and_numbers_sort_as_numbers(tmp_path):
+    """The kernel of point x=2 is SIGKILLed (as the OOM killer does): that point becomes a row with its error, the
+    sweep goes on to x=10, and the summary plot's x axis runs 1, 2, 10 (not the strings '1', '10', '2')."""
+    import json
+    import re
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell("x = 1\nresults_path = None")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(
+        "import json, os, signal\n"
+        "if x == 2:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "row = {'step': 0, 'reward_mean': 0.0, 'loss': 0.0, 'step_seconds': 0.1,\n"
+        "       'memory': [{'device': 'host', 'metric': 'rss', 'peak': x * 2**20}]}\n"
+        "open(results_path, 'w').write(json.dumps(row) + '\\n')")]
+    nbformat.write(nb, tmp_path / "probe.ipynb")
+    out = sweep(tmp_path / "probe.ipynb", {"x": [10, 2, 1]}, tmp_path / "sweep")
+    rows = {r["x"]: r for r in csv.DictReader(open(out / "summary.csv"))}
+    assert set(rows) == {"1", "2", "10"}
+    assert rows["2"]["error"].startswith("DeadKernelError") and rows["1"]["error"] == rows["10"]["error"] == ""
+    assert float(rows["10"]["peak_host_rss_mib"]) == 10.0
+    html = (out / "summary.html").read_text()
+    xs = json.loads(re.search(r'"x":(\[[^\]]*\])', html).group(1))
+    assert xs == [1, 10], xs                      # numeric, in numeric order (x=2 has no peak: its kernel died)
