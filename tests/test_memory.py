@@ -240,6 +240,48 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     assert plot._thread is None
 
 
+def test_live_plot_history_stays_bounded_keeps_the_peak_and_takes_two_threads():
+    """A long synthetic stream (200k readings, one spike): each line holds at most 2 x max_points points, the
+    spike survives the downsampling, and refreshes from two threads at once neither fail nor lose samples."""
+    import threading
+    from types import SimpleNamespace
+
+    from grpo_lab.memory.live import LivePlot
+
+    stream = [(i * 0.01, 0, "rollout", "host", "rss", (5000.0 if i == 123_457 else 100.0 + i % 7) * MiB)
+              for i in range(200_000)]
+    fed = {"n": 0}
+
+    def samples_since(index):   # the sampler hands out what arrived since; here 1000 readings per call
+        fed["n"] = min(fed["n"] + 1000, len(stream))
+        return stream[index:fed["n"]]
+
+    sampler = SimpleNamespace(samples_since=samples_since, marks=[], probes=[None], host_threshold=0.95,
+                              latest=lambda device: {"limit": 64 * 1024 * MiB})
+    plot = LivePlot(sampler, max_points=300)
+    errors = []
+
+    def refresher():
+        try:
+            for _ in range(100):
+                plot.refresh()
+        except Exception as err:   # noqa: BLE001 - collected for the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=refresher) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and plot._index == len(stream)         # every reading ingested exactly once
+    series = plot._series[("host", "rss")]
+    assert 300 <= len(series.xs) <= 600 and series.xs == sorted(series.xs)
+    assert series.xs[0] < 0.02 * 200_000 * 0.01 and series.xs[-1] > 0.98 * 200_000 * 0.01   # the whole run in view
+    assert max(series.ys) == 5000.0                            # the spike survives every halving
+    drawn = plot.fig.data[0]
+    assert max(drawn.y) == 5000.0 and len(drawn.x) == len(series.xs)
+
+
 def test_cuda_snapshots_are_skipped_with_a_notice_on_cpu(tiny_config):
     with pytest.warns(UserWarning, match="no CUDA device"):
         Lab(tiny_config(memory={"cuda_snapshots": True})).load()

@@ -1,9 +1,12 @@
 """The live memory plot for notebooks: a plotly FigureWidget with one line per device and metric,
 shaded phase bands, and dashed lines for each device's capacity and the host-RAM threshold.
 
-A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled,
-downsampled to `max_points` per line); the sampler thread never touches the widget, and the
-kernel stays free to run cells while a step runs.
+A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
+sampler thread never touches the widget, and the kernel stays free to run cells while a step
+runs. Its history is bounded (`Series`): each line
+keeps at most 2 x `max_points` points over the whole run, halving its resolution when full by
+merging neighbours into their maximum (so a peak is never lost); refreshes from the renderer and
+from a cell are serialised by a lock.
 """
 from __future__ import annotations
 
@@ -26,11 +29,36 @@ def _needs_notebook_extra():
     return go
 
 
+class Series:
+    """One line's bounded history: each point is the maximum of `stride` readings (at the last one's time).
+    When it holds more than `limit` points, neighbours merge and the stride doubles, so the whole run
+    stays in view at one resolution and a peak is never lost."""
+
+    def __init__(self, limit: int):
+        self.limit, self.stride = limit, 1
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+        self._count, self._peak = 0, float("-inf")   # readings of the point being filled
+
+    def add(self, t: float, value: float) -> None:
+        self._count, self._peak = self._count + 1, max(self._peak, value)
+        if self._count < self.stride:
+            return
+        self.xs.append(t)
+        self.ys.append(self._peak)
+        self._count, self._peak = 0, float("-inf")
+        if len(self.xs) > self.limit:
+            odd = len(self.xs) % 2
+            self.xs = self.xs[1::2] + (self.xs[-1:] if odd else [])
+            self.ys = [max(a, b) for a, b in zip(self.ys[0::2], self.ys[1::2])] + (self.ys[-1:] if odd else [])
+            self.stride *= 2
+
+
 class LivePlot:
     def __init__(self, sampler, refresh_s: float = 0.5, max_points: int = 600, max_bands: int = 60):
         go = _needs_notebook_extra()
         self.sampler, self.refresh_s, self.max_points, self.max_bands = sampler, refresh_s, max_points, max_bands
-        self._series: dict[tuple[str, str], tuple[list, list]] = {}
+        self._series: dict[tuple[str, str], Series] = {}
         self._index = 0            # next sampler sample to ingest
         self._marks_drawn = -1     # phase bands are redrawn only when a phase has ended
         self._limits = host_limits(sampler)
@@ -41,22 +69,17 @@ class LivePlot:
         self._lines: dict[tuple[str, str], int] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()   # why: the renderer thread and a cell (display, Panel) both refresh
         self.refreshes = 0
 
     def _ingest(self) -> dict[tuple[str, str], tuple[list, list]]:
-        """Append only the samples taken since the last refresh; return each line downsampled."""
+        """Add only the samples taken since the last refresh to the bounded lines; return each line's points."""
         new = self.sampler.samples_since(self._index)
         self._index += len(new)
         for t, _, _, device, metric, value in new:
             if metric in TIMELINE_METRICS:
-                xs, ys = self._series.setdefault((device, metric), ([], []))
-                xs.append(t)
-                ys.append(value / MiB)
-        out = {}
-        for key, (xs, ys) in self._series.items():
-            stride = max(1, len(xs) // self.max_points)
-            out[key] = (xs[::stride] + xs[-1:], ys[::stride] + ys[-1:])
-        return out
+                self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
+        return {key: (list(series.xs), list(series.ys)) for key, series in self._series.items()}
 
     def _limits_in_view(self, series) -> dict[str, float]:
         """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
@@ -77,6 +100,10 @@ class LivePlot:
 
     def refresh(self) -> None:
         """Redraw from the sampler's buffer (called by the renderer thread, or by hand)."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         series = self._ingest()
         with self.fig.batch_update():
             for key, (xs, ys) in series.items():
