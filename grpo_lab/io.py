@@ -1,4 +1,11 @@
-"""Atomic file writes, so a crash or a bad input never leaves half a file behind."""
+"""Atomic file writes, so a crash or a bad input never leaves half a file behind.
+
+A directory (the adapter, the built-in model) is written into `.NAME.tmp-*`, fsynced, then
+swapped in with two renames (NAME -> .NAME.old, tmp -> NAME). A crash can leave: a `.tmp-*`
+(unfinished: removed), `.NAME.old` beside NAME (finished: removed), or `.NAME.old` alone (the
+crash fell between the renames: it is the last complete version and goes back). `recover_dir`
+does that; every write starts with it, and readers call it before they look.
+"""
 from __future__ import annotations
 
 import json
@@ -33,18 +40,61 @@ def append_jsonl(path: Union[str, Path], record: dict) -> None:
         f.flush()
 
 
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def recover_dir(path: Union[str, Path]) -> Path:
+    """Put back what an interrupted `atomic_write_dir` left (see the module docstring); returns `path`.
+    One writer per directory is assumed (the callers hold a lock or own the run directory)."""
+    path = Path(path)
+    old = _old(path)
+    if old.exists():
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, path)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    return path
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under `root` to disk (why: a rename is only as durable as what it names)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_dir(path: Union[str, Path], write: Callable[[Path], None]) -> Path:
-    """Let `write` fill a temporary sibling directory, then swap it into place."""
+    """Let `write` fill a temporary sibling directory, then swap it into place (recovering first)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    recover_dir(path)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         write(tmp)
         os.chmod(tmp, 0o777 & ~_umask())
-        old = path.with_name(f".{path.name}.old")
+        _fsync_tree(tmp)
+        old = _old(path)
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -95,7 +95,7 @@ def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:
     """Build the tiny model at `path` unless a checkpoint is already there (atomically, one builder at a time)."""
     import fcntl
 
-    from .io import atomic_write_dir
+    from .io import atomic_write_dir, recover_dir
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -108,6 +108,7 @@ def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.parent / f".{path.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)   # why: a notebook kernel and a CLI run may both build it first
+            recover_dir(path)                  # a build or swap a crash interrupted
             if not (path / "config.json").is_file():
                 atomic_write_dir(path, lambda tmp: build_tiny_model(tmp, seed))
     except OSError as err:
