@@ -292,6 +292,12 @@ class LabConfig(Section):
                 raise
         return changed
 
+    def assign(self, other: "LabConfig") -> dict[str, tuple[Any, Any]]:
+        """Take every field of `other` through `update` (only those that differ change; a loaded Lab refuses
+        load-time ones): what assigning `lab.config` and loading a YAML into the editor do."""
+        data = other.to_dict()
+        return self.update({path: data[s][f] for path, s, f in leaf_fields()})
+
     def _write(self, values: dict[str, Any]) -> None:
         for path, value in values.items():
             section, _, name = path.partition(".")

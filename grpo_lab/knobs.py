@@ -17,19 +17,12 @@ from .errors import LabError
 
 
 def rebuild_reference(lab) -> None:
-    from .reference import build_reference
-
     if lab.config.reference_strategy != lab.reference_strategy:   # why: 'copy' loads a model; only build on a real change
-        lab.reference = build_reference(lab.config)
-        lab.reference_strategy = lab.config.reference_strategy
+        lab._build_reference()
 
 
 def rebuild_prompts(lab) -> None:
-    from .data import PromptSource, load_rows
-
-    cfg = lab.config
-    rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
-    lab.prompts = PromptSource(rows, lab.learner.tokenizer, cfg.data.system_prompt, cfg.run.seed)
+    lab._build_prompts()
 
 
 def rebuild_rewards(lab) -> None:

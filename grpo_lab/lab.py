@@ -13,7 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import step as phases
-from .config import LabConfig, leaf_fields, load_config
+from .config import LabConfig, load_config
 from .errors import ConfigError, LabError, NonFinite
 from .guard import check_learner
 from .lifecycle import StepState, check_order
@@ -75,8 +75,7 @@ class Lab:
     def config(self, new: Union[LabConfig, dict]) -> None:
         """Assigning a whole config applies the fields that differ, as `configure` does (a loaded Lab refuses
         load-time ones)."""
-        data = new.to_dict() if isinstance(new, LabConfig) else load_config(new).to_dict()
-        self._config.update({path: data[s][f] for path, s, f in leaf_fields()})
+        self._config.assign(new if isinstance(new, LabConfig) else load_config(new))
 
     def configure(self, changes: Optional[dict] = None, **sections) -> dict:
         """Change several fields at once, checked together: `lab.configure({"grpo.beta": 0.04})` or
@@ -105,11 +104,9 @@ class Lab:
             raise
 
     def _load(self) -> "Lab":
-        from .data import PromptSource, load_rows
         from .generation import backend_class
         from .knobs import LoadedLabGuard
         from .learner import load_learner
-        from .reference import build_reference
 
         from .memory import LeakDetector, MemorySampler
 
@@ -128,14 +125,27 @@ class Lab:
                 self.timeline.listeners.append(AllocatorSnapshots(where, self.devices()))
         self.learner = load_learner(cfg)
         check_learner(self.learner.model, [cfg.placement.learner])
-        self.reference = build_reference(cfg)
-        self.reference_strategy = cfg.reference_strategy
+        self._build_reference()
         self.generator = backend_class(cfg.generator.backend)(self.learner, cfg)
-        rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
-        self.prompts = PromptSource(rows, self.learner.tokenizer, cfg.data.system_prompt, cfg.run.seed)
+        self._build_prompts()
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
         cfg._guard = LoadedLabGuard(self)   # why: from now on every edit is checked against what was built
         return self
+
+    def _build_reference(self) -> None:
+        """The reference the config asks for (at load, and when grpo.beta or reference.strategy change it)."""
+        from .reference import build_reference
+
+        self.reference = build_reference(self.config)
+        self.reference_strategy = self.config.reference_strategy
+
+    def _build_prompts(self) -> None:
+        """The prompt source of data.* (at load, and when one of them changes)."""
+        from .data import PromptSource, load_rows
+
+        cfg = self.config
+        rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
+        self.prompts = PromptSource(rows, self.learner.tokenizer, cfg.data.system_prompt, cfg.run.seed)
 
     def _release(self) -> None:
         """Stop the sampler and plots, close the generator, drop the models (close() and a failed load).
@@ -261,25 +271,28 @@ class Lab:
     def _failed(self, phase: str) -> str:
         """A phase failed: undo the step's updates, and file the failed work as an attempt of its own.
         Returns what was put back, for the error message."""
-        s = self._step
-        undone = "the step's updates were rolled back" if s.snapshot is not None else "no update had been applied"
-        redo = {phase, *UPDATE_PHASES} if (phase in UPDATE_PHASES or s.updates or s.gradients) else {phase}
+        undone = "the step's updates were rolled back" if self._step.snapshot is not None else "no update had been applied"
+        # (check_order lets no other phase run while updates or gradients are pending, so only these redo the updates)
+        self._retire({phase, *UPDATE_PHASES} if phase in UPDATE_PHASES else {phase})
         self._generator_behind |= phase == "sync"   # why: the engine may hold the adapter the rollback undoes
         self.rollback()
-        self.timeline.retire(s.index, redo, s.attempts)
-        if self.memory is not None:
-            self.memory.retire(s.index, redo, s.attempts)
-        s.attempts += 1
         return undone
+
+    def _retire(self, phases_) -> None:
+        """File the current step's timings and memory rows of `phases_` as a failed attempt; the next is a new one."""
+        s = self._step
+        self.timeline.retire(s.index, phases_, s.attempts)
+        if self.memory is not None:
+            self.memory.retire(s.index, phases_, s.attempts)
+        s.attempts += 1
 
     # --- the phases of a step (phases.PHASES), each checked, timed and marked ---
     def rollout(self) -> Rollout:
         """Start the step (or restart it, when no update was applied yet) with a fresh rollout."""
         with self._phase("rollout"):
             if self._step.started:   # a restart: the earlier rollout's phases become a failed attempt
-                self.timeline.retire(self.step_index, PHASE_NAMES, self._step.attempts)
-                self.memory.retire(self.step_index, PHASE_NAMES, self._step.attempts)
-                self._step = StepState(index=self.step_index, attempts=self._step.attempts + 1)
+                self._retire(PHASE_NAMES)
+                self._step = StepState(index=self.step_index, attempts=self._step.attempts)
             if self._generator_behind:   # never sample from weights the learner no longer has
                 phases.sync(self.generator, self.learner)
                 self._generator_behind = False

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .errors import LabError
+from .phases import BY_NAME, PHASE_NAMES
 
 
 @dataclass
@@ -33,18 +34,19 @@ class StepState:
         return self.rollout is not None
 
 
-def _same(step: StepState, name: str, given, producer: str) -> None:
+def _same(step: StepState, name: str, given) -> None:
+    """`given` (an input named after the phase that produced it) must be what this step's `name` phase returned."""
     expected = getattr(step, name)
     if expected is None and name == "rollout" and getattr(given, "step", step.index) != step.index:
         raise LabError(f"rollout: this is step {given.step}'s rollout, and step {step.index} has none yet; "
                        "run lab.rollout() to start it")
     if expected is None:
-        raise LabError(f"step {step.index} has no {name} yet; run lab.{producer}(...) first "
-                       "(phases run in order: rollout, rewards, advantages, logprobs, backward, optimizer, sync)")
+        raise LabError(f"step {step.index} has no {name} yet; run lab.{name}(...) first "
+                       f"(phases run in order: {', '.join(PHASE_NAMES)})")
     if given is not expected:
         whose = f"step {given.step}'s" if name == "rollout" and getattr(given, "step", -1) != step.index else "an earlier"
         raise LabError(f"{name}: this is {whose} {name}, not the one step {step.index} produced; pass the value "
-                       f"lab.{producer}(...) returned in this step")
+                       f"lab.{name}(...) returned in this step")
 
 
 def _inputs_fixed(step: StepState, phase: str) -> None:
@@ -56,21 +58,13 @@ def _inputs_fixed(step: StepState, phase: str) -> None:
 
 def check_order(step: StepState, phase: str, num_iterations: int, **inputs) -> None:
     """Refuse, in one line, a phase called out of order or with inputs that are not this step's."""
-    if phase == "rollout":
+    for name in BY_NAME[phase].inputs:   # the registry says what each phase takes from the step
+        _same(step, name, inputs[name])
+    if phase in ("rollout", "rewards", "advantages", "logprobs"):
         _inputs_fixed(step, phase)
-        return
-    if phase in ("rewards", "logprobs", "backward"):
-        _same(step, "rollout", inputs["rollout"], "rollout")
-    if phase in ("rewards", "advantages", "logprobs"):
-        _inputs_fixed(step, phase)
-    if phase == "advantages":
-        _same(step, "rewards", inputs["rewards"], "rewards")
-    if phase == "backward":
-        _same(step, "advantages", inputs["advantages"], "advantages")
-        _same(step, "logprobs", inputs["logprobs"], "logprobs")
-        if step.updates >= num_iterations:
-            raise LabError(f"backward: step {step.index} has done its {step.updates} update(s) "
-                           f"(grpo.num_iterations = {num_iterations}); finish it with lab.sync()")
+    if phase == "backward" and step.updates >= num_iterations:
+        raise LabError(f"backward: step {step.index} has done its {step.updates} update(s) "
+                       f"(grpo.num_iterations = {num_iterations}); finish it with lab.sync()")
     if phase == "optimizer" and not step.gradients:
         raise LabError(f"optimizer: step {step.index} has no gradients to apply; run lab.backward(rollout, "
                        "advantages, logprobs) first")

@@ -157,7 +157,7 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     return LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
                      clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
                      logprob_kl=mismatch_kl_sum / max(mismatch_tokens, 1), num_tokens=totals.num_tokens,
-                     **ratio_stats(logprobs.is_weights if is_on else None, mask_all))
+                     **ratio_stats(logprobs.is_weights, mask_all))
 
 
 def ratio_stats(weights: Optional[torch.Tensor], loss_mask_: torch.Tensor) -> dict:

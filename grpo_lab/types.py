@@ -83,7 +83,7 @@ class LossStats:
     logprob_mismatch: float          # mean |learner - sampler| log-prob over completion tokens
     logprob_kl: float                # KL(sampler || learner) per token (k3 estimate on the sampled tokens)
     num_tokens: int
-    is_ratio_min: Optional[float] = None    # importance-sampling weights over completion tokens (None: not applied)
+    is_ratio_min: Optional[float] = None    # importance-sampling weights over the loss's tokens (None: not applied)
     is_ratio_mean: Optional[float] = None
     is_ratio_max: Optional[float] = None
 

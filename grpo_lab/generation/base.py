@@ -64,8 +64,10 @@ def eos_token_ids(tokenizer, checkpoint: str) -> list[int]:
 class Generator:
     """Base class: tokenization, repetition, chunking and padding shared by every backend."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, checkpoint: str):
+        """`checkpoint`: the learner's checkpoint directory, whose generation_config completes the EOS set."""
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(tokenizer, checkpoint)   # one stop set for every backend
 
     # --- backends implement these ---
     def _generate_chunk(self, prompt_ids: list[list[int]], request: GenerationRequest) -> list[Sample]:

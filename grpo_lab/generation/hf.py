@@ -10,7 +10,7 @@ import torch
 
 from ..errors import LabError
 from ..tiny import resolve_model_path
-from .base import GenerationRequest, Generator, Sample, eos_token_ids
+from .base import GenerationRequest, Generator, Sample
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
 # repetition penalty), then from transformers' defaults (top_k 50): neither is what the request asked for.
@@ -29,10 +29,9 @@ def check_hf_placement(config) -> None:
 
 class HFGenerator(Generator):
     def __init__(self, learner, config):
-        super().__init__(learner.tokenizer)
+        super().__init__(learner.tokenizer, resolve_model_path(config.model.name_or_path))
         check_hf_placement(config)
         self.learner = learner
-        self.eos_token_ids = eos_token_ids(learner.tokenizer, resolve_model_path(config.model.name_or_path))
 
     def sync(self, learner) -> None:
         """Nothing to do: generation reads the learner's own LoRA weights."""

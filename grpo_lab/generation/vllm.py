@@ -23,7 +23,7 @@ import torch
 
 from ..errors import LabError
 from ..tiny import resolve_model_path
-from .base import GenerationRequest, Generator, Sample, eos_token_ids
+from .base import GenerationRequest, Generator, Sample
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values
 
@@ -83,13 +83,12 @@ def scoped_env(values: dict[str, str]):
 class VLLMGenerator(Generator):
     def __init__(self, learner, config):
         gen, place = config.generator, config.placement
-        super().__init__(learner.tokenizer)
+        checkpoint = resolve_model_path(config.model.name_or_path)   # the learner's: its tokenizer and EOS set
+        super().__init__(learner.tokenizer, checkpoint)
         vllm = import_vllm()
         devices = place.generator_devices()
         on_cpu = devices == ["cpu"]
         model = resolve_model_path(generator_checkpoint(config)[0])
-        checkpoint = resolve_model_path(config.model.name_or_path)   # the learner's: its tokenizer and EOS set
-        self.eos_token_ids = eos_token_ids(learner.tokenizer, checkpoint)
         tp = check_tensor_parallel(config)
         self.colocated = place.learner in devices
         self.sleep_mode = gen.sleep_mode and self.colocated and not on_cpu

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import yaml
 
-from ..config import WHEN, LabConfig, field_when, leaf_fields, load_config, save_config
+from ..config import WHEN, LabConfig, field_when, load_config, save_config
 from ..errors import LabError
 
 
@@ -148,8 +148,7 @@ class ConfigEditor:
     def load(self, path: str) -> None:
         """Apply a YAML file's values, all at once (a loaded Lab refuses a file whose load-time fields differ)."""
         try:
-            data = load_config(Path(path)).to_dict()
-            self.config.update({p: data[s][f] for p, s, f in leaf_fields()})
+            self.config.assign(load_config(Path(path)))
         except LabError as err:
             self._error(err)
             return
