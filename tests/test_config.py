@@ -117,3 +117,26 @@ def test_saved_yaml_is_plain_and_complete(tmp_path):
     data = yaml.safe_load((tmp_path / "c.yaml").read_text())
     assert set(data) == set(LabConfig.model_fields)
     assert data["reference"]["strategy"] is None   # auto stays auto in the saved file
+
+
+def test_bad_edits_through_update_and_configure_are_one_line_naming_the_field(tiny_config):
+    from grpo_lab import Lab
+
+    cfg = load_config(BASE)
+    before = cfg.to_dict()
+    for changes, named in (({"grpo.nope": 1}, "grpo.nope"), ({"nosection.beta": 1}, "nosection.beta"),
+                           ({"grpo.beta": 0.1, "grpo.nope": 1}, "grpo.nope")):
+        with pytest.raises(ConfigError, match=rf"^{named}: unknown field") as err:
+            cfg.update(changes)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"^grpo: got 5; assign a grpo section"):
+        cfg.grpo = 5
+    lab = Lab(tiny_config())
+    with pytest.raises(ConfigError, match=r"^grpo: got 0\.1; pass a mapping of its fields"):
+        lab.configure(grpo=0.1)
+    assert cfg.to_dict() == before                           # nothing applied, the valid beta of a bad batch included
+    old_beta, old_chunk = lab.config.grpo.beta, lab.config.generator.chunk_size
+    assert (old_beta, old_chunk) != (0.2, 2)
+    assert lab.configure({"grpo.beta": 0.2}, generator={"chunk_size": 2}) == {
+        "grpo.beta": (old_beta, 0.2), "generator.chunk_size": (old_chunk, 2)}
+    assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 2
