@@ -127,7 +127,7 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
             weights = importance_weights(old, sampler, mask, grpo.importance_sampling_mode,
                                          grpo.importance_sampling_clip_min, grpo.importance_sampling_clip_max)
             weights_all.append(weights.cpu())
-        if first:
+        if first:   # why on the CPU: [N, L] floats kept for the rollout's later iterations, beside the rollout
             olds.append(old.cpu())
         gap = old - sampler                                                  # log(learner / sampler) per token
         seen = mask * torch.isfinite(gap)          # a sampler log-prob the engine did not return stays out of the metrics
