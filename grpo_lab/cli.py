@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .errors import LabError
 
@@ -11,12 +12,21 @@ def _run(args) -> int:
     from .config import load_config
     from .runner import run
 
-    config = load_config(args.config, args.set)
+    if args.resume is not None and args.out is not None:
+        raise LabError(f"--out: a resumed run stays in its own directory ({args.resume}); drop --out")
+    if args.config is None and args.resume is None:
+        raise LabError("grpo-lab run: give a config (a preset name or a YAML file, e.g. tiny-cpu) or --resume DIR")
+    config = None
+    if args.config is not None:
+        config = load_config(args.config, args.set)
+    elif args.set and (Path(args.resume) / "config.yaml").is_file():   # --set alone: changes to the run's own config
+        config = load_config(Path(args.resume) / "config.yaml", args.set)
     if not args.verbose:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()   # one line per step: no per-shard loading bars
-    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet, force=args.force, verbose=args.verbose)
+    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet, force=args.force, verbose=args.verbose,
+                  resume=args.resume)
     print(f"run directory: {run_dir}")
     print(f"report: open {run_dir / 'report.html'} in a browser (memory timeline, per-phase peaks, rewards)")
     return 0
@@ -61,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run GRPO steps headless from a YAML config")
-    p.add_argument("config", help="a preset name (grpo-lab presets) or a YAML file, e.g. tiny-cpu")
-    p.add_argument("--steps", type=int, help="number of steps (default: run.steps)")
+    p.add_argument("config", nargs="?", help="a preset name (grpo-lab presets) or a YAML file, e.g. tiny-cpu "
+                   "(with --resume: optional; what it changes must be editable in a loaded Lab)")
+    p.add_argument("--steps", type=int, help="the run's number of steps (default: run.steps; with --resume: the new total)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (killed, failed or finished) from its last checkpoint")
     p.add_argument("--out", help="run directory (default: run.output_dir or runs/<date-time>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set grpo.beta=0.04 (repeatable)")

@@ -222,7 +222,9 @@ class RunSection(Section):
     steps: int = knob("live", 10, ge=1, description="GRPO steps to run.")
     seed: int = knob("load", 0, ge=0, lt=2 ** 32, description="Seed for data order, sampling and LoRA init (0 <= seed < 2**32).")
     output_dir: Optional[str] = knob("load", None, description="Run directory; null = runs/<date-time>.")
-    save_every: int = knob("live", 0, ge=0, description="Save the adapter every N steps (and at the end); 0 = only at the end.")
+    save_every: int = knob("live", 1, ge=0, description="Checkpoint (adapter, optimizer, RNG states, data position) every N "
+                           "steps and at the end; a killed run resumes from the last one (grpo-lab run --resume DIR); "
+                           "0 = only at the end.")
 
 
 class LabConfig(Section):

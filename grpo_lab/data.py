@@ -87,6 +87,14 @@ class PromptSource:
         self._rng = random.Random(seed)
         self._order: list[int] = []
 
+    def state_dict(self) -> dict:
+        """The data position: the shuffle RNG and what is left of this epoch's order (for checkpoints)."""
+        return {"rng": self._rng.getstate(), "order": list(self._order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng.setstate(state["rng"])
+        self._order = list(state["order"])
+
     def next_batch(self, size: int) -> PromptBatch:
         picked = []
         while len(picked) < size:

@@ -432,6 +432,34 @@ class Lab:
         self._require_loaded()
         return save_adapter(self.learner, path)
 
+    def save_checkpoint(self, path: Union[str, Path]) -> Path:
+        """Between steps, write what the next step depends on (LoRA adapter, optimizer state, RNG states,
+        data position, step index) to `path`, atomically; `restore_checkpoint` (in this Lab or a new one
+        with the same config) continues from there, with the same results as going on without a break."""
+        from .checkpoint import save_checkpoint
+
+        self._between_steps("lab.save_checkpoint()")
+        return save_checkpoint(self, path)
+
+    def restore_checkpoint(self, path: Union[str, Path]) -> "Lab":
+        """Continue from a checkpoint: its weights, optimizer state, RNG states, data position and step
+        index replace this Lab's; the generator is synced to the restored weights."""
+        from .checkpoint import read_checkpoint, restore_checkpoint
+
+        self._between_steps("lab.restore_checkpoint()")
+        checkpoint = read_checkpoint(path)
+        restore_checkpoint(self, checkpoint)
+        self._step = StepState(index=checkpoint.step)
+        phases.sync(self.generator, self.learner)   # why: the engine must sample from the restored weights
+        self._generator_behind = False
+        return self
+
+    def _between_steps(self, what: str) -> None:
+        self._require_loaded()
+        if self._step.started:
+            raise LabError(f"{what}: step {self.step_index} is under way (next phase: {self.next_phase()}); finish it "
+                           "with lab.step() first")
+
     def close(self) -> None:
         """Stop the sampler, release the generator and models (the Python objects go with the Lab)."""
         self._release()

@@ -1,8 +1,9 @@
 """The headless runner: the notebook's calls in a loop. Writes DIR/config.yaml (resolved),
 DIR/metrics.jsonl (one object per step, with its per-phase memory table), DIR/memory.csv (every
-memory sample), DIR/report.html and DIR/adapter (the LoRA checkpoint). When a step fails (host-RAM
-guard, out of memory), the CSV and report still cover every finished step and the last saved
-adapter is left as it was."""
+memory sample), DIR/report.html, DIR/checkpoint (what a resume needs, every run.save_every steps
+and at the end), DIR/adapter (the final LoRA adapter) and DIR/run.json (running, failed, finished).
+When a step fails (host-RAM guard, out of memory) or the process is killed, the files cover every
+finished step and the last checkpoint is left as it was: `run(..., resume=DIR)` continues from it."""
 from __future__ import annotations
 
 import datetime as dt
@@ -15,16 +16,56 @@ from .errors import LabError
 from .io import append_jsonl
 from .paths import check_output_dir
 from .lab import Lab, preflight
+from .rundir import CHECKPOINT, CONFIG, METRICS, RunLock, RunState, is_locked, read_state, rewind_metrics, write_status
+from .types import StepResult
 from .memory import format_compact, peak_rows
 from .memory.report import CsvStream, write_report
 
 
 def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
     """--out, else run.output_dir, else runs/<date-time>; an existing run is never overwritten."""
+    field = "--out" if out else "run.output_dir"
     path = Path(out or config.run.output_dir or Path("runs") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    if (path / "metrics.jsonl").exists() or (path / "config.yaml").exists():
-        raise LabError(f"--out: {str(path)!r} already holds a run; choose another directory or remove it")
-    return check_output_dir(path, "--out" if out else "run.output_dir")  # why here: refused before any model loads
+    state = read_state(path)
+    if state.status != "new":
+        if is_locked(path):
+            raise LabError(f"{field}: {str(path)!r} is in use by another grpo-lab run that is still going; choose another directory")
+        how = ("continue it with `grpo-lab run --resume DIR --steps N`" if state.status == "finished"
+               else "resume it with `grpo-lab run --resume DIR`")
+        raise LabError(f"{field}: {str(path)!r} holds {'a finished' if state.status == 'finished' else 'an unfinished'} "
+                       f"run ({state.describe()}); {how}, or choose another directory")
+    return check_output_dir(path, field)  # why here: refused before any model loads
+
+
+def resume_config(run_dir: Path, given: Optional[LabConfig], steps: Optional[int]) -> tuple[LabConfig, RunState]:
+    """The run's own config with the changes `given` makes to it (only those a loaded Lab accepts: a resumed
+    run continues the same Lab), and its state. `steps` is the run's new target (default: its own)."""
+    from .config import field_when, leaf_fields, load_config
+
+    state = read_state(run_dir)
+    if state.status == "new":
+        raise LabError(f"--resume: {str(run_dir)!r} holds no grpo_lab run (no {CONFIG} or {METRICS}); "
+                       "give the directory a `grpo-lab run` wrote")
+    config = load_config(run_dir / CONFIG)
+    if given is not None:
+        mine, theirs = config.to_dict(), given.to_dict()
+        changes = {path: theirs[s][f] for path, s, f in leaf_fields()
+                   if path not in ("run.steps", "run.output_dir") and mine[s][f] != theirs[s][f]}
+        fixed = [path for path in changes if field_when(path) == "load"]
+        if fixed:
+            raise LabError(f"--resume: {fixed[0]} is {mine[fixed[0].split('.')[0]][fixed[0].split('.')[1]]!r} in the run "
+                           f"and {changes[fixed[0]]!r} here; a resumed run keeps its load-time settings (model, LoRA, "
+                           "placement, engine, seed); drop the change or start a new run")
+        config.update(changes)
+    target = steps or config.run.steps
+    start = state.checkpoint or 0
+    if state.status == "finished" and target <= state.done:
+        raise LabError(f"--resume: {str(run_dir)!r} finished all its {state.done} steps; pass --steps N with N > "
+                       f"{state.done} to continue it")
+    if target <= start:
+        raise LabError(f"--steps: {target}, but the run's checkpoint is at step {start}; give more than {start}")
+    config.update({"run.steps": target})
+    return config, state
 
 
 def check_plan(config: LabConfig) -> None:
@@ -39,28 +80,67 @@ def check_plan(config: LabConfig) -> None:
                        f"{worst.capacity / 1024 ** 3:.1f} GiB); try {fixes}; `grpo-lab plan` shows the table, --force runs anyway")
 
 
-def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = None, progress: bool = True,
-        force: bool = False, verbose: bool = False) -> Path:
-    """Run `steps` GRPO steps headless; returns the run directory. Prints one line per step, and the
-    per-phase memory table once at the end (after every step with `verbose`)."""
-    from tqdm.auto import tqdm
-
-    steps = steps or config.run.steps
+def run(config: Optional[LabConfig], steps: Optional[int] = None, out: Optional[str] = None, progress: bool = True,
+        force: bool = False, verbose: bool = False, resume: Optional[str] = None) -> Path:
+    """Run GRPO steps headless until the run has `steps` (default run.steps); returns the run directory.
+    Prints one line per step, and the per-phase memory table once at the end (after every step with
+    `verbose`). Checkpoints every run.save_every steps and at the end; `resume` continues the run in
+    that directory from its last checkpoint (`config`, if given, may change what a loaded Lab may)."""
+    if resume is not None:
+        run_dir = Path(resume)
+        if not run_dir.is_dir():
+            raise LabError(f"--resume: {str(run_dir)!r} holds no grpo_lab run (no such directory); give the directory "
+                           "a `grpo-lab run` wrote")
+        with RunLock(run_dir, "--resume"):
+            config, state = resume_config(run_dir, config, steps)
+            return _run(config, run_dir, state.checkpoint or 0, progress, force, verbose, resumed=True)
+    config = config.model_copy(update={"run": config.run.model_copy(update={"steps": steps or config.run.steps})})
     run_dir = resolve_run_dir(config, out)
-    config = config.model_copy(update={"run": config.run.model_copy(update={"steps": steps, "output_dir": str(run_dir)})})
+    config.update({"run.output_dir": str(run_dir)})
     preflight(config)
     if not force:
         check_plan(config)
     lab = Lab(config).load()  # why before mkdir: a config that cannot load leaves no run directory behind
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
-    metrics = run_dir / "metrics.jsonl"
-    samples = CsvStream(run_dir / "memory.csv", lab.memory)
-    bar = tqdm(range(steps), desc="grpo", unit="step", disable=not progress, file=sys.stderr)
+    try:
+        lock = RunLock(run_dir, "--out" if out else "run.output_dir").acquire()
+    except BaseException:
+        lab.close()
+        raise
+    with lock:
+        return _run(config, run_dir, 0, progress, force, verbose, lab=lab)
+
+
+def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, force: bool, verbose: bool,
+         lab: Optional[Lab] = None, resumed: bool = False) -> Path:
+    """Steps `start`..run.steps-1 in `run_dir` (locked by the caller)."""
+    from tqdm.auto import tqdm
+
+    steps = config.run.steps
+    if lab is None:
+        preflight(config)
+        if not force:
+            check_plan(config)
+        lab = Lab(config).load()
+    earlier: list[StepResult] = []
+    try:
+        if start:
+            lab.restore_checkpoint(run_dir / CHECKPOINT)
+        if resumed:
+            print(f"resuming {run_dir} at step {start} of {steps}" + ("" if start else " (no checkpoint: from the start)"),
+                  file=sys.stderr)
+        save_config(lab.config, run_dir / CONFIG)
+        earlier = [StepResult.from_metrics(m) for m in rewind_metrics(run_dir / METRICS, start)]
+        samples = CsvStream(run_dir / "memory.csv", lab.memory, keep_before=start if resumed else None)
+        write_status(run_dir, "running", steps)
+    except BaseException:
+        lab.close()
+        raise
+    bar = tqdm(range(start, steps), desc="grpo", unit="step", disable=not progress, file=sys.stderr,
+               initial=start, total=steps)
     try:
         for i in bar:
             result = lab.step()
-            append_jsonl(metrics, result.metrics())
+            append_jsonl(run_dir / METRICS, result.metrics())
             samples.flush()
             bar.write(result.summary(), file=sys.stderr)
             if verbose:
@@ -68,14 +148,20 @@ def run(config: LabConfig, steps: Optional[int] = None, out: Optional[str] = Non
             if result.leaks:
                 bar.write(f"  leak detector: after-step memory keeps rising on {', '.join(result.leaks)}", file=sys.stderr)
             every = lab.config.run.save_every   # live: read at each step
-            if every and (i + 1) % every == 0:
-                lab.save_adapter(run_dir / "adapter")
+            if every and (i + 1) % every == 0 and i + 1 < steps:
+                lab.save_checkpoint(run_dir / CHECKPOINT)
+        lab.save_checkpoint(run_dir / CHECKPOINT)
         lab.save_adapter(run_dir / "adapter")
+        write_status(run_dir, "finished", steps)
         if progress and lab.history:
             rows = [row for result in lab.history for row in result.memory]
             print(format_compact(peak_rows(rows), f"peak of {len(lab.history)} steps, MiB"), file=sys.stderr)
+    except BaseException as err:
+        write_status(run_dir, "failed", steps, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        raise
     finally:
         samples.flush()
-        write_report(run_dir / "report.html", lab.memory, lab.history, title=f"grpo_lab run {run_dir}")
+        title = f"grpo_lab run {run_dir}" + (f" (resumed at step {start}: the timeline shows steps {start}-)" if resumed else "")
+        write_report(run_dir / "report.html", lab.memory, earlier + lab.history, title=title)
         lab.close()
     return run_dir

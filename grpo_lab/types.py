@@ -1,7 +1,7 @@
 """Typed containers passed between the phases of a step (shapes in comments; N = B*G)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -125,6 +125,15 @@ class StepResult:
         out.update({f"reward/{k}": v for k, v in self.rewards.items()})
         out.update({f"seconds/{k}": v for k, v in self.phase_seconds.items()})
         return out
+
+    @classmethod
+    def from_metrics(cls, record: dict) -> "StepResult":
+        """Back from a metrics.jsonl line (a resumed run's report covers the steps before the resume too)."""
+        known = {f.name for f in fields(cls)}
+        out = {k: v for k, v in record.items() if k in known}
+        out["rewards"] = {k[len("reward/"):]: v for k, v in record.items() if k.startswith("reward/")}
+        out["phase_seconds"] = {k[len("seconds/"):]: v for k, v in record.items() if k.startswith("seconds/")}
+        return cls(**out)
 
     def summary(self) -> str:
         kl = "-" if self.kl is None else f"{self.kl:.4f}"

@@ -56,7 +56,7 @@ def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["loss_type"] == "grpo"
     again = grpo_lab("run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet",
                      "--set", f"model.name_or_path={tiny_model}")
-    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert again.returncode == 2 and "holds a finished run" in again.stderr and "--resume DIR" in again.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1   # untouched
 
 

@@ -3,8 +3,10 @@ DIR/report.html (memory timeline with phase bands, per-phase peaks per step, rew
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
+from ..io import atomic_write_text
 from ..phases import COLOURS
 from .probes import MiB
 
@@ -13,18 +15,34 @@ TIMELINE_METRICS = {"rss", "used", "allocated", "reserved", "device_used"}
 
 
 class CsvStream:
-    """Appends the sampler's new samples to memory.csv; call `flush()` after each step."""
+    """Appends the sampler's new samples to memory.csv; call `flush()` after each step. A resumed run
+    (`keep_before`: the step it resumes at) keeps the earlier steps' rows and goes on after their time."""
 
-    def __init__(self, path: Path, sampler):
+    def __init__(self, path: Path, sampler, keep_before: int | None = None):
         self.path, self.sampler, self.index = Path(path), sampler, 0   # from the first sample: loading included
-        with open(self.path, "w", newline="") as f:
-            csv.writer(f).writerow(CSV_HEADER)
+        kept = _rows_before(self.path, keep_before) if keep_before else []
+        self.offset = float(kept[-1][0]) if kept else 0.0
+        self.floor = keep_before or 0   # why: a resumed process's loading samples belong to its first step, not to step 0
+        buffer = io.StringIO()
+        csv.writer(buffer).writerows([CSV_HEADER, *kept])
+        atomic_write_text(self.path, buffer.getvalue())
 
     def flush(self) -> None:
         rows = self.sampler.samples_since(self.index)
         self.index += len(rows)
         with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerows((f"{t:.4f}", step, phase, dev, metric, int(v)) for t, step, phase, dev, metric, v in rows)
+            csv.writer(f).writerows((f"{t + self.offset:.4f}", max(step, self.floor), phase, dev, metric, int(v))
+                                    for t, step, phase, dev, metric, v in rows)
+
+
+def _rows_before(path: Path, step: int) -> list[list[str]]:
+    """The complete rows of steps before `step` (a row cut short by a kill is dropped)."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))[1:]
+    except OSError:
+        return []
+    return [r for r in rows if len(r) == len(CSV_HEADER) and r[1].isdigit() and int(r[1]) < step and r[5].isdigit()]
 
 
 def timeline_figure(samples, marks, limits: dict | None = None):
@@ -92,7 +110,6 @@ def write_report(path: Path, sampler, history, title: str = "grpo_lab run") -> P
 
     import plotly.io as pio
 
-    from ..io import atomic_write_text
     from .sampler import format_table
 
     figures = [timeline_figure(list(sampler.samples), sampler.marks, host_limits(sampler)),
