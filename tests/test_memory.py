@@ -90,7 +90,7 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
         if seen["updates"] == 3:                                # step 2's update (num_iterations 1)
             seen["learner"] = learner
             seen["lora"], seen["optimizer"] = lora_of(learner), optimizer_of(learner)
-            seen["adapter"] = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+            seen["adapter"] = (out / "checkpoint" / "adapter" / "adapter_model.safetensors").read_bytes()
         norm = real_update(learner, config)
         if seen["updates"] == 3:
             seen["lora_updated"] = lora_of(learner)
@@ -118,7 +118,7 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
     assert_same_tensors(seen["optimizer"], optimizer_of(learner))
     assert all(p.grad is None for p in learner.trainable_parameters().values())
 
-    adapter = out / "adapter" / "adapter_model.safetensors"     # the checkpoint of step 1, untouched
+    adapter = out / "checkpoint" / "adapter" / "adapter_model.safetensors"     # the checkpoint of step 1, untouched
     assert adapter.read_bytes() == seen["adapter"]
     assert_same_tensors(seen["lora"], load_file(adapter))
     assert (out / "report.html").is_file() and (out / "memory.csv").is_file()
