@@ -1,4 +1,4 @@
-"""Reading memory: host (this process and its children, the system, the cgroup limit) and each
+"""Reading memory: host (this process and its children, the system or cgroup, its limit) and each
 placed GPU (torch's allocator for this process, NVML for the whole device, which also sees vLLM
 and other processes). Only the GPUs of the placement are ever touched, so no CUDA context is
 created on a device the user did not choose.
@@ -14,36 +14,70 @@ import psutil
 MiB = 1024 ** 2
 
 
-def cgroup_limit() -> Optional[int]:
-    """The memory limit of this process's cgroup (v2 or v1), or None when unlimited."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < psutil.virtual_memory().total:
-            return int(text)
-    return None
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# per cgroup version, relative to its root: the limit, the usage (which counts page cache), the stats, and the
+# stat of page cache the kernel drops before it kills anything (kubelet subtracts it for its "working set")
+CGROUP_FILES = (("memory.max", "memory.current", "memory.stat", "inactive_file"),               # v2
+                ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+                 "total_inactive_file"))                                                        # v1, whole subtree
 
 
-def cgroup_usage() -> Optional[int]:
-    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
-        try:
-            return int(Path(path).read_text().strip())
-        except (OSError, ValueError):
-            continue
-    return None
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):   # absent, or "max" (v2's unlimited)
+        return None
+
+
+def _cgroup_files(root: Path) -> Optional[tuple[str, str, str, str]]:
+    """The files of the cgroup version mounted at `root` (the first whose usage file reads), or None."""
+    return next((files for files in CGROUP_FILES if _read_int(root / files[1]) is not None), None)
+
+
+def cgroup_limit(root: Path = CGROUP_ROOT) -> Optional[int]:
+    """The memory limit of the cgroup at `root` (v2 or v1), or None when unlimited (v1 writes a huge number)."""
+    files = _cgroup_files(Path(root))
+    limit = _read_int(Path(root) / files[0]) if files else None
+    return limit if limit is not None and limit < psutil.virtual_memory().total else None
+
+
+def cgroup_usage(root: Path = CGROUP_ROOT) -> Optional[int]:
+    """The cgroup's raw usage: memory.current (v2) / memory.usage_in_bytes (v1), page cache included."""
+    files = _cgroup_files(Path(root))
+    return _read_int(Path(root) / files[1]) if files else None
+
+
+def cgroup_working_set(root: Path = CGROUP_ROOT) -> Optional[int]:
+    """Usage minus the inactive page cache (kubelet's working set): memory the cgroup cannot give back."""
+    files = _cgroup_files(Path(root))
+    if files is None:
+        return None
+    usage = _read_int(Path(root) / files[1])
+    try:
+        stats = dict(line.split() for line in (Path(root) / files[2]).read_text().splitlines() if line.strip())
+        inactive = int(stats[files[3]])
+    except (OSError, ValueError, KeyError):
+        inactive = 0   # no stats: the raw usage, an over-estimate, so the guard errs on the safe side
+    return None if usage is None else max(usage - inactive, 0)
 
 
 class HostProbe:
-    """Host memory in bytes: `rss` (this process + children), `used` and `limit` (cgroup when one applies)."""
+    """Host memory in bytes: `rss` (this process + children), `used` and `limit`.
+
+    `used` is memory the kernel cannot reclaim, the same meaning everywhere: under a cgroup limit the
+    cgroup's working set (usage minus inactive page cache, as kubelet evicts on), elsewhere total minus
+    MemAvailable. Page cache from reading files (checkpoints, datasets) is left out: the kernel drops it
+    before it kills anything, so counting it would trip the guard on memory that is free for the asking.
+    `limit` is the cgroup's limit, else the host's total. `cgroup_root`: where the cgroup tree is mounted.
+    """
     device = "host"
 
     CHILDREN_REFRESH_S = 2.0
 
-    def __init__(self):
+    def __init__(self, cgroup_root: Path = CGROUP_ROOT):
         self.process = psutil.Process()
-        self.limit = cgroup_limit()
+        self.cgroup_root = Path(cgroup_root)
+        self.limit = cgroup_limit(self.cgroup_root)
         self._children: list = []
         self._children_at = float("-inf")
 
@@ -61,11 +95,12 @@ class HostProbe:
                 rss += child.memory_info().rss
             except psutil.Error:
                 pass  # a child that just exited
-        vm = psutil.virtual_memory()
         if self.limit is not None:
-            used, limit = cgroup_usage() or rss, self.limit
+            working_set = cgroup_working_set(self.cgroup_root)
+            used, limit = (rss if working_set is None else working_set), self.limit
         else:
-            used, limit = vm.total - vm.available, vm.total
+            vm = psutil.virtual_memory()
+            used, limit = vm.total - vm.available, vm.total   # MemAvailable already counts reclaimable cache
         return {"rss": rss, "used": used, "limit": limit}
 
 
