@@ -2,6 +2,7 @@
 CUDA context (torch.cuda.device_count() reads NVML)."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -63,7 +64,14 @@ def check_torchvision() -> None:
 
 
 def check_placement(config) -> None:
-    """Every device the config names exists here."""
+    """Every device the config names exists here, and the generator engine can be put on exactly its devices."""
+    from .generation.registry import OWN_WEIGHTS
+    from .visible import engine_devices
+
+    place = config.placement
+    # a backend without its own weights has no engine: its generator devices are check_hf_placement's to judge
+    generator = place.generator_devices() if config.generator.backend in OWN_WEIGHTS else [place.learner]
+    engine_devices(place.learner, generator, os.environ.get("CUDA_VISIBLE_DEVICES"))
     check_device(config.placement.learner, "placement.learner")
     for dev in config.placement.generator_devices():
         check_device(dev, "placement.generator")

@@ -1,0 +1,68 @@
+"""The devices the user chose, exactly: `engine_devices` (pure, no GPU needed) maps the placement to the vLLM
+engine's CUDA_VISIBLE_DEVICES and process, through the user's own CUDA_VISIBLE_DEVICES; preflight refuses what
+it cannot honour before anything loads."""
+from __future__ import annotations
+
+import pytest
+
+from grpo_lab import LabError, load_config
+from grpo_lab.visible import EngineDevices, engine_devices
+
+UUID_A, UUID_B = "GPU-5f2a9c1e-0b1d-4c1a-9f3e-111111111111", "GPU-8d3b0e2f-1c2e-4d2b-8a4f-222222222222"
+
+
+@pytest.mark.parametrize("learner, generator, user_cvd, expected", [
+    # CPU: in-process, nothing pinned
+    ("cpu", ["cpu"], None, EngineDevices(None, False, "cpu")),
+    ("cuda:0", ["cpu"], "2,3", EngineDevices(None, False, "cuda:0")),
+    # colocated on the first visible GPU: in-process lands there by itself
+    ("cuda:0", ["cuda:0"], None, EngineDevices(None, False, "cuda:0")),
+    ("cuda:0", ["cuda:0"], "2,3", EngineDevices(None, False, "cuda:0")),
+    # colocated on another GPU: an in-process engine would take cuda:0, so it gets its own pinned process
+    ("cuda:1", ["cuda:1"], None, EngineDevices("1", True, "cuda:1")),
+    ("cuda:1", ["cuda:1"], "2,3", EngineDevices("3", True, "cuda:1")),
+    # split: generator on its own GPU, the index read through the user's CUDA_VISIBLE_DEVICES
+    ("cuda:0", ["cuda:1"], None, EngineDevices("1", True, "cuda:0")),
+    ("cuda:0", ["cuda:1"], "2,3", EngineDevices("3", True, "cuda:0")),
+    ("cuda:1", ["cuda:0"], "2,3", EngineDevices(None, False, "cuda:1")),
+    ("cpu", ["cuda:1"], f"{UUID_A},{UUID_B}", EngineDevices(UUID_B, True, "cpu")),
+    # tensor parallel: always its own process, in the order given
+    ("cuda:0", ["cuda:1", "cuda:2"], None, EngineDevices("1,2", True, "cuda:0")),
+    ("cuda:0", ["cuda:0", "cuda:1"], "2,3", EngineDevices("2,3", True, "cuda:0")),
+    ("cuda:2", ["cuda:1", "cuda:0"], "7, 5,6", EngineDevices("5,7", True, "cuda:2")),
+    ("cuda:0", ["cuda:0", "cuda:1"], f"{UUID_A},{UUID_B}", EngineDevices(f"{UUID_A},{UUID_B}", True, "cuda:0")),
+])
+def test_engine_devices(learner, generator, user_cvd, expected):
+    assert engine_devices(learner, generator, user_cvd) == expected
+
+
+@pytest.mark.parametrize("learner, generator, user_cvd, message", [
+    ("cuda:0", ["cuda:2"], "2,3", r"^placement\.generator: 'cuda:2' is beyond CUDA_VISIBLE_DEVICES='2,3', which makes "
+                                  r"2 GPU\(s\), cuda:0\.\.cuda:1 visible here"),
+    ("cuda:2", ["cuda:0"], "2,3", r"^placement\.learner: 'cuda:2' is beyond CUDA_VISIBLE_DEVICES='2,3'"),
+    ("cuda:0", ["cuda:0"], "", r"^placement\.learner: 'cuda:0' is beyond CUDA_VISIBLE_DEVICES='', which makes no GPU"),
+    ("cuda:0", ["cuda:1"], "0,-1,2", r"^placement\.generator: 'cuda:1' is beyond CUDA_VISIBLE_DEVICES='0'"),  # CUDA stops at -1
+    ("cuda:0", ["cuda:1", "cuda:1"], None, r"^placement\.generator: 'cuda:1' is listed twice; list each device once$"),
+    ("cpu", ["cpu", "cpu"], None, r"^placement\.generator: 'cpu' is listed twice"),
+    ("cpu", ["cpu", "cuda:0"], None, r"^placement\.generator: \['cpu', 'cuda:0'\] mixes 'cpu' with GPUs"),
+    ("cpu", ["cuda:0", "cuda:1"], "4,4", r"^placement\.generator: \['cuda:0', 'cuda:1'\] name the same GPU twice"),
+])
+def test_engine_devices_refuses_what_it_cannot_honour(learner, generator, user_cvd, message):
+    with pytest.raises(LabError, match=message) as err:
+        engine_devices(learner, generator, user_cvd)
+    assert "\n" not in str(err.value)
+
+
+def test_preflight_refuses_a_device_beyond_the_users_cuda_visible_devices(tiny_model, monkeypatch):
+    """check_placement (which preflight and lab.place run) applies the same rules, before anything loads."""
+    from grpo_lab.devices import check_placement
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cfg = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "generator.backend=vllm",
+                                   "placement.generator=[cpu, cpu]"])
+    with pytest.raises(LabError, match=r"^placement\.generator: 'cpu' is listed twice"):
+        check_placement(cfg)
+    cfg = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "generator.backend=vllm",
+                                   "placement.generator=[0]", "generator.gpu_memory_utilization=0.5"])
+    with pytest.raises(LabError, match=r"^placement\.generator: 'cuda:0' is beyond CUDA_VISIBLE_DEVICES=''"):
+        check_placement(cfg)
