@@ -66,3 +66,31 @@ def test_preflight_refuses_a_device_beyond_the_users_cuda_visible_devices(tiny_m
                                    "placement.generator=[0]", "generator.gpu_memory_utilization=0.5"])
     with pytest.raises(LabError, match=r"^placement\.generator: 'cuda:0' is beyond CUDA_VISIBLE_DEVICES=''"):
         check_placement(cfg)
+
+
+def vllm_config(tiny_model, *overrides):
+    return load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "generator.backend=vllm", *overrides])
+
+
+@pytest.mark.parametrize("overrides, environ, expected", [
+    # the user exported CUDA_VISIBLE_DEVICES=2,3: cuda:1 is physical GPU 3 (it was pinned to "1")
+    (["placement.learner=cuda:0", "placement.generator=[1]"], {"CUDA_VISIBLE_DEVICES": "2,3"},
+     {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "CUDA_VISIBLE_DEVICES": "3"}),
+    # colocated on cuda:1: an in-process engine would land on cuda:0 (it ran in-process)
+    (["placement.learner=cuda:1", "generator.gpu_memory_utilization=0.3"], {},
+     {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "CUDA_VISIBLE_DEVICES": "1"}),
+    # a user's VLLM_ENABLE_V1_MULTIPROCESSING=0 cannot put a split engine in-process (on the wrong GPU)
+    (["placement.learner=cuda:0", "placement.generator=[1, 0]", "generator.gpu_memory_utilization=0.3"],
+     {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+     {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "CUDA_VISIBLE_DEVICES": "1,0"}),
+    # colocated on cuda:0: in-process, the process's own CUDA_VISIBLE_DEVICES untouched (it was set to "0")
+    (["placement.learner=cuda:0", "generator.gpu_memory_utilization=0.3"], {"CUDA_VISIBLE_DEVICES": "2,3"},
+     {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    # CPU: in-process; a user's export of another variable wins
+    ([], {"VLLM_CPU_KVCACHE_SPACE": "4"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    ([], {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}),
+])
+def test_the_vllm_engine_env_comes_from_engine_devices(tiny_model, overrides, environ, expected):
+    from grpo_lab.generation.vllm import engine_env
+
+    assert engine_env(vllm_config(tiny_model, *overrides), environ) == expected

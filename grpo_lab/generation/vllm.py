@@ -80,6 +80,23 @@ def scoped_env(values: dict[str, str]):
                 os.environ[key] = value
 
 
+def engine_env(config, environ=os.environ) -> dict[str, str]:
+    """The environment variables the engine starts under. Its process and CUDA_VISIBLE_DEVICES come from
+    `engine_devices`; for the rest a user's export wins."""
+    from ..visible import engine_devices
+
+    place = config.placement
+    where = engine_devices(place.learner, place.generator_devices(), environ.get("CUDA_VISIBLE_DEVICES"))
+    # why in-process where it can: works from a notebook cell and a plain script without a __main__ guard
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if place.generator_devices() == ["cpu"]:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.generator.cpu_kv_cache_gib)   # why: GiB of host RAM for the KV cache
+    env = {k: v for k, v in env.items() if k not in environ}   # a user's export wins...
+    if where.own_process:   # ...but not over the engine's devices: in-process it would take this process's cuda:0
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", CUDA_VISIBLE_DEVICES=where.cuda_visible_devices)
+    return env
+
+
 class VLLMGenerator(Generator):
     def __init__(self, learner, config):
         gen, place = config.generator, config.placement
@@ -103,20 +120,12 @@ class VLLMGenerator(Generator):
                       # why: vLLM adds this generation_config's EOS ids to every request's stop ids; the learner's,
                       # as eos_token_ids read them, so a generator.model with other ones cannot widen the set
                       generation_config=checkpoint)
-        env = {
-            # why in-process: works from a notebook cell and a plain script; a split GPU placement needs its own
-            # process so that CUDA_VISIBLE_DEVICES can pin the engine to exactly the generator GPUs
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if (on_cpu or self.colocated) else "1",
-        }
         if on_cpu:
             kwargs["enforce_eager"] = True   # why: graph capture/compilation costs more than it saves for test-size models
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(gen.cpu_kv_cache_gib)   # why: GiB of host RAM for the KV cache
         else:
             kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization or 0.9
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in devices)
-        env = {k: v for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES" or k not in os.environ}   # a user's export wins
         try:
-            with scoped_env(env):
+            with scoped_env(engine_env(config)):
                 self.llm = vllm.LLM(**kwargs)
         except (ValueError, RuntimeError) as err:
             reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
