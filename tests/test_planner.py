@@ -10,7 +10,7 @@ from grpo_lab import Lab, LabError, load_config
 from grpo_lab.errors import ConfigError
 from grpo_lab.guard import check_learner
 from grpo_lab.planner import load_shape, plan
-from grpo_lab.planner.estimate import base_weight_bytes
+from grpo_lab.planner.estimate import base_weight_bytes, generator_weight_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 P1 = ROOT / "grpo_lab" / "presets" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
@@ -70,6 +70,33 @@ def test_checkpointing_and_offload_lower_the_learner_gpu():
     offloaded = plan(load_config(cfg, ["placement.optimizer_offload=true"]))
     assert offloaded.devices["cuda:0"].total < base
     assert any("offloaded" in i.what for i in offloaded.devices["host"].items)
+
+
+@pytest.mark.parametrize("generator", [["cuda:0"], ["cuda:0", "cuda:1"]], ids=["colocated", "colocated-tp2"])
+def test_vllm_sleep_level_1_plans_the_generator_weights_in_host_ram(generator):
+    """Colocated vLLM with sleep mode offloads its weights (every tensor-parallel shard) to host RAM between
+    rollouts: the host plan grows by exactly the generator's weights as planned for its GPUs; the GPUs' plans
+    are unchanged."""
+    preset = ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
+    common = ["generator.backend=vllm", "generator.gpu_memory_utilization=0.4", "placement.gpu_memory_gib=80",
+              "placement.host_memory_gib=64", f"placement.generator={generator}"]
+    awake = plan(load_config(preset, common + ["generator.sleep_mode=false"]))
+    asleep = plan(load_config(preset, common + ["generator.sleep_mode=true"]))
+    weights = generator_weight_bytes(asleep.shape, asleep.config)
+    added = asleep.devices["host"].items[len(awake.devices["host"].items):]
+    assert asleep.devices["host"].items[:len(awake.devices["host"].items)] == awake.devices["host"].items
+    assert [(i.what, i.bytes) for i in added] == [("generator weights (asleep, sleep level 1)", weights)]
+    assert asleep.devices["host"].total - awake.devices["host"].total == weights > 10 * 1024 ** 3   # 7B, bf16
+    gpus = [d for d in awake.devices if d != "host"]
+    assert gpus == generator and all(asleep.devices[d].items == awake.devices[d].items for d in gpus)
+
+
+def test_vllm_on_its_own_gpu_does_not_sleep_so_plans_nothing_in_host_ram():
+    common = ["generator.backend=vllm", "placement.gpu_memory_gib=80", "placement.host_memory_gib=64",
+              "placement.generator=[cuda:1]"]
+    preset = ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
+    awake, asleep = (plan(load_config(preset, common + [f"generator.sleep_mode={on}"])) for on in ("false", "true"))
+    assert asleep.devices["host"].items == awake.devices["host"].items
 
 
 def test_runner_refuses_a_plan_that_does_not_fit_unless_forced(tiny_model, tmp_path):

@@ -60,6 +60,12 @@ class Plan:
         printer.text(str(self))
 
 
+def sleeps(cfg) -> bool:
+    """Whether the generator sleeps between rollouts: vllm with sleep_mode, colocated on a GPU (VLLMGenerator's rule)."""
+    devices = cfg.placement.generator_devices()
+    return cfg.generator.sleep_mode and cfg.placement.learner in devices and devices != ["cpu"]
+
+
 def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     place, gen, grpo = cfg.placement, cfg.generator, cfg.grpo
     learner = _home(place.learner)
@@ -113,6 +119,10 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
                 if per_device + 1 * GiB > share * d.capacity:
                     d.add("generator weights beyond its share", per_device + 1 * GiB - share * d.capacity,
                           "raise gpu_memory_utilization, quantize, or add tensor-parallel GPUs")
+        if sleeps(cfg):
+            # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
+            devices["host"].add("generator weights (asleep, sleep level 1)", generator_weight_bytes(shape, cfg),
+                                f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned")
     else:
         lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
         lrn.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences), f"{sequences} sequences per call")
