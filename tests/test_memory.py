@@ -240,6 +240,35 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     assert plot._thread is None
 
 
+@pytest.mark.parametrize("closed_by", ["kernel", "frontend"])
+def test_closing_the_live_plot_widget_stops_its_thread(closed_by):
+    """Closing the figure widget, in the kernel (fig.close()) or from the frontend (a comm_close message),
+    stops the renderer thread: nothing is left redrawing a widget no one can see."""
+    import time
+
+    from grpo_lab.memory.live import LivePlot
+
+    sampler = MemorySampler(["cpu"], hz=20, host_threshold=0.9).start()
+    try:
+        plot = LivePlot(sampler, refresh_s=0.05).start()
+        thread = plot._thread
+        deadline = time.monotonic() + 5
+        while plot.refreshes < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert plot.refreshes >= 2 and thread.is_alive()
+        if closed_by == "kernel":
+            plot.fig.close()
+        else:
+            plot.fig.comm.handle_close({"content": {"comm_id": plot.fig.comm.comm_id, "data": {}}})
+        thread.join(timeout=2)
+        assert not thread.is_alive() and plot._thread is None
+        refreshes = plot.refreshes
+        time.sleep(0.2)
+        assert plot.refreshes == refreshes
+    finally:
+        sampler.stop()
+
+
 def test_live_plot_history_stays_bounded_keeps_the_peak_and_takes_two_threads():
     """A long synthetic stream (200k readings, one spike): each line holds at most 2 x max_points points, the
     spike survives the downsampling, and refreshes from two threads at once neither fail nor lose samples."""

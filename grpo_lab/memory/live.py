@@ -3,7 +3,7 @@ shaded phase bands, and dashed lines for each device's capacity and the host-RAM
 
 A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
 sampler thread never touches the widget, and the kernel stays free to run cells while a step
-runs. Its history is bounded (`Series`): each line
+runs; it stops with Lab.close() or when the widget is closed. Its history is bounded (`Series`): each line
 keeps at most 2 x `max_points` points over the whole run, halving its resolution when full by
 merging neighbours into their maximum (so a peak is never lost); refreshes from the renderer and
 from a cell are serialised by a lock.
@@ -71,6 +71,11 @@ class LivePlot:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()   # why: the renderer thread and a cell (display, Panel) both refresh
         self.refreshes = 0
+        # a closed widget is never drawn again, so its renderer stops: closed in the kernel (fig.close() sets
+        # the widget's comm to None) or by the frontend (a comm_close message, which only the comm hears)
+        self.fig.observe(lambda change: self.stop() if change["new"] is None else None, names="comm")
+        if self.fig.comm is not None:
+            self.fig.comm.on_close(lambda msg: self.stop())
 
     def _ingest(self) -> dict[tuple[str, str], tuple[list, list]]:
         """Add only the samples taken since the last refresh to the bounded lines; return each line's points."""
@@ -125,7 +130,7 @@ class LivePlot:
         self.refreshes += 1
 
     def start(self) -> "LivePlot":
-        if self._thread is None:
+        if self._thread is None and self.fig.comm is not None:   # a closed widget has nowhere to draw
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="grpo-lab-plot", daemon=True)
             self._thread.start()
@@ -139,10 +144,11 @@ class LivePlot:
                 pass
 
     def stop(self) -> None:
+        """Stop the renderer (Lab.close(), or the widget was closed); idempotent, safe from any thread."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
 
     def _ipython_display_(self):
         from IPython.display import display
