@@ -158,6 +158,10 @@ class GRPOSection(Section):
     max_grad_norm: float = knob("live", 1.0, gt=0.0, description="Gradient clipping norm.")
     micro_batch_size: Optional[int] = knob("live", 
         None, gt=0, description="Sequences per log-prob/backward forward pass; null = the whole batch at once.")
+    logprob_chunk_size: int = knob("live", 128, ge=1, le=65536, description="Completion tokens per chunk of the log-prob "
+                                   "head: at most this many rows of [tokens x vocab] logits exist at once, forward or backward.")
+    logprob_head: Literal["chunked", "trl"] = knob("live", "chunked", description="Log-prob head kernel: 'chunked' "
+                                                   "(grpo_lab's, recomputes each chunk in backward) or 'trl' (TRL's fused head; Triton on CUDA).")
     num_iterations: int = knob("live", 1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs.")
     use_bias_correction_kl: bool = knob("live", True, description="Multiply the KL term by the importance ratio "
         "learner/old, so its gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, "

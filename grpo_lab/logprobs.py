@@ -1,40 +1,66 @@
 """Per-token log-probs of completions, micro-batched.
 
-Uses TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`): the head is applied in tiles
-to the completion positions only and returns log-probs directly, so neither the
-[batch, length, vocab] logits nor their float32 log-softmax ever exist at once (the logits peak
-is the largest transient of a GRPO step on large vocabularies).
+The backbone runs on prompt + completion; the head (head.py, `grpo.logprob_head`) is applied to
+the hidden states of the completion tokens only (the padding after EOS and the prompt are never
+scored), a chunk of positions at a time (`grpo.logprob_chunk_size`), and returns log-probs
+directly: neither the [batch, length, vocab] logits nor more than one chunk of them ever exist,
+forward or backward (the logits peak is the largest transient of a GRPO step on large vocabularies).
 Departs from TRL in one detail: position ids follow the attention mask (as in `generate`),
 so a left-padded prompt is scored at the positions it was sampled at.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 
+from .head import chunked_logprobs, trl_logprobs
 from .types import Rollout
+
+HEADS = {"chunked": chunked_logprobs, "trl": trl_logprobs}   # grpo.logprob_head: name -> kernel
+
+
+@dataclass
+class HeadSettings:
+    """How the next log-prob pass scores: the rollout's temperature, the chunk and the kernel (set per pass)."""
+    temperature: float = 1.0
+    chunk_size: int = 128
+    kernel: str = "chunked"
 
 
 def add_logprob_head(model, temperature: float = 1.0) -> None:
-    """Patch a (not yet PEFT-wrapped) causal LM so `fused_lm_head=True` returns log-probs."""
-    model._grpo_lab_forward = model.forward   # the model's own forward, to re-patch from
-    model._grpo_lab_temperature = None
-    set_logprob_temperature(model, temperature)
+    """Give a (not yet PEFT-wrapped) causal LM its head settings; `completion_logprobs` reads them."""
+    model._grpo_lab_head = HeadSettings(temperature)
+    text = model.config.get_text_config()
+    softcap, scale = getattr(text, "final_logit_softcapping", None), getattr(text, "logit_scale", None)
+    # why: the chunked kernel is a plain linear head; a model that caps or scales its logits is scored by TRL's,
+    # which does both (Gemma 2, Cohere)
+    model._grpo_lab_scaling = (softcap, 1.0 if scale is None else scale) if softcap or scale not in (None, 1.0) else None
+
+
+def _settings(model) -> HeadSettings:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base._grpo_lab_head
+
+
+def set_logprob_head(model, temperature: Optional[float] = None, chunk_size: Optional[int] = None,
+                     kernel: Optional[str] = None) -> None:
+    """Set what the next passes score with (None keeps a setting). Why temperature per rollout: log-probs
+    must be taken at the temperature the rollout was sampled at, whatever generator.temperature says now."""
+    head = _settings(model)
+    head.temperature = head.temperature if temperature is None else temperature
+    head.chunk_size = head.chunk_size if chunk_size is None else chunk_size
+    head.kernel = head.kernel if kernel is None else kernel
 
 
 def set_logprob_temperature(model, temperature: float) -> None:
-    """Score at `temperature`. TRL's fused head bakes its temperature in, so a new one re-patches the
-    forward (cheap: no weight moves). Why per rollout: log-probs must be taken at the temperature the
-    rollout was sampled at, whatever generator.temperature says now."""
-    from trl.trainer.utils import add_fused_lm_head
+    set_logprob_head(model, temperature=temperature)
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if base._grpo_lab_temperature == temperature:
-        return
-    base.forward = base._grpo_lab_forward
-    add_fused_lm_head(base, temperature=temperature)
-    base._grpo_lab_temperature = temperature
+
+def configure_head(model, config, temperature: float) -> None:
+    """The head settings of `config` (grpo.logprob_chunk_size, grpo.logprob_head), at `temperature`."""
+    set_logprob_head(model, temperature, config.grpo.logprob_chunk_size, config.grpo.logprob_head)
 
 
 def micro_batches(n: int, size: Optional[int]) -> Iterator[slice]:
@@ -45,16 +71,25 @@ def micro_batches(n: int, size: Optional[int]) -> Iterator[slice]:
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """Log-prob of every completion token under `model`: [n, L]. Inputs must be on the model's device."""
+    """Log-prob of every completion token under `model`: [n, L] (0 where completion_mask is 0). Inputs must be
+    on the model's device."""
+    head = _settings(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                  # [n, P+L]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     width = completion_ids.shape[1]
-    labels = input_ids.masked_fill(attention == 0, -100)
-    labels[:, :-width] = -100  # why: score only completion tokens; the head never runs on prompt positions
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                labels=labels, fused_lm_head=True)
-    return out.log_probs[:, -width:]
+    backbone = getattr(base, base.base_model_prefix)   # the decoder without its LM head (PEFT's LoRA layers inside)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                      use_cache=False).last_hidden_state[:, -width - 1:-1]    # position t predicts token t + 1
+    mask = completion_mask.bool()
+    lm_head = base.get_output_embeddings()
+    # why compact rows: only real completion tokens reach the head (no prompt, no padding after EOS)
+    rows = (hidden[mask], lm_head.weight, lm_head.bias, completion_ids[mask], head.temperature, head.chunk_size)
+    scaling = base._grpo_lab_scaling
+    per_token = trl_logprobs(*rows, *scaling) if scaling else HEADS[head.kernel](*rows)
+    # masked_scatter keeps the result connected to the graph even when no token is real
+    return per_token.new_zeros(mask.shape).masked_scatter(mask, per_token)
 
 
 def rollout_slice(rollout: Rollout, rows: slice, device) -> tuple[torch.Tensor, ...]:
@@ -68,7 +103,7 @@ def rollout_logprobs(model, rollout: Rollout, device, micro_batch_size: Optional
                      out_device="cpu") -> torch.Tensor:
     """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
     micro-batched: [N, L] on `out_device`."""
-    set_logprob_temperature(model, rollout.logprob_temperature)
+    set_logprob_head(model, temperature=rollout.logprob_temperature)
     parts = []
     for rows in micro_batches(len(rollout), micro_batch_size):
         parts.append(completion_logprobs(model, *rollout_slice(rollout, rows, device)).float().to(out_device))

@@ -13,21 +13,22 @@ from typing import Optional
 import torch
 
 from .devices import ensure_on_device
-from .logprobs import add_logprob_head, rollout_logprobs
+from .logprobs import add_logprob_head, configure_head, rollout_logprobs
 from .types import Rollout
 
 
 class NoReference:
-    def logprobs(self, learner, rollout: Rollout, micro_batch_size: Optional[int]) -> Optional[torch.Tensor]:
+    def logprobs(self, learner, rollout: Rollout, config) -> Optional[torch.Tensor]:
         return None
 
 
 class AdapterDisabledReference:
-    def logprobs(self, learner, rollout, micro_batch_size):
+    def logprobs(self, learner, rollout, config):
         # why train mode: the learner's passes all run in the mode of its loss forward (see step.backward)
         learner.model.train()
+        configure_head(learner.model, config, rollout.logprob_temperature)
         with learner.model.disable_adapter():  # PEFT restores the adapter in its own finally
-            return rollout_logprobs(learner.model, rollout, learner.device, micro_batch_size)
+            return rollout_logprobs(learner.model, rollout, learner.device, config.grpo.micro_batch_size)
 
 
 class CopyReference:
@@ -42,8 +43,9 @@ class CopyReference:
         self.model.eval()
         ensure_on_device(self.model, self.device, "reference.device")
 
-    def logprobs(self, learner, rollout, micro_batch_size):
-        return rollout_logprobs(self.model, rollout, self.device, micro_batch_size)
+    def logprobs(self, learner, rollout, config):
+        configure_head(self.model, config, rollout.logprob_temperature)
+        return rollout_logprobs(self.model, rollout, self.device, config.grpo.micro_batch_size)
 
 
 REFERENCES = {

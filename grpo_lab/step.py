@@ -20,7 +20,7 @@ from .errors import LabError, NonFinite
 from .generation.base import GenerationRequest
 from .generation.registry import OWN_WEIGHTS
 from .importance import importance_weights
-from .logprobs import completion_logprobs, micro_batches, rollout_slice, set_logprob_temperature
+from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice
 from .losses import BatchTotals, grpo_loss
 from .rewards import reward_name
 from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
@@ -76,7 +76,7 @@ def advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
 def logprobs(learner, reference, rollout: Rollout, config) -> LogProbs:
     """Reference log-probs, when the KL term is on (beta > 0). Old log-probs are not a pass of their own:
     the rollout's first backward records them (see `backward`)."""
-    ref = reference.logprobs(learner, rollout, config.grpo.micro_batch_size) if config.grpo.beta > 0 else None
+    ref = reference.logprobs(learner, rollout, config) if config.grpo.beta > 0 else None
     return LogProbs(ref=ref)
 
 
@@ -111,7 +111,7 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     # why train mode for every learner pass (this one, the reference's, the first iteration's old log-probs):
     # modes differ in LoRA dropout and gradient checkpointing, and one mode makes the first ratio exactly 1
     model.train()
-    set_logprob_temperature(model, rollout.logprob_temperature)
+    configure_head(model, config, rollout.logprob_temperature)
     learner.optimizer.zero_grad(set_to_none=True)
     olds, weights_all = [], []
     loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = mismatch_tokens = 0.0

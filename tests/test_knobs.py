@@ -277,11 +277,11 @@ def test_temperature_samples_and_scores_the_next_rollout_at_the_new_temperature(
     mask = rollout.completion_mask.bool()
     fresh = Lab(tiny(tiny_model, generator={"temperature": 0.7}, grpo={"beta": 0.04})).load()
     try:   # the reference is the base model (adapter off) in both Labs, whatever the shared Lab has trained
-        fresh_ref = fresh.reference.logprobs(fresh.learner, rollout, None)
+        fresh_ref = fresh.reference.logprobs(fresh.learner, rollout, fresh.config)
     finally:
         fresh.close()
     assert torch.allclose(logprobs.ref[mask], fresh_ref[mask], atol=1e-5)
-    at_one = lab.reference.logprobs(lab.learner, dataclasses.replace(rollout, temperature=1.0), None)
+    at_one = lab.reference.logprobs(lab.learner, dataclasses.replace(rollout, temperature=1.0), lab.config)
     assert not torch.allclose(logprobs.ref[mask], at_one[mask], atol=1e-3)   # the old temperature would show
     lab.backward(rollout, advantages, logprobs)   # the first backward's own log-probs are the learner's at 0.7...
     assert torch.allclose(logprobs.old[mask], rollout.sampler_logprobs[mask], atol=1e-3)   # ...as sampled
@@ -347,12 +347,13 @@ def test_beta_builds_a_reference_and_the_step_reports_kl(lab):
 def test_reference_strategy_copy_runs_the_reference_pass_on_a_copy(lab):
     lab.config.grpo.beta = 0.04
     learner_calls, copy_calls = [], []
-    handle = lab.learner.model.register_forward_hook(lambda *_: learner_calls.append(1))
+    # on the decoders: the log-prob passes run a model's backbone and then the chunked head (logprobs.py)
+    handle = lab.learner.model.get_base_model().model.register_forward_hook(lambda *_: learner_calls.append(1))
     try:
         lab.config.reference.strategy = "copy"
         assert isinstance(lab.reference, CopyReference) and lab.reference_strategy == "copy"
         assert lab.reference.model is not lab.learner.model
-        copy_handle = lab.reference.model.register_forward_hook(lambda *_: copy_calls.append(1))
+        copy_handle = lab.reference.model.model.register_forward_hook(lambda *_: copy_calls.append(1))
         rollout = lab.rollout()
         learner_calls.clear()                  # generation ran on the learner; the reference pass must not
         assert lab.logprobs(rollout).ref.shape == rollout.completion_ids.shape
@@ -696,3 +697,31 @@ def test_the_runner_reads_save_every_of_the_labs_config_each_step(lab, monkeypat
     done = len(lab.history)
     runner.run(config, steps=2, out=str(tmp_path / "run"), progress=False, force=True)
     assert [n - done for n in saves] == [1, 2]   # after step 0 once save_every is 1, and at the end
+
+
+@observes("grpo.logprob_chunk_size", "grpo.logprob_head")
+def test_the_log_prob_head_knobs_reach_the_next_scoring_pass(lab, monkeypatch):
+    import grpo_lab.head as head
+    import grpo_lab.logprobs as logprobs
+
+    seen = []
+    real = head.ChunkedSelectiveLogProbs.forward
+
+    def spy(ctx, hidden, weight, bias, targets, temperature, chunk):
+        seen.append(chunk)
+        return real(ctx, hidden, weight, bias, targets, temperature, chunk)
+
+    monkeypatch.setattr(head.ChunkedSelectiveLogProbs, "forward", staticmethod(spy))
+    trl_rows = []
+    monkeypatch.setitem(logprobs.HEADS, "trl", lambda *rows: trl_rows.append(len(rows[0])) or head.trl_logprobs(*rows))
+    lab.config.generator.max_completion_length = 4
+    lab.config.grpo.logprob_chunk_size = 3
+    lab.step()
+    assert seen and set(seen) == {3}
+    lab.config.grpo.logprob_chunk_size = 17   # live: the next phase that scores uses it
+    lab.config.grpo.logprob_head = "trl"
+    lab.step()
+    assert set(seen) == {3} and trl_rows   # no pass of this step went through the chunked kernel
+    lab.config.grpo.logprob_head = "chunked"
+    lab.step()
+    assert seen[-1] == 17
