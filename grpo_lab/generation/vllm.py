@@ -1,4 +1,5 @@
-"""vLLM backend: an in-process `vllm.LLM` with LoRA enabled, pinned to the placement's devices.
+"""vLLM backend: a `vllm.LLM` with LoRA enabled on exactly the placement's devices (in-process where it lands
+there by itself, else in its own pinned process: visible.engine_devices); close() shuts it down and frees it.
 
 Adapter-only sync: after each optimizer step only the LoRA tensors go to the engine (saved by
 PEFT into a RAM-backed directory, loaded as a fresh LoRARequest); the superseded adapter is
@@ -97,6 +98,40 @@ def engine_env(config, environ=os.environ) -> dict[str, str]:
     return env
 
 
+def start_engine(vllm, kwargs: dict, env: dict[str, str]):
+    """`vllm.LLM(**kwargs)` under `env`. A start that fails releases what it had started (model, distributed
+    state, engine process) before its one-line LabError, which carries no traceback that would hold them."""
+    try:
+        with scoped_env(env):
+            return vllm.LLM(**kwargs)
+    except (ValueError, RuntimeError) as err:
+        reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    except BaseException:
+        release_engine_memory()
+        raise
+    # why out here: inside `except`, the traceback's frames still hold the half-started engine
+    release_engine_memory()
+    raise LabError(f"generator: vLLM could not start: {reason[:400]}")
+
+
+def shutdown_engine(llm) -> None:
+    """Shut the engine core down (its own process ends; in-process, its threads and distributed state go) and cut
+    the LLM off from it: vLLM's own finalizer runs only once nothing references the LLM, and a notebook's last
+    traceback (LLM.generate's frame) is enough to keep it, with the weights and the KV cache."""
+    engine = llm.llm_engine
+    if engine is not None:
+        engine.engine_core.shutdown()
+        llm.llm_engine = None   # why: a stray reference to the LLM then keeps an empty shell, not the engine
+
+
+def release_engine_memory() -> None:
+    """What vLLM's own tests call between engines: model-parallel and distributed state torn down, gc.collect
+    (the engine's reference cycles hold its weights), and on a GPU the caching allocator's blocks returned."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
 class VLLMGenerator(Generator):
     def __init__(self, learner, config):
         gen, place = config.generator, config.placement
@@ -124,12 +159,7 @@ class VLLMGenerator(Generator):
             kwargs["enforce_eager"] = True   # why: graph capture/compilation costs more than it saves for test-size models
         else:
             kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization or 0.9
-        try:
-            with scoped_env(engine_env(config)):
-                self.llm = vllm.LLM(**kwargs)
-        except (ValueError, RuntimeError) as err:
-            reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-            raise LabError(f"generator: vLLM could not start: {reason[:400]}") from None
+        self.llm = start_engine(vllm, kwargs, engine_env(config))
         shm = Path("/dev/shm")
         # why RAM-backed: adapters are written every step; tmpfs keeps that off the disk
         self.adapter_root = Path(tempfile.mkdtemp(prefix="grpo-lab-lora-", dir=shm if shm.is_dir() else None))
@@ -208,5 +238,10 @@ class VLLMGenerator(Generator):
                 self.llm.sleep(level=1)
 
     def close(self) -> None:
+        """Shut the engine down and free its memory, then remove the adapter directory; a second call does nothing."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            shutdown_engine(llm)
+            del llm   # why: the last reference this generator held; the collection below can then free the engine
+            release_engine_memory()
         shutil.rmtree(self.adapter_root, ignore_errors=True)
-        self.llm = None
