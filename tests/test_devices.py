@@ -1,7 +1,12 @@
-"""The devices the user chose, exactly: `engine_devices` (pure, no GPU needed) maps the placement to the vLLM
-engine's CUDA_VISIBLE_DEVICES and process, through the user's own CUDA_VISIBLE_DEVICES; preflight refuses what
-it cannot honour before anything loads."""
+"""Where the vLLM engine runs and where it writes, without starting one. The devices the user chose, exactly:
+`engine_devices` (pure, no GPU needed) maps the placement to the engine's CUDA_VISIBLE_DEVICES and process,
+through the user's own CUDA_VISIBLE_DEVICES; preflight refuses what it cannot honour before anything loads.
+The adapter directory: RAM-backed when it has room, and nothing left behind by a process that is gone."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -94,3 +99,45 @@ def test_the_vllm_engine_env_comes_from_engine_devices(tiny_model, overrides, en
     from grpo_lab.generation.vllm import engine_env
 
     assert engine_env(vllm_config(tiny_model, *overrides), environ) == expected
+
+
+# --- the adapter directory ----------------------------------------------------------------------
+
+MiB = 1024 ** 2
+
+
+def test_the_adapter_directory_is_the_first_with_room():
+    from grpo_lab.generation.vllm import choose_adapter_dir
+
+    roomy = [("/dev/shm", 64 * MiB), ("/tmp", 10_000 * MiB)]
+    assert choose_adapter_dir(roomy, 40 * MiB) == ("/dev/shm", None)
+    where, notice = choose_adapter_dir(roomy, 100 * MiB)          # a container's 64 MB /dev/shm
+    assert where == "/tmp"
+    assert notice == ("generator: /dev/shm has 64 MiB free, under the 100 MiB the LoRA adapter syncs need; "
+                      "writing them to /tmp instead")
+    with pytest.raises(LabError, match=r"^generator: the LoRA adapter syncs need 20000 MiB free, but /dev/shm has 64 "
+                                       r"MiB and /tmp has 10000 MiB; free space there, or set TMPDIR to a directory "
+                                       r"with room$"):
+        choose_adapter_dir(roomy, 20_000 * MiB)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_adapter_directories_of_dead_processes_go_and_live_ones_stay(tmp_path):
+    from grpo_lab.generation.vllm import adapter_dir_prefix, remove_stale_adapter_dirs
+
+    dead, live = dead_pid(), os.getpid()
+    stale = tmp_path / f"{adapter_dir_prefix(dead)}abc123"
+    kept = [tmp_path / f"{adapter_dir_prefix(live)}def456",                 # a live process's: never touched
+            tmp_path / f"grpo-lab-lora-{dead}-1-ghi789",                     # another pid namespace: its pid means nothing here
+            tmp_path / "grpo-lab-lora-jkl012",                              # no owner recorded: left alone
+            tmp_path / "something-else"]
+    for path in [stale, *kept]:
+        (path / "v1").mkdir(parents=True)
+        (path / "v1" / "adapter_model.safetensors").write_bytes(b"x")
+    assert remove_stale_adapter_dirs([tmp_path, tmp_path / "missing"]) == [stale]
+    assert not stale.exists() and all(path.is_dir() for path in kept)

