@@ -15,7 +15,7 @@ _ENTRY = re.compile(r"^(\d+|GPU-[\w-]+|MIG-[\w/-]+)$")   # what CUDA accepts in 
 
 @dataclass(frozen=True)
 class EngineDevices:
-    cuda_visible_devices: Optional[str]   # the engine process's CUDA_VISIBLE_DEVICES; None = the engine sets none (CPU, in-process)
+    cuda_visible_devices: Optional[str]   # the engine's CUDA_VISIBLE_DEVICES; None = none set (in-process)
     own_process: bool                     # VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine runs in a process of its own
     learner: str                          # the learner's torch device in this process (never remapped)
 
