@@ -21,7 +21,7 @@ class CsvStream:
     def __init__(self, path: Path, sampler, keep_before: int | None = None):
         self.path, self.sampler, self.index = Path(path), sampler, 0   # from the first sample: loading included
         kept = _rows_before(self.path, keep_before) if keep_before else []
-        self.offset = float(kept[-1][0]) if kept else 0.0
+        self.offset = max((float(r[0]) for r in kept), default=0.0)
         self.floor = keep_before or 0   # why: a resumed process's loading samples belong to its first step, not to step 0
         buffer = io.StringIO()
         csv.writer(buffer).writerows([CSV_HEADER, *kept])
