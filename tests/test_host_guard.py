@@ -105,8 +105,11 @@ def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
         assert after["Cached"] - info["Cached"] > 0.8 * size                   # the file is in the page cache
         assert info["MemFree"] - after["MemFree"] > 0.8 * size                 # so a cache-counting figure grew
         assert max(used) - before["used"] < tolerance
-        if raw is not None:                                                    # a real cgroup hierarchy: same
-            assert cgroup_usage(CGROUP_ROOT) - raw > 0.8 * size
-            assert cgroup_working_set(CGROUP_ROOT) - working < tolerance
+        if raw is not None:   # a real cgroup hierarchy: its raw usage counts the cache, the working set less of it
+            grew_raw, grew_working = cgroup_usage(CGROUP_ROOT) - raw, cgroup_working_set(CGROUP_ROOT) - working
+            assert grew_raw > 0.8 * size
+            # why not "< tolerance": the kernel may put refaulted file pages straight on the active list, which a
+            # working set counts (a CI run saw +464 MiB of 1 GiB on the machine-wide root); inactive pages never count
+            assert grew_working < grew_raw - tolerance
     finally:
         path.unlink(missing_ok=True)
