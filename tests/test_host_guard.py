@@ -65,7 +65,7 @@ def meminfo() -> dict[str, int]:
 
 def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
     """Read 1 GiB from disk through the page cache with the guard set just above the host's current use: the
-    page cache grows by the file, a cache-counting reading (host total - free) grows by about the file too, the guard's `used` moves by less than a quarter of it
+    page cache grows by the file, (which a cache-counting reading such as total - free includes), the guard's `used` moves by less than a quarter of it
     (the tolerance: other processes on the machine move it too) and the guard does not trip."""
     size, tolerance = 1 * GiB, 256 * MiB
     if psutil.virtual_memory().available < 3 * size:
@@ -101,7 +101,7 @@ def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
         used = [v for *_, device, metric, v in sampler.samples if metric == "used"]
         assert len(used) >= 2, "the sampler took no readings during the read"
         assert after["Cached"] - info["Cached"] > 0.8 * size                   # the file is in the page cache
-        assert info["MemFree"] - after["MemFree"] > 0.8 * size                 # so a cache-counting figure grew
+        # (not asserted: MemFree's drop, which other processes' frees blur by hundreds of MiB)
         assert max(used) - before["used"] < tolerance
         # (the machine's cgroup root is not asserted on: it moves with every process on the machine, both ways,
         # by hundreds of MiB in a CI-like run; the cgroup arithmetic is tested on written trees above)
