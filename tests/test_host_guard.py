@@ -65,8 +65,9 @@ def meminfo() -> dict[str, int]:
 
 def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
     """Read 1 GiB from disk through the page cache with the guard set just above the host's current use: the
-    page cache grows by the file, (which a cache-counting reading such as total - free includes), the guard's `used` moves by less than a quarter of it
-    (the tolerance: other processes on the machine move it too) and the guard does not trip."""
+    page cache grows by the file (which a cache-counting reading such as total - free includes), the guard's
+    `used` moves by less than a quarter of it (the tolerance: other processes on the machine move it too) and the
+    guard does not trip."""
     size, tolerance = 1 * GiB, 256 * MiB
     if psutil.virtual_memory().available < 3 * size:
         pytest.skip("needs 3 GiB of available host RAM to cache a 1 GiB file")
