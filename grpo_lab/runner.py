@@ -26,10 +26,10 @@ def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
     """--out, else run.output_dir, else runs/<date-time>; an existing run is never overwritten."""
     field = "--out" if out else "run.output_dir"
     path = Path(out or config.run.output_dir or Path("runs") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if is_locked(path):   # why first: reading a run's state puts back its interrupted checkpoint writes
+        raise LabError(f"{field}: {str(path)!r} is in use by another grpo-lab run that is still going; choose another directory")
     state = read_state(path)
     if state.status != "new":
-        if is_locked(path):
-            raise LabError(f"{field}: {str(path)!r} is in use by another grpo-lab run that is still going; choose another directory")
         how = ("continue it with `grpo-lab run --resume DIR --steps N`" if state.status == "finished"
                else "resume it with `grpo-lab run --resume DIR`")
         raise LabError(f"{field}: {str(path)!r} holds {'a finished' if state.status == 'finished' else 'an unfinished'} "

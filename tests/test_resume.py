@@ -149,10 +149,13 @@ def test_a_killed_run_is_reported_as_resumable_and_refuses_a_second_writer(tmp_p
     assert len(err.splitlines()) == 1
     assert "holds an unfinished run (2 of 2 steps done, checkpoint at step 2); resume it with `grpo-lab run --resume DIR`" in err
     with RunLock(out, "test"):   # a live run holds the directory: neither a new run nor a resume may write there
+        writing = out / ".checkpoint.tmp-live"   # the live run is half-way through its next checkpoint
+        writing.mkdir()
         assert main(["run", *RUN, "--out", str(out)]) == 2
         assert "in use by another grpo-lab run" in capsys.readouterr().err
         assert main(["run", "--resume", str(out), "--steps", "3"]) == 2
         assert "in use by another grpo-lab run" in capsys.readouterr().err
+        assert writing.is_dir(), "looking at a live run's directory removed the checkpoint it is writing"
 
 
 def test_resume_keeps_earlier_memory_rows_and_cuts_a_torn_metrics_line(tmp_path, capsys):
