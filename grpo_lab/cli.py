@@ -10,6 +10,7 @@ from .errors import LabError
 
 def _run(args) -> int:
     from .config import load_config
+    from .rundir import CONFIG
     from .runner import run
 
     if args.resume is not None and args.out is not None:
@@ -19,8 +20,8 @@ def _run(args) -> int:
     config = None
     if args.config is not None:
         config = load_config(args.config, args.set)
-    elif args.set and (Path(args.resume) / "config.yaml").is_file():   # --set alone: changes to the run's own config
-        config = load_config(Path(args.resume) / "config.yaml", args.set)
+    elif args.set and (Path(args.resume) / CONFIG).is_file():   # --set alone: changes to the run's own config
+        config = load_config(Path(args.resume) / CONFIG, args.set)
     if not args.verbose:
         from transformers.utils import logging as hf_logging
 

@@ -72,8 +72,8 @@ def check_placement(config) -> None:
     # a backend without its own weights has no engine: its generator devices are check_hf_placement's to judge
     generator = place.generator_devices() if config.generator.backend in OWN_WEIGHTS else [place.learner]
     engine_devices(place.learner, generator, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    check_device(config.placement.learner, "placement.learner")
-    for dev in config.placement.generator_devices():
+    check_device(place.learner, "placement.learner")
+    for dev in place.generator_devices():
         check_device(dev, "placement.generator")
     if config.reference.device:
         check_device(config.reference.device, "reference.device")

@@ -31,7 +31,7 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
             sum_exp = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1)                  # in place: no second [c, V]
             log_z[rows] = top + sum_exp.log()
             logprobs[rows] = target - log_z[rows]
-            del logits
+            del logits   # why: free this chunk before the next one's matmul allocates, else two chunks are alive
         ctx.save_for_backward(hidden, weight, bias, targets, log_z)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logprobs
@@ -58,7 +58,7 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
                 grad_weight.addmm_(dz.t(), hidden[rows].float())
             if need_bias:
                 grad_bias += dz.sum(dim=0)
-            del dz
+            del dz   # why: free this chunk before the next one's matmul allocates, else two chunks are alive
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
 

@@ -39,9 +39,13 @@ def add_logprob_head(model, temperature: float = 1.0) -> None:
     model._grpo_lab_scaling = (softcap, 1.0 if scale is None else scale) if softcap or scale not in (None, 1.0) else None
 
 
+def _base(model):
+    """The causal LM under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _settings(model) -> HeadSettings:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base._grpo_lab_head
+    return _base(model)._grpo_lab_head
 
 
 def set_logprob_head(model, temperature: Optional[float] = None, chunk_size: Optional[int] = None,
@@ -52,10 +56,6 @@ def set_logprob_head(model, temperature: Optional[float] = None, chunk_size: Opt
     head.temperature = head.temperature if temperature is None else temperature
     head.chunk_size = head.chunk_size if chunk_size is None else chunk_size
     head.kernel = head.kernel if kernel is None else kernel
-
-
-def set_logprob_temperature(model, temperature: float) -> None:
-    set_logprob_head(model, temperature=temperature)
 
 
 def configure_head(model, config, temperature: float) -> None:
@@ -74,7 +74,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """Log-prob of every completion token under `model`: [n, L] (0 where completion_mask is 0). Inputs must be
     on the model's device."""
     head = _settings(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                  # [n, P+L]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)

@@ -85,6 +85,17 @@ def rewind_metrics(path: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in kept]
 
 
+def _try_lock(path: Path) -> Optional[int]:
+    """An fd holding the directory's flock, or None when another open file holds it."""
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class RunLock:
     """One process per run directory; released by the kernel when the holder dies, however it dies."""
 
@@ -96,14 +107,10 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        self.fd = _try_lock(self.path)
+        if self.fd is None:
             raise LabError(f"{self.field}: {str(self.path)!r} is in use by another grpo-lab run that is still going; "
-                           "wait for it, or choose another directory") from None
-        self.fd = fd
+                           "wait for it, or choose another directory")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -116,11 +123,8 @@ class RunLock:
 def is_locked(path: Path) -> bool:
     if not (Path(path) / LOCK).exists():
         return False
-    fd = os.open(Path(path) / LOCK, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    fd = _try_lock(Path(path))
+    if fd is None:
         return True
-    finally:
-        os.close(fd)   # closing drops a lock this check took
+    os.close(fd)   # closing drops the lock this check took
     return False

@@ -51,11 +51,12 @@ def resume_config(run_dir: Path, given: Optional[LabConfig], steps: Optional[int
         mine, theirs = config.to_dict(), given.to_dict()
         changes = {path: theirs[s][f] for path, s, f in leaf_fields()
                    if path not in ("run.steps", "run.output_dir") and mine[s][f] != theirs[s][f]}
-        fixed = [path for path in changes if field_when(path) == "load"]
+        fixed = next((path for path in changes if field_when(path) == "load"), None)
         if fixed:
-            raise LabError(f"--resume: {fixed[0]} is {mine[fixed[0].split('.')[0]][fixed[0].split('.')[1]]!r} in the run "
-                           f"and {changes[fixed[0]]!r} here; a resumed run keeps its load-time settings (model, LoRA, "
-                           "placement, engine, seed); drop the change or start a new run")
+            section, name = fixed.split(".")
+            raise LabError(f"--resume: {fixed} is {mine[section][name]!r} in the run and {changes[fixed]!r} here; a "
+                           "resumed run keeps its load-time settings (model, LoRA, placement, engine, seed); drop the "
+                           "change or start a new run")
         config.update(changes)
     target = steps or config.run.steps
     start = state.checkpoint or 0
@@ -93,34 +94,34 @@ def run(config: Optional[LabConfig], steps: Optional[int] = None, out: Optional[
                            "a `grpo-lab run` wrote")
         with RunLock(run_dir, "--resume"):
             config, state = resume_config(run_dir, config, steps)
-            return _run(config, run_dir, state.checkpoint or 0, progress, force, verbose, resumed=True)
+            return _run(config, run_dir, state.checkpoint or 0, progress, verbose, load_lab(config, force), resumed=True)
     config = config.model_copy(update={"run": config.run.model_copy(update={"steps": steps or config.run.steps})})
     run_dir = resolve_run_dir(config, out)
     config.update({"run.output_dir": str(run_dir)})
-    preflight(config)
-    if not force:
-        check_plan(config)
-    lab = Lab(config).load()  # why before mkdir: a config that cannot load leaves no run directory behind
+    lab = load_lab(config, force)  # why before mkdir: a config that cannot load leaves no run directory behind
     try:
         lock = RunLock(run_dir, "--out" if out else "run.output_dir").acquire()
     except BaseException:
         lab.close()
         raise
     with lock:
-        return _run(config, run_dir, 0, progress, force, verbose, lab=lab)
+        return _run(config, run_dir, 0, progress, verbose, lab)
 
 
-def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, force: bool, verbose: bool,
-         lab: Optional[Lab] = None, resumed: bool = False) -> Path:
-    """Steps `start`..run.steps-1 in `run_dir` (locked by the caller)."""
+def load_lab(config: LabConfig, force: bool) -> Lab:
+    """Pre-flight checks and the memory plan (unless `force`), then the loaded Lab."""
+    preflight(config)
+    if not force:
+        check_plan(config)
+    return Lab(config).load()
+
+
+def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: bool, lab: Lab,
+         resumed: bool = False) -> Path:
+    """Steps `start`..run.steps-1 of the loaded `lab` in `run_dir` (locked by the caller); closes the Lab."""
     from tqdm.auto import tqdm
 
     steps = config.run.steps
-    if lab is None:
-        preflight(config)
-        if not force:
-            check_plan(config)
-        lab = Lab(config).load()
     earlier: list[StepResult] = []
     try:
         if start:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo_lab import Lab
-from grpo_lab.logprobs import rollout_logprobs, set_logprob_temperature
+from grpo_lab.logprobs import rollout_logprobs, set_logprob_head
 
 
 def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
@@ -49,9 +49,8 @@ def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
         use_bias_correction_kl=cfg.grpo.use_bias_correction_kl,
         **overrides,
     )
-    # why first: TRL patches its own fused head (with entropy) over ours; a temperature change on our side
-    # afterwards would re-patch the forward from scratch and drop TRL's
-    set_logprob_temperature(lab.learner.model, rollout.logprob_temperature)
+    # grpo_lab's side scores at the rollout's temperature, as lab.step sets it per rollout
+    set_logprob_head(lab.learner.model, temperature=rollout.logprob_temperature)
     dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in zip(rollout.batch.prompts, rollout.batch.answers)])
     dtypes = {name: p.dtype for name, p in lab.learner.model.named_parameters() if p.requires_grad}
     trainer = GRPOTrainer(model=lab.learner.model, reward_funcs=lab.reward_funcs, args=args, train_dataset=dataset,

@@ -15,6 +15,13 @@ BACKENDS: dict[str, str] = {
 OWN_WEIGHTS = {"vllm"}
 
 
+def sleeps(config) -> bool:
+    """Whether the generator sleeps between rollouts: vllm's sleep_mode, colocated with the learner on a GPU
+    (vLLM has no sleep mode on the CPU; a generator on GPUs of its own has no one to give memory to)."""
+    devices = config.placement.generator_devices()
+    return config.generator.sleep_mode and config.placement.learner in devices and devices != ["cpu"]
+
+
 def backend_class(name: str):
     if name not in BACKENDS:
         raise LabError(f"generator.backend: unknown backend {name!r}; use one of {sorted(BACKENDS)}")

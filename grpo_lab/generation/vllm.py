@@ -28,6 +28,7 @@ import torch
 from ..errors import LabError
 from ..tiny import resolve_model_path
 from .base import GenerationRequest, Generator, Sample
+from .registry import sleeps
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values
 
@@ -209,7 +210,7 @@ class VLLMGenerator(Generator):
         model = resolve_model_path(generator_checkpoint(config)[0])
         tp = check_tensor_parallel(config)
         self.colocated = place.learner in devices
-        self.sleep_mode = gen.sleep_mode and self.colocated and not on_cpu
+        self.sleep_mode = sleeps(config)
         if gen.sleep_mode and on_cpu:
             warnings.warn("generator.sleep_mode: vLLM has no sleep mode on the CPU; skipped", stacklevel=2)
         self.max_model_len = gen.max_prompt_length + gen.max_completion_length   # fixed for the engine's life

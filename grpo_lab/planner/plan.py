@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import LabError
-from ..generation.registry import OWN_WEIGHTS
+from ..generation.registry import OWN_WEIGHTS, sleeps
 from .estimate import (CUDA_CONTEXT, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, GiB, activation_bytes,
                        base_weight_bytes, generator_weight_bytes, kv_cache_bytes)
 from .shapes import ModelShape, load_shape
@@ -58,12 +58,6 @@ class Plan:
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
-
-
-def sleeps(cfg) -> bool:
-    """Whether the generator sleeps between rollouts: vllm with sleep_mode, colocated on a GPU (VLLMGenerator's rule)."""
-    devices = cfg.placement.generator_devices()
-    return cfg.generator.sleep_mode and cfg.placement.learner in devices and devices != ["cpu"]
 
 
 def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
