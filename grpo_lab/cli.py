@@ -58,11 +58,13 @@ def _sweep(args) -> int:
 
 def _tiny(args) -> int:
     from .paths import check_output_dir
-    from .tiny import build_tiny_model, builtin_path, ensure_tiny_model
+    from .tiny import BUILTINS, build_tiny_model, builtin_path, ensure_tiny_model
 
-    where = args.path or builtin_path()
+    where = args.path or builtin_path(args.model)
     check_output_dir(where, "grpo-lab tiny PATH" if args.path else "grpo-lab tiny (the user cache; set GRPO_LAB_CACHE)")
-    path = build_tiny_model(where, seed=args.seed) if args.force else ensure_tiny_model(where, seed=args.seed)
+    shape = BUILTINS[args.model][1]
+    path = (build_tiny_model(where, seed=args.seed, **shape) if args.force
+            else ensure_tiny_model(where, seed=args.seed, **shape))
     print(f"tiny model: {path}")
     return 0
 
@@ -98,8 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="sweep directory")
     p.set_defaults(func=_sweep)
 
-    p = sub.add_parser("tiny", help="build the tiny local Qwen2 checkpoint")
+    from .tiny import BUILTINS, TINY
+
+    p = sub.add_parser("tiny", help="build a built-in random-weight Qwen2 checkpoint (tiny-qwen2; qwen2-152k: "
+                       "Qwen2.5's vocabulary on the tiny body)")
     p.add_argument("path", nargs="?", help="output directory (default: the built-in model's place in the user cache)")
+    p.add_argument("--model", choices=sorted(BUILTINS), default=TINY, help="which built-in model (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if a checkpoint is there")
     p.set_defaults(func=_tiny)

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from .data import arithmetic_problems
 from .errors import LabError
 
 BUILTIN = "builtin:"
 TINY = "tiny-qwen2"
-TINY_VERSION = 1   # why in the cache name: a changed builder must not reuse an old checkpoint
+# name -> (builder version, build_tiny_model arguments); why the version is in the cache name: a changed
+# builder must not reuse an old checkpoint
+BUILTINS: dict[str, tuple[int, dict]] = {
+    TINY: (1, {}),
+    # Qwen2.5's vocabulary (151,936) on the tiny body: the logits dominate memory as in every real model.
+    # No EOS boost: completions run to max_completion_length, the length the planner plans for.
+    "qwen2-152k": (1, {"vocab_size": 151936, "eos_probability": None, "max_positions": 4096}),
+}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -40,8 +47,10 @@ def _train_tokenizer(vocab_size: int, seed: int):
 
 
 def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
-                     vocab_size: int = 384, eos_probability: float = 0.1) -> Path:
-    """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files."""
+                     vocab_size: int = 384, eos_probability: Optional[float] = 0.1, max_positions: int = 1024) -> Path:
+    """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files. A `vocab_size`
+    beyond what the tokenizer learns from its small corpus gives a model vocabulary larger than the tokenizer's
+    (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids decode to nothing."""
     import torch
 
     from .devices import check_torchvision
@@ -50,17 +59,18 @@ def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 1
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
-    tokenizer = _train_tokenizer(vocab_size, seed)
+    tokenizer = _train_tokenizer(min(vocab_size, 384), seed)   # why 384: all the tiny corpus has merges for
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=1,
-        head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+        head_dim=64, max_position_embeddings=max_positions, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    _make_eos_reachable(model, tokenizer, eos_probability)
+    if eos_probability is not None:
+        _make_eos_reachable(model, tokenizer, eos_probability)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     path.mkdir(parents=True, exist_ok=True)
@@ -91,8 +101,9 @@ def _make_eos_reachable(model, tokenizer, probability: float) -> None:
         torch.set_num_threads(threads)
 
 
-def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:
-    """Build the tiny model at `path` unless a checkpoint is already there (atomically, one builder at a time)."""
+def ensure_tiny_model(path: Union[str, Path], seed: int = 0, **shape) -> Path:
+    """Build the tiny model (`shape`: build_tiny_model's arguments) at `path` unless a checkpoint is already
+    there (atomically, one builder at a time)."""
     import fcntl
 
     from .io import atomic_write_dir, recover_dir
@@ -110,7 +121,7 @@ def ensure_tiny_model(path: Union[str, Path], seed: int = 0) -> Path:
             fcntl.flock(lock, fcntl.LOCK_EX)   # why: a notebook kernel and a CLI run may both build it first
             recover_dir(path)                  # a build or swap a crash interrupted
             if not (path / "config.json").is_file():
-                atomic_write_dir(path, lambda tmp: build_tiny_model(tmp, seed))
+                atomic_write_dir(path, lambda tmp: build_tiny_model(tmp, seed, **shape))
     except OSError as err:
         raise LabError(f"tiny model: cannot write {str(path)!r} ({err.strerror}); choose a writable directory"
                        + (" or set GRPO_LAB_CACHE" if path.parent == cache_dir() else "")) from None
@@ -127,7 +138,7 @@ def cache_dir() -> Path:
 
 def builtin_path(name: str = TINY) -> Path:
     """Where the built-in model `name` lives in the user cache."""
-    return cache_dir() / f"{name}-v{TINY_VERSION}"
+    return cache_dir() / f"{name}-v{BUILTINS[name][0]}"
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -135,6 +146,7 @@ def resolve_model_path(name_or_path: str) -> str:
     if not name_or_path.startswith(BUILTIN):
         return name_or_path
     name = name_or_path.removeprefix(BUILTIN)
-    if name != TINY:
-        raise LabError(f"model.name_or_path: unknown built-in model {name_or_path!r}; the built-in one is '{BUILTIN}{TINY}'")
-    return str(ensure_tiny_model(builtin_path(name)))
+    if name not in BUILTINS:
+        raise LabError(f"model.name_or_path: unknown built-in model {name_or_path!r}; use one of "
+                       f"{[BUILTIN + n for n in BUILTINS]}")
+    return str(ensure_tiny_model(builtin_path(name), **BUILTINS[name][1]))

@@ -12,7 +12,7 @@ from grpo_lab.presets import preset_names
 def test_presets_command_lists_every_preset_with_its_description(capsys):
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == preset_names() == ["p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu"]
+    assert [line.split()[0] for line in lines] == preset_names() == ["logits-heavy-cpu", "p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu"]
     assert all(len(line.split(None, 1)[1]) > 20 for line in lines)      # a real one-line description each
 
 
@@ -91,3 +91,20 @@ def test_tiny_without_a_path_builds_the_builtin_model_in_the_cache(tmp_path, mon
     assert main(["tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "GRPO_LAB_CACHE" in err
+
+
+def test_logits_heavy_builtin_model_has_qwen25s_vocabulary(tmp_path, capsys):
+    """`grpo-lab tiny --model qwen2-152k`: Qwen2.5's 151,936-row vocabulary on the tiny body; the ids the
+    small tokenizer lacks decode to nothing, as Qwen2.5's padding rows do."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from grpo_lab.cli import main
+
+    assert main(["tiny", str(tmp_path / "m"), "--model", "qwen2-152k"]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]) == (151936, 128, 2)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert len(tok) < config["vocab_size"] and tok.decode([150000]) == ""
+    assert capsys.readouterr().out.strip() == f"tiny model: {tmp_path / 'm'}"
