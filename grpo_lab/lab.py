@@ -238,6 +238,7 @@ class Lab:
     def _phase(self, name: str, **inputs):
         """Check order, time and mark a phase; on any failure put the step back (see `_failed`); an
         out-of-memory error becomes a one-line LabError naming phase and device."""
+        from .memory.heap import trim_host_heap
         from .memory.oom import as_lab_error, is_oom, release_memory
         from .memory.sampler import HostMemoryExceeded
 
@@ -247,6 +248,7 @@ class Lab:
                            "wait for it to finish, or press stop")
         try:
             check_order(self._step, name, self.config.grpo.num_iterations, **inputs)   # a refusal changes nothing
+            trim_host_heap()   # why: a phase starts from live host memory, not the heap holes earlier phases left
             try:
                 with self.timeline.phase(name, self.step_index):
                     yield

@@ -346,6 +346,9 @@ def test_diverged_weights_stop_the_rollout_with_one_line():
     from grpo_lab.generation.hf import HFGenerator
 
     class Diverged(torch.nn.Module):
+        def get_output_embeddings(self):
+            return torch.nn.Linear(2, 2)
+
         def generate(self, **kwargs):
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 

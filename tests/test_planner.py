@@ -201,3 +201,41 @@ def test_optimizer_offload_on_gpu_keeps_moments_on_the_host(tiny_config):
     lab = Lab(tiny_config(placement={"learner": "cuda:0", "optimizer_offload": True})).load()
     lab.step()
     assert all(t.device.type == "cpu" for s in lab.learner.optimizer.state.values() for t in s.values())
+
+
+def test_a_devices_peak_is_its_resident_items_plus_its_heaviest_phase():
+    from grpo_lab.planner.estimate import DevicePlan
+    from grpo_lab.planner.render import _device_block
+
+    d = DevicePlan("host", capacity=1000)
+    d.add("weights", 100)
+    d.add("kv cache", 30, phase="rollout")
+    d.add("logits step", 20, phase="rollout")
+    d.add("activations", 40, phase="backward")
+    d.add("head", 5, phase="backward")
+    assert d.resident == 100 and d.phase_peak("rollout") == 150 and d.phase_peak("backward") == 145
+    assert d.peak_phase == "rollout" and d.total == 150   # phases never overlap: not 100 + 95
+    rendered = _device_block(d)
+    assert any(line.strip().startswith("during rollout:") for line in rendered)
+    assert rendered[-1].strip().startswith("peak (during rollout)")
+
+
+def test_the_chunked_log_prob_head_is_planned_one_chunk_at_a_time():
+    """One chunk of float32 logits plus its bf16 matmul output, in backward; not [B, L, vocab]."""
+    def head(*overrides):
+        cfg = load_config("logits-heavy-cpu", list(overrides))
+        host = plan(cfg).devices["host"]
+        return host, {(i.what, i.phase): i.bytes for i in host.items}
+
+    small, items = head("grpo.logprob_chunk_size=128")
+    big, big_items = head("grpo.logprob_chunk_size=512")
+    vocab = load_shape(load_config("logits-heavy-cpu").model.name_or_path).vocab
+    assert vocab == 151936
+    assert big_items[("log-prob head", "backward")] - items[("log-prob head", "backward")] == (512 - 128) * vocab * (4 + 2)
+    full_logits = 8 * 256 * vocab * 4
+    assert items[("log-prob head", "backward")] < full_logits / 10
+    assert small.peak_phase == "backward" and ("log-prob head", "logprobs") not in items   # beta 0: no reference pass
+    _, with_ref = head("grpo.beta=0.04")
+    assert with_ref[("log-prob head", "logprobs")] == items[("log-prob head", "backward")]
+    _, trl = head("grpo.logprob_head=trl")   # TRL's kernel on the CPU: its torch fallback's tiles
+    assert trl[("log-prob head", "backward")] > 8 * 2048 * 32768 * 2

@@ -1,12 +1,14 @@
 """Pre-flight memory plan: what each device will hold, computed from config.json and the lab
-config before any weight is loaded. Every term is a formula over the model's shape; the
-dominant transient (the backward micro-batch) is taken as the step's peak.
+config before any weight is loaded. Every term is a formula over the model's shape. Items are
+resident (weights, optimizer state) or transient in one phase of the step (rollout, logprobs,
+backward); a device's peak is its resident total plus its heaviest phase.
 
 Units are bytes. A learner on the CPU lives in host RAM, so "cpu" is planned as "host".
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .shapes import ModelShape
 
@@ -14,11 +16,16 @@ GiB = 1024 ** 3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GENERATOR_BITS = {None: None, "awq": 4.25, "gptq": 4.25, "compressed-tensors": 4.25, "fp8": 8.0}
 CUDA_CONTEXT = 0.5 * GiB         # CUDA context + cuBLAS workspace per GPU a process touches
-HOST_BASELINE = 1.0 * GiB        # Python, torch and libraries
+# Python and the libraries, with the one-off state a process gains in its first step: 474 MiB after importing
+# torch, transformers, peft, bitsandbytes, trl and grpo_lab (CPU build of torch 2.13), plus 105-128 MiB the first
+# step adds for good (lazily imported generation code, thread pools, oneDNN caches; tiny-cpu and logits-heavy-cpu,
+# RSS after a heap trim). A CUDA build maps its libraries and context into host memory too (not measured: 1 GiB).
+HOST_BASELINE = {"cpu": 0.58 * GiB, "cuda": 1.0 * GiB}
 FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
 # tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch
 # fallback on CPU makes temporaries of tile size (8.3 measured by bench/fused_head_cpu.py; 8.5 keeps a margin)
 HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
+PHASES = ("rollout", "logprobs", "backward")   # the phases with transients worth planning (phases.PHASES order)
 VLLM_SPLIT_SHARE = 0.9           # vLLM's default gpu_memory_utilization on a GPU of its own
 
 
@@ -27,6 +34,7 @@ class Item:
     what: str
     bytes: float
     note: str = ""
+    phase: Optional[str] = None   # None: resident for the whole step; else alive only during that phase
 
 
 @dataclass
@@ -36,13 +44,28 @@ class DevicePlan:
     roles: list[str] = field(default_factory=list)
     items: list[Item] = field(default_factory=list)
 
-    def add(self, what: str, nbytes: float, note: str = "") -> None:
+    def add(self, what: str, nbytes: float, note: str = "", phase: Optional[str] = None) -> None:
         if nbytes:
-            self.items.append(Item(what, nbytes, note))
+            self.items.append(Item(what, nbytes, note, phase))
+
+    @property
+    def resident(self) -> float:
+        return sum(i.bytes for i in self.items if i.phase is None)
+
+    def phase_peak(self, phase: str) -> float:
+        """Planned peak while `phase` runs: the resident items plus that phase's transients."""
+        return self.resident + sum(i.bytes for i in self.items if i.phase == phase)
+
+    @property
+    def peak_phase(self) -> Optional[str]:
+        """The phase whose transients are largest (None when the device has none)."""
+        phases = [p for p in PHASES if any(i.phase == p for i in self.items)]
+        return max(phases, key=self.phase_peak) if phases else None
 
     @property
     def total(self) -> float:
-        return sum(i.bytes for i in self.items)
+        """The device's planned peak: resident items plus its heaviest phase (phases never overlap)."""
+        return self.phase_peak(self.peak_phase) if self.peak_phase else self.resident
 
     @property
     def fraction(self) -> float:
@@ -71,10 +94,30 @@ def base_weight_bytes(shape: ModelShape, model_cfg) -> tuple[float, str]:
     return shape.linear_params * e + dense, model_cfg.dtype
 
 
+def compute_bytes(cfg) -> int:
+    return DTYPE_BYTES[cfg.model.bnb_4bit_compute_dtype if cfg.model.load_in_4bit else cfg.model.dtype]
+
+
+def chunked_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: bool) -> float:
+    """grpo_lab's head (head.py): one chunk of logits in float32 plus the compute-dtype matmul output it is cast
+    from, forward or backward (recomputed there), and the compact hidden rows with their gradient."""
+    logits = min(chunk, rows) * shape.vocab * (4 + (e if e != 4 else 0))
+    return logits + rows * (2 * shape.hidden * e + 12)
+
+
+def trl_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: bool) -> float:
+    """TRL's fused head on the same compact rows: vocabulary tiles (HEAD_TILES alive), hidden grad, stats."""
+    tile = min(rows, FUSED_HEAD_TILE[0]) * min(shape.vocab, FUSED_HEAD_TILE[1]) * e
+    return HEAD_TILES["cpu" if on_cpu else "cuda"] * tile + rows * (shape.hidden * 4 + 8 * 4)
+
+
+HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes}   # grpo.logprob_head -> its planned transient
+
+
 def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False) -> dict[str, float]:
-    """Peak transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU)."""
+    """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU)."""
     grpo, gen = cfg.grpo, cfg.generator
-    e = DTYPE_BYTES[cfg.model.bnb_4bit_compute_dtype if cfg.model.load_in_4bit else cfg.model.dtype]
+    e = compute_bytes(cfg)
     n = grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
     length = gen.max_prompt_length + gen.max_completion_length
     tokens = n * length
@@ -84,17 +127,24 @@ def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False) -> dict[str, 
         stored = shape.layers * h * e * tokens + 2 * per_layer * tokens   # layer inputs + one layer recomputed
     else:
         stored = shape.layers * per_layer * tokens + per_layer * tokens
-    # with Triton only completion positions reach the head; the CPU fallback scores every position
-    scored = tokens if on_cpu else n * gen.max_completion_length
-    tile = min(scored, FUSED_HEAD_TILE[0]) * min(shape.vocab, FUSED_HEAD_TILE[1]) * e
-    head = HEAD_TILES["cpu" if on_cpu else "cuda"] * tile + scored * (h * 4 + 8 * 4)   # tiles, hidden grad, stats
+    # why completion rows only: the head scores the real completion tokens, never the prompt or padding
+    rows = n * gen.max_completion_length
+    head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if cfg.model.load_in_4bit else 0
-    return {"activations": stored, "log-prob head tiles": head, "4-bit dequant buffer": dequant,
-            "micro_batch": n, "tokens": tokens}
+    # no grad (reference log-probs): one layer's intermediates at a time and the last hidden states
+    forward = per_layer * tokens + h * e * tokens
+    return {"activations": stored, "log-prob head": head, "4-bit dequant buffer": dequant,
+            "forward activations": forward, "micro_batch": n, "tokens": tokens}
+
+
+def generation_step_bytes(shape: ModelShape, cfg, sequences: int) -> float:
+    """One decoding step's scores: the compute-dtype logits, their float32 copy, the sampler log-softmax
+    grpo_lab records and the sampling softmax, each [sequences, vocab]."""
+    return sequences * shape.vocab * (compute_bytes(cfg) + 3 * 4)
 
 
 def kv_cache_bytes(shape: ModelShape, cfg, sequences: int) -> float:
-    e = DTYPE_BYTES[cfg.model.bnb_4bit_compute_dtype if cfg.model.load_in_4bit else cfg.model.dtype]
+    e = compute_bytes(cfg)
     length = cfg.generator.max_prompt_length + cfg.generator.max_completion_length
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * e * sequences * length
 

@@ -6,8 +6,9 @@ from typing import Optional
 
 from ..errors import LabError
 from ..generation.registry import OWN_WEIGHTS, sleeps
-from .estimate import (CUDA_CONTEXT, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, GiB, activation_bytes,
-                       base_weight_bytes, generator_weight_bytes, kv_cache_bytes)
+from .estimate import (CUDA_CONTEXT, FUSED_HEAD_TILE, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, GiB,
+                       activation_bytes, base_weight_bytes, generation_step_bytes, generator_weight_bytes,
+                       kv_cache_bytes)
 from .shapes import ModelShape, load_shape
 
 
@@ -60,6 +61,14 @@ class Plan:
         printer.text(str(self))
 
 
+def _head_note(cfg, shape: ModelShape, on_cpu: bool) -> str:
+    if cfg.grpo.logprob_head == "chunked":
+        return (f"chunks of {cfg.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
+                "backward; no [B, L, vocab] logits")
+    tiles = f"tiles of {FUSED_HEAD_TILE[0]} tokens x {FUSED_HEAD_TILE[1]} vocab"
+    return f"TRL's fused head, {tiles}" + (" (CPU: torch fallback, several tiles alive)" if on_cpu else "")
+
+
 def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     place, gen, grpo = cfg.placement, cfg.generator, cfg.grpo
     learner = _home(place.learner)
@@ -69,7 +78,8 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     devices = {d: DevicePlan(d, capacity_of(d, cfg)) for d in dict.fromkeys(names)}
     for d in devices.values():
         d.add("CUDA context + workspace", CUDA_CONTEXT if d.device != "host" else 0)
-    devices["host"].add("Python, torch, libraries", HOST_BASELINE)
+    build = "cuda" if any(d != "host" for d in devices) else "cpu"
+    devices["host"].add("Python, torch, libraries", HOST_BASELINE[build], f"{build} build of torch")
 
     lrn = devices[learner]
     lrn.roles.append("learner")
@@ -86,16 +96,20 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     host.add("step rollback copy", lora * 12, "LoRA + AdamW state, all-or-nothing steps")
     act = activation_bytes(shape, cfg, on_cpu=learner == "host")
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
-    lrn.add("activations (backward peak)", act["activations"], f"micro-batch {act['micro_batch']} x "
-            f"{act['tokens'] // act['micro_batch']} tokens, {ckpt}")
-    lrn.add("log-prob head tiles", act["log-prob head tiles"], "fused LM head, no [B, L, vocab] logits"
-            + (" (CPU: torch fallback, every position)" if learner == "host" else ""))
-    lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient")
+    shape_note = f"micro-batch {act['micro_batch']} x {act['tokens'] // act['micro_batch']} tokens"
+    lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
+    lrn.add("log-prob head", act["log-prob head"], _head_note(cfg, shape, learner == "host"), phase="backward")
+    lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
 
     if cfg.reference_strategy == "copy":
         ref = devices[_home(cfg.reference_device)]
         ref.roles.append("reference copy")
         ref.add("reference weights", weights, fmt)
+    if cfg.grpo.beta > 0:   # why: the logprobs phase runs only for reference log-probs, without a graph
+        ref = devices[_home(cfg.reference_device)] if cfg.reference_strategy == "copy" else lrn
+        ref.add("reference forward (no grad)", act["forward activations"], f"{shape_note}, one layer at a time",
+                phase="logprobs")
+        ref.add("log-prob head", act["log-prob head"], _head_note(cfg, shape, ref.device == "host"), phase="logprobs")
 
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     if gen.backend in OWN_WEIGHTS:
@@ -106,7 +120,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
             share = gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
             if d.device == "host":
                 d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
-                d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens))
+                d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens), phase="rollout")
             else:
                 d.add(f"{gen.backend} engine share ({share:.0%})", share * d.capacity - CUDA_CONTEXT,
                       f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache")
@@ -119,8 +133,10 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
                                 f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned")
     else:
         lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
-        lrn.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences), f"{sequences} sequences per call")
-        lrn.add("generation logits step", 2 * sequences * shape.vocab * 4, "one step's logits + log-softmax")
+        lrn.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences), f"{sequences} sequences per call",
+                phase="rollout")
+        lrn.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
+                "one decoding step: logits, float32 copy, sampler log-softmax, softmax", phase="rollout")
     return devices, act["micro_batch"]
 
 
@@ -142,8 +158,9 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
             wrapped.roles.append("DataParallel replica")
             wrapped.add("learner replica: base weights", weights, fmt)
             wrapped.add("learner replica: LoRA weights", lora * 4)
-            wrapped.add("scattered activations", act["activations"] / len(gpus), f"1/{len(gpus)} of the micro-batch")
-            wrapped.add("log-prob head tiles", act["log-prob head tiles"] / len(gpus))
+            wrapped.add("scattered activations", act["activations"] / len(gpus), f"1/{len(gpus)} of the micro-batch",
+                        phase="backward")
+            wrapped.add("log-prob head", act["log-prob head"] / len(gpus), phase="backward")
         out[name] = wrapped
     return out
 

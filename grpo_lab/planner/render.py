@@ -1,20 +1,28 @@
 """The plan as a table (CLI and notebook)."""
 from __future__ import annotations
 
-from .estimate import GiB
+from .estimate import PHASES, GiB
 
 
 def size(nbytes: float) -> str:
     return f"{nbytes / GiB:>8.2f} GiB" if nbytes >= GiB else f"{nbytes / 1024 ** 2:>8.1f} MiB"
 
 
+def _item(what: str, nbytes: float, note: str = "", indent: int = 2) -> str:
+    return f"{' ' * indent}{what:<{46 - indent}}{size(nbytes)}{f'  {note}' if note else ''}"
+
+
 def _device_block(d, title_suffix: str = "") -> list[str]:
     roles = ", ".join(d.roles) or "-"
-    lines = [f"{d.device:<8} {roles}{title_suffix}", f"  {'capacity':<44}{size(d.capacity)}"]
-    for item in d.items:
-        note = f"  {item.note}" if item.note else ""
-        lines.append(f"  {item.what:<44}{size(item.bytes)}{note}")
-    lines.append(f"  {'total':<44}{size(d.total)}  {d.fraction:.0%}  -> {d.verdict}")
+    lines = [f"{d.device:<8} {roles}{title_suffix}", _item("capacity", d.capacity)]
+    lines += [_item(i.what, i.bytes, i.note) for i in d.items if i.phase is None]
+    for phase in PHASES:
+        transients = [i for i in d.items if i.phase == phase]
+        if transients:
+            lines.append(_item(f"during {phase}:", d.phase_peak(phase), "peak = resident + these"))
+            lines += [_item(i.what, i.bytes, i.note, indent=4) for i in transients]
+    where = f" (during {d.peak_phase})" if d.peak_phase else ""
+    lines.append(_item(f"peak{where}", d.total, f"{d.fraction:.0%}  -> {d.verdict}"))
     return lines
 
 
