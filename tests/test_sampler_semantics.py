@@ -239,3 +239,26 @@ def test_vllm_records_what_hf_records(both, temperature, top_k, top_p):
         rollout = lab.generator.generate(both.hf.prompts.next_batch(4), 2, request)
         expected, _ = expected_logprobs(both.hf.learner.model, rollout, temperature, top_k, top_p)
         assert gap(rollout, expected) < 1e-4, lab.config.generator.backend
+
+
+def test_inverse_cdf_sampler_draws_from_the_softmax_and_never_a_filtered_token():
+    """The hf backend's token draw (InverseCdfSampler): the empirical frequencies of 200k draws match
+    softmax(scores) (chi-square, 9 degrees of freedom, p > 0.001), -inf (filtered) tokens are never drawn, the
+    returned scores leave the drawn token as the only finite one, and inf/nan probabilities are refused."""
+    from grpo_lab.generation.hf import InverseCdfSampler
+
+    torch.manual_seed(0)
+    scores = torch.randn(1, 12) * 2
+    scores[0, [3, 7]] = float("-inf")                      # filtered by top-k/top-p
+    n = 200_000
+    out = InverseCdfSampler()(None, scores.expand(n, -1).contiguous())
+    assert (torch.isfinite(out).sum(dim=1) == 1).all() and (out.max(dim=1).values == 0).all()
+    drawn = torch.bincount(out.argmax(dim=1), minlength=12)
+    assert drawn[3] == 0 and drawn[7] == 0
+    probs = torch.softmax(scores[0].double(), dim=-1)
+    keep = probs > 0
+    expected = probs[keep] * n
+    chi2 = ((drawn[keep].double() - expected) ** 2 / expected).sum().item()
+    assert chi2 < 27.88, chi2   # the chi-square distribution's 0.999 quantile at 9 degrees of freedom
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        InverseCdfSampler()(None, torch.full((2, 5), float("nan")))

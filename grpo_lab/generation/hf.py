@@ -48,10 +48,10 @@ class HFGenerator(Generator):
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        sample = request.temperature > 0
-        settings = GenerationConfig(   # top_k 0 only when sampling: greedy never reads it, and warns about a 0
-            max_new_tokens=request.max_completion_length, do_sample=sample, **NEUTRAL, top_k=0 if sample else None,
-            eos_token_id=self.eos_token_ids, pad_token_id=tok.pad_token_id, use_cache=True)
+        # why generate() picks greedily even when sampling: InverseCdfSampler draws the token and leaves it the only
+        # finite score (torch.multinomial's CPU path spent 68% of a rollout at Qwen2.5's vocabulary on exponentials)
+        settings = GenerationConfig(max_new_tokens=request.max_completion_length, do_sample=False, **NEUTRAL,
+                                    eos_token_id=self.eos_token_ids, pad_token_id=tok.pad_token_id, use_cache=True)
         recorder = SampledLogprobs()
         was_training = model.training
         model.eval()  # why: gradient checkpointing is off in eval mode, so the KV cache is used
@@ -62,9 +62,9 @@ class HFGenerator(Generator):
             sequences = model.generate(input_ids=input_ids.to(self.learner.device),
                                        attention_mask=attention.to(self.learner.device), generation_config=settings,
                                        logits_processor=LogitsProcessorList([*sampling_processors(request), recorder,
-                                                                             *self._heap_trim()]))
+                                                                             *sampler(request), *self._heap_trim()]))
         except RuntimeError as err:
-            if "probability tensor contains" not in str(err):   # torch.multinomial on inf/nan probabilities
+            if "probability tensor contains" not in str(err):   # InverseCdfSampler on inf/nan probabilities
                 raise
             raise LabError("rollout: the policy's next-token probabilities are inf/nan, so nothing can be sampled; "
                            "the LoRA weights diverged (lower grpo.learning_rate or grpo.max_grad_norm) or the model "
@@ -102,6 +102,29 @@ def sampling_processors(request: GenerationRequest) -> list:
     if request.top_p < 1:
         processors.append(TopPLogitsWarper(request.top_p))
     return processors
+
+
+def sampler(request: GenerationRequest) -> list:
+    """The token choice: InverseCdfSampler when sampling; greedy needs none (generate() takes the argmax)."""
+    return [InverseCdfSampler()] if request.temperature > 0 else []
+
+
+class InverseCdfSampler:
+    """A logits processor that draws each sequence's next token from softmax(scores) by inverting its CDF with one
+    uniform draw (float64 cumulative sums: exact to double precision; a token of probability 0, i.e. filtered by
+    top-k/top-p, is never drawn), then returns scores whose only finite entry is that token, so generate()'s
+    greedy choice takes it. One uniform per sequence instead of torch.multinomial's vocabulary-sized exponential
+    draw: 21.7 ms of 32 per decoding step at 8 x 151,936 on the CPU (torch 2.13). Same distribution, another
+    random stream: tokens for a given seed differ from multinomial's."""
+
+    def __call__(self, input_ids, scores):
+        cdf = torch.softmax(scores.double(), dim=-1).cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        if not torch.isfinite(total).all() or (total <= 0).any():
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        u = torch.rand(total.shape, dtype=torch.float64, device=scores.device) * total
+        token = torch.searchsorted(cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)   # first cdf > u: p > 0
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
 
 
 class SampledLogprobs:
