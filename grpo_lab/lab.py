@@ -212,6 +212,11 @@ class Lab:
         if self.learner is None:
             raise LabError("the lab is not loaded; call lab.load() first")
 
+    @property
+    def _on_cuda(self) -> bool:
+        """Whether the learner computes on a GPU (phases then get NVTX ranges too)."""
+        return self.learner is not None and self.learner.device.type == "cuda"
+
     # --- the step lifecycle ---
     @property
     def step_index(self) -> int:
@@ -240,6 +245,7 @@ class Lab:
         out-of-memory error becomes a one-line LabError naming phase and device."""
         from .memory.heap import trim_host_heap
         from .memory.oom import as_lab_error, is_oom, release_memory
+        from .profiling import phase_range
         from .memory.sampler import HostMemoryExceeded
 
         self._require_loaded()
@@ -250,7 +256,7 @@ class Lab:
             check_order(self._step, name, self.config.grpo.num_iterations, **inputs)   # a refusal changes nothing
             trim_host_heap()   # why: a phase starts from live host memory, not the heap holes earlier phases left
             try:
-                with self.timeline.phase(name, self.step_index):
+                with self.timeline.phase(name, self.step_index), phase_range(name, self._on_cuda):
                     yield
             except BaseException as err:
                 undone = self._failed(name)

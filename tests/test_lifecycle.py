@@ -170,3 +170,22 @@ def test_the_rollback_snapshot_is_taken_inside_the_optimizer_phase(loaded_lab, m
     assert lab.current.snapshot is not None         # the step's snapshot, while the step is open...
     lab.sync()
     assert lab.current.snapshot is None             # ...dropped when it ends
+
+
+def test_a_profiler_trace_of_one_step_names_every_phase(loaded_lab, tmp_path):
+    """Each phase is a torch.profiler range (grpo_lab.<phase>): a trace of lab.step() shows GRPO phases by name,
+    in the exported Chrome trace too."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo_lab.phases import PHASE_NAMES
+
+    lab = loaded_lab()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        lab.step()
+    names = {e.name for e in prof.events()}
+    assert {f"grpo_lab.{p}" for p in PHASE_NAMES} <= names, sorted(n for n in names if n.startswith("grpo_lab"))
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    traced = {e.get("name") for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]}
+    assert {f"grpo_lab.{p}" for p in PHASE_NAMES} <= traced
