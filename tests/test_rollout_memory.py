@@ -1,4 +1,4 @@
-"""The hf rollout on a large vocabulary holds one step: no allocation bigger than one decoding step's logits.
+"""The hf rollout on a large vocabulary holds one step: no allocation bigger than one decoding step's [n, vocab].
 
 Found on Qwen2.5's vocabulary: transformers' prefill scores `hidden[:, -1:, :]`, a strided view; torch's
 bfloat16 matmul on the CPU cannot fold it and materialises the LM head broadcast over the batch
@@ -41,6 +41,6 @@ def test_rollout_allocates_nothing_larger_than_one_steps_logits(wide_vocab_model
         largest = largest_allocation(lab.rollout)
     finally:
         lab.close()
-    step_logits = n * VOCAB * 4   # one decoding step's [n, vocab] scores in float32
-    assert largest <= step_logits * 1.05, f"largest rollout allocation {largest / 2**20:.1f} MiB > one step's " \
-                                          f"logits {step_logits / 2**20:.1f} MiB"
+    step_cdf = n * VOCAB * 8   # one decoding step's [n, vocab] CDF in float64 (the sampler's), the largest buffer
+    assert largest <= step_cdf * 1.05, f"largest rollout allocation {largest / 2**20:.1f} MiB > one step's " \
+                                       f"[n, vocab] float64 CDF {step_cdf / 2**20:.1f} MiB"

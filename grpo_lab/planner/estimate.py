@@ -138,9 +138,9 @@ def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False) -> dict[str, 
 
 
 def generation_step_bytes(shape: ModelShape, cfg, sequences: int) -> float:
-    """One decoding step's scores: the compute-dtype logits, their float32 copy, the sampler log-softmax
-    grpo_lab records and the sampling softmax, each [sequences, vocab]."""
-    return sequences * shape.vocab * (compute_bytes(cfg) + 3 * 4)
+    """One decoding step's [sequences, vocab] buffers: the compute-dtype logits, their float32 copy, the sampler
+    log-softmax grpo_lab records, the sampling softmax and the sampler's float64 CDF and float32 scores."""
+    return sequences * shape.vocab * (compute_bytes(cfg) + 4 * 4 + 8)
 
 
 def kv_cache_bytes(shape: ModelShape, cfg, sequences: int) -> float:

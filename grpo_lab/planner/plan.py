@@ -136,7 +136,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         lrn.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences), f"{sequences} sequences per call",
                 phase="rollout")
         lrn.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
-                "one decoding step: logits, float32 copy, sampler log-softmax, softmax", phase="rollout")
+                "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF", phase="rollout")
     return devices, act["micro_batch"]
 
 
