@@ -361,3 +361,41 @@ def test_a_failed_load_stops_the_sampler_and_frees_what_it_loaded(tiny_config, m
     assert "\n" not in str(err.value)
     lab.close()
     assert len(samplers()) == before
+
+
+def test_gpu_ledger_from_a_recorded_cuda_sample_stream():
+    """Where GPU memory went, from recorded CudaProbe readings (the CUDA path cannot run in CI): torch's live
+    tensors, its cache (reserved - allocated) and what is not torch's (NVML used - reserved: a vLLM engine,
+    contexts, other processes), summarised per phase and named in an OOM's one line."""
+    from types import SimpleNamespace
+
+    from grpo_lab.memory.oom import as_lab_error
+    from grpo_lab.memory.probes import gpu_ledger
+
+    assert gpu_ledger(6 * MiB, 10 * MiB, 30 * MiB) == {"allocated": 6 * MiB, "reserved": 10 * MiB, "cached": 4 * MiB,
+                                                       "device_used": 30 * MiB, "not_torch": 20 * MiB}
+    assert gpu_ledger(6 * MiB, 10 * MiB, None) == {"allocated": 6 * MiB, "reserved": 10 * MiB, "cached": 4 * MiB}
+    recorded = [(1000, 2000, 9000), (5000, 6000, 13000), (3000, 6000, 13000)]   # MiB: allocated, reserved, NVML used
+
+    class RecordedCuda:
+        device = "cuda:0"
+
+        def __init__(self):
+            self.i = 0
+
+        def read(self):
+            allocated, reserved, used = (v * MiB for v in recorded[min(self.i, len(recorded) - 1)])
+            self.i += 1
+            return {**gpu_ledger(allocated, reserved, used), "peak": allocated, "total": 80_000 * MiB}
+
+    sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.99)
+    sampler.probes.append(RecordedCuda())
+    sampler.phase_started(0, "rollout")
+    sampler.read()
+    sampler.phase_ended(SimpleNamespace(step=0, phase="rollout"), None)
+    rows = {r["metric"]: r for r in sampler.phase_rows if r["device"] == "cuda:0"}
+    assert rows["not_torch"]["start"] == 7000 * MiB and rows["not_torch"]["peak"] == 7000 * MiB
+    assert rows["cached"]["start"] == 1000 * MiB and rows["cached"]["peak"] == 3000 * MiB   # the cache grew
+    assert rows["allocated"]["peak"] == 5000 * MiB
+    error = as_lab_error(torch.cuda.OutOfMemoryError("CUDA out of memory."), "backward", 0, "cuda:0", sampler)
+    assert "not_torch 7000 MiB" in str(error) and "cached 3000 MiB" in str(error)

@@ -46,7 +46,7 @@ def as_lab_error(err: BaseException, phase: str, step: int, default_device: str,
     at = ""
     if sampler is not None:
         now = sampler.latest(device)
-        figures = [f"{k} {v / MiB:.0f} MiB" for k, v in now.items() if k in ("rss", "used", "limit", "allocated", "reserved", "total")]
+        figures = [f"{k} {v / MiB:.0f} MiB" for k, v in now.items() if k in ("rss", "used", "limit", "allocated", "cached", "not_torch", "total")]
         at = f" ({', '.join(figures)})" if figures else ""
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     return OutOfMemory(f"out of memory in phase {phase!r} of step {step} on {device}{at}: {first}; "

@@ -104,6 +104,18 @@ class HostProbe:
         return {"rss": rss, "used": used, "limit": limit}
 
 
+def gpu_ledger(allocated: float, reserved: float, device_used: Optional[float]) -> dict[str, float]:
+    """Where a GPU's memory went: torch's live tensors (`allocated`), torch's cache of freed blocks and
+    fragmentation (`cached` = reserved - allocated) and everything that is not this process's torch allocator
+    (`not_torch` = NVML's device-wide used - reserved: a vLLM engine, CUDA contexts, NCCL buffers, other
+    processes). Without NVML the last is unknown and left out."""
+    out = {"allocated": allocated, "reserved": reserved, "cached": reserved - allocated}
+    if device_used is not None:
+        out["device_used"] = device_used
+        out["not_torch"] = max(0.0, device_used - reserved)   # why max: NVML and torch are read microseconds apart
+    return out
+
+
 class CudaProbe:
     """One placed GPU: torch allocator figures for this process and NVML's device-wide used memory."""
 
@@ -118,13 +130,13 @@ class CudaProbe:
 
     def read(self) -> dict[str, float]:
         cuda = self.torch.cuda
-        out = {"allocated": cuda.memory_allocated(self.index), "reserved": cuda.memory_reserved(self.index),
-               "peak": cuda.max_memory_allocated(self.index), "total": self.total}
+        used = None
         if self.nvml is not None:
             import pynvml
 
-            out["device_used"] = pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used
-        return out
+            used = pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used
+        out = gpu_ledger(cuda.memory_allocated(self.index), cuda.memory_reserved(self.index), used)
+        return {**out, "peak": cuda.max_memory_allocated(self.index), "total": self.total}
 
     def reset_peak(self) -> None:
         self.torch.cuda.reset_peak_memory_stats(self.index)

@@ -11,7 +11,7 @@ from ..phases import COLOURS
 from .probes import MiB
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
-TIMELINE_METRICS = {"rss", "used", "allocated", "reserved", "device_used"}
+TIMELINE_METRICS = {"rss", "used", "allocated", "reserved", "device_used", "not_torch"}
 
 
 class CsvStream:

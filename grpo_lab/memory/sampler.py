@@ -18,7 +18,7 @@ from ..errors import LabError
 from .probes import MiB, probes_for
 
 # metrics summarised per phase (the others are still sampled and written to memory.csv)
-SUMMARY_METRICS = {"host": ("rss", "used"), "cuda": ("allocated", "reserved", "device_used")}
+SUMMARY_METRICS = {"host": ("rss", "used"), "cuda": ("allocated", "reserved", "cached", "device_used", "not_torch")}
 
 
 class HostMemoryExceeded(LabError):
