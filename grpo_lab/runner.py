@@ -163,6 +163,6 @@ def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: 
     finally:
         samples.flush()
         title = f"grpo_lab run {run_dir}" + (f" (resumed at step {start}: the timeline shows steps {start}-)" if resumed else "")
-        write_report(run_dir / "report.html", lab.memory, earlier + lab.history, title=title)
+        write_report(run_dir / "report.html", lab.memory, earlier + lab.history, title=title, config=config.to_dict())
         lab.close()
     return run_dir

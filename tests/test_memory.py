@@ -26,7 +26,7 @@ def test_three_step_run_writes_csv_report_and_phase_tables(tiny_config, tmp_path
     assert {r["phase"] for r in rows} >= set(PHASES) and {r["device"] for r in rows} == {"host"}
     assert {r["step"] for r in rows} >= {"0", "1", "2"} and all(int(r["bytes"]) > 0 for r in rows)
     report = (out / "report.html").read_text()
-    assert "Memory timeline" in report and "Per-phase peak memory" in report and "plotly" in report
+    assert "Memory timeline" in report and "peak above each phase" in report and "plotly" in report
     for line in (out / "metrics.jsonl").read_text().splitlines():
         table = json.loads(line)["memory"]
         assert {r["phase"] for r in table} == set(PHASES)

@@ -1,5 +1,6 @@
-"""Run reports: DIR/memory.csv (every sample, with step and phase) and a self-contained
-DIR/report.html (memory timeline with phase bands, per-phase peaks per step, reward and loss)."""
+"""Run reports: DIR/memory.csv (every sample, with step and phase) and a self-contained DIR/report.html
+(a summary of what peaked where and when, the memory timeline, a phase x step heatmap per device, reward
+and loss, the per-phase table; figures.py draws them)."""
 from __future__ import annotations
 
 import csv
@@ -7,11 +8,10 @@ import io
 from pathlib import Path
 
 from ..io import atomic_write_text
-from ..phases import COLOURS
+from .figures import TIMELINE_METRICS, heatmap_figure, primary_metric, timeline_figure, training_figure  # noqa: F401
 from .probes import MiB
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
-TIMELINE_METRICS = {"rss", "used", "allocated", "reserved", "device_used", "not_torch"}
 
 
 class CsvStream:
@@ -45,55 +45,6 @@ def _rows_before(path: Path, step: int) -> list[list[str]]:
     return [r for r in rows if len(r) == len(CSV_HEADER) and r[1].isdigit() and int(r[1]) < step and r[5].isdigit()]
 
 
-def timeline_figure(samples, marks, limits: dict | None = None):
-    """Memory over time, one line per device and metric, phases as shaded bands."""
-    import plotly.graph_objects as go
-
-    series: dict[tuple, tuple[list, list]] = {}
-    for t, _, _, device, metric, value in samples:
-        if metric in TIMELINE_METRICS:
-            xs, ys = series.setdefault((device, metric), ([], []))
-            xs.append(t)
-            ys.append(value / MiB)
-    fig = go.Figure()
-    for (device, metric), (xs, ys) in series.items():
-        fig.add_trace(go.Scattergl(x=xs, y=ys, mode="lines", name=f"{device} {metric}"))
-    for step, phase, start, end in marks:
-        fig.add_vrect(x0=start, x1=end, fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12, line_width=0)
-    for name, mib in (limits or {}).items():
-        fig.add_hline(y=mib, line_dash="dash", annotation_text=name, annotation_position="top left")
-    fig.update_layout(title="Memory timeline (MiB); bands: " + ", ".join(COLOURS), xaxis_title="seconds",
-                      yaxis_title="MiB", height=420, margin=dict(t=50, l=50, r=20, b=40))
-    return fig
-
-
-def phase_peaks_figure(rows):
-    """Peak of each phase per step, one line per phase x device x metric."""
-    import plotly.graph_objects as go
-
-    series: dict[tuple, tuple[list, list]] = {}
-    for r in rows:
-        xs, ys = series.setdefault((r["phase"], r["device"], r["metric"]), ([], []))
-        xs.append(r["step"])
-        ys.append(r["peak"] / MiB)
-    fig = go.Figure([go.Scatter(x=xs, y=ys, mode="lines+markers", name=" ".join(key))
-                     for key, (xs, ys) in series.items()])
-    fig.update_layout(title="Per-phase peak memory per step (MiB)", xaxis_title="step", yaxis_title="MiB", height=380)
-    return fig
-
-
-def training_figure(history):
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    steps = [r.step for r in history]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("reward (mean)", "loss"))
-    fig.add_trace(go.Scatter(x=steps, y=[r.reward_mean for r in history], name="reward"), 1, 1)
-    fig.add_trace(go.Scatter(x=steps, y=[r.loss for r in history], name="loss"), 1, 2)
-    fig.update_layout(height=320, showlegend=False)
-    return fig
-
-
 def host_limits(sampler) -> dict[str, float]:
     """Capacity and threshold lines for the plots (MiB)."""
     host = sampler.latest("host")
@@ -104,23 +55,73 @@ def host_limits(sampler) -> dict[str, float]:
     return limits
 
 
-def write_report(path: Path, sampler, history, title: str = "grpo_lab run") -> Path:
-    """A self-contained HTML file (plotly.js inlined once)."""
+def device_summary(rows, capacities: dict[str, float]) -> list[dict]:
+    """Per device: its peak (primary metric), the phase and step it happened in, capacity and headroom (bytes)."""
+    out = []
+    for device in dict.fromkeys(r["device"] for r in rows):
+        mine = [r for r in rows if r["device"] == device and not r.get("failed_attempt")]
+        metric = primary_metric(device, {r["metric"] for r in mine})
+        top = max((r for r in mine if r["metric"] == metric), key=lambda r: r["peak"], default=None)
+        if top is None:
+            continue
+        capacity = capacities.get(device)
+        out.append({"device": device, "metric": metric, "peak": top["peak"], "phase": top["phase"], "step": top["step"],
+                    "capacity": capacity, "headroom": None if capacity is None else capacity - top["peak"]})
+    return out
+
+
+def _summary_html(summary: list[dict], leaks: list[str]) -> str:
+    import html
+
+    lines = []
+    for d in summary:
+        cap = (f" of {d['capacity'] / MiB:,.0f} MiB ({d['peak'] / d['capacity']:.0%}; headroom "
+               f"{d['headroom'] / MiB:,.0f} MiB)" if d["capacity"] else "")
+        lines.append(f"<li class='peak'><b>{html.escape(d['device'])}</b>: peak {d['peak'] / MiB:,.0f} MiB "
+                     f"({html.escape(d['metric'])}){cap}, in phase <b>{html.escape(d['phase'])}</b> of step "
+                     f"<b>{d['step']}</b></li>")
+    verdict = (f"after-step memory kept rising on {', '.join(leaks)}" if leaks else "no device flagged")
+    lines.append(f"<li class='leaks'><b>Leak detector</b>: {html.escape(verdict)}</li>")
+    return "<ul class='summary'>" + "".join(lines) + "</ul>"
+
+
+def _table_html(rows) -> str:
+    """The per-phase rows as an HTML table, MiB."""
+    head = "".join(f"<th>{h}</th>" for h in ("phase", "device", "metric", "start", "peak", "end", "delta"))
+    body = "".join(
+        f"<tr><td>{r['phase']}</td><td>{r['device']}</td><td>{r['metric']}</td>"
+        + "".join(f"<td style='text-align:right'>{r[k] / MiB:,.1f}</td>" for k in ("start", "peak", "end", "delta"))
+        + "</tr>" for r in rows)
+    return f"<table class='phases' border='1' cellspacing='0' cellpadding='3'><tr>{head}</tr>{body}</table>"
+
+
+def capacities_of(sampler) -> dict[str, float]:
+    host = sampler.latest("host")
+    out = {"host": host["limit"]} if host.get("limit") else {}
+    out.update({probe.device: probe.total for probe in sampler.probes[1:]})
+    return out
+
+
+def write_report(path: Path, sampler, history, title: str = "grpo_lab run", config: dict | None = None) -> Path:
+    """A self-contained HTML file (plotly.js inlined once): the summary first (per device: peak, where and when,
+    headroom; the leak verdict; the config), then the timeline, a heatmap per device, reward/loss and the table."""
     import html
 
     import plotly.io as pio
+    import yaml
 
-    from .sampler import format_table
-
-    figures = [timeline_figure(list(sampler.samples), sampler.marks, host_limits(sampler)),
-               phase_peaks_figure(sampler.phase_rows)]
+    rows = [r for r in sampler.phase_rows]
+    figures = [timeline_figure(list(sampler.samples), sampler.marks, host_limits(sampler))]
+    figures += [heatmap_figure(rows, device) for device in dict.fromkeys(r["device"] for r in rows)]
     if history:
         figures.append(training_figure(history))
     parts = [pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     leaks = sorted({d for r in history for d in r.leaks})
-    leak_line = (f"<p><b>Leak detector:</b> after-step memory kept rising on {', '.join(leaks)}.</p>" if leaks
-                 else "<p><b>Leak detector:</b> no device flagged.</p>")
-    last = f"<h2>Per-phase memory, step {history[-1].step} (MiB)</h2><pre>{html.escape(format_table(history[-1].memory))}</pre>" if history else ""
-    body = f"<h1>{html.escape(title)}</h1>{leak_line}" + "".join(parts) + last
+    summary = _summary_html(device_summary(rows, capacities_of(sampler)), leaks)
+    settings = (f"<details><summary>config</summary><pre>{html.escape(yaml.safe_dump(config, sort_keys=False))}"
+                "</pre></details>" if config else "")
+    last = (f"<h2>Per-phase memory, step {history[-1].step} (MiB)</h2>{_table_html(history[-1].memory)}"
+            if history else "")
+    body = f"<h1>{html.escape(title)}</h1>{summary}{settings}" + "".join(parts) + last
     return atomic_write_text(path, f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                                    f"</head><body style='font-family:sans-serif'>{body}</body></html>")

@@ -1,0 +1,73 @@
+"""report.html read as a user reads it, in headless Chromium (screenshots kept in .artifacts/report/): the
+summary names the peak's device, phase and step; the phase bands are labelled; a far-off limit does not
+stretch the memory axis; the per-phase table is a real table. Plus the pure parts, on recorded rows."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from grpo_lab.cli import main
+from grpo_lab.memory.figures import timeline_figure
+from grpo_lab.memory.probes import MiB
+from grpo_lab.memory.report import device_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("GRPO_LAB_ARTIFACTS", ROOT / ".artifacts")) / "report"
+
+
+def test_summary_names_each_devices_peak_phase_step_and_headroom():
+    rows = [{"step": s, "phase": p, "device": d, "metric": m, "start": 0, "peak": v * MiB}
+            for s, p, d, m, v in [(0, "rollout", "host", "rss", 500), (1, "backward", "host", "rss", 700),
+                                  (1, "backward", "host", "used", 9000), (0, "rollout", "cuda:0", "reserved", 30_000),
+                                  (0, "rollout", "cuda:0", "device_used", 41_000), (1, "backward", "cuda:0", "device_used", 38_000)]]
+    summary = {d["device"]: d for d in device_summary(rows, {"host": 24_000 * MiB, "cuda:0": 40_960 * MiB})}
+    assert (summary["host"]["phase"], summary["host"]["step"], summary["host"]["peak"]) == ("backward", 1, 700 * MiB)
+    assert summary["host"]["metric"] == "rss" and summary["host"]["headroom"] == 23_300 * MiB
+    gpu = summary["cuda:0"]   # NVML's device-wide used: what runs out (a vLLM engine beside the learner counts)
+    assert (gpu["metric"], gpu["phase"], gpu["step"], gpu["headroom"]) == ("device_used", "rollout", 0, -40 * MiB)
+
+
+def test_a_far_limit_is_named_not_drawn_and_a_near_one_is_drawn():
+    samples = [(t, 0, "rollout", "host", "rss", (500 + t) * MiB) for t in range(10)]
+    marks = [(0, "rollout", 0.0, 6.0), (0, "backward", 6.0, 9.0)]
+    fig = timeline_figure(samples, marks, {"host limit": 24_000.0, "host threshold 95%": 520.0})
+    assert fig.layout.yaxis.range[1] < 600                          # not stretched to 24 GB
+    texts = [a.text for a in fig.layout.annotations]
+    assert any("off the scale: host limit: 24,000 MiB" in t for t in texts)
+    assert [s.y0 for s in fig.layout.shapes if s.type == "line" and s.y0 == s.y1] == [520.0]
+    assert {"rollout", "backward", "step 0"} <= set(texts)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")
+def test_report_in_a_real_browser(tiny_model, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    out = tmp_path / "run"
+    assert main(["run", "tiny-cpu", "--steps", "2", "--out", str(out), "--set", "memory.sample_hz=50"]) == 0
+    rows = [r for line in (out / "metrics.jsonl").read_text().splitlines() for r in json.loads(line)["memory"]]
+    top = max((r for r in rows if r["device"] == "host" and r["metric"] == "rss"), key=lambda r: r["peak"])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        page.goto((out / "report.html").as_uri())
+        page.wait_for_selector(".main-svg")
+        page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+        summary = page.locator("ul.summary li.peak").first.inner_text()
+        assert summary.startswith("host: peak") and f"in phase {top['phase']} of step {top['step']}" in summary
+        assert "headroom" in summary and "Leak detector" in page.locator("ul.summary").inner_text()
+        labels = page.locator(".js-plotly-plot").first.locator(".annotation-text").evaluate_all(
+            "texts => texts.map(t => t.textContent)")   # SVG text: no innerText
+        assert "rollout" in labels and "step 0" in labels and "step 1" in labels
+        y_top = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].layout.yaxis.range[1]")
+        assert y_top < 2 * max(r["peak"] for r in rows if r["device"] == "host") / MiB   # the 24 GB limit is named, not drawn
+        assert any("off the scale" in t for t in labels)
+        assert page.locator("table.phases tr").count() == 1 + sum(1 for r in rows if r["step"] == 1)
+        assert page.locator(".js-plotly-plot").count() == 3   # timeline, host heatmap, reward/loss
+        browser.close()
