@@ -236,6 +236,8 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     assert sum(s.type == "rect" for s in shapes) == 7             # one band per phase of the step
     limits = [a.text for a in plot.fig.layout.annotations] + [plot.fig.layout.title.text]
     assert any("threshold" in text for text in limits)            # drawn, or named in the title when off scale
+    labels = {a.text for a in plot.fig.layout.annotations}
+    assert {"rollout", "step 0"} <= labels                        # bands are named where they are wide enough
     lab.close()
     assert plot._thread is None
 

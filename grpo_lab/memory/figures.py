@@ -18,6 +18,30 @@ def primary_metric(device: str, metrics) -> str:
     return "device_used" if "device_used" in metrics else "reserved"
 
 
+def band_labels(marks) -> list[dict]:
+    """Annotations naming each phase band wide enough to hold a label, and each step where it starts."""
+    span = max((end for *_, end in marks), default=1.0) - min((start for _, _, start, _ in marks), default=0.0)
+    out, seen = [], set()
+    for step, phase, start, end in marks:
+        if span and (end - start) / span >= MIN_LABELLED:
+            out.append(dict(x=(start + end) / 2, y=1.0, yref="paper", text=phase, showarrow=False, textangle=-90,
+                            yanchor="top", font=dict(size=10), name="band-label"))
+        if step not in seen:
+            seen.add(step)
+            out.append(dict(x=start, y=0, yref="paper", text=f"step {step}", showarrow=False, xanchor="left",
+                            yanchor="bottom", font=dict(size=10, color="#444"), name="step-label"))
+    return out
+
+
+def step_separators(marks) -> list[dict]:
+    """A dotted vertical line where each step's first phase starts."""
+    firsts = {}
+    for step, _, start, _ in marks:
+        firsts.setdefault(step, start)
+    return [dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
+                 line=dict(dash="dot", color="#666", width=1)) for x in firsts.values()]
+
+
 def timeline_figure(samples, marks, limits: dict | None = None):
     """Memory over time, one line per device and metric; phases as labelled bands, steps separated."""
     import plotly.graph_objects as go
@@ -32,18 +56,12 @@ def timeline_figure(samples, marks, limits: dict | None = None):
     for (device, metric), (xs, ys) in series.items():
         fig.add_trace(go.Scattergl(x=xs, y=ys, mode="lines", name=f"{device} {metric}"))
     top = max((max(ys) for _, ys in series.values() if ys), default=1.0)
-    span = max((end for *_, end in marks), default=1.0) - min((start for _, _, start, _ in marks), default=0.0)
-    seen_steps = set()
-    for step, phase, start, end in marks:
+    for _, phase, start, end in marks:
         fig.add_vrect(x0=start, x1=end, fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.15, line_width=0)
-        if span and (end - start) / span >= MIN_LABELLED:
-            fig.add_annotation(x=(start + end) / 2, y=1.0, yref="paper", text=phase, showarrow=False,
-                               textangle=-90, yanchor="top", font=dict(size=10), name="band-label")
-        if step not in seen_steps:
-            seen_steps.add(step)
-            fig.add_vline(x=start, line_dash="dot", line_color="#666", line_width=1)
-            fig.add_annotation(x=start, y=0, yref="paper", text=f"step {step}", showarrow=False, xanchor="left",
-                               yanchor="bottom", font=dict(size=10, color="#444"), name="step-label")
+    for shape in step_separators(marks):
+        fig.add_shape(shape)
+    for label in band_labels(marks):
+        fig.add_annotation(label)
     far = []
     for name, mib in (limits or {}).items():
         if mib <= FAR * top:

@@ -15,7 +15,8 @@ from typing import Optional
 
 from .probes import MiB
 from ..phases import COLOURS
-from .report import TIMELINE_METRICS, host_limits
+from .figures import TIMELINE_METRICS, band_labels, step_separators
+from .report import host_limits
 
 
 def _needs_notebook_extra():
@@ -95,9 +96,10 @@ class LivePlot:
         return near
 
     def _shapes(self) -> list[dict]:
+        marks = self.sampler.marks[-self.max_bands:]
         bands = [dict(type="rect", xref="x", yref="paper", x0=start, x1=end, y0=0, y1=1, line_width=0,
-                      fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12)
-                 for _, phase, start, end in self.sampler.marks[-self.max_bands:]]
+                      fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12) for _, phase, start, end in marks]
+        bands += step_separators(marks)
         lines = [dict(type="line", xref="paper", yref="y", x0=0, x1=1, y0=mib, y1=mib,
                       line=dict(dash="dash", width=1, color="#888"), name=name)
                  for name, mib in self._near.items()]
@@ -126,7 +128,8 @@ class LivePlot:
                 self.fig.layout.shapes = shapes
                 self.fig.layout.annotations = [dict(xref="paper", x=0, y=line["y0"], yref="y", text=line["name"],
                                                     showarrow=False, xanchor="left", yanchor="bottom", font=dict(size=10))
-                                               for line in shapes if line["type"] == "line"]
+                                               for line in shapes if line["type"] == "line" and "name" in line
+                                               ] + band_labels(self.sampler.marks[-self.max_bands:])
         self.refreshes += 1
 
     def start(self) -> "LivePlot":
