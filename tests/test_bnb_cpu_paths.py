@@ -41,9 +41,20 @@ def lora_state(lab):
     return {n: p.detach().clone() for n, p in lab.learner.model.named_parameters() if "lora_" in n}
 
 
-def train_and_check(lab, rollout, logprobs):
+def varied_rollout(lab):
+    """A rollout whose rewards differ: with equal rewards every advantage, and so the gradient, is 0 (the
+    rollout restarts freely before the step's first update)."""
+    for _ in range(10):
+        rollout = lab.rollout()
+        rewards = lab.rewards(rollout)
+        if rewards.total.std() > 0:
+            return rollout, rewards
+    pytest.fail("ten rollouts in a row got equal rewards")
+
+
+def train_and_check(lab, rollout, rewards, logprobs):
     before = lora_state(lab)
-    stats = lab.backward(rollout, lab.advantages(lab.rewards(rollout)), logprobs)
+    stats = lab.backward(rollout, lab.advantages(rewards), logprobs)
     grad_norm = lab.optimizer()
     lab.sync()                                   # the step's last phase: the next rollout starts the next step
     assert math.isfinite(stats.loss) and math.isfinite(grad_norm) and grad_norm > 0
@@ -62,17 +73,17 @@ def test_flag_reaches_the_layers(cpu_flag, loaded_lab):
 def test_hf_rollout_then_training_step(cpu_flag, loaded_lab):
     lab = loaded_lab(grpo={"beta": 0.0})
     for _ in range(2):   # any number of eval/no-grad forwards, each followed by a training step
-        rollout = lab.rollout()
+        rollout, rewards = varied_rollout(lab)
         assert_training_layout(lab.learner.model)
-        train_and_check(lab, rollout, lab.logprobs(rollout))
+        train_and_check(lab, rollout, rewards, lab.logprobs(rollout))
 
 
 def test_adapter_disabled_reference_then_training_step(cpu_flag, loaded_lab):
     lab = loaded_lab(grpo={"beta": 0.04}, reference={"strategy": "adapter-disabled"})
-    rollout = lab.rollout()
+    rollout, rewards = varied_rollout(lab)
     logprobs = lab.logprobs(rollout)          # the reference pass: no grad, adapter off
     assert logprobs.ref is not None
-    train_and_check(lab, rollout, logprobs)
+    train_and_check(lab, rollout, rewards, logprobs)
 
 
 def test_whole_steps_with_old_logprobs(cpu_flag, loaded_lab):
