@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 MiB = 1024 ** 2
-PHASES = ("rollout", "backward")
+PHASES = ("rollout", "logprobs", "backward")
 CASES = [
     ("tiny-cpu", []),
     ("tiny-cpu", ["grpo.micro_batch_size=8", "generator.max_completion_length=128"]),
