@@ -95,15 +95,19 @@ class LivePlot:
         self.fig.layout.title.text = "Live memory (MiB)" + (f"  ·  off scale: {', '.join(far)}" if far else "")
         return near
 
-    def _shapes(self) -> list[dict]:
-        marks = self.sampler.marks[-self.max_bands:]
+    def _shapes(self, marks) -> list[dict]:
         bands = [dict(type="rect", xref="x", yref="paper", x0=start, x1=end, y0=0, y1=1, line_width=0,
                       fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12) for _, phase, start, end in marks]
-        bands += step_separators(marks)
         lines = [dict(type="line", xref="paper", yref="y", x0=0, x1=1, y0=mib, y1=mib,
                       line=dict(dash="dash", width=1, color="#888"), name=name)
                  for name, mib in self._near.items()]
-        return bands + lines
+        return bands + step_separators(marks) + lines
+
+    def _annotations(self, marks) -> list[dict]:
+        """The drawn limit lines' names, then the phase and step labels."""
+        names = [dict(xref="paper", x=0, y=mib, yref="y", text=name, showarrow=False, xanchor="left",
+                      yanchor="bottom", font=dict(size=10)) for name, mib in self._near.items()]
+        return names + band_labels(marks)
 
     def refresh(self) -> None:
         """Redraw from the sampler's buffer (called by the renderer thread, or by hand)."""
@@ -124,12 +128,9 @@ class LivePlot:
             if len(self.sampler.marks) != self._marks_drawn or near.keys() != self._near.keys():
                 # why only then: validating shapes is the costly part of a redraw
                 self._marks_drawn, self._near = len(self.sampler.marks), near
-                shapes = self._shapes()
-                self.fig.layout.shapes = shapes
-                self.fig.layout.annotations = [dict(xref="paper", x=0, y=line["y0"], yref="y", text=line["name"],
-                                                    showarrow=False, xanchor="left", yanchor="bottom", font=dict(size=10))
-                                               for line in shapes if line["type"] == "line" and "name" in line
-                                               ] + band_labels(self.sampler.marks[-self.max_bands:])
+                marks = self.sampler.marks[-self.max_bands:]
+                self.fig.layout.shapes = self._shapes(marks)
+                self.fig.layout.annotations = self._annotations(marks)
         self.refreshes += 1
 
     def start(self) -> "LivePlot":

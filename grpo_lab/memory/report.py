@@ -8,7 +8,7 @@ import io
 from pathlib import Path
 
 from ..io import atomic_write_text
-from .figures import TIMELINE_METRICS, heatmap_figure, primary_metric, timeline_figure, training_figure  # noqa: F401
+from .figures import heatmap_figure, primary_metric, timeline_figure, training_figure
 from .probes import MiB
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
@@ -45,13 +45,23 @@ def _rows_before(path: Path, step: int) -> list[list[str]]:
     return [r for r in rows if len(r) == len(CSV_HEADER) and r[1].isdigit() and int(r[1]) < step and r[5].isdigit()]
 
 
+def capacities_of(sampler) -> dict[str, float]:
+    """Each sampled device's capacity (bytes): the host's limit (cgroup or RAM), each GPU's total."""
+    host = sampler.latest("host")
+    out = {"host": host["limit"]} if host.get("limit") else {}
+    out.update({probe.device: probe.total for probe in sampler.probes[1:]})
+    return out
+
+
 def host_limits(sampler) -> dict[str, float]:
     """Capacity and threshold lines for the plots (MiB)."""
-    host = sampler.latest("host")
-    limits = {"host limit": host["limit"] / MiB, f"host threshold {sampler.host_threshold:.0%}":
-              host["limit"] * sampler.host_threshold / MiB}
-    for probe in sampler.probes[1:]:
-        limits[f"{probe.device} capacity"] = probe.total / MiB
+    limits = {}
+    for device, capacity in capacities_of(sampler).items():
+        if device == "host":
+            limits["host limit"] = capacity / MiB
+            limits[f"host threshold {sampler.host_threshold:.0%}"] = capacity * sampler.host_threshold / MiB
+        else:
+            limits[f"{device} capacity"] = capacity / MiB
     return limits
 
 
@@ -95,13 +105,6 @@ def _table_html(rows) -> str:
     return f"<table class='phases' border='1' cellspacing='0' cellpadding='3'><tr>{head}</tr>{body}</table>"
 
 
-def capacities_of(sampler) -> dict[str, float]:
-    host = sampler.latest("host")
-    out = {"host": host["limit"]} if host.get("limit") else {}
-    out.update({probe.device: probe.total for probe in sampler.probes[1:]})
-    return out
-
-
 def write_report(path: Path, sampler, history, title: str = "grpo_lab run", config: dict | None = None) -> Path:
     """A self-contained HTML file (plotly.js inlined once): the summary first (per device: peak, where and when,
     headroom; the leak verdict; the config), then the timeline, a heatmap per device, reward/loss and the table."""
@@ -110,7 +113,7 @@ def write_report(path: Path, sampler, history, title: str = "grpo_lab run", conf
     import plotly.io as pio
     import yaml
 
-    rows = [r for r in sampler.phase_rows]
+    rows = sampler.phase_rows
     figures = [timeline_figure(list(sampler.samples), sampler.marks, host_limits(sampler))]
     figures += [heatmap_figure(rows, device) for device in dict.fromkeys(r["device"] for r in rows)]
     if history:
