@@ -239,3 +239,18 @@ def test_the_chunked_log_prob_head_is_planned_one_chunk_at_a_time():
     assert with_ref[("log-prob head", "logprobs")] == items[("log-prob head", "backward")]
     _, trl = head("grpo.logprob_head=trl")   # TRL's kernel on the CPU: its torch fallback's tiles
     assert trl[("log-prob head", "backward")] > 8 * 2048 * 32768 * 2
+
+
+def test_a_reference_copy_on_another_device_is_planned_with_that_devices_head():
+    """TRL's head holds more tiles on the CPU (torch fallback) than on CUDA (Triton): a reference copy on the CPU
+    beside a GPU learner gets the CPU's figure for its log-prob pass, the learner's backward keeps CUDA's."""
+    from grpo_lab.planner.estimate import trl_head_bytes
+
+    cfg = load_config("qwen2.5-7b-nf4-24gb", ["grpo.logprob_head=trl", "grpo.beta=0.04", "reference.strategy=copy",
+                                              "reference.device=cpu"])
+    result = plan(cfg)
+    heads = {(d, i.phase): i.bytes for d, dev in result.devices.items() for i in dev.items if i.what == "log-prob head"}
+    shape = result.shape
+    rows = result.micro_batch * cfg.generator.max_completion_length
+    assert heads[("cuda:0", "backward")] == trl_head_bytes(rows, shape, 2, cfg.grpo.logprob_chunk_size, on_cpu=False)
+    assert heads[("host", "logprobs")] == trl_head_bytes(rows, shape, 2, cfg.grpo.logprob_chunk_size, on_cpu=True)

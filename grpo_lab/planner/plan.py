@@ -107,9 +107,11 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         ref.add("reference weights", weights, fmt)
     if cfg.grpo.beta > 0:   # why: the logprobs phase runs only for reference log-probs, without a graph
         ref = devices[_home(cfg.reference_device)] if cfg.reference_strategy == "copy" else lrn
-        ref.add("reference forward (no grad)", act["forward activations"], f"{shape_note}, one layer at a time",
+        ref_act = act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")   # its own kernel path
+        ref.add("reference forward (no grad)", ref_act["forward activations"], f"{shape_note}, one layer at a time",
                 phase="logprobs")
-        ref.add("log-prob head", act["log-prob head"], _head_note(cfg, shape, ref.device == "host"), phase="logprobs")
+        ref.add("log-prob head", ref_act["log-prob head"], _head_note(cfg, shape, ref.device == "host"),
+                phase="logprobs")
 
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     if gen.backend in OWN_WEIGHTS:
