@@ -3,7 +3,8 @@
 Why: a CPU rollout allocates and frees a few [sequences, vocab] buffers per decoding step (4.9 MB each at
 8 x Qwen2.5's vocabulary) among small long-lived ones (the growing KV cache, the sampled tokens). glibc
 serves them from its heap once its dynamic mmap threshold has risen, and the holes they leave fragment
-it: RSS climbed 56-573 MB above the rollout's start on the qwen2-152k preset, none of it live data.
+it: RSS climbed up to 558 MiB above the rollout's start on logits-heavy-cpu, none of it live data
+(bench/rollout_heap.py; trimmed, at most 153).
 malloc_trim(0) returns every free page, holes included (madvise), so RSS tracks what is alive.
 """
 from __future__ import annotations
