@@ -108,3 +108,12 @@ def test_logits_heavy_builtin_model_has_qwen25s_vocabulary(tmp_path, capsys):
     tok = AutoTokenizer.from_pretrained(tmp_path / "m")
     assert len(tok) < config["vocab_size"] and tok.decode([150000]) == ""
     assert capsys.readouterr().out.strip() == f"tiny model: {tmp_path / 'm'}"
+
+
+def test_tiny_with_an_unknown_model_is_one_line_naming_the_choices(capsys):
+    from grpo_lab.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["tiny", "--model", "qwen3-huge"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "'qwen3-huge'" in err and "qwen2-152k" in err and "tiny-qwen2" in err
