@@ -3,11 +3,12 @@ from .quant import quiet_bitsandbytes
 
 quiet_bitsandbytes()   # before anything imports bitsandbytes (README: CPU notes)
 
+from .comparison import compare
 from .config import LabConfig, load_config, save_config
 from .errors import ConfigError, LabError
 from .lab import Lab
 from .types import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult
 
-__all__ = ["Lab", "LabConfig", "load_config", "save_config", "LabError", "ConfigError", "StepResult",
+__all__ = ["Lab", "compare", "LabConfig", "load_config", "save_config", "LabError", "ConfigError", "StepResult",
            "Rollout", "Rewards", "Advantages", "LogProbs", "LossStats", "PromptBatch"]
 __version__ = "0.1.0"

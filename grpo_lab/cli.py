@@ -56,6 +56,14 @@ def _sweep(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from .comparison import compare
+
+    out = compare(args.runs, args.out)
+    print(f"compare page: open {out} in a browser (per-phase peaks per device, reward and loss, what differs)")
+    return 0
+
+
 def _tiny(args) -> int:
     from .paths import check_output_dir
     from .tiny import BUILTINS, build_tiny_model, builtin_path, ensure_tiny_model
@@ -99,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a swept parameter (repeatable)")
     p.add_argument("--out", required=True, help="sweep directory")
     p.set_defaults(func=_sweep)
+
+    p = sub.add_parser("compare", help="one HTML page overlaying runs' per-phase memory peaks and reward/loss curves, "
+                       "labelled by what differs in their configs")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories `grpo-lab run` wrote (two or more)")
+    p.add_argument("--out", default="compare.html", help="the HTML file to write (default: %(default)s)")
+    p.set_defaults(func=_compare)
 
     from .tiny import BUILTINS, TINY
 

@@ -1,5 +1,6 @@
 """Papermill sweeps: run a notebook once per grid point and collect, per run, the last step's
-metrics and the peak memory per device into DIR/summary.csv and a DIR/summary.html plot.
+metrics and the peak memory per device into DIR/summary.csv and a DIR/summary.html plot, which links to
+DIR/compare.html (comparison.py: the points' per-phase peaks and reward/loss curves side by side).
 
 A sweepable notebook has a cell tagged `parameters` that includes `results_path`, and ends
 with `lab.save_results(results_path)` when it is set. A grid point that fails (out of memory
@@ -17,6 +18,7 @@ from typing import Optional, Union
 
 import yaml
 
+from .comparison import RunRecord, compare
 from .errors import LabError
 from .memory.probes import MiB
 from .paths import check_output_dir
@@ -82,7 +84,7 @@ def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Pat
     if (out / "summary.csv").exists():
         raise LabError(f"--out: {str(out)!r} already holds a sweep; choose another directory")
     check_output_dir(out, "--out").mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, runs = [], []
     for values in itertools.product(*grid.values()):
         point = dict(zip(grid, values))
         name = point_name(notebook.stem, point)
@@ -102,11 +104,15 @@ def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Pat
             row.update({k: last[k] for k in ("step", "reward_mean", "loss", "step_seconds")})
         row.update(peaks(metrics))
         rows.append(row)
-    write_summary(out, rows, list(grid))
+        runs.append(RunRecord(name, {"parameters": point}, metrics, status="failed" if row["error"] else "finished",
+                              error=row["error"], label=", ".join(f"{k}={v}" for k, v in point.items())))
+    if len(runs) > 1:   # why first: the summary links to it
+        compare(runs, out / "compare.html", title=f"grpo_lab sweep of {notebook.name}: compare the points")
+    write_summary(out, rows, list(grid), linked=len(runs) > 1)
     return out
 
 
-def write_summary(out: Path, rows: list[dict], keys: list[str]) -> None:
+def write_summary(out: Path, rows: list[dict], keys: list[str], linked: bool = False) -> None:
     from .io import atomic_write_text
 
     columns = list(dict.fromkeys(k for r in rows for k in r))
@@ -115,11 +121,12 @@ def write_summary(out: Path, rows: list[dict], keys: list[str]) -> None:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(out / "summary.csv", buffer.getvalue())
-    atomic_write_text(out / "summary.html", summary_html(rows, keys))
+    atomic_write_text(out / "summary.html", summary_html(rows, keys, linked))
 
 
-def summary_html(rows: list[dict], keys: list[str]) -> str:
-    """Peak memory per device against the first swept parameter, a line per setting of the others."""
+def summary_html(rows: list[dict], keys: list[str], linked: bool = False) -> str:
+    """Peak memory per device against the first swept parameter, a line per setting of the others; with
+    `linked`, a link to the sweep's compare.html first."""
     import plotly.graph_objects as go
 
     x_key, others = keys[0], keys[1:]
@@ -137,4 +144,7 @@ def summary_html(rows: list[dict], keys: list[str]) -> str:
             fig.add_trace(go.Scatter(x=[p[0] if numeric else str(p[0]) for p in points], y=[p[1] for p in points],
                                      mode="lines+markers", name=label))
     fig.update_layout(title=f"Peak memory per device against {x_key}", xaxis_title=x_key, yaxis_title="peak MiB")
-    return fig.to_html(include_plotlyjs=True, full_html=True)
+    link = ("<p class='compare-link'><a href='compare.html'>Compare the points</a>: per-phase peaks per device, "
+            "reward and loss per step, labelled by their parameters</p>" if linked else "")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>grpo_lab sweep</title></head>"
+            f"<body style='font-family:sans-serif'>{link}{fig.to_html(include_plotlyjs=True, full_html=False)}</body></html>")

@@ -22,7 +22,11 @@ def test_two_by_two_sweep_summarises_peaks_per_device(tiny_model, tmp_path):
     assert len(rows) == 4 and {(r["micro_batch_size"], r["steps"]) for r in rows} == {("2", "1"), ("2", "2"), ("4", "1"), ("4", "2")}
     for r in rows:
         assert r["error"] == "" and float(r["peak_host_rss_mib"]) > 100 and (out / r["notebook"]).is_file()
-    assert "Peak memory per device against micro_batch_size" in (out / "summary.html").read_text()
+    summary = (out / "summary.html").read_text()
+    assert "Peak memory per device against micro_batch_size" in summary and "href='compare.html'" in summary
+    page = (out / "compare.html").read_text()   # every point, labelled by its parameters
+    assert all(f"micro_batch_size={m}, steps={s}" in page for m in (2, 4) for s in (1, 2))
+    assert "parameters.micro_batch_size" in page
 
 
 def test_bad_sweeps_are_refused_before_anything_runs(tmp_path):
@@ -74,3 +78,5 @@ def test_a_grid_point_whose_kernel_dies_is_a_row_and_numbers_sort_as_numbers(tmp
     html = (out / "summary.html").read_text()
     xs = json.loads(re.search(r'"x":(\[[^\]]*\])', html).group(1))
     assert xs == [1, 10], xs                      # numeric, in numeric order (x=2 has no peak: its kernel died)
+    page = (out / "compare.html").read_text()     # the dead point is compared too, with its error
+    assert "<td>x=2</td><td>failed after 0 steps: DeadKernelError" in page and "<td>x=10</td><td>finished</td>" in page
