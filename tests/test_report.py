@@ -71,3 +71,94 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
         assert page.locator("table.phases tr").count() == 1 + sum(1 for r in rows if r["step"] == 1)
         assert page.locator(".js-plotly-plot").count() == 3   # timeline, host heatmap, reward/loss
         browser.close()
+
+
+RECORDED_GPU = [(1000, 2000, 9000), (5000, 6000, 13000), (3000, 6000, 13000)]   # MiB: allocated, reserved, NVML used
+
+
+def recorded_gpu_report(path):
+    """A report from a recorded CUDA sample stream (the CUDA path cannot run in CI): a sampler whose GPU probe
+    replays CudaProbe readings through the same ledger arithmetic, over one rollout and one backward."""
+    from types import SimpleNamespace
+
+    from grpo_lab.memory import MemorySampler
+    from grpo_lab.memory.probes import gpu_ledger
+    from grpo_lab.memory.report import write_report
+
+    class RecordedCuda:
+        device, total, i = "cuda:0", 80_000 * MiB, 0
+
+        def read(self):
+            allocated, reserved, used = (v * MiB for v in RECORDED_GPU[min(self.i, len(RECORDED_GPU) - 1)])
+            self.i += 1
+            return {**gpu_ledger(allocated, reserved, used), "peak": allocated}
+
+    sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.99)
+    sampler.probes.append(RecordedCuda())
+    for phase in ("rollout", "backward"):
+        sampler.phase_started(0, phase)
+        sampler.read()
+        sampler.phase_ended(SimpleNamespace(step=0, phase=phase), None)
+    return sampler, write_report(path, sampler, [], title="recorded GPU")
+
+
+def test_the_gpu_ledger_is_stacked_so_its_top_is_nvml_used_and_the_summary_says_where_the_peak_went(tmp_path):
+    from grpo_lab.memory.report import device_summary, capacities_of
+
+    sampler, _ = recorded_gpu_report(tmp_path / "report.html")
+    fig = timeline_figure(list(sampler.samples), sampler.marks)
+    stacks = [t for t in fig.data if getattr(t, "stackgroup", None) == "cuda:0"]
+    assert [t.name for t in stacks] == ["cuda:0 torch allocated", "cuda:0 torch cache (reserved - allocated)",
+                                        "cuda:0 not torch (NVML used - reserved)"]           # bottom-up
+    tops = [sum(column) for column in zip(*(t.y for t in stacks))]
+    used = [v / MiB for t, _, _, d, m, v in sampler.samples if (d, m) == ("cuda:0", "device_used")]
+    assert tops == used and max(used) == 13000                      # the stack's top is NVML's device-wide used
+    assert [round(y) for y in stacks[2].y][-1] == 7000              # not torch: 13000 - 6000
+    assert all(getattr(t, "stackgroup", None) is None for t in fig.data if t.name.startswith("host"))
+    assert fig.layout.yaxis.range[1] >= 13000                       # the axis holds the stack, not just one layer
+    gpu = next(d for d in device_summary(sampler.phase_rows, capacities_of(sampler)) if d["device"] == "cuda:0")
+    assert gpu["metric"] == "device_used" and gpu["peak"] == 13000 * MiB
+    assert gpu["phase"] == "rollout"   # the first phase to reach 13000; each layer's own peak in it (not one instant)
+    assert gpu["ledger"] == {"allocated": 5000 * MiB, "cached": 3000 * MiB, "not_torch": 7000 * MiB}
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")
+def test_the_gpu_ledger_in_a_real_browser(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    _, path = recorded_gpu_report(tmp_path / "report.html")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.goto(path.as_uri())
+        page.wait_for_selector(".main-svg")
+        page.screenshot(path=str(ARTIFACTS / "gpu-ledger.png"), full_page=True)
+        gpu = page.locator("ul.summary li.peak", has_text="cuda:0").inner_text()
+        assert "peak 13,000 MiB (device_used)" in gpu and "in phase rollout of step 0" in gpu
+        assert "not torch (NVML used - reserved) 7,000" in gpu and "torch cache (reserved - allocated) 3,000" in gpu
+        legend = page.locator(".js-plotly-plot").first.locator(".legendtext").evaluate_all(
+            "texts => texts.map(t => t.textContent)")
+        assert "cuda:0 not torch (NVML used - reserved)" in legend
+        filled = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].data"
+                               ".filter(t => t.stackgroup === 'cuda:0').length")
+        assert filled == 3
+        table = page.locator("table.phases tr").evaluate_all("rows => rows.map(r => r.innerText.split('\\t'))")
+        not_torch = {r[0]: r[4] for r in table if r[1:3] == ["cuda:0", "not_torch"]}   # phase -> peak, MiB
+        assert not_torch == {"rollout": "7,000.0", "backward": "7,000.0"}
+        assert "which did not finish" in page.locator("h2", has_text="Per-phase memory").inner_text()
+        browser.close()
+
+
+def test_the_live_plot_stacks_the_gpu_ledger_too(tmp_path):
+    from grpo_lab.memory.live import LivePlot
+
+    sampler, _ = recorded_gpu_report(tmp_path / "report.html")
+    plot = LivePlot(sampler)
+    plot.refresh()
+    stacks = [t for t in plot.fig.data if getattr(t, "stackgroup", None) == "cuda:0"]
+    assert [t.name.split(" ", 1)[1] for t in stacks] == ["torch allocated", "torch cache (reserved - allocated)",
+                                                         "not torch (NVML used - reserved)"]
+    assert [sum(c) for c in zip(*(t.y for t in stacks))][-1] == 13000 and stacks[2].y[-1] == 7000
+    assert "cuda:0 capacity" in plot.fig.layout.title.text   # 80 GB is off the 13 GB scale: named, not drawn
+    plot.stop()

@@ -5,7 +5,10 @@ from __future__ import annotations
 from ..phases import COLOURS, PHASE_NAMES
 from .probes import MiB
 
-TIMELINE_METRICS = {"rss", "used", "allocated", "reserved", "device_used", "not_torch"}
+HOST_LINES = ("rss", "used")                      # the process's RSS, the machine's used RAM
+LEDGER = ("allocated", "cached", "not_torch")     # a GPU's memory, stacked: sums to reserved, then to NVML's used
+LEDGER_NAMES = {"allocated": "torch allocated", "cached": "torch cache (reserved - allocated)",
+                "not_torch": "not torch (NVML used - reserved)"}
 FAR = 1.5            # a limit above FAR x the data's maximum is named in a corner instead of drawn
 MIN_LABELLED = 0.02  # a phase band narrower than this share of the run gets no label (they would overlap)
 
@@ -16,6 +19,18 @@ def primary_metric(device: str, metrics) -> str:
     if device == "host":
         return "rss"
     return "device_used" if "device_used" in metrics else "reserved"
+
+
+def drawn(device: str, metric: str) -> bool:
+    """Whether the timeline and the live plot draw this series: lines on the host, the ledger on a GPU."""
+    return metric in (HOST_LINES if device == "host" else LEDGER)
+
+
+def trace_style(device: str, metric: str) -> dict:
+    """A GPU's ledger is a stack per device (what sits on top of torch's reserved is not torch's); host lines are lines."""
+    if device == "host":
+        return dict(name=f"{device} {metric}", mode="lines")
+    return dict(name=f"{device} {LEDGER_NAMES[metric]}", mode="lines", stackgroup=device, line=dict(width=0.5))
 
 
 def band_labels(marks) -> list[dict]:
@@ -43,19 +58,20 @@ def step_separators(marks) -> list[dict]:
 
 
 def timeline_figure(samples, marks, limits: dict | None = None):
-    """Memory over time, one line per device and metric; phases as labelled bands, steps separated."""
+    """Memory over time: host lines, each GPU's ledger stacked; phases as labelled bands, steps separated."""
     import plotly.graph_objects as go
 
     series: dict[tuple, tuple[list, list]] = {}
     for t, _, _, device, metric, value in samples:
-        if metric in TIMELINE_METRICS:
+        if drawn(device, metric):
             xs, ys = series.setdefault((device, metric), ([], []))
             xs.append(t)
             ys.append(value / MiB)
     fig = go.Figure()
-    for (device, metric), (xs, ys) in series.items():
-        fig.add_trace(go.Scattergl(x=xs, y=ys, mode="lines", name=f"{device} {metric}"))
-    top = max((max(ys) for _, ys in series.values() if ys), default=1.0)
+    for (device, metric), (xs, ys) in sorted(series.items(), key=lambda kv: _order(*kv[0])):
+        kind = go.Scattergl if device == "host" else go.Scatter   # why: WebGL traces cannot stack
+        fig.add_trace(kind(x=xs, y=ys, **trace_style(device, metric)))
+    top = stack_top(series)
     for _, phase, start, end in marks:
         fig.add_vrect(x0=start, x1=end, fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.15, line_width=0)
     for shape in step_separators(marks):
@@ -79,6 +95,20 @@ def timeline_figure(samples, marks, limits: dict | None = None):
     return fig
 
 
+def _order(device: str, metric: str) -> tuple:
+    """Host first; a GPU's ledger bottom-up (a stack is drawn in trace order)."""
+    return (device != "host", device, LEDGER.index(metric) if metric in LEDGER else 0)
+
+
+def stack_top(series: dict) -> float:
+    """The highest point drawn (MiB): a host line's maximum, or a GPU stack's highest sum."""
+    top = max((max(ys) for (d, _), (_, ys) in series.items() if d == "host" and ys), default=1.0)
+    for gpu in {d for d, _ in series if d != "host"}:
+        columns = [ys for (d, _), (_, ys) in series.items() if d == gpu]
+        top = max(top, max((sum(c) for c in zip(*columns)), default=0.0))
+    return top
+
+
 def heatmap_figure(rows, device: str):
     """Peak above the phase's start (MiB) of `device`'s primary metric, phase x step: where each step grew."""
     import plotly.graph_objects as go
@@ -94,7 +124,8 @@ def heatmap_figure(rows, device: str):
                                text=[[f"{v:.0f}" if v is not None else "" for v in row] for row in z],
                                texttemplate="%{text}", hovertemplate="step %{x}, %{y}: +%{z:.1f} MiB<extra></extra>"))
     fig.update_layout(title=f"{device}: {metric} peak above each phase's start (MiB)", xaxis_title="step",
-                      yaxis=dict(autorange="reversed"), height=80 + 38 * max(len(phases), 1))
+                      yaxis=dict(autorange="reversed"), height=130 + 38 * max(len(phases), 1),
+                      margin=dict(t=50, b=50, l=90, r=20))   # why fixed: plotly's default margins leave one row no room
     fig.update_xaxes(type="category")
     return fig
 

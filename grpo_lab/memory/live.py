@@ -1,5 +1,5 @@
-"""The live memory plot for notebooks: a plotly FigureWidget with one line per device and metric,
-shaded phase bands, and dashed lines for each device's capacity and the host-RAM threshold.
+"""The live memory plot for notebooks: a plotly FigureWidget with the host's lines and each GPU's ledger
+stacked (torch allocated, torch cache, not torch: figures.LEDGER), shaded phase bands, and dashed lines for each device's capacity and the host-RAM threshold.
 
 A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
 sampler thread never touches the widget, and the kernel stays free to run cells while a step
@@ -15,7 +15,7 @@ from typing import Optional
 
 from .probes import MiB
 from ..phases import COLOURS
-from .figures import TIMELINE_METRICS, band_labels, step_separators
+from .figures import _order, band_labels, drawn, stack_top, step_separators, trace_style
 from .report import host_limits
 
 
@@ -83,13 +83,13 @@ class LivePlot:
         new = self.sampler.samples_since(self._index)
         self._index += len(new)
         for t, _, _, device, metric, value in new:
-            if metric in TIMELINE_METRICS:
+            if drawn(device, metric):
                 self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
-        return {key: (list(series.xs), list(series.ys)) for key, series in self._series.items()}
+        return {key: (list(self._series[key].xs), list(self._series[key].ys)) for key in sorted(self._series, key=lambda k: _order(*k))}
 
     def _limits_in_view(self, series) -> dict[str, float]:
         """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
-        top = max((max(ys) for _, ys in series.values() if ys), default=0.0)
+        top = stack_top(series) if series else 0.0
         near = {name: mib for name, mib in self._limits.items() if mib <= 2 * top}
         far = [f"{name} {mib / 1024:.1f} GiB" for name, mib in self._limits.items() if name not in near]
         self.fig.layout.title.text = "Live memory (MiB)" + (f"  ·  off scale: {', '.join(far)}" if far else "")
@@ -119,7 +119,7 @@ class LivePlot:
         with self.fig.batch_update():
             for key, (xs, ys) in series.items():
                 if key not in self._lines:
-                    self.fig.add_scatter(x=xs, y=ys, mode="lines", name=f"{key[0]} {key[1]}")
+                    self.fig.add_scatter(x=xs, y=ys, **trace_style(*key))
                     self._lines[key] = len(self.fig.data) - 1
                 else:
                     trace = self.fig.data[self._lines[key]]

@@ -8,7 +8,7 @@ import io
 from pathlib import Path
 
 from ..io import atomic_write_text
-from .figures import heatmap_figure, primary_metric, timeline_figure, training_figure
+from .figures import LEDGER, LEDGER_NAMES, heatmap_figure, primary_metric, timeline_figure, training_figure
 from .probes import MiB
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
@@ -75,8 +75,11 @@ def device_summary(rows, capacities: dict[str, float]) -> list[dict]:
         if top is None:
             continue
         capacity = capacities.get(device)
+        ledger = {r["metric"]: r["peak"] for r in mine if r["metric"] in LEDGER   # a GPU's: where its peak phase's memory went
+                  and (r["step"], r["phase"]) == (top["step"], top["phase"])} if device != "host" else {}
         out.append({"device": device, "metric": metric, "peak": top["peak"], "phase": top["phase"], "step": top["step"],
-                    "capacity": capacity, "headroom": None if capacity is None else capacity - top["peak"]})
+                    "capacity": capacity, "headroom": None if capacity is None else capacity - top["peak"],
+                    "ledger": ledger})
     return out
 
 
@@ -87,9 +90,11 @@ def _summary_html(summary: list[dict], leaks: list[str]) -> str:
     for d in summary:
         cap = (f" of {d['capacity'] / MiB:,.0f} MiB ({d['peak'] / d['capacity']:.0%}; headroom "
                f"{d['headroom'] / MiB:,.0f} MiB)" if d["capacity"] else "")
+        went = "; ".join(f"{LEDGER_NAMES[m]} {d['ledger'][m] / MiB:,.0f}" for m in LEDGER if m in d.get("ledger", {}))
+        went = f" <span class='ledger'>(peaks in that phase, MiB: {html.escape(went)})</span>" if went else ""
         lines.append(f"<li class='peak'><b>{html.escape(d['device'])}</b>: peak {d['peak'] / MiB:,.0f} MiB "
                      f"({html.escape(d['metric'])}){cap}, in phase <b>{html.escape(d['phase'])}</b> of step "
-                     f"<b>{d['step']}</b></li>")
+                     f"<b>{d['step']}</b>{went}</li>")
     verdict = (f"after-step memory kept rising on {', '.join(leaks)}" if leaks else "no device flagged")
     lines.append(f"<li class='leaks'><b>Leak detector</b>: {html.escape(verdict)}</li>")
     return "<ul class='summary'>" + "".join(lines) + "</ul>"
@@ -103,6 +108,15 @@ def _table_html(rows) -> str:
         + "".join(f"<td style='text-align:right'>{r[k] / MiB:,.1f}</td>" for k in ("start", "peak", "end", "delta"))
         + "</tr>" for r in rows)
     return f"<table class='phases' border='1' cellspacing='0' cellpadding='3'><tr>{head}</tr>{body}</table>"
+
+
+def _unfinished_table(rows) -> str:
+    """With no finished step (the first one failed), the table of the step that ran, so it is not lost."""
+    if not rows:
+        return ""
+    step = rows[-1]["step"]
+    return (f"<h2>Per-phase memory, step {step}, which did not finish (MiB)</h2>"
+            f"{_table_html([r for r in rows if r['step'] == step])}")
 
 
 def write_report(path: Path, sampler, history, title: str = "grpo_lab run", config: dict | None = None) -> Path:
@@ -124,7 +138,7 @@ def write_report(path: Path, sampler, history, title: str = "grpo_lab run", conf
     settings = (f"<details><summary>config</summary><pre>{html.escape(yaml.safe_dump(config, sort_keys=False))}"
                 "</pre></details>" if config else "")
     last = (f"<h2>Per-phase memory, step {history[-1].step} (MiB)</h2>{_table_html(history[-1].memory)}"
-            if history else "")
+            if history else _unfinished_table(rows))
     body = f"<h1>{html.escape(title)}</h1>{summary}{settings}" + "".join(parts) + last
     return atomic_write_text(path, f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                                    f"</head><body style='font-family:sans-serif'>{body}</body></html>")
