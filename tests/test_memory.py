@@ -318,6 +318,40 @@ def test_cuda_snapshots_are_skipped_with_a_notice_on_cpu(tiny_config):
         Lab(tiny_config(memory={"cuda_snapshots": True})).load()
 
 
+def test_a_phase_that_runs_out_of_memory_gets_its_own_snapshot_name():
+    from grpo_lab.memory.snapshots import snapshot_name
+
+    assert snapshot_name(3, "backward", None) == "step3-backward.pickle"
+    assert snapshot_name(3, "backward", torch.OutOfMemoryError("CUDA out of memory.")) == "step3-backward-oom.pickle"
+    assert snapshot_name(0, "rollout", MemoryError()) == "step0-rollout-oom.pickle"
+    assert snapshot_name(0, "rollout", ValueError("bad reward")) == "step0-rollout-failed.pickle"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_oom_with_cuda_snapshots_on_writes_the_failing_phases_snapshot_and_the_retry_its_own(tiny_config, tmp_path,
+                                                                                                monkeypatch):
+    import grpo_lab.step as step_module
+
+    lab = Lab(tiny_config(placement={"learner": "cuda:0"}, memory={"cuda_snapshots": True},
+                          run={"output_dir": str(tmp_path)})).load()
+    real = step_module.completion_logprobs
+
+    def full(*args):
+        if torch.is_grad_enabled():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; injected)")
+        return real(*args)
+
+    monkeypatch.setattr(step_module, "completion_logprobs", full)
+    with pytest.raises(OutOfMemory):
+        lab.step()
+    monkeypatch.setattr(step_module, "completion_logprobs", real)
+    lab.step()
+    names = {p.name for p in (tmp_path / "memory_snapshots").iterdir()}
+    assert {"step0-backward-oom.pickle", "step0-backward.pickle", "step0-rollout.pickle"} <= names
+    lab.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_spill_during_logprobs_shows_in_that_phase_and_device(tiny_config):

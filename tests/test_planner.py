@@ -89,6 +89,14 @@ def test_vllm_sleep_level_1_plans_the_generator_weights_in_host_ram(generator):
     assert asleep.devices["host"].total - awake.devices["host"].total == weights > 10 * 1024 ** 3   # 7B, bf16
     gpus = [d for d in awake.devices if d != "host"]
     assert gpus == generator and all(asleep.devices[d].items == awake.devices[d].items for d in gpus)
+    # pessimistic: asleep, the engine frees most of its share, but the plan keeps all of it on the GPU in every
+    # learner phase (what sleep frees depends on vLLM's allocator; a plan must not count on it)
+    gpu = asleep.devices["cuda:0"]
+    share = next(i for i in gpu.items if "engine share" in i.what)
+    assert share.phase is None and share.bytes > 0.3 * 80 * 1024 ** 3
+    assert all(gpu.phase_peak(p) >= gpu.resident >= share.bytes for p in ("backward", "logprobs", "rollout"))
+    assert gpu.phase_peak("backward") - share.bytes == sum(i.bytes for i in gpu.items if i is not share
+                                                           and i.phase in (None, "backward"))
 
 
 def test_vllm_on_its_own_gpu_does_not_sleep_so_plans_nothing_in_host_ram():

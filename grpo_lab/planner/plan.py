@@ -123,7 +123,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
             if d.device == "host":
                 d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
                 d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens), phase="rollout")
-            else:
+            else:   # why resident (every phase), sleep mode or not: what sleep frees is vLLM's to decide; plan pessimistic
                 d.add(f"{gen.backend} engine share ({share:.0%})", share * d.capacity - CUDA_CONTEXT,
                       f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache")
                 if per_device + 1 * GiB > share * d.capacity:
