@@ -20,7 +20,7 @@ from .io import atomic_write_text
 from .memory.figures import primary_metric
 from .memory.probes import MiB
 from .phases import PHASE_NAMES
-from .rundir import CONFIG, METRICS, _read_status, complete_lines
+from .rundir import CONFIG, METRICS, read_status, complete_lines
 
 IGNORED = {"run.output_dir"}   # why: differs between any two runs and says nothing about them
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
@@ -52,7 +52,7 @@ def load_run(path: Union[str, Path]) -> RunRecord:
         raise LabError(f"compare: {str(path / CONFIG)!r} is not valid YAML ({str(err).splitlines()[0]}); "
                        "restore the file the run wrote") from None
     metrics = [json.loads(line) for line in complete_lines(path / METRICS)]
-    info = _read_status(path)
+    info = read_status(path)
     status = {"finished": "finished", "failed": "failed"}.get(info.get("status"), "unfinished")
     failed = _unfinished_step_rows(path / "memory.csv", len(metrics)) if status != "finished" else []
     return RunRecord(path.name, config if isinstance(config, dict) else {}, metrics, failed, status,

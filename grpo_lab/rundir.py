@@ -40,7 +40,7 @@ def read_state(path: Path) -> RunState:
     path = Path(path)
     if not ((path / METRICS).exists() or (path / CONFIG).exists()):
         return RunState(path, "new", None, 0, None)
-    info = _read_status(path)
+    info = read_status(path)
     checkpoint = None
     if (path / CHECKPOINT).exists() or (path / f".{CHECKPOINT}.old").exists():
         checkpoint = read_checkpoint(path / CHECKPOINT).step
@@ -48,7 +48,7 @@ def read_state(path: Path) -> RunState:
     return RunState(path, status, info.get("steps"), len(complete_lines(path / METRICS)), checkpoint)
 
 
-def _read_status(path: Path) -> dict:
+def read_status(path: Path) -> dict:
     try:
         return json.loads((path / STATUS).read_text())
     except (OSError, ValueError):
