@@ -229,6 +229,16 @@ class RunSection(Section):
     save_every: int = knob("live", 1, ge=0, description="Checkpoint (adapter, optimizer, RNG states, data position) every N "
                            "steps and at the end; a killed run resumes from the last one (grpo-lab run --resume DIR); "
                            "0 = only at the end.")
+    report_to: list[str] = knob("load", default_factory=list, description="Trackers that get each step's metrics and "
+                                "per-phase memory peaks (TRL's name): tensorboard, trackio, wandb (offline); 'all' = every "
+                                "installed one; [] or 'none' = none. Each is an extra: pip install 'grpo-lab[NAME]'.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v):
+        from .trackers import resolve
+
+        return resolve(v)
 
 
 class LabConfig(Section):

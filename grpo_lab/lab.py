@@ -6,6 +6,7 @@ widgets and papermill use the same calls. Config edits after load go through kno
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -64,6 +65,7 @@ class Lab:
         self._generator_behind = False   # a failed sync may have left the engine on weights the learner undid
         self._busy = threading.Lock()    # one phase at a time: a panel run and a cell must not interleave
         self.leaks = None
+        self.trackers = None             # run.report_to, opened at load
         self._plots: list = []
 
     # --- the config: one edit path (see knobs.py) ---
@@ -128,6 +130,9 @@ class Lab:
         self._build_reference()
         self.generator = backend_class(cfg.generator.backend)(self.learner, cfg)
         self._build_prompts()
+        from .trackers import Trackers
+
+        self.trackers = Trackers(cfg)    # last: a load that fails earlier opens no tracker run
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
         cfg._guard = LoadedLabGuard(self)   # why: from now on every edit is checked against what was built
         return self
@@ -156,7 +161,9 @@ class Lab:
             self.memory.stop()
         if self.generator is not None:
             self.generator.close()
-        self.learner = self.generator = self.reference = self.prompts = None
+        if self.trackers is not None:
+            self.trackers.close()
+        self.learner = self.generator = self.reference = self.prompts = self.trackers = None
         self._config._guard = None   # why: nothing loaded is left to protect; the config is a plain config again
 
     def devices(self) -> list[str]:
@@ -366,6 +373,11 @@ class Lab:
         result.leaks = self.leaks.observe(end_of_step(result.memory))
         self.history.append(result)
         self._step = StepState(index=s.index + 1)   # why: the snapshot goes with the finished step
+        try:
+            self.trackers.log(result)
+        except Exception as err:   # why warn: the step is applied and recorded; a tracker's failure must not undo or stop training
+            warnings.warn(f"run.report_to: logging step {result.step} failed ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}); the step itself finished", stacklevel=2)
         return result
 
     # --- composition ---

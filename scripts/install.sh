@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root (if absent) and install into it the tested versions locked for this
-# machine: locks/cpu.txt (extras cpu,notebook,dev) without an NVIDIA GPU, locks/cuda.txt (gpu,notebook,dev)
+# machine: locks/cpu.txt (extras cpu,notebook,dev,test-trackers) without an NVIDIA GPU, locks/cuda.txt (gpu,...)
 # with one; then grpo-lab itself, editable. Nothing is resolved afresh (docs/install.md; scripts/lock.sh
 # refreshes the locks). Re-running is cheap: it reinstalls only when pyproject.toml, this script or the lock changed.
 set -euo pipefail

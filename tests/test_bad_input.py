@@ -112,6 +112,7 @@ NULL_MEANS_DEFAULT = {   # null is the documented "automatic" value of these fie
     "run.output_dir": "runs/<date-time>",
 }
 ALLOWED = {(field, "null", "null"): f"null = {why}" for field, why in NULL_MEANS_DEFAULT.items()}
+ALLOWED[("run.report_to", "empty", "[]")] = "[] = no tracker (the default; TRL's report_to takes it too)"
 
 
 def case_id(case):

@@ -126,6 +126,7 @@ EDITS = {
     # the config accepts cuda:0 on this CPU machine (the device check is at load); the guard refuses before that
     "placement.learner": {"placement.learner": "cuda:0"},
     "placement.generator": {"placement.generator": ["cpu"]},
+    "run.report_to": {"run.report_to": ["tensorboard"]},
     "placement.optimizer_offload": {"placement.optimizer_offload": True, "placement.learner": "cuda:0"},
     "placement.gpu_memory_gib": {"placement.gpu_memory_gib": 40.0},
     "placement.host_memory_gib": {"placement.host_memory_gib": 64.0},
