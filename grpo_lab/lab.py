@@ -6,7 +6,6 @@ widgets and papermill use the same calls. Config edits after load go through kno
 from __future__ import annotations
 
 import threading
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -373,11 +372,7 @@ class Lab:
         result.leaks = self.leaks.observe(end_of_step(result.memory))
         self.history.append(result)
         self._step = StepState(index=s.index + 1)   # why: the snapshot goes with the finished step
-        try:
-            self.trackers.log(result)
-        except Exception as err:   # why warn: the step is applied and recorded; a tracker's failure must not undo or stop training
-            warnings.warn(f"run.report_to: logging step {result.step} failed ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''}); the step itself finished", stacklevel=2)
+        self.trackers.log(result)      # after the step is recorded: a tracker's failure is only a warning
         return result
 
     # --- composition ---

@@ -10,14 +10,20 @@ already use (TRL's option name). Names, per step (`step` = the GRPO step):
 Trackers (each an optional extra, `pip install 'grpo-lab[NAME]'`), writing under run.output_dir (else "."):
     tensorboard  DIR/tensorboard (torch's SummaryWriter)
     wandb        DIR/wandb, always offline (`wandb sync DIR/wandb/offline-run-*` uploads it later)
-    trackio      local SQLite in TRACKIO_DIR (set to DIR/trackio unless the environment sets it)
+    trackio      local SQLite DIR/trackio/grpo_lab.db, unless the environment sets TRACKIO_DIR (trackio reads it
+                 once per process, at import: a later Lab with another DIR gets a warning naming where it goes);
+                 one trackio run per process at a time (trackio.init finishes the previous one)
+
+A tracker that fails while logging is a warning naming it; the other trackers still get the step.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import warnings
 from pathlib import Path
+from typing import Optional
 
 from .memory.figures import primary_metric
 from .memory.probes import MiB
@@ -78,19 +84,32 @@ class WandB:
 
 class Trackio:
     package = "trackio"
+    dir_set: Optional[Path] = None   # the TRACKIO_DIR grpo_lab set in this process (None: the user's, or not set)
 
     def __init__(self, config, where: Path):
-        os.environ.setdefault("TRACKIO_DIR", str(where / "trackio"))   # why before import: trackio reads it then
+        wanted = (where / "trackio").resolve()
+        if "TRACKIO_DIR" not in os.environ:
+            os.environ["TRACKIO_DIR"] = str(wanted)   # why before import: trackio reads it once, at import
+            Trackio.dir_set = wanted
         import trackio
+        import trackio.utils
 
+        self.dir = Path(trackio.utils.TRACKIO_DIR)
+        if Trackio.dir_set is not None and self.dir != wanted:
+            warnings.warn(f"run.report_to: trackio writes to {self.dir}, not {wanted}: it reads TRACKIO_DIR once per "
+                          "process; set TRACKIO_DIR before the first Lab, or use a new process", stacklevel=2)
         self.trackio = trackio
-        self.run = trackio.init(project="grpo_lab", config=config.to_dict(), embed=False)
+        # why no auto_log: grpo_lab's sampler already reads memory per phase; trackio's would be a second thread
+        self.run = trackio.init(project="grpo_lab", config=config.to_dict(), embed=False,
+                                auto_log_cpu=False, auto_log_gpu=False)
 
     def log(self, scalars: dict, step: int) -> None:
         self.run.log(scalars, step=step)
 
     def close(self) -> None:
         self.run.finish()
+        if self.trackio.context_vars.current_run.get() is self.run:
+            self.trackio.context_vars.current_run.set(None)   # why: else trackio's atexit finishes it a second time
 
 
 TRACKERS = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": WandB}
@@ -141,10 +160,21 @@ class Trackers:
 
     def log(self, result) -> None:
         scalars = step_scalars(result)
-        for tracker in self.open.values():
-            tracker.log(scalars, result.step)
+        for name, tracker in self.open.items():
+            try:
+                tracker.log(scalars, result.step)
+            except Exception as err:   # why warn, not raise: the step is applied and in history; training goes on
+                _warn(f"{name} did not take step {result.step}", err, "the step itself finished")
 
     def close(self) -> None:
-        for tracker in self.open.values():
-            tracker.close()
+        for name, tracker in self.open.items():
+            try:
+                tracker.close()
+            except Exception as err:   # why warn: closing the Lab must still release the models and the other trackers
+                _warn(f"{name} did not close", err, "its files may miss the last steps")
         self.open = {}
+
+
+def _warn(what: str, err: Exception, outcome: str) -> None:
+    first = str(err).splitlines()[0] if str(err) else ""
+    warnings.warn(f"run.report_to: {what} ({type(err).__name__}: {first}); {outcome}", stacklevel=4)

@@ -2,7 +2,9 @@
 from wandb's offline run, equal to metrics.jsonl; the names from recorded rows; bad input in one line."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 
 import pytest
@@ -67,6 +69,32 @@ def test_an_unknown_or_missing_tracker_is_one_line_naming_the_extra(tiny_model, 
     assert not out.exists()
 
 
+def test_all_with_no_tracker_installed_names_the_trackers_extra(monkeypatch):
+    for package in ("tensorboard", "wandb", "trackio"):
+        monkeypatch.setitem(sys.modules, package, None)   # hidden: find_spec reports each missing
+    with pytest.raises(ValueError, match=r"'all', but no tracker is installed; pip install 'grpo-lab\[trackers\]'"):
+        resolve("all")
+
+
+def test_a_tracker_that_fails_while_logging_is_a_warning_and_the_others_get_the_step(loaded_lab, tmp_path,
+                                                                                       monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lab = loaded_lab(run={"report_to": ["wandb", "tensorboard"], "output_dir": str(tmp_path)},
+                     grpo={"prompts_per_step": 1})
+    try:
+        lab.trackers.open["wandb"].run.finish()   # wandb's own error follows: logging to a finished run
+        with pytest.warns(UserWarning, match=r"run.report_to: wandb did not take step 0 \(UsageError: Run .* is finished"):
+            result = lab.step()
+        assert lab.history == [result] and lab.step_index == 1
+    finally:
+        lab.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(0, pytest.approx(result.loss, rel=1e-6))]
+
+
 def test_report_to_is_load_time_in_a_loaded_lab(loaded_lab):
     lab = loaded_lab()
     with pytest.raises(LabError, match="run.report_to: fixed when the Lab loads"):
@@ -99,6 +127,31 @@ def test_a_real_run_reports_to_tensorboard_and_offline_wandb(tiny_model, tmp_pat
     for step in (0, 1):
         for tag in ("train/reward_mean", "train/loss", "memory/host/backward/peak_mib"):
             assert history[step][tag] == pytest.approx(expected[step][tag]), (step, tag)
+
+
+def test_a_real_run_reports_to_trackio(tiny_model, tmp_path):
+    """trackio is not in the test locks (pillow conflict): run by hand with it installed beside them."""
+    if importlib.util.find_spec("trackio") is None:
+        pytest.skip("trackio is not installed (not in the test locks)")
+    first_in_process = "trackio" not in sys.modules and "TRACKIO_DIR" not in os.environ
+    out = tmp_path / "run"
+    assert main(["run", "tiny-cpu", "--steps", "2", "--quiet", "--out", str(out), "--set", "run.report_to=trackio"]) == 0
+    from trackio.sqlite_storage import SQLiteStorage
+
+    if first_in_process:
+        assert SQLiteStorage.get_project_db_path("grpo_lab") == (out / "trackio" / "grpo_lab.db").resolve()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    expected = {m["step"]: step_scalars(StepResult.from_metrics(m)) for m in metrics}
+    run = SQLiteStorage.get_runs("grpo_lab")[-1]
+    logged = {row["step"]: row for row in SQLiteStorage.get_logs("grpo_lab", run)}
+    assert sorted(logged) == [0, 1]
+    for step in (0, 1):
+        for tag in ("train/reward_mean", "train/loss", "memory/host/backward/peak_mib", "memory/host/peak_mib"):
+            assert logged[step][tag] == pytest.approx(expected[step][tag]), (step, tag)
+    if first_in_process:   # a second run in this process cannot move trackio's directory: it says where it goes
+        with pytest.warns(UserWarning, match="run.report_to: trackio writes to .*/run/trackio, not .*/other/trackio"):
+            assert main(["run", "tiny-cpu", "--steps", "1", "--quiet", "--out", str(tmp_path / "other"),
+                         "--set", "run.report_to=trackio"]) == 0
 
 
 def wandb_history(path) -> dict[int, dict]:
