@@ -17,7 +17,7 @@ import yaml
 
 from .errors import LabError
 from .io import atomic_write_text
-from .memory.figures import primary_metric
+from .memory.figures import primary_rows
 from .memory.probes import MiB
 from .phases import PHASE_NAMES
 from .rundir import CONFIG, METRICS, read_status, complete_lines
@@ -68,14 +68,10 @@ def _unfinished_step_rows(csv_path: Path, step: int) -> list[dict]:
                        and (r.get("bytes") or "").isdigit()]
     except OSError:
         return []
-    metrics_of: dict[str, set] = {}
-    for r in samples:
-        metrics_of.setdefault(r["device"], set()).add(r["metric"])
     peaks: dict[tuple, dict] = {}
-    for r in samples:
-        if r["metric"] == primary_metric(r["device"], metrics_of[r["device"]]):
-            row = peaks.setdefault((r["phase"], r["device"], r["metric"]), {"start": int(r["bytes"]), "peak": 0})
-            row["peak"] = max(row["peak"], int(r["bytes"]))
+    for r in primary_rows(samples):
+        row = peaks.setdefault((r["phase"], r["device"], r["metric"]), {"start": int(r["bytes"]), "peak": 0})
+        row["peak"] = max(row["peak"], int(r["bytes"]))
     return [{"step": step, "phase": p, "device": d, "metric": m, **v} for (p, d, m), v in peaks.items()]
 
 
@@ -114,15 +110,11 @@ def phase_peaks(run: RunRecord, rise: bool = False) -> dict[tuple[str, str], dic
     need = ("device", "metric", "phase", "peak", "start") if rise else ("device", "metric", "phase", "peak")
     rows = [r for m in run.metrics for r in m.get("memory", []) if not r.get("failed_attempt")] + run.failed_rows
     rows = [r for r in rows if all(k in r for k in need)]   # why: a sweep notebook may save rows of its own making
-    metrics_of: dict[str, set] = {}
-    for r in rows:
-        metrics_of.setdefault(r["device"], set()).add(r["metric"])
     out: dict[tuple[str, str], dict[str, float]] = {}
-    for r in rows:
-        if r["metric"] == primary_metric(r["device"], metrics_of[r["device"]]):
-            phases = out.setdefault((r["device"], r["metric"]), {})
-            value = r["peak"] - r["start"] if rise else r["peak"]
-            phases[r["phase"]] = max(phases.get(r["phase"], value), value)
+    for r in primary_rows(rows):
+        phases = out.setdefault((r["device"], r["metric"]), {})
+        value = r["peak"] - r["start"] if rise else r["peak"]
+        phases[r["phase"]] = max(phases.get(r["phase"], value), value)
     return out
 
 
@@ -177,12 +169,12 @@ def training_figure(runs: Sequence[RunRecord]):
 
 
 def _runs_table(runs: Sequence[RunRecord]) -> str:
-    devices = list(dict.fromkeys(d for r in runs for d in phase_peaks(r)))   # (device, metric)
+    peaks_of = [phase_peaks(r) for r in runs]
+    devices = list(dict.fromkeys(d for peaks in peaks_of for d in peaks))   # (device, metric)
     head = "".join(f"<th>{h}</th>" for h in ["run", "label", "status", "steps", "s/step (median)", "last reward",
                                                *[f"{html.escape(d)} {m} peak (phase)" for d, m in devices]])
     body = []
-    for r in runs:
-        peaks = phase_peaks(r)
+    for r, peaks in zip(runs, peaks_of):
         seconds = [m["step_seconds"] for m in r.metrics if m.get("step_seconds") is not None]
         cells = [r.name, r.label, where_it_failed(r) or r.status, str(len(r.metrics)),
                  f"{statistics.median(seconds):.2f}" if seconds else "-",

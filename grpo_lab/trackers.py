@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from .memory.figures import primary_metric
+from .memory.figures import primary_rows
 from .memory.probes import MiB
 
 
@@ -34,13 +34,8 @@ def step_scalars(result) -> dict[str, float]:
     out = {f"train/{k}": float(v) for k, v in result.metrics().items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
     rows = [r for r in result.memory if not r.get("failed_attempt")]   # why: a retried phase's first try is not the step's
-    metrics_of: dict[str, set] = {}
-    for r in rows:
-        metrics_of.setdefault(r["device"], set()).add(r["metric"])
-    for r in rows:
+    for r in primary_rows(rows):
         device = r["device"]
-        if r["metric"] != primary_metric(device, metrics_of[device]):
-            continue
         out[f"memory/{device}/{r['phase']}/peak_mib"] = r["peak"] / MiB
         out[f"memory/{device}/{r['phase']}/delta_mib"] = r["delta"] / MiB
         out[f"memory/{device}/peak_mib"] = max(out.get(f"memory/{device}/peak_mib", 0.0), r["peak"] / MiB)

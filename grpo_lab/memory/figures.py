@@ -21,6 +21,14 @@ def primary_metric(device: str, metrics) -> str:
     return "device_used" if "device_used" in metrics else "reserved"
 
 
+def primary_rows(rows) -> list:
+    """The rows (dicts with device and metric) of each device's primary metric, chosen from the metrics its rows have."""
+    metrics_of: dict[str, set] = {}
+    for r in rows:
+        metrics_of.setdefault(r["device"], set()).add(r["metric"])
+    return [r for r in rows if r["metric"] == primary_metric(r["device"], metrics_of[r["device"]])]
+
+
 def drawn(device: str, metric: str) -> bool:
     """Whether the timeline and the live plot draw this series: lines on the host, the ledger on a GPU."""
     return metric in (HOST_LINES if device == "host" else LEDGER)
