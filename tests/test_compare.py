@@ -4,20 +4,15 @@ run's failing step included), reward/loss curves; the page read in headless Chro
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from html_pages import needs_chromium, opened
 
 from grpo_lab.cli import main
 from grpo_lab.comparison import RunRecord, config_differences, label_runs, load_run, phase_peaks
 from grpo_lab.memory.probes import MiB
 
-ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("GRPO_LAB_ARTIFACTS", ROOT / ".artifacts")) / "compare"
 
 
 def config(micro=4, out="a", beta=0.04):
@@ -84,11 +79,10 @@ def test_bad_compare_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsy
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")
+@needs_chromium
 def test_compare_a_run_with_its_out_of_memory_twin_in_a_real_browser(tiny_model, tmp_path, monkeypatch, capsys):
     """The story the page is for: micro-batch 4 runs out of memory in step 1's backward, micro-batch 2 fits."""
     import grpo_lab.step as step_module
-    from playwright.sync_api import sync_playwright
 
     fits, fails = tmp_path / "mb2", tmp_path / "mb4"
     common = ["--steps", "2", "--quiet", "--set", "memory.sample_hz=50"]
@@ -113,13 +107,7 @@ def test_compare_a_run_with_its_out_of_memory_twin_in_a_real_browser(tiny_model,
     capsys.readouterr()
     assert main(["compare", str(fits), str(fails), "--out", str(page_path)]) == 0
     assert str(page_path) in capsys.readouterr().out
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1300, "height": 1000})
-        page.goto(page_path.as_uri())
-        page.wait_for_selector(".main-svg")
-        page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
+    with opened(page_path, "compare/compare.png") as page:
         rows = page.locator("table.runs tr").evaluate_all("rows => rows.map(r => r.innerText)")
         assert len(rows) == 3
         assert "grpo.micro_batch_size=2" in rows[1] and "finished" in rows[1]
@@ -136,4 +124,3 @@ def test_compare_a_run_with_its_out_of_memory_twin_in_a_real_browser(tiny_model,
         assert peak_bars["grpo.micro_batch_size=4"]["backward"] > 0   # the failing step's backward, from memory.csv
         curves = page.evaluate("document.querySelectorAll('.js-plotly-plot')[1].data.map(t => [t.name, t.x])")
         assert [len(x) for _, x in curves[::2]] == [2, 1]   # reward: two steps, and the one that finished
-        browser.close()

@@ -4,20 +4,15 @@ stretch the memory axis; the per-phase table is a real table. Plus the pure part
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from pathlib import Path
 
 import pytest
+from html_pages import needs_chromium, opened
 
 from grpo_lab.cli import main
 from grpo_lab.memory.figures import timeline_figure
 from grpo_lab.memory.probes import MiB
 from grpo_lab.memory.report import device_summary
 
-ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("GRPO_LAB_ARTIFACTS", ROOT / ".artifacts")) / "report"
 
 
 def test_summary_names_each_devices_peak_phase_step_and_headroom():
@@ -44,21 +39,13 @@ def test_a_far_limit_is_named_not_drawn_and_a_near_one_is_drawn():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")
+@needs_chromium
 def test_report_in_a_real_browser(tiny_model, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     out = tmp_path / "run"
     assert main(["run", "tiny-cpu", "--steps", "2", "--out", str(out), "--set", "memory.sample_hz=50"]) == 0
     rows = [r for line in (out / "metrics.jsonl").read_text().splitlines() for r in json.loads(line)["memory"]]
     top = max((r for r in rows if r["device"] == "host" and r["metric"] == "rss"), key=lambda r: r["peak"])
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1300, "height": 1000})
-        page.goto((out / "report.html").as_uri())
-        page.wait_for_selector(".main-svg")
-        page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+    with opened(out / "report.html", "report/report.png") as page:
         summary = page.locator("ul.summary li.peak").first.inner_text()
         assert summary.startswith("host: peak") and f"in phase {top['phase']} of step {top['step']}" in summary
         assert "headroom" in summary and "Leak detector" in page.locator("ul.summary").inner_text()
@@ -70,7 +57,6 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
         assert any("off the scale" in t for t in labels)
         assert page.locator("table.phases tr").count() == 1 + sum(1 for r in rows if r["step"] == 1)
         assert page.locator(".js-plotly-plot").count() == 3   # timeline, host heatmap, reward/loss
-        browser.close()
 
 
 RECORDED_GPU = [(1000, 2000, 9000), (5000, 6000, 13000), (3000, 6000, 13000)]   # MiB: allocated, reserved, NVML used
@@ -122,18 +108,10 @@ def test_the_gpu_ledger_is_stacked_so_its_top_is_nvml_used_and_the_summary_says_
     assert gpu["ledger"] == {"allocated": 5000 * MiB, "cached": 3000 * MiB, "not_torch": 7000 * MiB}
 
 
-@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")
+@needs_chromium
 def test_the_gpu_ledger_in_a_real_browser(tmp_path):
-    from playwright.sync_api import sync_playwright
-
     _, path = recorded_gpu_report(tmp_path / "report.html")
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1300, "height": 900})
-        page.goto(path.as_uri())
-        page.wait_for_selector(".main-svg")
-        page.screenshot(path=str(ARTIFACTS / "gpu-ledger.png"), full_page=True)
+    with opened(path, "report/gpu-ledger.png", height=900) as page:
         gpu = page.locator("ul.summary li.peak", has_text="cuda:0").inner_text()
         assert "peak 13,000 MiB (device_used)" in gpu and "in phase rollout of step 0" in gpu
         assert "not torch (NVML used - reserved) 7,000" in gpu and "torch cache (reserved - allocated) 3,000" in gpu
@@ -147,7 +125,6 @@ def test_the_gpu_ledger_in_a_real_browser(tmp_path):
         not_torch = {r[0]: r[4] for r in table if r[1:3] == ["cuda:0", "not_torch"]}   # phase -> peak, MiB
         assert not_torch == {"rollout": "7,000.0", "backward": "7,000.0"}
         assert "which did not finish" in page.locator("h2", has_text="Per-phase memory").inner_text()
-        browser.close()
 
 
 def test_the_live_plot_stacks_the_gpu_ledger_too(tmp_path):
