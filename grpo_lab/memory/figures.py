@@ -76,7 +76,7 @@ def timeline_figure(samples, marks, limits: dict | None = None):
             xs.append(t)
             ys.append(value / MiB)
     fig = go.Figure()
-    for (device, metric), (xs, ys) in sorted(series.items(), key=lambda kv: _order(*kv[0])):
+    for (device, metric), (xs, ys) in sorted(series.items(), key=lambda kv: trace_order(*kv[0])):
         kind = go.Scattergl if device == "host" else go.Scatter   # why: WebGL traces cannot stack
         fig.add_trace(kind(x=xs, y=ys, **trace_style(device, metric)))
     top = stack_top(series)
@@ -103,7 +103,7 @@ def timeline_figure(samples, marks, limits: dict | None = None):
     return fig
 
 
-def _order(device: str, metric: str) -> tuple:
+def trace_order(device: str, metric: str) -> tuple:
     """Host first; a GPU's ledger bottom-up (a stack is drawn in trace order)."""
     return (device != "host", device, LEDGER.index(metric) if metric in LEDGER else 0)
 

@@ -1,5 +1,6 @@
 """The live memory plot for notebooks: a plotly FigureWidget with the host's lines and each GPU's ledger
-stacked (torch allocated, torch cache, not torch: figures.LEDGER), shaded phase bands, and dashed lines for each device's capacity and the host-RAM threshold.
+stacked (torch allocated, torch cache, not torch: figures.LEDGER), shaded phase bands, and dashed lines
+for each device's capacity and the host-RAM threshold.
 
 A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
 sampler thread never touches the widget, and the kernel stays free to run cells while a step
@@ -15,7 +16,7 @@ from typing import Optional
 
 from .probes import MiB
 from ..phases import COLOURS
-from .figures import _order, band_labels, drawn, stack_top, step_separators, trace_style
+from .figures import band_labels, drawn, stack_top, step_separators, trace_order, trace_style
 from .report import host_limits
 
 
@@ -85,7 +86,8 @@ class LivePlot:
         for t, _, _, device, metric, value in new:
             if drawn(device, metric):
                 self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
-        return {key: (list(self._series[key].xs), list(self._series[key].ys)) for key in sorted(self._series, key=lambda k: _order(*k))}
+        ordered = sorted(self._series, key=lambda key: trace_order(*key))   # why: a stack is drawn in trace order
+        return {key: (list(self._series[key].xs), list(self._series[key].ys)) for key in ordered}
 
     def _limits_in_view(self, series) -> dict[str, float]:
         """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
