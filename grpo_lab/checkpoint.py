@@ -11,7 +11,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -41,15 +41,17 @@ def data_key(config) -> dict:
     return {"dataset": config.data.dataset, "num_prompts": config.data.num_prompts, "seed": config.run.seed}
 
 
-def save_checkpoint(lab, path: Union[str, Path]) -> Path:
-    """Write the Lab's state between steps to `path`, atomically."""
+def save_checkpoint(lab, path: Union[str, Path], lora: Optional[dict] = None, optimizer: Optional[dict] = None) -> Path:
+    """Write the Lab's state between steps to `path`, atomically (`lora`/`optimizer`: a sharded learner's, gathered
+    whole, so one format serves every number of ranks)."""
     from .io import atomic_write_dir
 
-    state = {"optimizer": lab.learner.optimizer.state_dict(), "rng": rng_state(), "data": lab.prompts.state_dict()}
+    optimizer = lab.learner.optimizer.state_dict() if optimizer is None else optimizer
+    state = {"optimizer": optimizer, "rng": rng_state(), "data": lab.prompts.state_dict()}
     meta = {"format": FORMAT, "step": lab.step_index, "data": data_key(lab.config)}
 
     def write(tmp: Path) -> None:
-        lab.learner.model.save_pretrained(tmp / ADAPTER)   # PEFT: the adapter tensors only, never the base
+        lab.learner.model.save_pretrained(tmp / ADAPTER, state_dict=lora)   # PEFT: the adapter tensors only, never the base
         lab.learner.tokenizer.save_pretrained(tmp / ADAPTER)
         torch.save(state, tmp / STATE)
         (tmp / META).write_text(json.dumps(meta, indent=1))

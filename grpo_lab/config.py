@@ -106,6 +106,9 @@ class PlacementSection(Section):
         None, gt=0, description="GPU capacity (GiB) the planner assumes for GPUs it cannot see (e.g. 40 for an A100-40GB); null = read the device.")
     host_memory_gib: Optional[float] = knob("load", 
         None, gt=0, description="Host RAM (GiB) the planner assumes; null = this machine's (or its cgroup limit).")
+    learner_procs: int = knob("load", 1, ge=1, le=64, description="Processes the learner is sharded over with FSDP2 "
+        "(PyTorch's fully_shard), one device each: rank k on cuda:(N+k) for learner cuda:N (NCCL), or CPU processes "
+        "(gloo) for learner cpu; 1 = no sharding, one process.")
 
     @field_validator("learner", mode="before")
     @classmethod
@@ -141,6 +144,9 @@ class GeneratorSection(Section):
     quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = knob("load", 
         None, description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.")
     sleep_mode: bool = knob("load", False, description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner (not on CPU).")
+    gather_for_generation: bool = knob("live", True, description="Sharded learner (placement.learner_procs > 1), "
+        "hf backend: gather the full weights on every rank for the rollout (fast; needs room for the whole model, the "
+        "planner says how much) or generate through the sharded model, one layer gathered at a time (slow; fits) (P3).")
     cpu_kv_cache_gib: int = knob("load", 1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
 
 
@@ -354,9 +360,29 @@ class LabConfig(Section):
         if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
             raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
                              "learner's own weights; remove them or use a backend with its own weights")
+        if place.learner_procs > 1:
+            self._check_sharding()
         if place.optimizer_offload and place.learner == "cpu":
             raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
                              "already; set it to false or place the learner on a GPU")
+
+    def _check_sharding(self) -> None:
+        """What a sharded learner cannot do, refused before anything starts (sharded.world checks devices and engine)."""
+        procs, gen, g = self.placement.learner_procs, self.generator, self.grpo
+        if gen.backend != "hf":
+            raise ValueError(f"placement.learner_procs: {procs} ranks generate with the learner itself (generator.backend: "
+                             f"hf); backend {gen.backend!r} is not wired to a sharded learner yet; set generator.backend: hf "
+                             "or placement.learner_procs: 1")
+        if self.reference.device is not None:
+            raise ValueError("reference.device: a sharded learner's reference copy is sharded like the policy, on every "
+                             "rank's own device (P5); remove reference.device")
+        if self.placement.optimizer_offload:
+            raise ValueError("placement.optimizer_offload: a sharded learner (placement.learner_procs > 1) keeps a shard "
+                             "of AdamW's state per rank already; set it to false")
+        batch = g.prompts_per_step * g.num_generations
+        if batch % procs:
+            raise ValueError(f"placement.learner_procs: {procs} ranks need a batch they split evenly; grpo.prompts_per_step "
+                             f"x num_generations = {batch}; use a multiple of {procs}")
 
     @property
     def reference_strategy(self) -> str:

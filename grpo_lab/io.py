@@ -22,11 +22,12 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_text(path: Union[str, Path], text: str) -> Path:
+def atomic_write_text(path: Union[str, Path], text: Union[str, bytes]) -> Path:
+    """Write `text` (or bytes) to `path` through a temporary file and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
     os.chmod(tmp, 0o666 & ~_umask())  # why: mkstemp creates 0600; a run's files should read like any other
     os.replace(tmp, path)

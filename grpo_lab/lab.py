@@ -28,7 +28,10 @@ def preflight(config: LabConfig) -> None:
     from .data import load_rows
     from .devices import check_model_path, check_placement, check_torchvision
 
+    from .sharded.world import check_ranks
+
     check_torchvision()
+    check_ranks(config)   # more ranks than devices, no FSDP2 in this torch: before any process starts
     check_model_path(config.model.name_or_path)
     if config.generator.backend == "vllm":
         from .generation.vllm import check_tensor_parallel, max_lora_rank
@@ -49,7 +52,52 @@ def preflight(config: LabConfig) -> None:
                            f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset")
 
 
+def _local_rollout(lab) -> Rollout:
+    if lab._generator_behind:   # never sample from weights the learner no longer has
+        phases.sync(lab.generator, lab.learner)
+        lab._generator_behind = False
+    return phases.rollout(lab.generator, lab.prompts, lab.config)
+
+
+def _local_optimizer(lab) -> float:
+    from .rollback import TrainState
+
+    if lab._step.snapshot is None:   # the step's first update takes the rollback snapshot first
+        lab._step.snapshot = TrainState(lab.learner)
+    return phases.optimizer(lab.learner, lab.config)
+
+
+def _local_sync(lab) -> None:
+    phases.sync(lab.generator, lab.learner)
+    lab._generator_behind = False
+
+
+# each phase's work in one process (phases.PHASES order), given the Lab and the phase's inputs
+LOCAL: dict[str, Callable] = {
+    "rollout": _local_rollout,
+    "rewards": lambda lab, rollout: phases.rewards(rollout, lab.reward_funcs, lab.config.data.reward_weights),
+    "advantages": lambda lab, rewards: phases.advantages(rewards, lab.config.grpo.scale_rewards),
+    "logprobs": lambda lab, rollout: phases.logprobs(lab.learner, lab.reference, rollout, lab.config),
+    "backward": lambda lab, rollout, advantages, logprobs: phases.backward(lab.learner, rollout, advantages, logprobs,
+                                                                           lab.config),
+    "optimizer": _local_optimizer,
+    "sync": _local_sync,
+}
+
+
 class Lab:
+    def __new__(cls, config=None, *args, **kwargs):
+        """`Lab(config)` with placement.learner_procs > 1 is a ShardedLab: the same API, over worker processes."""
+        from .sharded.world import world
+
+        if cls is Lab and config is not None and not world().sharded:   # (a rank's own Lab is a plain one)
+            procs = load_config(config, kwargs.get("overrides") or (args[1] if len(args) > 1 else None)).placement.learner_procs
+            if procs > 1:
+                from .sharded.driver import ShardedLab
+
+                cls = ShardedLab
+        return super().__new__(cls)
+
     def __init__(self, config: Union[LabConfig, dict, str, Path], reward_funcs: Optional[list[Callable]] = None,
                  overrides: Optional[list[str]] = None):
         self._config = load_config(config, overrides)
@@ -307,47 +355,40 @@ class Lab:
             if self._step.started:   # a restart: the earlier rollout's phases become a failed attempt
                 self._retire(PHASE_NAMES)
                 self._step = StepState(index=self.step_index, attempts=self._step.attempts)
-            if self._generator_behind:   # never sample from weights the learner no longer has
-                phases.sync(self.generator, self.learner)
-                self._generator_behind = False
-            out = phases.rollout(self.generator, self.prompts, self.config)
+            out = self._compute("rollout")
             out.step = self.step_index
             self._step.rollout = out
         return out
 
     def rewards(self, rollout: Rollout) -> Rewards:
         with self._phase("rewards", rollout=rollout):
-            out = phases.rewards(rollout, self.reward_funcs, self.config.data.reward_weights)
+            out = self._compute("rewards", rollout)
         self._step.rewards = out
         return out
 
     def advantages(self, rewards: Rewards) -> Advantages:
         with self._phase("advantages", rewards=rewards):
-            out = phases.advantages(rewards, self.config.grpo.scale_rewards)
+            out = self._compute("advantages", rewards)
         self._step.advantages = out
         return out
 
     def logprobs(self, rollout: Rollout) -> LogProbs:
         with self._phase("logprobs", rollout=rollout):
-            out = phases.logprobs(self.learner, self.reference, rollout, self.config)
+            out = self._compute("logprobs", rollout)
         self._step.logprobs = out
         return out
 
     def backward(self, rollout: Rollout, advantages: Advantages, logprobs: LogProbs) -> LossStats:
         with self._phase("backward", rollout=rollout, advantages=advantages, logprobs=logprobs):
-            out = phases.backward(self.learner, rollout, advantages, logprobs, self.config)
+            out = self._compute("backward", rollout, advantages, logprobs)
         self._step.stats, self._step.gradients = out, True
         return out
 
     def optimizer(self) -> float:
         """Clip and apply the gradients. The step's first update takes the rollback snapshot first (inside
         the phase: a host out-of-memory while copying is this phase's one-line error)."""
-        from .rollback import TrainState
-
         with self._phase("optimizer"):
-            if self._step.snapshot is None:
-                self._step.snapshot = TrainState(self.learner)
-            out = phases.optimizer(self.learner, self.config)
+            out = self._compute("optimizer")
             self._step.updates += 1
             self._step.gradients = False
         self._step.grad_norm = out
@@ -357,9 +398,12 @@ class Lab:
         """Push the weights to the generator; this ends the step: its result joins `history`, the
         rollback snapshot is dropped and the step index advances."""
         with self._phase("sync"):
-            phases.sync(self.generator, self.learner)
-            self._generator_behind = False
+            self._compute("sync")
         return self._finish_step()
+
+    def _compute(self, name: str, *inputs):
+        """A phase's work on this process's models (a ShardedLab sends it to its ranks instead)."""
+        return LOCAL[name](self, *inputs)
 
     def _finish_step(self) -> StepResult:
         from .memory.leaks import end_of_step
@@ -388,11 +432,14 @@ class Lab:
         All or nothing: if a phase fails (out of memory included), LoRA weights and optimizer state are
         as they were before the step, and calling it again retries from the failed phase."""
         self._require_loaded()
-        check_learner(self.learner.model, [self.config.placement.learner])  # why every step: a wrap in a cell spills at once
+        self._check_learner()
         while True:
             name, out = self.run_next_phase()
             if name == "sync":
                 return out
+
+    def _check_learner(self) -> None:
+        check_learner(self.learner.model, [self.config.placement.learner])  # why every step: a wrap in a cell spills at once
 
     def rollback(self) -> None:
         """Undo the current step's updates (if any) and drop its gradients; its rollout, rewards,

@@ -77,7 +77,7 @@ def load_base(model_cfg, device: str):
 def load_learner(config) -> Learner:
     from peft import LoraConfig, get_peft_model
 
-    device = config.placement.learner
+    device = learner_device(config)
     torch.manual_seed(config.run.seed)  # why here: LoRA A's random init must be reproducible
     base = load_base(config.model, device)
     add_logprob_head(base)  # before PEFT wraps it, as TRL requires; each pass sets its rollout's temperature
@@ -92,11 +92,31 @@ def load_learner(config) -> Learner:
     if config.model.gradient_checkpointing:
         # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = [p for p in model.parameters() if p.requires_grad]
+    prepare_like_policy(model, device)
+    params = [p for p in model.parameters() if p.requires_grad]   # after sharding: FSDP2 replaced them with DTensors
     adamw = HostAdamW if config.placement.optimizer_offload else torch.optim.AdamW
     optimizer = adamw(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
     return Learner(model=model, tokenizer=load_tokenizer(resolve_model_path(config.model.name_or_path)),
                    device=torch.device(device), optimizer=optimizer)
+
+
+def learner_device(config) -> str:
+    """This process's learner device: placement.learner, or a sharded rank's own (sharded.world.rank_devices)."""
+    from .sharded.world import rank_devices, world
+
+    ranks = world()
+    return rank_devices(config.placement.learner, ranks.size)[ranks.rank] if ranks.sharded else config.placement.learner
+
+
+def prepare_like_policy(model, device: str) -> None:
+    """What every model the learner computes with goes through: on a sharded rank, FSDP2 over the ranks (P5: the
+    reference copy too, so it lands where the policy is)."""
+    from .sharded.world import world
+
+    if world().sharded:
+        from .sharded.fsdp import shard
+
+        shard(model, torch.device(device))
 
 
 def lora_target_error(base: torch.nn.Module, targets, err: Exception) -> LabError:

@@ -11,6 +11,7 @@ so a left-padded prompt is scored at the positions it was sampled at.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator, Optional
 
 import torch
@@ -63,33 +64,42 @@ def configure_head(model, config, temperature: float) -> None:
     set_logprob_head(model, temperature, config.grpo.logprob_chunk_size, config.grpo.logprob_head)
 
 
-def micro_batches(n: int, size: Optional[int]) -> Iterator[slice]:
-    """Slices of `size` rows covering range(n); the last may be partial; None = one slice."""
-    size = size or n
-    for start in range(0, n, size):
-        yield slice(start, min(start + size, n))
+def micro_batches(n: int, size: Optional[int], within: Optional[slice] = None) -> Iterator[slice]:
+    """Slices of `size` rows covering range(n) (or the rows `within`: a sharded rank's own); the last may be
+    partial; None = one slice."""
+    first, end = (0, n) if within is None else (within.start, within.stop)
+    size = size or (end - first)
+    for start in range(first, end, size):
+        yield slice(start, min(start + size, end))
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     """Log-prob of every completion token under `model`: [n, L] (0 where completion_mask is 0). Inputs must be
     on the model's device."""
-    head = _settings(model)
     base = _base(model)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                  # [n, P+L]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    mask = completion_mask.bool()
+    # a sharded model runs the pass through its registered method, so FSDP gathers the root's embedding and head
+    score = getattr(base, "grpo_lab_score", None) or partial(score_completions, base)
+    per_token = score(input_ids, attention, position_ids, completion_ids, mask)
+    # masked_scatter keeps the result connected to the graph even when no token is real
+    return per_token.new_zeros(mask.shape).masked_scatter(mask, per_token)
+
+
+def score_completions(base, input_ids, attention, position_ids, completion_ids, mask) -> torch.Tensor:
+    """The backbone over prompt + completion, then the head on the real completion tokens only: [tokens]."""
+    head = base._grpo_lab_head
     width = completion_ids.shape[1]
     backbone = getattr(base, base.base_model_prefix)   # the decoder without its LM head (PEFT's LoRA layers inside)
     hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
                       use_cache=False).last_hidden_state[:, -width - 1:-1]    # position t predicts token t + 1
-    mask = completion_mask.bool()
     lm_head = base.get_output_embeddings()
     # why compact rows: only real completion tokens reach the head (no prompt, no padding after EOS)
     rows = (hidden[mask], lm_head.weight, lm_head.bias, completion_ids[mask], head.temperature, head.chunk_size)
     scaling = base._grpo_lab_scaling
-    per_token = trl_logprobs(*rows, *scaling) if scaling else HEADS[head.kernel](*rows)
-    # masked_scatter keeps the result connected to the graph even when no token is real
-    return per_token.new_zeros(mask.shape).masked_scatter(mask, per_token)
+    return trl_logprobs(*rows, *scaling) if scaling else HEADS[head.kernel](*rows)
 
 
 def rollout_slice(rollout: Rollout, rows: slice, device) -> tuple[torch.Tensor, ...]:
@@ -102,9 +112,11 @@ def rollout_slice(rollout: Rollout, rows: slice, device) -> tuple[torch.Tensor, 
 def rollout_logprobs(model, rollout: Rollout, device, micro_batch_size: Optional[int],
                      out_device="cpu") -> torch.Tensor:
     """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
-    micro-batched: [N, L] on `out_device`."""
+    micro-batched: [N, L] on `out_device` (each rank of a sharded learner scores its own rows)."""
+    from .sharded.world import world
+
     set_logprob_head(model, temperature=rollout.logprob_temperature)
-    parts = []
-    for rows in micro_batches(len(rollout), micro_batch_size):
+    parts, ranks = [], world()
+    for rows in micro_batches(len(rollout), micro_batch_size, ranks.rows(len(rollout))):
         parts.append(completion_logprobs(model, *rollout_slice(rollout, rows, device)).float().to(out_device))
-    return torch.cat(parts, dim=0)
+    return ranks.gather_rows(torch.cat(parts, dim=0))   # a sharded rank scores its rows; every rank gets them all

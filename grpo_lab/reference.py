@@ -35,13 +35,20 @@ class CopyReference:
     """A frozen base model on `reference.device` (default: the learner's)."""
 
     def __init__(self, config):
-        from .learner import load_base
+        from .learner import learner_device, load_base, prepare_like_policy
+        from .sharded.fsdp import check_reference_devices
+        from .sharded.world import world
 
-        self.device = torch.device(config.reference_device)
+        sharded = world().sharded   # a sharded learner's copy: on the rank's device, sharded the same way (P5)
+        self.device = torch.device(learner_device(config) if sharded else config.reference_device)
         self.model = load_base(config.model, str(self.device))
         add_logprob_head(self.model)
+        prepare_like_policy(self.model, str(self.device))
         self.model.eval()
-        ensure_on_device(self.model, self.device, "reference.device")
+        if sharded:
+            check_reference_devices(self.model, self.device)
+        else:
+            ensure_on_device(self.model, self.device, "reference.device")
 
     def logprobs(self, learner, rollout, config):
         configure_head(self.model, config, rollout.logprob_temperature)

@@ -23,6 +23,8 @@ from .importance import importance_weights
 from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice
 from .losses import BatchTotals, grpo_loss
 from .rewards import reward_name
+from .sharded.fsdp import full, local
+from .sharded.world import world
 from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
 
 
@@ -115,7 +117,8 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     learner.optimizer.zero_grad(set_to_none=True)
     olds, weights_all = [], []
     loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = mismatch_tokens = 0.0
-    for rows in micro_batches(len(rollout), grpo.micro_batch_size):
+    ranks = world()   # a sharded learner's rank takes its rows; the totals above are the whole batch's
+    for rows in micro_batches(len(rollout), grpo.micro_batch_size, ranks.rows(len(rollout))):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
         logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
@@ -151,8 +154,10 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
             kl_sum += (kl.detach() * mask).sum().item()
         del logps, loss, kl  # why: free this micro-batch's activations before the next forward
     if first:   # why after the loop: a backward that failed part-way records nothing
-        logprobs.old = torch.cat(olds)
-    logprobs.is_weights = torch.cat(weights_all) if is_on else None
+        logprobs.old = ranks.gather_rows(torch.cat(olds))
+    logprobs.is_weights = ranks.gather_rows(torch.cat(weights_all)) if is_on else None
+    loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens = ranks.sum(
+        [loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens])   # the whole batch's
     tokens = max(totals.num_tokens, 1)
     return LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
                      clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
@@ -179,14 +184,15 @@ def optimizer(learner, config) -> float:
     for group in learner.optimizer.param_groups:   # why here: an edit between steps takes effect at this update
         group["lr"], group["weight_decay"] = grpo.learning_rate, grpo.weight_decay
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grpo.max_grad_norm).item()
+    grad_norm = full(torch.nn.utils.clip_grad_norm_(params, grpo.max_grad_norm)).item()   # a DTensor when sharded
     if not math.isfinite(grad_norm):
         learner.optimizer.zero_grad(set_to_none=True)  # why: these gradients must never be applied
         raise NonFinite("optimizer", f"gradient norm is {grad_norm}", "lower grpo.learning_rate or check the "
                         "rewards and advantages for inf/nan")
     learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)  # why: gradients are not needed until the next backward
-    bad = int(torch.stack([~torch.isfinite(p).all() for p in params]).sum().item())   # one sync for all LoRA tensors
+    bad = int(torch.stack([~torch.isfinite(local(p)).all() for p in params]).sum().item())   # one sync for all LoRA tensors
+    bad = int(world().sum([bad])[0])   # a sharded rank checks its shards; every rank refuses together
     if bad:
         raise NonFinite("optimizer", f"the update made {bad} of {len(params)} LoRA weights non-finite",
                         "lower grpo.learning_rate (or grpo.max_grad_norm)")

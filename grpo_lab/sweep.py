@@ -20,10 +20,9 @@ import yaml
 
 from .comparison import RunRecord, compare
 from .errors import LabError
-from .memory.probes import MiB
+from .memory.probes import MiB, is_host
 from .paths import check_output_dir
 
-PEAK_METRIC = {"host": "rss"}   # per device: host RSS; GPUs: torch's allocated
 
 
 def notebook_parameters(notebook: Path) -> dict:
@@ -61,7 +60,7 @@ def peaks(metrics: list[dict]) -> dict[str, float]:
     """Peak memory per device over every phase of every step (MiB)."""
     out: dict[str, float] = {}
     for row in (r for m in metrics for r in m.get("memory", [])):
-        if row["metric"] == PEAK_METRIC.get(row["device"], "allocated"):
+        if row["metric"] == ("rss" if is_host(row["device"]) else "allocated"):
             key = f"peak_{row['device']}_{row['metric']}_mib"
             out[key] = max(out.get(key, 0.0), row["peak"] / MiB)
     return out

@@ -27,11 +27,13 @@ class GenerationRequest:
     top_k: int = 0
     max_prompt_length: int = 256
     chunk_size: Optional[int] = None     # sequences per engine call; None = all at once
+    gather_for_generation: bool = True   # a sharded hf learner: full weights for the rollout, or one layer at a time
 
     @classmethod
     def from_config(cls, config) -> "GenerationRequest":
         gen = config.generator
-        return cls(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k, gen.max_prompt_length, gen.chunk_size)
+        return cls(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k, gen.max_prompt_length, gen.chunk_size,
+                   gen.gather_for_generation)
 
 
 @dataclass

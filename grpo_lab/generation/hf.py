@@ -12,6 +12,7 @@ import torch
 
 from ..errors import LabError
 from ..memory.heap import trim_host_heap
+from ..sharded.fsdp import generation
 from ..tiny import resolve_model_path
 from .base import GenerationRequest, Generator, Sample
 
@@ -55,16 +56,16 @@ class HFGenerator(Generator):
         settings = GenerationConfig(max_new_tokens=request.max_completion_length, do_sample=False, **NEUTRAL,
                                     eos_token_id=self.eos_token_ids, pad_token_id=tok.pad_token_id, use_cache=True)
         recorder = SampledLogprobs()
-        was_training = model.training
-        model.eval()  # why: gradient checkpointing is off in eval mode, so the KV cache is used
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
         contiguous = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(),))
-        try:
-            sequences = model.generate(input_ids=input_ids.to(self.learner.device),
-                                       attention_mask=attention.to(self.learner.device), generation_config=settings,
-                                       logits_processor=LogitsProcessorList([*sampling_processors(request), recorder,
-                                                                             *sampler(request), *self._heap_trim()]))
+        try:   # eval mode (checkpointing off, so the KV cache is used); a sharded learner gathered or not (P3)
+            with generation(model, request.gather_for_generation):
+                sequences = model.generate(input_ids=input_ids.to(self.learner.device),
+                                           attention_mask=attention.to(self.learner.device), generation_config=settings,
+                                           synced_gpus=False, logits_processor=LogitsProcessorList(
+                                               [*sampling_processors(request), recorder, *sampler(request),
+                                                *self._heap_trim()]))
         except RuntimeError as err:
             if "probability tensor contains" not in str(err):   # InverseCdfSampler on inf/nan probabilities
                 raise
@@ -73,7 +74,6 @@ class HFGenerator(Generator):
                            "overflows in model.dtype/bnb_4bit_compute_dtype (try float32)") from None
         finally:
             contiguous.remove()
-            model.train(was_training)
         new_tokens = sequences[:, width:]
         logprobs = recorder.finish(new_tokens).cpu()   # why: a Rollout lives on the CPU; the device keeps nothing of it
         return [self._sample(row, lp, self.eos_token_ids)

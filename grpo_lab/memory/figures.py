@@ -3,7 +3,7 @@ stretch the axis), a phase x step heatmap of each device's peak above the phase'
 from __future__ import annotations
 
 from ..phases import COLOURS, PHASE_NAMES
-from .probes import MiB
+from .probes import MiB, is_host
 
 HOST_LINES = ("rss", "used")                      # the process's RSS, the machine's used RAM
 LEDGER = ("allocated", "cached", "not_torch")     # a GPU's memory, stacked: sums to reserved, then to NVML's used
@@ -16,7 +16,7 @@ MIN_LABELLED = 0.02  # a phase band narrower than this share of the run gets no 
 def primary_metric(device: str, metrics) -> str:
     """The figure a device's peak is read from: the process's RSS on the host; on a GPU, NVML's device-wide
     used memory when known (what runs out), else torch's reserved."""
-    if device == "host":
+    if is_host(device):
         return "rss"
     return "device_used" if "device_used" in metrics else "reserved"
 
@@ -31,12 +31,12 @@ def primary_rows(rows) -> list:
 
 def drawn(device: str, metric: str) -> bool:
     """Whether the timeline and the live plot draw this series: lines on the host, the ledger on a GPU."""
-    return metric in (HOST_LINES if device == "host" else LEDGER)
+    return metric in (HOST_LINES if is_host(device) else LEDGER)
 
 
 def trace_style(device: str, metric: str) -> dict:
     """A GPU's ledger is a stack per device (what sits on top of torch's reserved is not torch's); host lines are lines."""
-    if device == "host":
+    if is_host(device):
         return dict(name=f"{device} {metric}", mode="lines")
     return dict(name=f"{device} {LEDGER_NAMES[metric]}", mode="lines", stackgroup=device, line=dict(width=0.5))
 
@@ -77,7 +77,7 @@ def timeline_figure(samples, marks, limits: dict | None = None):
             ys.append(value / MiB)
     fig = go.Figure()
     for (device, metric), (xs, ys) in sorted(series.items(), key=lambda kv: trace_order(*kv[0])):
-        kind = go.Scattergl if device == "host" else go.Scatter   # why: WebGL traces cannot stack
+        kind = go.Scattergl if is_host(device) else go.Scatter   # why: WebGL traces cannot stack
         fig.add_trace(kind(x=xs, y=ys, **trace_style(device, metric)))
     top = stack_top(series)
     for _, phase, start, end in marks:
@@ -105,13 +105,13 @@ def timeline_figure(samples, marks, limits: dict | None = None):
 
 def trace_order(device: str, metric: str) -> tuple:
     """Host first; a GPU's ledger bottom-up (a stack is drawn in trace order)."""
-    return (device != "host", device, LEDGER.index(metric) if metric in LEDGER else 0)
+    return (not is_host(device), device, LEDGER.index(metric) if metric in LEDGER else 0)
 
 
 def stack_top(series: dict) -> float:
     """The highest point drawn (MiB): a host line's maximum, or a GPU stack's highest sum."""
-    top = max((max(ys) for (d, _), (_, ys) in series.items() if d == "host" and ys), default=1.0)
-    for gpu in {d for d, _ in series if d != "host"}:
+    top = max((max(ys) for (d, _), (_, ys) in series.items() if is_host(d) and ys), default=1.0)
+    for gpu in {d for d, _ in series if not is_host(d)}:
         columns = [ys for (d, _), (_, ys) in series.items() if d == gpu]
         top = max(top, max((sum(c) for c in zip(*columns)), default=0.0))
     return top

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .probes import MiB
+from .probes import MiB, is_host
 
 # the after-step figure watched on each kind of device
 WATCHED = {"host": "rss", "cuda": "allocated"}
@@ -37,7 +37,7 @@ def end_of_step(rows: list[dict]) -> dict[str, float]:
     """Each device's watched figure at the end of the step's last phase."""
     out = {}
     for r in rows:
-        kind = "host" if r["device"] == "host" else "cuda"
+        kind = "host" if is_host(r["device"]) else "cuda"
         if r["metric"] == WATCHED[kind]:
             out[r["device"]] = r["end"]
     return out

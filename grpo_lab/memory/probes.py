@@ -152,6 +152,11 @@ def _nvml_handle(index: int):
         return None
 
 
+def is_host(device: str) -> bool:
+    """A host-RAM series: this process's ('host') or a sharded learner's rank's ('rank1/host')."""
+    return device == "host" or device.endswith("/host")
+
+
 def probes_for(devices: list[str]) -> list:
     """A host probe plus one probe per distinct CUDA device of the placement."""
     out: list = [HostProbe()]

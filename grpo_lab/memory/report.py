@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..io import atomic_write_text
 from .figures import LEDGER, LEDGER_NAMES, heatmap_figure, primary_metric, timeline_figure, training_figure
-from .probes import MiB
+from .probes import MiB, is_host
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
 
@@ -50,6 +50,7 @@ def capacities_of(sampler) -> dict[str, float]:
     host = sampler.latest("host")
     out = {"host": host["limit"]} if host.get("limit") else {}
     out.update({probe.device: probe.total for probe in sampler.probes[1:]})
+    out.update(getattr(sampler, "rank_capacities", {}))   # a sharded Lab's ranks' devices (each rank measured its own)
     return out
 
 
@@ -57,6 +58,8 @@ def host_limits(sampler) -> dict[str, float]:
     """Capacity and threshold lines for the plots (MiB)."""
     limits = {}
     for device, capacity in capacities_of(sampler).items():
+        if is_host(device) and device != "host":
+            continue   # a rank's host is this machine's: its limit is drawn once
         if device == "host":
             limits["host limit"] = capacity / MiB
             limits[f"host threshold {sampler.host_threshold:.0%}"] = capacity * sampler.host_threshold / MiB
@@ -76,7 +79,7 @@ def device_summary(rows, capacities: dict[str, float]) -> list[dict]:
             continue
         capacity = capacities.get(device)
         ledger = {r["metric"]: r["peak"] for r in mine if r["metric"] in LEDGER   # a GPU's: where its peak phase's memory went
-                  and (r["step"], r["phase"]) == (top["step"], top["phase"])} if device != "host" else {}
+                  and (r["step"], r["phase"]) == (top["step"], top["phase"])} if not is_host(device) else {}
         out.append({"device": device, "metric": metric, "peak": top["peak"], "phase": top["phase"], "step": top["step"],
                     "capacity": capacity, "headroom": None if capacity is None else capacity - top["peak"],
                     "ledger": ledger})

@@ -172,9 +172,10 @@ class MemorySampler:
 
 def format_table(rows: list[dict]) -> str:
     """The per-phase table of one step, in MiB: one line per phase x device x metric."""
-    lines = [f"{'phase':<11}{'device':<9}{'metric':<12}{'start':>10}{'peak':>10}{'end':>10}{'delta':>10}"]
+    w = max([9, *(len(r["device"]) + 1 for r in rows)])   # a sharded Lab's devices are longer: 'rank1/cuda:1'
+    lines = [f"{'phase':<11}{'device':<{w}}{'metric':<12}{'start':>10}{'peak':>10}{'end':>10}{'delta':>10}"]
     for r in rows:
-        lines.append(f"{r['phase']:<11}{r['device']:<9}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
+        lines.append(f"{r['phase']:<11}{r['device']:<{w}}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
                      f"{r['peak'] / MiB:>10.1f}{r['end'] / MiB:>10.1f}{r['delta'] / MiB:>+10.1f}")
     return "\n".join(lines)
 

@@ -25,7 +25,9 @@ FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
 # tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch
 # fallback on CPU makes temporaries of tile size (8.3 measured by bench/fused_head_cpu.py; 8.5 keeps a margin)
 HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
-PHASES = ("rollout", "logprobs", "backward")   # the phases with transients worth planning (phases.PHASES order)
+# the phases with transients worth planning (phases.PHASES order); "load" only in a sharded plan, where every rank
+# loads the whole model before fully_shard keeps its 1/N
+PHASES = ("load", "rollout", "logprobs", "backward")
 VLLM_SPLIT_SHARE = 0.9           # vLLM's default gpu_memory_utilization on a GPU of its own
 
 
@@ -94,6 +96,24 @@ def base_weight_bytes(shape: ModelShape, model_cfg) -> tuple[float, str]:
     return shape.linear_params * e + dense, model_cfg.dtype
 
 
+def base_weight_split(shape: ModelShape, model_cfg) -> tuple[float, float]:
+    """The base weights as FSDP2 holds them: (what it shards on dim 0: 4-bit codes and the dense weights, what every
+    rank keeps whole: bitsandbytes' quant state, which lives on the module outside the parameters; docs/fsdp2.md)."""
+    total, _ = base_weight_bytes(shape, model_cfg)
+    quant_state = shape.linear_params * (nf4_bits(model_cfg.bnb_4bit_use_double_quant) - 4) / 8 if model_cfg.load_in_4bit else 0
+    return total - quant_state, quant_state
+
+
+def unit_bytes(shape: ModelShape, cfg) -> tuple[float, float]:
+    """(one decoder layer, the root) gathered whole: a layer's linear weights (4-bit codes or model.dtype), its two
+    norms and its fp32 LoRA; the root's embedding, untied LM head and final norm. layers x layer + root is the
+    sharded part of base_weight_split plus the LoRA weights: everything a whole-model gather brings back."""
+    e = DTYPE_BYTES[cfg.model.dtype]
+    linear = sum(a * b for _, a, b in shape.linear_layers()) * (0.5 if cfg.model.load_in_4bit else e)
+    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules) / shape.layers * 4
+    return linear + 2 * shape.hidden * e + lora, (shape.embedding_params + shape.hidden) * e
+
+
 def compute_bytes(cfg) -> int:
     return DTYPE_BYTES[cfg.model.bnb_4bit_compute_dtype if cfg.model.load_in_4bit else cfg.model.dtype]
 
@@ -114,11 +134,12 @@ def trl_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: boo
 HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes}   # grpo.logprob_head -> its planned transient
 
 
-def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False) -> dict[str, float]:
-    """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU)."""
+def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: Optional[int] = None) -> dict[str, float]:
+    """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU; `micro_batch`: rows
+    per pass, default grpo.micro_batch_size or the whole batch)."""
     grpo, gen = cfg.grpo, cfg.generator
     e = compute_bytes(cfg)
-    n = grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
+    n = micro_batch or grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
     length = gen.max_prompt_length + gen.max_completion_length
     tokens = n * length
     h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, cfg.lora.r

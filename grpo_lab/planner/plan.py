@@ -44,6 +44,9 @@ class Plan:
     micro_batch: int
     dataparallel: Optional[dict[str, DevicePlan]] = None   # the same run if the learner were wrapped (P1)
     fixes: list[str] = field(default_factory=list)
+    # a sharded learner's ranks (placement.learner_procs > 1): CUDA, the rank devices (also in `devices`); CPU, each
+    # rank's share of host RAM (devices["host"] is their sum, what the fit is checked against)
+    ranks: dict[str, DevicePlan] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -61,7 +64,7 @@ class Plan:
         printer.text(str(self))
 
 
-def _head_note(cfg, shape: ModelShape, on_cpu: bool) -> str:
+def head_note(cfg, shape: ModelShape, on_cpu: bool) -> str:
     if cfg.grpo.logprob_head == "chunked":
         return (f"chunks of {cfg.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
                 "backward; no [B, L, vocab] logits")
@@ -98,7 +101,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
     shape_note = f"micro-batch {act['micro_batch']} x {act['tokens'] // act['micro_batch']} tokens"
     lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    lrn.add("log-prob head", act["log-prob head"], _head_note(cfg, shape, learner == "host"), phase="backward")
+    lrn.add("log-prob head", act["log-prob head"], head_note(cfg, shape, learner == "host"), phase="backward")
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
 
     if cfg.reference_strategy == "copy":
@@ -110,7 +113,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         ref_act = act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")   # its own kernel path
         ref.add("reference forward (no grad)", ref_act["forward activations"], f"{shape_note}, one layer at a time",
                 phase="logprobs")
-        ref.add("log-prob head", ref_act["log-prob head"], _head_note(cfg, shape, ref.device == "host"),
+        ref.add("log-prob head", ref_act["log-prob head"], head_note(cfg, shape, ref.device == "host"),
                 phase="logprobs")
 
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
@@ -167,9 +170,34 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
     return out
 
 
+def build(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
+    """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks."""
+    if cfg.placement.learner_procs > 1:
+        from .sharded import build_sharded   # why here: sharded.py builds on this module's helpers
+
+        return build_sharded(cfg, shape)
+    devices, micro = build_devices(cfg, shape)
+    return devices, {}, micro
+
+
+def sharding_fixes(cfg) -> list[tuple[str, list[str]]]:
+    """A sharded learner's own knobs: generate layer by layer, then more ranks (fewest first: the first that fits
+    is the one shown), each dividing the batch."""
+    out = []
+    if cfg.generator.gather_for_generation:
+        out.append(("generator.gather_for_generation: false", ["generator.gather_for_generation=false"]))
+    batch = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+    procs = cfg.placement.learner_procs * 2
+    while procs <= min(batch, 64):
+        if batch % procs == 0:
+            out.append((f"placement.learner_procs: {procs}", [f"placement.learner_procs={procs}"]))
+        procs *= 2
+    return out
+
+
 def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
     """Config changes worth trying, as (description, overrides)."""
-    out = []
+    out = sharding_fixes(cfg) if cfg.placement.learner_procs > 1 else []
     if not cfg.model.gradient_checkpointing:
         out.append(("turn on gradient checkpointing", ["model.gradient_checkpointing=true"]))
     micro = cfg.grpo.micro_batch_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
@@ -195,19 +223,22 @@ def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
     from ..config import load_config
 
     shape = shape or load_shape(cfg.model.name_or_path)
-    devices, micro = build_devices(cfg, shape)
-    result = Plan(cfg, shape, devices, micro, dataparallel_what_if(cfg, shape, devices))
+    devices, ranks, micro = build(cfg, shape)
+    # why no what-if for a sharded learner: FSDP2 is the chosen wrapping, and its ranks are planned above
+    what_if = None if ranks else dataparallel_what_if(cfg, shape, devices)
+    result = Plan(cfg, shape, devices, micro, what_if, ranks=ranks)
     if not result.fits:
-        fixed = set()   # knobs with a fix already: sizes come largest first, so the first that fits is the one to show
+        fixed = set()   # knobs with a fix already: each knob's values come best first, so the first that fits is shown
         for description, overrides in candidate_fixes(cfg):
             knob = description.split(":")[0]
             if knob in fixed:
                 continue
-            try:
+            try:   # a change the config refuses, or more ranks than GPUs here without placement.gpu_memory_gib
                 trial = load_config(cfg, overrides)
+                fits = all(d.fits for d in build(trial, shape)[0].values())
             except LabError:
                 continue
-            if all(d.fits for d in build_devices(trial, shape)[0].values()):
+            if fits:
                 result.fixes.append(description)
                 fixed.add(knob)
     return result

@@ -12,9 +12,10 @@ def _item(what: str, nbytes: float, note: str = "", indent: int = 2) -> str:
     return f"{' ' * indent}{what:<{46 - indent}}{size(nbytes)}{f'  {note}' if note else ''}"
 
 
-def _device_block(d, title_suffix: str = "") -> list[str]:
+def _device_block(d, title_suffix: str = "", shared: str = "") -> list[str]:
+    """`shared`: the device is one rank's share of host RAM; its last line says so instead of a verdict."""
     roles = ", ".join(d.roles) or "-"
-    lines = [f"{d.device:<8} {roles}{title_suffix}", _item("capacity", d.capacity)]
+    lines = [f"{d.device:<8} {roles}{title_suffix}", _item("host RAM" if shared else "capacity", d.capacity)]
     lines += [_item(i.what, i.bytes, i.note) for i in d.items if i.phase is None]
     for phase in PHASES:
         transients = [i for i in d.items if i.phase == phase]
@@ -22,7 +23,24 @@ def _device_block(d, title_suffix: str = "") -> list[str]:
             lines.append(_item(f"during {phase}:", d.phase_peak(phase), "peak = resident + these"))
             lines += [_item(i.what, i.bytes, i.note, indent=4) for i in transients]
     where = f" (during {d.peak_phase})" if d.peak_phase else ""
-    lines.append(_item(f"peak{where}", d.total, f"{d.fraction:.0%}  -> {d.verdict}"))
+    lines.append(_item(f"peak{where}", d.total, shared or f"{d.fraction:.0%}  -> {d.verdict}"))
+    return lines
+
+
+def _sharding(plan) -> list[str]:
+    """A sharded learner's line under the header, and a CPU learner's rank blocks (rank 0 whole, the others named:
+    every rank holds the same), which the host block then adds up."""
+    cfg = plan.config
+    procs, gather = cfg.placement.learner_procs, cfg.generator.gather_for_generation
+    how = "the whole model gathered on every rank" if gather else "one layer gathered at a time (slow)"
+    lines = [f"learner sharded over {procs} ranks (FSDP2, 1/{procs} of every parameter and of AdamW's state each); "
+             f"rollout on every rank with {how} (generator.gather_for_generation: {str(gather).lower()})", ""]
+    shares = [d for name, d in plan.ranks.items() if name not in plan.devices]
+    if shares:
+        lines += _device_block(shares[0], shared=f"one of {procs} processes in host RAM: the host block adds them up")
+        if shares[1:]:
+            lines.append("  " + ", ".join(d.device for d in shares[1:]) + ": the same as rank 0")
+        lines.append("")
     return lines
 
 
@@ -33,6 +51,8 @@ def render(plan) -> str:
     lines = [f"memory plan: {cfg.model.name_or_path} ({shape.total_params / 1e9:.2f}B params, {quant}), "
              f"LoRA r={cfg.lora.r} ({lora / 1e6:.1f}M), generator {cfg.generator.backend}, "
              f"micro-batch {plan.micro_batch}, reference {cfg.reference_strategy}", ""]
+    if plan.ranks:
+        lines += _sharding(plan)
     for d in plan.devices.values():
         lines += _device_block(d) + [""]
     if plan.dataparallel:

@@ -1,0 +1,268 @@
+"""A rank of a sharded learner: a process that joins the process group, loads a Lab of its own (the learner
+sharded by FSDP2, the same code as one process), and runs the driver's commands one at a time: a phase, a
+rollback, a checkpoint. Every reply carries the memory samples and per-phase rows it took since the last one.
+
+At load and after every finished step the rank writes its *boundary state* (its LoRA and AdamW shards, RNG states,
+prompt order, step index) to a file of its own. Why: a rank that fails in a phase leaves the others blocked in a
+collective, where they can only be killed; the driver then starts every rank afresh from those files.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+PER_RANK = {"inspect"}   # commands whose answer differs by rank
+TIMEOUT_S = 600   # a collective that waits longer than this fails (gloo's default, 30 min, looks like a hang)
+
+
+def send(conn, message) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))   # why plain pickle: tensors by value
+
+
+def receive(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def connect(address: str, rank: int) -> None:
+    """`python -m grpo_lab.sharded.worker ADDRESS RANK`: connect to the driver, take the rank's settings, serve."""
+    from multiprocessing.connection import Client
+
+    key = bytes.fromhex(os.environ.pop("GRPO_LAB_RANK_KEY"))
+    conn = Client(address, family="AF_UNIX", authkey=key)
+    send(conn, rank)
+    main(conn, *receive(conn))
+
+
+def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, restore: bool, threads: int) -> None:
+    import torch.distributed as dist
+
+    from ..lab import Lab
+    from .world import World, backend_for, rank_devices, set_world
+
+    learner = config["placement"]["learner"]
+    torch.set_num_threads(threads)   # why: ranks on one machine's cores must not oversubscribe them (OpenMP)
+    device = rank_devices(learner, size)[rank]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group(backend_for(learner), rank=rank, world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
+        set_world(World(rank, size))
+        lab = Lab(config).load()
+        state = Path(state_dir) / f"rank{rank}.pt"
+        if restore:
+            restore_boundary(lab, state)
+        else:
+            save_boundary(lab, state)
+    except BaseException as err:
+        send(conn, ("error", one_line(err), memory_since(None, {})))
+        return
+    Rank(rank, lab, state, conn).serve()
+
+
+class Rank:
+    def __init__(self, rank: int, lab, state: Path, conn):
+        self.rank, self.lab, self.state, self.conn = rank, lab, state, conn
+        self.sent = {"samples": 0, "rows": 0}
+        self.fault = None   # (phase, error): raised at that phase's next log-prob pass (tests, notebooks)
+
+    def serve(self) -> None:
+        send(self.conn, ("ready", {"t0": self.lab.memory.t0, "capacities": capacities(self.lab)}, self.memory()))
+        while True:
+            try:
+                command, args = receive(self.conn)
+            except EOFError:   # the driver is gone
+                return
+            if command == "close":
+                self.lab.close()
+                send(self.conn, ("ok", None, {}))
+                return
+            try:
+                out = getattr(self, command)(*args)
+                mine = self.rank == 0 or command in PER_RANK   # why: the others' copies are equal; no need to ship them
+                send(self.conn, ("ok", out if mine else None, self.memory()))
+            except BaseException as err:   # why so broad: the rank must answer, whatever happened
+                send(self.conn, ("error", one_line(err), self.memory()))
+
+    def memory(self) -> dict:
+        return memory_since(self.lab.memory, self.sent)
+
+    # --- commands ---
+    def phase(self, name: str, config: dict):
+        """Run this step's phase `name` with this rank's own outputs of the phases before it."""
+        from ..phases import BY_NAME
+
+        changes = config_changes(self.lab.config.to_dict(), config)
+        if changes:
+            self.lab.config.update(changes)   # the driver's edits, checked and rebuilt here as in one process
+        inputs = [getattr(self.lab.current, field) for field in BY_NAME[name].inputs]
+        with self._armed(name):
+            out = getattr(self.lab, name)(*inputs)
+        if name == "sync":
+            save_boundary(self.lab, self.state)
+        return out
+
+    def rollback(self):
+        self.lab.rollback()
+
+    def save_checkpoint(self, path: str):
+        from .state import save_full_checkpoint
+
+        save_full_checkpoint(self.lab, path)
+
+    def restore_checkpoint(self, path: str):
+        from .state import restore_full_checkpoint
+
+        restore_full_checkpoint(self.lab, path)
+        save_boundary(self.lab, self.state)
+        return self.lab.step_index
+
+    def save_adapter(self, path: str):
+        from .state import save_full_adapter
+
+        save_full_adapter(self.lab, path)
+
+    def inspect(self):
+        """What tests and notebooks compare: this rank's LoRA and AdamW shards, and the model's sharding layout."""
+        from .fsdp import layout, local
+
+        learner = self.lab.learner
+        return {"rank": self.rank,
+                "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
+                "optimizer": local_state(learner.optimizer.state_dict()),
+                "layout": layout(learner.model), "step": self.lab.step_index}
+
+    def arm_fault(self, phase: str, error: str):
+        """Make this rank's next `phase` fail inside it (`error`: 'oom' = torch.OutOfMemoryError, else RuntimeError):
+        in backward and logprobs at the first log-prob pass, in rollout at the third decoding step."""
+        self.fault = (phase, error)
+
+    @contextmanager
+    def _armed(self, name: str):
+        if self.fault is None or self.fault[0] != name:
+            yield
+            return
+        _, error = self.fault
+        self.fault = None
+        with fault_injected(name, error):
+            yield
+
+
+def fault_injected(phase: str, error: str):
+    """Patch the function `phase` runs through so that it raises partway."""
+    from unittest import mock
+
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)") if error == "oom" \
+        else RuntimeError(f"injected failure in {phase}")
+
+    @contextmanager
+    def patched():
+        if phase == "rollout":
+            from ..generation import hf
+
+            calls = {"n": 0}
+            original = hf.TrimHeapEvery.__call__
+
+            def third_step(self, input_ids, scores):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise exc
+                return original(self, input_ids, scores)
+
+            with mock.patch.object(hf.TrimHeapEvery, "__call__", third_step):
+                yield
+            return
+        from .. import step
+
+        with mock.patch.object(step, "completion_logprobs", side_effect=exc):
+            yield
+
+    return patched()
+
+
+def config_changes(mine: dict, theirs: dict) -> dict:
+    return {f"{s}.{f}": theirs[s][f] for s in theirs for f in theirs[s] if mine[s][f] != theirs[s][f]}
+
+
+def one_line(err: BaseException) -> str:
+    from ..errors import LabError
+
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, LabError):
+        return text
+    return f"{type(err).__name__}: {text}" if text else "".join(traceback.format_exception_only(type(err), err)).strip()
+
+
+def capacities(lab) -> dict:
+    from ..memory.report import capacities_of
+
+    return capacities_of(lab.memory)
+
+
+def memory_since(sampler, sent: dict) -> dict:
+    """The samples and per-phase rows taken since the last reply (and advance `sent`)."""
+    if sampler is None:
+        return {}
+    samples = sampler.samples_since(sent["samples"])
+    rows = [dict(r) for r in sampler.phase_rows[sent["rows"]:]]
+    sent["samples"], sent["rows"] = sampler.total, len(sampler.phase_rows)
+    return {"t0": sampler.t0, "samples": samples, "rows": rows}
+
+
+def local_state(state):
+    """An optimizer state dict with every DTensor as its local shard (plain tensors: picklable, comparable)."""
+    from .fsdp import local
+
+    if isinstance(state, torch.Tensor):
+        return local(state).detach().clone()
+    if isinstance(state, dict):
+        return {k: local_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(local_state(v) for v in state)
+    return state
+
+
+def save_boundary(lab, path: Path) -> None:
+    """This rank's state between steps (its shards only: no collective), written atomically."""
+    from ..checkpoint import rng_state
+    from ..io import atomic_write_text
+    from .fsdp import local
+
+    learner = lab.learner
+    state = {"step": lab.step_index, "rng": rng_state(), "data": lab.prompts.state_dict(),
+             "lora": {n: local(p).detach().cpu().clone() for n, p in learner.trainable_parameters().items()},
+             "optimizer": local_state(learner.optimizer.state_dict())}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_text(path, buffer.getvalue())
+
+
+def restore_boundary(lab, path: Path) -> None:
+    """Put this rank's boundary state back into a freshly loaded Lab (a restart after a failed phase)."""
+    from ..checkpoint import set_rng_state
+    from ..lifecycle import StepState
+    from .fsdp import local
+    from .state import load_optimizer_shards
+
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    learner = lab.learner
+    with torch.no_grad():
+        for name, p in learner.trainable_parameters().items():
+            local(p).copy_(state["lora"][name])
+    load_optimizer_shards(learner, state["optimizer"])
+    lab.prompts.load_state_dict(state["data"])
+    set_rng_state(state["rng"])
+    lab._step = StepState(index=state["step"])
+
+
+if __name__ == "__main__":
+    import sys
+
+    connect(sys.argv[1], int(sys.argv[2]))
