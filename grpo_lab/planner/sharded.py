@@ -33,8 +33,8 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
     host = DevicePlan("host", capacity_of("host", cfg))
     if on_cpu:
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
-    host.add("driver process (the notebook's Lab)", HOST_BASELINE["cpu" if on_cpu else "cuda"],
-             "drives the ranks over pipes; holds no model")
+    host.add("driver process (ShardedLab)", HOST_BASELINE["cpu" if on_cpu else "cuda"],
+             "the notebook or grpo-lab run: drives the ranks, holds no model")
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
     ranks, micro = {}, 0
     for k, device in enumerate(rank_devices(place.learner, procs)):

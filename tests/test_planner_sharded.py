@@ -1,0 +1,137 @@
+"""The planner for a learner sharded with FSDP2 (placement.learner_procs > 1): per-rank arithmetic on Qwen2.5-7B's
+real shape (bundled config.json; nothing is loaded), checked against the one-process plan and the shape itself."""
+import pytest
+
+from grpo_lab import load_config
+from grpo_lab.planner import load_shape, plan
+from grpo_lab.planner.estimate import HOST_BASELINE, PHASES
+
+GiB = 1024 ** 3
+PRESET = "qwen2.5-7b-nf4-24gb"   # Qwen2.5-7B-Instruct, nf4 + double quant, bf16 embeddings, LoRA r 16 all-linear
+
+
+def sharded(procs: int, *overrides: str):
+    return plan(load_config(PRESET, [f"placement.learner_procs={procs}", "placement.host_memory_gib=256",
+                                     *overrides]))
+
+
+def items(device) -> dict:
+    return {(i.what, i.phase): i.bytes for i in device.items}
+
+
+def units(shape):
+    """One decoder layer and the root, whole, computed here from the shape: nf4 codes (half a byte per weight), two
+    bf16 norms and the layer's fp32 LoRA; the root's bf16 embedding, untied LM head and final norm."""
+    linear = sum(a * b for _, a, b in shape.linear_layers())
+    lora = sum(16 * (a + b) for _, a, b in shape.linear_layers())
+    layer = linear / 2 + 2 * shape.hidden * 2 + lora * 4
+    root = (2 * shape.vocab * shape.hidden + shape.hidden) * 2
+    return layer, root
+
+
+@pytest.mark.parametrize("procs", [2, 4])
+def test_each_rank_holds_1_over_n_of_the_weights_and_optimizer_but_all_of_the_quant_state(procs):
+    one = plan(load_config(PRESET, ["placement.host_memory_gib=256"]))
+    split = sharded(procs)
+    shape = split.shape
+    assert not shape.tied and shape.layers == 28 and one.ranks == {}
+    assert list(split.devices) == [f"cuda:{k}" for k in range(procs)] + ["host"]
+    assert list(split.ranks) == [f"cuda:{k}" for k in range(procs)]
+    single = items(one.devices["cuda:0"])
+    # bitsandbytes' quant state (double quant: an int8 absmax per 64 weights + fp32 per 256 blocks) stays whole
+    quant_state = shape.linear_params * (8 / 64 + 32 / (64 * 256)) / 8
+    for name, rank in split.ranks.items():
+        per_rank = items(rank)
+        assert per_rank[(f"base weights (1/{procs} shard)", None)] == pytest.approx(
+            (single[("base weights", None)] - quant_state) / procs, rel=1e-12)
+        assert per_rank[("4-bit quant state (whole on every rank)", None)] == pytest.approx(quant_state, rel=1e-12)
+        for what in ("LoRA weights", "LoRA gradients"):
+            assert per_rank[(f"{what} (1/{procs})", None)] == single[(what, None)] / procs
+        assert per_rank[(f"AdamW moments (1/{procs})", None)] == single[("AdamW moments", None)] / procs
+        # each rank loads the whole model first: resident shard + the rest = all of it (codes, dense, LoRA fp32)
+        whole = single[("base weights", None)] - quant_state + single[("LoRA weights", None)]
+        assert per_rank[("whole model before fully_shard", "load")] == pytest.approx(whole * (1 - 1 / procs))
+        assert rank.roles[0] == f"learner rank {int(name.split(':')[1])} of {procs} (FSDP2)"
+    # what sharding buys: the resident weights and optimizer state shrink ~N-fold (the quant state aside)
+    resident = [i.bytes for i in split.ranks["cuda:0"].items if i.phase is None and "CUDA context" not in i.what]
+    before = sum(single[(w, None)] for w in ("base weights", "LoRA weights", "LoRA gradients", "AdamW moments"))
+    assert sum(resident) == pytest.approx(before / procs + quant_state * (1 - 1 / procs), rel=1e-12)
+
+
+def test_rank_devices_start_at_the_learners_gpu_and_the_reference_copy_is_sharded_too():
+    result = sharded(2, "placement.learner=cuda:2", "grpo.beta=0.04", "reference.strategy=copy")
+    assert list(result.devices) == ["cuda:2", "cuda:3", "host"]
+    rank = items(result.devices["cuda:3"])
+    assert rank[("reference weights (1/2 shard)", None)] == rank[("base weights (1/2 shard)", None)]
+    assert rank[("reference quant state (whole on every rank)", None)] > 0
+    assert "reference copy (sharded like the policy)" in result.devices["cuda:3"].roles
+
+
+def test_gather_for_generation_costs_the_whole_model_minus_the_layers_in_flight():
+    gathered, layered = sharded(2), sharded(2, "generator.gather_for_generation=false")
+    shape = gathered.shape
+    layer, root = units(shape)
+    whole = shape.layers * layer + root
+    one = items(plan(load_config(PRESET)).devices["cuda:0"])
+    assert whole == pytest.approx(one[("base weights", None)] - shape.linear_params * (8 / 64 + 32 / 16384) / 8
+                                  + one[("LoRA weights", None)], rel=1e-12)   # the same bytes, counted two ways
+    for name in gathered.ranks:
+        a, b = gathered.ranks[name], layered.ranks[name]
+        assert items(a)[("generation gather: whole model", "rollout")] == pytest.approx(whole, rel=1e-12)
+        assert items(b)[("generation gather: layer by layer", "rollout")] == pytest.approx(root + 2 * layer, rel=1e-12)
+        assert a.phase_peak("rollout") - b.phase_peak("rollout") == pytest.approx(whole - root - 2 * layer, rel=1e-12)
+        assert a.phase_peak("rollout") - b.phase_peak("rollout") > 2.5 * GiB   # most of a 7B nf4 model
+        assert all(a.phase_peak(p) == b.phase_peak(p) for p in PHASES if p != "rollout")
+        # the rollout runs the whole batch on every rank: its KV cache is the one-process plan's, not 1/N of it
+        assert items(a)[("generation KV cache", "rollout")] == one[("generation KV cache", "rollout")]
+
+
+def test_a_plan_that_fits_only_without_the_gather_says_so_and_more_ranks_are_offered():
+    common = ["generator.chunk_size=32", "placement.gpu_memory_gib=10"]
+    gathered = sharded(2, *common)
+    assert not gathered.fits and gathered.devices["cuda:0"].peak_phase == "rollout"
+    assert gathered.fixes[0] == "generator.gather_for_generation: false"
+    assert sharded(2, *common, "generator.gather_for_generation=false").fits
+    tight = sharded(2, "generator.chunk_size=32", "placement.gpu_memory_gib=8", "generator.gather_for_generation=false")
+    assert not tight.fits and "placement.learner_procs: 4" in tight.fixes
+    assert sharded(4, "generator.chunk_size=32", "placement.gpu_memory_gib=8",
+                   "generator.gather_for_generation=false").fits
+
+
+@pytest.mark.parametrize("procs", [2, 4])
+def test_cpu_ranks_share_host_ram_each_with_its_own_runtime(procs):
+    result = sharded(procs, "placement.learner=cpu")
+    host = result.devices["host"]
+    assert list(result.devices) == ["host"] and list(result.ranks) == [f"host (rank {k})" for k in range(procs)]
+    baseline = HOST_BASELINE["cpu"]
+    for rank in result.ranks.values():
+        assert items(rank)[("Python, torch, libraries", None)] == baseline
+    rank = result.ranks["host (rank 0)"]
+    for phase in PHASES:   # the driver's process plus every rank's, all in the same phase at once
+        assert host.phase_peak(phase) == pytest.approx(baseline + procs * rank.phase_peak(phase), rel=1e-12)
+    runtimes = sum(i.bytes for r in result.ranks.values() for i in r.items if i.what == "Python, torch, libraries")
+    assert runtimes == procs * baseline
+    # the fit is the sum's: a host with room for one rank's peak (and the driver) but not for all of them
+    room = (baseline + rank.total * 1.5) / GiB
+    squeezed = sharded(procs, "placement.learner=cpu", f"placement.host_memory_gib={room}")
+    assert not squeezed.fits and [d.device for d in squeezed.failing()] == ["host"]
+    assert all(r.fraction < 1 for r in squeezed.ranks.values())
+
+
+def test_the_table_names_every_rank_and_how_the_rollout_gathers():
+    text = str(sharded(4))
+    assert "learner sharded over 4 ranks" in text and "generator.gather_for_generation: true" in text
+    for k in range(4):
+        assert f"cuda:{k}   learner rank {k} of 4 (FSDP2)" in text
+        assert f"  rank {k} process" in text   # its host process
+    assert text.count("generation gather: whole model") == 4
+    layered = str(sharded(4, "generator.gather_for_generation=false"))
+    assert layered.count("generation gather: layer by layer") == 4 and "gather_for_generation: false" in layered
+
+    cpu = str(sharded(4, "placement.learner=cpu"))
+    assert "host (rank 0) learner rank 0 of 4 (FSDP2)" in cpu
+    assert "host (rank 1), host (rank 2), host (rank 3): the same as rank 0" in cpu
+    host_block = cpu[cpu.index("\nhost     "):]
+    for k in range(4):
+        assert f"\n  rank {k}  " in host_block and f"\n    rank {k}  " in host_block   # resident, and each phase
+    assert "driver process" in host_block and host_block.rstrip().endswith("verdict: fits")
