@@ -129,7 +129,8 @@ def generation(model, gather: bool) -> Iterator[None]:
         raise
     finally:
         if units and failed:
-            units[-1].reset_iter_state()   # the root (fully_shard'ed last): FSDP's recovery after a forward raised mid-flight
+            root = next(u for u in units if u._get_fsdp_state()._is_root)
+            root.reset_iter_state()   # FSDP's recovery after a forward raised mid-flight (on the root only)
         for unit, saved in zip(units, reshard):
             unit.reshard()   # why every unit: a failed forward may have left any of them gathered
             _set_reshard_after_forward(unit, saved)

@@ -1,0 +1,225 @@
+"""The sharded learner (placement.learner_procs > 1): FSDP2 over 2 gloo CPU processes, driven from one Lab.
+
+Real parts throughout: each rank is a fresh Python process with its own 4-bit (nf4) LoRA learner sharded by
+torch's fully_shard, talking over gloo; the reference is one process of the same config and seed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_lab import Lab, cli
+from grpo_lab.errors import LabError
+
+SHARDED = ["placement.learner_procs=2"]
+# why these tolerances: the two ranks' gradients are summed by gloo in another order than one process sums the
+# whole batch (float32, ~1e-7 relative, docs/fsdp2.md); AdamW turns a gradient into an update of about
+# learning_rate x sign, so a weight whose gradient is ~0 may move by up to 2 x 1e-4 differently
+LOSS_TOL = dict(rel=1e-5, abs=1e-6)
+LORA_TOL = 1e-6
+
+
+def whole(shards: list[dict]) -> dict:
+    """The whole LoRA tensors from every rank's dim-0 shards (FSDP2's Shard(0), in rank order)."""
+    return {name: torch.cat([rank["lora"][name] for rank in shards]) for name in shards[0]["lora"]}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Bit-identical LoRA shards and AdamW state of one rank."""
+    if a["lora"].keys() != b["lora"].keys() or not all(torch.equal(a["lora"][n], b["lora"][n]) for n in a["lora"]):
+        return False
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    return sa.keys() == sb.keys() and all(
+        torch.equal(sa[i][k], sb[i][k]) if isinstance(sa[i][k], torch.Tensor) else sa[i][k] == sb[i][k]
+        for i in sa for k in sa[i])
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """Two steps of tiny-cpu in one process: what the sharded runs must reproduce."""
+    lab = Lab("tiny-cpu").load()
+    try:
+        results = [lab.step() for _ in range(2)]
+        lora = {n: p.detach().clone() for n, p in lab.learner.trainable_parameters().items()}
+    finally:
+        lab.close()
+    return results, lora
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one_process(one_process):
+    results, lora = one_process
+    lab = Lab("tiny-cpu", overrides=SHARDED).load()
+    try:
+        sharded = [lab.step() for _ in range(2)]
+        shards = lab.inspect()
+    finally:
+        lab.close()
+    assert len(shards) == 2 and all(s["layout"]["sharded"] and all(s["layout"]["sharded"]) for s in shards)
+    for mine, theirs in zip(sharded, results):
+        assert mine.completion_length_mean == theirs.completion_length_mean   # the same completions were sampled
+        assert mine.reward_mean == theirs.reward_mean and mine.rewards == theirs.rewards
+        assert mine.loss == pytest.approx(theirs.loss, **LOSS_TOL)
+        assert mine.grad_norm == pytest.approx(theirs.grad_norm, **LOSS_TOL)
+    merged = whole(shards)
+    assert merged.keys() == lora.keys()
+    worst = max((merged[n] - lora[n]).abs().max().item() for n in lora)
+    moved = max((lora[n] - 0).abs().max().item() for n in lora if "lora_B" in n)
+    assert moved > 1e-5          # the steps did change the weights (B starts at 0)
+    assert worst <= LORA_TOL, worst
+    # every rank's memory is in the driver's sampler, per phase
+    devices = {r["device"] for r in sharded[-1].memory}
+    assert {"rank0/host", "rank1/host", "host"} <= devices
+    assert {r["phase"] for r in sharded[-1].memory if r["device"] == "rank1/host"} >= {"rollout", "backward", "sync"}
+
+
+@pytest.mark.slow
+def test_gather_on_and_off_sample_the_same_and_a_failed_generation_leaves_every_rank_as_it_was():
+    lab = Lab("tiny-cpu", overrides=SHARDED + ["generator.temperature=0"]).load()
+    try:
+        before = lab.inspect()
+        gathered = lab.rollout().completions
+        lab.configure(generator={"gather_for_generation": False})
+        sharded = lab.rollout().completions     # a rollout may be redone until the step's first update
+        assert gathered == sharded
+        for gather in (True, False):
+            lab.configure(generator={"gather_for_generation": gather})
+            for rank in (0, 1):
+                lab.arm_fault(rank, "rollout", "runtime")   # raises at the third decoding step, inside generate
+            with pytest.raises(LabError, match="rollout failed on every rank: RuntimeError: injected failure"):
+                lab.rollout()
+            after = lab.inspect()
+            for b, a in zip(before, after):
+                assert a["layout"] == b["layout"]   # sharded, same reshard settings, mode and checkpointing
+                assert same_state(a, b)
+        assert all(before[0]["layout"]["sharded"]) and before[0]["layout"]["training"]
+        result = lab.step()
+        assert result.step == 0 and result.attempts == 5   # every redone or failed rollout was filed as an attempt
+    finally:
+        lab.close()
+
+
+@pytest.mark.slow
+def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_step_runs_again(one_process):
+    results, _ = one_process
+    lab = Lab("tiny-cpu", overrides=SHARDED).load()
+    try:
+        lab.step()
+        before = lab.inspect()
+        lab.arm_fault(1, "backward", "oom")
+        with pytest.raises(LabError, match=r"backward failed on rank 1: .*out of memory.*every rank was restarted") as err:
+            lab.step()
+        assert "\n" not in str(err.value)
+        after = lab.inspect()
+        assert [a["step"] for a in after] == [1, 1]
+        assert all(same_state(a, b) for a, b in zip(after, before))
+        again = lab.step()   # the step again, from the same RNG state and prompt order: the one-process step 1
+        assert again.step == 1 and again.attempts == 2
+        assert again.reward_mean == results[1].reward_mean
+        assert again.loss == pytest.approx(results[1].loss, **LOSS_TOL)
+        assert [r for r in lab.memory.rows_for(1, failed_attempts=True) if r["device"] == "rank1/host"]
+    finally:
+        lab.close()
+
+
+@pytest.mark.slow
+def test_the_reference_copy_is_sharded_like_the_policy_and_scores_as_the_base():
+    lab = Lab("tiny-cpu", overrides=SHARDED + ["reference.strategy=copy"]).load()
+    try:
+        rollout = lab.rollout()
+        rewards = lab.rewards(rollout)
+        lab.advantages(rewards)
+        copy = lab.logprobs(rollout).ref
+        lab.configure({"reference.strategy": "adapter-disabled"})
+        disabled = lab.logprobs(rollout).ref   # no update yet: the adapter-disabled policy is the base too
+        assert copy.shape == disabled.shape == rollout.completion_ids.shape
+        assert (copy - disabled).abs().max().item() <= 1e-5
+        assert lab.step().step == 0
+    finally:
+        lab.close()
+
+
+def test_a_reference_left_on_another_device_type_is_refused_in_one_line(tiny_model):
+    """P5 on a CPU: a copy that skipped preparation sits where it was created (here the meta device, as FSDP's
+    memory-efficient loading leaves every rank but the first), and fails deep inside torch; the check says why."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_lab.sharded.fsdp import check_reference_devices
+
+    with torch.device("meta"):
+        naive = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    policy_logps = torch.zeros(1, 3)
+    with pytest.raises((RuntimeError, NotImplementedError)):   # the P5 failure: its log-probs meet the policy's
+        ref = naive(input_ids=torch.tensor([[1, 2, 3]])).logits.log_softmax(-1)[..., 0]
+        (policy_logps - ref).cpu()
+    with pytest.raises(LabError, match=r"reference: model\.embed_tokens\.weight is on meta, the policy computes on cpu \(P5"):
+        check_reference_devices(naive, torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model)
+    check_reference_devices(plain, torch.device("cpu"))   # a copy where the policy is passes
+
+
+# --- bad input: one line, exit 2, before any process starts ----------------------------------------
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank process started")
+
+    monkeypatch.setattr("grpo_lab.sharded.driver.Ranks.start", refuse)
+    monkeypatch.setattr("grpo_lab.lab.Lab.load", lambda self: (_ for _ in ()).throw(AssertionError("a model loaded")))
+
+
+def refused(capsys, *sets) -> str:
+    argv = ["run", "tiny-cpu", "--steps", "1", "--out", "/tmp/grpo-lab-never-written"]
+    for item in sets:
+        argv += ["--set", item]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("grpo-lab: error:"), err
+    return lines[0]
+
+
+def test_more_cpu_ranks_than_cores_is_one_line(capsys, no_ranks, monkeypatch):
+    monkeypatch.setattr("grpo_lab.sharded.world.usable_cpus", lambda: 2)
+    line = refused(capsys, "placement.learner_procs=4")
+    assert "placement.learner_procs: 4 CPU ranks on 2 usable CPU core(s)" in line and "use at most 2" in line
+
+
+def test_more_gpu_ranks_than_gpus_is_one_line(monkeypatch):
+    from grpo_lab.config import load_config
+
+    monkeypatch.setattr("grpo_lab.sharded.world.check_engine", lambda learner: None)   # this CPU torch has no NCCL
+    from grpo_lab.sharded.world import check_ranks
+
+    config = load_config("tiny-cpu", ["placement.learner=cuda:1", "placement.learner_procs=2"])
+    with pytest.raises(LabError, match=r"placement.learner_procs: 2 ranks from cuda:1 need cuda:1..cuda:2, but this "
+                                       r"machine has 2 CUDA device\(s\); use at most 1 ranks"):
+        check_ranks(config, cuda_count=2)
+    check_ranks(load_config("tiny-cpu", ["placement.learner=cuda:0", "placement.learner_procs=2"]), cuda_count=2)
+
+
+def test_a_sharding_engine_that_is_not_installed_is_one_line(capsys, no_ranks, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)   # import fails as on a torch without FSDP2
+    line = refused(capsys, "placement.learner_procs=2")
+    assert "sharding needs FSDP2 (torch.distributed.fsdp.fully_shard" in line and "placement.learner_procs: 1" in line
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["generator.backend=vllm", "placement.learner_procs=2"], "backend 'vllm' is not wired to a sharded learner"),
+    (["placement.learner_procs=3"], "ranks need a batch they split evenly"),
+    (["placement.learner_procs=2", "reference.strategy=copy", "reference.device=cpu"], "reference.device"),
+])
+def test_what_a_sharded_learner_cannot_do_is_one_line(capsys, no_ranks, sets, words):
+    line = refused(capsys, *sets)
+    assert words in line
+
+
+def test_a_sharded_lab_refuses_reward_functions_it_cannot_send(no_ranks):
+    def reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    lab = Lab("tiny-cpu", reward_funcs=[reward], overrides=SHARDED)
+    with pytest.raises(LabError, match="reward_funcs: a sharded Lab's ranks are processes"):
+        type(lab)._load(lab)
