@@ -362,6 +362,10 @@ class LabConfig(Section):
                              "learner's own weights; remove them or use a backend with its own weights")
         if place.learner_procs > 1:
             self._check_sharding()
+        elif not gen.gather_for_generation:
+            raise ValueError("generator.gather_for_generation: false means generating through a sharded learner, and "
+                             "this one is one process (placement.learner_procs: 1) with its whole model in place; "
+                             "set it to true, or shard the learner")
         if place.optimizer_offload and place.learner == "cpu":
             raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
                              "already; set it to false or place the learner on a GPU")

@@ -288,6 +288,16 @@ def test_temperature_samples_and_scores_the_next_rollout_at_the_new_temperature(
     assert torch.allclose(logprobs.old[mask], rollout.sampler_logprobs[mask], atol=1e-3)   # ...as sampled
 
 
+@observes("generator.gather_for_generation")
+def test_gather_for_generation_is_refused_in_one_process(lab):
+    """A knob that cannot act says no: one process has nothing to gather. On a sharded Lab it acts at the next rollout
+    (tests/test_sharded.py: gathered and layer-by-layer rollouts, both restored after a failure; notebook 06 times them)."""
+    with pytest.raises(LabError, match=r"generator.gather_for_generation: false means generating through a sharded "
+                                       r"learner.*placement.learner_procs: 1"):
+        lab.configure({"generator.gather_for_generation": False})
+    assert lab.config.generator.gather_for_generation is True
+
+
 @observes("generator.top_k")
 def test_top_k_one_samples_greedily(lab):
     lab.config.generator.top_k = 1
