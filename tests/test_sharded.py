@@ -122,6 +122,24 @@ def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_s
 
 
 @pytest.mark.slow
+def test_the_cli_runs_sharded_and_resumes_from_its_gathered_checkpoint(one_process, tmp_path):
+    """grpo-lab run drives the same ranks; its checkpoint is whole (one-process format), and a resumed run goes on
+    exactly as the uninterrupted one-process run."""
+    import json
+
+    results, _ = one_process
+    out = tmp_path / "run"
+    assert cli.main(["run", "tiny-cpu", "--steps", "1", "--out", str(out), "--set", *SHARDED]) == 0
+    assert cli.main(["run", "--resume", str(out), "--steps", "2"]) == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
+    for mine, theirs in zip(metrics, results):
+        assert mine["loss"] == pytest.approx(theirs.loss, **LOSS_TOL)
+        assert mine["grad_norm"] == pytest.approx(theirs.grad_norm, **LOSS_TOL)
+    assert "rank1/host" in (out / "memory.csv").read_text()
+
+
+@pytest.mark.slow
 def test_the_reference_copy_is_sharded_like_the_policy_and_scores_as_the_base():
     lab = Lab("tiny-cpu", overrides=SHARDED + ["reference.strategy=copy"]).load()
     try:

@@ -30,6 +30,9 @@ from ..phases import PHASE_NAMES
 from .worker import receive, send
 
 START_TIMEOUT_S = 900   # loading a model on every rank
+# why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
+# them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU)
+MACHINE_WIDE = {("host", "used"), ("host", "limit")}
 GRACE_S = 10            # after one rank fails, how long the others get to answer before they are presumed blocked
 
 
@@ -53,11 +56,13 @@ class RankMemory(MemorySampler):
             return
         shift = delta["t0"] - self.t0   # perf_counter is one clock for every process of this machine
         label = lambda device: f"rank{rank}/{device}"
+        samples = [s for s in delta["samples"] if (s[3], s[4]) not in MACHINE_WIDE]
         with self._lock:
-            for t, step, phase, device, metric, value in delta["samples"]:
+            for t, step, phase, device, metric, value in samples:
                 self.samples.append((t + shift, step, phase, label(device), metric, value))
-            self.total += len(delta["samples"])
-            self.phase_rows.extend({**row, "device": label(row["device"])} for row in delta["rows"])
+            self.total += len(samples)
+            self.phase_rows.extend({**row, "device": label(row["device"])} for row in delta["rows"]
+                                   if (row["device"], row["metric"]) not in MACHINE_WIDE)
 
 
 class Ranks:

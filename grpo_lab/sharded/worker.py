@@ -159,7 +159,7 @@ def fault_injected(phase: str, error: str):
     """Patch the function `phase` runs through so that it raises partway."""
     from unittest import mock
 
-    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)") if error == "oom" \
+    exc = torch.OutOfMemoryError("Tried to allocate 2.00 GiB (injected by lab.arm_fault)") if error == "oom" \
         else RuntimeError(f"injected failure in {phase}")
 
     @contextmanager
