@@ -119,6 +119,19 @@ def test_chunked_equals_unchunked_greedy_and_seeded(vllm_lab, chunk_size):
         assert torch.allclose(whole.sampler_logprobs, parts.sampler_logprobs, atol=1e-5)
 
 
+def test_the_engine_leaves_the_learners_random_state_alone(vllm_lab):
+    """vLLM's sampler draws from torch's global generator even for seeded requests; in-process (the CPU) that is
+    the learner's, so a run's later randomness would depend on the engine's internals and its process (a GPU engine
+    runs in its own). The rollout may only take its seed draw from it."""
+    from grpo_lab.generation.base import GenerationRequest
+
+    request = GenerationRequest.from_config(vllm_lab.config)
+    ids = vllm_lab.generator.encode_prompts(["1 + 1 ="] * 2, 32)
+    before = torch.get_rng_state()
+    vllm_lab.generator.sample(ids, [1, 2], request)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_twenty_syncs_do_not_grow_generator_memory(vllm_lab):
     lab = vllm_lab
     rss = []

@@ -199,6 +199,12 @@ def make_adapter_dir(learner) -> Path:
     return Path(tempfile.mkdtemp(prefix=adapter_dir_prefix(), dir=root))
 
 
+def draw_seeds(n: int):
+    """One seed per sequence, drawn from the lab's seeded RNG before chunking: samples do not depend on chunk_size
+    (nor on which process draws them: a sharded learner's ranks draw the same)."""
+    return iter(torch.randint(0, 2 ** 31 - 1, (n,)).tolist())
+
+
 class VLLMGenerator(Generator):
     def __init__(self, learner, config):
         gen, place = config.generator, config.placement
@@ -259,16 +265,22 @@ class VLLMGenerator(Generator):
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
+        return self.sample(prompt_ids, [next(self._seeds) for _ in prompt_ids], request)
+
+    def sample(self, prompt_ids: list[list[int]], seeds: list[int], request: GenerationRequest) -> list[Sample]:
+        """One completion per prompt, each with its own seed (also what a sharded learner's ranks ask for)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        seeds = [next(self._seeds) for _ in prompt_ids]
         params = [SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k or 0,
                                  max_tokens=request.max_completion_length, logprobs=0, seed=seed,
                                  stop_token_ids=self.eos_token_ids)
                   for seed in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
-                                    lora_request=self.lora_request, use_tqdm=False)
+        # why fork_rng: vLLM's sampler draws from torch's global generator even for seeded requests; in-process it is
+        # the learner's, whose randomness must not depend on the engine (or on whether the engine is in-process)
+        with torch.random.fork_rng(devices=[]):
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
+                                        lora_request=self.lora_request, use_tqdm=False)
         samples = []
         for out in outputs:
             o = out.outputs[0]
@@ -278,8 +290,7 @@ class VLLMGenerator(Generator):
         return samples
 
     def generate(self, batch, num_generations, request):
-        # one seed per sequence, drawn from the lab's seeded RNG before chunking: samples do not depend on chunk_size
-        self._seeds = iter(torch.randint(0, 2 ** 31 - 1, (len(batch) * num_generations,)).tolist())
+        self._seeds = draw_seeds(len(batch) * num_generations)
         with self.awake():   # why around the whole rollout: a sleeping engine wakes once, not once per chunk
             return super().generate(batch, num_generations, request)
 
@@ -289,7 +300,7 @@ class VLLMGenerator(Generator):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        with self.awake():
+        with self.awake(), torch.random.fork_rng(devices=[]):   # why: as in sample(), the learner's RNG stays its own
             out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids + completion_ids)], params,
                                     lora_request=self.lora_request if with_lora else None, use_tqdm=False)[0]
         steps = out.prompt_logprobs[len(prompt_ids):]
