@@ -353,6 +353,12 @@ class LabConfig(Section):
     def _check_placement(self) -> None:
         place, gen = self.placement, self.generator
         own = gen.backend in OWN_WEIGHTS
+        if place.learner_procs > 1:
+            self._check_sharding()
+        elif not gen.gather_for_generation:
+            raise ValueError("generator.gather_for_generation: false means generating through a sharded learner, and "
+                             "this one is one process (placement.learner_procs: 1) with its whole model in place; "
+                             "set it to true, or shard the learner")
         shared_gpu = [d for d in place.generator_devices() if d == place.learner and d.startswith("cuda")]
         if own and shared_gpu and gen.gpu_memory_utilization is None:
             raise ValueError(f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
@@ -360,12 +366,6 @@ class LabConfig(Section):
         if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
             raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
                              "learner's own weights; remove them or use a backend with its own weights")
-        if place.learner_procs > 1:
-            self._check_sharding()
-        elif not gen.gather_for_generation:
-            raise ValueError("generator.gather_for_generation: false means generating through a sharded learner, and "
-                             "this one is one process (placement.learner_procs: 1) with its whole model in place; "
-                             "set it to true, or shard the learner")
         if place.optimizer_offload and place.learner == "cpu":
             raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
                              "already; set it to false or place the learner on a GPU")
@@ -373,10 +373,22 @@ class LabConfig(Section):
     def _check_sharding(self) -> None:
         """What a sharded learner cannot do, refused before anything starts (sharded.world checks devices and engine)."""
         procs, gen, g = self.placement.learner_procs, self.generator, self.grpo
-        if gen.backend != "hf":
-            raise ValueError(f"placement.learner_procs: {procs} ranks generate with the learner itself (generator.backend: "
-                             f"hf); backend {gen.backend!r} is not wired to a sharded learner yet; set generator.backend: hf "
-                             "or placement.learner_procs: 1")
+        if gen.backend != "hf":   # vllm: one engine in the driver's process, never on a rank's device
+            from .sharded.world import rank_devices
+
+            shared = sorted(set(rank_devices(self.placement.learner, procs)) & set(self.placement.generator_devices())
+                            - {"cpu"})
+            if shared:
+                raise ValueError(f"placement.generator: {shared[0]} is a learner rank's GPU (placement.learner_procs: "
+                                 f"{procs} from {self.placement.learner}); a sharded learner's vLLM engine needs GPUs of "
+                                 "its own: list others, or use generator.backend: hf")
+            if gen.sleep_mode:
+                raise ValueError("generator.sleep_mode: a sharded learner's vLLM engine has devices of its own, so "
+                                 "sleeping frees memory for nobody; set it to false")
+            if not gen.gather_for_generation:
+                raise ValueError("generator.gather_for_generation: false chooses how the hf backend generates through "
+                                 "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
+                                 "set it to true")
         if self.reference.device is not None:
             raise ValueError("reference.device: a sharded learner's reference copy is sharded like the policy, on every "
                              "rank's own device (P5); remove reference.device")

@@ -135,3 +135,19 @@ def test_the_table_names_every_rank_and_how_the_rollout_gathers():
     for k in range(4):
         assert f"\n  rank {k}  " in host_block and f"\n    rank {k}  " in host_block   # resident, and each phase
     assert "driver process" in host_block and host_block.rstrip().endswith("verdict: fits")
+
+
+def test_a_vllm_engine_for_the_ranks_is_planned_on_its_own_gpu_and_the_ranks_gather_nothing_to_generate():
+    """generator.backend: vllm with a sharded learner: one engine, in the driver, on GPUs of its own; the same engine
+    items as one process's split generator, and no rollout gather or KV cache on any rank."""
+    engine = ["generator.backend=vllm", "placement.generator=[2]"]
+    one = plan(load_config(PRESET, ["placement.host_memory_gib=256", "generator.backend=vllm", "placement.generator=[1]"]))
+    split = sharded(2, *engine)
+    assert list(split.devices) == ["cuda:0", "cuda:1", "host", "cuda:2"] and list(split.ranks) == ["cuda:0", "cuda:1"]
+    assert items(split.devices["cuda:2"]) == items(one.devices["cuda:1"])
+    for rank in split.ranks.values():
+        assert not [i for i in rank.items if i.phase == "rollout"]
+        assert "rollout sampled by the driver's vllm engine" in rank.roles
+    hf = sharded(2)
+    assert items(split.devices["cuda:0"]) == {k: v for k, v in items(hf.devices["cuda:0"]).items() if k[1] != "rollout"}
+    assert "runs their vllm engine" in [i for i in split.devices["host"].items if i.what.startswith("driver")][0].note

@@ -140,6 +140,47 @@ def test_the_cli_runs_sharded_and_resumes_from_its_gathered_checkpoint(one_proce
 
 
 @pytest.mark.slow
+def test_a_vllm_engine_samples_for_every_rank_and_syncs_only_the_lora_tensors():
+    """generator.backend: vllm with 2 ranks: one engine, in the driver, answers both ranks' rollouts; its sync gathers
+    the LoRA shards into an adapter (never the base weights). Two steps equal one process with the same engine."""
+    from safetensors import safe_open
+
+    vllm = ["generator.backend=vllm"]
+    one = Lab("tiny-cpu", overrides=vllm).load()
+    try:
+        expected = [one.step() for _ in range(2)]
+        lora = {n: p.detach().clone() for n, p in one.learner.trainable_parameters().items()}
+    finally:
+        one.close()
+    lab = Lab("tiny-cpu", overrides=vllm + SHARDED).load()
+    try:
+        assert type(lab).__name__ == "ShardedLab" and lab.generator is not None
+        sharded = [lab.step()]
+        with pytest.raises(LabError, match="this vLLM engine was started for"):   # the driver's engine checks live edits
+            lab.configure(generator={"max_completion_length": 100000})
+        with pytest.raises(LabError, match="arm_fault: a rollout fault goes into a rank's hf decoding"):
+            lab.arm_fault(0, "rollout")
+        lab.arm_fault(1, "backward", "oom")
+        with pytest.raises(LabError, match="backward failed on rank 1: .*every rank was restarted"):
+            lab.step()
+        sharded.append(lab.step())   # restarted ranks, the engine synced again: the step as if nothing had happened
+        assert sharded[-1].attempts == 2
+        adapter = lab.generator.lora_request.lora_path   # what the engine samples the next rollout with
+        with safe_open(f"{adapter}/adapter_model.safetensors", "pt") as f:
+            sent = {k: f.get_tensor(k) for k in f.keys()}
+        merged = whole(lab.inspect())
+    finally:
+        lab.close()
+    for mine, theirs in zip(sharded, expected):
+        assert mine.rewards == theirs.rewards and mine.completion_length_mean == theirs.completion_length_mean
+        assert mine.loss == pytest.approx(theirs.loss, **LOSS_TOL)
+        assert mine.logprob_mismatch == pytest.approx(theirs.logprob_mismatch, rel=1e-4)   # the engine had the update
+    assert max((merged[n] - lora[n]).abs().max().item() for n in lora) <= LORA_TOL
+    assert sent and all("lora_" in k for k in sent)                             # LoRA tensors only...
+    assert sum(t.numel() for t in sent.values()) == sum(t.numel() for t in lora.values())   # ...all of them, whole
+
+
+@pytest.mark.slow
 def test_the_reference_copy_is_sharded_like_the_policy_and_scores_as_the_base():
     lab = Lab("tiny-cpu", overrides=SHARDED + ["reference.strategy=copy"]).load()
     try:
@@ -225,7 +266,13 @@ def test_a_sharding_engine_that_is_not_installed_is_one_line(capsys, no_ranks, m
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["generator.backend=vllm", "placement.learner_procs=2"], "backend 'vllm' is not wired to a sharded learner"),
+    (["generator.backend=vllm", "placement.learner=cuda:0", "placement.learner_procs=2"],
+     "placement.generator: cuda:0 is a learner rank's GPU"),
+    (["generator.backend=vllm", "placement.learner=cuda:0", "placement.learner_procs=2", "placement.generator=[1]"],
+     "placement.generator: cuda:1 is a learner rank's GPU"),
+    (["generator.backend=vllm", "placement.learner_procs=2", "generator.sleep_mode=true"], "generator.sleep_mode"),
+    (["generator.backend=vllm", "placement.learner_procs=2", "generator.gather_for_generation=false"],
+     "the vLLM engine has weights of its own"),
     (["placement.learner_procs=3"], "ranks need a batch they split evenly"),
     (["placement.learner_procs=2", "reference.strategy=copy", "reference.device=cpu"], "reference.device"),
 ])

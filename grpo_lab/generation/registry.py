@@ -11,6 +11,9 @@ BACKENDS: dict[str, str] = {
     "vllm": "grpo_lab.generation.vllm:VLLMGenerator",
 }
 
+# a sharded learner's rank asks the driver's engine instead (sharded/remote.py)
+RANK_BACKENDS: dict[str, str] = {"vllm": "grpo_lab.sharded.remote:RemoteVLLM"}
+
 # backends that hold their own copy of the weights (and so a memory share of their GPU)
 OWN_WEIGHTS = {"vllm"}
 
@@ -25,7 +28,10 @@ def sleeps(config) -> bool:
 def backend_class(name: str):
     if name not in BACKENDS:
         raise LabError(f"generator.backend: unknown backend {name!r}; use one of {sorted(BACKENDS)}")
-    module, _, attr = BACKENDS[name].partition(":")
+    from ..sharded.world import world
+
+    path = (RANK_BACKENDS.get(name) if world().sharded else None) or BACKENDS[name]
+    module, _, attr = path.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as err:

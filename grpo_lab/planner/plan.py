@@ -118,24 +118,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
 
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     if gen.backend in OWN_WEIGHTS:
-        gens = [devices[_home(d)] for d in place.generator_devices()]
-        per_device = generator_weight_bytes(shape, cfg) / len(gens)
-        for d in gens:
-            d.roles.append(f"generator ({gen.backend}, TP {len(gens)})")
-            share = gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
-            if d.device == "host":
-                d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
-                d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens), phase="rollout")
-            else:   # why resident (every phase), sleep mode or not: what sleep frees is vLLM's to decide; plan pessimistic
-                d.add(f"{gen.backend} engine share ({share:.0%})", share * d.capacity - CUDA_CONTEXT,
-                      f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache")
-                if per_device + 1 * GiB > share * d.capacity:
-                    d.add("generator weights beyond its share", per_device + 1 * GiB - share * d.capacity,
-                          "raise gpu_memory_utilization, quantize, or add tensor-parallel GPUs")
-        if sleeps(cfg):
-            # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
-            devices["host"].add("generator weights (asleep, sleep level 1)", generator_weight_bytes(shape, cfg),
-                                f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned")
+        add_engine(devices, cfg, shape, sequences)
     else:
         lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
         lrn.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences), f"{sequences} sequences per call",
@@ -143,6 +126,30 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         lrn.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
                 "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF", phase="rollout")
     return devices, act["micro_batch"]
+
+
+def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences: int) -> None:
+    """A generator with weights of its own (vLLM) on each of its devices: its weights and KV cache on the host, or its
+    share of a GPU (one process's engine, or a sharded learner's, which lives in the driver)."""
+    place, gen = cfg.placement, cfg.generator
+    gens = [devices[_home(d)] for d in place.generator_devices()]
+    per_device = generator_weight_bytes(shape, cfg) / len(gens)
+    for d in gens:
+        d.roles.append(f"generator ({gen.backend}, TP {len(gens)})")
+        share = gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
+        if d.device == "host":
+            d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
+            d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens), phase="rollout")
+        else:   # why resident (every phase), sleep mode or not: what sleep frees is vLLM's to decide; plan pessimistic
+            d.add(f"{gen.backend} engine share ({share:.0%})", share * d.capacity - CUDA_CONTEXT,
+                  f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache")
+            if per_device + 1 * GiB > share * d.capacity:
+                d.add("generator weights beyond its share", per_device + 1 * GiB - share * d.capacity,
+                      "raise gpu_memory_utilization, quantize, or add tensor-parallel GPUs")
+    if sleeps(cfg):
+        # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
+        devices["host"].add("generator weights (asleep, sleep level 1)", generator_weight_bytes(shape, cfg),
+                            f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned")
 
 
 def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan]) -> Optional[dict[str, DevicePlan]]:
@@ -184,7 +191,7 @@ def sharding_fixes(cfg) -> list[tuple[str, list[str]]]:
     """A sharded learner's own knobs: generate layer by layer, then more ranks (fewest first: the first that fits
     is the one shown), each dividing the batch."""
     out = []
-    if cfg.generator.gather_for_generation:
+    if cfg.generator.gather_for_generation and cfg.generator.backend not in OWN_WEIGHTS:   # (vllm gathers nothing)
         out.append(("generator.gather_for_generation: false", ["generator.gather_for_generation=false"]))
     batch = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
     procs = cfg.placement.learner_procs * 2

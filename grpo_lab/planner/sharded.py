@@ -8,9 +8,10 @@ CUDA ranks have a device each; CPU ranks share host RAM, so there the host is th
 """
 from __future__ import annotations
 
+from ..generation.registry import OWN_WEIGHTS
 from .estimate import (CUDA_CONTEXT, HOST_BASELINE, PHASES, DevicePlan, activation_bytes, base_weight_bytes,
                        base_weight_split, generation_step_bytes, kv_cache_bytes, unit_bytes)
-from .plan import head_note, capacity_of
+from .plan import _home, add_engine, capacity_of, head_note
 from .shapes import ModelShape
 
 # why 2: the layer computing and the next one, which FSDP2 all-gathers ahead of it (backward prefetch; on CUDA the
@@ -34,7 +35,9 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
     if on_cpu:
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
     host.add("driver process (ShardedLab)", HOST_BASELINE["cpu" if on_cpu else "cuda"],
-             "the notebook or grpo-lab run: drives the ranks, holds no model")
+             "the notebook or grpo-lab run: drives the ranks" + (
+                 f", runs their {cfg.generator.backend} engine (below)" if cfg.generator.backend in OWN_WEIGHTS
+                 else ", holds no model"))
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
     ranks, micro = {}, 0
     for k, device in enumerate(rank_devices(place.learner, procs)):
@@ -52,6 +55,12 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
             host.add(f"rank {k} process", HOST_BASELINE["cuda"] + rollback,
                      f"Python, torch, libraries + step rollback copy of its shard ({rollback / 1024 ** 2:.1f} MiB)")
     devices = {"host": host} if on_cpu else {**ranks, "host": host}
+    if cfg.generator.backend in OWN_WEIGHTS:   # one engine for every rank, in the driver (on its own GPUs, or the host)
+        for d in dict.fromkeys(_home(d) for d in place.generator_devices()):
+            if d not in devices:
+                devices[d] = DevicePlan(d, capacity_of(d, cfg))
+                devices[d].add("CUDA context + workspace", CUDA_CONTEXT)
+        add_engine(devices, cfg, shape, cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations)
     return devices, ranks, micro
 
 
@@ -81,19 +90,10 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
     rank.add("whole model before fully_shard", (sharded + lora * 4) * (1 - 1 / procs),
              f"every rank loads all of it, then keeps 1/{procs}; this is the rest", phase="load")
 
-    rank.roles.append("generator (hf, the whole rollout on every rank)")
-    if gen.gather_for_generation:
-        rank.add("generation gather: whole model", shape.layers * layer + root,
-                 "generator.gather_for_generation: true; every layer and the root, for the whole rollout", phase="rollout")
+    if gen.backend in OWN_WEIGHTS:   # the rank's rollout is the driver engine's answer: no weights gathered for it
+        rank.roles.append(f"rollout sampled by the driver's {gen.backend} engine")
     else:
-        rank.add("generation gather: layer by layer", root + LAYERS_IN_FLIGHT * layer,
-                 f"generator.gather_for_generation: false; root + {LAYERS_IN_FLIGHT} layers whole at a time, at every "
-                 "decoding step (slow)", phase="rollout")
-    sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
-    rank.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences),
-             f"{sequences} sequences per call, the same on every rank", phase="rollout")
-    rank.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
-             "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF", phase="rollout")
+        fill_hf_rollout(rank, cfg, shape, layer, root)
 
     rows = grpo.prompts_per_step * grpo.num_generations // procs
     act = activation_bytes(shape, cfg, on_cpu=on_cpu, micro_batch=min(grpo.micro_batch_size or rows, rows))
@@ -111,3 +111,21 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
     rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu), phase="backward")
     rank.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
     return act["micro_batch"]
+
+
+def fill_hf_rollout(rank: DevicePlan, cfg, shape: ModelShape, layer: float, root: float) -> None:
+    """The hf backend's rollout on a rank: the whole batch, through the model gathered whole or layer by layer."""
+    gen, grpo = cfg.generator, cfg.grpo
+    rank.roles.append("generator (hf, the whole rollout on every rank)")
+    if gen.gather_for_generation:
+        rank.add("generation gather: whole model", shape.layers * layer + root,
+                 "generator.gather_for_generation: true; every layer and the root, for the whole rollout", phase="rollout")
+    else:
+        rank.add("generation gather: layer by layer", root + LAYERS_IN_FLIGHT * layer,
+                 f"generator.gather_for_generation: false; root + {LAYERS_IN_FLIGHT} layers whole at a time, at every "
+                 "decoding step (slow)", phase="rollout")
+    sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
+    rank.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences),
+             f"{sequences} sequences per call, the same on every rank", phase="rollout")
+    rank.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
+             "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF", phase="rollout")

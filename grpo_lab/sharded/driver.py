@@ -27,6 +27,7 @@ from ..lab import Lab, preflight
 from ..lifecycle import StepState
 from ..memory.sampler import MemorySampler
 from ..phases import PHASE_NAMES
+from .remote import Answers
 from .worker import receive, send
 
 START_TIMEOUT_S = 900   # loading a model on every rank
@@ -45,10 +46,11 @@ class RankFailure(LabError):
 
 
 class RankMemory(MemorySampler):
-    """The driver's own host sampler, plus every rank's samples and per-phase rows as they arrive."""
+    """The driver's own sampler (its host memory, and its vLLM engine's GPUs), plus every rank's samples and
+    per-phase rows as they arrive."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(["cpu"], *args, **kwargs)
+    def __init__(self, devices: list[str], *args, **kwargs):
+        super().__init__(devices, *args, **kwargs)
         self.rank_capacities: dict[str, float] = {}
 
     def ingest(self, rank: int, delta: dict) -> None:
@@ -77,6 +79,7 @@ class Ranks:
         self.procs: list = []
         self.conns: list = []
         self.key = os.urandom(32)
+        self.answers = Answers(None)   # what the ranks may ask mid-command: the driver's vLLM engine, if any
 
     def start(self, restore: bool = False) -> "Ranks":
         # why fresh interpreters (not fork, not multiprocessing's spawn): a forked CUDA or OpenMP runtime is unusable
@@ -110,6 +113,7 @@ class Ranks:
 
     def call(self, command: str, *args, describe: str = ""):
         """Run `command` on every rank; rank 0's result. A failure raises RankFailure (one line naming the rank)."""
+        self.answers.clear()
         for conn in self.conns:
             send(conn, (command, args))
         replies = self._collect(None)
@@ -150,9 +154,13 @@ class Ranks:
                 if rank is None:
                     rank = next(r for r, c in pending.items() if c is item)
                     try:
-                        replies[rank] = receive(item)
+                        message = receive(item)
                     except EOFError:
-                        replies[rank] = ("error", f"its process died (exit code {self.procs[rank].exitcode})", {})
+                        message = ("error", f"its process died (exit code {self.procs[rank].exitcode})", {})
+                    if message[0] == "ask":   # a question mid-command (the generator's): answer, keep waiting
+                        send(item, self.answers.answer(*message[1:]))
+                        continue
+                    replies[rank] = message
                 elif rank in pending and not pending[rank].poll():
                     code = self.procs[rank].exitcode
                     why = " (killed: out of host memory?)" if code == -9 else ""
@@ -245,12 +253,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class RankAdapter:
+    """The sharded learner as the driver's vLLM generator sees a learner: its tokenizer, its LoRA parameters' sizes
+    and `model.save_pretrained(path)`, which gathers the LoRA tensors from every rank (never the base) into a PEFT
+    adapter that the engine loads."""
+
+    def __init__(self, lab: "ShardedLab"):
+        from ..learner import load_tokenizer
+        from ..tiny import resolve_model_path
+
+        self.lab, self.model = lab, self
+        self.tokenizer = load_tokenizer(resolve_model_path(lab.config.model.name_or_path))
+
+    def trainable_parameters(self) -> dict:
+        import torch
+
+        shapes = self.lab.ranks.call("lora_shapes", describe="lora_shapes")
+        return {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
+
+    def save_pretrained(self, path) -> None:
+        self.lab.ranks.call("save_adapter", str(path), describe="the generator's LoRA sync")
+
+
 class ShardedGuard(LoadedLabGuard):
     """Edits of a loaded ShardedLab: refused here as in one process; applied on every rank at its next command."""
 
     def check(self, config, new, changed: dict) -> None:
         lab, generator = self.lab, self.lab.generator
-        self.lab.generator = _AcceptsEdits()   # the ranks' hf generators accept every live edit
+        self.lab.generator = generator or _AcceptsEdits()   # the driver's engine, or the ranks' hf generators
         try:
             super().check(config, new, changed)
         finally:
@@ -282,16 +312,34 @@ class ShardedLab(Lab):
             raise LabError("reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
                            "from this one; name them in data.rewards ('module:function')")
         self.memory_devices = [cfg.placement.learner]
-        self.memory = RankMemory(cfg.memory.sample_hz, cfg.memory.host_threshold).start()
+        engine_gpus = [d for d in cfg.placement.generator_devices() if d != "cpu"] if self._own_engine else []
+        self.memory = RankMemory(["cpu", *engine_gpus], cfg.memory.sample_hz, cfg.memory.host_threshold).start()
         self.timeline.listeners.append(self.memory)
         self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
         rank_config = cfg.to_dict()
         rank_config["run"]["report_to"] = []   # the driver reports; the ranks compute
         self.ranks = Ranks(rank_config, cfg.placement.learner_procs, self.memory).start()
         self.learner = self.ranks   # why: "loaded" means the ranks are up
+        if self._own_engine:   # the ranks' one engine, here: it starts with their adapter, gathered
+            from ..generation import backend_class
+
+            try:
+                self._adapter = RankAdapter(self)
+                self.generator = backend_class(cfg.generator.backend)(self._adapter, cfg)
+            except BaseException:
+                self.ranks.close()
+                raise
+            self.ranks.answers.service = self.generator
         self.trackers = Trackers(cfg)
         cfg._guard = ShardedGuard(self)
         return self
+
+    @property
+    def _own_engine(self) -> bool:
+        """A generator with weights of its own (vLLM) runs in this process, for every rank (sharded/remote.py)."""
+        from ..generation.registry import OWN_WEIGHTS
+
+        return self.config.generator.backend in OWN_WEIGHTS
 
     @property
     def _on_cuda(self) -> bool:
@@ -308,6 +356,9 @@ class ShardedLab(Lab):
 
     def _compute(self, name: str, *inputs):
         """Every rank runs the phase with its own inputs (the same as these: the rollout is computed on every rank)."""
+        if self.generator is not None and (name == "sync" or (name == "rollout" and self._generator_behind)):
+            self.generator.sync(self._adapter)   # the engine's LoRA from the ranks, before they end the step
+            self._generator_behind = False
         out = self.ranks.call("phase", name, self.config.to_dict(), describe=name)
         if name == "optimizer" and self._step.snapshot is None:
             self._step.snapshot = "on every rank"   # why: each rank took its own rollback snapshot
@@ -322,6 +373,7 @@ class ShardedLab(Lab):
         if isinstance(err, RankFailure) and err.restarted:   # every rank is back at the step's start
             self._retire(PHASE_NAMES)
             self._step = StepState(index=self.step_index, attempts=self._step.attempts)
+            self._generator_behind = self.generator is not None   # the engine may hold an adapter the ranks undid
             return "every rank was restarted from the state before the step"
         return super()._failed(phase)
 
@@ -358,6 +410,9 @@ class ShardedLab(Lab):
             raise LabError(f"arm_fault: rank {rank} does not exist; ranks are 0..{self.config.placement.learner_procs - 1}")
         if phase not in ("rollout", "logprobs", "backward"):
             raise LabError(f"arm_fault: phase {phase!r}; faults go into rollout, logprobs or backward")
+        if phase == "rollout" and self._own_engine:
+            raise LabError(f"arm_fault: a rollout fault goes into a rank's hf decoding; with generator.backend: "
+                           f"{self.config.generator.backend} the driver's engine samples; arm logprobs or backward")
         self._require_loaded()
         send(self.ranks.conns[rank], ("arm_fault", (phase, error)))
         reply = receive(self.ranks.conns[rank])
@@ -397,6 +452,7 @@ class ShardedLab(Lab):
         checkpoint = read_checkpoint(path)   # refused here, in one line, before any rank reads it
         self.ranks.call("restore_checkpoint", str(checkpoint.path), describe="restore_checkpoint")
         self._step = StepState(index=checkpoint.step)
+        self._generator_behind = self.generator is not None
         return self
 
     def _release(self) -> None:
@@ -404,9 +460,11 @@ class ShardedLab(Lab):
             plot.stop()
         if self.memory is not None:
             self.memory.stop()
+        if self.generator is not None:
+            self.generator.close()
         if self.ranks is not None:
             self.ranks.close()
         if self.trackers is not None:
             self.trackers.close()
-        self.learner = self.ranks = self.trackers = None
+        self.learner = self.ranks = self.trackers = self.generator = None
         self._config._guard = None

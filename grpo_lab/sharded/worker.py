@@ -74,6 +74,8 @@ class Rank:
         self.fault = None   # (phase, error): raised at that phase's next log-prob pass (tests, notebooks)
 
     def serve(self) -> None:
+        from .remote import serve_questions_on
+
         send(self.conn, ("ready", {"t0": self.lab.memory.t0, "capacities": capacities(self.lab)}, self.memory()))
         while True:
             try:
@@ -84,6 +86,7 @@ class Rank:
                 self.lab.close()
                 send(self.conn, ("ok", None, {}))
                 return
+            serve_questions_on(self.conn)
             try:
                 out = getattr(self, command)(*args)
                 mine = self.rank == 0 or command in PER_RANK   # why: the others' copies are equal; no need to ship them
@@ -123,6 +126,10 @@ class Rank:
         restore_full_checkpoint(self.lab, path)
         save_boundary(self.lab, self.state)
         return self.lab.step_index
+
+    def lora_shapes(self) -> dict:
+        """Every LoRA parameter's whole shape and dtype (what the driver's vLLM engine sizes its adapter by)."""
+        return {n: (tuple(p.shape), p.dtype) for n, p in self.lab.learner.trainable_parameters().items()}
 
     def save_adapter(self, path: str):
         from .state import save_full_adapter
