@@ -247,6 +247,12 @@ class RunSection(Section):
         return resolve(v)
 
 
+def _at(data: dict, path: str):
+    """data['section']['field'] for 'section.field'."""
+    section, _, name = path.partition(".")
+    return data[section][name]
+
+
 class LabConfig(Section):
     model: ModelSection
     lora: LoraSection = Field(default_factory=LoraSection)
@@ -297,7 +303,13 @@ class LabConfig(Section):
             if section not in fields or name not in fields[section].annotation.model_fields:
                 raise ConfigError(f"{path}: unknown field; fields look like grpo.beta (see README 'Config reference')")
             data[section][name] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
-        new = parse_config(data)
+        try:
+            new = parse_config(data)
+        except ConfigError:
+            if self._guard is not None:   # an edit that can never apply after load says so, not what else is wrong
+                before = self.to_dict()
+                self._guard.refuse_fixed([p for p in map(str, changes) if _at(data, p) != _at(before, p)])
+            raise
         changed = {path: (getattr(getattr(self, s), f), getattr(getattr(new, s), f)) for path, s, f in leaf_fields()
                    if getattr(getattr(self, s), f) != getattr(getattr(new, s), f)}
         if not changed:

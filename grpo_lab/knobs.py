@@ -56,11 +56,15 @@ class LoadedLabGuard:
     def __init__(self, lab):
         self.lab = lab
 
-    def check(self, config, new, changed: dict) -> None:
-        fixed = [path for path in changed if field_when(path) == "load"]
+    def refuse_fixed(self, paths) -> None:
+        """Load-time fields among `paths` are refused first: no other message can help an edit that never applies."""
+        fixed = [path for path in paths if field_when(path) == "load"]
         if fixed:
             raise LabError(f"{', '.join(fixed)}: fixed when the Lab loads (the models, placement or engine were built "
                            "from it); make a new Lab with the new value: lab.close(); lab = Lab(config).load()")
+
+    def check(self, config, new, changed: dict) -> None:
+        self.refuse_fixed(changed)
         lab = self.lab
         if "data.rewards" in changed and lab.reward_funcs_given:
             raise LabError("data.rewards: this Lab's reward functions were passed to Lab(reward_funcs=...); pass new "

@@ -191,6 +191,17 @@ def test_load_time_field_is_refused_after_load(shared_lab, path):
     assert lab.config.to_dict() == before
 
 
+def test_a_load_time_edit_is_refused_as_load_time_even_when_it_would_also_fail_a_cross_field_check(shared_lab):
+    """3 ranks cannot split this batch of 8, but after load the first thing to say is that ranks are chosen at load:
+    the batch message would send the user to change the batch for an edit that can never apply."""
+    lab = shared_lab
+    before = lab.config.to_dict()
+    with pytest.raises(LabError) as err:
+        lab.configure({"placement.learner_procs": 3})
+    assert_refused(err, "placement.learner_procs")
+    assert lab.config.to_dict() == before
+
+
 @pytest.mark.parametrize("path", ["lora.r", "model.dtype", "run.seed"])
 def test_load_time_field_is_refused_through_configure_and_config_assignment(shared_lab, path):
     lab = shared_lab

@@ -46,6 +46,9 @@ def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, re
     from ..lab import Lab
     from .world import World, backend_for, rank_devices, set_world
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # why: N ranks' loading bars would interleave on the notebook's stderr
     learner = config["placement"]["learner"]
     torch.set_num_threads(threads)   # why: ranks on one machine's cores must not oversubscribe them (OpenMP)
     device = rank_devices(learner, size)[rank]
