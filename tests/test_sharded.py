@@ -78,9 +78,13 @@ def test_gather_on_and_off_sample_the_same_and_a_failed_generation_leaves_every_
     try:
         before = lab.inspect()
         gathered = lab.rollout().completions
-        lab.configure(generator={"gather_for_generation": False})
+        lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})   # greedy: chunks change nothing
+        streamed = lab.memory.streamed
         sharded = lab.rollout().completions     # a rollout may be redone until the step's first update
         assert gathered == sharded
+        # ~2 s of rollout (8 calls through the shards): each rank's samples also came while it ran, for the live plot
+        assert lab.memory.streamed >= streamed + 2, lab.memory.streamed - streamed
+        lab.configure(generator={"chunk_size": None})
         for gather in (True, False):
             lab.configure(generator={"gather_for_generation": gather})
             for rank in (0, 1):

@@ -52,10 +52,13 @@ class RankMemory(MemorySampler):
     def __init__(self, devices: list[str], *args, **kwargs):
         super().__init__(devices, *args, **kwargs)
         self.rank_capacities: dict[str, float] = {}
+        self.streamed = 0   # messages that arrived while a command ran
 
-    def ingest(self, rank: int, delta: dict) -> None:
+    def ingest(self, rank: int, delta: dict, live: bool = False) -> None:
+        """A rank's samples and per-phase rows since its last message (`live`: sent while its command ran)."""
         if not delta:
             return
+        self.streamed += live
         shift = delta["t0"] - self.t0   # perf_counter is one clock for every process of this machine
         label = lambda device: f"rank{rank}/{device}"
         samples = [s for s in delta["samples"] if (s[3], s[4]) not in MACHINE_WIDE]
@@ -160,6 +163,9 @@ class Ranks:
                     if message[0] == "ask":   # a question mid-command (the generator's): answer, keep waiting
                         send(item, self.answers.answer(*message[1:]))
                         continue
+                    if message[0] == "memory":   # the rank's samples so far, mid-command: for the live plot
+                        self.memory.ingest(rank, message[1], live=True)
+                        continue
                     replies[rank] = message
                 elif rank in pending and not pending[rank].poll():
                     code = self.procs[rank].exitcode
@@ -169,6 +175,14 @@ class Ranks:
                     continue   # it died after answering: the answer is read from its pipe next
                 pending.pop(rank, None)
         return replies
+
+    def reply(self, rank: int):
+        """Rank `rank`'s reply to a command sent to it alone, its memory samples on the way ingested."""
+        while True:
+            message = receive(self.conns[rank])
+            if message[0] != "memory":
+                return message
+            self.memory.ingest(rank, message[1], live=True)
 
     def restart(self) -> None:
         self.kill()
@@ -415,16 +429,15 @@ class ShardedLab(Lab):
                            f"{self.config.generator.backend} the driver's engine samples; arm logprobs or backward")
         self._require_loaded()
         send(self.ranks.conns[rank], ("arm_fault", (phase, error)))
-        reply = receive(self.ranks.conns[rank])
-        self.memory.ingest(rank, reply[2])
+        self.memory.ingest(rank, self.ranks.reply(rank)[2])
 
     def _each(self, command: str, *args) -> list:
         self._require_loaded()
         out = []
         for rank, conn in enumerate(self.ranks.conns):
             send(conn, (command, args))
-        for rank, conn in enumerate(self.ranks.conns):
-            status, value, delta = receive(conn)
+        for rank in range(len(self.ranks.conns)):
+            status, value, delta = self.ranks.reply(rank)
             self.memory.ingest(rank, delta)
             if status != "ok":
                 raise LabError(f"{command} failed on rank {rank}: {value}")

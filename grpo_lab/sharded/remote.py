@@ -14,21 +14,22 @@ from ..generation.base import GenerationRequest, Generator, Sample
 from ..generation.vllm import draw_seeds
 from ..tiny import resolve_model_path
 
-_driver = {"conn": None, "asked": 0}
+_driver = {"rank": None, "asked": 0}
 
 
-def serve_questions_on(conn) -> None:
-    """The rank's pipe to the driver (worker.py), over which `ask` sends its questions."""
-    _driver.update(conn=conn, asked=0)
+def serve_questions_on(rank) -> None:
+    """The rank (worker.Rank) whose pipe to the driver `ask` uses for its questions."""
+    _driver.update(rank=rank, asked=0)
 
 
 def ask(method: str, *args):
     """The driver's answer to `method(*args)`, asked while the driver waits for this rank's reply to a command."""
-    from .worker import receive, send
+    from .worker import receive
 
+    rank = _driver["rank"]
     _driver["asked"] += 1
-    send(_driver["conn"], ("ask", _driver["asked"], method, args))
-    status, value = receive(_driver["conn"])
+    rank.send(("ask", _driver["asked"], method, args))   # why rank.send: the memory stream writes to the same pipe
+    status, value = receive(rank.conn)
     if status != "ok":
         raise RuntimeError(value)
     return value

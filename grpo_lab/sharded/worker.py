@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 PER_RANK = {"inspect"}   # commands whose answer differs by rank
+STREAM_S = 0.5   # why: the live plot redraws every 0.5 s; a rank's samples arrive as often while a command runs
 TIMEOUT_S = 600   # a collective that waits longer than this fails (gloo's default, 30 min, looks like a hang)
 
 
@@ -74,12 +77,14 @@ class Rank:
     def __init__(self, rank: int, lab, state: Path, conn):
         self.rank, self.lab, self.state, self.conn = rank, lab, state, conn
         self.sent = {"samples": 0, "rows": 0}
+        self.lock, self.busy = threading.Lock(), False   # the pipe's writers: the command loop and the memory stream
         self.fault = None   # (phase, error): raised at that phase's next log-prob pass (tests, notebooks)
 
     def serve(self) -> None:
         from .remote import serve_questions_on
 
         send(self.conn, ("ready", {"t0": self.lab.memory.t0, "capacities": capacities(self.lab)}, self.memory()))
+        threading.Thread(target=self._stream, daemon=True, name="grpo-lab-rank-memory").start()
         while True:
             try:
                 command, args = receive(self.conn)
@@ -89,13 +94,36 @@ class Rank:
                 self.lab.close()
                 send(self.conn, ("ok", None, {}))
                 return
-            serve_questions_on(self.conn)
+            serve_questions_on(self)
+            self.busy = True
             try:
                 out = getattr(self, command)(*args)
                 mine = self.rank == 0 or command in PER_RANK   # why: the others' copies are equal; no need to ship them
-                send(self.conn, ("ok", out if mine else None, self.memory()))
+                reply = ("ok", out if mine else None)
             except BaseException as err:   # why so broad: the rank must answer, whatever happened
-                send(self.conn, ("error", one_line(err), self.memory()))
+                reply = ("error", one_line(err))
+            with self.lock:   # why together: no memory message may follow the reply (the driver stops reading)
+                self.busy = False
+                send(self.conn, (*reply, self.memory()))
+
+    def send(self, message) -> None:
+        """Send on the driver's pipe, which the memory stream also writes to."""
+        with self.lock:
+            send(self.conn, message)
+
+    def _stream(self) -> None:
+        """While a command runs, send the memory samples taken so far every STREAM_S: the driver's live plot and
+        sampler see each rank during a long phase, not only at its end."""
+        while True:
+            time.sleep(STREAM_S)
+            with self.lock:
+                if self.busy:
+                    delta = self.memory()
+                    if delta["samples"] or delta["rows"]:
+                        try:
+                            send(self.conn, ("memory", delta))
+                        except OSError:   # the driver is gone
+                            return
 
     def memory(self) -> dict:
         return memory_since(self.lab.memory, self.sent)
