@@ -126,6 +126,39 @@ def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_s
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_them_from_the_step_start(one_process):
+    """Jupyter's interrupt (and a terminal's Ctrl-C) sends SIGINT to the kernel's whole process group, the ranks
+    included: the kernel must stay usable, its pipes in step with the ranks, and the step must run again exactly."""
+    import os
+    import signal
+    import threading
+
+    results, _ = one_process
+    lab = Lab("tiny-cpu", overrides=SHARDED).load()
+    try:
+        before = lab.inspect()
+        pids = [rank.popen.pid for rank in lab.ranks.procs]
+        lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})   # ~2 s of rollout
+        interrupt = threading.Timer(0.6, lambda: [os.kill(pid, signal.SIGINT) for pid in [*pids, os.getpid()]])
+        interrupt.start()
+        with pytest.raises(KeyboardInterrupt) as err:
+            lab.rollout()
+        interrupt.join()
+        assert "every rank was stopped" in "".join(getattr(err.value, "__notes__", [])), err.value
+        assert all(rank.popen.poll() is not None for rank in lab.ranks.procs) or not lab.ranks.procs
+        after = lab.inspect()   # the next command starts the ranks again, each from its state at the step's start
+        assert all(same_state(a, b) for a, b in zip(after, before)) and [a["step"] for a in after] == [0, 0]
+        lab.configure(generator={"gather_for_generation": True, "chunk_size": None})
+        again = lab.step()
+        assert again.step == 0 and again.attempts == 2   # the interrupted rollout is filed as an attempt
+        assert again.reward_mean == results[0].reward_mean
+        assert again.loss == pytest.approx(results[0].loss, **LOSS_TOL)
+    finally:
+        lab.close()
+
+
+@pytest.mark.slow
 def test_the_cli_runs_sharded_and_resumes_from_its_gathered_checkpoint(one_process, tmp_path):
     """grpo-lab run drives the same ranks; its checkpoint is whole (one-process format), and a resumed run goes on
     exactly as the uninterrupted one-process run."""
@@ -218,6 +251,30 @@ def test_a_reference_left_on_another_device_type_is_refused_in_one_line(tiny_mod
         check_reference_devices(naive, torch.device("cpu"))
     plain = AutoModelForCausalLM.from_pretrained(tiny_model)
     check_reference_devices(plain, torch.device("cpu"))   # a copy where the policy is passes
+
+
+def test_a_rank_keeps_the_boundary_states_of_the_last_two_step_starts_and_restores_the_one_asked(tmp_path):
+    """The driver restarts its ranks from the step it is at, which may be one behind a rank that already wrote the
+    next step's state at the end of sync (interrupted before its reply was read)."""
+    from grpo_lab.sharded.worker import Boundary
+
+    lab, fresh = Lab("tiny-cpu").load(), Lab("tiny-cpu").load()
+    try:
+        boundary = Boundary(tmp_path, rank=0)
+        lora = []
+        for _ in range(3):
+            boundary.save(lab)
+            lora.append({n: p.detach().clone() for n, p in lab.learner.trainable_parameters().items()})
+            lab.step()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0-step1.pt", "rank0-step2.pt"]
+        boundary.restore(fresh, 1)
+        assert fresh.step_index == 1
+        assert all(torch.equal(p, lora[1][n]) for n, p in fresh.learner.trainable_parameters().items())
+        with pytest.raises(FileNotFoundError, match="rank0-step0.pt"):
+            boundary.restore(fresh, 0)
+    finally:
+        lab.close()
+        fresh.close()
 
 
 # --- bad input: one line, exit 2, before any process starts ----------------------------------------

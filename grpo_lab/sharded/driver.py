@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Callable, Optional
 
 from ..errors import LabError
 from ..knobs import REBUILDS, LoadedLabGuard
@@ -71,12 +72,15 @@ class RankMemory(MemorySampler):
 
 
 class Ranks:
-    """The worker processes, one per rank, and the pipe to each."""
+    """The worker processes, one per rank, and the pipe to each. `step()` is the step the driver is at (the ranks
+    start again from its boundary state); `stopped()` is called whenever the ranks lose the step's progress."""
 
-    def __init__(self, config: dict, size: int, memory: RankMemory):
+    def __init__(self, config: dict, size: int, memory: RankMemory, step: Callable[[], int] = lambda: 0,
+                 stopped: Callable[[], None] = lambda: None):
         from .world import usable_cpus
 
-        self.config, self.size, self.memory = config, size, memory
+        self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
+        self.down = False   # stopped by halt(): started again, from the driver's step, at the next command
         self.state_dir = tempfile.mkdtemp(prefix="grpo-lab-ranks-")
         self.threads = max(1, usable_cpus() // size) if config["placement"]["learner"] == "cpu" else 1
         self.procs: list = []
@@ -84,7 +88,15 @@ class Ranks:
         self.key = os.urandom(32)
         self.answers = Answers(None)   # what the ranks may ask mid-command: the driver's vLLM engine, if any
 
-    def start(self, restore: bool = False) -> "Ranks":
+    def start(self, restore: Optional[int] = None) -> "Ranks":
+        """Start every rank: loaded afresh, or (`restore`, a step index) from its state at that step's start."""
+        try:
+            return self._start(restore)
+        except BaseException:   # an interrupt or a failed rank: no process may outlive the start
+            self.kill()
+            raise
+
+    def _start(self, restore: Optional[int]) -> "Ranks":
         # why fresh interpreters (not fork, not multiprocessing's spawn): a forked CUDA or OpenMP runtime is unusable
         # in the child, and spawn re-runs the user's script in every rank unless it has a __main__ guard
         from multiprocessing.connection import Listener
@@ -106,7 +118,6 @@ class Ranks:
         replies = self._collect(START_TIMEOUT_S)
         failed = {rank: r for rank, r in replies.items() if r[0] != "ready"}
         if failed or len(replies) < self.size:
-            self.kill()
             rank, reply = min(failed.items()) if failed else (min(set(range(self.size)) - set(replies)), None)
             raise LabError(f"rank {rank} did not start: {reply[1] if reply else 'no answer'}")
         for rank, (_, info, delta) in replies.items():
@@ -116,10 +127,11 @@ class Ranks:
 
     def call(self, command: str, *args, describe: str = ""):
         """Run `command` on every rank; rank 0's result. A failure raises RankFailure (one line naming the rank)."""
-        self.answers.clear()
-        for conn in self.conns:
-            send(conn, (command, args))
-        replies = self._collect(None)
+        with self.exchange():
+            self.answers.clear()
+            for conn in self.conns:
+                send(conn, (command, args))
+            replies = self._collect(None)
         errors = {rank: r[1] for rank, r in replies.items() if r[0] != "ok"}
         for rank, reply in replies.items():
             self.memory.ingest(rank, reply[2])
@@ -176,6 +188,24 @@ class Ranks:
                 pending.pop(rank, None)
         return replies
 
+    def each(self, command: str, *args) -> list:
+        """Run `command` on every rank; each rank's (status, value), its memory samples ingested."""
+        with self.exchange():
+            for conn in self.conns:
+                send(conn, (command, args))
+            replies = [self.reply(rank) for rank in range(self.size)]
+        for rank, (_, _, delta) in enumerate(replies):
+            self.memory.ingest(rank, delta)
+        return [reply[:2] for reply in replies]
+
+    def one(self, rank: int, command: str, *args):
+        """Run `command` on rank `rank` alone; its (status, value)."""
+        with self.exchange():
+            send(self.conns[rank], (command, args))
+            status, value, delta = self.reply(rank)
+        self.memory.ingest(rank, delta)
+        return status, value
+
     def reply(self, rank: int):
         """Rank `rank`'s reply to a command sent to it alone, its memory samples on the way ingested."""
         while True:
@@ -184,9 +214,32 @@ class Ranks:
                 return message
             self.memory.ingest(rank, message[1], live=True)
 
-    def restart(self) -> None:
+    @contextmanager
+    def exchange(self):
+        """Commands out, replies in. Anything that stops the driver in between (an interrupt, an error of its own)
+        leaves replies unread that would answer its next command, and ranks that may be blocked in a collective:
+        every rank is then stopped (halt), and the next command starts them from the driver's step."""
+        self.up()
+        try:
+            yield
+        except BaseException:
+            self.halt()
+            raise
+
+    def up(self) -> None:
+        """Start the ranks again if halt() stopped them, each from its state at the driver's step's start."""
+        if self.down:
+            self.start(restore=self.step())
+            self.down = False
+
+    def halt(self) -> None:
         self.kill()
-        self.start(restore=True)
+        self.down = True
+        self.stopped()
+
+    def restart(self) -> None:
+        self.halt()
+        self.up()
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -332,7 +385,8 @@ class ShardedLab(Lab):
         self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
         rank_config = cfg.to_dict()
         rank_config["run"]["report_to"] = []   # the driver reports; the ranks compute
-        self.ranks = Ranks(rank_config, cfg.placement.learner_procs, self.memory).start()
+        self.ranks = Ranks(rank_config, cfg.placement.learner_procs, self.memory, step=lambda: self.step_index,
+                           stopped=self._ranks_stopped).start()
         self.learner = self.ranks   # why: "loaded" means the ranks are up
         if self._own_engine:   # the ranks' one engine, here: it starts with their adapter, gathered
             from ..generation import backend_class
@@ -380,16 +434,40 @@ class ShardedLab(Lab):
             self._rank_result = out
         return out
 
+    _ranks_lost_the_step = False   # the ranks were stopped or restarted: they are (or start) at the step's start
+
+    def _ranks_stopped(self) -> None:
+        self._ranks_lost_the_step = True
+
+    def _back_to_step_start(self) -> bool:
+        """If the ranks lost the step's progress, put the driver's step back to its start too; whether it did."""
+        if not self._ranks_lost_the_step:
+            return False
+        self._ranks_lost_the_step = False
+        self._retire(PHASE_NAMES)
+        self._step = StepState(index=self.step_index, attempts=self._step.attempts)
+        self._generator_behind = self.generator is not None   # the engine may hold an adapter the ranks undid
+        return True
+
+    def _require_loaded(self) -> None:
+        super()._require_loaded()
+        self._back_to_step_start()   # e.g. an interrupted lab.inspect(): the next command starts from the step
+        self.ranks.up()
+
     def _failed(self, phase: str) -> str:
         import sys
 
         err = sys.exc_info()[1]
-        if isinstance(err, RankFailure) and err.restarted:   # every rank is back at the step's start
-            self._retire(PHASE_NAMES)
-            self._step = StepState(index=self.step_index, attempts=self._step.attempts)
-            self._generator_behind = self.generator is not None   # the engine may hold an adapter the ranks undid
+        if not self._back_to_step_start():
+            return super()._failed(phase)
+        if isinstance(err, RankFailure):
             return "every rank was restarted from the state before the step"
-        return super()._failed(phase)
+        stopped = (f"{phase} was stopped on every rank (a rank cannot be interrupted alone: the others would wait "
+                   "for it); the next command starts them from their state when this step began, and lab.step() "
+                   "runs the step again from its rollout")
+        if isinstance(err, BaseException):
+            err.add_note(f"every rank was stopped: {stopped}")
+        return stopped
 
     def rollback(self) -> None:
         s = self._step
@@ -428,17 +506,12 @@ class ShardedLab(Lab):
             raise LabError(f"arm_fault: a rollout fault goes into a rank's hf decoding; with generator.backend: "
                            f"{self.config.generator.backend} the driver's engine samples; arm logprobs or backward")
         self._require_loaded()
-        send(self.ranks.conns[rank], ("arm_fault", (phase, error)))
-        self.memory.ingest(rank, self.ranks.reply(rank)[2])
+        self.ranks.one(rank, "arm_fault", phase, error)
 
     def _each(self, command: str, *args) -> list:
         self._require_loaded()
         out = []
-        for rank, conn in enumerate(self.ranks.conns):
-            send(conn, (command, args))
-        for rank in range(len(self.ranks.conns)):
-            status, value, delta = self.ranks.reply(rank)
-            self.memory.ingest(rank, delta)
+        for rank, (status, value) in enumerate(self.ranks.each(command, *args)):
             if status != "ok":
                 raise LabError(f"{command} failed on rank {rank}: {value}")
             out.append(value)

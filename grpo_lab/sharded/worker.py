@@ -17,6 +17,7 @@ import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -43,7 +44,11 @@ def connect(address: str, rank: int) -> None:
     main(conn, *receive(conn))
 
 
-def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, restore: bool, threads: int) -> None:
+def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, restore: Optional[int],
+         threads: int) -> None:
+    """`restore`: the step whose boundary state this rank starts from (a restart), or None (a first start)."""
+    import signal
+
     import torch.distributed as dist
 
     from ..lab import Lab
@@ -51,6 +56,10 @@ def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, re
 
     from transformers.utils import logging as hf_logging
 
+    # why: Jupyter's interrupt and a terminal's Ctrl-C reach the whole process group; a rank stopped on its own would
+    # leave the others blocked in a collective and answer the driver's next command with this one's error. The
+    # driver decides: it stops every rank and starts them again from their boundary state (driver.Ranks.halt)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     hf_logging.disable_progress_bar()   # why: N ranks' loading bars would interleave on the notebook's stderr
     learner = config["placement"]["learner"]
     torch.set_num_threads(threads)   # why: ranks on one machine's cores must not oversubscribe them (OpenMP)
@@ -62,20 +71,20 @@ def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, re
         dist.init_process_group(backend_for(learner), rank=rank, world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
         set_world(World(rank, size))
         lab = Lab(config).load()
-        state = Path(state_dir) / f"rank{rank}.pt"
-        if restore:
-            restore_boundary(lab, state)
+        boundary = Boundary(Path(state_dir), rank)
+        if restore is not None:
+            boundary.restore(lab, restore)
         else:
-            save_boundary(lab, state)
+            boundary.save(lab)
     except BaseException as err:
         send(conn, ("error", one_line(err), memory_since(None, {})))
         return
-    Rank(rank, lab, state, conn).serve()
+    Rank(rank, lab, boundary, conn).serve()
 
 
 class Rank:
-    def __init__(self, rank: int, lab, state: Path, conn):
-        self.rank, self.lab, self.state, self.conn = rank, lab, state, conn
+    def __init__(self, rank: int, lab, boundary: "Boundary", conn):
+        self.rank, self.lab, self.boundary, self.conn = rank, lab, boundary, conn
         self.sent = {"samples": 0, "rows": 0}
         self.lock, self.busy = threading.Lock(), False   # the pipe's writers: the command loop and the memory stream
         self.fault = None   # (phase, error): raised at that phase's next log-prob pass (tests, notebooks)
@@ -140,7 +149,7 @@ class Rank:
         with self._armed(name):
             out = getattr(self.lab, name)(*inputs)
         if name == "sync":
-            save_boundary(self.lab, self.state)
+            self.boundary.save(self.lab)
         return out
 
     def rollback(self):
@@ -155,7 +164,7 @@ class Rank:
         from .state import restore_full_checkpoint
 
         restore_full_checkpoint(self.lab, path)
-        save_boundary(self.lab, self.state)
+        self.boundary.save(self.lab)
         return self.lab.step_index
 
     def lora_shapes(self) -> dict:
@@ -267,28 +276,47 @@ def local_state(state):
     return state
 
 
-def save_boundary(lab, path: Path) -> None:
-    """This rank's state between steps (its shards only: no collective), written atomically."""
-    from ..checkpoint import rng_state
-    from ..io import atomic_write_text
-    from .fsdp import local
+class Boundary:
+    """This rank's boundary states, one file per step start: `rank<k>-step<N>.pt`. Why per step: the driver
+    restarts the ranks from the step *it* is at, and a rank may have written the next step's state (at the end of
+    sync) before the driver read its reply (an interrupt in between). The last two steps are kept."""
 
-    learner = lab.learner
-    state = {"step": lab.step_index, "rng": rng_state(), "data": lab.prompts.state_dict(),
-             "lora": {n: local(p).detach().cpu().clone() for n, p in learner.trainable_parameters().items()},
-             "optimizer": local_state(learner.optimizer.state_dict())}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    atomic_write_text(path, buffer.getvalue())
+    def __init__(self, folder: Path, rank: int):
+        self.folder, self.rank = folder, rank
+
+    def path(self, step: int) -> Path:
+        return self.folder / f"rank{self.rank}-step{step}.pt"
+
+    def save(self, lab) -> None:
+        """This rank's state between steps (its shards only: no collective), written atomically."""
+        from ..checkpoint import rng_state
+        from ..io import atomic_write_text
+        from .fsdp import local
+
+        learner, step = lab.learner, lab.step_index
+        state = {"step": step, "rng": rng_state(), "data": lab.prompts.state_dict(),
+                 "lora": {n: local(p).detach().cpu().clone() for n, p in learner.trainable_parameters().items()},
+                 "optimizer": local_state(learner.optimizer.state_dict())}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        atomic_write_text(self.path(step), buffer.getvalue())
+        for old in self.folder.glob(f"rank{self.rank}-step*.pt"):
+            if old not in (self.path(step), self.path(step - 1)):
+                old.unlink(missing_ok=True)
+
+    def restore(self, lab, step: int) -> None:
+        """Put this rank's state at the start of `step` back into a freshly loaded Lab (a restart)."""
+        restore_boundary(lab, self.path(step))
 
 
 def restore_boundary(lab, path: Path) -> None:
-    """Put this rank's boundary state back into a freshly loaded Lab (a restart after a failed phase)."""
     from ..checkpoint import set_rng_state
     from ..lifecycle import StepState
     from .fsdp import local
     from .state import load_optimizer_shards
 
+    if not path.exists():
+        raise FileNotFoundError(f"no boundary state {path.name}: this rank never reached that step's start")
     state = torch.load(path, map_location="cpu", weights_only=False)
     learner = lab.learner
     with torch.no_grad():
