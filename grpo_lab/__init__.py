@@ -4,7 +4,8 @@ from .quant import quiet_bitsandbytes
 quiet_bitsandbytes()   # before anything imports bitsandbytes (README: CPU notes)
 
 from .comparison import compare
-from .config import LabConfig, load_config, save_config
+from .config import LabConfig
+from .config_io import load_config, save_config
 from .errors import ConfigError, LabError
 from .lab import Lab
 from .types import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult

@@ -8,7 +8,6 @@ killed at any moment, also mid-write, leaves the previous complete checkpoint or
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -21,33 +20,21 @@ STATE, META, ADAPTER = "trainer_state.pt", "checkpoint.json", "adapter"
 FORMAT = 1
 
 
-def rng_state() -> dict:
-    """Every random stream a step draws from: torch (sampling, vLLM's per-request seeds), CUDA, Python."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def data_key(config) -> dict:
     """The settings the saved data position indexes into; with others it means nothing."""
     return {"dataset": config.data.dataset, "num_prompts": config.data.num_prompts, "seed": config.run.seed}
 
 
-def save_checkpoint(lab, path: Union[str, Path], lora: Optional[dict] = None, optimizer: Optional[dict] = None) -> Path:
+def save_checkpoint(lab, path: Union[str, Path], lora: Optional[dict] = None, optimizer: Optional[dict] = None,
+                    rng: Optional[dict] = None) -> Path:
     """Write the Lab's state between steps to `path`, atomically (`lora`/`optimizer`: a sharded learner's, gathered
-    whole, so one format serves every number of ranks)."""
+    whole, so one format serves every number of ranks; `rng`: with every rank's own states under 'ranks')."""
     from .io import atomic_write_dir
+    from .runtime import capture_rng, runtime
 
     optimizer = lab.learner.optimizer.state_dict() if optimizer is None else optimizer
-    state = {"optimizer": optimizer, "rng": rng_state(), "data": lab.prompts.state_dict()}
+    rng = capture_rng(runtime().cuda_indices(lab.config)) if rng is None else rng
+    state = {"optimizer": optimizer, "rng": rng, "data": lab.prompts.state_dict()}
     meta = {"format": FORMAT, "step": lab.step_index, "data": data_key(lab.config)}
 
     def write(tmp: Path) -> None:
@@ -90,6 +77,8 @@ def restore_checkpoint(lab, checkpoint: Checkpoint) -> None:
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
+    from .runtime import rank_rng, restore_rng, runtime
+
     learner = lab.learner
     weights = load_peft_weights(str(checkpoint.path / ADAPTER), device="cpu")
     result = set_peft_model_state_dict(learner.model, weights)
@@ -108,4 +97,5 @@ def restore_checkpoint(lab, checkpoint: Checkpoint) -> None:
 
         warnings.warn("checkpoint: data settings differ from the checkpoint's; the prompt order starts from the "
                       "beginning of the new data", stacklevel=3)
-    set_rng_state(state["rng"])
+    me = runtime()
+    restore_rng(rank_rng(state["rng"], me.rank, me.size))

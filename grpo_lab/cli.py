@@ -9,7 +9,7 @@ from .errors import LabError
 
 
 def _run(args) -> int:
-    from .config import load_config
+    from .config_io import load_config
     from .rundir import CONFIG
     from .runner import run
 
@@ -41,7 +41,7 @@ def _presets(args) -> int:
 
 
 def _plan(args) -> int:
-    from .config import load_config
+    from .config_io import load_config
     from .planner import plan
 
     print(plan(load_config(args.config, args.set)))

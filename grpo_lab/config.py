@@ -6,13 +6,13 @@ user feels at home. Unknown keys are errors; every field carries its own help te
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from .config_fields import WHEN, Section, apply_overrides, knob, normalize_device  # noqa: F401 (WHEN: public here)
 from .errors import ConfigError, format_validation_error
 from .generation.registry import BACKENDS, OWN_WEIGHTS
 from .paths import read_text
@@ -20,55 +20,6 @@ from .losses import LOSSES
 from .rewards import REWARDS
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-
-
-def normalize_device(value: Any) -> str:
-    """'cuda' -> 'cuda:0', 1 -> 'cuda:1'; anything not cpu/cuda[:N] is rejected."""
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a device; use 'cpu', 'cuda:N' or a GPU index")
-    if isinstance(value, int):
-        return f"cuda:{value}"
-    text = str(value).strip()
-    if not _DEVICE.match(text):
-        raise ValueError(f"{value!r} is not a device; use 'cpu', 'cuda:N' or a GPU index")
-    return "cuda:0" if text == "cuda" else text
-
-
-# When a field's new value takes effect in a loaded Lab (declared next to every field's help text):
-WHEN = {
-    "live": "read at the next phase that uses it",
-    "rebuild": "a change rebuilds the part that depends on it, at once",
-    "load": "fixed when the Lab loads; refused after load (make a new Lab)",
-}
-
-
-def knob(when: str, default: Any = ..., **kwargs) -> Any:
-    """A config field with its help text and when a change takes effect (one of WHEN)."""
-    assert when in WHEN, when
-    return Field(default, json_schema_extra={"when": when}, **kwargs)
-
-
-class Section(BaseModel):
-    # why allow_inf_nan=False: an .inf or .nan in any float (lists included) is refused, never trained with;
-    # str_min_length=1: an empty string is never a value (null is, where a field allows it)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_min_length=1)
-    _root: Optional["LabConfig"] = PrivateAttr(None)   # the config this section belongs to (set by LabConfig)
-    _name: str = PrivateAttr("")
-
-    def __eq__(self, other: Any) -> bool:   # by value; the private links to the root would recurse
-        return type(self) is type(other) and self.model_dump() == other.model_dump()
-
-    __hash__ = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # why: every edit goes through the root's update (whole-config checks, a loaded Lab's guard), never one field alone
-        if name in type(self).model_fields and self._root is not None:
-            self._root.update({f"{self._name}.{name}": value})
-        else:
-            super().__setattr__(name, value)
-
-
 class ModelSection(Section):
     name_or_path: str = knob("load", ..., description="Local checkpoint directory (or hub id) loaded with from_pretrained.")
     dtype: Dtype = knob("load", "bfloat16", description="Dtype of the weights that are not quantized (embeddings, norms, LoRA).")
@@ -452,62 +403,3 @@ def parse_config(data: dict) -> LabConfig:
         return LabConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply 'a.b=c' overrides (values parsed as YAML) to a nested dict, returning a new dict."""
-    import copy
-
-    data = copy.deepcopy(data)
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. grpo.beta=0.04")
-        parts = key.strip().split(".")
-        node = data
-        for i, part in enumerate(parts[:-1]):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        node[parts[-1]] = value
-    return data
-
-
-def config_source(source: Union[str, Path]) -> Path:
-    """The YAML file behind a path or a preset name (an existing file wins over a preset of the same name)."""
-    from .presets import preset_names, preset_path
-
-    path = Path(source)
-    if path.is_file():
-        return path
-    preset = preset_path(str(source))
-    if preset is not None:
-        return preset
-    raise ConfigError(f"config {str(source)!r} is neither a YAML file nor a preset; presets: {', '.join(preset_names())} "
-                      "(`grpo-lab presets` describes them)")
-
-
-def load_config(source: Union[str, Path, dict, LabConfig], overrides: Optional[list[str]] = None) -> LabConfig:
-    """A LabConfig from a YAML path, a preset name, a dict or a LabConfig, with optional 'a.b=c' overrides."""
-    if isinstance(source, LabConfig):
-        data = source.to_dict()
-    elif isinstance(source, dict):
-        data = source
-    else:
-        path = config_source(source)
-        try:
-            data = yaml.safe_load(read_text(path, "config")) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    return parse_config(apply_overrides(data, overrides or []))
-
-
-def save_config(config: LabConfig, path: Union[str, Path]) -> Path:
-    """Write the resolved config as YAML, atomically (a reader never sees half a file)."""
-    from .io import atomic_write_text
-
-    return atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

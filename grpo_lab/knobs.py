@@ -17,12 +17,12 @@ from .errors import LabError
 
 
 def rebuild_reference(lab) -> None:
-    if lab.config.reference_strategy != lab.reference_strategy:   # why: 'copy' loads a model; only build on a real change
-        lab._build_reference()
+    if lab.config.reference_strategy != lab.executor.reference_strategy:   # why: 'copy' loads a model; only on a change
+        lab.executor.build_reference()
 
 
 def rebuild_prompts(lab) -> None:
-    lab._build_prompts()
+    lab.executor.build_prompts()
 
 
 def rebuild_rewards(lab) -> None:
@@ -77,12 +77,13 @@ class LoadedLabGuard:
         if new.reference_strategy == "copy" and new.reference_device not in lab.memory_devices:
             raise LabError(f"reference.strategy: a copy on {new.reference_device} after load would sit on a device this "
                            f"Lab does not watch ({', '.join(lab.memory_devices)}); make a new Lab with it")
-        lab.generator.check_live(new)
+        lab.executor.check_live(new)
 
     def apply(self, config, changed: dict) -> None:
         done = []
         for path in changed:
             rebuild = REBUILDS.get(path)
-            if rebuild is not None and rebuild not in done:
+            # (a sharded learner's ranks rebuild their own parts at their next command; the driver its memory views)
+            if rebuild is not None and rebuild not in done and self.lab.executor.rebuilds_here(path):
                 rebuild(self.lab)
                 done.append(rebuild)

@@ -101,19 +101,18 @@ def load_learner(config) -> Learner:
 
 
 def learner_device(config) -> str:
-    """This process's learner device: placement.learner, or a sharded rank's own (sharded.world.rank_devices)."""
-    from .sharded.world import rank_devices, world
+    """This process's learner device (the runtime's answer: placement.learner, or a sharded rank's own)."""
+    from .runtime import runtime
 
-    ranks = world()
-    return rank_devices(config.placement.learner, ranks.size)[ranks.rank] if ranks.sharded else config.placement.learner
+    return runtime().device(config)
 
 
 def prepare_like_policy(model, device: str) -> None:
     """What every model the learner computes with goes through: on a sharded rank, FSDP2 over the ranks (P5: the
     reference copy too, so it lands where the policy is)."""
-    from .sharded.world import world
+    from .runtime import runtime
 
-    if world().sharded:
+    if runtime().is_rank:
         from .sharded.fsdp import shard
 
         shard(model, torch.device(device))

@@ -113,10 +113,12 @@ def rollout_logprobs(model, rollout: Rollout, device, micro_batch_size: Optional
                      out_device="cpu") -> torch.Tensor:
     """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
     micro-batched: [N, L] on `out_device` (each rank of a sharded learner scores its own rows)."""
-    from .sharded.world import world
+    from .runtime import runtime
+    from .sharded.recovery import agreed
 
     set_logprob_head(model, temperature=rollout.logprob_temperature)
-    parts, ranks = [], world()
+    parts, ranks = [], runtime()
     for rows in micro_batches(len(rollout), micro_batch_size, ranks.rows(len(rollout))):
-        parts.append(completion_logprobs(model, *rollout_slice(rollout, rows, device)).float().to(out_device))
+        with agreed(model):   # a failure on any rank stops every rank's pass here, FSDP reset
+            parts.append(completion_logprobs(model, *rollout_slice(rollout, rows, device)).float().to(out_device))
     return ranks.gather_rows(torch.cat(parts, dim=0))   # a sharded rank scores its rows; every rank gets them all

@@ -37,9 +37,9 @@ class CopyReference:
     def __init__(self, config):
         from .learner import learner_device, load_base, prepare_like_policy
         from .sharded.fsdp import check_reference_devices
-        from .sharded.world import world
+        from .runtime import runtime
 
-        sharded = world().sharded   # a sharded learner's copy: on the rank's device, sharded the same way (P5)
+        sharded = runtime().is_rank   # a sharded learner's copy: on the rank's device, sharded the same way (P5)
         self.device = torch.device(learner_device(config) if sharded else config.reference_device)
         self.model = load_base(config.model, str(self.device))
         add_logprob_head(self.model)

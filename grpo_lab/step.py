@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from .errors import LabError, NonFinite
+from .faults import poison
 from .generation.base import GenerationRequest
 from .generation.registry import OWN_WEIGHTS
 from .importance import importance_weights
@@ -24,7 +25,8 @@ from .logprobs import completion_logprobs, configure_head, micro_batches, rollou
 from .losses import BatchTotals, grpo_loss
 from .rewards import reward_name
 from .sharded.fsdp import full, local
-from .sharded.world import world
+from .sharded.recovery import agreed
+from .runtime import runtime
 from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
 
 
@@ -117,11 +119,12 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     learner.optimizer.zero_grad(set_to_none=True)
     olds, weights_all = [], []
     loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = mismatch_tokens = 0.0
-    ranks = world()   # a sharded learner's rank takes its rows; the totals above are the whole batch's
+    ranks = runtime()   # a sharded learner's rank takes its rows; the totals above are the whole batch's
     for rows in micro_batches(len(rollout), grpo.micro_batch_size, ranks.rows(len(rollout))):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
-        logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
+        with agreed(model):   # a rank whose forward fails takes every rank out before any backward's reduce-scatter
+            logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
         sampler = rollout.sampler_logprobs[rows].to(device)
         old = logps.detach() if first else logprobs.old[rows].to(device)
         weights = None
@@ -139,11 +142,16 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
             logps, old, None if logprobs.ref is None else logprobs.ref[rows].to(device), advantages.values[rows].to(device),
             mask, totals, grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights,
             bias_correction_kl=grpo.use_bias_correction_kl)
+        loss = poison(loss)   # lab.arm_fault(..., "backward", "nan")
         value = loss.item()
-        if not math.isfinite(value):
+        # who decides: a non-finite loss on any rank's rows refuses the step on every rank, here, before any rank's
+        # backward starts a reduce-scatter the refusing one would never join
+        refused = ranks.agree(not math.isfinite(value))
+        if refused:
             learner.optimizer.zero_grad(set_to_none=True)  # why: earlier micro-batches' gradients belong to a refused step
-            raise NonFinite("backward", f"loss is {value}", "check the rewards and advantages for inf/nan, "
-                            "or lower grpo.learning_rate / grpo.beta")
+            where = f" on rank {', '.join(map(str, refused))}'s rows" if ranks.sharded else ""
+            raise NonFinite("backward", f"loss is {'non-finite' if ranks.sharded else value}{where}",
+                            "check the rewards and advantages for inf/nan, or lower grpo.learning_rate / grpo.beta")
         loss.backward()
         loss_sum += value
         mismatch_sum += (gap.abs() * seen).sum().item()
@@ -192,7 +200,7 @@ def optimizer(learner, config) -> float:
     learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)  # why: gradients are not needed until the next backward
     bad = int(torch.stack([~torch.isfinite(local(p)).all() for p in params]).sum().item())   # one sync for all LoRA tensors
-    bad = int(world().sum([bad])[0])   # a sharded rank checks its shards; every rank refuses together
+    bad = int(runtime().sum([bad])[0])   # a sharded rank checks its shards; every rank refuses together
     if bad:
         raise NonFinite("optimizer", f"the update made {bad} of {len(params)} LoRA weights non-finite",
                         "lower grpo.learning_rate (or grpo.max_grad_norm)")

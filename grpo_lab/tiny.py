@@ -53,7 +53,7 @@ def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 1
     (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids decode to nothing."""
     import torch
 
-    from .devices import check_torchvision
+    from .installed import check_torchvision
 
     check_torchvision()   # why first: transformers' model classes import it
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from grpo_lab import cli
-from grpo_lab.config import LabConfig, load_config
+from grpo_lab.config import LabConfig
+from grpo_lab.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "notebooks" / "01_quickstart.ipynb"

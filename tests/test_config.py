@@ -4,7 +4,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from grpo_lab.config import LabConfig, apply_overrides, load_config, save_config
+from grpo_lab.config import LabConfig, apply_overrides
+from grpo_lab.config_io import load_config, save_config
 from grpo_lab.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ MARGIN = 0.3
 
 
 def run_preset(tiny_model, out, *overrides):
-    from grpo_lab.config import load_config
+    from grpo_lab.config_io import load_config
     from grpo_lab.runner import run
 
     config = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "run.seed=0", *overrides])

@@ -14,7 +14,8 @@ import torch
 
 import grpo_lab.step as step_module
 from grpo_lab import Lab
-from grpo_lab.config import WHEN, LabConfig, field_when, leaf_fields, load_config
+from grpo_lab.config import WHEN, LabConfig, field_when, leaf_fields
+from grpo_lab.config_io import load_config
 from grpo_lab.errors import ConfigError, LabError
 from grpo_lab.importance import importance_weights
 from grpo_lab.knobs import REBUILDS

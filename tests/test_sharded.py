@@ -306,7 +306,7 @@ def test_more_cpu_ranks_than_cores_is_one_line(capsys, no_ranks, monkeypatch):
 
 
 def test_more_gpu_ranks_than_gpus_is_one_line(monkeypatch):
-    from grpo_lab.config import load_config
+    from grpo_lab.config_io import load_config
 
     monkeypatch.setattr("grpo_lab.sharded.world.check_engine", lambda learner: None)   # this CPU torch has no NCCL
     from grpo_lab.sharded.world import check_ranks

@@ -65,7 +65,7 @@ class HFGenerator(Generator):
                                            attention_mask=attention.to(self.learner.device), generation_config=settings,
                                            synced_gpus=False, logits_processor=LogitsProcessorList(
                                                [*sampling_processors(request), recorder, *sampler(request),
-                                                *self._heap_trim()]))
+                                                *self._step_hooks()]))
         except RuntimeError as err:
             if "probability tensor contains" not in str(err):   # InverseCdfSampler on inf/nan probabilities
                 raise
@@ -79,9 +79,13 @@ class HFGenerator(Generator):
         return [self._sample(row, lp, self.eos_token_ids)
                 for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())]
 
-    def _heap_trim(self) -> list:
-        """A CPU learner's decoding-step buffers live in the host heap: trim its holes as they appear (heap.py)."""
-        return [TrimHeapEvery(TRIM_EVERY)] if self.learner.device.type == "cpu" else []
+    def _step_hooks(self) -> list:
+        """Per decoding step: a CPU learner's buffers live in the host heap, so trim its holes as they appear
+        (heap.py); and an armed fault's point (faults.py)."""
+        from ..faults import armed
+
+        trim = [TrimHeapEvery(TRIM_EVERY)] if self.learner.device.type == "cpu" else []
+        return trim + ([decode_fault_point] if armed() else [])
 
     @staticmethod
     def _sample(row: list[int], logprobs: list[float], eos_ids: list[int]) -> Sample:
@@ -176,3 +180,11 @@ class TrimHeapEvery:
             trim_host_heap()
         self.calls += 1
         return scores
+
+
+def decode_fault_point(input_ids, scores):
+    """lab.arm_fault's rollout point (faults.py): the third decoding step, on any device."""
+    from ..faults import fire
+
+    fire("decode", nth=3)
+    return scores

@@ -25,12 +25,11 @@ def sleeps(config) -> bool:
     return config.generator.sleep_mode and config.placement.learner in devices and devices != ["cpu"]
 
 
-def backend_class(name: str):
+def backend_class(name: str, on_rank: bool = False):
+    """The generator class of backend `name`; `on_rank`: as a sharded learner's rank uses it (the runtime says)."""
     if name not in BACKENDS:
         raise LabError(f"generator.backend: unknown backend {name!r}; use one of {sorted(BACKENDS)}")
-    from ..sharded.world import world
-
-    path = (RANK_BACKENDS.get(name) if world().sharded else None) or BACKENDS[name]
+    path = (RANK_BACKENDS.get(name) if on_rank else None) or BACKENDS[name]
     module, _, attr = path.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)

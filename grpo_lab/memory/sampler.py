@@ -35,9 +35,10 @@ class HostMemoryExceeded(LabError):
 
 class MemorySampler:
     def __init__(self, devices: list[str], hz: float, host_threshold: float,
-                 describe_offload: Callable[[], str] = lambda: "", max_samples: int = 500_000):
+                 describe_offload: Callable[[], str] = lambda: "", max_samples: int = 500_000, guard_host: bool = True):
         self.probes = probes_for(devices)
         self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
+        self.guard_host = guard_host   # False on a sharded learner's rank: the driver guards the one host for all
         self.samples: deque = deque(maxlen=max_samples)   # (t, step, phase, device, metric, bytes)
         self.total = 0                                    # samples ever taken (survives the deque's bound)
         self.step, self.phase = 0, "idle"
@@ -135,6 +136,8 @@ class MemorySampler:
 
     def check_host(self, step: int, phase: str) -> None:
         """Refuse to start `phase` when host RAM crossed the threshold since the last boundary."""
+        if not self.guard_host:
+            return
         reading = {("host", k): v for k, v in self.probes[0].read().items()}
         with self._lock:
             ratio = max(self._host_max_ratio, self.host_ratio(reading))

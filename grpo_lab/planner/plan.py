@@ -5,35 +5,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import LabError
-from ..generation.registry import OWN_WEIGHTS, sleeps
-from .estimate import (CUDA_CONTEXT, FUSED_HEAD_TILE, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, GiB,
-                       activation_bytes, base_weight_bytes, generation_step_bytes, generator_weight_bytes,
-                       kv_cache_bytes)
+from ..generation.registry import OWN_WEIGHTS
+from .estimate import (CUDA_CONTEXT, HOST_BASELINE, DevicePlan, activation_bytes, base_weight_bytes,
+                       generation_step_bytes, kv_cache_bytes)
+from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
 from .shapes import ModelShape, load_shape
-
-
-def _home(device: str) -> str:
-    return "host" if device == "cpu" else device
-
-
-def capacity_of(device: str, cfg) -> float:
-    if device == "host":
-        if cfg.placement.host_memory_gib:
-            return cfg.placement.host_memory_gib * GiB
-        from ..memory.probes import HostProbe
-
-        return HostProbe().read()["limit"]
-    if cfg.placement.gpu_memory_gib:
-        return cfg.placement.gpu_memory_gib * GiB
-    from ..devices import cuda_device_count
-
-    index = int(device.split(":")[1])
-    if index < cuda_device_count():
-        import torch
-
-        return torch.cuda.get_device_properties(index).total_memory
-    raise LabError(f"placement.gpu_memory_gib: {device} is not on this machine; give the capacity (GiB) of the GPUs "
-                   "you plan for, e.g. --set placement.gpu_memory_gib=40")
 
 
 @dataclass
@@ -62,14 +38,6 @@ class Plan:
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
-
-
-def head_note(cfg, shape: ModelShape, on_cpu: bool) -> str:
-    if cfg.grpo.logprob_head == "chunked":
-        return (f"chunks of {cfg.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
-                "backward; no [B, L, vocab] logits")
-    tiles = f"tiles of {FUSED_HEAD_TILE[0]} tokens x {FUSED_HEAD_TILE[1]} vocab"
-    return f"TRL's fused head, {tiles}" + (" (CPU: torch fallback, several tiles alive)" if on_cpu else "")
 
 
 def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
@@ -126,30 +94,6 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         lrn.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
                 "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF", phase="rollout")
     return devices, act["micro_batch"]
-
-
-def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences: int) -> None:
-    """A generator with weights of its own (vLLM) on each of its devices: its weights and KV cache on the host, or its
-    share of a GPU (one process's engine, or a sharded learner's, which lives in the driver)."""
-    place, gen = cfg.placement, cfg.generator
-    gens = [devices[_home(d)] for d in place.generator_devices()]
-    per_device = generator_weight_bytes(shape, cfg) / len(gens)
-    for d in gens:
-        d.roles.append(f"generator ({gen.backend}, TP {len(gens)})")
-        share = gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
-        if d.device == "host":
-            d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
-            d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens), phase="rollout")
-        else:   # why resident (every phase), sleep mode or not: what sleep frees is vLLM's to decide; plan pessimistic
-            d.add(f"{gen.backend} engine share ({share:.0%})", share * d.capacity - CUDA_CONTEXT,
-                  f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache")
-            if per_device + 1 * GiB > share * d.capacity:
-                d.add("generator weights beyond its share", per_device + 1 * GiB - share * d.capacity,
-                      "raise gpu_memory_utilization, quantize, or add tensor-parallel GPUs")
-    if sleeps(cfg):
-        # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
-        devices["host"].add("generator weights (asleep, sleep level 1)", generator_weight_bytes(shape, cfg),
-                            f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned")
 
 
 def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan]) -> Optional[dict[str, DevicePlan]]:
@@ -227,7 +171,7 @@ def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
 
 def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
     """The memory plan of `cfg`: per device, the DataParallel what-if, and fixes when it does not fit."""
-    from ..config import load_config
+    from ..config_io import load_config
 
     shape = shape or load_shape(cfg.model.name_or_path)
     devices, ranks, micro = build(cfg, shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..generation.registry import OWN_WEIGHTS
 from .estimate import (CUDA_CONTEXT, HOST_BASELINE, PHASES, DevicePlan, activation_bytes, base_weight_bytes,
                        base_weight_split, generation_step_bytes, kv_cache_bytes, unit_bytes)
-from .plan import _home, add_engine, capacity_of, head_note
+from .parts import _home, add_engine, capacity_of, head_note
 from .shapes import ModelShape
 
 # why 2: the layer computing and the next one, which FSDP2 all-gathers ahead of it (backward prefetch; on CUDA the
@@ -27,7 +27,7 @@ def rank_name(learner: str, device: str, k: int) -> str:
 def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): every device's plan (CUDA: one per rank plus the host; CPU: the host, the sum
     of every rank's process) and every rank's own plan (CUDA: the rank's device; CPU: its share of host RAM)."""
-    from ..sharded.world import rank_devices
+    from ..runtime import rank_devices
 
     place, procs = cfg.placement, cfg.placement.learner_procs
     on_cpu = place.learner == "cpu"

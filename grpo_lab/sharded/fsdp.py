@@ -66,6 +66,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def local_state(state):
+    """An optimizer state dict with every DTensor as its local shard (plain tensors: picklable, comparable)."""
+    if isinstance(state, torch.Tensor):
+        return local(state).detach().clone()
+    if isinstance(state, dict):
+        return {k: local_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(local_state(v) for v in state)
+    return state
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole on every rank (a collective; a plain tensor as it is)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -128,11 +139,12 @@ def generation(model, gather: bool) -> Iterator[None]:
         failed = True
         raise
     finally:
-        if units and failed:
-            root = next(u for u in units if u._get_fsdp_state()._is_root)
-            root.reset_iter_state()   # FSDP's recovery after a forward raised mid-flight (on the root only)
+        if failed:
+            from .recovery import reset_after_failure
+
+            reset_after_failure(model)
         for unit, saved in zip(units, reshard):
-            unit.reshard()   # why every unit: a failed forward may have left any of them gathered
+            unit.reshard()
             _set_reshard_after_forward(unit, saved)
         for module, (on, func) in checkpointing.items():   # P3's later reports: checkpointing left off after an OOM
             module.gradient_checkpointing = on

@@ -24,7 +24,7 @@ def serve_questions_on(rank) -> None:
 
 def ask(method: str, *args):
     """The driver's answer to `method(*args)`, asked while the driver waits for this rank's reply to a command."""
-    from .worker import receive
+    from .wire import receive
 
     rank = _driver["rank"]
     _driver["asked"] += 1
@@ -70,7 +70,7 @@ class Answers:
         try:
             reply = ("ok", getattr(self.service, method)(*args))
         except Exception as err:   # why so broad: the rank must get an answer; the error comes back as its failure
-            from .worker import one_line
+            from .wire import one_line
 
             reply = ("error", one_line(err))
         self.given[number] = (key, reply)

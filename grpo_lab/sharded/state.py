@@ -54,20 +54,23 @@ def full_lora(learner) -> dict:
 def save_full_checkpoint(lab, path) -> None:
     """Every rank gathers; rank 0 writes the single-process checkpoint format."""
     from ..checkpoint import save_checkpoint
-    from .world import world
+    from ..runtime import capture_rng, runtime
 
+    me = runtime()
     lora, optimizer = full_lora(lab.learner), full_optimizer_state(lab.learner.optimizer)
-    if world().rank == 0:
-        save_checkpoint(lab, path, lora=lora, optimizer=optimizer)
+    # why every rank's: each rank's CUDA generator is its own GPU's; rank 0's restored on rank 1 samples elsewhere
+    rngs = me.gather_objects(capture_rng(me.cuda_indices(lab.config)))
+    if me.rank == 0:
+        save_checkpoint(lab, path, lora=lora, optimizer=optimizer, rng={**rngs[0], "ranks": rngs})
     _barrier()   # why: no rank reports done before the files exist
 
 
 def save_full_adapter(lab, path) -> None:
     from ..io import atomic_write_dir
-    from .world import world
+    from ..runtime import runtime
 
     lora = full_lora(lab.learner)
-    if world().rank == 0:
+    if runtime().rank == 0:
         def write(tmp: Path):
             lab.learner.model.save_pretrained(tmp, state_dict=lora)
             lab.learner.tokenizer.save_pretrained(tmp)
@@ -76,14 +79,15 @@ def save_full_adapter(lab, path) -> None:
     _barrier()
 
 
-def restore_full_checkpoint(lab, path) -> None:
-    """A checkpoint of any number of ranks into this rank: its shard of every tensor, RNG states, data position."""
+def restore_full_checkpoint(lab, path) -> int:
+    """A checkpoint of any number of ranks into this rank: its shard of every tensor, RNG states, data position;
+    returns the step it continues at."""
     from peft.utils import load_peft_weights
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from ..checkpoint import read_checkpoint, set_rng_state
+    from ..checkpoint import read_checkpoint
     from ..errors import LabError
-    from ..lifecycle import StepState
+    from ..runtime import rank_rng, restore_rng, runtime
 
     checkpoint = read_checkpoint(path)
     weights = load_peft_weights(str(checkpoint.path / "adapter"), device="cpu")
@@ -102,8 +106,9 @@ def restore_full_checkpoint(lab, path) -> None:
     state = checkpoint.load_state()
     load_optimizer_shards(lab.learner, state["optimizer"], whole=True)
     lab.prompts.load_state_dict(state["data"])
-    set_rng_state(state["rng"])
-    lab._step = StepState(index=checkpoint.step)
+    me = runtime()
+    restore_rng(rank_rng(state["rng"], me.rank, me.size))
+    return checkpoint.step
 
 
 def _barrier() -> None:

@@ -10,28 +10,19 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import threading
 import time
-import traceback
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .wire import memory_since, one_line, receive, send
+
 PER_RANK = {"inspect"}   # commands whose answer differs by rank
 STREAM_S = 0.5   # why: the live plot redraws every 0.5 s; a rank's samples arrive as often while a command runs
 TIMEOUT_S = 600   # a collective that waits longer than this fails (gloo's default, 30 min, looks like a hang)
-
-
-def send(conn, message) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))   # why plain pickle: tensors by value
-
-
-def receive(conn):
-    return pickle.loads(conn.recv_bytes())
 
 
 def connect(address: str, rank: int) -> None:
@@ -52,24 +43,26 @@ def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, re
     import torch.distributed as dist
 
     from ..lab import Lab
-    from .world import World, backend_for, rank_devices, set_world
+    from ..runtime import Runtime, init_decisions, runtime, set_runtime
+    from .world import backend_for
 
     from transformers.utils import logging as hf_logging
 
     # why: Jupyter's interrupt and a terminal's Ctrl-C reach the whole process group; a rank stopped on its own would
     # leave the others blocked in a collective and answer the driver's next command with this one's error. The
-    # driver decides: it stops every rank and starts them again from their boundary state (driver.Ranks.halt)
+    # driver decides: it stops every rank and starts them again from their boundary state (ranks.Ranks.halt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     hf_logging.disable_progress_bar()   # why: N ranks' loading bars would interleave on the notebook's stderr
     learner = config["placement"]["learner"]
     torch.set_num_threads(threads)   # why: ranks on one machine's cores must not oversubscribe them (OpenMP)
-    device = rank_devices(learner, size)[rank]
+    set_runtime(Runtime(rank, size, is_rank=True))   # why first: from here on, "which device am I" is this rank's
+    device = runtime().device_of(learner)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group(backend_for(learner), rank=rank, world_size=size, timeout=timedelta(seconds=TIMEOUT_S))
-        set_world(World(rank, size))
+        init_decisions()   # the group every cross-rank decision is agreed on (runtime.agree)
         lab = Lab(config).load()
         boundary = Boundary(Path(state_dir), rank)
         if restore is not None:
@@ -79,15 +72,16 @@ def main(conn, rank: int, size: int, port: int, config: dict, state_dir: str, re
     except BaseException as err:
         send(conn, ("error", one_line(err), memory_since(None, {})))
         return
-    Rank(rank, lab, boundary, conn).serve()
+    RankServer(rank, lab, boundary, conn).serve()
 
 
-class Rank:
+class RankServer:
+    """This rank's end of the driver's pipe: it runs each command on the rank's own Lab."""
+
     def __init__(self, rank: int, lab, boundary: "Boundary", conn):
         self.rank, self.lab, self.boundary, self.conn = rank, lab, boundary, conn
         self.sent = {"samples": 0, "rows": 0}
         self.lock, self.busy = threading.Lock(), False   # the pipe's writers: the command loop and the memory stream
-        self.fault = None   # (phase, error): raised at that phase's next log-prob pass (tests, notebooks)
 
     def serve(self) -> None:
         from .remote import serve_questions_on
@@ -146,8 +140,7 @@ class Rank:
         if changes:
             self.lab.config.update(changes)   # the driver's edits, checked and rebuilt here as in one process
         inputs = [getattr(self.lab.current, field) for field in BY_NAME[name].inputs]
-        with self._armed(name):
-            out = getattr(self.lab, name)(*inputs)
+        out = getattr(self.lab, name)(*inputs)
         if name == "sync":
             self.boundary.save(self.lab)
         return out
@@ -156,14 +149,10 @@ class Rank:
         self.lab.rollback()
 
     def save_checkpoint(self, path: str):
-        from .state import save_full_checkpoint
-
-        save_full_checkpoint(self.lab, path)
+        self.lab.save_checkpoint(path)   # the rank's Lab gathers (runtime: a rank); rank 0 writes
 
     def restore_checkpoint(self, path: str):
-        from .state import restore_full_checkpoint
-
-        restore_full_checkpoint(self.lab, path)
+        self.lab.restore_checkpoint(path)
         self.boundary.save(self.lab)
         return self.lab.step_index
 
@@ -172,108 +161,25 @@ class Rank:
         return {n: (tuple(p.shape), p.dtype) for n, p in self.lab.learner.trainable_parameters().items()}
 
     def save_adapter(self, path: str):
-        from .state import save_full_adapter
-
-        save_full_adapter(self.lab, path)
+        self.lab.save_adapter(path)
 
     def inspect(self):
         """What tests and notebooks compare: this rank's LoRA and AdamW shards, and the model's sharding layout."""
-        from .fsdp import layout, local
-
-        learner = self.lab.learner
-        return {"rank": self.rank,
-                "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
-                "optimizer": local_state(learner.optimizer.state_dict()),
-                "layout": layout(learner.model), "step": self.lab.step_index}
+        return self.lab.inspect()[0]
 
     def arm_fault(self, phase: str, error: str):
-        """Make this rank's next `phase` fail inside it (`error`: 'oom' = torch.OutOfMemoryError, else RuntimeError):
-        in backward and logprobs at the first log-prob pass, in rollout at the third decoding step."""
-        self.fault = (phase, error)
-
-    @contextmanager
-    def _armed(self, name: str):
-        if self.fault is None or self.fault[0] != name:
-            yield
-            return
-        _, error = self.fault
-        self.fault = None
-        with fault_injected(name, error):
-            yield
-
-
-def fault_injected(phase: str, error: str):
-    """Patch the function `phase` runs through so that it raises partway."""
-    from unittest import mock
-
-    exc = torch.OutOfMemoryError("Tried to allocate 2.00 GiB (injected by lab.arm_fault)") if error == "oom" \
-        else RuntimeError(f"injected failure in {phase}")
-
-    @contextmanager
-    def patched():
-        if phase == "rollout":
-            from ..generation import hf
-
-            calls = {"n": 0}
-            original = hf.TrimHeapEvery.__call__
-
-            def third_step(self, input_ids, scores):
-                calls["n"] += 1
-                if calls["n"] == 3:
-                    raise exc
-                return original(self, input_ids, scores)
-
-            with mock.patch.object(hf.TrimHeapEvery, "__call__", third_step):
-                yield
-            return
-        from .. import step
-
-        with mock.patch.object(step, "completion_logprobs", side_effect=exc):
-            yield
-
-    return patched()
+        """Make this rank's next `phase` fail inside it (faults.py)."""
+        self.lab.arm_fault(self.rank, phase, error)
 
 
 def config_changes(mine: dict, theirs: dict) -> dict:
     return {f"{s}.{f}": theirs[s][f] for s in theirs for f in theirs[s] if mine[s][f] != theirs[s][f]}
 
 
-def one_line(err: BaseException) -> str:
-    from ..errors import LabError
-
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    if isinstance(err, LabError):
-        return text
-    return f"{type(err).__name__}: {text}" if text else "".join(traceback.format_exception_only(type(err), err)).strip()
-
-
 def capacities(lab) -> dict:
     from ..memory.report import capacities_of
 
     return capacities_of(lab.memory)
-
-
-def memory_since(sampler, sent: dict) -> dict:
-    """The samples and per-phase rows taken since the last reply (and advance `sent`)."""
-    if sampler is None:
-        return {}
-    samples = sampler.samples_since(sent["samples"])
-    rows = [dict(r) for r in sampler.phase_rows[sent["rows"]:]]
-    sent["samples"], sent["rows"] = sampler.total, len(sampler.phase_rows)
-    return {"t0": sampler.t0, "samples": samples, "rows": rows}
-
-
-def local_state(state):
-    """An optimizer state dict with every DTensor as its local shard (plain tensors: picklable, comparable)."""
-    from .fsdp import local
-
-    if isinstance(state, torch.Tensor):
-        return local(state).detach().clone()
-    if isinstance(state, dict):
-        return {k: local_state(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(local_state(v) for v in state)
-    return state
 
 
 class Boundary:
@@ -289,12 +195,13 @@ class Boundary:
 
     def save(self, lab) -> None:
         """This rank's state between steps (its shards only: no collective), written atomically."""
-        from ..checkpoint import rng_state
         from ..io import atomic_write_text
-        from .fsdp import local
+        from ..runtime import capture_rng, runtime
+        from .fsdp import local, local_state
 
         learner, step = lab.learner, lab.step_index
-        state = {"step": step, "rng": rng_state(), "data": lab.prompts.state_dict(),
+        rng = capture_rng(runtime().cuda_indices(lab.config))   # this rank's own streams (its GPU's, not every GPU's)
+        state = {"step": step, "rng": rng, "data": lab.prompts.state_dict(),
                  "lora": {n: local(p).detach().cpu().clone() for n, p in learner.trainable_parameters().items()},
                  "optimizer": local_state(learner.optimizer.state_dict())}
         buffer = io.BytesIO()
@@ -310,8 +217,7 @@ class Boundary:
 
 
 def restore_boundary(lab, path: Path) -> None:
-    from ..checkpoint import set_rng_state
-    from ..lifecycle import StepState
+    from ..runtime import restore_rng
     from .fsdp import local
     from .state import load_optimizer_shards
 
@@ -324,8 +230,8 @@ def restore_boundary(lab, path: Path) -> None:
             local(p).copy_(state["lora"][name])
     load_optimizer_shards(learner, state["optimizer"])
     lab.prompts.load_state_dict(state["data"])
-    set_rng_state(state["rng"])
-    lab._step = StepState(index=state["step"])
+    restore_rng(state["rng"])
+    lab._resume_at(state["step"])
 
 
 if __name__ == "__main__":

@@ -1,86 +1,20 @@
-"""This process's place in a sharded learner: its rank, the world size, which rows of a step's batch are its
-own, and the collectives a step needs (sums of loss statistics, gathering per-row results). A process that is
-not a rank is a world of one, where every collective is the identity, so the step's code is the same either way.
-"""
+"""Checks of a sharded learner's world before any process starts (pure: they read the config and what is
+installed). Which rank this process is, and the collectives, are the runtime's (grpo_lab/runtime.py)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..errors import LabError
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int = 0
-    size: int = 1
-
-    @property
-    def sharded(self) -> bool:
-        return self.size > 1
-
-    def rows(self, n: int) -> slice:
-        """This rank's rows of an n-row batch: a contiguous 1/size of it (the config makes n divisible)."""
-        share = n // self.size
-        return slice(self.rank * share, (self.rank + 1) * share)
-
-    def sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over the ranks (every rank gets it)."""
-        if not self.sharded:
-            return list(values)
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def gather_rows(self, part: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows (its `rows(n)` slice of a per-row tensor) concatenated in rank order, on every rank."""
-        if not self.sharded:
-            return part
-        import torch.distributed as dist
-
-        device = _comm_device()
-        parts = [torch.empty_like(part, device=device) for _ in range(self.size)]
-        dist.all_gather(parts, part.to(device).contiguous())
-        return torch.cat(parts).to(part.device)
-
-
-def _comm_device() -> torch.device:
-    """Where a collective's tensors must be: the rank's GPU under NCCL, the CPU under gloo."""
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-_WORLD = World()
-
-
-def world() -> World:
-    """This process's world (set once by a rank's worker; a world of one everywhere else)."""
-    return _WORLD
-
-
-def set_world(value: World) -> None:
-    global _WORLD
-    _WORLD = value
+from ..runtime import rank_devices
 
 
 # --- checks before any process starts (pure: they read the config and what is installed) ---
 
 def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def rank_devices(learner: str, procs: int) -> list[str]:
-    """Rank k's device: cuda:(N+k) for a learner on cuda:N; 'cpu' for every rank of a CPU learner."""
-    if learner == "cpu":
-        return ["cpu"] * procs
-    first = int(learner.split(":")[1])
-    return [f"cuda:{first + k}" for k in range(procs)]
 
 
 def backend_for(learner: str) -> str:

@@ -1,14 +1,6 @@
-"""`ShardedLab`: a Lab whose learner is sharded over `placement.learner_procs` worker processes (worker.py).
-`Lab(config)` returns one when learner_procs > 1. It keeps the notebook's API and lifecycle (the same phase
-methods, `step()`, config edits, history, memory views); each phase is one command to every rank, the results
-come back from rank 0 (every rank computes the same rollout, rewards and advantages; log-probs and backward are
-each rank's rows, gathered), and every rank's samples and per-phase rows join the driver's memory sampler under
-'rank<k>/<device>'.
-
-A phase that fails on every rank is undone on each as in one process. A phase that fails on some ranks only
-(an out-of-memory error on rank 1 in backward, a rank killed) leaves the others blocked in a collective: every
-rank is then stopped and started again from its boundary state, the one it wrote when the step began, so the
-LoRA weights and AdamW state are bit for bit those before the step, and the step runs again from its rollout.
+"""A sharded learner's rank processes, as the driver runs them: started as fresh interpreters (worker.py), one pipe
+each, every reply collected with the memory samples it carries; a rank that fails where the others cannot follow
+(killed, or blocked in a collective) gets every rank stopped and started again from its boundary state.
 """
 from __future__ import annotations
 
@@ -23,13 +15,10 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 from ..errors import LabError
-from ..knobs import REBUILDS, LoadedLabGuard
-from ..lab import Lab, preflight
-from ..lifecycle import StepState
 from ..memory.sampler import MemorySampler
-from ..phases import PHASE_NAMES
 from .remote import Answers
-from .worker import receive, send
+from .wire import receive, send
+from .world import usable_cpus
 
 START_TIMEOUT_S = 900   # loading a model on every rank
 # why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
@@ -77,7 +66,6 @@ class Ranks:
 
     def __init__(self, config: dict, size: int, memory: RankMemory, step: Callable[[], int] = lambda: 0,
                  stopped: Callable[[], None] = lambda: None):
-        from .world import usable_cpus
 
         self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
         self.down = False   # stopped by halt(): started again, from the driver's step, at the next command
@@ -104,7 +92,7 @@ class Ranks:
         port = _free_port()
         with Listener(family="AF_UNIX", authkey=self.key) as listener:
             for rank in range(self.size):
-                self.procs.append(Rank(subprocess.Popen([sys.executable, "-m", "grpo_lab.sharded.worker",
+                self.procs.append(RankProcess(subprocess.Popen([sys.executable, "-m", "grpo_lab.sharded.worker",
                                                          listener.address, str(rank)], env=_child_env(self.key))))
             for rank in range(self.size):
                 conn = _accept(listener, self.procs, START_TIMEOUT_S)
@@ -261,7 +249,7 @@ class Ranks:
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-class Rank:
+class RankProcess:
     """A rank's process: `sentinel` (a pidfd) becomes readable when it exits."""
 
     def __init__(self, popen):
@@ -318,239 +306,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class RankAdapter:
-    """The sharded learner as the driver's vLLM generator sees a learner: its tokenizer, its LoRA parameters' sizes
-    and `model.save_pretrained(path)`, which gathers the LoRA tensors from every rank (never the base) into a PEFT
-    adapter that the engine loads."""
-
-    def __init__(self, lab: "ShardedLab"):
-        from ..learner import load_tokenizer
-        from ..tiny import resolve_model_path
-
-        self.lab, self.model = lab, self
-        self.tokenizer = load_tokenizer(resolve_model_path(lab.config.model.name_or_path))
-
-    def trainable_parameters(self) -> dict:
-        import torch
-
-        shapes = self.lab.ranks.call("lora_shapes", describe="lora_shapes")
-        return {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
-
-    def save_pretrained(self, path) -> None:
-        self.lab.ranks.call("save_adapter", str(path), describe="the generator's LoRA sync")
-
-
-class ShardedGuard(LoadedLabGuard):
-    """Edits of a loaded ShardedLab: refused here as in one process; applied on every rank at its next command."""
-
-    def check(self, config, new, changed: dict) -> None:
-        lab, generator = self.lab, self.lab.generator
-        self.lab.generator = generator or _AcceptsEdits()   # the driver's engine, or the ranks' hf generators
-        try:
-            super().check(config, new, changed)
-        finally:
-            lab.generator = generator
-
-    def apply(self, config, changed: dict) -> None:
-        for path in changed:   # the driver's own part: its sampler and leak detector
-            if path.startswith("memory.") and path in REBUILDS:
-                REBUILDS[path](self.lab)
-
-
-class _AcceptsEdits:
-    def check_live(self, config) -> None:
-        pass
-
-
-class ShardedLab(Lab):
-    """A Lab over `placement.learner_procs` ranks (see the module docstring)."""
-
-    ranks: Optional[Ranks] = None
-
-    def _load(self) -> "ShardedLab":
-        from ..memory import LeakDetector
-        from ..trackers import Trackers
-
-        cfg = self.config
-        preflight(cfg)
-        if self.reward_funcs_given:
-            raise LabError("reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
-                           "from this one; name them in data.rewards ('module:function')")
-        self.memory_devices = [cfg.placement.learner]
-        engine_gpus = [d for d in cfg.placement.generator_devices() if d != "cpu"] if self._own_engine else []
-        self.memory = RankMemory(["cpu", *engine_gpus], cfg.memory.sample_hz, cfg.memory.host_threshold).start()
-        self.timeline.listeners.append(self.memory)
-        self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
-        rank_config = cfg.to_dict()
-        rank_config["run"]["report_to"] = []   # the driver reports; the ranks compute
-        self.ranks = Ranks(rank_config, cfg.placement.learner_procs, self.memory, step=lambda: self.step_index,
-                           stopped=self._ranks_stopped).start()
-        self.learner = self.ranks   # why: "loaded" means the ranks are up
-        if self._own_engine:   # the ranks' one engine, here: it starts with their adapter, gathered
-            from ..generation import backend_class
-
-            try:
-                self._adapter = RankAdapter(self)
-                self.generator = backend_class(cfg.generator.backend)(self._adapter, cfg)
-            except BaseException:
-                self.ranks.close()
-                raise
-            self.ranks.answers.service = self.generator
-        self.trackers = Trackers(cfg)
-        cfg._guard = ShardedGuard(self)
-        return self
-
-    @property
-    def _own_engine(self) -> bool:
-        """A generator with weights of its own (vLLM) runs in this process, for every rank (sharded/remote.py)."""
-        from ..generation.registry import OWN_WEIGHTS
-
-        return self.config.generator.backend in OWN_WEIGHTS
-
-    @property
-    def _on_cuda(self) -> bool:
-        return False   # the driver computes nothing; each rank marks its own phases
-
-    def devices(self) -> list[str]:
-        from .world import rank_devices
-
-        return [f"rank{k}/{d}" for k, d in enumerate(rank_devices(self.config.placement.learner,
-                                                                  self.config.placement.learner_procs))]
-
-    def _check_learner(self) -> None:
-        pass   # each rank's learner is checked by its own Lab at load
-
-    def _compute(self, name: str, *inputs):
-        """Every rank runs the phase with its own inputs (the same as these: the rollout is computed on every rank)."""
-        if self.generator is not None and (name == "sync" or (name == "rollout" and self._generator_behind)):
-            self.generator.sync(self._adapter)   # the engine's LoRA from the ranks, before they end the step
-            self._generator_behind = False
-        out = self.ranks.call("phase", name, self.config.to_dict(), describe=name)
-        if name == "optimizer" and self._step.snapshot is None:
-            self._step.snapshot = "on every rank"   # why: each rank took its own rollback snapshot
-        if name == "sync":
-            self._rank_result = out
-        return out
-
-    _ranks_lost_the_step = False   # the ranks were stopped or restarted: they are (or start) at the step's start
-
-    def _ranks_stopped(self) -> None:
-        self._ranks_lost_the_step = True
-
-    def _back_to_step_start(self) -> bool:
-        """If the ranks lost the step's progress, put the driver's step back to its start too; whether it did."""
-        if not self._ranks_lost_the_step:
-            return False
-        self._ranks_lost_the_step = False
-        self._retire(PHASE_NAMES)
-        self._step = StepState(index=self.step_index, attempts=self._step.attempts)
-        self._generator_behind = self.generator is not None   # the engine may hold an adapter the ranks undid
-        return True
-
-    def _require_loaded(self) -> None:
-        super()._require_loaded()
-        self._back_to_step_start()   # e.g. an interrupted lab.inspect(): the next command starts from the step
-        self.ranks.up()
-
-    def _failed(self, phase: str) -> str:
-        import sys
-
-        err = sys.exc_info()[1]
-        if not self._back_to_step_start():
-            return super()._failed(phase)
-        if isinstance(err, RankFailure):
-            return "every rank was restarted from the state before the step"
-        stopped = (f"{phase} was stopped on every rank (a rank cannot be interrupted alone: the others would wait "
-                   "for it); the next command starts them from their state when this step began, and lab.step() "
-                   "runs the step again from its rollout")
-        if isinstance(err, BaseException):
-            err.add_note(f"every rank was stopped: {stopped}")
-        return stopped
-
-    def rollback(self) -> None:
-        s = self._step
-        if self.ranks is not None and (s.snapshot is not None or s.gradients):
-            self.ranks.call("rollback", describe="rollback")
-        s.snapshot, s.updates, s.gradients, s.stats, s.grad_norm = None, 0, False, None, None
-
-    def _finish_step(self):
-        """Rank 0's result, with the driver's phase times and every rank's memory rows."""
-        from ..memory.leaks import end_of_step
-
-        s, result = self._step, self._rank_result
-        result.phase_seconds = self.timeline.seconds(s.index)
-        result.step_seconds = sum(result.phase_seconds.values())
-        result.sync_seconds = result.phase_seconds.get("sync", 0.0)
-        result.attempts = s.attempts
-        result.memory = self.memory.rows_for(s.index)
-        result.leaks = self.leaks.observe(end_of_step(result.memory))
-        self.history.append(result)
-        self._step = StepState(index=s.index + 1)
-        self.trackers.log(result)
-        return result
-
-    # --- rank-wide operations ---
-    def inspect(self) -> list[dict]:
-        """Each rank's LoRA and AdamW shards, step index and sharding layout (for comparisons and tests)."""
-        return self._each("inspect")
-
-    def arm_fault(self, rank: int, phase: str, error: str = "oom") -> None:
-        """Make rank `rank`'s next `phase` fail partway (error 'oom' or 'runtime'): how a notebook shows recovery."""
-        if not 0 <= rank < self.config.placement.learner_procs:
-            raise LabError(f"arm_fault: rank {rank} does not exist; ranks are 0..{self.config.placement.learner_procs - 1}")
-        if phase not in ("rollout", "logprobs", "backward"):
-            raise LabError(f"arm_fault: phase {phase!r}; faults go into rollout, logprobs or backward")
-        if phase == "rollout" and self._own_engine:
-            raise LabError(f"arm_fault: a rollout fault goes into a rank's hf decoding; with generator.backend: "
-                           f"{self.config.generator.backend} the driver's engine samples; arm logprobs or backward")
-        self._require_loaded()
-        self.ranks.one(rank, "arm_fault", phase, error)
-
-    def _each(self, command: str, *args) -> list:
-        self._require_loaded()
-        out = []
-        for rank, (status, value) in enumerate(self.ranks.each(command, *args)):
-            if status != "ok":
-                raise LabError(f"{command} failed on rank {rank}: {value}")
-            out.append(value)
-        return out
-
-    def save_adapter(self, path):
-        from pathlib import Path
-
-        self._require_loaded()
-        self.ranks.call("save_adapter", str(path), describe="save_adapter")
-        return Path(path)
-
-    def save_checkpoint(self, path):
-        from pathlib import Path
-
-        self._between_steps("lab.save_checkpoint()")
-        self.ranks.call("save_checkpoint", str(path), describe="save_checkpoint")
-        return Path(path)
-
-    def restore_checkpoint(self, path) -> "ShardedLab":
-        from ..checkpoint import read_checkpoint
-
-        self._between_steps("lab.restore_checkpoint()")
-        checkpoint = read_checkpoint(path)   # refused here, in one line, before any rank reads it
-        self.ranks.call("restore_checkpoint", str(checkpoint.path), describe="restore_checkpoint")
-        self._step = StepState(index=checkpoint.step)
-        self._generator_behind = self.generator is not None
-        return self
-
-    def _release(self) -> None:
-        for plot in self._plots:
-            plot.stop()
-        if self.memory is not None:
-            self.memory.stop()
-        if self.generator is not None:
-            self.generator.close()
-        if self.ranks is not None:
-            self.ranks.close()
-        if self.trackers is not None:
-            self.trackers.close()
-        self.learner = self.ranks = self.trackers = self.generator = None
-        self._config._guard = None

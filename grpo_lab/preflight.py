@@ -1,0 +1,37 @@
+"""Everything that can be checked before a weight is loaded (and before any rank process starts): what is
+installed, the ranks, the model path, the placement, the generator, the rewards and the data."""
+from __future__ import annotations
+
+from .config import LabConfig
+from .errors import LabError
+from .rewards import resolve_reward
+
+
+def preflight(config: LabConfig) -> None:
+    """Everything that can be checked before a weight is loaded."""
+    from .data import load_rows
+    from .devices import check_model_path, check_placement
+    from .installed import check_torchvision
+
+    from .sharded.world import check_ranks
+
+    check_torchvision()
+    check_ranks(config)   # more ranks than devices, no FSDP2 in this torch: before any process starts
+    check_model_path(config.model.name_or_path)
+    if config.generator.backend == "vllm":
+        from .generation.vllm import check_tensor_parallel, max_lora_rank
+
+        max_lora_rank(config.lora.r)
+        check_tensor_parallel(config)
+    check_placement(config)
+    if config.generator.backend == "hf":
+        from .generation.hf import check_hf_placement
+
+        check_hf_placement(config)
+    for name in config.data.rewards:
+        resolve_reward(name)
+    if config.data.dataset != "arithmetic":
+        rows = load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
+        if config.grpo.prompts_per_step > len(rows):
+            raise LabError(f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
+                           f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset")
