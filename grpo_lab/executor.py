@@ -63,6 +63,13 @@ LOCAL: dict[str, Callable] = {
 }
 
 
+def attach_engine(memory, generator) -> None:
+    """An in-process engine's tensors get their own layer in its GPU's ledger (memory.probes.gpu_ledger)."""
+    device = getattr(generator, "engine_device", None)
+    if memory is not None and device is not None:
+        memory.attach_engine(device, generator.engine_share)
+
+
 class LocalExecutor:
     """The phases on this process's models."""
 
@@ -128,6 +135,7 @@ class LocalExecutor:
         self.check_learner()
         self.build_reference()
         self.generator = backend_class(cfg.generator.backend, on_rank=runtime().is_rank)(self.learner, cfg)
+        attach_engine(self.lab.memory, self.generator)
         self.build_prompts()
 
     def build_reference(self) -> None:

@@ -23,14 +23,22 @@ def _umask() -> int:
 
 
 def atomic_write_text(path: Union[str, Path], text: Union[str, bytes]) -> Path:
-    """Write `text` (or bytes) to `path` through a temporary file and a rename."""
+    """Write `text` (or bytes) to `path` through a temporary file and a rename, fsynced: the file's data before the
+    rename, the directory entry after it (a rename is only as durable as what it names)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o666 & ~_umask())  # why: mkstemp creates 0600; a run's files should read like any other
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # why: mkstemp creates 0600; a run's files should read like any other
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)   # why: nothing half-written is left behind
+        raise
+    _fsync_dir(path.parent)
     return path
 
 

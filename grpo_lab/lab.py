@@ -201,7 +201,7 @@ class Lab(LabViews):
         from .faults import set_phase
         from .memory.sampler import HostMemoryExceeded
         from .profiling import phase_range
-        from .runtime import PeerFailed, RanksBlocked, settle
+        from .runtime import RanksBlocked, settle
 
         self._require_loaded()
         if not self._busy.acquire(blocking=False):
@@ -216,7 +216,7 @@ class Lab(LabViews):
                     yield
                     settle(name, failed=False)   # on a rank: another rank's failure fails this phase here too
             except BaseException as err:
-                if not isinstance(err, (PeerFailed, RanksBlocked)):
+                if not getattr(err, "agreed", False):   # (a failure already agreed mid-phase is not asked twice)
                     try:
                         settle(name, failed=True)    # on a rank: the others learn it and take the same branch
                     except RanksBlocked as blocked:   # they are stuck in a collective: the driver restarts every rank

@@ -134,6 +134,7 @@ class Runtime:
 
 class PeerFailed(LabError):
     """Another rank failed this phase: this one, which did not, undoes its share with it (the same branch everywhere)."""
+    agreed = True   # every rank took part in the decision that raised it
 
 
 def settle(phase: str, failed: bool) -> None:
@@ -150,6 +151,7 @@ def settle(phase: str, failed: bool) -> None:
 
 class RanksBlocked(RuntimeError):
     """A failed rank's peers are blocked in a collective: only restarting every rank gets them out."""
+    agreed = True   # nothing more to agree: the driver restarts every rank
 
 
 DECIDE_S = 5.0                # how long a failed rank waits for its peers at a decision

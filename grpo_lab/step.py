@@ -150,8 +150,10 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
         if refused:
             learner.optimizer.zero_grad(set_to_none=True)  # why: earlier micro-batches' gradients belong to a refused step
             where = f" on rank {', '.join(map(str, refused))}'s rows" if ranks.sharded else ""
-            raise NonFinite("backward", f"loss is {'non-finite' if ranks.sharded else value}{where}",
-                            "check the rewards and advantages for inf/nan, or lower grpo.learning_rate / grpo.beta")
+            refusal = NonFinite("backward", f"loss is {'non-finite' if ranks.sharded else value}{where}",
+                                "check the rewards and advantages for inf/nan, or lower grpo.learning_rate / grpo.beta")
+            refusal.agreed = True   # every rank took this decision together
+            raise refusal
         loss.backward()
         loss_sum += value
         mismatch_sum += (gap.abs() * seen).sum().item()

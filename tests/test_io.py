@@ -52,3 +52,19 @@ def test_unfinished_writes_are_cleaned_and_a_failed_write_keeps_the_previous_ver
         atomic_write_dir(path, failing)
     assert content(path) == "v1"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".adapter.lock", "adapter"]
+
+
+def test_a_text_write_is_fsynced_file_and_directory_before_and_after_its_rename(tmp_path, monkeypatch):
+    """run.json and the rewound metrics.jsonl go through atomic_write_text; the README says writes are fsynced.
+    A rename is only as durable as the file it names (fsynced before) and the directory entry (fsynced after)."""
+    from grpo_lab.io import atomic_write_text
+
+    synced, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (synced.append(("rename", str(b))), real_replace(a, b)))
+    path = atomic_write_text(tmp_path / "run.json", '{"status": "ok"}')
+    assert path.read_text() == '{"status": "ok"}'
+    rename = synced.index(("rename", str(path)))
+    before, after = synced[:rename], synced[rename + 1:]
+    assert any(p.startswith(str(tmp_path / ".run.json.")) for p in before), synced     # the temporary file's data
+    assert str(tmp_path) in after, synced                                              # then the directory entry

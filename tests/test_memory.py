@@ -435,3 +435,20 @@ def test_gpu_ledger_from_a_recorded_cuda_sample_stream():
     assert rows["allocated"]["peak"] == 5000 * MiB
     error = as_lab_error(torch.cuda.OutOfMemoryError("CUDA out of memory."), "backward", 0, "cuda:0", sampler)
     assert "not_torch 7000 MiB" in str(error) and "cached 3000 MiB" in str(error)
+
+
+def test_an_in_process_engine_is_a_ledger_layer_of_its_own_awake_and_asleep():
+    """vLLM in this process: its tensors are this process's torch allocations (in 'allocated', not 'not torch'), and
+    asleep it unmaps its memory behind torch's back, so torch's reserved exceeds NVML's used and 'not torch' would
+    clamp to 0. With the engine's books and resident bytes the layers stack to NVML's used either way."""
+    from grpo_lab.memory.figures import LEDGER
+    from grpo_lab.memory.probes import gpu_ledger
+
+    learner, cache, engine, other = 3000 * MiB, 500 * MiB, 9000 * MiB, 700 * MiB   # other: CUDA context, NCCL...
+    awake = gpu_ledger(learner + engine, learner + engine + cache, learner + engine + cache + other, engine, engine)
+    asleep = gpu_ledger(learner + engine, learner + engine + cache, learner + cache + other, engine, 0.0)
+    for ledger, used in ((awake, learner + engine + cache + other), (asleep, learner + cache + other)):
+        assert ledger["allocated"] == learner and ledger["cached"] == cache and ledger["not_torch"] == other
+        assert sum(ledger[m] for m in LEDGER) == used
+    assert awake["engine"] == engine and asleep["engine"] == 0
+    assert "engine" not in gpu_ledger(learner, learner + cache, learner + cache + other)   # no engine here: no layer

@@ -58,7 +58,7 @@ def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
     nb = run_notebook(ROOT / "notebooks" / "06_sharded_learner.ipynb", tmp_path / "06.ipynb", ROOT, {"steps": 1})
     text = printed(nb)
     facts = json.loads(text.split("facts: ", 1)[1].splitlines()[0])
-    assert "ShardedLab ['rank0/cpu', 'rank1/cpu']" in text
+    assert "RankExecutor ['rank0/cpu', 'rank1/cpu']" in text
     assert "rank0/host" in text and "rank1/host" in text            # every rank's rows in the memory table
     # P3: greedy completions do not depend on gathering; a failed generation leaves every rank's layout as it was
     assert facts["greedy_completions_identical"] is True

@@ -95,7 +95,7 @@ def test_the_gpu_ledger_is_stacked_so_its_top_is_nvml_used_and_the_summary_says_
     fig = timeline_figure(list(sampler.samples), sampler.marks)
     stacks = [t for t in fig.data if getattr(t, "stackgroup", None) == "cuda:0"]
     assert [t.name for t in stacks] == ["cuda:0 torch allocated", "cuda:0 torch cache (reserved - allocated)",
-                                        "cuda:0 not torch (NVML used - reserved)"]           # bottom-up
+                                        "cuda:0 not torch (NVML used - the rest)"]           # bottom-up
     tops = [sum(column) for column in zip(*(t.y for t in stacks))]
     used = [v / MiB for t, _, _, d, m, v in sampler.samples if (d, m) == ("cuda:0", "device_used")]
     assert tops == used and max(used) == 13000                      # the stack's top is NVML's device-wide used
@@ -114,10 +114,10 @@ def test_the_gpu_ledger_in_a_real_browser(tmp_path):
     with opened(path, "report/gpu-ledger.png", height=900) as page:
         gpu = page.locator("ul.summary li.peak", has_text="cuda:0").inner_text()
         assert "peak 13,000 MiB (device_used)" in gpu and "in phase rollout of step 0" in gpu
-        assert "not torch (NVML used - reserved) 7,000" in gpu and "torch cache (reserved - allocated) 3,000" in gpu
+        assert "not torch (NVML used - the rest) 7,000" in gpu and "torch cache (reserved - allocated) 3,000" in gpu
         legend = page.locator(".js-plotly-plot").first.locator(".legendtext").evaluate_all(
             "texts => texts.map(t => t.textContent)")
-        assert "cuda:0 not torch (NVML used - reserved)" in legend
+        assert "cuda:0 not torch (NVML used - the rest)" in legend
         filled = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].data"
                                ".filter(t => t.stackgroup === 'cuda:0').length")
         assert filled == 3
@@ -135,7 +135,7 @@ def test_the_live_plot_stacks_the_gpu_ledger_too(tmp_path):
     plot.refresh()
     stacks = [t for t in plot.fig.data if getattr(t, "stackgroup", None) == "cuda:0"]
     assert [t.name.split(" ", 1)[1] for t in stacks] == ["torch allocated", "torch cache (reserved - allocated)",
-                                                         "not torch (NVML used - reserved)"]
+                                                         "not torch (NVML used - the rest)"]
     assert [sum(c) for c in zip(*(t.y for t in stacks))][-1] == 13000 and stacks[2].y[-1] == 7000
     assert "cuda:0 capacity" in plot.fig.layout.title.text   # 80 GB is off the 13 GB scale: named, not drawn
     plot.stop()

@@ -138,7 +138,7 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
     try:
         before = lab.inspect()
-        pids = [rank.popen.pid for rank in lab.ranks.procs]
+        pids = [rank.popen.pid for rank in lab.executor.ranks.procs]
         lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})   # ~2 s of rollout
         interrupt = threading.Timer(0.6, lambda: [os.kill(pid, signal.SIGINT) for pid in [*pids, os.getpid()]])
         interrupt.start()
@@ -146,7 +146,7 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
             lab.rollout()
         interrupt.join()
         assert "every rank was stopped" in "".join(getattr(err.value, "__notes__", [])), err.value
-        assert all(rank.popen.poll() is not None for rank in lab.ranks.procs) or not lab.ranks.procs
+        assert all(rank.popen.poll() is not None for rank in lab.executor.ranks.procs) or not lab.executor.ranks.procs
         after = lab.inspect()   # the next command starts the ranks again, each from its state at the step's start
         assert all(same_state(a, b) for a, b in zip(after, before)) and [a["step"] for a in after] == [0, 0]
         lab.configure(generator={"gather_for_generation": True, "chunk_size": None})
@@ -191,7 +191,7 @@ def test_a_vllm_engine_samples_for_every_rank_and_syncs_only_the_lora_tensors():
         one.close()
     lab = Lab("tiny-cpu", overrides=vllm + SHARDED).load()
     try:
-        assert type(lab).__name__ == "ShardedLab" and lab.generator is not None
+        assert type(lab.executor).__name__ == "RankExecutor" and lab.generator is not None
         sharded = [lab.step()]
         with pytest.raises(LabError, match="this vLLM engine was started for"):   # the driver's engine checks live edits
             lab.configure(generator={"max_completion_length": 100000})
@@ -284,7 +284,7 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rank process started")
 
-    monkeypatch.setattr("grpo_lab.sharded.driver.Ranks.start", refuse)
+    monkeypatch.setattr("grpo_lab.sharded.ranks.Ranks.start", refuse)
     monkeypatch.setattr("grpo_lab.lab.Lab.load", lambda self: (_ for _ in ()).throw(AssertionError("a model loaded")))
 
 

@@ -252,6 +252,7 @@ def sleep_spy(gen, monkeypatch, fail_at=None):
     monkeypatch.setattr(gen.llm, "wake_up", lambda *a, **k: events.append("wake"))
     monkeypatch.setattr(gen.llm, "sleep", lambda *a, **k: events.append("sleep"))
     monkeypatch.setattr(gen.llm, "generate", generate)
+    monkeypatch.setattr("grpo_lab.generation.vllm.release_cached_blocks", lambda: events.append("empty_cache"))
     return events
 
 
@@ -260,7 +261,9 @@ def test_sleep_mode_wakes_once_per_rollout_whatever_the_chunks(vllm_lab, monkeyp
     events = sleep_spy(gen, monkeypatch)
     rollout = gen.generate(vllm_lab.prompts.next_batch(3), 2, GenerationRequest(max_completion_length=4, chunk_size=2))
     assert rollout.generate_calls == 3
-    assert events == ["wake", "generate", "generate", "generate", "sleep"]
+    # torch's cache emptied before wake_up (blocks backward freed stay reserved, and wake_up would OOM on them) and
+    # after sleep (what the engine gave back is the learner's only if torch holds none of it)
+    assert events == ["empty_cache", "wake", "generate", "generate", "generate", "sleep", "empty_cache"]
 
 
 def test_sleep_mode_sleeps_after_a_failed_rollout(vllm_lab, monkeypatch):
@@ -268,7 +271,7 @@ def test_sleep_mode_sleeps_after_a_failed_rollout(vllm_lab, monkeypatch):
     events = sleep_spy(gen, monkeypatch, fail_at=2)
     with pytest.raises(RuntimeError, match="injected failure in a chunk"):
         gen.generate(vllm_lab.prompts.next_batch(3), 2, GenerationRequest(max_completion_length=4, chunk_size=2))
-    assert events == ["wake", "generate", "generate", "sleep"]
+    assert events == ["empty_cache", "wake", "generate", "generate", "sleep", "empty_cache"]
 
 
 def test_lengths_are_live_within_the_engines_max_model_len(vllm_lab):

@@ -128,6 +128,21 @@ def shutdown_engine(llm) -> None:
         llm.llm_engine = None   # why: a stray reference to the LLM then keeps an empty shell, not the engine
 
 
+def _allocated(device: Optional[str]) -> float:
+    """torch's allocated bytes on `device` in this process (0 on the CPU or before CUDA starts)."""
+    if device is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0.0
+    return float(torch.cuda.memory_allocated(torch.device(device)))
+
+
+def release_cached_blocks() -> None:
+    """torch's cached, unused CUDA blocks handed back to the driver (a no-op without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def release_engine_memory() -> None:
     """What vLLM's own tests call between engines: model-parallel and distributed state torn down, gc.collect
     (the engine's reference cycles hold its weights), and on a GPU the caching allocator's blocks returned."""
@@ -236,8 +251,14 @@ class VLLMGenerator(Generator):
         self.adapter_root = make_adapter_dir(learner)   # before the engine: a refusal there costs nothing
         # removed at close(), or at exit for a generator never closed (a killed process's: by the next one's start)
         self._remove_adapters = weakref.finalize(self, shutil.rmtree, self.adapter_root, ignore_errors=True)
+        self.engine_device = None if on_cpu else devices[0]
+        self.asleep, self._books = False, 0.0
+        before = _allocated(self.engine_device)
         try:
             self.llm = start_engine(vllm, kwargs, engine_env(config))
+            # why measured: in this process the engine's tensors are torch allocations the ledger must not call the
+            # learner's; in a process of its own nothing here changes (NVML's 'not torch' sees it)
+            self._books = max(_allocated(self.engine_device) - before, 0.0)
             self.sync(learner)
         except BaseException:
             self.close()   # why: a generator that failed to start is never returned, so nobody else can close it
@@ -311,12 +332,21 @@ class VLLMGenerator(Generator):
         """Colocated with sleep mode: the engine wakes for a rollout (or a score) and sleeps after, freeing its
         weights and KV cache for the learner's phases; put back to sleep in `finally` even when generation fails."""
         if self.sleep_mode:
+            release_cached_blocks()   # why: blocks the learner's backward freed stay reserved; wake_up needs them back
             self.llm.wake_up()
+            self.asleep = False
         try:
             yield
         finally:
             if self.sleep_mode:
                 self.llm.sleep(level=1)
+                self.asleep = True
+                release_cached_blocks()   # why: what the engine gave back is the learner's only once torch holds none
+
+    def engine_share(self) -> tuple[float, float]:
+        """(bytes torch counts for this in-process engine, bytes it holds on its GPU now): the GPU ledger's engine
+        layer (memory.probes.gpu_ledger). Both 0 for an engine in a process of its own or on the CPU."""
+        return self._books, 0.0 if self.asleep else self._books
 
     def close(self) -> None:
         """Shut the engine down and free its memory, then remove the adapter directory; a second call does nothing."""

@@ -6,9 +6,9 @@ from ..phases import COLOURS, PHASE_NAMES
 from .probes import MiB, is_host
 
 HOST_LINES = ("rss", "used")                      # the process's RSS, the machine's used RAM
-LEDGER = ("allocated", "cached", "not_torch")     # a GPU's memory, stacked: sums to reserved, then to NVML's used
+LEDGER = ("allocated", "cached", "engine", "not_torch")     # a GPU's memory, stacked: sums to NVML's used (probes.gpu_ledger)
 LEDGER_NAMES = {"allocated": "torch allocated", "cached": "torch cache (reserved - allocated)",
-                "not_torch": "not torch (NVML used - reserved)"}
+                "engine": "vLLM engine (in this process)", "not_torch": "not torch (NVML used - the rest)"}
 FAR = 1.5            # a limit above FAR x the data's maximum is named in a corner instead of drawn
 MIN_LABELLED = 0.02  # a phase band narrower than this share of the run gets no label (they would overlap)
 

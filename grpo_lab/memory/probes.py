@@ -11,6 +11,8 @@ from typing import Optional
 
 import psutil
 
+from ..runtime import nvml_handle
+
 MiB = 1024 ** 2
 
 
@@ -104,15 +106,25 @@ class HostProbe:
         return {"rss": rss, "used": used, "limit": limit}
 
 
-def gpu_ledger(allocated: float, reserved: float, device_used: Optional[float]) -> dict[str, float]:
-    """Where a GPU's memory went: torch's live tensors (`allocated`), torch's cache of freed blocks and
-    fragmentation (`cached` = reserved - allocated) and everything that is not this process's torch allocator
-    (`not_torch` = NVML's device-wide used - reserved: a vLLM engine, CUDA contexts, NCCL buffers, other
-    processes). Without NVML the last is unknown and left out."""
-    out = {"allocated": allocated, "reserved": reserved, "cached": reserved - allocated}
+def gpu_ledger(allocated: float, reserved: float, device_used: Optional[float], engine_books: float = 0.0,
+               engine_resident: float = 0.0) -> dict[str, float]:
+    """Where a GPU's memory went, as layers that stack to NVML's used: torch's live tensors (`allocated`), torch's
+    cache of freed blocks and fragmentation (`cached` = reserved - allocated), an in-process vLLM engine (`engine`)
+    and everything that is not this process's torch allocator (`not_torch` = the rest of NVML's device-wide used:
+    another process's engine, CUDA contexts, NCCL buffers, other processes). Without NVML the last is unknown and
+    left out.
+
+    An in-process engine's tensors are this process's torch allocations: `engine_books` is what torch's figures
+    count for it, also while it sleeps (vLLM unmaps its memory behind torch's back, so torch's reserved can then
+    exceed NVML's used), and `engine_resident` what it holds on the device now (0 asleep). Its books come out of
+    `allocated` and `reserved`; its resident bytes are its own layer."""
+    out = {"allocated": allocated - engine_books, "reserved": reserved, "cached": reserved - allocated}
+    if engine_books or engine_resident:
+        out["engine"] = engine_resident
     if device_used is not None:
         out["device_used"] = device_used
-        out["not_torch"] = max(0.0, device_used - reserved)   # why max: NVML and torch are read microseconds apart
+        # why max: NVML and torch are read microseconds apart
+        out["not_torch"] = max(0.0, device_used - (reserved - engine_books) - engine_resident)
     return out
 
 
@@ -126,7 +138,8 @@ class CudaProbe:
         self.index = int(device.split(":")[1])
         self.torch = torch
         self.total = torch.cuda.get_device_properties(self.index).total_memory
-        self.nvml = _nvml_handle(self.index)
+        self.nvml = nvml_handle(self.index)   # by UUID: NVML's indices ignore CUDA_VISIBLE_DEVICES
+        self.engine = None   # () -> (books, resident) of an in-process vLLM engine on this GPU (MemorySampler.attach_engine)
 
     def read(self) -> dict[str, float]:
         cuda = self.torch.cuda
@@ -135,21 +148,12 @@ class CudaProbe:
             import pynvml
 
             used = pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used
-        out = gpu_ledger(cuda.memory_allocated(self.index), cuda.memory_reserved(self.index), used)
+        books, resident = self.engine() if self.engine is not None else (0.0, 0.0)
+        out = gpu_ledger(cuda.memory_allocated(self.index), cuda.memory_reserved(self.index), used, books, resident)
         return {**out, "peak": cuda.max_memory_allocated(self.index), "total": self.total}
 
     def reset_peak(self) -> None:
         self.torch.cuda.reset_peak_memory_stats(self.index)
-
-
-def _nvml_handle(index: int):
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # nvidia-ml-py not installed or no driver: torch's figures still work
-        return None
 
 
 def is_host(device: str) -> bool:

@@ -18,7 +18,8 @@ from ..errors import LabError
 from .probes import MiB, probes_for
 
 # metrics summarised per phase (the others are still sampled and written to memory.csv)
-SUMMARY_METRICS = {"host": ("rss", "used"), "cuda": ("allocated", "reserved", "cached", "device_used", "not_torch")}
+SUMMARY_METRICS = {"host": ("rss", "used"),
+                   "cuda": ("allocated", "reserved", "cached", "engine", "device_used", "not_torch")}
 
 
 class HostMemoryExceeded(LabError):
@@ -50,6 +51,12 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.t0 = time.perf_counter()
+
+    def attach_engine(self, device: str, share: Callable[[], tuple[float, float]]) -> None:
+        """An in-process vLLM engine on `device`: its (books, resident) bytes become the GPU ledger's own layer."""
+        for probe in self.probes:
+            if probe.device == device:
+                probe.engine = share
 
     # --- the thread ---
     def start(self) -> "MemorySampler":

@@ -100,6 +100,7 @@ class RankExecutor:
 
     # --- load and release ---
     def load(self) -> None:
+        from ..executor import attach_engine
         from ..generation import backend_class
 
         cfg = self.config
@@ -114,6 +115,7 @@ class RankExecutor:
             try:
                 self._adapter = RankAdapter(self)
                 self.generator = backend_class(cfg.generator.backend)(self._adapter, cfg)
+                attach_engine(self.lab.memory, self.generator)
             except BaseException:
                 self.ranks.close()
                 raise

@@ -24,7 +24,7 @@ def reset_after_failure(model) -> None:
 def agreed(*models) -> Iterator[None]:
     """A pass over sharded `models`: when it raises on any rank, every rank raises at this point (runtime.agree), and
     each model's FSDP state is reset, so no rank is left in a collective and the next pass starts clean."""
-    from ..runtime import runtime
+    from ..runtime import PeerFailed, RanksBlocked, runtime
 
     me = runtime()
     if not me.sharded:
@@ -32,13 +32,17 @@ def agreed(*models) -> Iterator[None]:
         return
     try:
         yield
-    except Exception:
+    except Exception as err:
         for model in models:
             reset_after_failure(model)
-        me.agree(True)   # the others learn it (or, blocked in a collective this pass left, time out: RanksBlocked)
+        try:
+            me.agree(True)   # the others learn it here and stop too
+        except RanksBlocked as blocked:   # they are blocked in a collective this pass left: the driver restarts all
+            err.add_note(str(blocked))
+        err.agreed = True    # why: the phase's own decision (runtime.settle) must not wait for the others again
         raise
     failed = me.agree(False)
     if failed:
         for model in models:
             reset_after_failure(model)
-        raise RuntimeError(f"the pass failed on rank {', '.join(map(str, failed))}; every rank stopped it there")
+        raise PeerFailed(f"the pass failed on rank {', '.join(map(str, failed))}; every rank stopped it there")
