@@ -19,36 +19,43 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
     """Per-row log-prob of `targets` under logits = (hidden @ weight.T + bias) / temperature, `chunk` rows at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, lora_in=None, lora_b=None):
+        """`lora_in` [M, r] (the adapter's A(dropout(hidden)) x scaling) and `lora_b` [V, r]: a LoRA on the head,
+        whose logits are hidden @ W.T + lora_in @ B.T, added a chunk at a time (never a [M, V] delta)."""
         n = hidden.shape[0]
+        low_rank = (lora_in, lora_b)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         log_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
-            logits = _logits(hidden[rows], weight, bias, temperature)                  # [c, V] float32: the peak
+            logits = _logits(hidden[rows], weight, bias, temperature, low_rank, rows)  # [c, V] float32: the peak
             target = logits.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
             top = logits.amax(dim=1)
             sum_exp = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1)                  # in place: no second [c, V]
             log_z[rows] = top + sum_exp.log()
             logprobs[rows] = target - log_z[rows]
             del logits   # why: free this chunk before the next one's matmul allocates, else two chunks are alive
-        ctx.save_for_backward(hidden, weight, bias, targets, log_z)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_z, lora_in, lora_b)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logprobs
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, targets, log_z = ctx.saved_tensors
+        hidden, weight, bias, targets, log_z, lora_in, lora_b = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        need_in, need_b = ctx.needs_input_grad[6:8]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        grad_in = torch.empty_like(lora_in) if need_in else None
+        grad_b = torch.zeros(lora_b.shape, dtype=torch.float32, device=lora_b.device) if need_b else None
         grad = grad.float()
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, hidden.shape[0]))
             g = grad[rows].unsqueeze(1)
             # d log p_t / d z_j = 1[j = t] - p_j, and z = logits / T: built in the recomputed logits' own buffer
-            dz = _logits(hidden[rows], weight, bias, ctx.temperature).sub_(log_z[rows].unsqueeze(1)).exp_().mul_(-g)
+            dz = _logits(hidden[rows], weight, bias, ctx.temperature, (lora_in, lora_b), rows)
+            dz = dz.sub_(log_z[rows].unsqueeze(1)).exp_().mul_(-g)
             dz.scatter_add_(1, targets[rows].unsqueeze(1), g)
             if ctx.temperature != 1.0:
                 dz.div_(ctx.temperature)
@@ -58,20 +65,30 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
                 grad_weight.addmm_(dz.t(), hidden[rows].float())
             if need_bias:
                 grad_bias += dz.sum(dim=0)
+            if need_in:
+                grad_in[rows] = (dz.to(lora_b.dtype) @ lora_b).to(lora_in.dtype)
+            if need_b:
+                grad_b.addmm_(dz.t(), lora_in[rows].float())
             del dz   # why: free this chunk before the next one's matmul allocates, else two chunks are alive
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None,
+                grad_in, None if grad_b is None else grad_b.to(lora_b.dtype))
 
 
-def _logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
+def _logits(hidden, weight, bias, temperature: float, low_rank=(None, None), rows=slice(None)) -> torch.Tensor:
     logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+    lora_in, lora_b = low_rank
+    if lora_in is not None:   # a LoRA on the head: this chunk's [c, r] @ [r, V], added in place
+        logits.addmm_(lora_in[rows].float(), lora_b.float().t())
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                     temperature: float, chunk: int) -> torch.Tensor:
-    """[M, H] hidden states and [M] targets -> [M] float32 log-probs."""
-    return ChunkedSelectiveLogProbs.apply(hidden, weight, bias, targets, temperature, chunk)
+                     temperature: float, chunk: int, lora_in: Optional[torch.Tensor] = None,
+                     lora_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[M, H] hidden states and [M] targets -> [M] float32 log-probs (`lora_in` [M, r], `lora_b` [V, r]: a LoRA on
+    the head, see ChunkedSelectiveLogProbs.forward)."""
+    return ChunkedSelectiveLogProbs.apply(hidden, weight, bias, targets, temperature, chunk, lora_in, lora_b)
 
 
 def trl_logprobs(hidden, weight, bias, targets, temperature: float, chunk: int, softcap=None, logit_scale=1.0):

@@ -97,9 +97,40 @@ def score_completions(base, input_ids, attention, position_ids, completion_ids, 
                       use_cache=False).last_hidden_state[:, -width - 1:-1]    # position t predicts token t + 1
     lm_head = base.get_output_embeddings()
     # why compact rows: only real completion tokens reach the head (no prompt, no padding after EOS)
-    rows = (hidden[mask], lm_head.weight, lm_head.bias, completion_ids[mask], head.temperature, head.chunk_size)
+    hidden = hidden[mask]
+    adapter = head_adapter(lm_head, hidden)
+    linear = getattr(lm_head, "base_layer", lm_head)   # a PEFT LoRA layer wraps the head's own Linear
+    rows = (hidden, linear.weight, linear.bias, completion_ids[mask], head.temperature, head.chunk_size)
     scaling = base._grpo_lab_scaling
+    if adapter is not None:
+        if scaling or head.kernel != "chunked":
+            from .errors import LabError
+
+            raise LabError("lora.target_modules: a LoRA on lm_head is applied by grpo_lab's chunked head only, not TRL's "
+                           "(grpo.logprob_head: trl, or a model that caps or scales its logits); drop lm_head from the "
+                           "targets or use grpo.logprob_head: chunked")
+        return chunked_logprobs(*rows, *adapter)
     return trl_logprobs(*rows, *scaling) if scaling else HEADS[head.kernel](*rows)
+
+
+def head_adapter(lm_head, hidden) -> Optional[tuple]:
+    """A PEFT LoRA on the head, active now: (A(dropout(hidden)) x scaling [M, r], B [V, r]), as PEFT's forward adds
+    it (with graph: A and B get their gradients); None for a plain head, or one whose adapter is disabled (the
+    reference pass) or merged."""
+    if not hasattr(lm_head, "lora_A") or getattr(lm_head, "disable_adapters", False) or getattr(lm_head, "merged", False):
+        return None
+    active = [a for a in lm_head.active_adapters if a in lm_head.lora_A]
+    if not active:
+        return None
+    if len(active) > 1 or lm_head.use_dora.get(active[0], False):
+        from .errors import LabError
+
+        raise LabError("lora.target_modules: the chunked head applies one plain LoRA adapter on lm_head (not DoRA, not "
+                       "several at once); drop lm_head from the targets")
+    name = active[0]
+    a, b = lm_head.lora_A[name], lm_head.lora_B[name]
+    lora_in = a(lm_head.lora_dropout[name](hidden.to(a.weight.dtype))) * lm_head.scaling[name]   # [M, r]
+    return lora_in, b.weight
 
 
 def rollout_slice(rollout: Rollout, rows: slice, device) -> tuple[torch.Tensor, ...]:

@@ -83,3 +83,44 @@ def test_no_tensor_larger_than_one_chunk_of_logits_forward_or_backward(chunk):
     with LargestTensor() as control:   # the watcher does see a full [M, V]: the naive head's
         torch.log_softmax(hidden.detach() @ weight.t(), dim=-1)
     assert control.largest == m * v * 4
+
+
+def test_a_lora_on_lm_head_is_applied_and_trained_by_the_chunked_head():
+    """Bug 9: a LoRA on lm_head was accepted, used by sampling (PEFT's forward), but the chunked head multiplied by
+    the base weight only: the adapter's log-probs were wrong and it got no gradient. Now the head applies it, and
+    values and every LoRA gradient equal the unchunked reference (PEFT's own forward, full log_softmax)."""
+    from grpo_lab import Lab
+    from grpo_lab.logprobs import completion_logprobs, rollout_slice
+
+    lab = Lab("tiny-cpu", overrides=["lora.target_modules=[q_proj,lm_head]", "grpo.logprob_chunk_size=7"]).load()
+    try:
+        model = lab.learner.model
+        head = model.get_base_model().lm_head
+        with torch.no_grad():   # B != 0: the adapter changes the logits (PEFT initialises B to 0)
+            head.lora_B["default"].weight.normal_(0, 0.5)
+        rollout = lab.rollout()
+        inputs = rollout_slice(rollout, slice(0, 4), lab.learner.device)
+        prompt_ids, prompt_mask, completion_ids, completion_mask = inputs
+        model.train()
+        params = dict(lab.learner.trainable_parameters())
+        upstream = torch.randn(completion_ids.shape, generator=torch.Generator().manual_seed(0))
+
+        mask = completion_mask.bool()
+        got = completion_logprobs(model, *inputs)
+        got_grads = torch.autograd.grad((got * upstream)[mask].sum(), list(params.values()), allow_unused=True)
+
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                       use_cache=False).logits[:, -completion_ids.shape[1] - 1:-1].float()
+        want = torch.log_softmax(logits, -1).gather(2, completion_ids.unsqueeze(2)).squeeze(2) * mask
+        want_grads = torch.autograd.grad((want * upstream)[mask].sum(), list(params.values()), allow_unused=True)
+
+        torch.testing.assert_close(got[mask], want[mask], rtol=1e-4, atol=1e-4)
+        by_name = dict(zip(params, zip(got_grads, want_grads)))
+        head_grads = {n: g for n, g in by_name.items() if "lm_head" in n}
+        assert len(head_grads) == 2 and all(g is not None and g.abs().sum() > 0 for g, _ in head_grads.values())
+        for name, (g, w) in by_name.items():
+            torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-5, msg=name)
+    finally:
+        lab.close()
