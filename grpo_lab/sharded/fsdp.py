@@ -92,6 +92,8 @@ def layout(model) -> dict:
         "reshard_after_forward": [(auto, tuple(info is not None for info in infos))
                                   for auto, infos in map(_reshard_after_forward, fsdp_units(model))],
         "sharded": [_params_sharded(u) for u in fsdp_units(model)],
+        # a pass left open (an exception mid-forward, no reset): the next root pre-forward would skip its set-up
+        "iteration_open": any(u._get_fsdp_state()._state_ctx.iter_forward_root is not None for u in fsdp_units(model)),
     }
 
 
