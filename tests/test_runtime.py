@@ -189,3 +189,19 @@ def test_a_world_of_one_decides_alone():
     me = Runtime()
     assert me.agree(True) == [0] and me.agree(False) == []
     assert me.rows(8) == slice(0, 8) and Runtime(1, 2, is_rank=True).rows(8) == slice(4, 8)
+
+
+def test_the_host_guard_runs_once_in_the_driver_never_on_a_rank(as_rank):
+    """Bug 5's second half: one rank's own host guard refused a phase on that rank alone while the others blocked in
+    a collective. The host is one; the driver's guard stops every rank between phases."""
+    from grpo_lab.executor import LocalExecutor
+    from grpo_lab.memory.sampler import HostMemoryExceeded
+
+    class Lab:
+        config = load_config("tiny-cpu", ["memory.host_threshold=0.0001", "memory.sample_hz=0"])
+
+    driver = LocalExecutor(Lab()).memory_sampler()
+    with pytest.raises(HostMemoryExceeded):
+        driver.check_host(0, "rollout")
+    as_rank(1)
+    LocalExecutor(Lab()).memory_sampler().check_host(0, "rollout")   # a rank: no refusal of its own
