@@ -216,8 +216,13 @@ class LocalExecutor:
     def arm_fault(self, rank: int, phase: str, error: str) -> None:
         from . import faults
 
+        from .generation.registry import OWN_WEIGHTS
+
         if rank != runtime().rank:
             raise LabError(f"arm_fault: rank {rank} does not exist; this Lab is one process (rank 0)")
+        if phase == "rollout" and self.config.generator.backend in OWN_WEIGHTS:
+            raise LabError(f"arm_fault: a rollout fault goes into hf decoding; generator.backend: "
+                           f"{self.config.generator.backend} samples in its engine; arm logprobs or backward")
         faults.arm(phase, error)
         for model in (self.learner.model, getattr(self.reference, "model", None)):
             if model is not None:

@@ -730,9 +730,9 @@ def test_the_log_prob_head_knobs_reach_the_next_scoring_pass(lab, monkeypatch):
     seen = []
     real = head.ChunkedSelectiveLogProbs.forward
 
-    def spy(ctx, hidden, weight, bias, targets, temperature, chunk):
+    def spy(ctx, hidden, weight, bias, targets, temperature, chunk, *lora):
         seen.append(chunk)
-        return real(ctx, hidden, weight, bias, targets, temperature, chunk)
+        return real(ctx, hidden, weight, bias, targets, temperature, chunk, *lora)
 
     monkeypatch.setattr(head.ChunkedSelectiveLogProbs, "forward", staticmethod(spy))
     trl_rows = []
