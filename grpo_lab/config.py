@@ -6,17 +6,15 @@ user feels at home. Unknown keys are errors; every field carries its own help te
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .config_fields import WHEN, Section, apply_overrides, knob, normalize_device  # noqa: F401 (WHEN: public here)
+from .config_fields import (WHEN, Section, apply_overrides, canonical, knob, normalize_device,  # noqa: F401 (WHEN)
+                            resolve_aliases)
 from .errors import ConfigError, format_validation_error
 from .generation.registry import BACKENDS, OWN_WEIGHTS
-from .paths import read_text
-from .losses import LOSSES
+from .losses import LOSSES, RATIO_LEVELS
 from .rewards import REWARDS
 
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -124,6 +122,9 @@ class GRPOSection(Section):
         "learner/old, so its gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, "
         "on by default): changes the KL gradient whenever beta > 0, on-policy too.")
     mask_truncated_completions: bool = knob("live", False, description="Exclude completions that hit max_completion_length from the loss.")
+    importance_sampling_level: Literal[tuple(RATIO_LEVELS)] = knob("live", "token", description="Where the PPO ratio "
+        "learner/old is taken and clipped: 'token' (GRPO) or 'sequence' (GSPO: the mean of a completion's token "
+        "log-ratios, one ratio per completion; pair it with loss_type grpo, as the paper does) (TRL's name).")
     importance_sampling_correction: bool = knob("live", 
         True, description="Correct for a generator that samples from other weights than the learner's (backends with their own "
         "weights, e.g. vllm; hf samples with the learner itself, so it never applies): weight the loss by learner/sampler "
@@ -248,6 +249,7 @@ class LabConfig(Section):
         (when a loaded Lab guards this config) checked and applied by it; all or nothing. Returns
         {path: (old, new)} of the values that changed. The one path every way of editing takes."""
         data = self.to_dict()
+        changes = {canonical(str(path)): value for path, value in changes.items()}
         for path, value in changes.items():
             section, _, name = str(path).partition(".")
             fields = type(self).model_fields
@@ -400,6 +402,6 @@ def parse_config(data: dict) -> LabConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
     try:
-        return LabConfig.model_validate(data)
+        return LabConfig.model_validate(resolve_aliases(data))
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None

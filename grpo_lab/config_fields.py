@@ -39,6 +39,31 @@ def knob(when: str, default: Any = ..., **kwargs) -> Any:
     return Field(default, json_schema_extra={"when": when}, **kwargs)
 
 
+# TRL's spellings of fields grpo_lab names otherwise, accepted everywhere a field is named (YAML, --set, dicts,
+# lab.configure, attribute assignment); the config keeps and shows grpo_lab's name
+ALIASES = {f"grpo.vllm_importance_sampling_{k}": f"grpo.importance_sampling_{k}"
+           for k in ("correction", "mode", "clip_max", "clip_min")}
+
+
+def canonical(path: str) -> str:
+    """'section.field' under grpo_lab's name (a TRL alias resolved)."""
+    return ALIASES.get(path, path)
+
+
+def resolve_aliases(data: dict) -> dict:
+    """A config dict with TRL's spellings renamed (a new dict); both spellings of one field is one line."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
+    for alias, name in ALIASES.items():
+        section, _, old = alias.partition(".")
+        values = out.get(section)
+        if isinstance(values, dict) and old in values:
+            new = name.partition(".")[2]
+            if new in values:
+                raise ConfigError(f"{alias}: given with {name}, its grpo_lab name; give one of them")
+            values[new] = values.pop(old)
+    return out
+
+
 class Section(BaseModel):
     # why allow_inf_nan=False: an .inf or .nan in any float (lists included) is refused, never trained with;
     # str_min_length=1: an empty string is never a value (null is, where a field allows it)
@@ -53,7 +78,10 @@ class Section(BaseModel):
 
     def __setattr__(self, name: str, value: Any) -> None:
         # why: every edit goes through the root's update (whole-config checks, a loaded Lab's guard), never one field alone
-        if name in type(self).model_fields and self._root is not None:
+        path = canonical(f"{self._name}.{name}")
+        if path != f"{self._name}.{name}" and self._root is not None:   # a TRL spelling
+            self._root.update({path: value})
+        elif name in type(self).model_fields and self._root is not None:
             self._root.update({f"{self._name}.{name}": value})
         else:
             super().__setattr__(name, value)

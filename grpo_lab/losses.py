@@ -20,14 +20,29 @@ class BatchTotals:
     max_completion_length: int
 
 
-def clipped_surrogate(logps, old_logps, advantages, epsilon_low, epsilon_high):
-    """Per-token -min(r*A, clip(r)*A) and where the clip was active.  logps/old: [N, L], advantages: [N]."""
-    ratio = torch.exp(logps - old_logps)                               # [N, L]
+def token_log_ratio(logps, old_logps, mask):
+    """log(learner / old) per token: [N, L]."""
+    return logps - old_logps
+
+
+def sequence_log_ratio(logps, old_logps, mask):
+    """GSPO: the mean of each completion's token log-ratios over its loss mask, one per sequence: [N, 1]."""
+    return (((logps - old_logps) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+# grpo.importance_sampling_level (TRL's name): the level at which the PPO ratio is taken and clipped
+RATIO_LEVELS: dict[str, Callable] = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
+def clipped_surrogate(logps, old_logps, advantages, epsilon_low, epsilon_high, mask=None, level: str = "token"):
+    """Per-token -min(r*A, clip(r)*A), where the clip was active, and the ratio r ([N, L], or [N, 1] at the sequence
+    level).  logps/old/mask: [N, L], advantages: [N]."""
+    ratio = torch.exp(RATIO_LEVELS[level](logps, old_logps, mask))
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     adv = advantages.unsqueeze(1)                                      # [N, 1]
     per_token = -torch.min(ratio * adv, clipped * adv)
     is_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
-    return per_token, is_clipped
+    return per_token, is_clipped, ratio
 
 
 def kl_k3(logps, ref_logps):
@@ -59,16 +74,18 @@ LOSSES: dict[str, Callable] = {
 
 def grpo_loss(logps, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], advantages, mask,
               totals: BatchTotals, loss_type: str, beta: float, epsilon_low: float, epsilon_high: float,
-              sampling_weights: Optional[torch.Tensor] = None, bias_correction_kl: bool = False):
-    """The micro-batch's share of the step loss, plus per-token KL (as weighted in the loss) and clip flags."""
+              sampling_weights: Optional[torch.Tensor] = None, bias_correction_kl: bool = False,
+              level: str = "token"):
+    """The micro-batch's share of the step loss, plus per-token KL (as weighted in the loss) and clip flags
+    (per sequence at the sequence level: [N, 1])."""
     old = logps.detach() if old_logps is None else old_logps          # on-policy: ratio 1, gradient of r*A
-    per_token, is_clipped = clipped_surrogate(logps, old, advantages, epsilon_low, epsilon_high)
+    per_token, is_clipped, ratio = clipped_surrogate(logps, old, advantages, epsilon_low, epsilon_high, mask, level)
     if sampling_weights is not None:
         per_token = per_token * sampling_weights
     kl = None
     if beta != 0.0:
         kl = kl_k3(logps, ref_logps)
         if bias_correction_kl:   # TRL's default: ratio-weighted (differentiable, so it moves the gradient at ratio 1)
-            kl = kl * torch.exp(logps - old)
+            kl = kl * ratio      # at the ratio's level, as TRL (a sequence's ratio for every token of it)
         per_token = per_token + beta * kl
     return LOSSES[loss_type](per_token, mask, totals), kl, is_clipped

@@ -141,7 +141,7 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
         loss, kl, clipped = grpo_loss(
             logps, old, None if logprobs.ref is None else logprobs.ref[rows].to(device), advantages.values[rows].to(device),
             mask, totals, grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights,
-            bias_correction_kl=grpo.use_bias_correction_kl)
+            bias_correction_kl=grpo.use_bias_correction_kl, level=grpo.importance_sampling_level)
         loss = poison(loss)   # lab.arm_fault(..., "backward", "nan")
         value = loss.item()
         # who decides: a non-finite loss on any rank's rows refuses the step on every rank, here, before any rank's

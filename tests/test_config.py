@@ -141,3 +141,20 @@ def test_bad_edits_through_update_and_configure_are_one_line_naming_the_field(ti
     assert lab.configure({"grpo.beta": 0.2}, generator={"chunk_size": 2}) == {
         "grpo.beta": (old_beta, 0.2), "generator.chunk_size": (old_chunk, 2)}
     assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 2
+
+
+@pytest.mark.parametrize("trl_name", ["correction", "mode", "clip_max", "clip_min"])
+def test_trls_vllm_importance_sampling_spellings_are_aliases(trl_name):
+    """TRL's GRPOConfig names these vllm_importance_sampling_*; grpo_lab's names drop 'vllm_' (they apply to any
+    generator with weights of its own). Both spellings work in YAML/--set, update() and attribute assignment."""
+    value = {"correction": False, "mode": "token_mask", "clip_max": 2.5, "clip_min": 0.5}[trl_name]
+    name = f"importance_sampling_{trl_name}"
+    config = load_config("tiny-cpu", [f"grpo.vllm_{name}={str(value).lower() if isinstance(value, bool) else value}"])
+    assert getattr(config.grpo, name) == value
+    fresh = load_config("tiny-cpu")
+    assert fresh.update({f"grpo.vllm_{name}": value}) == {f"grpo.{name}": (getattr(load_config("tiny-cpu").grpo, name), value)}
+    other = load_config("tiny-cpu")
+    setattr(other.grpo, f"vllm_{name}", value)
+    assert getattr(other.grpo, name) == value
+    with pytest.raises(ConfigError, match=rf"^grpo.vllm_{name}: given with grpo.{name}, its grpo_lab name; give one"):
+        load_config("tiny-cpu", [f"grpo.vllm_{name}={value}", f"grpo.{name}={value}"])

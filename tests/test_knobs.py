@@ -417,6 +417,23 @@ def test_epsilon_and_epsilon_high_bound_the_next_backwards_clipping(lab):
     assert both == pytest.approx(low + high)   # the two sides clip disjoint tokens
 
 
+@observes("grpo.importance_sampling_level")
+def test_importance_sampling_level_changes_the_next_backwards_ratio(lab):
+    """GSPO: one ratio per completion (its tokens' mean log-ratio) instead of one per token, read at the next backward."""
+    lab.configure({"grpo.num_iterations": 2, "grpo.learning_rate": 5e-2, "grpo.epsilon": 0.01})
+    rollout, advantages, logprobs = walk_to_backward(lab)
+    lab.backward(rollout, advantages, logprobs)
+    lab.optimizer()   # the policy moves: the second iteration's ratios leave 1
+
+    def second(level):
+        lab.config.grpo.importance_sampling_level = level
+        return lab.backward(rollout, advantages, logprobs)
+
+    token, sequence = second("token"), second("sequence")
+    assert token.loss != pytest.approx(sequence.loss, rel=1e-4) and token.clip_fraction != sequence.clip_fraction
+    assert second("token").loss == pytest.approx(token.loss, rel=1e-6)
+
+
 @observes("grpo.scale_rewards")
 def test_scale_rewards_changes_the_next_advantages(lab):
     rollout = lab.rollout()

@@ -91,37 +91,139 @@ def closing_lab(tiny_config):
         lab.close()
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_advantages_and_loss_match_trl(closing_lab, tmp_path, loss_type, scale_rewards):
-    lab = closing_lab(
-        grpo={"beta": 0.04, "loss_type": loss_type, "scale_rewards": scale_rewards, "micro_batch_size": 3},
-        generator={"temperature": 0.8},
-        data={"rewards": ["exact_answer", "format", "length"], "reward_weights": [1.0, 0.5, 2.0]},
-    )
-    # one update first, so the policy differs from the reference and the KL term is non-zero
-    lab.step()
-    rollout = lab.rollout()
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+SCALES = ["group", "batch", "none"]
+
+
+def uneven(completions, **kwargs):
+    """Rewards that differ inside every group and not symmetrically (0, 1, 3, 6, ...), whatever was sampled."""
+    return [float((i % 4) * (i % 4 + 1) // 2) for i in range(len(completions))]
+
+
+def end_some_at_eos(rollout, eos: int, pad: int, cuts=(3, None, 5, 9, None, 2, 7, None, 11, 4, None, 6)):
+    """The tiny model rarely samples EOS: end rows at EOS after `cuts[i]` tokens (None: as sampled), in place (the
+    Lab checks that later phases get this very rollout), so lengths vary and some completions end, some are cut."""
+    for i, cut in enumerate(cuts[:len(rollout)]):
+        if cut is None or cut >= int(rollout.completion_lengths[i]):
+            continue
+        rollout.completion_ids[i, cut - 1] = eos
+        rollout.completion_ids[i, cut:] = pad                 # the padding after EOS, as the generators pad
+        rollout.completion_mask[i, cut:] = 0
+        rollout.sampler_logprobs[i, cut:] = 0
+        rollout.truncated[i] = False
+    return rollout
+
+
+@pytest.fixture(scope="module")
+def varied(tiny_model, tmp_path_factory):
+    """A batch where the loss variants differ: completion lengths vary, some truncated and some ended at EOS,
+    rewards differ within groups; one TRL trainer on the same model, and TRL's own advantages per scale_rewards.
+    Every case starts from the same LoRA and AdamW state (a snapshot put back)."""
+    from grpo_lab import step as phases
+    from grpo_lab.rollback import TrainState
+
+    lab = Lab({  # float32 throughout; not 4-bit: the loss's arithmetic is the same, and 48 cases stay within ~30 s
+        "model": {"name_or_path": tiny_model, "dtype": "float32", "load_in_4bit": False, "gradient_checkpointing": False},
+        "lora": {"r": 8, "lora_alpha": 16},
+        "grpo": {"beta": 0.04, "prompts_per_step": 2, "num_generations": 4, "learning_rate": 2e-2, "epsilon": 0.05},
+        "generator": {"temperature": 1.0, "max_completion_length": 10, "max_prompt_length": 128},
+        "data": {"system_prompt": None},   # why: short prompts; the loss is over completions
+    }, reward_funcs=["exact_answer", "format", "length", uneven]).load()
+    tokenizer = lab.learner.tokenizer
+    rollout = end_some_at_eos(lab.rollout(), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rollout.completions = tokenizer.batch_decode([ids[:k] for ids, k in zip(rollout.completion_ids.tolist(),
+                                                  rollout.completion_lengths.tolist())], skip_special_tokens=True)
+    lengths = rollout.completion_lengths
+    assert rollout.truncated.any() and (~rollout.truncated).any() and len(set(lengths.tolist())) > 4, lengths
     rewards = lab.rewards(rollout)
-    assert rewards.total.std() > 0, "parity needs rewards that differ"
-    advantages = lab.advantages(rewards)
-    logprobs = lab.logprobs(rollout)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():   # B != 0, as after earlier steps: the policy is not the reference, so the KL term is not 0
+        for name, p in lab.learner.trainable_parameters().items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ref = phases.logprobs(lab.learner, lab.reference, rollout, lab.config).ref
+    trainer, inputs = trl_trainer(lab, rollout, tmp_path_factory.mktemp("trl"))
+    batches = {}
+    for scale in SCALES:   # TRL's own advantages (and its batch, padded as it pads) per scale_rewards
+        trainer.scale_rewards = scale
+        batches[scale] = trainer._generate_and_score_completions(inputs)
+        assert torch.equal(batches[scale]["completion_ids"].cpu(), rollout.completion_ids)
+    yield SimpleNamespace(lab=lab, rollout=rollout, rewards=rewards, ref=ref, trainer=trainer, batches=batches,
+                          start=TrainState(lab.learner))
+    lab.close()
 
-    # TRL's constructor changes the model it is given (beta > 0: a "ref" adapter added), so it is built
-    # first and both losses are computed on the model as TRL left it.
-    trainer, inputs = trl_trainer(lab, rollout, tmp_path)
-    ours = lab.backward(rollout, advantages, logprobs)
-    assert ours.kl > 0
-    batch = trainer._generate_and_score_completions(inputs)
-    assert torch.equal(batch["completion_ids"].cpu(), rollout.completion_ids)
-    assert torch.allclose(batch["advantages"].cpu(), advantages.values, atol=1e-5)
 
-    batch["ref_per_token_logps"] = logprobs.ref          # identical reference log-probs on both sides
-    batch.pop("old_per_token_logps", None)               # on-policy on both sides
-    lab.learner.model.train()
-    with torch.no_grad():
-        theirs = trainer._compute_loss(lab.learner.model, batch).item()
-    assert ours.loss == pytest.approx(theirs, abs=1e-5)
+def run_case(varied, loss_type, scale, beta, iterations, level="token"):
+    """grpo_lab's loss and LoRA gradients on the case's last iteration (the second: off-policy, ratios != 1), and
+    TRL's `_compute_loss` on the same weights, old and reference log-probs."""
+    from grpo_lab import step as phases
+    from grpo_lab.types import LogProbs
+
+    lab, trainer = varied.lab, varied.trainer
+    varied.start.restore(lab.learner)
+    cfg = lab.config.model_copy()   # unguarded: the phase functions read it, the Lab's reference stays as it is
+    cfg.update({"grpo.loss_type": loss_type, "grpo.scale_rewards": scale, "grpo.beta": beta,
+                "grpo.num_iterations": iterations, "grpo.importance_sampling_level": level})
+    advantages = phases.advantages(varied.rewards, scale)
+    batch = dict(varied.batches[scale])
+    torch.testing.assert_close(batch["advantages"].cpu(), advantages.values, rtol=1e-5, atol=1e-6)
+    logprobs = LogProbs(ref=varied.ref if beta > 0 else None)
+    for _ in range(iterations - 1):   # earlier iterations: their updates move the policy off the sampler's weights
+        phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg)
+        phases.optimizer(lab.learner, cfg)
+    ours = phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg)
+    batch["ref_per_token_logps"] = varied.ref
+    if iterations > 1:
+        batch["old_per_token_logps"] = logprobs.old
+    else:
+        batch.pop("old_per_token_logps", None)
+    trainer.loss_type, trainer.beta, trainer.importance_sampling_level = loss_type, beta, level
+    theirs, theirs_grads = trl_loss_and_grads(trainer, lab.learner.model, batch)
+    return ours, lora_grads(lab.learner.model), theirs, theirs_grads
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_every_loss_variant_matches_trl_in_loss_and_gradients(varied, beta, iterations):
+    """loss_type x scale_rewards x beta x num_iterations against TRL's own `_compute_loss` and advantages: loss within
+    1e-5 of its value, every LoRA gradient within 1e-4 of its norm. On this batch the variants differ (below), so a
+    wrong normalisation or KL weight cannot pass."""
+    grads = {}
+    for loss_type in LOSS_TYPES:
+        for scale in SCALES:
+            ours, ours_grads, theirs, theirs_grads = run_case(varied, loss_type, scale, beta, iterations)
+            assert ours.loss == pytest.approx(theirs, rel=1e-5, abs=1e-9), (loss_type, scale)
+            assert_grads_close(ours_grads, theirs_grads)
+            grads[loss_type, scale] = torch.cat([g.flatten() for g in ours_grads.values()])
+            if iterations == 2:
+                assert ours.clip_fraction > 0   # the second iteration is off-policy: ratios left 1 and were clipped
+            if beta:
+                assert ours.kl > 1e-4           # the policy is not the reference: the KL term's weight matters
+
+    def differ(a, b) -> bool:
+        return ((grads[a] - grads[b]).norm() / grads[b].norm()).item() > 1e-3
+
+    for scale in SCALES:
+        # grpo (per-sequence mean), the token mean and dr_grpo give gradients far apart beyond the tolerance above
+        # (on-policy at beta 0 their loss values are all 0: the advantages sum to 0 in each group)...
+        for a, b in (("grpo", "dapo"), ("grpo", "dr_grpo"), ("dapo", "dr_grpo")):
+            assert differ((a, scale), (b, scale)), (a, b, scale)
+        # ...and bnpo equals dapo by design: both normalise over the whole step batch (losses.py; TRL's bnpo
+        # normalises per micro-batch, which on one micro-batch, as here, is the same number)
+        assert not differ(("bnpo", scale), ("dapo", scale))
+    for loss_type in LOSS_TYPES:   # so do the reward scalings
+        assert differ((loss_type, "group"), (loss_type, "none")) and differ((loss_type, "batch"), (loss_type, "none"))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_gspo_sequence_level_matches_trl(varied, loss_type):
+    """importance_sampling_level: sequence (GSPO) on the off-policy iteration: loss and LoRA gradients within 1e-5
+    of TRL's, and different from the token level's."""
+    token = run_case(varied, loss_type, "group", 0.04, 2, "token")[0]
+    ours, ours_grads, theirs, theirs_grads = run_case(varied, loss_type, "group", 0.04, 2, "sequence")
+    assert ours.loss == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    assert_grads_close(ours_grads, theirs_grads, rel=1e-5)
+    assert ours.loss != pytest.approx(token.loss, rel=1e-3)
 
 
 def noisy_sampler(rollout, seed=0, nan_at=()):
