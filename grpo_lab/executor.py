@@ -206,10 +206,11 @@ class LocalExecutor:
     # --- state in and out ---
     def inspect(self) -> list[dict]:
         """This process's LoRA and AdamW state and step (one entry: rank 0 of a world of one)."""
-        from .sharded.fsdp import layout, local, local_state
+        from .sharded.fsdp import WHOLE_GATHERS, layout, local, local_state
 
         learner = self.learner
         return [{"rank": runtime().rank, "step": self.lab.step_index, "layout": layout(learner.model),
+                 "whole_gathers": WHOLE_GATHERS[0],
                  "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
                  "optimizer": local_state(learner.optimizer.state_dict())}]
 

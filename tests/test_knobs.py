@@ -302,8 +302,9 @@ def test_temperature_samples_and_scores_the_next_rollout_at_the_new_temperature(
 
 @observes("generator.gather_for_generation")
 def test_gather_for_generation_is_refused_in_one_process(lab):
-    """A knob that cannot act says no: one process has nothing to gather. On a sharded Lab it acts at the next rollout
-    (tests/test_sharded.py: gathered and layer-by-layer rollouts, both restored after a failure; notebook 06 times them)."""
+    """A knob that cannot act says no: one process has nothing to gather. On a sharded Lab it acts at the next rollout:
+    tests/test_sharded.py::test_gather_on_and_off_... observes it (every rank's whole-model gathers counted: one for a
+    gathered rollout, none for a layer-by-layer one; it fails when the setting is ignored), notebook 06 times them."""
     with pytest.raises(LabError, match=r"generator.gather_for_generation: false means generating through a sharded "
                                        r"learner.*placement.learner_procs: 1"):
         lab.configure({"generator.gather_for_generation": False})

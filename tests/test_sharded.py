@@ -78,10 +78,15 @@ def test_gather_on_and_off_sample_the_same_and_a_failed_generation_leaves_every_
     try:
         before = lab.inspect()
         gathered = lab.rollout().completions
+        after_gathered = lab.inspect()
         lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})   # greedy: chunks change nothing
         streamed = lab.memory.streamed
         sharded = lab.rollout().completions     # a rollout may be redone until the step's first update
+        after_sharded = lab.inspect()
         assert gathered == sharded
+        # the setting took effect: every rank gathered every unit whole for the first rollout, none for the second
+        for b, g, s in zip(before, after_gathered, after_sharded):
+            assert g["whole_gathers"] == b["whole_gathers"] + 1 and s["whole_gathers"] == g["whole_gathers"]
         # ~2 s of rollout (8 calls through the shards): each rank's samples also came while it ran, for the live plot
         assert lab.memory.streamed >= streamed + 2, lab.memory.streamed - streamed
         lab.configure(generator={"chunk_size": None})

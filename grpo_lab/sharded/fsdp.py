@@ -14,7 +14,8 @@ import torch
 
 from ..errors import LabError
 
-SCORE = "grpo_lab_score"   # the transformers model's method a log-prob pass runs through (registered with FSDP)
+SCORE = "grpo_lab_score"
+WHOLE_GATHERS = [0]   # rollouts this process generated with every FSDP unit gathered whole (gather_for_generation)   # the transformers model's method a log-prob pass runs through (registered with FSDP)
 
 
 def _causal_lm(model):
@@ -132,7 +133,8 @@ def generation(model, gather: bool) -> Iterator[None]:
     failed = False
     model.eval()
     try:
-        if gather:
+        if gather and units:
+            WHOLE_GATHERS[0] += 1   # what inspect() reports: which way this rank's rollouts ran
             for unit in units:
                 unit.set_reshard_after_forward(False, recurse=False)   # why: a forward would reshard after itself otherwise
                 unit.unshard()
