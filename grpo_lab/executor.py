@@ -206,11 +206,12 @@ class LocalExecutor:
     # --- state in and out ---
     def inspect(self) -> list[dict]:
         """This process's LoRA and AdamW state and step (one entry: rank 0 of a world of one)."""
-        from .sharded.fsdp import WHOLE_GATHERS, layout, local, local_state
+        from .sharded.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
 
-        learner = self.learner
+        learner, copy = self.learner, getattr(self.reference, "model", None)
         return [{"rank": runtime().rank, "step": self.lab.step_index, "layout": layout(learner.model),
-                 "whole_gathers": WHOLE_GATHERS[0],
+                 "whole_gathers": WHOLE_GATHERS[0], "placements": base_placements(learner.model),
+                 "reference_placements": None if copy is None else base_placements(copy),
                  "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
                  "optimizer": local_state(learner.optimizer.state_dict())}]
 

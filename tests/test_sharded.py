@@ -224,17 +224,25 @@ def test_a_vllm_engine_samples_for_every_rank_and_syncs_only_the_lora_tensors():
 
 @pytest.mark.slow
 def test_the_reference_copy_is_sharded_like_the_policy_and_scores_as_the_base():
-    lab = Lab("tiny-cpu", overrides=SHARDED + ["reference.strategy=copy"]).load()
+    """P5: the copy is prepared by the policy's own function, so every base parameter is sharded the same way; and
+    after an update, when the policy no longer scores as the base, the copy still does (= adapter-disabled)."""
+    lab = Lab("tiny-cpu", overrides=SHARDED + ["reference.strategy=copy", "grpo.learning_rate=0.05"]).load()
     try:
+        for rank in lab.inspect():
+            placements = rank["placements"]
+            assert rank["reference_placements"] == placements
+            assert all(p == "(Shard(dim=0),)" for p in placements.values()), set(placements.values())
+        lab.step()                                # an update: the policy leaves the base
         rollout = lab.rollout()
-        rewards = lab.rewards(rollout)
-        lab.advantages(rewards)
+        lab.advantages(lab.rewards(rollout))
         copy = lab.logprobs(rollout).ref
         lab.configure({"reference.strategy": "adapter-disabled"})
-        disabled = lab.logprobs(rollout).ref   # no update yet: the adapter-disabled policy is the base too
+        disabled = lab.logprobs(rollout).ref
+        mask = rollout.completion_mask.bool()
         assert copy.shape == disabled.shape == rollout.completion_ids.shape
-        assert (copy - disabled).abs().max().item() <= 1e-5
-        assert lab.step().step == 0
+        assert (copy - disabled)[mask].abs().max().item() <= 1e-5
+        # the hf rollout sampled with the updated policy at temperature 1: its log-probs are the policy's, not the base's
+        assert (rollout.sampler_logprobs - copy)[mask].abs().max().item() > 1e-3
     finally:
         lab.close()
 

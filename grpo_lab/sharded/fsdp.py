@@ -98,6 +98,17 @@ def layout(model) -> dict:
     }
 
 
+def base_placements(model) -> dict:
+    """Every base (non-LoRA) parameter's sharding, by its name in the base model: a DTensor's placements, or
+    'whole'. The reference copy's must equal the policy's (P5: prepared by the same function)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            out[name] = str(tuple(p.placements)) if hasattr(p, "placements") else "whole"
+    return out
+
+
 def _reshard_after_forward(unit) -> tuple:
     """The unit's reshard-after-forward state exactly (FSDP keeps it per parameter group, plus an 'auto' flag)."""
     state = unit._get_fsdp_state()
