@@ -102,7 +102,14 @@ def test_first_sync_with_zero_lora_b_is_exact_and_sync_moves_generator_to_learne
     stale = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
     lab.sync()
     synced = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
-    assert synced < stale, (synced, stale)
+    # at a tolerance: the engine computes in bf16 and holds the base in bf16, the learner in float32 over nf4, so they
+    # never agree exactly (their bases within ~0.02/token here); after this large update (~6.5/token) a correct sync
+    # leaves ~0.5 (7 % of it), a half-strength adapter (lora_alpha halved) ~3.5 (54 %). The bound: 20 % of the update
+    with lab.learner.model.disable_adapter():
+        learner_base = learner_logprobs(lab, rollout)
+    base_gap = (generator_logprobs(lab, rollout, with_lora=False) - learner_base)[mask].abs().mean()
+    assert stale > 50 * base_gap, (stale, base_gap)     # the update dwarfs the engines' own difference
+    assert synced <= 0.2 * stale, (synced, stale)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, None])
