@@ -336,9 +336,9 @@ def test_checkpoint_transformers_cannot_read_is_one_labError(tiny_model, tmp_pat
     assert "\n" not in str(err.value)
 
 
-def test_diverged_weights_stop_the_rollout_with_one_line():
-    """grpo.learning_rate=1e30 trains one step, then sampling sees inf/nan probabilities (torch.multinomial's
-    RuntimeError); the hf generator reports it as one LabError naming the knobs (the step is rolled back)."""
+def test_diverged_sampling_is_one_line_naming_the_knobs():
+    """torch.multinomial's RuntimeError on inf/nan probabilities becomes one LabError naming the knobs (the whole
+    path, with a real Lab, its rollback and the retry: tests/test_numerics.py)."""
     from types import SimpleNamespace
 
     import torch
@@ -358,8 +358,9 @@ def test_diverged_weights_stop_the_rollout_with_one_line():
     generator.learner = SimpleNamespace(model=Diverged(), device=torch.device("cpu"))
     generator.tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     generator.eos_token_ids = [1]
-    with pytest.raises(LabError, match="grpo.learning_rate"):
+    with pytest.raises(LabError, match="grpo.learning_rate") as err:
         generator._generate_chunk([[5, 6]], GenerationRequest(max_completion_length=4))
+    assert "\n" not in str(err.value)
 
 
 # --- a real process ------------------------------------------------------------------------------

@@ -105,3 +105,34 @@ def test_cli_run_stops_with_one_line_on_non_finite_values(tiny_model, tmp_path, 
     assert errors == [err[-1]] and err[-1].startswith("grpo-lab: error: backward: loss is nan at step 1"), err
     assert "Traceback" not in "\n".join(err)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_diverged_weights_stop_the_rollout_with_one_line():
+    """LoRA weights gone to 1e30 (what a learning rate far too high leaves) make sampling see inf/nan probabilities
+    (torch.multinomial's RuntimeError): the rollout is refused in one line naming the knobs, nothing of the step is
+    kept (no rollout, the weights as they were), and with sane weights back the same step runs."""
+    import torch
+
+    from grpo_lab import Lab, LabError
+
+    lab = Lab("tiny-cpu").load()
+    try:
+        params = lab.learner.trainable_parameters()
+        sane = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for name, p in params.items():
+                if "lora_B" in name:
+                    p.fill_(1e30)
+        diverged = {n: p.detach().clone() for n, p in params.items()}
+        with pytest.raises(LabError) as err:
+            lab.rollout()
+        line = str(err.value)
+        assert "\n" not in line and "grpo.learning_rate" in line, line
+        assert lab.current.rollout is None and lab.step_index == 0 and lab.next_phase() == "rollout"
+        assert all(torch.equal(p, diverged[n]) for n, p in params.items())   # the failed phase changed nothing
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(sane[name])
+        assert lab.step().attempts == 2   # the refused rollout is filed as a failed attempt of the same step
+    finally:
+        lab.close()

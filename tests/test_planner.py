@@ -252,13 +252,17 @@ def test_the_chunked_log_prob_head_is_planned_one_chunk_at_a_time():
 def test_a_reference_copy_on_another_device_is_planned_with_that_devices_head():
     """TRL's head holds more tiles on the CPU (torch fallback) than on CUDA (Triton): a reference copy on the CPU
     beside a GPU learner gets the CPU's figure for its log-prob pass, the learner's backward keeps CUDA's."""
-    from grpo_lab.planner.estimate import trl_head_bytes
-
     cfg = load_config("qwen2.5-7b-nf4-24gb", ["grpo.logprob_head=trl", "grpo.beta=0.04", "reference.strategy=copy",
                                               "reference.device=cpu"])
     result = plan(cfg)
     heads = {(d, i.phase): i.bytes for d, dev in result.devices.items() for i in dev.items if i.what == "log-prob head"}
-    shape = result.shape
-    rows = result.micro_batch * cfg.generator.max_completion_length
-    assert heads[("cuda:0", "backward")] == trl_head_bytes(rows, shape, 2, cfg.grpo.logprob_chunk_size, on_cpu=False)
-    assert heads[("host", "logprobs")] == trl_head_bytes(rows, shape, 2, cfg.grpo.logprob_chunk_size, on_cpu=True)
+    # by hand, from the preset and Qwen2.5-7B's config (hidden 3584, vocabulary 152,064), not from the planner:
+    # 4 rows x 768 completion tokens; TRL's tile is 4096 tokens x 32,768 vocab in bf16 (2 bytes), 2 tiles alive under
+    # Triton and 8.5 on the CPU's torch fallback (bench/fused_head_cpu.py); plus each row's float32 hidden gradient
+    # and 8 float32 statistics
+    assert result.micro_batch == 4 and cfg.generator.max_completion_length == 768
+    rows = 4 * 768
+    tile = min(rows, 4096) * 32768 * 2
+    per_rows = rows * (3584 * 4 + 8 * 4)
+    assert heads[("cuda:0", "backward")] == 2.0 * tile + per_rows == 446_791_680
+    assert heads[("host", "logprobs")] == 8.5 * tile + per_rows == 1_755_414_528

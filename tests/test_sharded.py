@@ -318,16 +318,16 @@ def test_more_cpu_ranks_than_cores_is_one_line(capsys, no_ranks, monkeypatch):
     assert "placement.learner_procs: 4 CPU ranks on 2 usable CPU core(s)" in line and "use at most 2" in line
 
 
-def test_more_gpu_ranks_than_gpus_is_one_line(monkeypatch):
+def test_more_gpu_ranks_than_gpus_is_one_line(capsys, no_ranks, monkeypatch):
     from grpo_lab.config_io import load_config
 
     monkeypatch.setattr("grpo_lab.sharded.world.check_engine", lambda learner: None)   # this CPU torch has no NCCL
+    monkeypatch.setattr("grpo_lab.devices.cuda_device_count", lambda: 2)                # a machine with 2 GPUs
+    line = refused(capsys, "placement.learner=cuda:1", "placement.learner_procs=2")   # through the CLI: exit 2
+    assert ("placement.learner_procs: 2 ranks from cuda:1 need cuda:1..cuda:2, but this machine has 2 CUDA device(s); "
+            "use at most 1 ranks") in line
     from grpo_lab.sharded.world import check_ranks
 
-    config = load_config("tiny-cpu", ["placement.learner=cuda:1", "placement.learner_procs=2"])
-    with pytest.raises(LabError, match=r"placement.learner_procs: 2 ranks from cuda:1 need cuda:1..cuda:2, but this "
-                                       r"machine has 2 CUDA device\(s\); use at most 1 ranks"):
-        check_ranks(config, cuda_count=2)
     check_ranks(load_config("tiny-cpu", ["placement.learner=cuda:0", "placement.learner_procs=2"]), cuda_count=2)
 
 
