@@ -197,3 +197,33 @@ def test_any_error_is_one_log_line_with_the_traceback_on_demand(loaded_lab):
     lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
     controls.step_button.click()                      # the Lab stayed usable
     assert len(lab.history) == 1
+
+
+def test_text_inputs_show_plain_literals_and_apply_on_enter_or_blur(tiny_config):
+    """Issue 25's first complaint: YAML's document-end marker made micro_batch_size read '4...', and every keystroke
+    was applied (and refused: '4..'). Values show as plain literals; text inputs apply on Enter or blur only."""
+    from grpo_lab.ui.editor import as_text
+
+    assert [as_text(v) for v in (4, 3.0, "adapter-disabled", None, True, ["q_proj", "v_proj"])] == \
+        ["4", "3.0", "adapter-disabled", "null", "true", "[q_proj, v_proj]"]
+    editor = ConfigEditor(Lab(tiny_config()).config)
+    widget, _ = editor.inputs[("grpo", "micro_batch_size")]
+    assert widget.value == "null" and widget.continuous_update is False
+    widget.value = "2"   # what Enter or blur delivers
+    assert editor.config.grpo.micro_batch_size == 2 and widget.value == "2"
+    widget.value = "4"
+    assert editor.config.grpo.micro_batch_size == 4 and widget.value == "4"
+    assert all(getattr(w, "continuous_update", False) is False for w, _ in editor.inputs.values())
+
+
+def test_every_field_shows_its_help_and_when_it_takes_effect_under_it(tiny_config):
+    """Tooltips are unreliable in ipywidgets 8 (dropped on text, dropdown and checkbox inputs with a description):
+    each field's help and its live / rebuild / load-time class is a line under it."""
+    from grpo_lab.config import field_when
+
+    editor = ConfigEditor(Lab(tiny_config()).config)
+    for (section, name), help_line in editor.help.items():
+        assert f"[{field_when(f'{section}.{name}')}:" in help_line.value, (section, name)
+    kinds = {type(editor.inputs[key][0]).__name__ for key in editor.help}
+    assert {"IntText", "FloatText", "Text", "Dropdown", "Checkbox"} <= kinds
+    assert len(editor.help) == len(editor.inputs)

@@ -33,8 +33,15 @@ def _resolve(prop: dict, defs: dict) -> dict:
 
 
 def as_text(value) -> str:
-    """How an optional or list value shows in its text input (YAML; null for None)."""
-    return "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip()
+    """How an optional or list value shows in its text input: a plain literal that YAML reads back (null for None,
+    lists in flow style); never a YAML document (safe_dump ends a scalar with '...', which a user cannot edit)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    return yaml.safe_dump(value, default_flow_style=True).strip()
 
 
 def field_widget(name: str, prop: dict, value):
@@ -44,10 +51,11 @@ def field_widget(name: str, prop: dict, value):
     kind, tip = prop.get("type"), f"{prop.get('description', '')} [{when}: {WHEN[when]}]"
     common = dict(description=name, tooltip=tip, style={"description_width": "190px"},
                   layout=w.Layout(width="460px"))
+    common["continuous_update"] = False   # why: a half-typed value ('4.', '') is refused; apply on Enter or blur
     if "enum" in prop:
-        return w.Dropdown(options=prop["enum"], value=value, **common), lambda v: v
+        return w.Dropdown(options=prop["enum"], value=value, **_no_update(common)), lambda v: v
     if kind == "boolean":
-        return w.Checkbox(value=bool(value), indent=False, **common), bool
+        return w.Checkbox(value=bool(value), indent=False, **_no_update(common)), bool
     if kind == "integer":
         return w.IntText(value=value, **common), int
     if kind == "number":
@@ -58,9 +66,24 @@ def field_widget(name: str, prop: dict, value):
     return w.Text(value=as_text(value), placeholder="null", **common), lambda v: yaml.safe_load(v) if v.strip() else None
 
 
+def _no_update(common: dict) -> dict:
+    return {k: v for k, v in common.items() if k != "continuous_update"}   # (a choice applies at once)
+
+
+def help_line(prop: dict):
+    """The field's help and when an edit takes effect, as a line under it (tooltips are unreliable in ipywidgets 8)."""
+    import html
+
+    w = _widgets()
+    when = prop.get("when", "live")
+    text = html.escape(f"{prop.get('description', '')} [{when}: {WHEN[when]}]", quote=False)
+    return w.HTML(value=f"<div style='color:#666;font-size:11px;line-height:1.3;margin:-2px 0 6px 194px;"
+                        f"white-space:normal'>{text}</div>", layout=w.Layout(width="auto"))
+
+
 LEGEND = ("<small>Edits apply to the Lab's config at once: <b>live</b> fields at the next phase that reads them, "
           "<b>rebuild</b> fields rebuild their part now; <b>load-time</b> fields are read-only once the Lab is loaded "
-          "(make a new Lab to change them). Hover a field for its help.</small>")
+          "(make a new Lab to change them). Text fields apply on Enter or when they lose focus.</small>")
 
 
 class ConfigEditor:
@@ -71,6 +94,7 @@ class ConfigEditor:
         w = _widgets()
         self.config, self.on_change, self.loaded = config, on_change, loaded
         self.inputs: dict[tuple[str, str], tuple] = {}
+        self.help: dict[tuple[str, str], object] = {}   # the line under each field: its help and when it applies
         self.message = w.HTML(value="")
         schema = LabConfig.model_json_schema()
         defs, data = schema["$defs"], config.to_dict()
@@ -82,7 +106,8 @@ class ConfigEditor:
                 widget, parse = field_widget(name, fprop, data[section][name])
                 widget.observe(self._changed(section, name), names="value")
                 self.inputs[(section, name)] = (widget, parse)
-                rows.append(widget)
+                self.help[(section, name)] = help_line(fprop)
+                rows += [widget, self.help[(section, name)]]
             tabs.append(w.VBox(rows))
         self.tabs = w.Tab(children=tabs)
         for i, section in enumerate(schema["properties"]):
