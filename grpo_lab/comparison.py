@@ -152,6 +152,10 @@ def memory_figure(runs: Sequence[RunRecord]):
     return fig
 
 
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+MARKERS = ("circle", "square", "diamond", "triangle-up", "x", "star")
+
+
 def training_figure(runs: Sequence[RunRecord]):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -161,8 +165,11 @@ def training_figure(runs: Sequence[RunRecord]):
         steps = [m["step"] for m in run.metrics]
         colour = PALETTE[j % len(PALETTE)]
         for col, key in ((1, "reward_mean"), (2, "loss")):
+            # why a dash and a marker per run as well as a colour: runs with identical curves would draw one line
             fig.add_trace(go.Scatter(x=steps, y=[m.get(key) for m in run.metrics], mode="lines+markers", name=run.label,
-                                     legendgroup=run.label, showlegend=col == 1, line=dict(color=colour)), 1, col)
+                                     legendgroup=run.label, showlegend=col == 1,
+                                     line=dict(color=colour, dash=DASHES[j % len(DASHES)], width=2 + (j == 0)),
+                                     marker=dict(symbol=MARKERS[j % len(MARKERS)], size=8)), 1, col)
     fig.update_layout(height=360, title="Reward and loss per step", legend=dict(orientation="h", y=-0.25))
     fig.update_xaxes(title_text="step", tickmode="linear", dtick=max(1, max((len(r.metrics) for r in runs), default=1) // 10))
     return fig
@@ -221,4 +228,5 @@ def compare(runs: Sequence[Union[str, Path, RunRecord]], out: Union[str, Path] =
     from .paths import check_output_dir
 
     check_output_dir(out.parent if str(out.parent) else Path("."), "--out")
-    return atomic_write_text(out, compare_html(records, title or "grpo_lab: compare " + ", ".join(r.name for r in records)))
+    written = atomic_write_text(out, compare_html(records, title or "grpo_lab: compare " + ", ".join(r.name for r in records)))
+    return written.resolve()   # why absolute: the path is printed for a browser, from wherever the command ran

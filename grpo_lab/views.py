@@ -41,3 +41,37 @@ class LabViews:
                            "sync) first")
         step = self.history[-1].step if step is None else step
         return format_table(self.memory.rows_for(step))
+
+    # --- what a cell shows for the Lab itself ---
+    def _summary(self) -> list[tuple[str, str]]:
+        from .memory.probes import MiB
+
+        cfg, place = self.config, self.config.placement
+        ranks = f" x {place.learner_procs} ranks" if place.learner_procs > 1 else ""
+        generator = f"{cfg.generator.backend} on {', '.join(place.generator_devices())}"
+        rows = [("model", f"{cfg.model.name_or_path} ({'nf4' if cfg.model.load_in_4bit else cfg.model.dtype}), "
+                          f"LoRA r={cfg.lora.r}"),
+                ("placement", f"learner {place.learner}{ranks}, generator {generator}")]
+        if not self.executor.loaded:
+            return rows + [("state", "not loaded: lab.load()")]
+        rows.append(("step", f"{self.step_index}, next phase {self.next_phase()}"))
+        if self.history:
+            last = self.history[-1]
+            rows.append(("last step", f"reward {last.reward_mean:+.3f}, loss {last.loss:+.4f}"))
+            peaks: dict = {}
+            for r in last.memory or []:
+                if r["metric"] in ("rss", "allocated"):
+                    peaks[r["device"]] = max(peaks.get(r["device"], 0.0), r["peak"])
+            if peaks:
+                rows.append(("peak", ", ".join(f"{d} {v / MiB:,.0f} MiB" for d, v in peaks.items())))
+        return rows
+
+    def __repr__(self) -> str:
+        return "<Lab " + " | ".join(f"{k} {v}" for k, v in self._summary()) + ">"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th><td style='text-align:left'>"
+                        f"{html.escape(v)}</td></tr>" for k, v in self._summary())
+        return f"<b>grpo_lab Lab</b><table>{cells}</table>"

@@ -124,3 +124,16 @@ def test_compare_a_run_with_its_out_of_memory_twin_in_a_real_browser(tiny_model,
         assert peak_bars["grpo.micro_batch_size=4"]["backward"] > 0   # the failing step's backward, from memory.csv
         curves = page.evaluate("document.querySelectorAll('.js-plotly-plot')[1].data.map(t => [t.name, t.x])")
         assert [len(x) for _, x in curves[::2]] == [2, 1]   # reward: two steps, and the one that finished
+
+
+def test_identical_curves_stay_distinguishable_and_the_page_path_is_absolute(tmp_path, monkeypatch):
+    """Two runs with identical reward curves drew one line over the other; `compare` printed a relative path."""
+    from grpo_lab.comparison import RunRecord, compare, training_figure
+
+    metrics = [{"step": i, "reward_mean": 0.1 * i, "loss": 0.5} for i in range(3)]
+    runs = [RunRecord(name=f"run{k}", label=f"run{k}", metrics=metrics) for k in range(2)]
+    traces = [t for t in training_figure(runs).data if t.xaxis == "x"]
+    assert len({(t.line.dash, t.marker.symbol) for t in traces}) == 2
+    monkeypatch.chdir(tmp_path)
+    out = compare(runs, "compare.html")
+    assert out.is_absolute() and out == tmp_path / "compare.html" and out.is_file()

@@ -266,3 +266,13 @@ def test_a_reference_copy_on_another_device_is_planned_with_that_devices_head():
     per_rows = rows * (3584 * 4 + 8 * 4)
     assert heads[("cuda:0", "backward")] == 2.0 * tile + per_rows == 446_791_680
     assert heads[("host", "logprobs")] == 8.5 * tile + per_rows == 1_755_414_528
+
+
+def test_parameter_counts_are_printed_in_the_unit_that_fits():
+    """The tiny model's plan said '(0.00B params, nf4), LoRA r=8 (0.0M)'."""
+    from grpo_lab.planner.render import count
+
+    assert [count(n) for n in (7_615_616_512, 40_370_176, 344_704, 32_768, 512)] == \
+        ["7.62B", "40.4M", "344.7K", "32.8K", "512"]
+    line = str(plan(load_config("tiny-cpu"))).splitlines()[0]
+    assert "0.00B" not in line and "(0.0M)" not in line and "K params" in line

@@ -227,3 +227,20 @@ def test_every_field_shows_its_help_and_when_it_takes_effect_under_it(tiny_confi
     kinds = {type(editor.inputs[key][0]).__name__ for key in editor.help}
     assert {"IntText", "FloatText", "Text", "Dropdown", "Checkbox"} <= kinds
     assert len(editor.help) == len(editor.inputs)
+
+
+def test_a_lab_shows_what_it_is_not_its_address(loaded_lab):
+    """The load cell ended with '<grpo_lab.lab.Lab at 0x7f...>'. A Lab's repr and HTML say model, placement, step,
+    next phase, the last step's reward and its peak memory."""
+    assert "not loaded: lab.load()" in repr(Lab("tiny-cpu"))
+    lab = loaded_lab()
+    try:
+        lab.step()
+        text, page = repr(lab), lab._repr_html_()
+        for words in (lab.config.model.name_or_path, f"learner {lab.config.placement.learner}",
+                      "1, next phase rollout", f"reward {lab.history[-1].reward_mean:+.3f}", "host "):
+            assert words in text and words in page, (words, text)
+        assert "step 1, next phase rollout" in text and "peak host" in text
+        assert " at 0x" not in text
+    finally:
+        lab.close()

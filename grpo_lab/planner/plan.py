@@ -9,6 +9,7 @@ from ..generation.registry import OWN_WEIGHTS
 from .estimate import (CUDA_CONTEXT, HOST_BASELINE, DevicePlan, activation_bytes, base_weight_bytes,
                        generation_step_bytes, kv_cache_bytes)
 from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
+from .render import count
 from .shapes import ModelShape, load_shape
 
 
@@ -57,7 +58,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     weights, fmt = base_weight_bytes(shape, cfg.model)
     lrn.add("base weights", weights, fmt)
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
-    lrn.add("LoRA weights", lora * 4, f"{lora / 1e6:.1f}M params, fp32")
+    lrn.add("LoRA weights", lora * 4, f"{count(lora)} params, fp32")
     lrn.add("LoRA gradients", lora * 4, "fp32")
     host = devices["host"]
     if place.optimizer_offload:

@@ -48,8 +48,8 @@ def render(plan) -> str:
     cfg, shape = plan.config, plan.shape
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
     quant = cfg.model.bnb_4bit_quant_type if cfg.model.load_in_4bit else cfg.model.dtype
-    lines = [f"memory plan: {cfg.model.name_or_path} ({shape.total_params / 1e9:.2f}B params, {quant}), "
-             f"LoRA r={cfg.lora.r} ({lora / 1e6:.1f}M), generator {cfg.generator.backend}, "
+    lines = [f"memory plan: {cfg.model.name_or_path} ({count(shape.total_params)} params, {quant}), "
+             f"LoRA r={cfg.lora.r} ({count(lora)}), generator {cfg.generator.backend}, "
              f"micro-batch {plan.micro_batch}, reference {cfg.reference_strategy}", ""]
     if plan.ranks:
         lines += _sharding(plan)
@@ -69,3 +69,11 @@ def render(plan) -> str:
         lines.append("each of these alone would make it fit: " + ("; ".join(plan.fixes) if plan.fixes else
                      "none of grpo_lab's knobs; use a bigger device, a smaller model or shorter sequences"))
     return "\n".join(lines)
+
+
+def count(n: float) -> str:
+    """A parameter count in the unit that fits it: 7.62B, 2.1M, 36.9K, 512."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'B' else 1}f}{unit}"
+    return f"{n:.0f}"
