@@ -10,12 +10,15 @@ from .errors import LabError
 
 class LabViews:
     def memory_plot(self, refresh_s: float = 0.5):
-        """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds); display it in a cell."""
+        """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds when new samples arrived);
+        display it in a cell. It replaces this Lab's earlier live plot (whose redraw thread stops)."""
         from .memory.live import LivePlot
 
         self._require_loaded()
+        for old in self._plots:   # why: one live plot per Lab; a new one (a new lab.ui()) replaces the last one's thread
+            old.stop()
         plot = LivePlot(self.memory, refresh_s=refresh_s).start()
-        self._plots.append(plot)
+        self._plots[:] = [plot]
         return plot
 
     def ui(self):

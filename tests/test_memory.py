@@ -452,3 +452,28 @@ def test_an_in_process_engine_is_a_ledger_layer_of_its_own_awake_and_asleep():
         assert sum(ledger[m] for m in LEDGER) == used
     assert awake["engine"] == engine and asleep["engine"] == 0
     assert "engine" not in gpu_ledger(learner, learner + cache, learner + cache + other)   # no engine here: no layer
+
+
+def test_the_live_plot_redraws_only_when_samples_arrive_and_one_lab_keeps_one_redraw_thread(loaded_lab):
+    """With the panel on screen and nothing running, the plot redrew every 0.5 s (the kernel showed Busy), and every
+    lab.ui() left another renderer thread alive. Now an idle plot does not redraw, and a new plot replaces the old."""
+    import threading
+    import time
+
+    lab = loaded_lab(memory={"sample_hz": 0})   # no background samples: only phase boundaries take readings
+    try:
+        plots = [lab.ui().plot for _ in range(3)]
+        alive = [t for t in threading.enumerate() if t.name == "grpo-lab-plot" and t.is_alive()]
+        assert len(alive) == 1 and plots[-1]._thread is alive[0] and all(p._thread is None for p in plots[:-1])
+        plot = plots[-1]
+        plot.refresh()
+        idle = plot.refreshes
+        time.sleep(1.2)                        # ~2 of its 0.5 s ticks with nothing new
+        assert plot.refreshes == idle
+        lab.step()
+        deadline = time.monotonic() + 5
+        while plot.refreshes == idle and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plot.refreshes > idle            # new readings (and phase bands) are drawn
+    finally:
+        lab.close()

@@ -66,8 +66,11 @@ class LivePlot:
         self._limits = host_limits(sampler)
         self._near: dict[str, float] = {}
         self.fig = go.FigureWidget(layout=dict(
-            title="Live memory (MiB)", xaxis_title="seconds", yaxis_title="MiB", height=380,
-            margin=dict(t=40, l=50, r=20, b=40), legend=dict(orientation="h", y=-0.25)))
+            title=dict(text="Live memory (MiB)", x=0.01, xanchor="left", y=0.98, yanchor="top"),
+            xaxis_title="seconds", yaxis_title="MiB", height=400, autosize=True,
+            # why t=80: the title sits below plotly's toolbar (modebar) instead of under it
+            margin=dict(t=80, l=50, r=20, b=40), legend=dict(orientation="h", y=-0.25)))
+        self.fig.layout.width = None   # full width of the cell
         self._lines: dict[tuple[str, str], int] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -79,10 +82,13 @@ class LivePlot:
         if self.fig.comm is not None:
             self.fig.comm.on_close(lambda msg: self.stop())
 
-    def _ingest(self) -> dict[tuple[str, str], tuple[list, list]]:
-        """Add only the samples taken since the last refresh to the bounded lines; return each line's points."""
+    def _ingest(self) -> Optional[dict[tuple[str, str], tuple[list, list]]]:
+        """Add only the samples taken since the last refresh to the bounded lines; return each line's points, or
+        None when nothing arrived and no phase ended (nothing to redraw)."""
         new = self.sampler.samples_since(self._index)
         self._index += len(new)
+        if not new and len(self.sampler.marks) == self._marks_drawn and self._lines:
+            return None
         for t, _, _, device, metric, value in new:
             if drawn(device, metric):
                 self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
@@ -118,6 +124,8 @@ class LivePlot:
 
     def _refresh(self) -> None:
         series = self._ingest()
+        if series is None:   # why: a redraw sends the whole figure to the browser; the kernel would show Busy for it
+            return
         with self.fig.batch_update():
             for key, (xs, ys) in series.items():
                 if key not in self._lines:
