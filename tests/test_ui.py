@@ -86,10 +86,10 @@ def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
     # the walk's last phase ended step 0 by itself: its result is in history, the index moved on
     assert [r.phase for r in lab.timeline.records] == list(PHASES) and lab.step_index == 1 and len(lab.history) == 1
     assert controls.next_button.description == "phase: rollout"
-    controls.step_button.click()
+    click_step(controls)
     assert len(lab.history) == 2
     controls.next_button.click()                      # a walk begun, then "one step" runs the rest of that step
-    controls.step_button.click()
+    click_step(controls)
     assert len(lab.history) == 3 and lab.history[-1].step == 2
     controls.count.value = 2
     controls.run_button.click()
@@ -99,7 +99,14 @@ def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
 
 
 def log_text(controls):
-    return "".join(o["text"] for o in controls.log.outputs)
+    return controls.log_text()
+
+
+def click_step(controls):
+    """'one step' runs in a worker thread (its buttons disabled meanwhile): click and wait for it."""
+    controls.step_button.click()
+    if controls.thread is not None:
+        controls.thread.join(timeout=300)
 
 
 def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab):
@@ -126,16 +133,20 @@ def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab
     release.set()
     controls.thread.join(timeout=300)
     assert not controls.thread.is_alive()
-    assert calls == [0, 1] and [r.step for r in lab.history] == [0, 1] and controls.progress.value == 2
-    assert log_text(controls).count("stopped between steps") == 1
+    # stopped at the next phase boundary: after step 1's rewards, before its advantages
+    assert calls == [0, 1] and [r.step for r in lab.history] == [0] and controls.progress.value == 1
+    assert lab.step_index == 1 and lab.next_phase() == "advantages"
+    assert log_text(controls).count("stopped before advantages of step 1") == 1
+    click_step(controls)                              # 'one step' finishes that step
+    assert [r.step for r in lab.history] == [0, 1]
 
     lab.config.grpo.micro_batch_size = 4
     lab.reward_funcs = [lambda prompts, completions, **kw: [1.0]]      # wrong length -> LabError
-    controls.step_button.click()
+    click_step(controls)
     assert "error: reward '<lambda>' returned 1 values for 8 completions" in log_text(controls)
     assert len(lab.history) == 2 and lab.step_index == 2
     lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
-    controls.step_button.click()
+    click_step(controls)
     assert [r.step for r in lab.history] == [0, 1, 2] and lab.step_index == 3
 
 
@@ -188,14 +199,14 @@ def test_any_error_is_one_log_line_with_the_traceback_on_demand(loaded_lab):
         raise ValueError("the reward server is down\nsecond line")
 
     lab.reward_funcs = [broken]
-    controls.step_button.click()
+    click_step(controls)
     lines = [line for line in log_text(controls).splitlines() if line]
     assert lines == ["error: ValueError: the reward server is down (the traceback button shows where)"]
     controls.traceback_button.click()
     text = log_text(controls)
     assert "Traceback (most recent call last)" in text and "def broken" not in text and "in broken" in text
     lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
-    controls.step_button.click()                      # the Lab stayed usable
+    click_step(controls)                              # the Lab stayed usable
     assert len(lab.history) == 1
 
 
@@ -244,3 +255,40 @@ def test_a_lab_shows_what_it_is_not_its_address(loaded_lab):
         assert " at 0x" not in text
     finally:
         lab.close()
+
+
+def test_one_step_disables_the_buttons_says_what_runs_and_stops_at_a_phase_boundary(loaded_lab):
+    """Two quick clicks on 'one step' ran two steps, nothing said a step was running, and stop during one step did
+    nothing. Now 'one step' is a run of one: buttons disabled while it runs, 'running: <phase> of step N' shown,
+    a second click refused, stop honoured at the next phase boundary and said in the log; the log can be cleared."""
+    lab = loaded_lab()
+    controls = StepControls(lab)
+    inside, release = threading.Event(), threading.Event()
+
+    def held(prompts, completions, **kwargs):
+        inside.set()
+        if not release.wait(300):
+            raise RuntimeError("the test never released the step")
+        return [float(len(c)) for c in completions]
+
+    lab.reward_funcs = [held]
+    controls.progress.value = controls.progress.max = 7          # a bar left over from an earlier run
+    controls.step_button.click()
+    controls.step_button.click()                                  # the quick second click
+    assert inside.wait(300)
+    assert controls.step_button.disabled and controls.next_button.disabled and controls.run_button.disabled
+    assert controls.status.value == "<b>running:</b> rewards of step 0"
+    assert (controls.progress.value, controls.progress.max) == (0, 1)   # the bar is this run's
+    controls.stop_button.click()
+    release.set()
+    controls.thread.join(timeout=300)
+    text = log_text(controls)
+    assert "a run is in progress" in text and "stopped before advantages of step 0" in text
+    assert len(lab.history) == 0 and lab.next_phase() == "advantages" and controls.status.value == ""
+    assert not controls.step_button.disabled
+    click_step(controls)                                          # exactly one step, finished from where it stopped
+    assert [r.step for r in lab.history] == [0] and controls.progress.value == 1
+    controls.clear_button.click()
+    assert log_text(controls) == "" and "grpo-lab-log" in controls.log.value
+    controls._say("x" * 2000)                                      # long lines wrap inside the fixed-width box
+    assert "pre-wrap" in controls.log.value and controls.widget.layout.width == "440px"

@@ -1,15 +1,35 @@
-"""Step controls: run the next phase, one step, or N steps (in a worker thread, so the notebook's
-other widgets stay live), stop between steps, a progress bar and a log. While a run is in
-progress the buttons that would start another are disabled (and refuse if clicked anyway). Every
-error, out-of-memory included, lands in the log as one line; the last traceback is one click
-away; the Lab stays usable."""
+"""Step controls: run the next phase, one step, or N steps (steps in a worker thread, so the notebook's other widgets
+stay live), stop at the next phase boundary, a progress bar of the current run and a log. While anything runs every
+button that would start another is disabled (and refuses if clicked anyway) and a line says which phase of which step
+is running. Every error, out-of-memory included, lands in the log as one line; the last traceback is one click away;
+the log keeps to its box (newest line in view, long lines wrapped) and can be cleared; the Lab stays usable."""
 from __future__ import annotations
 
+import html
 import threading
 import traceback
 
 from ..errors import LabError
 from .editor import _widgets
+
+LOG_LINES = 500   # why bounded: a long run's log must not grow the notebook's memory (or the widget's state) forever
+# column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box
+LOG_STYLE = ("height:220px;overflow:auto;display:flex;flex-direction:column-reverse;border:1px solid #ddd;"
+             "font-family:monospace;font-size:12px;padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere")
+
+
+class _RunningLine:
+    """A timeline listener: 'running: <phase> of step N' while a phase runs, cleared after."""
+
+    def __init__(self, status):
+        self.status = status
+
+    def phase_started(self, step: int, phase: str) -> None:
+        self.status.value = f"<b>running:</b> {phase} of step {step}"
+
+    def phase_ended(self, record, error) -> None:
+        self.status.value = ""
+
 
 class StepControls:
     def __init__(self, lab):
@@ -18,26 +38,49 @@ class StepControls:
         self.thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.next_button = w.Button(description=f"phase: {lab.next_phase()}", tooltip="run the next phase of the step")
-        self.step_button = w.Button(description="one step")
+        self.step_button = w.Button(description="one step", tooltip="the rest of the current step")
         self.count = w.BoundedIntText(value=5, min=1, max=100_000, description="steps", layout=w.Layout(width="160px"))
         self.run_button = w.Button(description="run N", button_style="success")
-        self.stop_button = w.Button(description="stop", button_style="warning", tooltip="stop after the current step")
-        self.traceback_button = w.Button(description="traceback", tooltip="show the last error's full traceback")
+        self.stop_button = w.Button(description="stop", button_style="warning", tooltip="stop at the next phase boundary")
+        self.traceback_button = w.Button(description="traceback", tooltip="show the last error's full traceback",
+                                         layout=w.Layout(width="auto"))
+        self.clear_button = w.Button(description="clear log", layout=w.Layout(width="auto"))
         self.last_traceback = ""
+        self.status = w.HTML(value="")
         self.progress = w.IntProgress(value=0, min=0, max=1, description="progress")
-        self.log = w.Output(layout=w.Layout(max_height="220px", overflow="auto", border="1px solid #ddd"))
+        self.lines: list[str] = []
+        self.log = w.HTML(value="", layout=w.Layout(width="100%"))
         self.next_button.on_click(lambda _: self._unless_running(self.next_phase))
-        self.step_button.on_click(lambda _: self._unless_running(self.one_step))
+        self.step_button.on_click(lambda _: self.run(1))
         self.run_button.on_click(lambda _: self.run(self.count.value))
-        self.stop_button.on_click(lambda _: self._stop.set())
+        self.stop_button.on_click(lambda _: self.stop())
         self.traceback_button.on_click(lambda _: self._say(self.last_traceback or "no error yet"))
+        self.clear_button.on_click(lambda _: self.clear())
+        lab.timeline.listeners.append(_RunningLine(self.status))
         self.widget = w.VBox([w.HBox([self.next_button, self.step_button]),
-                              w.HBox([self.count, self.run_button, self.stop_button, self.traceback_button]),
-                              self.progress, self.log])
+                              w.HBox([self.count, self.run_button, self.stop_button]),
+                              self.status, self.progress, self.log,
+                              w.HBox([self.traceback_button, self.clear_button])],
+                             layout=w.Layout(width="440px", min_width="440px"))   # why fixed: long lines wrap, never squeeze
         self.widget.add_class("grpo-lab-controls")
+        self._render()
 
+    # --- the log ---
     def _say(self, text: str) -> None:
-        self.log.append_stdout(text + "\n")
+        self.lines.extend(text.rstrip("\n").split("\n"))
+        del self.lines[:-LOG_LINES]
+        self._render()
+
+    def _render(self) -> None:
+        body = html.escape("\n".join(self.lines), quote=False)
+        self.log.value = f"<div class='grpo-lab-log' style='{LOG_STYLE}'><div>{body}</div></div>"
+
+    def log_text(self) -> str:
+        return "\n".join(self.lines) + ("\n" if self.lines else "")
+
+    def clear(self) -> None:
+        self.lines.clear()
+        self._render()
 
     def _guarded(self, fn):
         """Run fn; any exception becomes one log line (its traceback kept for the traceback button)."""
@@ -49,6 +92,7 @@ class StepControls:
             self._say(f"error: {line}" if isinstance(err, LabError) else
                       f"error: {type(err).__name__}: {line} (the traceback button shows where)")
 
+    # --- running ---
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
@@ -56,11 +100,20 @@ class StepControls:
         if self.running():
             self._say("a run is in progress; wait for it or press stop")
             return None
-        return self._guarded(fn)
+        self._set_running(True)
+        try:
+            return self._guarded(fn)
+        finally:
+            self._set_running(False)
 
     def _set_running(self, running: bool) -> None:
         for button in (self.next_button, self.step_button, self.run_button):
             button.disabled = running
+
+    def stop(self) -> None:
+        if self.running():
+            self._stop.set()
+            self._say("stop: the run stops at the next phase boundary")
 
     def next_phase(self) -> str:
         """Run the current step's next phase (the Lab's lifecycle says which) with its earlier phases' outputs."""
@@ -74,28 +127,34 @@ class StepControls:
         return phase
 
     def one_step(self):
+        """The rest of the current step, a phase at a time (stop is honoured at each boundary); its result, or None."""
         try:
-            result = self.lab.step()   # the rest of the current step, when a phase walk is under way
+            if self.lab.executor.loaded:
+                self.lab.executor.check_learner()   # as lab.step(): a wrap in a cell is refused before the step
+            while True:
+                if self._stop.is_set():
+                    self._say(f"stopped before {self.lab.next_phase()} of step {self.lab.step_index}; "
+                              "'one step' (or lab.step()) finishes it")
+                    return None
+                phase, out = self.lab.run_next_phase()
+                if phase == "sync":
+                    self._say(out.summary())
+                    return out
         finally:
             self.next_button.description = f"phase: {self.lab.next_phase()}"
-        self._say(result.summary())
-        return result
 
     def run(self, steps: int) -> threading.Thread:
-        """Run `steps` steps in a worker thread; `stop` ends the run between steps."""
+        """Run `steps` steps in a worker thread ('one step' is a run of 1); `stop` ends it at the next phase boundary."""
         if self.running():
             self._say("a run is in progress; wait for it or press stop")
             return self.thread
         self._stop.clear()
-        self.progress.max, self.progress.value = steps, 0
+        self.progress.max, self.progress.value = steps, 0   # why here: the bar belongs to this run, not the last
         self._set_running(True)   # why before the thread starts: a second click cannot slip in between
 
         def work():
             try:
                 for _ in range(steps):
-                    if self._stop.is_set():
-                        self._say("stopped between steps")
-                        break
                     if self._guarded(self.one_step) is None:
                         break
                     self.progress.value += 1
