@@ -139,3 +139,21 @@ def test_the_live_plot_stacks_the_gpu_ledger_too(tmp_path):
     assert [sum(c) for c in zip(*(t.y for t in stacks))][-1] == 13000 and stacks[2].y[-1] == 7000
     assert "cuda:0 capacity" in plot.fig.layout.title.text   # 80 GB is off the 13 GB scale: named, not drawn
     plot.stop()
+
+
+def test_first_step_set_up_is_not_charged_to_the_advantages_phase(tiny_model, tmp_path):
+    """A fresh process's step 0 charged ~90 MiB to advantages (TRL's utilities imported on first use), so
+    report.html's heatmap and compare showed advantages as the heavy phase. That set-up is now done during load:
+    step 0's advantages add almost nothing, backward is the heaviest phase. A fresh interpreter, as a user's run."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "grpo_lab", "run", "tiny-cpu", "--set", f"model.name_or_path={tiny_model}",
+                    "--steps", "1", "--out", str(out), "--quiet"], check=True, timeout=600)
+    rows = [r for line in open(out / "metrics.jsonl") for r in json.loads(line)["memory"]   # step 0's per-phase rows
+            if r["device"] == "host" and r["metric"] == "rss"]
+    delta = {r["phase"]: float(r["delta"]) / 2 ** 20 for r in rows}
+    assert delta["advantages"] < 8, delta
+    assert max(delta, key=delta.get) == "backward", delta
