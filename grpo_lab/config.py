@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 
 from .config_fields import (WHEN, Section, apply_overrides, canonical, knob, normalize_device,  # noqa: F401 (WHEN)
                             resolve_aliases)
-from .errors import ConfigError, format_validation_error
+from .errors import ConfigError, LabError, format_validation_error
 from .generation.registry import BACKENDS, OWN_WEIGHTS
 from .losses import LOSSES, RATIO_LEVELS
 from .rewards import REWARDS
@@ -58,6 +58,8 @@ class PlacementSection(Section):
     learner_procs: int = knob("load", 1, ge=1, le=64, description="Processes the learner is sharded over with FSDP2 "
         "(PyTorch's fully_shard), one device each: rank k on cuda:(N+k) for learner cuda:N (NCCL), or CPU processes "
         "(gloo) for learner cpu; 1 = no sharding, one process.")
+    ray_address: Optional[str] = knob("load", None, description="Sharded learner: the Ray cluster its ranks run on, "
+        "'host:port' of its head (`ray start --head`) or 'auto'; null = a Ray on this machine, started by the Lab.")
 
     @field_validator("learner", mode="before")
     @classmethod
@@ -320,6 +322,9 @@ class LabConfig(Section):
         own = gen.backend in OWN_WEIGHTS
         if place.learner_procs > 1:
             self._check_sharding()
+        elif place.ray_address is not None:
+            raise ValueError(f"placement.ray_address: {place.ray_address!r} is where a sharded learner's ranks run, and "
+                             "this learner is one process (placement.learner_procs: 1); remove it or shard the learner")
         elif not gen.gather_for_generation:
             raise ValueError("generator.gather_for_generation: false means generating through a sharded learner, and "
                              "this one is one process (placement.learner_procs: 1) with its whole model in place; "
@@ -354,6 +359,13 @@ class LabConfig(Section):
                 raise ValueError("generator.gather_for_generation: false chooses how the hf backend generates through "
                                  "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
                                  "set it to true")
+        if self.placement.ray_address not in (None, "auto"):
+            from .sharded.cluster import parse_address
+
+            try:
+                parse_address(self.placement.ray_address)
+            except LabError as err:
+                raise ValueError(str(err)) from None
         if self.reference.device is not None:
             raise ValueError("reference.device: a sharded learner's reference copy is sharded like the policy, on every "
                              "rank's own device (P5); remove reference.device")

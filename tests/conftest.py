@@ -6,6 +6,9 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# why: a local Ray binds the machine's interface address unless told otherwise; tests talk to loopback only
+# (read when ray is imported, so before any test imports it)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,6 +1,6 @@
 """`RankExecutor`: a Lab's phases over a sharded learner's ranks (placement.learner_procs > 1). The Lab keeps its API
 and lifecycle (phase methods, `step()`, config edits, history, memory views); each phase is one command to every
-rank (ranks.py), whose own Lab runs it on its shard (worker.py). Every rank computes the same rollout, rewards and
+rank (ranks.py: a Ray actor each), whose own Lab runs it on its shard (worker.py). Every rank computes the same rollout, rewards and
 advantages; log-probs and backward are each rank's rows, gathered; results come back from rank 0, and every rank's
 samples and per-phase rows join the driver's memory sampler under 'rank<k>/<device>'.
 
@@ -81,10 +81,12 @@ class RankExecutor:
 
     # --- memory ---
     def devices(self) -> list[str]:
-        from ..runtime import rank_devices
+        """Each rank's device as the rank names it (a rank on a GPU Ray gave it sees it as its cuda:0)."""
+        from ..runtime import Runtime
 
         place = self.config.placement
-        return [f"rank{k}/{d}" for k, d in enumerate(rank_devices(place.learner, place.learner_procs))]
+        size, learner = place.learner_procs, place.learner
+        return [f"rank{k}/{Runtime(k, size, is_rank=True, own_gpu=True).device_of(learner)}" for k in range(size)]
 
     def memory_watch(self) -> list[str]:
         return [self.config.placement.learner]

@@ -1,15 +1,11 @@
-"""A sharded learner's rank processes, as the driver runs them: started as fresh interpreters (worker.py), one pipe
-each, every reply collected with the memory samples it carries; a rank that fails where the others cannot follow
-(killed, or blocked in a collective) gets every rank stopped and started again from its boundary state.
+"""A sharded learner's ranks, as the driver runs them: one Ray actor per rank (worker.RankWorker), placed in one
+placement group (cluster.py). A command is one actor call per rank; while it runs the driver polls each rank for its
+memory samples (the live plot) and its generator's questions (remote.py). Ray tells the driver when a rank's process
+dies, whatever the moment: every rank is then stopped and started again from its boundary state, which the driver
+holds (object refs: the states stay in Ray's object store, owned by this process, so they outlive a killed rank).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from typing import Callable, Optional
@@ -17,14 +13,14 @@ from typing import Callable, Optional
 from ..errors import LabError
 from ..memory.sampler import MemorySampler
 from .remote import Answers
-from .wire import receive, send
 from .world import usable_cpus
 
 START_TIMEOUT_S = 900   # loading a model on every rank
+STREAM_S = 0.5          # why: the live plot redraws every 0.5 s; a rank's samples are polled as often while it works
 # why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
 # them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU)
 MACHINE_WIDE = {("host", "used"), ("host", "limit")}
-GRACE_S = 10            # after one rank fails, how long the others get to answer before they are presumed blocked
+_REMOTE = None          # RankWorker as a Ray actor class, made once
 
 
 class RankFailure(LabError):
@@ -42,14 +38,15 @@ class RankMemory(MemorySampler):
     def __init__(self, devices: list[str], *args, **kwargs):
         super().__init__(devices, *args, **kwargs)
         self.rank_capacities: dict[str, float] = {}
-        self.streamed = 0   # messages that arrived while a command ran
+        self.streamed = 0   # polls that brought samples while a command ran
+        self.wall0 = time.time() - (time.perf_counter() - self.t0)
 
     def ingest(self, rank: int, delta: dict, live: bool = False) -> None:
-        """A rank's samples and per-phase rows since its last message (`live`: sent while its command ran)."""
+        """A rank's samples and per-phase rows since its last message (`live`: polled while its command ran)."""
         if not delta:
             return
         self.streamed += live
-        shift = delta["t0"] - self.t0   # perf_counter is one clock for every process of this machine
+        shift = delta["wall0"] - self.wall0   # why wall clocks: ranks may be on other machines (own perf_counters)
         label = lambda device: f"rank{rank}/{device}"
         samples = [s for s in delta["samples"] if (s[3], s[4]) not in MACHINE_WIDE]
         with self._lock:
@@ -61,152 +58,180 @@ class RankMemory(MemorySampler):
 
 
 class Ranks:
-    """The worker processes, one per rank, and the pipe to each. `step()` is the step the driver is at (the ranks
-    start again from its boundary state); `stopped()` is called whenever the ranks lose the step's progress."""
+    """The rank actors. `step()` is the step the driver is at (the ranks start again from its boundary state);
+    `stopped()` is called whenever the ranks lose the step's progress."""
 
     def __init__(self, config: dict, size: int, memory: RankMemory, step: Callable[[], int] = lambda: 0,
                  stopped: Callable[[], None] = lambda: None):
-
         self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
         self.down = False   # stopped by halt(): started again, from the driver's step, at the next command
-        self.state_dir = tempfile.mkdtemp(prefix="grpo-lab-ranks-")
-        self.threads = max(1, usable_cpus() // size) if config["placement"]["learner"] == "cpu" else 1
-        self.procs: list = []
-        self.conns: list = []
-        self.key = os.urandom(32)
+        place = config["placement"]
+        self.threads = max(1, usable_cpus() // size) if place["learner"] == "cpu" else 1
+        self.cluster = self.group = None
+        self.actors: list = []
+        self.pids: list[int] = []
+        self.boundaries: dict[int, list] = {}   # step -> each rank's boundary state (object refs), the last two steps
         self.answers = Answers(None)   # what the ranks may ask mid-command: the driver's vLLM engine, if any
 
     def start(self, restore: Optional[int] = None) -> "Ranks":
         """Start every rank: loaded afresh, or (`restore`, a step index) from its state at that step's start."""
         try:
             return self._start(restore)
-        except BaseException:   # an interrupt or a failed rank: no process may outlive the start
+        except BaseException:   # an interrupt or a failed rank: no actor may outlive the start
             self.kill()
             raise
 
     def _start(self, restore: Optional[int]) -> "Ranks":
-        # why fresh interpreters (not fork, not multiprocessing's spawn): a forked CUDA or OpenMP runtime is unusable
-        # in the child, and spawn re-runs the user's script in every rank unless it has a __main__ guard
-        from multiprocessing.connection import Listener
+        from .cluster import Cluster, bundles, import_ray_for
 
-        port = _free_port()
-        with Listener(family="AF_UNIX", authkey=self.key) as listener:
-            for rank in range(self.size):
-                self.procs.append(RankProcess(subprocess.Popen([sys.executable, "-m", "grpo_lab.sharded.worker",
-                                                         listener.address, str(rank)], env=_child_env(self.key))))
-            for rank in range(self.size):
-                conn = _accept(listener, self.procs, START_TIMEOUT_S)
-                self.conns.append(conn)
-            ordered = [None] * self.size
-            for conn in self.conns:
-                ordered[receive(conn)] = conn   # each rank says who it is first
-            self.conns = ordered
-        for rank, conn in enumerate(self.conns):
-            send(conn, (rank, self.size, port, self.config, self.state_dir, restore, self.threads))
-        replies = self._collect(START_TIMEOUT_S)
+        place = self.config["placement"]
+        ray = import_ray_for(place.get("ray_address"))
+        if self.group is None:
+            from ..runtime import rank_devices
+
+            self.cluster = Cluster(place.get("ray_address"), place["learner"],
+                                   rank_devices(place["learner"], self.size), usable_cpus())
+            self.group = self.cluster.place(bundles(place["learner"], self.size, self.threads))
+        states = [None] * self.size
+        if restore is not None:
+            if restore not in self.boundaries:
+                raise LabError(f"the ranks cannot start from step {restore}: no boundary state of it is held (held: "
+                               f"{sorted(self.boundaries)})")
+            states = self.boundaries[restore]
+        self.actors = [self._actor(ray, rank) for rank in range(self.size)]
+        master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S)
+        calls = [a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
+                 for a, s in zip(self.actors, states)]
+        replies = self._collect({rank: c[0] for rank, c in enumerate(calls)}, START_TIMEOUT_S)
         failed = {rank: r for rank, r in replies.items() if r[0] != "ready"}
         if failed or len(replies) < self.size:
             rank, reply = min(failed.items()) if failed else (min(set(range(self.size)) - set(replies)), None)
-            raise LabError(f"rank {rank} did not start: {reply[1] if reply else 'no answer'}")
+            raise LabError(f"rank {rank} did not start: {reply[1] if reply else 'no answer within the start timeout'}")
         for rank, (_, info, delta) in replies.items():
             self.memory.ingest(rank, delta)
             self.memory.rank_capacities.update({f"rank{rank}/{d}": c for d, c in info["capacities"].items()})
+        self.pids = [replies[rank][1]["pid"] for rank in range(self.size)]
+        if restore is None:
+            self._keep(replies[0][1]["step"], [c[1] for c in calls])
         return self
 
+    def _actor(self, ray, rank: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .cluster import bundles
+        from .worker import RankWorker
+
+        bundle = bundles(self.config["placement"]["learner"], 1, self.threads)[0]
+        global _REMOTE
+        if _REMOTE is None:   # why a group: poll runs on a thread of its own while a command runs
+            _REMOTE = ray.remote(concurrency_groups={"poll": 1})(RankWorker)
+        return _REMOTE.options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
+        ).remote(rank, self.size)
+
+    def _keep(self, step: int, states: list) -> None:
+        """Hold the boundary states of `step`; the two latest steps are kept. Why two: the driver restarts from the
+        step *it* is at, which may be one behind the ranks (an interrupt after their sync, before its reply was read)."""
+        self.boundaries[step] = states
+        for old in [s for s in self.boundaries if s < step - 1]:
+            del self.boundaries[old]
+
+    # --- commands ---
     def call(self, command: str, *args, describe: str = ""):
         """Run `command` on every rank; rank 0's result. A failure raises RankFailure (one line naming the rank)."""
-        with self.exchange():
-            self.answers.clear()
-            for conn in self.conns:
-                send(conn, (command, args))
-            replies = self._collect(None)
+        replies, states = self._run(range(self.size), command, args)
         errors = {rank: r[1] for rank, r in replies.items() if r[0] != "ok"}
-        for rank, reply in replies.items():
-            self.memory.ingest(rank, reply[2])
         if not errors and len(replies) == self.size:
+            if replies[0][3]["boundary"] is not None:
+                self._keep(replies[0][3]["boundary"], states)
             return replies[0][1]
-        first = min(errors) if errors else min(set(range(self.size)) - set(replies))
-        what = errors.get(first, "did not answer (blocked or killed)")
-        everywhere = len(errors) == self.size and len(set(errors.values())) == 1
-        if len(errors) == self.size:   # every rank answered: each undid its own work, and their collectives agree
-            where = "every rank" if everywhere else f"rank {first}"
-            raise RankFailure(f"{describe or command} failed on {where}: {what}", restarted=False)
+        died = sorted(rank for rank, r in replies.items() if r[0] == "died")
+        blocked = any(r[0] == "error" and r[3]["blocked"] for r in replies.values())
+        first = died[0] if died else min(errors) if errors else min(set(range(self.size)) - set(replies))
+        what = errors.get(first, "did not answer")
+        if len(errors) == self.size and not died and not blocked:   # each undid its own work; their collectives agree
+            everywhere = len(set(errors.values())) == 1
+            raise RankFailure(f"{describe or command} failed on {'every rank' if everywhere else f'rank {first}'}: "
+                              f"{what}", restarted=False)
         self.restart()
-        raise RankFailure(f"{describe or command} failed on rank {first}: {what}; the other ranks could not finish it, "
-                          "so every rank was restarted from the state it had when this step began (LoRA, AdamW, RNG, "
-                          "prompt order); lab.step() runs the step again from its rollout", restarted=True)
-
-    def _collect(self, timeout: Optional[float]) -> dict:
-        """Replies by rank; after the first error, the others get GRACE_S more (a blocked rank never answers)."""
-        from multiprocessing.connection import wait
-
-        replies: dict = {}
-        deadline = float("inf") if timeout is None else time.monotonic() + timeout
-        graced = False
-        pending = dict(enumerate(self.conns))
-        while pending:
-            if not graced and any(r[0] == "error" for r in replies.values()):
-                deadline, graced = min(deadline, time.monotonic() + GRACE_S), True
-            left = None if deadline == float("inf") else max(deadline - time.monotonic(), 0)
-            sentinels = {self.procs[rank].sentinel: rank for rank in pending}
-            ready = wait([*pending.values(), *sentinels], left)
-            if not ready:
-                break
-            for item in ready:
-                rank = sentinels.get(item)
-                if rank is None:
-                    rank = next(r for r, c in pending.items() if c is item)
-                    try:
-                        message = receive(item)
-                    except EOFError:
-                        message = ("error", f"its process died (exit code {self.procs[rank].exitcode})", {})
-                    if message[0] == "ask":   # a question mid-command (the generator's): answer, keep waiting
-                        send(item, self.answers.answer(*message[1:]))
-                        continue
-                    if message[0] == "memory":   # the rank's samples so far, mid-command: for the live plot
-                        self.memory.ingest(rank, message[1], live=True)
-                        continue
-                    replies[rank] = message
-                elif rank in pending and not pending[rank].poll():
-                    code = self.procs[rank].exitcode
-                    why = " (killed: out of host memory?)" if code == -9 else ""
-                    replies[rank] = ("error", f"its process died (exit code {code}{why})", {})
-                else:
-                    continue   # it died after answering: the answer is read from its pipe next
-                pending.pop(rank, None)
-        return replies
+        raise RankFailure(f"{describe or command} failed on rank {first}: {what}; every rank was restarted from the "
+                          "state it had when this step began (LoRA, AdamW, RNG, prompt order); lab.step() runs the step "
+                          "again from its rollout", restarted=True)
 
     def each(self, command: str, *args) -> list:
-        """Run `command` on every rank; each rank's (status, value), its memory samples ingested."""
-        with self.exchange():
-            for conn in self.conns:
-                send(conn, (command, args))
-            replies = [self.reply(rank) for rank in range(self.size)]
-        for rank, (_, _, delta) in enumerate(replies):
-            self.memory.ingest(rank, delta)
-        return [reply[:2] for reply in replies]
+        """Run `command` on every rank; each rank's (status, value)."""
+        replies, _ = self._run(range(self.size), command, args)
+        if any(r[0] == "died" for r in replies.values()):
+            self.halt()
+        return [replies[rank][:2] for rank in range(self.size)]
 
     def one(self, rank: int, command: str, *args):
         """Run `command` on rank `rank` alone; its (status, value)."""
-        with self.exchange():
-            send(self.conns[rank], (command, args))
-            status, value, delta = self.reply(rank)
-        self.memory.ingest(rank, delta)
-        return status, value
+        replies, _ = self._run([rank], command, args)
+        if replies[rank][0] == "died":
+            self.halt()
+        return replies[rank][:2]
 
-    def reply(self, rank: int):
-        """Rank `rank`'s reply to a command sent to it alone, its memory samples on the way ingested."""
-        while True:
-            message = receive(self.conns[rank])
-            if message[0] != "memory":
-                return message
-            self.memory.ingest(rank, message[1], live=True)
+    def _run(self, ranks, command: str, args: tuple) -> tuple[dict, list]:
+        with self.exchange():
+            self.answers.clear()
+            calls = {rank: self.actors[rank].run.options(num_returns=2).remote(command, args) for rank in ranks}
+            replies = self._collect({rank: c[0] for rank, c in calls.items()}, None)
+        for rank, reply in replies.items():
+            if reply[0] != "died":
+                self.memory.ingest(rank, reply[2])
+        return replies, [c[1] for c in calls.values()]
+
+    def _collect(self, refs: dict, timeout: Optional[float]) -> dict:
+        """Replies by rank. Stops early when a rank died or failed where the others cannot follow (they are then
+        blocked in a collective): Ray's word on a process, not a grace period, decides."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        rank_of = {ref: rank for rank, ref in refs.items()}
+        replies: dict = {}
+        answered: set = set()
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
+        pending = dict(refs)
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=STREAM_S)
+            for ref in ready:
+                rank = rank_of[ref]
+                del pending[rank]
+                try:
+                    replies[rank] = ray.get(ref)
+                except RayActorError as err:
+                    replies[rank] = ("died", died(err))
+            if any(r[0] == "died" or (r[0] == "error" and len(r) > 3 and r[3]["blocked"]) for r in replies.values()):
+                break
+            if pending:
+                self._poll(pending, answered)
+        return replies
+
+    def _poll(self, pending: dict, answered: set) -> None:
+        """Mid-command: each working rank's memory samples so far, and its generator's questions answered."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        polls = {rank: self.actors[rank].poll.options(concurrency_group="poll").remote() for rank in pending}
+        for rank, ref in polls.items():
+            try:
+                delta, questions = ray.get(ref)
+            except RayActorError:
+                continue   # its command's reply says so next
+            self.memory.ingest(rank, delta, live=bool(delta and (delta["samples"] or delta["rows"])))
+            for number, (method, args) in sorted(questions.items()):
+                if (rank, number) not in answered:
+                    answered.add((rank, number))
+                    reply = self.answers.answer(number, method, args)
+                    self.actors[rank].answer.options(concurrency_group="poll").remote(number, reply)
 
     @contextmanager
     def exchange(self):
         """Commands out, replies in. Anything that stops the driver in between (an interrupt, an error of its own)
-        leaves replies unread that would answer its next command, and ranks that may be blocked in a collective:
-        every rank is then stopped (halt), and the next command starts them from the driver's step."""
+        leaves ranks that may be blocked in a collective: every rank is then stopped (halt), and the next command
+        starts them from the driver's step."""
         self.up()
         try:
             yield
@@ -230,79 +255,35 @@ class Ranks:
         self.up()
 
     def kill(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-        for conn in self.conns:
-            conn.close()
-        self.procs, self.conns = [], []
+        if self.actors:
+            import ray
+
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+        self.actors, self.pids = [], []
 
     def close(self) -> None:
-        for conn in self.conns:
+        if self.actors:
+            import ray
+
             try:
-                send(conn, ("close", ()))
-            except (BrokenPipeError, OSError):
+                ray.get([a.close.remote() for a in self.actors], timeout=60)
+            except Exception:   # why so broad: a rank that cannot close cleanly is killed below all the same
                 pass
-        deadline = time.monotonic() + 60
-        for proc in self.procs:
-            proc.join(max(deadline - time.monotonic(), 0.1))
         self.kill()
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        self.boundaries.clear()
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+        if self.cluster is not None:
+            self.cluster.close()
+        self.cluster = self.group = None
 
 
-class RankProcess:
-    """A rank's process: `sentinel` (a pidfd) becomes readable when it exits."""
-
-    def __init__(self, popen):
-        self.popen = popen
-        self.sentinel = os.pidfd_open(popen.pid)
-
-    @property
-    def exitcode(self):
-        return self.popen.poll()
-
-    def join(self, timeout: float) -> None:
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
-        os.close(self.sentinel)
-
-
-def _accept(listener, procs: list, timeout: float):
-    """The next rank's connection, or a one-line error if a rank died or none came within `timeout`."""
-    import threading
-
-    box: list = []
-    thread = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while thread.is_alive() and time.monotonic() < deadline:
-        thread.join(0.2)
-        dead = [k for k, p in enumerate(procs) if p.exitcode is not None]
-        if dead and not box:
-            for p in procs:
-                p.kill()
-            raise LabError(f"rank {dead[0]} did not start: its process exited with code {procs[dead[0]].exitcode} "
-                           "before connecting (its error is above, on stderr)")
-    if not box:
-        for p in procs:
-            p.kill()
-        raise LabError(f"the ranks did not connect within {timeout:.0f} s; see their errors above, on stderr")
-    return box[0]
-
-
-def _child_env(key: bytes) -> dict:
-    env = dict(os.environ, GRPO_LAB_RANK_KEY=key.hex())   # why the environment: never on a command line (ps shows it)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def died(err: BaseException) -> str:
+    """One line for a rank whose process died (Ray's message is a paragraph)."""
+    text = str(err)
+    if "memory" in text.lower() and ("oom" in text.lower() or "out of memory" in text.lower()):
+        return "its process died (killed: out of host memory)"
+    return "its process died (killed, or crashed; Ray saw its worker exit)"

@@ -18,18 +18,14 @@ _driver = {"rank": None, "asked": 0}
 
 
 def serve_questions_on(rank) -> None:
-    """The rank (worker.Rank) whose pipe to the driver `ask` uses for its questions."""
+    """The rank (worker.RankWorker) that holds this command's questions until the driver's poll answers them."""
     _driver.update(rank=rank, asked=0)
 
 
 def ask(method: str, *args):
     """The driver's answer to `method(*args)`, asked while the driver waits for this rank's reply to a command."""
-    from .wire import receive
-
-    rank = _driver["rank"]
     _driver["asked"] += 1
-    rank.send(("ask", _driver["asked"], method, args))   # why rank.send: the memory stream writes to the same pipe
-    status, value = receive(rank.conn)
+    status, value = _driver["rank"].ask(_driver["asked"], (method, args))
     if status != "ok":
         raise RuntimeError(value)
     return value

@@ -1,18 +1,10 @@
-"""The pipe between a sharded learner's driver and its ranks: pickled messages, one-line errors, and the memory
-samples a rank took since its last message. Shared by both sides (ranks.py, worker.py), so neither imports the other.
+"""What a sharded learner's ranks send their driver besides results: one-line errors, and the memory samples a
+rank took since its last reply. Shared by both sides (ranks.py, worker.py), so neither imports the other.
 """
 from __future__ import annotations
 
-import pickle
+import time
 import traceback
-
-
-def send(conn, message) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))   # why plain pickle: tensors by value
-
-
-def receive(conn):
-    return pickle.loads(conn.recv_bytes())
 
 
 def one_line(err: BaseException) -> str:
@@ -25,10 +17,13 @@ def one_line(err: BaseException) -> str:
 
 
 def memory_since(sampler, sent: dict) -> dict:
-    """The samples and per-phase rows taken since the last reply (and advance `sent`)."""
+    """The samples and per-phase rows taken since the last reply (and advance `sent`). `wall0`: the wall-clock time
+    of the sampler's start, so the driver places a rank's samples on its own time axis across machines (each
+    machine's perf_counter is its own)."""
     if sampler is None:
         return {}
     samples = sampler.samples_since(sent["samples"])
     rows = [dict(r) for r in sampler.phase_rows[sent["rows"]:]]
     sent["samples"], sent["rows"] = sampler.total, len(sampler.phase_rows)
-    return {"t0": sampler.t0, "samples": samples, "rows": rows}
+    wall0 = time.time() - (time.perf_counter() - sampler.t0)
+    return {"wall0": wall0, "samples": samples, "rows": rows}

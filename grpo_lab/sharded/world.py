@@ -45,6 +45,11 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
     if procs == 1:
         return
     check_engine(place.learner)
+    from .cluster import import_ray_for
+
+    import_ray_for(place.ray_address)   # Ray installed, or one line naming the extra
+    if place.ray_address is not None:
+        return   # the cluster's resources decide, checked when it is joined, before any rank starts (cluster.py)
     if place.learner == "cpu":
         cpus = usable_cpus() if cpus is None else cpus
         if procs > cpus:

@@ -1,0 +1,148 @@
+"""Where a sharded learner's ranks run: a Ray cluster, local (started by the Lab) or joined (`placement.ray_address`),
+and a placement group of one bundle per rank. Ray places and supervises the rank processes (an actor per rank):
+it spans machines, and it tells the driver when a rank's process dies, whatever the cause (docs/fsdp2.md, "Why Ray").
+
+The checks here run before any actor starts: Ray installed, the address reachable (within CONNECT_S), the cluster's
+resources enough for the ranks. The pure parts (address parsing, bundles, resource arithmetic, the GPUs a local Ray
+is given) are tested with made-up clusters (tests/test_ray.py).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Optional
+
+from ..errors import LabError
+
+CONNECT_S = 5           # an address that does not answer a TCP connect within this is unreachable
+PLACE_S = 60            # a placement group that is not ready within this cannot be placed (resources taken by others)
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
+
+
+def import_ray():
+    """Ray, or one line naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise LabError("placement.learner_procs: a sharded learner's ranks run as Ray actors, and Ray is not installed; "
+                       "pip install 'grpo-lab[ray]' (or set placement.learner_procs: 1)") from None
+    return ray
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' of a Ray cluster's head (its GCS), as `ray start --head` prints it."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LabError(f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
+                       "`ray start --head` prints), 'auto' (the cluster this machine joined), or null (a local Ray)")
+    return host, int(port)
+
+
+def check_reachable(address: str, timeout: float = CONNECT_S) -> None:
+    """One line within `timeout` when nothing listens at `address` (ray.init would retry for minutes)."""
+    if address == "auto":
+        return
+    host, port = parse_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as err:
+        raise LabError(f"placement.ray_address: no Ray cluster answers at {address} ({err.strerror or err}); start one "
+                       "there with `ray start --head --port {port}`, or set placement.ray_address: null for a local "
+                       "Ray".replace("{port}", str(port))) from None
+
+
+def bundles(learner: str, procs: int, threads: int) -> list[dict]:
+    """One bundle per rank: a GPU (and a CPU for its process) for a CUDA learner, `threads` CPUs for a CPU learner."""
+    one = {"CPU": 1, "GPU": 1} if learner != "cpu" else {"CPU": threads}
+    return [dict(one) for _ in range(procs)]
+
+
+def check_resources(wanted: list[dict], total: dict, where: str) -> None:
+    """More ranks than the cluster holds: one line, before any actor starts."""
+    for resource in ("GPU", "CPU"):
+        need = sum(b.get(resource, 0) for b in wanted)
+        have = int(total.get(resource, 0))
+        if need > have:
+            per = wanted[0].get(resource, 0)
+            raise LabError(f"placement.learner_procs: {len(wanted)} ranks need {need:g} {resource}(s) ({per:g} each), but "
+                           f"{where} has {have}; use at most {have // per if per else 0} ranks, or add nodes to the "
+                           "cluster (README 'Beyond one machine')")
+
+
+def local_gpu_env(devices: list[str], visible: Optional[str]) -> Optional[str]:
+    """CUDA_VISIBLE_DEVICES for a local Ray started for ranks on `devices` (cuda:N.. in this process's numbering):
+    Ray gives each rank one of the GPUs it was started with, so it is started with exactly those, named as the
+    machine names them. None for CPU ranks."""
+    cuda = [int(d.split(":")[1]) for d in devices if d.startswith("cuda")]
+    if not cuda:
+        return None
+    names = visible.split(",") if visible else None
+    return ",".join(names[i] if names else str(i) for i in cuda)
+
+
+class Cluster:
+    """The Ray this Lab uses: joined, or started here (and then stopped at close)."""
+
+    def __init__(self, address: Optional[str], learner: str, devices: list[str], cpus: int):
+        self.address, self.started = address, False
+        ray = import_ray_for(address)
+        if ray.is_initialized():   # the notebook's own ray.init(): use it as it is
+            return
+        if address is not None:
+            check_reachable(address)
+            ray.init(address=address, log_to_driver=True, logging_level="ERROR")
+            return
+        gpus = local_gpu_env(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:   # why: Ray hands out the GPUs its raylet saw at start; it must see exactly the ranks' ones
+            if gpus is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+            ray.init(address="local", num_cpus=cpus, num_gpus=len(gpus.split(",")) if gpus else 0,
+                     include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        self.started = True
+
+    @property
+    def where(self) -> str:
+        return f"the Ray cluster at {self.address}" if self.address else "this machine's Ray"
+
+    def place(self, wanted: list[dict]):
+        """A placement group of `wanted` bundles, ready; one line if the cluster cannot hold it."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        check_resources(wanted, ray.cluster_resources(), self.where)
+        group = placement_group(wanted, strategy="PACK")   # why PACK: ranks on as few machines as fit (NCCL in-node)
+        if not _ready(group, PLACE_S):
+            remove_placement_group(group)
+            free = ray.available_resources()
+            raise LabError(f"placement.learner_procs: {self.where} could not place {len(wanted)} ranks of {wanted[0]} "
+                           f"within {PLACE_S} s (free now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}); other "
+                           "jobs hold its resources")
+        return group
+
+    def close(self) -> None:
+        if self.started:
+            import ray
+
+            ray.shutdown()
+
+
+def import_ray_for(address: Optional[str]):
+    if address is None and "ray" not in __import__("sys").modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")   # why: a Ray only this machine uses binds no public address
+    return import_ray()
+
+
+def _ready(group, timeout: float) -> bool:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    ready, _ = ray.wait([group.ready()], timeout=max(deadline - time.monotonic(), 0))
+    return bool(ready)
