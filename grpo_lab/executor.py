@@ -230,6 +230,9 @@ class LocalExecutor:
 
         if rank != runtime().rank:
             raise LabError(f"arm_fault: rank {rank} does not exist; this Lab is one process (rank 0)")
+        if error == "kill" and not runtime().is_rank:
+            raise LabError("arm_fault: error 'kill' kills a sharded learner's rank process; this Lab is one process, "
+                           "which it would kill with your kernel; use oom or runtime")
         if phase == "rollout" and self.config.generator.backend in OWN_WEIGHTS:
             raise LabError(f"arm_fault: a rollout fault goes into hf decoding; generator.backend: "
                            f"{self.config.generator.backend} samples in its engine; arm logprobs or backward")

@@ -18,7 +18,7 @@ import torch
 
 from .errors import LabError
 
-ERRORS = ("oom", "runtime", "nan")
+ERRORS = ("oom", "runtime", "nan", "kill")   # kill: SIGKILL of this process at the point (a rank's death)
 POINTS = {"rollout": ("decode",), "logprobs": ("forward",), "backward": ("forward", "loss")}
 
 
@@ -49,7 +49,7 @@ def check(phase: str, error: str) -> None:
 
 def arm(phase: str, error: str) -> None:
     """Make this process's next `phase` fail once (error 'oom': torch.OutOfMemoryError, 'runtime': RuntimeError,
-    'nan': a NaN loss)."""
+    'nan': a NaN loss, 'kill': SIGKILL of the process)."""
     global _ARMED
     check(phase, error)
     _ARMED = Fault(phase, error)
@@ -84,8 +84,14 @@ def _exception(fault: Fault) -> BaseException:
 
 
 def fire(point: str, nth: int = 1) -> None:
-    """Raise the armed fault if it is due at this call of `point`."""
+    """Raise the armed fault if it is due at this call of `point` ('kill': the process dies there, as under the
+    kernel's OOM killer)."""
     fault = _due(point, nth)
+    if fault is not None and fault.error == "kill":
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault is not None:
         raise _exception(fault)
 

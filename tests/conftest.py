@@ -61,3 +61,18 @@ def shared():
     yield state
     if "lab" in state:
         state["lab"].close()
+
+
+@pytest.fixture
+def ray_local(request):
+    """A local Ray for the session's sharded Labs (a Lab uses a Ray already up, as in a notebook that called
+    ray.init): starting one per Lab costs seconds each. Started once, shut down at the session's end (or by a test
+    that needs a cluster of its own); the CLI tests start their own, in their own process."""
+    import ray
+
+    if not ray.is_initialized():
+        from grpo_lab.sharded.cluster import start_local
+
+        start_local(cpus=2)
+        request.config.add_cleanup(ray.shutdown)
+    return ray

@@ -33,6 +33,13 @@ def same_state(a: dict, b: dict) -> bool:
         for i in sa for k in sa[i])
 
 
+@pytest.fixture(autouse=True)
+def _ray(request):
+    """Labs with ranks run on the session's local Ray (conftest.ray_local); pure tests start none."""
+    if "slow" in request.keywords:
+        request.getfixturevalue("ray_local")
+
+
 @pytest.fixture(scope="module")
 def one_process():
     """Two steps of tiny-cpu in one process: what the sharded runs must reproduce."""
@@ -266,25 +273,26 @@ def test_a_reference_left_on_another_device_type_is_refused_in_one_line(tiny_mod
     check_reference_devices(plain, torch.device("cpu"))   # a copy where the policy is passes
 
 
-def test_a_rank_keeps_the_boundary_states_of_the_last_two_step_starts_and_restores_the_one_asked(tmp_path):
-    """The driver restarts its ranks from the step it is at, which may be one behind a rank that already wrote the
+def test_the_driver_keeps_the_boundary_states_of_the_last_two_step_starts_and_a_rank_restores_the_one_asked():
+    """The driver restarts its ranks from the step it is at, which may be one behind a rank that already returned the
     next step's state at the end of sync (interrupted before its reply was read)."""
-    from grpo_lab.sharded.worker import Boundary
+    from grpo_lab.sharded.ranks import Ranks
+    from grpo_lab.sharded.worker import boundary_state, restore_boundary
 
     lab, fresh = Lab("tiny-cpu").load(), Lab("tiny-cpu").load()
     try:
-        boundary = Boundary(tmp_path, rank=0)
+        ranks = Ranks(lab.config.to_dict(), 2, memory=None)
         lora = []
         for _ in range(3):
-            boundary.save(lab)
+            ranks._keep(lab.step_index, [boundary_state(lab), b""])
             lora.append({n: p.detach().clone() for n, p in lab.learner.trainable_parameters().items()})
             lab.step()
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0-step1.pt", "rank0-step2.pt"]
-        boundary.restore(fresh, 1)
+        assert sorted(ranks.boundaries) == [1, 2]
+        restore_boundary(fresh, ranks.boundaries[1][0])
         assert fresh.step_index == 1
         assert all(torch.equal(p, lora[1][n]) for n, p in fresh.learner.trainable_parameters().items())
-        with pytest.raises(FileNotFoundError, match="rank0-step0.pt"):
-            boundary.restore(fresh, 0)
+        with pytest.raises(LabError, match="cannot start from step 0: no boundary state of it is held"):
+            ranks.start(restore=0)
     finally:
         lab.close()
         fresh.close()

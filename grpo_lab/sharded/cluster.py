@@ -33,9 +33,10 @@ def import_ray():
 def parse_address(address: str) -> tuple[str, int]:
     """'host:port' of a Ray cluster's head (its GCS), as `ray start --head` prints it."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if "/" in host or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise LabError(f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
-                       "`ray start --head` prints), 'auto' (the cluster this machine joined), or null (a local Ray)")
+                       "`ray start --head` prints; not a ray:// client address), 'auto' (the cluster this machine joined), or null (a local "
+                       "Ray)")
     return host, int(port)
 
 
@@ -88,7 +89,11 @@ class Cluster:
     def __init__(self, address: Optional[str], learner: str, devices: list[str], cpus: int):
         self.address, self.started = address, False
         ray = import_ray_for(address)
-        if ray.is_initialized():   # the notebook's own ray.init(): use it as it is
+        if ray.is_initialized():   # the notebook's own ray.init(): use it as it is, if it is the one asked for
+            joined = ray.get_runtime_context().gcs_address
+            if address not in (None, "auto") and not same_address(address, joined):
+                raise LabError(f"placement.ray_address: {address}, but this process is connected to the Ray at "
+                               f"{joined}; set placement.ray_address: {joined} (or null), or ray.shutdown() first")
             return
         if address is not None:
             check_reachable(address)
@@ -99,8 +104,7 @@ class Cluster:
         try:   # why: Ray hands out the GPUs its raylet saw at start; it must see exactly the ranks' ones
             if gpus is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-            ray.init(address="local", num_cpus=cpus, num_gpus=len(gpus.split(",")) if gpus else 0,
-                     include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+            start_local(cpus, len(gpus.split(",")) if gpus else 0)
         finally:
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -132,6 +136,30 @@ class Cluster:
             import ray
 
             ray.shutdown()
+
+
+def same_address(a: str, b: str) -> bool:
+    """Whether two 'host:port' name one GCS (a host name and its address are the same place)."""
+    (ha, pa), (hb, pb) = parse_address(a), parse_address(b)
+    resolve = lambda h: socket.gethostbyname(h) if h not in ("localhost",) else "127.0.0.1"
+    return pa == pb and (ha == hb or resolve(ha) == resolve(hb))
+
+
+def start_local(cpus: int, gpus: int = 0, tries: int = 2) -> None:
+    """A Ray on this machine only. Ray gives its node 30 s to register (hard-coded in ray._private.node); on a
+    machine busy enough to miss that, it is tried once more, then one line."""
+    import ray
+
+    for attempt in range(tries):
+        try:
+            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level="ERROR")
+            return
+        except Exception as err:   # why so broad: Ray raises a bare Exception for a node that timed out
+            ray.shutdown()
+            if "timed out during startup" not in str(err) or attempt == tries - 1:
+                raise LabError(f"placement.learner_procs: a local Ray for the ranks did not start ({str(err).splitlines()[0]}); "
+                               "this machine may be too busy; try again, or start one with `ray start --head` and set "
+                               "placement.ray_address") from None
 
 
 def import_ray_for(address: Optional[str]):

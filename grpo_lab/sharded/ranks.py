@@ -70,6 +70,7 @@ class Ranks:
         self.cluster = self.group = None
         self.actors: list = []
         self.pids: list[int] = []
+        self.nodes: list[str] = []
         self.boundaries: dict[int, list] = {}   # step -> each rank's boundary state (object refs), the last two steps
         self.answers = Answers(None)   # what the ranks may ask mid-command: the driver's vLLM engine, if any
 
@@ -84,6 +85,10 @@ class Ranks:
     def _start(self, restore: Optional[int]) -> "Ranks":
         from .cluster import Cluster, bundles, import_ray_for
 
+        if restore is not None and restore not in self.boundaries:
+            raise LabError(f"the ranks cannot start from step {restore}: no boundary state of it is held (held: "
+                           f"{sorted(self.boundaries)})")
+        states = self.boundaries[restore] if restore is not None else [None] * self.size
         place = self.config["placement"]
         ray = import_ray_for(place.get("ray_address"))
         if self.group is None:
@@ -92,12 +97,6 @@ class Ranks:
             self.cluster = Cluster(place.get("ray_address"), place["learner"],
                                    rank_devices(place["learner"], self.size), usable_cpus())
             self.group = self.cluster.place(bundles(place["learner"], self.size, self.threads))
-        states = [None] * self.size
-        if restore is not None:
-            if restore not in self.boundaries:
-                raise LabError(f"the ranks cannot start from step {restore}: no boundary state of it is held (held: "
-                               f"{sorted(self.boundaries)})")
-            states = self.boundaries[restore]
         self.actors = [self._actor(ray, rank) for rank in range(self.size)]
         master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S)
         calls = [a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
@@ -110,7 +109,8 @@ class Ranks:
         for rank, (_, info, delta) in replies.items():
             self.memory.ingest(rank, delta)
             self.memory.rank_capacities.update({f"rank{rank}/{d}": c for d, c in info["capacities"].items()})
-        self.pids = [replies[rank][1]["pid"] for rank in range(self.size)]
+        self.pids = [replies[rank][1]["pid"] for rank in range(self.size)]    # each rank's process, on its node
+        self.nodes = [replies[rank][1]["node"] for rank in range(self.size)]  # the Ray node id it runs on
         if restore is None:
             self._keep(replies[0][1]["step"], [c[1] for c in calls])
         return self

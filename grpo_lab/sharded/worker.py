@@ -81,7 +81,10 @@ class RankWorker:
             return ("error", one_line(err), self.memory()), None
         from ..memory.report import capacities_of
 
-        info = {"capacities": capacities_of(self.lab.memory), "step": self.lab.step_index, "pid": os.getpid()}
+        import ray
+
+        info = {"capacities": capacities_of(self.lab.memory), "step": self.lab.step_index, "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id()}
         return ("ready", info, self.memory()), state
 
     def run(self, command: str, args: tuple):

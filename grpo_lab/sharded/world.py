@@ -49,6 +49,9 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
 
     import_ray_for(place.ray_address)   # Ray installed, or one line naming the extra
     if place.ray_address is not None:
+        from .cluster import check_reachable
+
+        check_reachable(place.ray_address)   # before anything loads: an unreachable address is one line in seconds
         return   # the cluster's resources decide, checked when it is joined, before any rank starts (cluster.py)
     if place.learner == "cpu":
         cpus = usable_cpus() if cpus is None else cpus

@@ -1,0 +1,298 @@
+"""The sharded learner's ranks on Ray (grpo_lab/sharded/cluster.py, ranks.py): where they run, what a dead rank
+costs, what is left when the driver dies, and the one-line refusals before any actor starts. The pure parts
+(addresses, bundles, resources, the GPUs a local Ray is given, which device a rank is) are tested with made-up
+clusters and device lists; the rest on real Ray, loopback only (conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import Lab, cli
+from grpo_lab.errors import LabError
+from grpo_lab.runtime import Runtime
+from grpo_lab.sharded.cluster import bundles, check_resources, local_gpu_env, parse_address, start_local
+
+SHARDED = ["placement.learner_procs=2"]
+
+
+# --- pure: addresses, bundles, resources, devices ------------------------------------------------------------
+
+def test_an_address_is_host_and_port_and_anything_else_says_what_to_give():
+    assert parse_address("10.0.0.5:6379") == ("10.0.0.5", 6379)
+    assert parse_address("head.local:6380") == ("head.local", 6380)
+    for bad in ("10.0.0.5", ":6379", "host:port", "host:0", "host:70000", "ray://h:10001"):
+        with pytest.raises(LabError, match=r"placement.ray_address: .* is not host:port .*ray start --head"):
+            parse_address(bad)
+
+
+def test_a_rank_bundle_is_a_gpu_with_a_cpu_or_its_share_of_cpus():
+    assert bundles("cuda:0", 2, threads=4) == [{"CPU": 1, "GPU": 1}] * 2
+    assert bundles("cpu", 3, threads=2) == [{"CPU": 2}] * 3
+
+
+@pytest.mark.parametrize("wanted, total, words", [
+    (bundles("cuda:0", 4, 1), {"CPU": 64, "GPU": 2}, "4 ranks need 4 GPU(s) (1 each), but the cluster has 2; use at most 2"),
+    (bundles("cpu", 3, 2), {"CPU": 4}, "3 ranks need 6 CPU(s) (2 each), but the cluster has 4; use at most 2"),
+])
+def test_more_ranks_than_the_cluster_holds_is_one_line(wanted, total, words):
+    with pytest.raises(LabError, match="placement.learner_procs: ") as err:
+        check_resources(wanted, total, "the cluster")
+    assert words in str(err.value) and "\n" not in str(err.value)
+    check_resources(wanted[:1], total, "the cluster")   # one rank fits
+
+
+@pytest.mark.parametrize("devices, visible, expected", [
+    (["cuda:0", "cuda:1"], None, "0,1"),
+    (["cuda:1", "cuda:2"], None, "1,2"),
+    (["cuda:0", "cuda:1"], "2,3", "2,3"),            # this process's cuda:0 is the machine's GPU 2
+    (["cuda:1"], "GPU-aaaa,GPU-bbbb", "GPU-bbbb"),   # named by UUID
+    (["cpu", "cpu"], "0", None),
+])
+def test_a_local_ray_is_given_exactly_the_ranks_gpus_as_the_machine_names_them(devices, visible, expected):
+    assert local_gpu_env(devices, visible) == expected
+
+
+def test_a_rank_on_a_gpu_ray_gave_it_is_its_cuda_0_and_its_rng_is_that_gpu_alone():
+    for rank in range(3):
+        me = Runtime(rank, 3, is_rank=True, own_gpu=True)
+        assert me.device_of("cuda:2") == "cuda:0"
+        assert me.device_of("cpu") == "cpu"
+    assert Runtime(1, 2, is_rank=True).device_of("cuda:2") == "cuda:3"   # a rank that sees every GPU
+    assert Runtime(0, 1).device_of("cuda:2") == "cuda:2"                  # the driver
+
+
+# --- bad input: one line, exit 2, before any actor starts ----------------------------------------------------
+
+def refused(capsys, *sets) -> tuple[str, float]:
+    argv = ["run", "tiny-cpu", "--steps", "1", "--out", "/tmp/grpo-lab-never-written"]
+    for item in sets:
+        argv += ["--set", item]
+    start = time.monotonic()
+    code = cli.main(argv)
+    seconds = time.monotonic() - start
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("grpo-lab: error:"), err
+    return lines[0], seconds
+
+
+@pytest.fixture
+def no_actors(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank actor started")
+
+    monkeypatch.setattr("grpo_lab.sharded.ranks.Ranks._actor", refuse)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_ray_address_is_one_line_within_ten_seconds(capsys, no_actors):
+    import ray
+
+    ray.shutdown()   # why: a process already connected to a Ray uses that one
+    port = _free_port()
+    line, seconds = refused(capsys, *SHARDED, f"placement.ray_address=127.0.0.1:{port}")
+    assert f"placement.ray_address: no Ray cluster answers at 127.0.0.1:{port}" in line and "ray start --head" in line
+    assert seconds < 10
+
+
+@pytest.mark.parametrize("value", ["10.0.0.5", "ray://10.0.0.5:10001"])
+def test_a_malformed_ray_address_is_refused_at_the_config(capsys, no_actors, value):
+    line, _ = refused(capsys, *SHARDED, f"placement.ray_address={value}")
+    assert "placement.ray_address" in line and "is not host:port" in line
+
+
+def test_a_ray_address_without_ranks_is_refused(capsys, no_actors):
+    line, _ = refused(capsys, "placement.ray_address=127.0.0.1:6379")
+    assert "placement.ray_address" in line and "placement.learner_procs: 1" in line
+
+
+def test_ray_not_installed_is_one_line_naming_the_extra(capsys, no_actors, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` raises ImportError
+    line, _ = refused(capsys, *SHARDED)
+    assert "Ray is not installed" in line and "pip install 'grpo-lab[ray]'" in line
+
+
+# --- a 2-node cluster on this machine ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A Ray cluster of two nodes of one CPU each (ray.cluster_utils), all on 127.0.0.1: two CPU ranks can only
+    be placed one per node."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_more_ranks_than_a_cluster_holds_is_refused_before_any_actor_starts(capsys, no_actors, two_nodes):
+    import ray
+
+    ray.shutdown()
+    line, _ = refused(capsys, "placement.learner_procs=4", f"placement.ray_address={two_nodes.address}")
+    assert "4 ranks need 4 CPU(s) (1 each), but the Ray cluster at" in line and "use at most 2" in line
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Five steps of tiny-cpu on 2 ranks, nothing killed: what every interrupted run must reproduce bit for bit."""
+    import ray
+
+    if not ray.is_initialized():
+        start_local(cpus=2)
+    lab = Lab("tiny-cpu", overrides=SHARDED).load()
+    try:
+        results = [lab.step() for _ in range(5)]
+        shards = lab.inspect()
+    finally:
+        lab.close()
+    return results, shards
+
+
+def same_result(a, b) -> bool:
+    return (a.rewards == b.rewards and a.loss == b.loss and a.grad_norm == b.grad_norm
+            and a.completion_length_mean == b.completion_length_mean)
+
+
+def same_shards(a: list[dict], b: list[dict]) -> bool:
+    return all(x["lora"].keys() == y["lora"].keys() and all(torch.equal(x["lora"][n], y["lora"][n]) for n in x["lora"])
+               for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_ranks_on_two_nodes_equal_two_ranks_on_one(two_nodes, uninterrupted):
+    import ray
+
+    ray.shutdown()
+    results, shards = uninterrupted
+    lab = Lab("tiny-cpu", overrides=[*SHARDED, f"placement.ray_address={two_nodes.address}"]).load()
+    try:
+        nodes = list(lab.executor.ranks.nodes)
+        mine = [lab.step() for _ in range(2)]
+        theirs = lab.inspect()
+    finally:
+        lab.close()
+        ray.shutdown()
+    assert len(set(nodes)) == 2   # one rank per node
+    assert all(same_result(a, b) for a, b in zip(mine, results))
+    # the same LoRA after two steps as on one node (compared after 2 of the 5 uninterrupted steps' results above)
+    assert all(x["lora"].keys() == y["lora"].keys() for x, y in zip(theirs, shards))
+
+
+# --- a rank killed at any moment costs one line ---------------------------------------------------------------
+
+def _fails_in_one_line(capfd, call) -> str:
+    with pytest.raises(LabError) as err:
+        call()
+    out, errs = capfd.readouterr()
+    message = str(err.value)
+    assert "\n" not in message.strip(), message
+    for word in ("Traceback", "BrokenPipe", "Connection reset", "EOFError"):
+        assert word not in out + errs, (word, out + errs)
+    return message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_for_bit(capfd, uninterrupted):
+    import ray
+
+    results, shards = uninterrupted
+    if not ray.is_initialized():
+        start_local(cpus=2)
+    lab = Lab("tiny-cpu", overrides=SHARDED).load()
+    ranks = lab.executor.ranks
+    lines = []
+    try:
+        # inside a phase: SIGKILL at a point of its real code (faults.py 'kill')
+        for step, (rank, phase) in enumerate([(1, "rollout"), (0, "logprobs"), (1, "backward")]):
+            lab.arm_fault(rank, phase, "kill")
+            lines.append(_fails_in_one_line(capfd, lab.step))
+            assert f"failed on rank {rank}: its process died" in lines[-1] and "restarted" in lines[-1]
+            assert same_result(lab.step(), results[step]), (step, phase)
+        # between two phases: the rank dies after the rollout, before the log-probs
+        lab.rollout()
+        os.kill(ranks.pids[1], signal.SIGKILL)
+        lines.append(_fails_in_one_line(capfd, lab.logprobs))
+        assert same_result(lab.step(), results[3])
+        # idle between steps
+        os.kill(ranks.pids[0], signal.SIGKILL)
+        time.sleep(1)
+        lines.append(_fails_in_one_line(capfd, lab.step))
+        assert "failed on rank 0: its process died" in lines[-1]
+        assert same_result(lab.step(), results[4])
+        assert same_shards(lab.inspect(), shards)   # LoRA and AdamW as if nothing had happened
+    finally:
+        lab.close()
+    assert len(lines) == 5
+
+
+# --- the driver killed: nothing left behind -------------------------------------------------------------------
+
+def _rank_processes() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "ray::RankWorker"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _ray_processes() -> set[int]:
+    import psutil
+
+    def ray_own(p) -> bool:
+        try:
+            return any(w in " ".join(p.cmdline()) for w in ("ray::", "raylet", "gcs_server", "ray/dashboard"))
+        except psutil.Error:
+            return False
+    return {p.pid for p in psutil.process_iter() if ray_own(p)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_driver_leaves_no_rank_process(tmp_path):
+    before, ray_before = set(_rank_processes()), _ray_processes()
+    driver = subprocess.Popen([sys.executable, "-m", "grpo_lab.cli", "run", "tiny-cpu", "--steps", "50", "--out",
+                               str(tmp_path / "run"), "--set", "placement.learner_procs=2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in driver.stdout:   # until the first step's line: the ranks are up and working
+            if line.startswith("step 0:"):
+                break
+        mine = set(_rank_processes()) - before
+        assert len(mine) == 2, mine
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 30
+        while set(_rank_processes()) & mine and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not set(_rank_processes()) & mine
+        assert not list(Path(tempfile.gettempdir()).glob("grpo-lab-ranks-*"))   # the pipe layer's; none now
+    finally:
+        driver.kill()
+        # Ray's own agents of the driver's local Ray outlive it (Ray's behaviour, not a rank): do not leak them here
+        for pid in _ray_processes() - ray_before:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
