@@ -71,6 +71,9 @@ def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
     assert "meta" in facts["p5_device_error"]
     assert facts["p5_refused"].startswith("reference: model.embed_tokens.weight is on meta, the policy computes on cpu")
     assert "\n" not in facts["p5_refused"]
+    # a rank SIGKILLed inside backward: one line naming it, and the step runs again
+    assert facts["kill_line"].startswith("backward failed on rank 1: its process died"), facts["kill_line"]
+    assert "\n" not in facts["kill_line"] and facts["kill_retry_step"] == facts["step_after_oom"] + 1
     assert facts["reference_copy_vs_adapter_disabled_max_abs_diff"] <= 1e-5
     # the OOM on rank 1: one line naming the rank, every rank's LoRA and AdamW shards bit for bit, the step runs again
     assert facts["oom_line"].startswith("backward failed on rank 1: out of memory") and "\n" not in facts["oom_line"]

@@ -137,9 +137,17 @@ def two_nodes():
     from ray.cluster_utils import Cluster
 
     ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
+    for attempt in range(2):   # why twice: Ray gives a node 30 s to register, which a busy 2-core machine can miss
+        cluster = Cluster()
+        try:
+            cluster.add_node(num_cpus=1, include_dashboard=False)
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            break
+        except Exception:
+            cluster.shutdown()
+            if attempt:
+                raise
     yield cluster
     ray.shutdown()
     cluster.shutdown()
