@@ -71,6 +71,20 @@ def test_a_rank_on_a_gpu_ray_gave_it_is_its_cuda_0_and_its_rng_is_that_gpu_alone
     assert Runtime(0, 1).device_of("cuda:2") == "cuda:2"                  # the driver
 
 
+def test_the_driver_fetches_the_model_once_before_any_rank_starts(tiny_model, monkeypatch, tmp_path):
+    """A hub id is downloaded by the driver (not by every rank at once, inside their start timeout); the ranks on
+    this machine load its local copy. (No hub here: the download is the one thing replaced.)"""
+    from grpo_lab.sharded.executor import fetch_once
+
+    calls = []
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo: calls.append(repo) or str(tmp_path))
+    assert fetch_once("Qwen/Qwen2.5-0.5B", local=True) == str(tmp_path) and calls == ["Qwen/Qwen2.5-0.5B"]
+    assert fetch_once("Qwen/Qwen2.5-0.5B", local=False) == "Qwen/Qwen2.5-0.5B" and len(calls) == 2
+    assert fetch_once("builtin:tiny-qwen2", local=True) == tiny_model
+    assert fetch_once("builtin:tiny-qwen2", local=False) == "builtin:tiny-qwen2"
+    assert fetch_once(tiny_model, local=True) == tiny_model and len(calls) == 2
+
+
 # --- bad input: one line, exit 2, before any actor starts ----------------------------------------------------
 
 def refused(capsys, *sets) -> tuple[str, float]:

@@ -18,6 +18,22 @@ from ..errors import LabError
 from .ranks import RankFailure, RankMemory, Ranks
 
 
+def fetch_once(name_or_path: str, local: bool) -> str:
+    """The model's files fetched by the driver, with its progress bar, before any rank starts: a built-in model built,
+    a hub id downloaded (once, not once per rank, and outside the ranks' start timeout). Ranks on this machine then
+    load the local copy; on a cluster (`local` false) a hub id stays one, fetched by each machine's ranks."""
+    from ..tiny import BUILTIN, resolve_model_path
+
+    if name_or_path.startswith(BUILTIN):
+        return resolve_model_path(name_or_path) if local else name_or_path   # each machine builds the same one
+    if Path(name_or_path).exists():
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    path = snapshot_download(name_or_path)
+    return path if local else name_or_path
+
+
 class RankAdapter:
     """The sharded learner as the driver's vLLM generator sees a learner: its tokenizer, its LoRA parameters' sizes
     and `model.save_pretrained(path)`, which gathers the LoRA tensors from every rank (never the base) into a PEFT
@@ -55,6 +71,7 @@ class RankExecutor:
         self._adapter = None
         self._lost = False               # the ranks were stopped or restarted: they are (or start) at the step's start
         self._result = None              # rank 0's result of the step's sync
+        self._model_path = self.config.model.name_or_path   # where the ranks load it from (fetch_once)
 
     @property
     def config(self):
@@ -109,9 +126,8 @@ class RankExecutor:
         if self.lab.reward_funcs_given:
             raise LabError("reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
                            "from this one; name them in data.rewards ('module:function')")
-        rank_config = cfg.to_dict()
-        rank_config["run"]["report_to"] = []   # the driver reports; the ranks compute
-        self.ranks = Ranks(rank_config, cfg.placement.learner_procs, self.lab.memory, step=lambda: self.lab.step_index,
+        self._model_path = fetch_once(cfg.model.name_or_path, local=cfg.placement.ray_address is None)
+        self.ranks = Ranks(self.rank_config(), cfg.placement.learner_procs, self.lab.memory, step=lambda: self.lab.step_index,
                            stopped=self._stopped).start()
         if self.own_engine:   # the ranks' one engine, here: it starts with their adapter, gathered
             try:
@@ -147,12 +163,19 @@ class RankExecutor:
         if self.generator is not None and (name == "sync" or (name == "rollout" and self.generator_behind)):
             self.generator.sync(self._adapter)   # the engine's LoRA from the ranks, before they end the step
             self.generator_behind = False
-        out = self.ranks.call("phase", name, self.config.to_dict(), describe=name)
+        out = self.ranks.call("phase", name, self.rank_config(), describe=name)
         if name == "optimizer" and state.snapshot is None:
             state.snapshot = "on every rank"   # why: each rank took its own rollback snapshot
         if name == "sync":
             self._result = out
         return out
+
+    def rank_config(self) -> dict:
+        """The config as the ranks run it: the model where the driver fetched it, no reporting (the driver reports)."""
+        config = self.config.to_dict()
+        config["run"]["report_to"] = []
+        config["model"]["name_or_path"] = self._model_path
+        return config
 
     def _stopped(self) -> None:
         self._lost = True
