@@ -131,6 +131,7 @@ EDITS = {
     "placement.optimizer_offload": {"placement.optimizer_offload": True, "placement.learner": "cuda:0"},
     "placement.gpu_memory_gib": {"placement.gpu_memory_gib": 40.0},
     "placement.host_memory_gib": {"placement.host_memory_gib": 64.0},
+    "placement.ray_address": {"placement.ray_address": "127.0.0.1:6379", "placement.learner_procs": 2},
     "generator.gpu_memory_utilization": {"generator.gpu_memory_utilization": 0.3, "generator.backend": "vllm"},
     "generator.model": {"generator.model": "Qwen/Qwen2.5-0.5B-Instruct-AWQ", "generator.backend": "vllm"},
     "generator.quantization": {"generator.quantization": "awq", "generator.backend": "vllm"},

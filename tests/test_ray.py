@@ -254,10 +254,12 @@ def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_
             lines.append(_fails_in_one_line(capfd, lab.step))
             assert f"failed on rank {rank}: its process died" in lines[-1] and "restarted" in lines[-1]
             assert same_result(lab.step(), results[step]), (step, phase)
-        # between two phases: the rank dies after the rollout, before the log-probs
-        lab.rollout()
+        # between two phases: the rank dies after the rollout, before the rewards
+        rollout = lab.rollout()
         os.kill(ranks.pids[1], signal.SIGKILL)
-        lines.append(_fails_in_one_line(capfd, lab.logprobs))
+        time.sleep(1)
+        lines.append(_fails_in_one_line(capfd, lambda: lab.rewards(rollout)))
+        assert "failed on rank 1: its process died" in lines[-1]
         assert same_result(lab.step(), results[3])
         # idle between steps
         os.kill(ranks.pids[0], signal.SIGKILL)
