@@ -213,14 +213,15 @@ def test_two_ranks_on_two_nodes_equal_two_ranks_on_one(two_nodes, uninterrupted)
     try:
         nodes = list(lab.executor.ranks.nodes)
         mine = [lab.step() for _ in range(2)]
-        theirs = lab.inspect()
+        layout = [s["layout"]["sharded"] for s in lab.inspect()]
     finally:
         lab.close()
         ray.shutdown()
     assert len(set(nodes)) == 2   # one rank per node
-    assert all(same_result(a, b) for a, b in zip(mine, results))
-    # the same LoRA after two steps as on one node (compared after 2 of the 5 uninterrupted steps' results above)
-    assert all(x["lora"].keys() == y["lora"].keys() for x, y in zip(theirs, shards))
+    assert all(layout) and all(all(s) for s in layout)
+    # bit for bit the run on one node (which tests/test_sharded.py holds to one process's within its tolerance);
+    # step 2's loss and gradient norm are computed from the LoRA and AdamW state after step 1
+    assert len(mine) == 2 and all(same_result(a, b) for a, b in zip(mine, results))
 
 
 # --- a rank killed at any moment costs one line ---------------------------------------------------------------
