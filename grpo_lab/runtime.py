@@ -109,6 +109,7 @@ class Runtime:
         try:
             work.wait(timeout=timedelta(seconds=DECIDE_S if failed else DECISION_TIMEOUT_S))
         except RuntimeError:
+            _BLOCKED[0] = True
             raise RanksBlocked(f"rank {self.rank} failed and the other ranks did not reach the decision within "
                                f"{DECIDE_S:.0f} s (blocked in a collective the failure left)") from None
         return [k for k, flag in enumerate(flags.tolist()) if flag]
@@ -150,6 +151,17 @@ def settle(phase: str, failed: bool) -> None:
     if ranks and not failed:
         raise PeerFailed(f"{phase} failed on rank {', '.join(map(str, ranks))}; every rank stopped it there and undid "
                          "this step's work")
+
+
+def take_blocked() -> bool:
+    """Whether a decision since the last look found the other ranks blocked in a collective (and forget it): a rank's
+    worker tells its driver, which restarts every rank, whatever error the phase turned that into (an OOM's LabError
+    carries no notes)."""
+    blocked, _BLOCKED[0] = _BLOCKED[0], False
+    return blocked
+
+
+_BLOCKED = [False]
 
 
 class RanksBlocked(RuntimeError):

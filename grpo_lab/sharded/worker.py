@@ -100,7 +100,12 @@ class RankWorker:
             status, value = "ok", out if mine else None
             notes["boundary"] = None if state is None else self.lab.step_index
         except BaseException as err:   # why so broad: the rank must answer, whatever happened
-            status, value, state, notes["blocked"] = "error", one_line(err), None, blocked(err)
+            status, value, state = "error", one_line(err), None
+        from ..runtime import take_blocked
+
+        # why: a rank that failed where the others could not follow leaves them blocked in a collective; only the
+        # driver, told here, can get them out (it restarts every rank)
+        notes["blocked"] = take_blocked()
         return (status, value, self.memory(), notes), state
 
     def poll(self) -> tuple[dict, dict]:
@@ -169,14 +174,6 @@ class RankWorker:
     def arm_fault(self, phase: str, error: str):
         """Make this rank's next `phase` fail inside it (faults.py)."""
         return self.lab.arm_fault(self.rank, phase, error), None
-
-
-def blocked(err: BaseException) -> bool:
-    """Whether this rank failed where the others could not follow (runtime.RanksBlocked noted on the error): the
-    driver then restarts every rank at once, without waiting for the others' replies."""
-    from ..runtime import RanksBlocked
-
-    return isinstance(err, RanksBlocked) or any("did not reach the decision" in n for n in getattr(err, "__notes__", []))
 
 
 def config_changes(mine: dict, theirs: dict) -> dict:
