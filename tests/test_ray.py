@@ -85,6 +85,30 @@ def test_the_driver_fetches_the_model_once_before_any_rank_starts(tiny_model, mo
     assert fetch_once(tiny_model, local=True) == tiny_model and len(calls) == 2
 
 
+def test_a_ray_a_lab_started_stops_only_when_the_last_lab_on_it_closes():
+    """Two sharded Labs in one notebook share the Ray the first started; closing the first must not stop the
+    second's ranks, and closing both leaves no Ray running in the process."""
+    import ray
+
+    from grpo_lab.sharded.cluster import Cluster
+
+    ray.shutdown()
+    first = Cluster(None, "cpu", ["cpu", "cpu"], cpus=2)
+    second = Cluster(None, "cpu", ["cpu", "cpu"], cpus=2)
+    first.close()
+    first.close()   # twice: counted once
+    assert ray.is_initialized()
+    second.close()
+    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")   # the notebook's own
+    try:
+        mine = Cluster(None, "cpu", ["cpu"], cpus=1)
+        mine.close()
+        assert ray.is_initialized()   # a Ray the notebook started is the notebook's to stop
+    finally:
+        ray.shutdown()
+
+
 # --- bad input: one line, exit 2, before any actor starts ----------------------------------------------------
 
 def refused(capsys, *sets) -> tuple[str, float]:

@@ -83,12 +83,21 @@ def local_gpu_env(devices: list[str], visible: Optional[str]) -> Optional[str]:
     return ",".join(names[i] if names else str(i) for i in cuda)
 
 
+_STARTED = {"by_a_lab": False, "users": 0}   # a Ray a Lab started is stopped when the last Lab using it closes
+
+
 class Cluster:
-    """The Ray this Lab uses: joined, or started here (and then stopped at close)."""
+    """The Ray this Lab uses: joined, or started here (and then stopped when the last Lab using it closes)."""
 
     def __init__(self, address: Optional[str], learner: str, devices: list[str], cpus: int):
-        self.address, self.started = address, False
+        self.address, self.closed = address, False
         ray = import_ray_for(address)
+        if not ray.is_initialized():
+            _STARTED["by_a_lab"] = False
+        self._join(ray, address, devices, cpus)
+        _STARTED["users"] += 1
+
+    def _join(self, ray, address: Optional[str], devices: list[str], cpus: int) -> None:
         if ray.is_initialized():   # the notebook's own ray.init(): use it as it is, if it is the one asked for
             joined = ray.get_runtime_context().gcs_address
             if address not in (None, "auto") and not same_address(address, joined):
@@ -110,7 +119,7 @@ class Cluster:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
-        self.started = True
+        _STARTED["by_a_lab"] = True
 
     @property
     def where(self) -> str:
@@ -132,10 +141,15 @@ class Cluster:
         return group
 
     def close(self) -> None:
-        if self.started:
+        if self.closed:
+            return
+        self.closed = True
+        _STARTED["users"] -= 1
+        if _STARTED["by_a_lab"] and _STARTED["users"] <= 0:   # why not before: another Lab's ranks still run on it
             import ray
 
             ray.shutdown()
+            _STARTED.update(by_a_lab=False, users=0)
 
 
 def same_address(a: str, b: str) -> bool:

@@ -79,7 +79,10 @@ class Ranks:
         try:
             return self._start(restore)
         except BaseException:   # an interrupt or a failed rank: no actor may outlive the start
-            self.kill()
+            if restore is None:
+                self.close()   # a first start: its placement group and a Ray it started go too
+            else:
+                self.kill()
             raise
 
     def _start(self, restore: Optional[int]) -> "Ranks":
