@@ -230,8 +230,11 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     time.sleep(0.3)
     assert plot.refreshes >= 2                                   # the renderer thread ran during/after the step
     plot.refresh()
-    names = {trace.name for trace in plot.fig.data}
-    assert {"host rss", "host used"} <= names and all(len(t.x) > 3 for t in plot.fig.data)
+    lines = [t for t in plot.fig.data if t.legendgroup != "phases"]
+    names = {trace.name for trace in lines}
+    assert {"host rss", "host used"} <= names and all(len(t.x) > 3 for t in lines)
+    legend = [t.name for t in plot.fig.data if t.legendgroup == "phases"]
+    assert {"rollout", "backward", "optimizer"} <= set(legend)    # every band's colour named, at any zoom
     shapes = plot.fig.layout.shapes
     assert sum(s.type == "rect" for s in shapes) == 7             # one band per phase of the step
     limits = [a.text for a in plot.fig.layout.annotations] + [plot.fig.layout.title.text]
@@ -240,6 +243,40 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     assert {"rollout", "step 0"} <= labels                        # bands are named where they are wide enough
     lab.close()
     assert plot._thread is None
+
+
+def test_the_live_plot_squeezes_idle_time_so_ten_steps_after_five_idle_minutes_stay_readable():
+    """Steps of 2 s each, 300 s of idle before the first and 30 s between the others: on a wall-clock axis each
+    step is under 1 % of the plot; on the work clock each is about as wide as it ran, idle a 1 s gap."""
+    from types import SimpleNamespace
+
+    from grpo_lab.memory.figures import IDLE_KEEP_S, work_clock
+    from grpo_lab.memory.live import LivePlot
+
+    marks, t = [], 300.0
+    for step in range(10):
+        for phase, seconds in (("rollout", 1.2), ("logprobs", 0.3), ("backward", 0.5)):
+            marks.append((step, phase, t, t + seconds))
+            t += seconds
+        t += 30.0
+    clock = work_clock(marks, now=t)
+    assert clock(0.0) == 0.0 and clock(300.0) == pytest.approx(IDLE_KEEP_S)
+    widths = [clock(b) - clock(a) for _, _, a, b in marks]
+    assert widths == pytest.approx([b - a for _, _, a, b in marks])          # a phase keeps its own width
+    span = clock(t)
+    assert span == pytest.approx(10 * 2.0 + 11 * IDLE_KEEP_S)                 # work plus one squeezed gap per idle
+    assert all(clock(x) <= clock(y) for x, y in zip(range(0, 600), range(1, 601)))   # monotonic: lines never fold
+    # the live plot draws on that clock: its bands are as wide as their phases, its lines span work, not wall time
+    samples = [(i * 0.5, 0, None, "host", "rss", 100 * MiB) for i in range(int(t * 2))]
+    sampler = SimpleNamespace(samples_since=lambda index: samples[index:], marks=marks, probes=[None],
+                              host_threshold=0.95, latest=lambda device: {"limit": 64 * 1024 * MiB})
+    plot = LivePlot(sampler, max_points=5000)
+    plot.refresh()
+    line = next(tr for tr in plot.fig.data if tr.name == "host rss")
+    assert max(line.x) <= span + 1e-6 and max(line.x) > span - 1
+    bands = [s for s in plot.fig.layout.shapes if s.type == "rect"]
+    assert len(bands) == 30 and min(b.x1 - b.x0 for b in bands) == pytest.approx(0.3)
+    assert "squeezed" in plot.fig.layout.xaxis.title.text
 
 
 @pytest.mark.parametrize("closed_by", ["kernel", "frontend"])

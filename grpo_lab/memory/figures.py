@@ -56,6 +56,42 @@ def band_labels(marks) -> list[dict]:
     return out
 
 
+IDLE_KEEP_S = 1.0   # an idle span between phases longer than this is drawn this wide (the live plot's x axis)
+
+
+def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
+    """x for a sample time t on a live plot whose axis is working time: every idle span (before the first phase,
+    between two phases, after the last one until `now`) longer than `keep_s` is squeezed into `keep_s`, its samples
+    spread evenly over it. Why: after minutes of reading a cell between steps, a plot in wall seconds shows each
+    step as a sliver; this one keeps every step as wide as it ran, and idle stays visible as a narrow gap."""
+    gaps, last = [], 0.0
+    for _, _, start, end in sorted(marks, key=lambda m: m[2]):
+        if start - last > keep_s:
+            gaps.append((last, start))
+        last = max(last, end)
+    if now - last > keep_s:
+        gaps.append((last, now))
+
+    def x(t: float) -> float:
+        saved = 0.0
+        for a, b in gaps:
+            if t >= b:
+                saved += (b - a) - keep_s
+            elif t > a:
+                return a - saved + (t - a) * keep_s / (b - a)
+            else:
+                break
+        return t - saved
+    return x
+
+
+def phase_legend(phases) -> list[dict]:
+    """One legend entry per phase colour (the bands are shapes, which plotly's legend does not list)."""
+    return [dict(x=[None], y=[None], mode="markers", name=phase, legendgroup="phases", showlegend=True,
+                 marker=dict(symbol="square", size=12, color=COLOURS.get(phase, "#cccccc"), opacity=0.35),
+                 hoverinfo="skip") for phase in phases]
+
+
 def step_separators(marks) -> list[dict]:
     """A dotted vertical line where each step's first phase starts."""
     firsts = {}

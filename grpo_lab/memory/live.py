@@ -15,8 +15,9 @@ import threading
 from typing import Optional
 
 from .probes import MiB
-from ..phases import COLOURS
-from .figures import band_labels, drawn, stack_top, step_separators, trace_order, trace_style
+from ..phases import COLOURS, PHASE_NAMES
+from .figures import (band_labels, drawn, phase_legend, stack_top, step_separators, trace_order, trace_style,
+                      work_clock)
 from .report import host_limits
 
 
@@ -65,13 +66,15 @@ class LivePlot:
         self._marks_drawn = -1     # phase bands are redrawn only when a phase has ended
         self._limits = host_limits(sampler)
         self._near: dict[str, float] = {}
+        self._clock = lambda t: t   # sample time -> x (figures.work_clock: idle squeezed)
         self.fig = go.FigureWidget(layout=dict(
             title=dict(text="Live memory (MiB)", x=0.01, xanchor="left", y=0.98, yanchor="top"),
-            xaxis_title="seconds", yaxis_title="MiB", height=400, autosize=True,
+            xaxis_title="seconds of work (idle spans squeezed to 1 s)", yaxis_title="MiB", height=400, autosize=True,
             # why t=80: the title sits below plotly's toolbar (modebar) instead of under it
             margin=dict(t=80, l=50, r=20, b=40), legend=dict(orientation="h", y=-0.25)))
         self.fig.layout.width = None   # full width of the cell
         self._lines: dict[tuple[str, str], int] = {}
+        self._legend = False        # the phase colours' legend entries, added with the first band
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()   # why: the renderer thread and a cell (display, Panel) both refresh
@@ -93,7 +96,9 @@ class LivePlot:
             if drawn(device, metric):
                 self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
         ordered = sorted(self._series, key=lambda key: trace_order(*key))   # why: a stack is drawn in trace order
-        return {key: (list(self._series[key].xs), list(self._series[key].ys)) for key in ordered}
+        now = max((line.xs[-1] for line in self._series.values() if line.xs), default=0.0)
+        self._clock = work_clock(self.sampler.marks, now)
+        return {key: ([self._clock(t) for t in self._series[key].xs], list(self._series[key].ys)) for key in ordered}
 
     def _limits_in_view(self, series) -> dict[str, float]:
         """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
@@ -138,7 +143,12 @@ class LivePlot:
             if len(self.sampler.marks) != self._marks_drawn or near.keys() != self._near.keys():
                 # why only then: validating shapes is the costly part of a redraw
                 self._marks_drawn, self._near = len(self.sampler.marks), near
-                marks = self.sampler.marks[-self.max_bands:]
+                marks = [(step, phase, self._clock(a), self._clock(b))
+                         for step, phase, a, b in self.sampler.marks[-self.max_bands:]]
+                if marks and not self._legend:
+                    self._legend = True
+                    for entry in phase_legend(PHASE_NAMES):
+                        self.fig.add_scatter(**entry)
                 self.fig.layout.shapes = self._shapes(marks)
                 self.fig.layout.annotations = self._annotations(marks)
         self.refreshes += 1
