@@ -140,8 +140,9 @@ def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_s
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_them_from_the_step_start(one_process):
-    """Jupyter's interrupt (and a terminal's Ctrl-C) sends SIGINT to the kernel's whole process group, the ranks
-    included: the kernel must stay usable, its pipes in step with the ranks, and the step must run again exactly."""
+    """Jupyter's interrupt (and a terminal's Ctrl-C) sends SIGINT to the kernel's process group; the rank actors are
+    Ray's processes, but the worst case (SIGINT reaching them too) is sent here: the kernel must stay usable, no late
+    reply may answer its next command, and the step must run again exactly."""
     import os
     import signal
     import threading
@@ -150,7 +151,7 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
     try:
         before = lab.inspect()
-        pids = [rank.popen.pid for rank in lab.executor.ranks.procs]
+        pids = list(lab.executor.ranks.pids)
         lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})   # ~2 s of rollout
         interrupt = threading.Timer(0.6, lambda: [os.kill(pid, signal.SIGINT) for pid in [*pids, os.getpid()]])
         interrupt.start()
@@ -158,7 +159,7 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
             lab.rollout()
         interrupt.join()
         assert "every rank was stopped" in "".join(getattr(err.value, "__notes__", [])), err.value
-        assert all(rank.popen.poll() is not None for rank in lab.executor.ranks.procs) or not lab.executor.ranks.procs
+        assert not lab.executor.ranks.actors and lab.executor.ranks.down   # every rank stopped, started at the next command
         after = lab.inspect()   # the next command starts the ranks again, each from its state at the step's start
         assert all(same_state(a, b) for a, b in zip(after, before)) and [a["step"] for a in after] == [0, 0]
         lab.configure(generator={"gather_for_generation": True, "chunk_size": None})
@@ -380,14 +381,14 @@ def test_failures_on_ranks_are_decided_together_and_leave_no_rank_behind(one_pro
     results, lora = one_process
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
     try:
-        pids = [rank.popen.pid for rank in lab.executor.ranks.procs]
+        pids = list(lab.executor.ranks.pids)
         lab.arm_fault(1, "backward", "nan")
         with pytest.raises(LabError) as err:
             lab.step()
         line = str(err.value)
         assert "\n" not in line and "backward failed on every rank" in line, line
         assert "loss is non-finite on rank 1's rows at step 0; the step was refused" in line, line
-        assert [rank.popen.pid for rank in lab.executor.ranks.procs] == pids      # no rank restarted
+        assert lab.executor.ranks.pids == pids      # no rank restarted
         first = lab.step()                                                        # the next try runs
         for rank in (0, 1):   # bug 10: a logprobs fault reaches the reference pass
             lab.arm_fault(rank, "logprobs", "runtime")
@@ -402,7 +403,7 @@ def test_failures_on_ranks_are_decided_together_and_leave_no_rank_behind(one_pro
         # its root set-up, and on a GPU an OOM retry meets the memory the failed pass left)
         assert [s["layout"] for s in lab.inspect()] == layouts and not layouts[0]["iteration_open"]
         second = lab.step()
-        assert [rank.popen.pid for rank in lab.executor.ranks.procs] == pids
+        assert lab.executor.ranks.pids == pids
         merged = whole(lab.inspect())
     finally:
         lab.close()
