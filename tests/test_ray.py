@@ -300,9 +300,22 @@ def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_
 
 # --- the driver killed: nothing left behind -------------------------------------------------------------------
 
-def _rank_processes() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "ray::RankWorker"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def _rank_processes(of: int) -> set[int]:
+    """The rank actors' processes under process `of` (a local Ray's workers are its raylet's children)."""
+    import psutil
+
+    def rank(p) -> bool:
+        try:
+            return "ray::RankWorker" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+    return {p.pid for p in psutil.Process(of).children(recursive=True) if rank(p)}
+
+
+def _alive(pids: set[int]) -> set[int]:
+    import psutil
+
+    return {pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
 
 
 def _ray_processes() -> set[int]:
@@ -319,7 +332,7 @@ def _ray_processes() -> set[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_driver_leaves_no_rank_process(tmp_path):
-    before, ray_before = set(_rank_processes()), _ray_processes()
+    ray_before = _ray_processes()
     driver = subprocess.Popen([sys.executable, "-m", "grpo_lab.cli", "run", "tiny-cpu", "--steps", "50", "--out",
                                str(tmp_path / "run"), "--set", "placement.learner_procs=2"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -328,14 +341,14 @@ def test_a_killed_driver_leaves_no_rank_process(tmp_path):
         for line in driver.stdout:   # until the first step's line: the ranks are up and working
             if line.startswith("step 0:"):
                 break
-        mine = set(_rank_processes()) - before
+        mine = _rank_processes(of=driver.pid)
         assert len(mine) == 2, mine
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         deadline = time.monotonic() + 30
-        while set(_rank_processes()) & mine and time.monotonic() < deadline:
+        while _alive(mine) and time.monotonic() < deadline:
             time.sleep(1)
-        assert not set(_rank_processes()) & mine
+        assert not _alive(mine)
         assert not list(Path(tempfile.gettempdir()).glob("grpo-lab-ranks-*"))   # the pipe layer's; none now
     finally:
         driver.kill()

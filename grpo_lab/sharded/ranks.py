@@ -20,7 +20,6 @@ STREAM_S = 0.5          # why: the live plot redraws every 0.5 s; a rank's sampl
 # why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
 # them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU)
 MACHINE_WIDE = {("host", "used"), ("host", "limit")}
-_REMOTE = None          # RankWorker as a Ray actor class, made once
 
 
 class RankFailure(LabError):
@@ -125,10 +124,10 @@ class Ranks:
         from .worker import RankWorker
 
         bundle = bundles(self.config["placement"]["learner"], 1, self.threads)[0]
-        global _REMOTE
-        if _REMOTE is None:   # why a group: poll runs on a thread of its own while a command runs
-            _REMOTE = ray.remote(concurrency_groups={"poll": 1})(RankWorker)
-        return _REMOTE.options(
+        # why a group: poll runs on a thread of its own while a command runs; why made here, per start: a class
+        # made under one Ray connection is not reused under the next (a notebook's ray.shutdown(), another cluster)
+        remote = ray.remote(concurrency_groups={"poll": 1})(RankWorker)
+        return remote.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
         ).remote(rank, self.size)
