@@ -315,7 +315,12 @@ def _rank_processes(of: int) -> set[int]:
 def _alive(pids: set[int]) -> set[int]:
     import psutil
 
-    return {pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    return {pid for pid in pids if alive(pid)}
 
 
 def _ray_processes() -> set[int]:
