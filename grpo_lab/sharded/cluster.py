@@ -83,14 +83,14 @@ def local_gpu_env(devices: list[str], visible: Optional[str]) -> Optional[str]:
     return ",".join(names[i] if names else str(i) for i in cuda)
 
 
-_STARTED = {"by_a_lab": False, "users": 0}   # a Ray a Lab started is stopped when the last Lab using it closes
+_STARTED = {"by_a_lab": False, "users": 0, "local_before": False}   # a Ray a Lab started is stopped when the last Lab using it closes
 
 
 class Cluster:
     """The Ray this Lab uses: joined, or started here (and then stopped when the last Lab using it closes)."""
 
     def __init__(self, address: Optional[str], learner: str, devices: list[str], cpus: int):
-        self.address, self.closed = address, False
+        self.address, self.closed, self.after_local = address, False, False
         ray = import_ray_for(address)
         if not ray.is_initialized():
             _STARTED["by_a_lab"] = False
@@ -106,6 +106,7 @@ class Cluster:
             return
         if address is not None:
             check_reachable(address)
+            self.after_local = _STARTED["local_before"]
             ray.init(address=address, log_to_driver=True, logging_level="ERROR")
             return
         gpus = local_gpu_env(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -131,6 +132,10 @@ class Cluster:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         check_resources(wanted, ray.cluster_resources(), self.where)
+        if self.after_local:
+            raise LabError(f"placement.ray_address: this process already ran a Ray of its own, and Ray cancels every "
+                           f"actor of a cluster joined after one (ray {ray.__version__}); restart the kernel (or use a "
+                           f"new process) to join {self.address}")
         group = placement_group(wanted, strategy="PACK")   # why PACK: ranks on as few machines as fit (NCCL in-node)
         if not _ready(group, PLACE_S):
             remove_placement_group(group)
@@ -167,6 +172,7 @@ def start_local(cpus: int, gpus: int = 0, tries: int = 2) -> None:
     for attempt in range(tries):
         try:
             ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level="ERROR")
+            _STARTED["local_before"] = True
             return
         except Exception as err:   # why so broad: Ray raises a bare Exception for a node that timed out
             ray.shutdown()
