@@ -68,9 +68,10 @@ def agree_on(rollout: Rollout) -> None:
     mismatch raises the same line; the Lab's phase end then settles the failure on every rank, runtime.settle)."""
     sums = runtime().gather_objects(digest(rollout))
     if len(set(sums)) > 1:
-        major = max(set(sums), key=sums.count)
-        odd = [k for k, s in enumerate(sums) if s != major] if sums.count(major) > len(sums) / 2 else range(len(sums))
+        major = max(set(sums), key=sums.count)   # the ranks that differ: from the majority, if any, else from rank 0
+        usual = major if sums.count(major) > len(sums) / 2 else sums[0]
+        odd = [k for k, s in enumerate(sums) if s != usual]
         each = ", ".join(f"rank {k} {s[:12]}" for k, s in enumerate(sums))
-        raise LabError(f"rollout: rank {', '.join(map(str, odd))} hold{'s' if len(odd) == 1 else ''} a different rollout "
-                       f"after the gather (sha256 of the token ids and masks: {each}); the ranks' prompts or sampling "
+        raise LabError(f"rollout: rank {', '.join(map(str, odd))} hold{'s' if len(odd) == 1 else ''} a rollout unlike "
+                       f"the others' after the gather (sha256 of the token ids and masks: {each}); the ranks' prompts or sampling "
                        "diverged, and nothing was trained on it")
