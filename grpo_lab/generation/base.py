@@ -3,8 +3,9 @@ token ids and their sampler log-probs out) and `sync`; this base class tokenizes
 each prompt G times, splits the requests into chunks, merges the chunks in order and pads.
 
 Chunking (P2): `chunk_size` sequences per engine call bound the generator's peak memory
-(KV cache and logits grow with the number of sequences in flight); results are identical
-in order and content to one call, for greedy decoding.
+(KV cache and logits grow with the number of sequences in flight); the tokens are identical
+in order and content to one call (each sequence samples from its own seed: `row_seeds`), the
+sampler log-probs up to float rounding (another batch composition in the forward).
 """
 from __future__ import annotations
 
