@@ -1,9 +1,10 @@
 """Sample once (issue 23): a sharded learner's hf rollout is computed once for all ranks. Each rank samples its share
 of the prompt groups, the ranks all-gather, and every rank holds one process's rollout; a checksum is agreed.
 
-The tolerance: token ids, masks and completions are equal to one process's (every row samples from its own seed);
-sampler log-probs differ by float rounding only (a rank's forward runs another batch composition and padding width:
-measured <= 1e-6 on tiny-cpu), so they are compared within SAMPLER_TOL."""
+The tolerance: token ids, masks and completions are equal to one process's (every row samples from its own seed,
+padded to the whole batch's prompt width); sampler log-probs differ by float rounding only (a rank's forward runs
+another batch size: <= 1.2e-6 measured on tiny-cpu's float32, 0 on logits-heavy-cpu's bfloat16), so they are
+compared within SAMPLER_TOL."""
 from __future__ import annotations
 
 import pytest
@@ -26,11 +27,15 @@ def test_shares_are_whole_groups_in_rank_order_and_uneven_counts_split():
 
 
 def test_a_row_samples_the_same_tokens_whatever_rows_are_beside_it(tiny_model):
-    """Each row draws from its own seed: a chunk of 1, 3 or all rows samples the same completions (what lets a rank
-    sample only its share), and the RNG advances by one draw per row whatever the lengths."""
+    """Each row draws from its own seed and is padded to the whole batch's prompt width: a chunk of 1, 3 or all rows
+    samples the same completions (what lets a rank sample only its share), and the RNG advances by one draw per row
+    whatever the lengths."""
     from grpo_lab.generation.base import GenerationRequest
 
     lab = Lab("tiny-cpu", overrides=[f"model.name_or_path={tiny_model}"]).load()
+    model, widths = lab.learner.model, []
+    generate = model.generate
+    model.generate = lambda **kw: widths.append(kw["input_ids"].shape[1]) or generate(**kw)
     try:
         batch = lab.prompts.next_batch(3)
         outs, states = [], []
@@ -40,6 +45,8 @@ def test_a_row_samples_the_same_tokens_whatever_rows_are_beside_it(tiny_model):
             states.append(torch.get_rng_state())
     finally:
         lab.close()
+    lengths = outs[0].prompt_mask.sum(1).tolist()
+    assert len(set(lengths)) > 1 and set(widths) == {max(lengths)}, (lengths, widths)   # every call the batch's width
     for out in outs[1:]:
         assert torch.equal(out.completion_ids, outs[0].completion_ids) and out.completions == outs[0].completions
         assert (out.sampler_logprobs - outs[0].sampler_logprobs).abs().max().item() <= SAMPLER_TOL

@@ -46,21 +46,24 @@ class HFGenerator(Generator):
         """Nothing to do: generation reads the learner's own LoRA weights."""
 
     def generate(self, batch, num_generations, request: GenerationRequest):
-        """One seed per row first (base.row_seeds), so a row samples the same tokens in any batch; a sharded learner's
-        ranks then sample once for all: each its share of the prompt groups, all-gathered (sharded/rollout.py)."""
+        """One seed per row (base.row_seeds) and every chunk left-padded to the whole batch's prompt width, so a row
+        samples the same tokens in any chunk (the width alone changes the forward's rounding, enough to flip a bfloat16
+        sample). A sharded learner's ranks then sample once for all: each its share of the groups (sharded/rollout.py)."""
         seeds = row_seeds(len(batch) * num_generations)
-        if runtime().sharded:
-            from ..sharded.rollout import replicated, sample_once
-
-            if not replicated():
-                return sample_once(self, batch, num_generations, request, seeds)
-        self._seeds = iter(seeds)
+        self._width = max(map(len, self.encode_prompts(batch.prompts, request.max_prompt_length)))
         try:
+            if runtime().sharded:
+                from ..sharded.rollout import replicated, sample_once
+
+                if not replicated():
+                    return sample_once(self, batch, num_generations, request, seeds)
+            self._seeds = iter(seeds)
             return super().generate(batch, num_generations, request)
         finally:
-            self._seeds = None
+            self._seeds = self._width = None
 
     _seeds = None   # the rows' seeds, consumed chunk by chunk in row order (set by generate)
+    _width = None   # the whole batch's prompt width (set by generate)
 
     @torch.no_grad()  # why: a rollout needs no autograd graph
     def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
@@ -72,7 +75,7 @@ class HFGenerator(Generator):
         # why synced through the shards: every forward all-gathers each layer, so a rank whose rows are done must go on
         # running forwards until every rank's are (transformers' synced_gpus); gathered whole, a forward gathers nothing
         synced = runtime().sharded and not request.gather_for_generation
-        width = max(len(p) for p in prompt_ids)
+        width = max(self._width or 0, *map(len, prompt_ids))
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         # why generate() picks greedily even when sampling: InverseCdfSampler draws the token and leaves it the only

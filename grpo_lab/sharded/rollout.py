@@ -2,9 +2,11 @@
 its share of the prompt groups (whole groups, runtime.share), the ranks all-gather the samples, and every rank builds
 the same whole rollout, rows in one process's order. A sha256 of the rollout is then agreed across the ranks.
 
-Rows equal one process's because every row samples from its own seed (base.row_seeds, drawn alike on every rank);
-log-probs may differ by float rounding (another batch composition and padding width in the forward), see
-tests/test_sharded_rollout.py. The vLLM path samples once already (one engine in the driver: remote.py).
+Rows equal one process's because every row samples from its own seed (base.row_seeds, drawn alike on every rank) and
+is padded to the whole batch's prompt width (hf.py); what a rank's forward still changes is the batch size, which
+may round float32 log-probs differently (<= 1.2e-6 measured on the CPU; bfloat16 was bit-equal; a flipped token is
+possible in principle where a kernel's rounding depends on the batch size). tests/test_sharded_rollout.py states
+the tolerance. The vLLM path samples once already (one engine in the driver: remote.py).
 """
 from __future__ import annotations
 
