@@ -21,7 +21,6 @@ import warnings
 def main() -> None:
     from grpo_lab import Lab, load_config
     from grpo_lab.sharded.rollout import REPLICATED
-    from grpo_lab.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="logits-heavy-cpu",
@@ -36,7 +35,6 @@ def main() -> None:
     overrides = ["placement.learner_procs=2", "grpo.prompts_per_step=2", "grpo.num_generations=4",
                  "memory.sample_hz=0", *args.set]
     cfg = load_config(args.config, overrides)
-    ensure_tiny_model(cfg.model.name_or_path)
     labs = {}
     for name, flag in (("sample once", None), ("replicated", "1")):
         os.environ.pop(REPLICATED, None) if flag is None else os.environ.update({REPLICATED: flag})
