@@ -214,11 +214,13 @@ class LocalExecutor:
     # --- state in and out ---
     def inspect(self) -> list[dict]:
         """This process's LoRA and AdamW state and step (one entry: rank 0 of a world of one)."""
+        from .generation.hf import GENERATED_ROWS
         from .sharded.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
 
         learner, copy = self.learner, getattr(self.reference, "model", None)
         return [{"rank": runtime().rank, "step": self.lab.step_index, "layout": layout(learner.model),
-                 "whole_gathers": WHOLE_GATHERS[0], "placements": base_placements(learner.model),
+                 "whole_gathers": WHOLE_GATHERS[0], "generated_rows": GENERATED_ROWS[0],
+                 "placements": base_placements(learner.model),
                  "reference_placements": None if copy is None else base_placements(copy),
                  "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
                  "optimizer": local_state(learner.optimizer.state_dict())}]
@@ -233,6 +235,9 @@ class LocalExecutor:
         if error == "kill" and not runtime().is_rank:
             raise LabError("arm_fault: error 'kill' kills a sharded learner's rank process; this Lab is one process, "
                            "which it would kill with your kernel; use oom or runtime")
+        if error == "diverge" and not runtime().sharded:
+            raise LabError("arm_fault: 'diverge' alters the rollout checksum a sharded learner's ranks agree on; this "
+                           "Lab is one process (set placement.learner_procs: 2)")
         if phase == "rollout" and self.config.generator.backend in OWN_WEIGHTS:
             raise LabError(f"arm_fault: a rollout fault goes into hf decoding; generator.backend: "
                            f"{self.config.generator.backend} samples in its engine; arm logprobs or backward")

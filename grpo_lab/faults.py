@@ -4,7 +4,9 @@ phase of this process and fires once, at a named point inside that phase's real 
 - `decode`: the rollout's third decoding step (hf generation);
 - `forward`: inside the first decoder layer's forward, after FSDP's pre-forward hook has gathered it, of every
   log-prob pass the phase runs (the policy's, the reference's: logprobs and backward alike);
-- `loss`: the backward's first micro-batch loss becomes NaN (what a bad reward or a diverged weight produces).
+- `loss`: the backward's first micro-batch loss becomes NaN (what a bad reward or a diverged weight produces);
+- `checksum`: a sharded rollout's token ids as this rank hashes them after the gather differ by one token (what ranks
+  whose prompts or sampling diverged would hold; sharded/rollout.py).
 
 No mocks: the points are hooks the code calls or module hooks it registers, so a fault exercises exactly what a real
 failure there does (FSDP's iteration state mid-forward included).
@@ -18,7 +20,7 @@ import torch
 
 from .errors import LabError
 
-ERRORS = ("oom", "runtime", "nan", "kill")   # kill: SIGKILL of this process at the point (a rank's death)
+ERRORS = ("oom", "runtime", "nan", "diverge", "kill")   # kill: SIGKILL of this process at the point (a rank's death)
 POINTS = {"rollout": ("decode",), "logprobs": ("forward",), "backward": ("forward", "loss")}
 
 
@@ -30,7 +32,7 @@ class Fault:
 
     @property
     def point(self) -> str:
-        return "loss" if self.error == "nan" else POINTS[self.phase][0]
+        return {"nan": "loss", "diverge": "checksum"}.get(self.error) or POINTS[self.phase][0]
 
 
 _ARMED: Optional[Fault] = None
@@ -45,11 +47,13 @@ def check(phase: str, error: str) -> None:
     if error == "nan" and phase != "backward":
         raise LabError(f"arm_fault: error 'nan' poisons a loss, which only backward computes; arm it on backward, "
                        f"not {phase}")
+    if error == "diverge" and phase != "rollout":
+        raise LabError(f"arm_fault: error 'diverge' alters a sharded rollout's checksum; arm it on rollout, not {phase}")
 
 
 def arm(phase: str, error: str) -> None:
     """Make this process's next `phase` fail once (error 'oom': torch.OutOfMemoryError, 'runtime': RuntimeError,
-    'nan': a NaN loss, 'kill': SIGKILL of the process)."""
+    'nan': a NaN loss, 'diverge': a sharded rollout this rank holds differently, 'kill': SIGKILL of the process)."""
     global _ARMED
     check(phase, error)
     _ARMED = Fault(phase, error)
@@ -99,6 +103,15 @@ def fire(point: str, nth: int = 1) -> None:
 def poison(loss: torch.Tensor) -> torch.Tensor:
     """The loss, or NaN when a 'nan' fault is due (the `loss` point)."""
     return loss * float("nan") if _due("loss") is not None else loss
+
+
+def diverge(token_ids: torch.Tensor) -> torch.Tensor:
+    """The token ids, or a copy with its first one changed when a 'diverge' fault is due (the `checksum` point)."""
+    if _due("checksum") is None:
+        return token_ids
+    changed = token_ids.clone()
+    changed.view(-1)[0] += 1
+    return changed
 
 
 def watch_forward(model) -> None:

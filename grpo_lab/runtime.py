@@ -82,6 +82,14 @@ class Runtime:
         share = n // self.size
         return slice(self.rank * share, (self.rank + 1) * share)
 
+    def share(self, n: int, rank: Optional[int] = None) -> slice:
+        """Rank `rank`'s (default: this one's) share of n whole items, e.g. a rollout's prompt groups: contiguous, in
+        rank order, the first n % size ranks one more (so n need not divide; a rank may get none)."""
+        k = self.rank if rank is None else rank
+        base, extra = divmod(n, self.size)
+        start = k * base + min(k, extra)
+        return slice(start, start + base + (k < extra))
+
     # --- collectives (the identity in a world of one) ---
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over the ranks (every rank gets it)."""

@@ -40,7 +40,7 @@ def test_a_fault_fires_once_inside_its_phase_and_the_step_goes_on(lab, phase, er
 @pytest.mark.parametrize("args, words", [
     ((1, "backward"), "arm_fault: rank 1 does not exist; this Lab is one process (rank 0)"),
     ((0, "sync"), "arm_fault: phase 'sync'; faults go into rollout, logprobs, backward"),
-    ((0, "backward", "segfault"), "arm_fault: error 'segfault'; use one of oom, runtime, nan"),
+    ((0, "backward", "segfault"), "arm_fault: error 'segfault'; use one of oom, runtime, nan, diverge"),
     ((0, "logprobs", "nan"), "arm_fault: error 'nan' poisons a loss, which only backward computes"),
 ])
 def test_bad_faults_are_one_line(lab, args, words):

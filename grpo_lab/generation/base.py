@@ -3,8 +3,9 @@ token ids and their sampler log-probs out) and `sync`; this base class tokenizes
 each prompt G times, splits the requests into chunks, merges the chunks in order and pads.
 
 Chunking (P2): `chunk_size` sequences per engine call bound the generator's peak memory
-(KV cache and logits grow with the number of sequences in flight); results are identical
-in order and content to one call, for greedy decoding.
+(KV cache and logits grow with the number of sequences in flight); the tokens are identical
+in order and content to one call (each sequence samples from its own seed: `row_seeds`), the
+sampler log-probs up to float rounding (another batch composition in the forward).
 """
 from __future__ import annotations
 
@@ -50,6 +51,20 @@ def chunked(items: Sequence, chunk_size: Optional[int]) -> Iterator[Sequence]:
         yield items[i * size:(i + 1) * size]
 
 
+def row_seeds(n: int) -> list[int]:
+    """One seed per sequence, drawn from torch's (the lab's seeded) RNG in one call before any chunking: a row's samples
+    depend on its seed alone, not on chunk_size nor on which rank samples it; the RNG advances by n draws whatever the
+    completions' lengths (vllm.draw_seeds is the same draw)."""
+    return torch.randint(0, 2 ** 31 - 1, (n,)).tolist()
+
+
+def split(items: Sequence, pieces: int) -> list[Sequence]:
+    """`items` in `pieces` consecutive parts of near-equal size (the first len % pieces one longer; some may be empty)."""
+    base, extra = divmod(len(items), pieces)
+    bounds = [k * base + min(k, extra) for k in range(pieces + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def eos_token_ids(tokenizer, checkpoint: str) -> list[int]:
     """The ids every backend stops on: the tokenizer's eos_token_id, then the checkpoint's generation_config
     eos_token_id (an int or a list: Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>)."""
@@ -91,9 +106,12 @@ class Generator:
         ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         return [p[-max_prompt_length:] for p in ids]   # truncate from the left, keep the question's end
 
+    def prompt_rows(self, batch: PromptBatch, num_generations: int, request: GenerationRequest) -> list[list[int]]:
+        """[N] token ids: each prompt repeated num_generations times (a group's rows are consecutive)."""
+        return [p for p in self.encode_prompts(batch.prompts, request.max_prompt_length) for _ in range(num_generations)]
+
     def generate(self, batch: PromptBatch, num_generations: int, request: GenerationRequest) -> Rollout:
-        prompt_ids = [p for p in self.encode_prompts(batch.prompts, request.max_prompt_length)
-                      for _ in range(num_generations)]  # [N]
+        prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
         samples: list[Sample] = []
         calls = 0
         for chunk in chunked(prompt_ids, request.chunk_size):

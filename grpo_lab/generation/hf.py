@@ -12,9 +12,10 @@ import torch
 
 from ..errors import LabError
 from ..memory.heap import trim_host_heap
+from ..runtime import runtime
 from ..sharded.fsdp import generation
 from ..tiny import resolve_model_path
-from .base import GenerationRequest, Generator, Sample
+from .base import GenerationRequest, Generator, Sample, row_seeds
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
 # repetition penalty), then from transformers' defaults (top_k 50): neither is what the request asked for.
@@ -23,6 +24,7 @@ from .base import GenerationRequest, Generator, Sample
 # preset for ~5% of its time (every step: +15%; glibc's fixed mmap threshold instead: +20%)
 TRIM_EVERY = 32
 NEUTRAL = dict(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0)
+GENERATED_ROWS = [0]   # sequences this process's hf generator sampled (what inspect() reports: a rank's share)
 
 
 def check_hf_placement(config) -> None:
@@ -43,12 +45,37 @@ class HFGenerator(Generator):
     def sync(self, learner) -> None:
         """Nothing to do: generation reads the learner's own LoRA weights."""
 
+    def generate(self, batch, num_generations, request: GenerationRequest):
+        """One seed per row (base.row_seeds) and every chunk left-padded to the whole batch's prompt width, so a row
+        samples the same tokens in any chunk (the width alone changes the forward's rounding, enough to flip a bfloat16
+        sample). A sharded learner's ranks then sample once for all: each its share of the groups (sharded/rollout.py)."""
+        seeds = row_seeds(len(batch) * num_generations)
+        self._width = max(map(len, self.encode_prompts(batch.prompts, request.max_prompt_length)))
+        try:
+            if runtime().sharded:
+                from ..sharded.rollout import replicated, sample_once
+
+                if not replicated():
+                    return sample_once(self, batch, num_generations, request, seeds)
+            self._seeds = iter(seeds)
+            return super().generate(batch, num_generations, request)
+        finally:
+            self._seeds = self._width = None
+
+    _seeds = None   # the rows' seeds, consumed chunk by chunk in row order (set by generate)
+    _width = None   # the whole batch's prompt width (set by generate)
+
     @torch.no_grad()  # why: a rollout needs no autograd graph
     def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         model, tok = self.learner.model, self.tokenizer
-        width = max(len(p) for p in prompt_ids)
+        seeds = [next(self._seeds) for _ in prompt_ids] if self._seeds is not None else row_seeds(len(prompt_ids))
+        GENERATED_ROWS[0] += len(prompt_ids)
+        # why synced through the shards: every forward all-gathers each layer, so a rank whose rows are done must go on
+        # running forwards until every rank's are (transformers' synced_gpus); gathered whole, a forward gathers nothing
+        synced = runtime().sharded and not request.gather_for_generation
+        width = max(self._width or 0, *map(len, prompt_ids))
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         # why generate() picks greedily even when sampling: InverseCdfSampler draws the token and leaves it the only
@@ -63,8 +90,8 @@ class HFGenerator(Generator):
             with generation(model, request.gather_for_generation):
                 sequences = model.generate(input_ids=input_ids.to(self.learner.device),
                                            attention_mask=attention.to(self.learner.device), generation_config=settings,
-                                           synced_gpus=False, logits_processor=LogitsProcessorList(
-                                               [*sampling_processors(request), recorder, *sampler(request),
+                                           synced_gpus=synced, logits_processor=LogitsProcessorList(
+                                               [*sampling_processors(request), recorder, *sampler(request, seeds),
                                                 *self._step_hooks()]))
         except RuntimeError as err:
             if "probability tensor contains" not in str(err):   # InverseCdfSampler on inf/nan probabilities
@@ -110,9 +137,9 @@ def sampling_processors(request: GenerationRequest) -> list:
     return processors
 
 
-def sampler(request: GenerationRequest) -> list:
-    """The token choice: InverseCdfSampler when sampling; greedy needs none (generate() takes the argmax)."""
-    return [InverseCdfSampler()] if request.temperature > 0 else []
+def sampler(request: GenerationRequest, seeds: Optional[list[int]] = None) -> list:
+    """The token choice: InverseCdfSampler when sampling (one stream per row); greedy needs none (the argmax)."""
+    return [InverseCdfSampler(seeds)] if request.temperature > 0 else []
 
 
 class InverseCdfSampler:
@@ -123,11 +150,14 @@ class InverseCdfSampler:
     draw: 21.7 ms of 32 per decoding step at 8 x 151,936 on the CPU (torch 2.13). Same distribution, another
     random stream: tokens for a given seed differ from multinomial's.
     Its two [sequences, vocab] buffers live for the whole rollout. Why: allocated afresh every decoding step they
-    fragmented a CPU learner's heap by 180-250 MB between two trims on logits-heavy-cpu."""
+    fragmented a CPU learner's heap by 180-250 MB between two trims on logits-heavy-cpu.
+    `seeds`: one CPU generator per row, so row i's t-th token uses the t-th uniform of its own stream whatever the
+    rows beside it (a rank's share samples what one process samples); None: one draw over the batch from torch's RNG."""
 
-    def __init__(self):
+    def __init__(self, seeds: Optional[list[int]] = None):
         self.cdf: Optional[torch.Tensor] = None   # float64 [n, V]
         self.out: Optional[torch.Tensor] = None   # the returned scores
+        self.rows = None if seeds is None else [torch.Generator().manual_seed(seed) for seed in seeds]
 
     def __call__(self, input_ids, scores):
         if self.out is None or self.out.shape != scores.shape or self.out.device != scores.device:
@@ -137,7 +167,11 @@ class InverseCdfSampler:
         total = self.cdf[:, -1:]
         if not torch.isfinite(total).all() or (total <= 0).any():
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        u = torch.rand(total.shape, dtype=torch.float64, device=scores.device) * total
+        if self.rows is None:
+            u = torch.rand(total.shape, dtype=torch.float64, device=scores.device)
+        else:   # why on the CPU: a CPU generator's stream is the same on every device; n draws, one copy per step
+            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in self.rows]).to(scores.device)[:, None]
+        u = u * total
         token = torch.searchsorted(self.cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)   # first cdf > u: p > 0
         return self.out.fill_(float("-inf")).scatter_(-1, token, 0.0)
 

@@ -159,7 +159,8 @@ class RankExecutor:
         pass   # each rank's learner is checked by its own Lab, on its own device
 
     def compute(self, name: str, state, *inputs):
-        """Every rank runs the phase with its own inputs (the same as these: the rollout is computed on every rank)."""
+        """Every rank runs the phase with its own inputs (the same as these: every rank holds the whole rollout, sampled
+        once, sharded/rollout.py)."""
         if self.generator is not None and (name == "sync" or (name == "rollout" and self.generator_behind)):
             self.generator.sync(self._adapter)   # the engine's LoRA from the ranks, before they end the step
             self.generator_behind = False
