@@ -93,7 +93,7 @@ CASES = [
 
 
 @pytest.mark.slow
-def test_two_ranks_sample_once_what_one_process_samples():
+def test_two_ranks_sample_once_what_one_process_samples(ray_local):
     one = Lab("tiny-cpu").load()
     try:
         expected = []
@@ -112,13 +112,13 @@ def test_two_ranks_sample_once_what_one_process_samples():
             assert [a - b for a, b in zip(rows(lab), before)] == share, edits   # each rank sampled its share only
             same_rollout(mine, theirs)
         lab.arm_fault(1, "rollout", "diverge")   # rank 1 hashes one token differently after the gather
-        pids = [rank.popen.pid for rank in lab.executor.ranks.procs]
+        pids = list(lab.executor.ranks.pids)
         with pytest.raises(LabError) as err:
             lab.rollout()
         line = str(err.value)
         assert "\n" not in line and line.startswith("rollout failed on every rank: rollout: rank 1 holds a "
                                                     "rollout unlike the others' after the gather"), line
-        assert [rank.popen.pid for rank in lab.executor.ranks.procs] == pids   # decided together: no rank restarted
+        assert list(lab.executor.ranks.pids) == pids   # decided together: no rank restarted
         assert len(lab.rollout()) == 4   # the next rollout is agreed again
     finally:
         lab.close()
