@@ -1,0 +1,139 @@
+"""The low-memory sharded load (sharded/load.py, issue 23): 2 gloo ranks load with `load_learner` as a rank's Lab does,
+without the rank transport, and are compared byte for byte with one process's `from_pretrained` load; and on a
+random model of Qwen2.5-0.5B's shape, each rank's peak bytes of live tensors during the load (a dispatch-mode ledger
+of storages, not RSS) stay under model / N + the largest layer + 10 %."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+N = 2
+
+
+class Ledger(TorchDispatchMode):
+    """Every tensor storage an op reads or makes while active, held until it dies (a weak reference to the storage):
+    `peak` is the most bytes alive at once. Counts storages, so views and aliases count once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple] = {}
+        self.peak = 0
+
+    def _see(self, t) -> None:
+        from torch.distributed.tensor import DTensor
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and (ptr not in self.live or self.live[ptr][0].expired()):
+            self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils import _pytree
+
+        out = func(*args, **(kwargs or {}))
+        for t in _pytree.tree_leaves((args, kwargs, out)):
+            self._see(t)
+        self.live = {p: v for p, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target, *args) -> None:
+    """`target(rank, size, *args)` in N fresh processes joined by gloo on 127.0.0.1 (one torch thread each)."""
+    mp.start_processes(_rank, args=(N, _free_port(), target, args), nprocs=N, start_method="spawn", join=True)
+
+
+def _rank(rank: int, size: int, port: int, target, args) -> None:
+    import torch.distributed as dist
+
+    from grpo_lab.runtime import Runtime, set_runtime
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    set_runtime(Runtime(rank, size, is_rank=True))
+    try:
+        target(rank, size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def quant_states(model) -> dict:
+    """Every 4-bit layer's quant state (absmax, code, nested absmax/code/offset, shape, dtype...) by layer name."""
+    from bitsandbytes.nn import Linear4bit
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear4bit):
+            qs = getattr(m.weight, "quant_state", None) or m.quant_state
+            out[name.replace(".base_layer", "")] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                    for k, v in qs.as_dict().items()}
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _dump_learner(rank, size, config, out):
+    """A rank's learner loaded as a rank's Lab loads it; its local shards, the layers FSDP all-gathers, the quant
+    states, the RNG state after the load and the trainable names, saved for the test process."""
+    from grpo_lab.config_io import load_config
+    from grpo_lab.learner import load_learner
+    from grpo_lab.sharded.fsdp import fsdp_units, local
+
+    learner = load_learner(load_config(config))
+    model = learner.model
+    shards = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+    units = fsdp_units(model)
+    for unit in units:   # FSDP2's own all-gather: what every forward sees (bitsandbytes#1945 broke exactly this copy)
+        unit.unshard()
+    gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for unit in units:
+        unit.reshard()
+    torch.save({"shards": shards, "gathered": gathered, "quant": quant_states(model), "rng": torch.get_rng_state(),
+                "trainable": sorted(learner.trainable_parameters())}, f"{out}/rank{rank}.pt")
+
+
+def test_two_ranks_load_the_nf4_bytes_quant_states_and_lora_of_one_process(tiny_config, tmp_path):
+    from grpo_lab.config_io import load_config
+    from grpo_lab.learner import load_learner
+
+    config = tiny_config(model={"bnb_4bit_use_double_quant": True}, lora={"r": 8, "target_modules": "all-linear"})
+    run_ranks(_dump_learner, config, str(tmp_path))
+    one = load_learner(load_config(config))
+    expected = {n: p.detach() for n, p in one.model.named_parameters()}
+    ranks = [torch.load(tmp_path / f"rank{k}.pt", weights_only=False) for k in range(N)]
+    assert ranks[0]["trainable"] == sorted(one.trainable_parameters())
+    assert set(ranks[0]["shards"]) == set(expected)
+    for name, want in expected.items():
+        whole = torch.cat([r["shards"][name].reshape(-1, *want.shape[1:]) for r in ranks])[: want.shape[0]]
+        assert whole.dtype == want.dtype and whole.shape == want.shape, name
+        assert torch.equal(_bytes(whole), _bytes(want)), f"{name}: the ranks' shards differ from one process's"
+        for r in ranks:
+            assert torch.equal(_bytes(r["gathered"][name]), _bytes(want)), f"{name}: FSDP's all-gather changed bytes"
+    want_quant = quant_states(one.model)
+    assert want_quant and all(r["quant"].keys() == want_quant.keys() for r in ranks)
+    for r in ranks:
+        for layer, state in want_quant.items():
+            assert r["quant"][layer].keys() == state.keys(), layer
+            for k, v in state.items():
+                got = r["quant"][layer][k]
+                assert (torch.equal(_bytes(got), _bytes(v)) if isinstance(v, torch.Tensor) else got == v), (layer, k)
+        assert torch.equal(r["rng"], torch.get_rng_state())   # the generator left where get_peft_model leaves it
