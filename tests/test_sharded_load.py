@@ -107,7 +107,8 @@ def _dump_learner(rank, size, config, out):
     gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
     for unit in units:
         unit.reshard()
-    torch.save({"shards": shards, "gathered": gathered, "quant": quant_states(model), "rng": torch.get_rng_state(),
+    buffers = {n: b.clone() for n, b in model.named_buffers()}   # rotary inv_freq: computed, not read
+    torch.save({"shards": shards, "gathered": gathered, "buffers": buffers, "quant": quant_states(model), "rng": torch.get_rng_state(),
                 "trainable": sorted(learner.trainable_parameters())}, f"{out}/rank{rank}.pt")
 
 
@@ -128,6 +129,9 @@ def test_two_ranks_load_the_nf4_bytes_quant_states_and_lora_of_one_process(tiny_
         assert torch.equal(_bytes(whole), _bytes(want)), f"{name}: the ranks' shards differ from one process's"
         for r in ranks:
             assert torch.equal(_bytes(r["gathered"][name]), _bytes(want)), f"{name}: FSDP's all-gather changed bytes"
+    buffers = dict(one.model.named_buffers())
+    assert buffers and all(r["buffers"].keys() == buffers.keys() for r in ranks)
+    assert all(torch.equal(_bytes(r["buffers"][n]), _bytes(b)) for r in ranks for n, b in buffers.items())
     want_quant = quant_states(one.model)
     assert want_quant and all(r["quant"].keys() == want_quant.keys() for r in ranks)
     for r in ranks:
@@ -137,3 +141,72 @@ def test_two_ranks_load_the_nf4_bytes_quant_states_and_lora_of_one_process(tiny_
                 got = r["quant"][layer][k]
                 assert (torch.equal(_bytes(got), _bytes(v)) if isinstance(v, torch.Tensor) else got == v), (layer, k)
         assert torch.equal(r["rng"], torch.get_rng_state())   # the generator left where get_peft_model leaves it
+
+
+def qwen05b_shaped(path) -> None:
+    """Random bf16 weights of Qwen2.5-0.5B's shape (24 layers, hidden 896, vocab 151936, tied), written as one
+    safetensors file next to its config: what save_pretrained writes, without building the model in float32."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, dtype="bfloat16",
+                         max_position_embeddings=32768, rope_theta=1000000.0)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Qwen2ForCausalLM(config).state_dict().items() if k != "lm_head.weight"}
+    generator = torch.Generator().manual_seed(0)
+    weights = {k: (torch.ones(s, dtype=torch.bfloat16) if k.endswith("norm.weight")
+                   else torch.empty(s, dtype=torch.bfloat16).normal_(0, 0.02, generator=generator))
+               for k, s in shapes.items()}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+
+
+def unit_bytes(module) -> int:
+    """Bytes of a module's parameters whole (a DTensor counts its global size) and its 4-bit quant states."""
+    from bitsandbytes.nn import Linear4bit
+
+    params = {id(p): p.numel() * p.element_size() for p in module.parameters()}
+    quant = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for m in module.modules() if isinstance(m, Linear4bit) and m.quant_state is not None
+             for t in (m.quant_state.absmax, m.quant_state.code, *((m.quant_state.state2.absmax,
+                                                                    m.quant_state.state2.code)
+                                                                   if m.quant_state.nested else ()))}
+    return sum(params.values()) + sum(quant.values())
+
+
+def _load_and_count(rank, size, config, out):
+    import json
+
+    from grpo_lab.config_io import load_config
+    from grpo_lab.learner import load_sharded_learner
+
+    with Ledger() as ledger:
+        model = load_sharded_learner(load_config(config), "cpu")
+    held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+            for p in (t._local_tensor if hasattr(t, "_local_tensor") else t for t in model.parameters())}
+    lm = model.get_base_model()
+    layers = [unit_bytes(layer) for layer in lm.model.layers]
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"peak": ledger.peak, "model": unit_bytes(lm), "largest_layer": max(layers),
+                   "shards_after": sum(held.values())}, f)
+
+
+@pytest.mark.slow
+def test_no_rank_holds_more_than_its_shard_and_one_layer_while_loading_a_qwen2_5_0_5b_shaped_model(tmp_path):
+    import json
+
+    model_dir = tmp_path / "qwen05b"
+    model_dir.mkdir()
+    qwen05b_shaped(model_dir)
+    config = {"model": {"name_or_path": str(model_dir), "dtype": "bfloat16", "bnb_4bit_compute_dtype": "bfloat16"},
+              "lora": {"r": 16, "target_modules": "all-linear"}}
+    run_ranks(_load_and_count, config, str(tmp_path))
+    for k in range(N):
+        got = json.loads((tmp_path / f"rank{k}.json").read_text())
+        bound = (got["model"] / N + got["largest_layer"]) * 1.1
+        print(f"rank {k}: peak {got['peak'] / 2**20:.1f} MiB held during load; bound {bound / 2**20:.1f} MiB = "
+              f"(model {got['model'] / 2**20:.1f} / {N} + largest layer {got['largest_layer'] / 2**20:.1f}) x 1.1")
+        assert got["model"] > 400 * 2**20                    # the model counted is the whole 0.5B (bf16 embedding, nf4)
+        assert got["peak"] >= got["shards_after"] >= 0.9 * got["model"] / N   # the ledger saw what the rank keeps
+        assert got["peak"] <= bound, got

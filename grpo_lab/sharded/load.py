@@ -21,6 +21,9 @@ from ..errors import LabError
 from .fsdp import finish, mesh_for, shard_unit
 
 
+READ_BYTES = 4 * 2 ** 20   # the most of a root parameter's rows read at once (its shard is filled block by block)
+
+
 class Checkpoint:
     """A safetensors checkpoint read lazily, tensor by tensor (one file or an index of shards)."""
 
@@ -36,7 +39,7 @@ class Checkpoint:
             raise LabError(f"model.name_or_path: {path} has no model.safetensors (a sharded learner reads safetensors "
                            "layer by layer); save the checkpoint with save_pretrained(safe_serialization=True)")
         files = sorted(set(where.values())) if where else ["model.safetensors"]
-        self._files = {name: safe_open(str(path / name), framework="pt", device="cpu") for name in files}
+        self._files = {name: _open(safe_open, path / name) for name in files}
         self._where = where or {k: "model.safetensors" for k in self._files["model.safetensors"].keys()}
 
     def _file(self, key: str):
@@ -53,6 +56,15 @@ class Checkpoint:
         return self._file(key).get_slice(key)[start:stop]
 
 
+def _open(safe_open, file: Path):
+    """One safetensors file, read with pread: a slice is then only its bytes (with mmap, a slice of the embedding is
+    a view of the whole embedding's mapping)."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu", backend="pread")
+    except TypeError:   # a safetensors without the backend choice (< 0.7): mmap
+        return safe_open(str(file), framework="pt", device="cpu")
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """What from_pretrained builds under: new floating tensors (bitsandbytes' meta Linear4bit weights) in `dtype`."""
@@ -67,23 +79,28 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def meta_model(path: Path, dtype: torch.dtype, quantization_config, device: torch.device):
     """The causal LM with every parameter on meta (buffers real, on `device`), 4-bit layers swapped in as
     from_pretrained swaps them (the quantizer's own preprocess/postprocess)."""
-    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(path)
     quantizer = None
-    with torch.random.fork_rng(devices=[]), _default_dtype(dtype):
-        with init_empty_weights(include_buffers=False):   # parameters on meta, buffers computed
-            lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if quantization_config is not None:   # why outside: the swap makes its own meta 4-bit weights, in `dtype`
+    # why the meta device, not accelerate's init_empty_weights: that one makes each weight on the CPU first and then
+    # moves it, so the LM head (the largest tensor) would exist whole for a moment
+    with torch.random.fork_rng(devices=[]), _default_dtype(dtype), torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if quantization_config is not None:
             from transformers.quantizers import AutoHfQuantizer
 
             quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)   # quantized here
             quantizer.preprocess_model(model=lm, dtype=dtype, device_map={"": device})
     lm.tie_weights()   # as from_pretrained's finalisation: a tied LM head is the embedding's parameter
-    for module in lm.modules():   # non-persistent buffers (rotary inv_freq), computed at init, not in the files
-        for name, buf in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = buf.to(device)
+    with torch.random.fork_rng(devices=[]):
+        for module in lm.modules():   # non-persistent buffers (rotary inv_freq): not in the files; computed as
+            if any(b.is_meta for b in module.buffers(recurse=False)):   # from_pretrained computes them
+                if any(True for _ in module.parameters(recurse=False)):
+                    raise LabError(f"model: {type(module).__name__} holds weights and computed buffers; a sharded "
+                                   "learner cannot load it layer by layer yet (use placement.learner_procs: 1)")
+                module.to_empty(device=device, recurse=False)
+                lm._init_weights(module)
     if quantizer is not None:
         lm.hf_quantizer = quantizer
         quantizer.postprocess_model(lm)
@@ -155,18 +172,16 @@ def _fill_root(root_entries: list[tuple], checkpoint: Checkpoint, device: torch.
 
     rank, size = dist.get_rank(), dist.get_world_size()
     for module, attr, key in root_entries:
-        module.to_empty(device=device, recurse=False)
+        module.to_empty(device=device, recurse=False)   # this rank's shard only (FSDP2 sharded it on meta)
         param = getattr(module, attr)
-        local = param.to_local() if hasattr(param, "to_local") else param
-        rows = local.shape[0] if local.dim() else 0
-        whole = param.shape[0]
-        chunk = -(-whole // size)
-        start = min(rank * chunk, whole)
+        local = param.to_local()
+        start = min(rank * -(-param.shape[0] // size), param.shape[0])
+        # why in blocks: the rows read whole beside the shard they fill would double the shard for a moment
+        step = max(1, READ_BYTES // max(1, local[:1].numel() * local.element_size()))
         with torch.no_grad():
-            if local.dim() == 0 or not hasattr(param, "to_local"):
-                local.copy_(checkpoint.tensor(key).to(local.dtype))
-            elif rows:
-                local.copy_(checkpoint.rows(key, start, start + rows).to(local.dtype))
+            for at in range(0, local.shape[0], step):
+                stop = min(local.shape[0], at + step)
+                local[at:stop].copy_(checkpoint.rows(key, start + at, start + stop).to(local.dtype))
 
 
 def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: torch.device,
