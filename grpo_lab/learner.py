@@ -59,9 +59,12 @@ def quantization_config(model_cfg):
 
 
 def load_base(model_cfg, device: str):
-    """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen."""
+    """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen. On a sharded rank, already sharded
+    (loaded layer by layer: sharded/load.py); prepare_like_policy then leaves it as it is."""
     from transformers import AutoModelForCausalLM
 
+    if runtime_is_rank():
+        return load_sharded_base(model_cfg, device)
     path = check_model_path(model_cfg.name_or_path)
     kwargs = dict(dtype=_DTYPES[model_cfg.dtype], device_map={"": device})
     if model_cfg.load_in_4bit:
@@ -118,22 +121,27 @@ def add_lora(base, config):
 
 def load_sharded_learner(config, device: str):
     """A rank's learner, never whole on it (sharded/load.py): the same model as one process's, sharded with FSDP2."""
+    return load_sharded_base(config.model, device, lambda base: add_lora(base, config))
+
+
+def load_sharded_base(model_cfg, device: str, wrap=None):
+    """load_base's model on a rank, built on meta and sharded layer by layer as it is read; `wrap` (PEFT) is applied
+    on meta, before any weight is read."""
     from .sharded.load import load_sharded
 
-    model_cfg = config.model
     path = Path(check_model_path(model_cfg.name_or_path))
     if not path.is_dir():   # a hub id: its files from the hub cache (downloaded there if not yet)
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
 
-    def wrap(base):
+    def prepare(base):
+        pin_training_layout(base)   # as load_base (set on the meta modules; the attribute is what counts)
         base.requires_grad_(False)
-        base.config.use_cache = False  # why: as load_base
-        pin_training_layout(base)   # why: as load_base (set on the meta modules; the attribute is what counts)
-        return add_lora(base, config)
+        base.config.use_cache = False  # as load_base
+        return wrap(base) if wrap is not None else base
 
-    return load_sharded(path, _DTYPES[model_cfg.dtype], quantization_config(model_cfg), torch.device(device), wrap)
+    return load_sharded(path, _DTYPES[model_cfg.dtype], quantization_config(model_cfg), torch.device(device), prepare)
 
 
 def runtime_is_rank() -> bool:
@@ -155,9 +163,10 @@ def prepare_like_policy(model, device: str) -> None:
     from .runtime import runtime
 
     if runtime().is_rank:
-        from .sharded.fsdp import shard
+        from .sharded.fsdp import is_sharded, shard
 
-        shard(model, torch.device(device))
+        if not is_sharded(model):   # load_base on a rank shards as it loads
+            shard(model, torch.device(device))
 
 
 def lora_target_error(base: torch.nn.Module, targets, err: Exception) -> LabError:

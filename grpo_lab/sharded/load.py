@@ -149,7 +149,7 @@ def materialise(entries: list[tuple], checkpoint: Checkpoint, device: torch.devi
         module._parameters[attr] = param
 
 
-def replay_lora(layer, rng: torch.Tensor) -> torch.Tensor:
+def replay_lora(layer, rng: torch.Tensor, configs: dict) -> torch.Tensor:
     """PEFT's LoRA init of one decoder layer's adapters, drawn from `rng` (torch's CPU generator state), exactly as
     get_peft_model drew them in one process: each LoRA module's `update_layer`, in module order. Returns the state
     after, for the next layer (why: LoRA A must equal one process's with the same seed)."""
@@ -160,8 +160,7 @@ def replay_lora(layer, rng: torch.Tensor) -> torch.Tensor:
         for module in layer.modules():
             if isinstance(module, LoraLayer):
                 for name in list(module.lora_A.keys()):
-                    module.update_layer(name, module.r[name], lora_alpha=module.lora_alpha[name],
-                                        config=module._grpo_lab_lora_config)
+                    module.update_layer(name, module.r[name], lora_alpha=module.lora_alpha[name], config=configs[name])
         return torch.get_rng_state()
 
 
@@ -195,28 +194,19 @@ def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: to
     per_layer, root = _params_by_unit(lm)
     with torch.random.fork_rng(devices=[]):   # why: the meta pass's draws are thrown away; replay_lora redraws them
         model = wrap(lm) if wrap is not None else lm
-    _tag_lora_configs(model)
     checkpoint = Checkpoint(path)
     mesh = mesh_for(device)
     layers = list(getattr(lm, lm.base_model_prefix).layers)
     for layer, entries in zip(layers, per_layer):
         materialise(entries, checkpoint, device)
-        rng = replay_lora(layer, rng)
+        rng = replay_lora(layer, rng, getattr(model, "peft_config", {}))
         shard_unit(layer, mesh)   # why now: this rank keeps its 1/N of the layer; the whole layer is freed here
     shard_unit(lm, mesh)          # the root on meta: nothing whole is ever made of the embedding or the LM head
     _fill_root(root, checkpoint, device)
+    left = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if left:   # a LoRA target outside the decoder layers (e.g. the LM head): nothing here reads or draws it
+        raise LabError(f"lora.target_modules: {left[0]} is outside the decoder layers, which a sharded learner "
+                       "(placement.learner_procs > 1) loads layer by layer; target the decoder layers' linear layers")
     finish(lm)
     torch.set_rng_state(rng)      # where get_peft_model leaves one process's generator
     return model
-
-
-def _tag_lora_configs(model) -> None:
-    """Each LoRA module remembers its LoraConfig (update_layer needs it; PEFT keeps it on the PeftModel only)."""
-    configs = getattr(model, "peft_config", None)
-    if not configs:
-        return
-    from peft.tuners.lora import LoraLayer
-
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            module._grpo_lab_lora_config = configs[next(iter(module.lora_A.keys()))]
