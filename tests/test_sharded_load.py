@@ -112,6 +112,7 @@ def _dump_learner(rank, size, config, out):
                 "trainable": sorted(learner.trainable_parameters())}, f"{out}/rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_two_ranks_load_the_nf4_bytes_quant_states_and_lora_of_one_process(tiny_config, tmp_path):
     from grpo_lab.config_io import load_config
     from grpo_lab.learner import load_learner
@@ -144,8 +145,11 @@ def test_two_ranks_load_the_nf4_bytes_quant_states_and_lora_of_one_process(tiny_
 
 
 def qwen05b_shaped(path) -> None:
-    """Random bf16 weights of Qwen2.5-0.5B's shape (24 layers, hidden 896, vocab 151936, tied), written as one
-    safetensors file next to its config: what save_pretrained writes, without building the model in float32."""
+    """Random bf16 weights of Qwen2.5-0.5B's shape (24 layers, hidden 896, vocab 151936, tied), written as two
+    safetensors files and their index next to its config: what save_pretrained writes for a large model, without
+    building the model in float32."""
+    import json
+
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -158,7 +162,10 @@ def qwen05b_shaped(path) -> None:
     weights = {k: (torch.ones(s, dtype=torch.bfloat16) if k.endswith("norm.weight")
                    else torch.empty(s, dtype=torch.bfloat16).normal_(0, 0.02, generator=generator))
                for k, s in shapes.items()}
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    files = {k: f"model-0000{1 + ('layers.1' in k or 'layers.2' in k)}-of-00002.safetensors" for k in weights}
+    for name in sorted(set(files.values())):
+        save_file({k: v for k, v in weights.items() if files[k] == name}, str(path / name), metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
     config.save_pretrained(path)
 
 
