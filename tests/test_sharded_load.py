@@ -188,15 +188,25 @@ def _load_and_count(rank, size, config, out):
     from grpo_lab.config_io import load_config
     from grpo_lab.learner import load_sharded_learner
 
-    with Ledger() as ledger:
+    import grpo_lab.sharded.load as load
+
+    ledger, fill_root = Ledger(), load._fill_root
+
+    def after_the_layers(*args):   # the peak before the root (which dominates a 0.5B model) is read
+        marks["layers_peak"] = ledger.peak
+        return fill_root(*args)
+
+    marks: dict = {}
+    load._fill_root = after_the_layers
+    with ledger:
         model = load_sharded_learner(load_config(config), "cpu")
     held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
             for p in (t._local_tensor if hasattr(t, "_local_tensor") else t for t in model.parameters())}
     lm = model.get_base_model()
     layers = [unit_bytes(layer) for layer in lm.model.layers]
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"peak": ledger.peak, "model": unit_bytes(lm), "largest_layer": max(layers),
-                   "shards_after": sum(held.values())}, f)
+        json.dump({"peak": ledger.peak, "model": unit_bytes(lm), "largest_layer": max(layers), "layers": sum(layers),
+                   "shards_after": sum(held.values()), **marks}, f)
 
 
 @pytest.mark.slow
@@ -217,3 +227,7 @@ def test_no_rank_holds_more_than_its_shard_and_one_layer_while_loading_a_qwen2_5
         assert got["model"] > 400 * 2**20                    # the model counted is the whole 0.5B (bf16 embedding, nf4)
         assert got["peak"] >= got["shards_after"] >= 0.9 * got["model"] / N   # the ledger saw what the rank keeps
         assert got["peak"] <= bound, got
+        # the same bound on the decoder layers alone, before the root: they were never whole together either
+        layers_bound = (got["layers"] / N + got["largest_layer"]) * 1.1
+        print(f"rank {k}: {got['layers_peak'] / 2**20:.1f} MiB before the root; bound {layers_bound / 2**20:.1f} MiB")
+        assert got["layers_peak"] <= layers_bound, got
