@@ -40,25 +40,35 @@ def load_tokenizer(path: str):
     return tok
 
 
+def quantization_config(model_cfg):
+    """The BitsAndBytesConfig of `model`'s 4-bit fields (None when not load_in_4bit)."""
+    if not model_cfg.load_in_4bit:
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise LabError("model.load_in_4bit needs bitsandbytes (a grpo-lab dependency): pip install bitsandbytes, "
+                       "or set model.load_in_4bit: false") from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
+        bnb_4bit_compute_dtype=_DTYPES[model_cfg.bnb_4bit_compute_dtype],
+        bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
+    )
+
+
 def load_base(model_cfg, device: str):
-    """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen."""
+    """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen. On a sharded rank, already sharded
+    (loaded layer by layer: sharded/load.py); prepare_like_policy then leaves it as it is."""
     from transformers import AutoModelForCausalLM
 
+    if runtime_is_rank():
+        return load_sharded_base(model_cfg, device)
     path = check_model_path(model_cfg.name_or_path)
     kwargs = dict(dtype=_DTYPES[model_cfg.dtype], device_map={"": device})
     if model_cfg.load_in_4bit:
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise LabError("model.load_in_4bit needs bitsandbytes (a grpo-lab dependency): pip install bitsandbytes, "
-                           "or set model.load_in_4bit: false") from None
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
-            bnb_4bit_compute_dtype=_DTYPES[model_cfg.bnb_4bit_compute_dtype],
-            bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
-        )
+        kwargs["quantization_config"] = quantization_config(model_cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
@@ -75,11 +85,25 @@ def load_base(model_cfg, device: str):
 
 
 def load_learner(config) -> Learner:
-    from peft import LoraConfig, get_peft_model
-
     device = learner_device(config)
     torch.manual_seed(config.run.seed)  # why here: LoRA A's random init must be reproducible
-    base = load_base(config.model, device)
+    if runtime_is_rank():
+        model = load_sharded_learner(config, device)
+    else:
+        model = add_lora(load_base(config.model, device), config)
+        prepare_like_policy(model, device)
+    params = [p for p in model.parameters() if p.requires_grad]   # after sharding: FSDP2 replaced them with DTensors
+    adamw = HostAdamW if config.placement.optimizer_offload else torch.optim.AdamW
+    optimizer = adamw(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
+    return Learner(model=model, tokenizer=load_tokenizer(resolve_model_path(config.model.name_or_path)),
+                   device=torch.device(device), optimizer=optimizer)
+
+
+def add_lora(base, config):
+    """The log-prob head, PEFT's LoRA and gradient checkpointing on `base` (on meta too: a sharded load adds them
+    before any weight is read)."""
+    from peft import LoraConfig, get_peft_model
+
     add_logprob_head(base)  # before PEFT wraps it, as TRL requires; each pass sets its rollout's temperature
     lora = config.lora
     try:
@@ -92,12 +116,38 @@ def load_learner(config) -> Learner:
     if config.model.gradient_checkpointing:
         # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    prepare_like_policy(model, device)
-    params = [p for p in model.parameters() if p.requires_grad]   # after sharding: FSDP2 replaced them with DTensors
-    adamw = HostAdamW if config.placement.optimizer_offload else torch.optim.AdamW
-    optimizer = adamw(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
-    return Learner(model=model, tokenizer=load_tokenizer(resolve_model_path(config.model.name_or_path)),
-                   device=torch.device(device), optimizer=optimizer)
+    return model
+
+
+def load_sharded_learner(config, device: str):
+    """A rank's learner, never whole on it (sharded/load.py): the same model as one process's, sharded with FSDP2."""
+    return load_sharded_base(config.model, device, lambda base: add_lora(base, config))
+
+
+def load_sharded_base(model_cfg, device: str, wrap=None):
+    """load_base's model on a rank, built on meta and sharded layer by layer as it is read; `wrap` (PEFT) is applied
+    on meta, before any weight is read."""
+    from .sharded.load import load_sharded
+
+    path = Path(check_model_path(model_cfg.name_or_path))
+    if not path.is_dir():   # a hub id: its files from the hub cache (downloaded there if not yet)
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+
+    def prepare(base):
+        pin_training_layout(base)   # as load_base (set on the meta modules; the attribute is what counts)
+        base.requires_grad_(False)
+        base.config.use_cache = False  # as load_base
+        return wrap(base) if wrap is not None else base
+
+    return load_sharded(path, _DTYPES[model_cfg.dtype], quantization_config(model_cfg), torch.device(device), prepare)
+
+
+def runtime_is_rank() -> bool:
+    from .runtime import runtime
+
+    return runtime().is_rank
 
 
 def learner_device(config) -> str:
@@ -113,9 +163,10 @@ def prepare_like_policy(model, device: str) -> None:
     from .runtime import runtime
 
     if runtime().is_rank:
-        from .sharded.fsdp import shard
+        from .sharded.fsdp import is_sharded, shard
 
-        shard(model, torch.device(device))
+        if not is_sharded(model):   # load_base on a rank shards as it loads
+            shard(model, torch.device(device))
 
 
 def lora_target_error(base: torch.nn.Module, targets, err: Exception) -> LabError:

@@ -48,9 +48,10 @@ def test_each_rank_holds_1_over_n_of_the_weights_and_optimizer_but_all_of_the_qu
         for what in ("LoRA weights", "LoRA gradients"):
             assert per_rank[(f"{what} (1/{procs})", None)] == single[(what, None)] / procs
         assert per_rank[(f"AdamW moments (1/{procs})", None)] == single[("AdamW moments", None)] / procs
-        # each rank loads the whole model first: resident shard + the rest = all of it (codes, dense, LoRA fp32)
-        whole = single[("base weights", None)] - quant_state + single[("LoRA weights", None)]
-        assert per_rank[("whole model before fully_shard", "load")] == pytest.approx(whole * (1 - 1 / procs))
+        # each rank loads layer by layer (sharded/load.py): beyond its shards, one layer whole + the float weight
+        # being quantized (Qwen2.5-7B's largest linear, 18944 x 3584, read in bf16)
+        layer, _ = units(shape)
+        assert per_rank[("one layer whole before fully_shard", "load")] == pytest.approx(layer + 18944 * 3584 * 2)
         assert rank.roles[0] == f"learner rank {int(name.split(':')[1])} of {procs} (FSDP2)"
     # what sharding buys: the resident weights and optimizer state shrink ~N-fold (the quant state aside)
     resident = [i.bytes for i in split.ranks["cuda:0"].items if i.phase is None and "CUDA context" not in i.what]
@@ -151,3 +152,17 @@ def test_a_vllm_engine_for_the_ranks_is_planned_on_its_own_gpu_and_the_ranks_gat
     hf = sharded(2)
     assert items(split.devices["cuda:0"]) == {k: v for k, v in items(hf.devices["cuda:0"]).items() if k[1] != "rollout"}
     assert "runs their vllm engine" in [i for i in split.devices["host"].items if i.what.startswith("driver")][0].note
+
+
+def test_the_load_phase_is_a_rank_s_shards_and_one_layer_never_the_whole_model():
+    """P3 (issue 23): QwQ-32B nf4 on 2 x 40 GB ranks planned 19.6 GiB per rank at load when every rank loaded the whole
+    model before fully_shard; the layer-by-layer load needs the rank's shards and one layer (~11.2 GiB)."""
+    result = plan(load_config("p1-qwq32b-nf4-2xa100-40gb", ["placement.learner_procs=2", "placement.generator=[2]"]))
+    shape = result.shape
+    layer, root = units(shape)
+    whole = shape.layers * layer + root
+    for rank in result.ranks.values():
+        load = rank.phase_peak("load")
+        assert load - rank.resident == pytest.approx(layer + 27648 * 5120 * 2, rel=1e-12)   # + the float down_proj
+        assert load < rank.resident + whole / 8 and load / GiB == pytest.approx(11.18, abs=0.01)
+        assert rank.peak_phase != "load"

@@ -2,15 +2,16 @@
 parameter and of AdamW's state, the root and the layers in flight gathered whole during a pass, the whole rollout
 on every rank (the model gathered whole with generator.gather_for_generation, else layer by layer), and 1/N of the
 batch rows in log-probs and backward. Departs from the one-process plan in two places: bitsandbytes' quant state
-is never sharded, and every rank loads the whole model before fully_shard (a "load" phase).
+is never sharded, and the load (sharded/load.py) holds, beside the rank's shards, one decoder layer whole and the
+float copy of the linear weight being quantized (a "load" phase).
 
 CUDA ranks have a device each; CPU ranks share host RAM, so there the host is the sum of every rank's process.
 """
 from __future__ import annotations
 
 from ..generation.registry import OWN_WEIGHTS
-from .estimate import (CUDA_CONTEXT, HOST_BASELINE, PHASES, DevicePlan, activation_bytes, base_weight_bytes,
-                       base_weight_split, generation_step_bytes, kv_cache_bytes, unit_bytes)
+from .estimate import (CUDA_CONTEXT, DTYPE_BYTES, HOST_BASELINE, PHASES, DevicePlan, activation_bytes,
+                       base_weight_bytes, base_weight_split, generation_step_bytes, kv_cache_bytes, unit_bytes)
 from .parts import _home, add_engine, capacity_of, head_note
 from .shapes import ModelShape
 
@@ -85,10 +86,11 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
         rank.roles.append("reference copy (sharded like the policy)")
         rank.add(f"reference weights (1/{procs} shard)", sharded / procs, fmt)
         rank.add("reference quant state (whole on every rank)", whole)
-    # why: every rank loads the whole model (learner.load_base) and fully_shard then keeps its 1/N; the resident
-    # shard above is part of that whole, so this is the rest (AdamW and gradients, not there yet, make it pessimistic)
-    rank.add("whole model before fully_shard", (sharded + lora * 4) * (1 - 1 / procs),
-             f"every rank loads all of it, then keeps 1/{procs}; this is the rest", phase="load")
+    # why: a rank materialises one decoder layer at a time (sharded/load.py), quantizing each weight from a float copy
+    # in model.dtype, and fully_shards it before the next; the root is read as its rows only. So beyond the resident
+    # shards: one layer whole and its largest weight in float (AdamW and gradients, not there yet: pessimistic)
+    rank.add("one layer whole before fully_shard", layer + load_float_bytes(shape, cfg),
+             f"read and quantized layer by layer, then 1/{procs} kept; + its largest weight as read", phase="load")
 
     if gen.backend in OWN_WEIGHTS:   # the rank's rollout is the driver engine's answer: no weights gathered for it
         rank.roles.append(f"rollout sampled by the driver's {gen.backend} engine")
@@ -111,6 +113,14 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
     rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu), phase="backward")
     rank.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
     return act["micro_batch"]
+
+
+def load_float_bytes(shape: ModelShape, cfg) -> float:
+    """The float copy of the largest linear weight a 4-bit load quantizes (none when the weights stay in model.dtype:
+    the layer itself holds them)."""
+    if not cfg.model.load_in_4bit:
+        return 0.0
+    return max(a * b for _, a, b in shape.linear_layers()) * DTYPE_BYTES[cfg.model.dtype]
 
 
 def fill_hf_rollout(rank: DevicePlan, cfg, shape: ModelShape, layer: float, root: float) -> None:

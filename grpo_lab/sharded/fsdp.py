@@ -29,27 +29,46 @@ def _layers(causal_lm) -> list:
 
 def shard(model, device: torch.device):
     """Shard `model` (a PeftModel or a bare causal LM) in place over the default process group; returns it."""
+    mesh = mesh_for(device)
+    lm = _causal_lm(model)
+    for layer in _layers(lm):
+        shard_unit(layer, mesh)   # why per layer: one layer whole at a time
+    shard_unit(lm, mesh)   # the root owns the embedding, final norm and LM head (tied or not)
+    finish(lm)
+    return model
+
+
+def mesh_for(device: torch.device):
+    """A 1-D mesh over every rank of the default process group, on `device`'s type."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    lm = _causal_lm(model)
-    units = [fully_shard(layer, mesh=mesh) for layer in _layers(lm)]   # why per layer: one layer whole at a time
-    root = fully_shard(lm, mesh=mesh)   # the root owns the embedding, final norm and LM head (tied or not)
-    for unit in (*units, root):
-        # why a sum: each rank's loss is its rows' share of the whole batch's loss (normalised by the whole batch's
-        # totals), so the whole batch's gradient is the sum over ranks, not FSDP's default mean
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)   # why: gloo has no PREMUL_SUM (the op a custom factor picks)
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def shard_unit(module, mesh):
+    """`fully_shard` one unit (a decoder layer, or the root after its layers) with grpo_lab's gradient reduction."""
+    from torch.distributed.fsdp import fully_shard
+
+    unit = fully_shard(module, mesh=mesh)
+    # why a sum: each rank's loss is its rows' share of the whole batch's loss (normalised by the whole batch's
+    # totals), so the whole batch's gradient is the sum over ranks, not FSDP's default mean
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)   # why: gloo has no PREMUL_SUM (the op a custom factor picks)
+    return unit
+
+
+def finish(lm) -> None:
+    """After the root is sharded: the log-prob pass registered with FSDP and the root's settings made final."""
     from types import MethodType
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
     from ..logprobs import score_completions
 
     setattr(lm, SCORE, MethodType(score_completions, lm))
     register_fsdp_forward_method(lm, SCORE)   # why: a log-prob pass calls the backbone and the head, not forward()
-    root._get_fsdp_state()._lazy_init()   # why now: the root's settings (no reshard after forward) are final before any pass
-    return model
+    lm._get_fsdp_state()._lazy_init()   # why now: the root's settings (no reshard after forward) are final before any pass
 
 
 def fsdp_units(model) -> list:
