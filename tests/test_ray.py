@@ -110,6 +110,20 @@ def test_a_ray_a_lab_started_stops_only_when_the_last_lab_on_it_closes():
         ray.shutdown()
 
 
+def test_closing_after_the_notebook_shut_ray_down_is_clean(tiny_model):
+    """ray.shutdown() in a cell ends the rank actors with Ray; lab.close() afterwards must not fail on them."""
+    import ray
+
+    from grpo_lab.config_io import load_config
+    from grpo_lab.sharded.ranks import Ranks
+
+    ray.shutdown()
+    ranks = Ranks(load_config("tiny-cpu", SHARDED).to_dict(), 2, memory=None)
+    ranks.actors, ranks.pids = [object(), object()], [1, 2]   # handles of a Ray that is gone
+    ranks.close()
+    assert ranks.actors == [] and ranks.pids == []
+
+
 # --- bad input: one line, exit 2, before any actor starts ----------------------------------------------------
 
 def refused(capsys, *sets) -> tuple[str, float]:

@@ -100,7 +100,11 @@ class Ranks:
                                    rank_devices(place["learner"], self.size), usable_cpus())
             self.group = self.cluster.place(bundles(place["learner"], self.size, self.threads))
         self.actors = [self._actor(ray, rank) for rank in range(self.size)]
-        master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S)
+        try:
+            master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+            why = died(err) if isinstance(err, ray.exceptions.RayActorError) else "not placed within the start timeout"
+            raise LabError(f"rank 0 did not start: {why}") from None
         calls = [a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
                  for a, s in zip(self.actors, states)]
         replies = self._collect({rank: c[0] for rank, c in enumerate(calls)}, START_TIMEOUT_S)
@@ -257,24 +261,26 @@ class Ranks:
         self.up()
 
     def kill(self) -> None:
-        if self.actors:
-            import ray
+        import sys
 
+        ray = sys.modules.get("ray")
+        if self.actors and ray is not None and ray.is_initialized():   # (a notebook's ray.shutdown() ended them)
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
         self.actors, self.pids = [], []
 
     def close(self) -> None:
-        if self.actors:
-            import ray
+        import sys
 
+        ray = sys.modules.get("ray")
+        if self.actors and ray is not None and ray.is_initialized():
             try:
                 ray.get([a.close.remote() for a in self.actors], timeout=60)
             except Exception:   # why so broad: a rank that cannot close cleanly is killed below all the same
                 pass
         self.kill()
         self.boundaries.clear()
-        if self.group is not None:
+        if self.group is not None and ray is not None and ray.is_initialized():
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.group)
