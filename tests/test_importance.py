@@ -28,7 +28,7 @@ def sampled(shared, tiny_config, tmp_path_factory):
     """One lab, rollout, noisy sampler and TRL trainer for the module (built on first use)."""
     if not shared:
         # max_completion_length 16: some completions end, most are truncated (asserted where it matters)
-        lab = Lab(tiny_config(grpo={"prompts_per_step": 4, "beta": 0.0})).load()
+        lab = Lab(tiny_config(grpo={"prompts_per_step": 8, "beta": 0.0})).load()   # 32 rows: several end, several not
         rollout = lab.rollout()
         learner = rollout_logprobs(lab.learner.model.train(), rollout, lab.learner.device, None)
         shared.update(lab=lab, rollout=rollout, learner=learner, sampler=noisy_sampler(rollout, nan_at=NAN_AT))
