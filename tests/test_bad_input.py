@@ -98,6 +98,7 @@ NULL_MEANS_DEFAULT = {   # null is the documented "automatic" value of these fie
     "placement.generator": "the learner's device (colocated)",
     "placement.gpu_memory_gib": "read the device",
     "placement.host_memory_gib": "this machine's RAM",
+    "placement.ray_address": "a Ray on this machine, started by the Lab (for a sharded learner)",
     "generator.chunk_size": "all sequences in one call",
     "generator.gpu_memory_utilization": "0.9 on a GPU of its own",
     "generator.model": "the learner's base",
