@@ -66,7 +66,7 @@ def shared():
 @pytest.fixture
 def ray_local(request):
     """A local Ray for the session's sharded Labs (a Lab uses a Ray already up, as in a notebook that called
-    ray.init): starting one per Lab costs seconds each. Started once, shut down at the session's end (or by a test
+    ray.init): starting one per Lab costs seconds each. Started once per module (shut down at its end, or by a test
     that needs a cluster of its own); the CLI tests start their own, in their own process."""
     import ray
 
@@ -74,5 +74,16 @@ def ray_local(request):
         from grpo_lab.sharded.cluster import start_local
 
         start_local(cpus=2)
-        request.config.add_cleanup(ray.shutdown)
     return ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_beyond_its_module():
+    """A Ray a test module started is shut down at the module's end. Why: its driver threads in this process make
+    torch's OpenMP threads wait on a 2-core machine, and every later module's torch work ran several times slower."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
