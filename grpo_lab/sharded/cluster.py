@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Optional
 
 from ..errors import LabError
@@ -50,8 +49,8 @@ def check_reachable(address: str, timeout: float = CONNECT_S) -> None:
             pass
     except OSError as err:
         raise LabError(f"placement.ray_address: no Ray cluster answers at {address} ({err.strerror or err}); start one "
-                       "there with `ray start --head --port {port}`, or set placement.ray_address: null for a local "
-                       "Ray".replace("{port}", str(port))) from None
+                       f"there with `ray start --head --port {port}`, or set placement.ray_address: null for a local "
+                       "Ray") from None
 
 
 def bundles(learner: str, procs: int, threads: int) -> list[dict]:
@@ -191,6 +190,5 @@ def import_ray_for(address: Optional[str]):
 def _ready(group, timeout: float) -> bool:
     import ray
 
-    deadline = time.monotonic() + timeout
-    ready, _ = ray.wait([group.ready()], timeout=max(deadline - time.monotonic(), 0))
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
     return bool(ready)
