@@ -114,6 +114,16 @@ def end_some_at_eos(rollout, eos: int, pad: int, cuts=(3, None, 5, 9, None, 2, 7
     return rollout
 
 
+def ended_rollout(lab):
+    """The lab's next rollout with some rows ended at EOS (`end_some_at_eos`) and their texts decoded again:
+    several ended completions whatever the sampler drew, on any CPU."""
+    tokenizer = lab.learner.tokenizer
+    rollout = end_some_at_eos(lab.rollout(), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rollout.completions = tokenizer.batch_decode([ids[:k] for ids, k in zip(rollout.completion_ids.tolist(),
+                                                  rollout.completion_lengths.tolist())], skip_special_tokens=True)
+    return rollout
+
+
 @pytest.fixture(scope="module")
 def varied(tiny_model, tmp_path_factory):
     """A batch where the loss variants differ: completion lengths vary, some truncated and some ended at EOS,
@@ -129,10 +139,7 @@ def varied(tiny_model, tmp_path_factory):
         "generator": {"temperature": 1.0, "max_completion_length": 10, "max_prompt_length": 128},
         "data": {"system_prompt": None},   # why: short prompts; the loss is over completions
     }, reward_funcs=["exact_answer", "format", "length", uneven]).load()
-    tokenizer = lab.learner.tokenizer
-    rollout = end_some_at_eos(lab.rollout(), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    rollout.completions = tokenizer.batch_decode([ids[:k] for ids, k in zip(rollout.completion_ids.tolist(),
-                                                  rollout.completion_lengths.tolist())], skip_special_tokens=True)
+    rollout = ended_rollout(lab)
     lengths = rollout.completion_lengths
     assert rollout.truncated.any() and (~rollout.truncated).any() and len(set(lengths.tolist())) > 4, lengths
     rewards = lab.rewards(rollout)
@@ -240,7 +247,9 @@ def noisy_sampler(rollout, seed=0, nan_at=()):
     shift = torch.empty(len(rollout))
     for rows in (rollout.truncated, ~rollout.truncated):
         index = rows.nonzero().flatten()
-        shift[index] = torch.linspace(-2.5, 2.5, len(index))[torch.randperm(len(index), generator=g)]
+        # why from +2.5 down: a lone ended completion (the sampler's draw decides how many end, and it differs
+        # by CPU) still lands above the bound C_max = 3, so the mask modes have a row to mask
+        shift[index] = torch.linspace(2.5, -2.5, len(index))[torch.randperm(len(index), generator=g)]
     noise = (noise + (shift / lengths).unsqueeze(1)) * mask                   # row i sums to shift[i]
     sampler = (rollout.sampler_logprobs - noise) * mask
     for row, token in nan_at:
@@ -266,7 +275,7 @@ def step(shared, tiny_config, tmp_path_factory):
                   "learning_rate": 1e-3, "epsilon": 0.02},
             generator={"temperature": 0.8},
         ), reward_funcs=["exact_answer", "format", "length", spread]).load()
-        rollout = lab.rollout()
+        rollout = ended_rollout(lab)   # why: the mask modes need ended rows, and how many the sampler ends varies by CPU
         # why in place: the lab checks that backward gets the very rollout this step produced
         rollout.sampler_logprobs = noisy_sampler(rollout)
         rewards = lab.rewards(rollout)
