@@ -10,10 +10,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from .config_checks import check_placement
 from .config_fields import (WHEN, Section, apply_overrides, canonical, knob, normalize_device,  # noqa: F401 (WHEN)
                             resolve_aliases)
-from .errors import ConfigError, LabError, format_validation_error
-from .generation.registry import BACKENDS, OWN_WEIGHTS
+from .errors import ConfigError, format_validation_error
+from .generation.registry import BACKENDS
 from .losses import LOSSES, RATIO_LEVELS
 from .rewards import REWARDS
 
@@ -300,7 +301,7 @@ class LabConfig(Section):
         if ref.strategy == "none" and self.grpo.beta > 0:
             raise ValueError(f"reference.strategy: 'none' needs grpo.beta = 0 (got {self.grpo.beta}); "
                              "set beta: 0 or strategy: adapter-disabled")
-        self._check_placement()
+        check_placement(self)
         weights = self.data.reward_weights
         if weights is not None and len(weights) != len(self.data.rewards):
             raise ValueError(f"data.reward_weights: {len(weights)} weights for {len(self.data.rewards)} rewards; give one per reward")
@@ -316,66 +317,6 @@ class LabConfig(Section):
             raise ValueError(f"grpo.prompts_per_step: {self.grpo.prompts_per_step} distinct prompts per step, but the arithmetic "
                              f"set has data.num_prompts = {self.data.num_prompts}; lower it or raise data.num_prompts")
         return self
-
-    def _check_placement(self) -> None:
-        place, gen = self.placement, self.generator
-        own = gen.backend in OWN_WEIGHTS
-        if place.learner_procs > 1:
-            self._check_sharding()
-        elif place.ray_address is not None:
-            raise ValueError(f"placement.ray_address: {place.ray_address!r} is where a sharded learner's ranks run, and "
-                             "this learner is one process (placement.learner_procs: 1); remove it or shard the learner")
-        elif not gen.gather_for_generation:
-            raise ValueError("generator.gather_for_generation: false means generating through a sharded learner, and "
-                             "this one is one process (placement.learner_procs: 1) with its whole model in place; "
-                             "set it to true, or shard the learner")
-        shared_gpu = [d for d in place.generator_devices() if d == place.learner and d.startswith("cuda")]
-        if own and shared_gpu and gen.gpu_memory_utilization is None:
-            raise ValueError(f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
-                             "learner (colocated) and needs a memory share, e.g. 0.3; or place it on another GPU")
-        if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
-            raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
-                             "learner's own weights; remove them or use a backend with its own weights")
-        if place.optimizer_offload and place.learner == "cpu":
-            raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
-                             "already; set it to false or place the learner on a GPU")
-
-    def _check_sharding(self) -> None:
-        """What a sharded learner cannot do, refused before anything starts (sharded.world checks devices and engine)."""
-        procs, gen, g = self.placement.learner_procs, self.generator, self.grpo
-        if gen.backend != "hf":   # vllm: one engine in the driver's process, never on a rank's device
-            from .sharded.world import rank_devices
-
-            shared = sorted(set(rank_devices(self.placement.learner, procs)) & set(self.placement.generator_devices())
-                            - {"cpu"})
-            if shared:
-                raise ValueError(f"placement.generator: {shared[0]} is a learner rank's GPU (placement.learner_procs: "
-                                 f"{procs} from {self.placement.learner}); a sharded learner's vLLM engine needs GPUs of "
-                                 "its own: list others, or use generator.backend: hf")
-            if gen.sleep_mode:
-                raise ValueError("generator.sleep_mode: a sharded learner's vLLM engine has devices of its own, so "
-                                 "sleeping frees memory for nobody; set it to false")
-            if not gen.gather_for_generation:
-                raise ValueError("generator.gather_for_generation: false chooses how the hf backend generates through "
-                                 "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
-                                 "set it to true")
-        if self.placement.ray_address not in (None, "auto"):
-            from .sharded.cluster import parse_address
-
-            try:
-                parse_address(self.placement.ray_address)
-            except LabError as err:
-                raise ValueError(str(err)) from None
-        if self.reference.device is not None:
-            raise ValueError("reference.device: a sharded learner's reference copy is sharded like the policy, on every "
-                             "rank's own device (P5); remove reference.device")
-        if self.placement.optimizer_offload:
-            raise ValueError("placement.optimizer_offload: a sharded learner (placement.learner_procs > 1) keeps a shard "
-                             "of AdamW's state per rank already; set it to false")
-        batch = g.prompts_per_step * g.num_generations
-        if batch % procs:
-            raise ValueError(f"placement.learner_procs: {procs} ranks need a batch they split evenly; grpo.prompts_per_step "
-                             f"x num_generations = {batch}; use a multiple of {procs}")
 
     @property
     def reference_strategy(self) -> str:
