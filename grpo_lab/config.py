@@ -6,7 +6,7 @@ user feels at home. Unknown keys are errors; every field carries its own help te
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -19,6 +19,7 @@ from .losses import LOSSES, RATIO_LEVELS
 from .rewards import REWARDS
 
 Dtype = Literal["bfloat16", "float16", "float32"]
+Share = Annotated[float, Field(gt=0, le=1)]
 class ModelSection(Section):
     name_or_path: str = knob("load", ..., description="Local checkpoint directory (or hub id) loaded with from_pretrained.")
     dtype: Dtype = knob("load", "bfloat16", description="Dtype of the weights that are not quantized (embeddings, norms, LoRA).")
@@ -90,8 +91,9 @@ class GeneratorSection(Section):
     max_completion_length: int = knob("live", 64, gt=0, description="Maximum new tokens per completion.")
     chunk_size: Optional[int] = knob("live", 
         None, gt=0, description="Sequences (prompts x completions) per generate call; null = all at once.")
-    gpu_memory_utilization: Optional[float] = knob("load", 
-        None, gt=0, le=1, description="Share of its GPU a generator with its own weights (vllm) may take; required when it shares the learner's GPU; null = 0.9 on a GPU of its own.")
+    gpu_memory_utilization: Union[Literal["auto"], Share, None] = knob("load", None, description="Share of its GPU a "
+        "generator with its own weights (vllm) may take; required when it shares the learner's GPU: a number, or auto = "
+        "the largest share that leaves the learner's planned peak room (grpo-lab plan prints it); null = 0.9 on a GPU of its own.")
     model: Optional[str] = knob("load", None, description="Checkpoint the generator loads (e.g. an int4 AWQ copy); null = the learner's base. Backends with their own weights only.")
     quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = knob("load", 
         None, description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.")

@@ -22,13 +22,19 @@ def check_placement(cfg) -> None:
     shared_gpu = [d for d in place.generator_devices() if d == place.learner and d.startswith("cuda")]
     if own and shared_gpu and gen.gpu_memory_utilization is None:
         raise ValueError(f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
-                         "learner (colocated) and needs a memory share, e.g. 0.3; or place it on another GPU")
+                         "learner (colocated) and needs a memory share: auto (grpo-lab plan prints the split it picks) "
+                         "or a number, e.g. 0.3; or place it on another GPU")
     if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
         raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
                          "learner's own weights; remove them or use a backend with its own weights")
+    if gen.gpu_memory_utilization == "auto" and not any(d.startswith("cuda") for d in place.generator_devices()):
+        raise ValueError(f"generator.gpu_memory_utilization: auto splits a GPU between the {gen.backend} generator and "
+                         "the learner, and this generator runs on the CPU (no GPU to share); remove it (on the CPU the "
+                         "engine's KV cache is generator.cpu_kv_cache_gib) or place the generator on a GPU")
     if place.optimizer_offload and place.learner == "cpu":
         raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
                          "already; set it to false or place the learner on a GPU")
+
 
 def check_sharding(cfg) -> None:
     """What a sharded learner cannot do, refused before anything starts (sharded.world checks devices and engine)."""

@@ -151,7 +151,7 @@ class Lab(LabViews):
     def placement(self) -> "Placement":
         from .placement import Placement
 
-        return Placement(self.config)
+        return Placement(self.config, self.executor.generator)
 
     def plan(self):
         """The per-device memory plan of the current config (nothing is loaded)."""

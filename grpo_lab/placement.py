@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .generation.registry import OWN_WEIGHTS
+
 if TYPE_CHECKING:
     from .config import LabConfig
 
@@ -10,17 +12,33 @@ if TYPE_CHECKING:
 class Placement:
     """Who sits where; prints as the device plan."""
 
-    def __init__(self, config: LabConfig):
-        self.config = config
+    def __init__(self, config: LabConfig, generator=None):
+        """`generator`: the loaded generator, whose engine's share is shown (before load: the share it will take)."""
+        self.config, self.generator = config, generator
+
+    def share(self) -> str:
+        """vLLM's gpu_memory_utilization on its GPUs: the loaded engine's, else the number set, or auto's plan."""
+        from .errors import LabError
+        from .planner import engine_share
+
+        chosen = self.config.generator.gpu_memory_utilization
+        loaded = getattr(self.generator, "gpu_memory_utilization", None)
+        try:
+            share = loaded if loaded is not None else engine_share(self.config)
+        except LabError:
+            return "gpu_memory_utilization auto: no share fits, see lab.plan()"
+        return f"gpu_memory_utilization {share:.2f}" + (" (auto)" if chosen == "auto" else "")
 
     def roles(self) -> dict[str, list[str]]:
         cfg, place = self.config, self.config.placement
         out: dict[str, list[str]] = {}
         learner = "learner (4-bit base + LoRA" + (", AdamW state in host RAM)" if place.optimizer_offload else " + AdamW)")
         out.setdefault(place.learner, []).append(learner)
+        engine = cfg.generator.backend in OWN_WEIGHTS and any(d != "cpu" for d in place.generator_devices())
         for device in place.generator_devices():
             shared = " colocated" if device == place.learner else ""
-            out.setdefault(device, []).append(f"generator ({cfg.generator.backend}{shared})")
+            share = f", {self.share()}" if engine and device != "cpu" else ""
+            out.setdefault(device, []).append(f"generator ({cfg.generator.backend}{shared}{share})")
         if cfg.reference_strategy == "copy":
             out.setdefault(cfg.reference_device, []).append("reference (frozen copy)")
         elif cfg.reference_strategy == "adapter-disabled":

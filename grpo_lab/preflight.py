@@ -17,6 +17,10 @@ def preflight(config: LabConfig) -> None:
 
     check_torchvision()
     check_ranks(config)   # more ranks than devices, no FSDP2 in this torch: before any process starts
+    if config.generator.gpu_memory_utilization == "auto":
+        from .planner import engine_share
+
+        engine_share(config)   # why before anything is fetched: no share that fits is refused with its fixes, at no cost
     check_model_path(config.model.name_or_path)
     if config.generator.backend == "vllm":
         from .generation.vllm import check_tensor_parallel, max_lora_rank

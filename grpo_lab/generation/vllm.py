@@ -246,7 +246,10 @@ class VLLMGenerator(Generator):
         if on_cpu:
             kwargs["enforce_eager"] = True   # why: graph capture/compilation costs more than it saves for test-size models
         else:
-            kwargs["gpu_memory_utilization"] = gen.gpu_memory_utilization or 0.9
+            from ..planner import engine_share
+
+            kwargs["gpu_memory_utilization"] = engine_share(config)   # auto: the share the plan prints
+        self.gpu_memory_utilization = kwargs.get("gpu_memory_utilization")   # what lab.placement shows
         self.llm, self.lora_request, self.version = None, None, 0
         self.adapter_root = make_adapter_dir(learner)   # before the engine: a refusal there costs nothing
         # removed at close(), or at exit for a generator never closed (a killed process's: by the next one's start)

@@ -45,6 +45,7 @@ class DevicePlan:
     capacity: float
     roles: list[str] = field(default_factory=list)
     items: list[Item] = field(default_factory=list)
+    split: Optional[object] = None   # a GPU a vLLM engine takes a share of: its split.Split
 
     def add(self, what: str, nbytes: float, note: str = "", phase: Optional[str] = None) -> None:
         if nbytes:
@@ -75,11 +76,13 @@ class DevicePlan:
 
     @property
     def verdict(self) -> str:
+        if self.split is not None and not self.split.feasible:
+            return "does not fit (no vLLM share leaves the learner room)"
         return "fits" if self.fraction <= 0.9 else "tight (<10% margin)" if self.fraction <= 1.0 else "does not fit"
 
     @property
     def fits(self) -> bool:
-        return self.fraction <= 1.0
+        return self.fraction <= 1.0 and (self.split is None or self.split.feasible)
 
 
 def nf4_bits(double_quant: bool) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..errors import LabError
 from ..generation.registry import sleeps
 from .estimate import CUDA_CONTEXT, FUSED_HEAD_TILE, VLLM_SPLIT_SHARE, DevicePlan, GiB, generator_weight_bytes, kv_cache_bytes
+from .split import Split, auto_share, engine_work_bytes, kv_token_bytes, largest_share
 from .shapes import ModelShape
 
 
@@ -41,22 +42,35 @@ def head_note(cfg, shape: ModelShape, on_cpu: bool) -> str:
 
 def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences: int) -> None:
     """A generator with weights of its own (vLLM) on each of its devices: its weights and KV cache on the host, or its
-    share of a GPU (one process's engine, or a sharded learner's, which lives in the driver)."""
+    share of a GPU (one process's engine, or a sharded learner's, which lives in the driver), with the split it
+    leaves (planner/split.py; `auto`: the largest share beside the learner). Call it after the learner's items."""
     place, gen = cfg.placement, cfg.generator
     gens = [devices[_home(d)] for d in place.generator_devices()]
-    per_device = generator_weight_bytes(shape, cfg) / len(gens)
+    tp, asleep, auto = len(gens), sleeps(cfg), gen.gpu_memory_utilization == "auto"
+    per_device = generator_weight_bytes(shape, cfg) / tp
+    work = {d.device: engine_work_bytes(shape, cfg, d.capacity, tp) for d in gens if d.device != "host"}
+    largest = {name: largest_share(devices[name], devices[name].capacity, w, asleep) for name, w in work.items()}
+    share = auto_share([v[0] for v in largest.values()]) if auto else gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
     for d in gens:
-        d.roles.append(f"generator ({gen.backend}, TP {len(gens)})")
-        share = gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
+        d.roles.append(f"generator ({gen.backend}, TP {tp})")
         if d.device == "host":
             d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
-            d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / len(gens), phase="rollout")
-        else:   # why resident (every phase), sleep mode or not: what sleep frees is vLLM's to decide; plan pessimistic
-            d.add(f"{gen.backend} engine share ({share:.0%})", share * d.capacity - CUDA_CONTEXT,
-                  f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache")
-            if per_device + 1 * GiB > share * d.capacity:
-                d.add("generator weights beyond its share", per_device + 1 * GiB - share * d.capacity,
-                      "raise gpu_memory_utilization, quantize, or add tensor-parallel GPUs")
+            d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / tp, phase="rollout")
+            continue
+        biggest, peak, phase = largest[d.device]
+        beside = any(r.startswith("learner") for r in d.roles)
+        d.split = Split(d.device, d.capacity, share, auto, per_device, work[d.device], kv_token_bytes(shape, cfg, tp),
+                        gen.max_prompt_length + gen.max_completion_length, peak if beside else 0.0, phase, asleep,
+                        biggest)
+        # why at least the minimum: below it vLLM does not start, and the plan shows what it would take
+        engine = max(share or 0.0, d.split.minimum) * d.capacity - CUDA_CONTEXT
+        note = f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache"
+        name = f"{gen.backend} engine share ({max(share or 0.0, d.split.minimum):.0%}{', auto' if auto else ''})"
+        if asleep:   # why: sleep(level=1) frees the weights and KV cache between rollouts; its working memory stays
+            d.add(f"{gen.backend} engine asleep: working memory", work[d.device], "CUDA graphs, buffers; kept asleep")
+            d.add(f"{name}, awake", engine - work[d.device], note, phase="rollout")
+        else:
+            d.add(name, engine, note)
     if sleeps(cfg):
         # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
         devices["host"].add("generator weights (asleep, sleep level 1)", generator_weight_bytes(shape, cfg),

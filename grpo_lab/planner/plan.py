@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..errors import LabError
 from ..generation.registry import OWN_WEIGHTS
-from .estimate import (CUDA_CONTEXT, HOST_BASELINE, DevicePlan, activation_bytes, base_weight_bytes,
+from .estimate import (CUDA_CONTEXT, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes, base_weight_bytes,
                        generation_step_bytes, kv_cache_bytes)
 from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
 from .render import count
@@ -161,6 +161,10 @@ def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
         while seqs > 1:
             seqs //= 2
             out.append((f"generator.chunk_size: {seqs}", [f"generator.chunk_size={seqs}"]))
+    place = cfg.placement
+    if cfg.generator.backend in OWN_WEIGHTS and not cfg.generator.sleep_mode and place.learner.startswith("cuda") \
+            and place.learner in place.generator_devices():   # asleep, the engine leaves the learner its weights and KV
+        out.append(("generator.sleep_mode: true", ["generator.sleep_mode=true"]))
     if cfg.placement.learner != "cpu" and not cfg.placement.optimizer_offload:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
     if cfg.reference_strategy == "copy":
@@ -195,3 +199,20 @@ def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
                 fixed.add(knob)
     return result
 
+
+
+def engine_share(cfg) -> float:
+    """The gpu_memory_utilization a vLLM engine on GPUs starts with: the number set, 0.9 when unset, or auto's share
+    as the plan prints it (refused in one line, with the fixes that would fit, when no share leaves room)."""
+    share = cfg.generator.gpu_memory_utilization
+    if share != "auto":
+        return share or VLLM_SPLIT_SHARE
+    result = plan(cfg)
+    splits = [d.split for d in result.devices.values() if d.split is not None]
+    bad = [s for s in splits if not s.feasible]
+    if bad:
+        fixes = "; ".join(result.fixes) or ("none of grpo_lab's knobs: a bigger GPU, a quantized generator.model, "
+                                            "or shorter sequences")
+        raise LabError(f"generator.gpu_memory_utilization: auto: {bad[0].describe()}; each of these alone would fit: "
+                       f"{fixes}")
+    return splits[0].share

@@ -63,6 +63,10 @@ def render(plan) -> str:
             lines.append(f"  {name}: {d.total / GiB:.2f} of {d.capacity / GiB:.2f} GiB ({d.fraction:.0%}) -> {d.verdict}")
         lines.append("  grpo_lab never wraps the learner, and its guard refuses a wrapped one (grpo_lab.trl for TRL).")
         lines.append("")
+    splits = [d.split for d in plan.devices.values() if d.split is not None]
+    if splits:
+        lines.append(f"GPU split (generator.gpu_memory_utilization: {cfg.generator.gpu_memory_utilization or 'null'}):")
+        lines += [f"  {s.describe()}" for s in splits] + [""]
     verdict = "fits" if plan.fits else "does not fit on " + ", ".join(d.device for d in plan.failing())
     lines.append(f"verdict: {verdict}")
     if not plan.fits:
