@@ -44,7 +44,22 @@ def _plan(args) -> int:
     from .config_io import load_config
     from .planner import plan
 
-    print(plan(load_config(args.config, args.set)))
+    ranges = {"--lengths": args.lengths, "--generations": args.generations, "--micro-batches": args.micro_batches,
+              "--out": args.out}
+    given = [flag for flag, value in ranges.items() if value is not None]
+    if given and not args.frontier:
+        raise LabError(f"{given[0]}: only with --frontier; add --frontier, or drop {given[0]}")
+    config = load_config(args.config, args.set)
+    if not args.frontier:
+        print(plan(config))
+        return 0
+    from .planner.frontier import frontier, parse_range
+
+    axes = [None if value is None else parse_range(value, flag) for flag, value in list(ranges.items())[:3]]
+    front = frontier(config, *axes)
+    path = front.to_html(args.out or "frontier.html", "--out")   # why last: an error above leaves no page behind
+    print(front)
+    print(f"frontier page: open {path} in a browser (hover a cell for its binding device, peak, phase and headroom)")
     return 0
 
 
@@ -97,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the per-device memory plan of a config, before loading anything")
     p.add_argument("config", help="a preset name or a YAML file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--frontier", action="store_true", help="plan every combination of completion length x "
+                   "num_generations x micro-batch: a table here and an HTML heatmap (--out)")
+    for flag, what in (("--lengths", "generator.max_completion_length (default: 64:1024)"),
+                       ("--generations", "grpo.num_generations (default: 2,4,8,16)"),
+                       ("--micro-batches", "grpo.micro_batch_size (default: the config's)")):
+        p.add_argument(flag, metavar="RANGE", help=f"with --frontier: {what}; a comma list (64,128,256) or LO:HI "
+                       "(powers of two from LO to HI); the config's own value is always added")
+    p.add_argument("--out", metavar="FILE", help="with --frontier: the HTML page to write (default: frontier.html)")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("presets", help="list the preset configs shipped with grpo_lab")

@@ -125,12 +125,14 @@ def size(nbytes: float) -> str:
 
 
 def _positive(raw, name: str) -> int:
+    if isinstance(raw, bool):   # why: int(True) is 1, and a stray flag is not a length
+        raise LabError(f"{name}: got {raw}; give whole numbers, not true/false")
     text = str(raw).strip()
     try:
         value = int(text)
     except ValueError:
         raise LabError(f"{name}: {text!r} is not a whole number; give {RANGE_HELP}") from None
-    if isinstance(raw, bool) or value <= 0:
+    if value <= 0:
         raise LabError(f"{name}: got {text}; every value must be a whole number of 1 or more")
     return value
 
@@ -299,7 +301,7 @@ def _mark_current(fig, front: Frontier, subplot: int) -> None:
     fig.add_shape(type="rect", x0=x - 0.5, x1=x + 0.5, y0=y - 0.5, y1=y + 0.5, xref=f"x{suffix}", yref=f"y{suffix}",
                   line=dict(color="black", width=3), name="current")
     fig.add_annotation(x=x, y=y, xref=f"x{suffix}", yref=f"y{suffix}", text="<b>current</b>", showarrow=False,
-                       yshift=14, name="current")
+                       bgcolor="rgba(255, 255, 255, 0.85)", yshift=14, name="current")   # readable on dark red too
 
 
 def page(front: Frontier) -> str:

@@ -1,0 +1,211 @@
+"""The fit frontier (planner/frontier.py): every cell is plan() of its combination (fits, binding device, peak, phase,
+headroom), cells get heavier with length and group size, a combination the config refuses is a grey cell with its
+reason, the current point is marked; `grpo-lab plan --frontier` writes the page (its absolute path printed) and bad input
+is one line, exit 2, nothing written; the page read in headless Chromium (screenshot in .artifacts/frontier/)."""
+from __future__ import annotations
+
+import re
+import pytest
+from html_pages import needs_chromium, opened
+
+from grpo_lab.cli import main
+from grpo_lab.config_io import load_config
+from grpo_lab.errors import LabError
+from grpo_lab.planner import frontier, plan
+from grpo_lab.planner.frontier import FIELDS, parse_range, size
+
+PRESET = "qwen2.5-7b-nf4-24gb"
+# the 7B preset on its 24 GiB GPU, the whole batch in one backward pass and one generate call, so both the completion
+# length and the group size move the peak; the host given too, so nothing depends on this machine
+WHOLE = ["grpo.micro_batch_size=null", "generator.chunk_size=null", "placement.host_memory_gib=64"]
+LENGTHS, GENERATIONS = [64, 128, 256, 512, 768, 1024], [1, 2, 4, 8, 16]   # G 1: the config refuses it (needs >= 2)
+
+
+def config():
+    return load_config(PRESET, WHOLE)
+
+
+@pytest.fixture(scope="module")
+def front():
+    return frontier(config(), generations=[1, 2, 4, 8, 16], micro_batches=[2])
+
+
+def planned(point):
+    """plan() of the config at (length, generations, micro-batch), and its binding device: built here, not by the
+    frontier's code."""
+    overrides = [f"{field}={'null' if value is None else value}" for field, value in zip(FIELDS, point)]
+    result = plan(load_config(config(), overrides))
+    return result, max(result.devices.values(), key=lambda d: d.fraction)
+
+
+def test_every_cell_is_the_plan_of_its_combination(front):
+    assert (front.lengths, front.generations, front.micro_batches) == (LENGTHS, GENERATIONS, [2, None])
+    assert front.current == (768, 8, None) and len(front.cells) == 6 * 5 * 2
+    for c in front.cells:
+        if c.generations == 1:
+            assert c.refused.startswith("grpo.num_generations: got 1") and "\n" not in c.refused
+            continue
+        result, d = planned(c.point)
+        assert c.refused is None
+        assert (c.fits, c.device, c.peak, c.phase) == (result.fits, d.device, d.total, d.peak_phase), c
+        assert (c.headroom, c.fraction) == (d.capacity - d.total, d.fraction)
+
+
+def test_cells_get_heavier_with_length_and_generations_and_both_verdicts_show(front):
+    for micro in front.micro_batches:
+        grid = [[front.cell(length, g, micro) for length in LENGTHS] for g in GENERATIONS[1:]]
+        for row in grid:
+            assert [c.peak for c in row] == sorted(c.peak for c in row)
+        for column in zip(*grid):
+            assert [c.peak for c in column] == sorted(c.peak for c in column)
+    whole = [c for c in front.cells if c.micro_batch is None and not c.refused]
+    assert front.cell(1024, 16, None).peak > 3 * front.cell(64, 2, None).peak
+    assert {c.fits for c in whole} == {True, False}
+    assert {c.device for c in whole} == {"cuda:0"} and {c.phase for c in whole} == {"backward"}
+    # a cell that does not fit has no fitting cell above or right of it (heavier in both)
+    for c in whole:
+        if not c.fits:
+            assert not any(o.fits for o in whole if o.length >= c.length and o.generations >= c.generations)
+
+
+def test_the_table_and_figure_mark_the_current_point_and_show_every_cell(front):
+    text = str(front)
+    assert text.splitlines()[0] == "Fit frontier: Qwen/Qwen2.5-7B-Instruct on cuda:0 24.00 GiB, host 64.00 GiB"
+    assert "grpo.micro_batch_size whole batch *" in text and " 768*" in text and "\n    8*  " in text
+    now = front.cell(768, 8, None)
+    assert not now.fits and f"current: length 768, G 8, micro-batch whole batch: does not fit, cuda:0 " \
+                              f"{now.fraction:.0%}" in text
+    assert "refused (12 cells, e.g. length 64, G 1, micro-batch 2): grpo.num_generations: got 1" in text
+    row = next(line for line in text.splitlines() if line.startswith("    16  "))   # the first block: micro-batch 2
+    assert row.split()[1:3] == ["ok", f"{front.cell(64, 16, 2).fraction:.0%}"]
+    fig = front.figure()
+    assert [t.name for t in fig.data] == ["refused", "micro-batch 2", "refused", "micro-batch whole batch"]
+    colour = fig.data[1]   # x the lengths, y the group sizes, z[row][column] that cell's fraction
+    assert (list(colour.x), list(colour.y)) == ([str(v) for v in LENGTHS], [str(v) for v in GENERATIONS])
+    assert colour.z[4][0] == front.cell(64, 16, 2).fraction and colour.z[1][5] == front.cell(1024, 2, 2).fraction
+    (shape,), annotation = fig.layout.shapes, fig.layout.annotations[-1]
+    assert (annotation.text, annotation.xref, annotation.yref) == ("<b>current</b>", "x2", "y2")
+    assert (LENGTHS[annotation.x], GENERATIONS[annotation.y]) == (768, 8)
+    assert (shape.xref, shape.x0, shape.x1, shape.y0, shape.y1) == ("x2", 3.5, 4.5, 2.5, 3.5)
+
+
+def test_default_axes_add_the_configs_own_values():
+    front = frontier(load_config(PRESET, ["placement.host_memory_gib=64"]))
+    assert (front.lengths, front.generations, front.micro_batches) == (LENGTHS, [2, 4, 8, 16], [4])
+    long = frontier(load_config(PRESET, ["placement.host_memory_gib=64", "generator.max_completion_length=3000",
+                                         "grpo.num_generations=6"]), micro_batches="1:2")
+    assert long.lengths == [64, 128, 256, 512, 1024, 2048, 3000] and long.generations == [2, 4, 6, 8, 16]
+    assert long.micro_batches == [1, 2, 4] and long.current == (3000, 6, 4)
+
+
+@pytest.mark.parametrize("text, values", [("64,128,64", [64, 128]), (" 256, 64 ", [64, 256]), ("64:1024", LENGTHS[:4] + [1024]),
+                                          ("48:400", [48, 96, 192, 384]), ("8:8", [8])])
+def test_parse_range(text, values):
+    assert parse_range(text, "--lengths") == values
+
+
+@pytest.mark.parametrize("text, problem", [("", "empty"), ("  ", "empty"), ("1024:64", "inverted (1024 > 64)"),
+                                           ("0", "got 0"), ("64:0", "got 0"), ("-2", "got -2"), ("64,,128", "empty item"),
+                                           ("64:", "'' is not a whole number"), ("1.5", "not a whole number")])
+def test_parse_range_refuses_in_one_line_naming_the_flag(text, problem):
+    with pytest.raises(LabError) as err:
+        parse_range(text, "--lengths")
+    assert str(err.value).startswith("--lengths: ") and problem in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, problem", [({"lengths": []}, "lengths: empty"), ({"generations": [4, 0]}, "generations: got 0"),
+                                             ({"micro_batches": "4:2"}, "micro_batches: '4:2' is inverted"),
+                                             ({"lengths": [True]}, "lengths: got True")])
+def test_frontier_refuses_bad_ranges_naming_the_argument(kwargs, problem):
+    with pytest.raises(LabError, match=problem):
+        frontier(config(), **kwargs)
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("grpo-lab: error: ") and "\n" not in err
+    return err
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--frontier", "--lengths", ""], "--lengths: empty"),
+    (["--frontier", "--lengths", "1024:64"], "--lengths: '1024:64' is inverted"),
+    (["--frontier", "--generations", "0"], "--generations: got 0"),
+    (["--frontier", "--micro-batches", "2,x"], "--micro-batches: 'x' is not a whole number"),
+    (["--out", "page.html"], "--out: only with --frontier"),
+    (["--lengths", "64:256"], "--lengths: only with --frontier"),
+    (["--frontier", "--out", "."], "is a directory"),
+    (["--frontier", "--set", "grpo.beta=-1"], "grpo.beta"),
+])
+def test_bad_frontier_input_is_one_line_exit_2_and_writes_nothing(args, problem, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert problem in _one_line_error(capsys, ["plan", PRESET, *args])
+    assert list(tmp_path.iterdir()) == []   # no page, no temporary file
+
+
+def test_cli_frontier_prints_the_table_and_the_pages_absolute_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", PRESET, *[a for o in WHOLE for a in ("--set", o)], "--frontier", "--generations", "1:16",
+            "--micro-batches", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out == str(frontier(config(), generations="1:16", micro_batches=[2])) + "\n" + \
+        f"frontier page: open {tmp_path / 'frontier.html'} in a browser (hover a cell for its binding device, peak, " \
+        "phase and headroom)\n"
+    assert main(["plan", PRESET, "--frontier", "--out", "sub/f.html"]) == 0   # a relative --out, its folder made
+    assert f"open {tmp_path / 'sub' / 'f.html'} in a browser" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["f.html", "frontier.html", "sub"]
+    assert main(["plan", PRESET]) == 0 and "frontier" not in capsys.readouterr().out   # the plain plan as before
+
+
+READ_PAGE = """() => {
+    const gd = document.querySelector('.plotly-graph-div');
+    return {traces: gd.data.map(t => ({name: t.name, x: t.x, y: t.y, z: t.z, text: t.text, xaxis: t.xaxis || 'x'})),
+            annotations: gd.layout.annotations.map(a => ({text: a.text, x: a.x, y: a.y, xref: a.xref})),
+            shapes: gd.layout.shapes.map(s => ({name: s.name, x0: s.x0, y0: s.y0, xref: s.xref})),
+            title: gd.layout.title.text, table: document.getElementById('frontier-table').textContent};
+}"""
+
+HOVER = """([xaxis, yaxis, col, row]) => {
+    const l = document.querySelector('.plotly-graph-div')._fullLayout, x = l[xaxis], y = l[yaxis];
+    return [x._offset + x.l2p(col), y._offset + y.l2p(row)];
+}"""
+
+
+@needs_chromium
+def test_the_page_in_chromium_agrees_with_plan_per_combination(front, tmp_path):
+    path = front.to_html(tmp_path / "frontier.html")
+    assert path.is_absolute() and not re.search(r"<script[^>]*\bsrc=", path.read_text())   # plotly.js inlined: offline
+    with opened(path, "frontier/frontier.png") as page:
+        seen = page.evaluate(READ_PAGE)
+        current = next(a for a in seen["annotations"] if "current" in a["text"])
+        page.mouse.move(*page.evaluate(HOVER, ["xaxis2", "yaxis2", current["x"], current["y"]]))
+        page.wait_for_selector(".hoverlayer .hovertext")
+        hovered = page.evaluate("() => document.querySelector('.hoverlayer .hovertext').textContent")   # (SVG)
+    assert "Qwen/Qwen2.5-7B-Instruct" in seen["title"] and "cuda:0 24.00 GiB" in seen["title"]
+    assert seen["table"].strip() == str(front)
+    traces = seen["traces"]
+    assert [t["name"] for t in traces] == ["refused", "micro-batch 2", "refused", "micro-batch whole batch"]
+    for (refused, colour), micro in zip([traces[0:2], traces[2:4]], [2, None]):
+        assert [int(v) for v in colour["x"]] == LENGTHS and [int(v) for v in colour["y"]] == GENERATIONS
+        for i, g in enumerate(GENERATIONS):
+            for j, length in enumerate(LENGTHS):
+                hover = colour["text"][i][j]
+                assert refused["text"][i][j] == hover
+                if g == 1:
+                    assert colour["z"][i][j] is None and refused["z"][i][j] is not None
+                    assert "<b>refused</b>: grpo.num_generations: got 1" in hover
+                    continue
+                result, d = planned((length, g, micro))
+                assert refused["z"][i][j] is None and colour["z"][i][j] == pytest.approx(d.fraction)
+                verdict = "<b>fits</b>" if result.fits else "<b>does not fit</b>"
+                for part in (verdict, f"binding device: {d.device}", f"peak: {size(d.total)} during {d.peak_phase}",
+                             f"headroom: {size(d.capacity - d.total)}"):
+                    assert part in hover, (part, hover)
+    # the current point: framed and named in the whole-batch grid (the second subplot), where plan() says it is
+    assert (current["xref"], LENGTHS[current["x"]], GENERATIONS[current["y"]]) == ("x2", 768, 8)
+    assert [(s["name"], s["xref"]) for s in seen["shapes"]] == [("current", "x2")]
+    now = front.cell(768, 8, None)
+    assert "does not fit" in hovered and f"peak: {size(now.peak)} during backward" in hovered
+    assert "micro-batch whole batch" in hovered and f"headroom: {size(now.headroom)}" in hovered
