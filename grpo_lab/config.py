@@ -192,6 +192,9 @@ class RunSection(Section):
     save_every: int = knob("live", 1, ge=0, description="Checkpoint (adapter, optimizer, RNG states, data position) every N "
                            "steps and at the end; a killed run resumes from the last one (grpo-lab run --resume DIR); "
                            "0 = only at the end.")
+    probe_first: bool = knob("load", False, description="Probe the worst case at load (lab.probe(): longest prompt, "
+                             "full-length completions, full micro-batches), print it beside the plan, and refuse to "
+                             "start when it does not fit; nothing the probe changed is kept.")
     report_to: list[str] = knob("load", default_factory=list, description="Trackers that get each step's metrics and "
                                 "per-phase memory peaks (TRL's name): tensorboard, trackio, wandb (offline); 'all' = every "
                                 "installed one; [] or 'none' = none. Each is an extra: pip install 'grpo-lab[NAME]'.")

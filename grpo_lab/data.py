@@ -95,6 +95,13 @@ class PromptSource:
         self._rng.setstate(state["rng"])
         self._order = list(state["order"])
 
+    def longest(self, max_prompt_length: int) -> dict:
+        """The row whose formatted prompt has the most tokens (at most max_prompt_length count: longer ones are cut)."""
+        def tokens(row):
+            text = format_prompt(self.tokenizer, row["prompt"], self.system_prompt)
+            return min(len(self.tokenizer(text, add_special_tokens=False)["input_ids"]), max_prompt_length)
+        return max(self.rows, key=tokens)
+
     def next_batch(self, size: int) -> PromptBatch:
         picked = []
         while len(picked) < size:
@@ -102,6 +109,10 @@ class PromptSource:
                 self._order = list(range(len(self.rows)))
                 self._rng.shuffle(self._order)
             picked.append(self.rows[self._order.pop()])
+        return self.batch_of(picked)
+
+    def batch_of(self, picked: list[dict]) -> PromptBatch:
+        """These rows as a batch: prompts formatted, answers as text, the other columns passed on."""
         extra_keys = sorted({k for r in picked for k in r} - {"prompt", "answer"})
         return PromptBatch(
             prompts=[format_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in picked],

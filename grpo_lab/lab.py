@@ -106,6 +106,10 @@ class Lab(LabViews):
         self.trackers = Trackers(cfg)    # last: a load that fails earlier opens no tracker run
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
         cfg._guard = LoadedLabGuard(self)   # why: from now on every edit is checked against what was built
+        if cfg.run.probe_first:
+            from .probe import probe_at_load
+
+            probe_at_load(self)   # a worst case that does not fit is refused here, and the load undone
         return self
 
     def _release(self) -> None:
@@ -129,23 +133,9 @@ class Lab(LabViews):
     def place(self, learner=None, generator=None, reference=None, optimizer_offload=None) -> "Placement":
         """Choose devices before `load()`: validated at once (devices exist; a colocated generator with its
         own weights needs generator.gpu_memory_utilization); `lab.placement` shows the result."""
-        from .devices import check_placement
+        from .placement import place
 
-        if self.learner is not None:
-            raise LabError("lab.place(): the models are loaded already; call it before lab.load() (or in a new Lab)")
-        data = self.config.to_dict()
-        if learner is not None:
-            data["placement"]["learner"] = learner
-        if generator is not None:
-            data["placement"]["generator"] = generator if isinstance(generator, (list, tuple)) else [generator]
-        if reference is not None:
-            data["reference"].update({"strategy": "copy", "device": reference})
-        if optimizer_offload is not None:
-            data["placement"]["optimizer_offload"] = optimizer_offload
-        config = load_config(data)
-        check_placement(config)
-        self.config = config
-        return self.placement
+        return place(self, learner, generator, reference, optimizer_offload)
 
     @property
     def placement(self) -> "Placement":
@@ -403,6 +393,13 @@ class Lab(LabViews):
         rank, one in one process (for comparisons and tests)."""
         self._require_loaded()
         return self.executor.inspect()
+
+    def probe(self):
+        """One step at the largest shapes the config allows (longest prompt, full-length completions, full
+        micro-batches) on the real devices; prints per-phase peaks beside the plan and a verdict; keeps nothing."""
+        from .probe import probe
+
+        return probe(self)
 
     def arm_fault(self, rank: int, phase: str, error: str = "oom") -> None:
         """Make rank `rank`'s next `phase` fail once, inside it (faults.py: 'oom', 'runtime', or 'nan' for a

@@ -54,3 +54,26 @@ class Placement:
         lines = [f"placement ({self.mode}):"]
         lines += [f"  {device:<8} {', '.join(roles)}" for device, roles in self.roles().items()]
         return "\n".join(lines)
+
+
+def place(lab, learner=None, generator=None, reference=None, optimizer_offload=None) -> Placement:
+    """`lab.place(...)`: the Lab's config with these devices, validated at once, before load."""
+    from .config_io import load_config
+    from .devices import check_placement
+    from .errors import LabError
+
+    if lab.learner is not None:
+        raise LabError("lab.place(): the models are loaded already; call it before lab.load() (or in a new Lab)")
+    data = lab.config.to_dict()
+    if learner is not None:
+        data["placement"]["learner"] = learner
+    if generator is not None:
+        data["placement"]["generator"] = generator if isinstance(generator, (list, tuple)) else [generator]
+    if reference is not None:
+        data["reference"].update({"strategy": "copy", "device": reference})
+    if optimizer_offload is not None:
+        data["placement"]["optimizer_offload"] = optimizer_offload
+    config = load_config(data)
+    check_placement(config)
+    lab.config = config
+    return lab.placement

@@ -34,7 +34,9 @@ def rollout(generator, prompts, config) -> Rollout:
     """Sample `num_generations` completions for each of `prompts_per_step` prompts."""
     grpo = config.grpo
     batch = prompts.next_batch(grpo.prompts_per_step)
-    return generator.generate(batch, grpo.num_generations, GenerationRequest.from_config(config))
+    # (the worst-case probe's prompts ask for full-length completions: probe.py)
+    request = GenerationRequest.from_config(config, full_length=getattr(prompts, "full_length", False))
+    return generator.generate(batch, grpo.num_generations, request)
 
 
 def rewards(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[list[float]] = None) -> Rewards:

@@ -29,12 +29,13 @@ class GenerationRequest:
     max_prompt_length: int = 256
     chunk_size: Optional[int] = None     # sequences per engine call; None = all at once
     gather_for_generation: bool = True   # a sharded hf learner: full weights for the rollout, or one layer at a time
+    full_length: bool = False            # the worst-case probe: stop tokens suppressed until max_completion_length
 
     @classmethod
-    def from_config(cls, config) -> "GenerationRequest":
+    def from_config(cls, config, full_length: bool = False) -> "GenerationRequest":
         gen = config.generator
         return cls(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k, gen.max_prompt_length, gen.chunk_size,
-                   gen.gather_for_generation)
+                   gen.gather_for_generation, full_length)
 
 
 @dataclass

@@ -81,6 +81,7 @@ class HFGenerator(Generator):
         # why generate() picks greedily even when sampling: InverseCdfSampler draws the token and leaves it the only
         # finite score (torch.multinomial's CPU path spent 68% of a rollout at Qwen2.5's vocabulary on exponentials)
         settings = GenerationConfig(max_new_tokens=request.max_completion_length, do_sample=False, **NEUTRAL,
+                                    min_new_tokens=request.max_completion_length if request.full_length else None,
                                     eos_token_id=self.eos_token_ids, pad_token_id=tok.pad_token_id, use_cache=True)
         recorder = SampledLogprobs()
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it

@@ -298,6 +298,7 @@ class VLLMGenerator(Generator):
 
         params = [SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k or 0,
                                  max_tokens=request.max_completion_length, logprobs=0, seed=seed,
+                                 min_tokens=request.max_completion_length if request.full_length else 0,
                                  stop_token_ids=self.eos_token_ids)
                   for seed in seeds]
         # why fork_rng: vLLM's sampler draws from torch's global generator even for seeded requests; in-process it is
