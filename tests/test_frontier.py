@@ -98,6 +98,15 @@ def test_default_axes_add_the_configs_own_values():
     assert long.micro_batches == [1, 2, 4] and long.current == (3000, 6, 4)
 
 
+def test_what_is_wrong_for_every_cell_is_one_error_not_a_grey_grid():
+    from grpo_lab.devices import cuda_device_count
+
+    if cuda_device_count():
+        pytest.skip("this machine has a cuda:0 to plan on")
+    with pytest.raises(LabError, match="^placement.gpu_memory_gib: cuda:0 is not on this machine"):
+        frontier(load_config(PRESET, ["placement.gpu_memory_gib=null"]))
+
+
 @pytest.mark.parametrize("text, values", [("64,128,64", [64, 128]), (" 256, 64 ", [64, 256]), ("64:1024", LENGTHS[:4] + [1024]),
                                           ("48:400", [48, 96, 192, 384]), ("8:8", [8])])
 def test_parse_range(text, values):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 from ..errors import LabError
 from .estimate import GiB
@@ -75,7 +75,10 @@ class Frontier:
         return sorted({c.micro_batch for c in self.cells}, key=micro_order)
 
     def cell(self, length: int, generations: int, micro_batch: Optional[int]) -> Cell:
-        return next(c for c in self.cells if c.point == (length, generations, micro_batch))
+        for c in self.cells:
+            if c.point == (length, generations, micro_batch):
+                return c
+        raise KeyError(f"({length}, {generations}, {micro_batch}) is not in this frontier's grid")
 
     def title(self) -> str:
         devices = ", ".join(f"{d} {size(c).strip()}" for d, c in self.capacities.items())
@@ -106,8 +109,12 @@ class Frontier:
         return atomic_write_text(path, page(self))
 
     def _ipython_display_(self):
+        from IPython import get_ipython
         from IPython.display import display
 
+        if getattr(get_ipython(), "kernel", None) is None:   # a terminal IPython: the table (plotly would open a browser)
+            print(self)
+            return
         display(self.figure())   # plotly's own renderer: offline in Jupyter, one copy of plotly.js per notebook
 
 
