@@ -49,9 +49,11 @@ def _plan(args) -> int:
     given = [flag for flag, value in ranges.items() if value is not None]
     if given and not args.frontier:
         raise LabError(f"{given[0]}: only with --frontier; add --frontier, or drop {given[0]}")
-    config = load_config(args.config, args.set)
+    config, note = _plan_config(args)
     if not args.frontier:
         print(plan(config))
+        if note:
+            print(note)
         return 0
     from .planner.frontier import frontier, parse_range
 
@@ -61,6 +63,37 @@ def _plan(args) -> int:
     print(front)
     print(f"frontier page: open {path} in a browser (hover a cell for its binding device, peak, phase and headroom)")
     return 0
+
+
+def _plan_config(args):
+    """The config to plan, and a note: a vLLM generator sharing the learner's GPU with no share set is planned with
+    `auto`, so the plan recommends the share it would pick (a run still needs it set)."""
+    from .config_checks import NEEDS_SHARE
+    from .config_io import load_config
+    from .errors import ConfigError
+
+    try:
+        return load_config(args.config, args.set), None
+    except ConfigError as err:
+        if NEEDS_SHARE not in str(err):
+            raise
+    config = load_config(args.config, [*args.set, "generator.gpu_memory_utilization=auto"])
+    return config, ("recommended: generator.gpu_memory_utilization is unset and the generator shares the learner's GPU; "
+                    "the plan above uses auto: set it to auto, or to the share the GPU split shows")
+
+
+def _probe(args) -> int:
+    from .config_io import load_config
+    from .lab import Lab
+
+    lab = Lab(load_config(args.config, args.set)).load()
+    try:
+        print(lab.plan())
+        report = lab.probe()
+        print(report)
+    finally:
+        lab.close()
+    return 0 if report.fits else 1
 
 
 def _sweep(args) -> int:
@@ -121,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(powers of two from LO to HI); the config's own value is always added")
     p.add_argument("--out", metavar="FILE", help="with --frontier: the HTML page to write (default: frontier.html)")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("probe", help="load a config and run one worst-case step (longest prompt, full-length completions, "
+                       "full micro-batches) on the real devices; per-phase peaks beside the plan; exit 1 if it does not fit")
+    p.add_argument("config", help="a preset name or a YAML file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.set_defaults(func=_probe)
 
     p = sub.add_parser("presets", help="list the preset configs shipped with grpo_lab")
     p.set_defaults(func=_presets)

@@ -97,6 +97,13 @@ class GeneratorSection(Section):
     model: Optional[str] = knob("load", None, description="Checkpoint the generator loads (e.g. an int4 AWQ copy); null = the learner's base. Backends with their own weights only.")
     quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = knob("load", 
         None, description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.")
+    @field_validator("gpu_memory_utilization", mode="before")
+    @classmethod
+    def _share(cls, v):   # why: one line for a bad share, not one per member of the union
+        if v is None or v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1):
+            return v
+        raise ValueError(f"got {v!r}; give a share of the GPU in (0, 1], or auto")
+
     sleep_mode: bool = knob("load", False, description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner (not on CPU).")
     gather_for_generation: bool = knob("live", True, description="Sharded learner (placement.learner_procs > 1), "
         "hf backend: gather the full weights on every rank for the rollout (fast; needs room for the whole model, the "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from .errors import LabError
 from .generation.registry import OWN_WEIGHTS
 
+NEEDS_SHARE = "needs a memory share"   # (grpo-lab plan recognises this refusal and plans with auto instead)
+
 
 def check_placement(cfg) -> None:
     """Who may sit where (LabConfig's cross-checks; `cfg` is the config being validated): refused with one line per problem."""
@@ -22,7 +24,7 @@ def check_placement(cfg) -> None:
     shared_gpu = [d for d in place.generator_devices() if d == place.learner and d.startswith("cuda")]
     if own and shared_gpu and gen.gpu_memory_utilization is None:
         raise ValueError(f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
-                         "learner (colocated) and needs a memory share: auto (grpo-lab plan prints the split it picks) "
+                         f"learner (colocated) and {NEEDS_SHARE}: auto (grpo-lab plan prints the split it picks) "
                          "or a number, e.g. 0.3; or place it on another GPU")
     if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
         raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "

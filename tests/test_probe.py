@@ -150,3 +150,11 @@ print(json.dumps({"short": short, "long": long, "limit": lab.memory.latest("host
 
 def cli(*argv):
     return subprocess.run([sys.executable, "-m", "grpo_lab", *argv], capture_output=True, text=True, env=ENV)
+
+
+def test_grpo_lab_probe_prints_the_plan_and_the_probe(tiny_model, capsys):
+    assert main(["probe", "tiny-cpu", "--set", f"model.name_or_path={tiny_model}"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("memory plan:") < out.index("worst-case probe:") and out.strip().endswith("verdict: fits")
+    assert main(["probe", "tiny-cpu", "--set", "grpo.beta=-1"]) == 2
+    assert capsys.readouterr().err.startswith("grpo-lab: error: grpo.beta")

@@ -112,3 +112,15 @@ def test_bad_shares_are_refused_in_one_line(extra, message, capsys):
     assert main(["plan", str(QWEN7B), *[a for o in COLOCATED + extra for a in ("--set", o)]]) == 2
     err_line = capsys.readouterr().err.strip()
     assert err_line.startswith("grpo-lab: error:") and "\n" not in err_line
+
+
+def test_plan_recommends_auto_when_a_shared_gpu_has_no_share_set_and_run_refuses_it(capsys, tmp_path):
+    """Unset on the learner's GPU: `grpo-lab plan` plans with auto and says so; a run needs the field set."""
+    sets = ["generator.backend=vllm", "generator.sleep_mode=true", "generator.chunk_size=null"]
+    args = [a for o in sets for a in ("--set", o)]
+    assert main(["plan", str(QWEN7B), *args]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM 0.70 (auto)" in out and out.strip().splitlines()[-1].startswith("recommended: generator.gpu_memory")
+    assert main(["run", str(QWEN7B), *args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a memory share: auto" in err and "\n" not in err and not (tmp_path / "run").exists()
