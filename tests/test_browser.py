@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,12 +31,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def jupyter(tmp_path, tiny_model):
-    """A JupyterLab server rooted in a scratch directory holding only the notebook: presets come by name
-    and the built-in tiny model from GRPO_LAB_CACHE (set by conftest), as for a user outside the repo."""
-    (tmp_path / "notebooks").mkdir()
-    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "notebooks")
+@contextmanager
+def jupyter_server(tmp_path: Path, notebooks=("01_quickstart.ipynb",)):
+    """A JupyterLab server on 127.0.0.1 rooted in `tmp_path`, holding only `notebooks` (copied into notebooks/):
+    presets come by name and the built-in tiny model from GRPO_LAB_CACHE (set by conftest), as for a user outside
+    the repo. Yields (url, token, root)."""
+    (tmp_path / "notebooks").mkdir(exist_ok=True)
+    for name in notebooks:
+        shutil.copy(ROOT / "notebooks" / name, tmp_path / "notebooks")
     port, token = free_port(), secrets.token_hex(16)
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
@@ -53,9 +56,17 @@ def jupyter(tmp_path, tiny_model):
     else:
         server.kill()
         pytest.fail("JupyterLab did not start: " + (tmp_path / "jupyter.log").read_text()[-2000:])
-    yield url, token, tmp_path
-    server.terminate()
-    server.wait(timeout=20)
+    try:
+        yield url, token, tmp_path
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+
+
+@pytest.fixture
+def jupyter(tmp_path, tiny_model):
+    with jupyter_server(tmp_path) as server:
+        yield server
 
 
 def test_quickstart_runs_in_a_real_browser(jupyter):

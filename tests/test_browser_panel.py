@@ -1,0 +1,233 @@
+"""`lab.ui()` as a JupyterLab user meets it, in Debian's Chromium driven by Playwright (issue 25): typing and
+backspacing in the editor's fields, help under every kind of field, the kernel idle while the panel only shows,
+two quick clicks on "one step", stop during one step, the live plot after idle time and ten steps, and three
+`lab.ui()` calls leaving one redraw thread. The kernel writes what the tests read (step index, config, threads,
+the controls' log) to state.json every 0.2 s from a thread of its own, which sends the kernel no messages.
+Screenshots go to .artifacts/browser/."""
+import json
+import time
+
+import nbformat
+import pytest
+
+from pathlib import Path
+
+from test_browser import ARTIFACTS, CHROMIUM, FLAGS, jupyter_server
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")]
+
+SETUP = '''import json, threading, time
+from pathlib import Path
+from grpo_lab import Lab
+lab = Lab("tiny-cpu", overrides=["grpo.num_generations=8", "memory.sample_hz=10", "run.steps=1"]).load()
+panels = []
+
+def _dump():   # what the browser tests read; a thread of its own sends the kernel no messages
+    while True:
+        try:
+            state = {"step_index": lab.step_index, "history": len(lab.history), "next_phase": lab.next_phase(),
+                     "threads": [t.name for t in threading.enumerate()], "config": lab.config.to_dict(),
+                     "log": panels[-1].controls.log_text() if panels else "", "t": time.time(),
+                     "work": sum(r.seconds for r in lab.timeline.records)}
+            Path("state.tmp").write_text(json.dumps(state))
+            Path("state.tmp").replace("state.json")
+        except Exception as err:
+            Path("state.err").write_text(repr(err))
+        time.sleep(0.2)
+
+threading.Thread(target=_dump, name="test-state", daemon=True).start()'''
+UI = "panels.append(lab.ui())\npanels[-1]"
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory, tiny_model):
+    """The panel notebook (setup, then `lab.ui()` three times) run in JupyterLab; yields (page, read_state)."""
+    from playwright.sync_api import TimeoutError as NoDialog
+    from playwright.sync_api import sync_playwright
+
+    server = jupyter_server(tmp_path_factory.mktemp("panel"), notebooks=())
+    url, token, root = server.__enter__()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP)] + [nbformat.v4.new_code_cell(UI)] * 3)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    (root / "notebooks" / "panel.ipynb").write_text(nbformat.writes(nb))
+    state_file = root / "notebooks" / "state.json"
+
+    def read_state():
+        for _ in range(50):
+            try:
+                return json.loads(state_file.read_text())
+            except (OSError, ValueError):
+                time.sleep(0.1)
+        raise AssertionError("the kernel wrote no state.json")
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        pg = browser.new_page(viewport={"width": 1600, "height": 1400})
+        pg.goto(f"{url}/lab/tree/notebooks/panel.ipynb?reset&token={token}")
+        pg.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+        try:
+            pg.wait_for_selector(".jp-Dialog", timeout=10_000)
+            if "Select Kernel" in pg.locator(".jp-Dialog").first.inner_text():
+                pg.locator(".jp-Dialog .jp-mod-accept").first.click()
+        except NoDialog:
+            pass
+        pg.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+        pg.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        pg.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        deadline = time.time() + 300
+        while time.time() < deadline and pg.locator(".grpo-lab-controls").count() < 3:
+            time.sleep(1)
+        assert pg.locator(".grpo-lab-controls").count() == 3, "the three panels did not appear"
+        wait_idle(pg)
+        try:
+            yield pg, read_state
+        finally:
+            browser.close()
+            server.__exit__(None, None, None)
+
+
+def wait_idle(pg, timeout: float = 120) -> None:
+    pg.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
+
+
+def wait_for(read_state, check, timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = read_state()
+        if check(state):
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"timed out; last state: { {k: v for k, v in state.items() if k != 'config'} }")
+
+
+def panel(pg):
+    return pg.locator(".grpo-lab-controls").last
+
+
+def editor(pg):
+    return pg.locator(".grpo-lab-editor").last
+
+
+def field(pg, section: str, name: str):
+    """The editor's row for `section.name`, its tab selected."""
+    editor(pg).locator(".lm-TabBar-tab", has_text=section).first.click()
+    labelled = editor(pg).locator(f".widget-inline-hbox:has(label:text-is('{name}'))")
+    if labelled.count():
+        return labelled.first
+    # a checkbox's name is its own span, not a label's
+    return editor(pg).locator(f".widget-checkbox:has(span:text-is('{name}'))").first
+
+
+def test_three_ui_calls_leave_one_redraw_thread(page):
+    pg, read_state = page
+    state = read_state()
+    assert state["threads"].count("grpo-lab-plot") == 1, state["threads"]
+
+
+def test_help_shows_under_every_kind_of_field(page):
+    from grpo_lab.config import LabConfig
+
+    pg, _ = page
+    for section, name, kind in [("generator", "max_completion_length", "int"), ("generator", "temperature", "float"),
+                                ("generator", "chunk_size", "text"), ("grpo", "loss_type", "dropdown"),
+                                ("model", "gradient_checkpointing", "checkbox")]:
+        row = field(pg, section, name)
+        assert row.is_visible(), (section, name)
+        help_text = LabConfig.model_fields[section].annotation.model_fields[name].description[:40]
+        shown = editor(pg).get_by_text(help_text, exact=False).first
+        assert shown.is_visible(), f"{kind} field {section}.{name}: help {help_text!r} not visible"
+    pg.screenshot(path=str(ARTIFACTS / "panel_help.png"))
+
+
+@pytest.mark.parametrize("section, name, typed, backspaced, then, value", [
+    ("generator", "max_completion_length", "32", "3", "0", 30),
+    ("generator", "temperature", "0.75", "0.7", "", 0.7),
+    ("generator", "chunk_size", "4", "", "8", 8),
+], ids=["int", "float", "text"])
+def test_typing_and_backspacing_in_each_kind_of_text_field(page, section, name, typed, backspaced, then, value):
+    """Select all, type, backspace, type on, Enter: the config holds the value, the field shows it plainly, and no
+    half-typed value was refused on the way."""
+    pg, read_state = page
+    box = field(pg, section, name).locator("input").first
+    box.click()
+    box.press("Control+a")
+    box.type(typed, delay=60)
+    box.press("Backspace")
+    assert box.input_value() == (typed[:-1] or ""), box.input_value()
+    box.type(then, delay=60)
+    box.press("Enter")
+    wait_for(read_state, lambda s: s["config"][section][name] == value, timeout=20)
+    assert box.input_value() == str(value)
+    message = editor(pg).inner_text()
+    assert "Input should be" not in message and "got '" not in message, message
+
+
+def test_the_kernel_stays_idle_while_the_panel_only_shows(page):
+    pg, _ = page
+    wait_idle(pg)
+    idle = 0
+    for _ in range(40):
+        idle += pg.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+        time.sleep(0.5)
+    assert idle >= 36, f"idle in {idle} of 40 half-second samples"
+
+
+def click_twice(pg, button):
+    box = button.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    pg.mouse.click(x, y)
+    time.sleep(0.05)
+    pg.mouse.click(x, y)
+
+
+def test_two_quick_clicks_on_one_step_run_one_step(page):
+    pg, read_state = page
+    before = read_state()["history"]
+    button = panel(pg).locator("button", has_text="one step")
+    button.scroll_into_view_if_needed()
+    click_twice(pg, button)
+    wait_for(read_state, lambda s: s["history"] > before)
+    time.sleep(5)   # a second step, if one was started, would end by now
+    assert read_state()["history"] == before + 1
+    assert "a run is in progress" in read_state()["log"] or button.is_enabled()
+
+
+def test_stop_during_one_step_stops_at_the_next_phase_boundary(page):
+    pg, read_state = page
+    before = read_state()
+    panel(pg).locator("button", has_text="one step").click()
+    panel(pg).locator("button", has_text="stop").click()
+    state = wait_for(read_state, lambda s: "stopped before" in s["log"], timeout=60)
+    assert state["history"] == before["history"] and state["next_phase"] != "rollout"
+    assert "stop: the run stops at the next phase boundary" in state["log"]
+    panel(pg).locator("button", has_text="one step").click()   # finishes the step
+    wait_for(read_state, lambda s: s["history"] == before["history"] + 1)
+
+
+def test_the_live_plot_after_idle_time_and_ten_steps_names_every_phase(page):
+    pg, read_state = page
+    before = read_state()["history"]
+    count = panel(pg).locator("input[type=number]").first
+    count.fill("10")
+    count.press("Enter")
+    panel(pg).locator("button", has_text="run N").click()
+    wait_for(read_state, lambda s: s["history"] == before + 10, timeout=300)
+    time.sleep(30)   # idle with the panel on screen
+    plot = pg.locator(".js-plotly-plot").last
+    plot.scroll_into_view_if_needed()
+    time.sleep(2)
+    figure = plot.evaluate("el => ({names: el.data.map(t => t.name), "
+                           "xs: el.data.flatMap(t => (t.x || []).filter(v => v !== null)), "
+                           "title: el.layout.title && el.layout.title.text, width: el.getBoundingClientRect().width, "
+                           "top: el.layout.margin && el.layout.margin.t})")
+    pg.screenshot(path=str(ARTIFACTS / "panel_plot.png"), full_page=True)
+    for phase in ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"):
+        assert phase in figure["names"], (phase, figure["names"])
+    # the x axis is working time: the 30 s just spent idle (and the minutes of the tests before) are squeezed
+    span = max(figure["xs"]) - min(figure["xs"])
+    work = read_state()["work"]
+    # every idle gap (between phases, between steps, this 30 s) counts at most 1 s: ~8 per step, 12 steps so far
+    assert span < work + 30, f"x axis spans {span:.0f} s for {work:.0f} s of work"
+    assert figure["width"] > 900, figure["width"]   # full width of the cell, not plotly's default 700 px
