@@ -20,6 +20,8 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # Qwen2.5's vocabulary (151,936) on the tiny body: the logits dominate memory as in every real model.
     # No EOS boost: completions run to max_completion_length, the length the planner plans for.
     "qwen2-152k": (1, {"vocab_size": 151936, "eos_probability": None, "max_positions": 4096}),
+    # a Llama/Mistral-size vocabulary (32,000) on the tiny body: the planner's grid's other end (bench/planner_accuracy.py)
+    "qwen2-32k": (1, {"vocab_size": 32000, "eos_probability": None, "max_positions": 4096}),
 }
 
 CHAT_TEMPLATE = (
