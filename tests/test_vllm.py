@@ -454,3 +454,24 @@ def test_adapter_directories_are_removed_and_fall_back_when_dev_shm_is_small(in_
     assert out["short_shm_dir"] == tempfile.gettempdir()        # /dev/shm reported 1 MiB free
     assert len(out["short_shm_notices"]) == 1 and out["short_shm_notices"][0].startswith(
         "generator: /dev/shm has 1 MiB free, under the "), out["short_shm_notices"]
+
+
+def test_the_probe_forces_full_length_completions_from_vllm_and_keeps_nothing(vllm_lab, monkeypatch):
+    """min_tokens = max_completion_length holds back every stop token; lab.probe() on a vLLM Lab puts the weights
+    back and syncs the engine to them."""
+    row = vllm_lab.prompts.longest(128)
+    batch = vllm_lab.prompts.batch_of([row, row])
+    # every even token id stops a completion: unforced, they end within a few tokens, whatever the LoRA learned
+    monkeypatch.setattr(vllm_lab.generator, "eos_token_ids", list(range(0, 384, 2)))
+    free = vllm_lab.generator.generate(batch, 4, GenerationRequest.from_config(vllm_lab.config))
+    forced = vllm_lab.generator.generate(batch, 4, GenerationRequest.from_config(vllm_lab.config, full_length=True))
+    assert free.completion_lengths.float().mean() < 8, free.completion_lengths
+    assert forced.completion_lengths.tolist() == [16] * 8
+    monkeypatch.undo()
+    if vllm_lab.current.started:   # (the module's first rollout, or a test before, may have left a step under way)
+        vllm_lab.step()
+    before, index = vllm_lab.inspect()[0]["lora"], vllm_lab.step_index
+    report = vllm_lab.probe()
+    assert report.failure is None and report.completion_tokens == 16
+    after = vllm_lab.inspect()[0]["lora"]
+    assert vllm_lab.step_index == index and all(torch.equal(after[k], v) for k, v in before.items())
