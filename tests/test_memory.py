@@ -514,3 +514,28 @@ def test_the_live_plot_redraws_only_when_samples_arrive_and_one_lab_keeps_one_re
         assert plot.refreshes > idle            # new readings (and phase bands) are drawn
     finally:
         lab.close()
+
+
+def test_an_idle_plot_redraws_at_most_every_two_seconds_while_the_sampler_samples(loaded_lab):
+    """The default sampler keeps reading between phases, so "redraw only when samples arrived" still redrew every
+    0.5 s with nothing running (each redraw a round of widget messages: JupyterLab showed the kernel Busy). Between
+    phases the plot now redraws at most every IDLE_REFRESH_S; a phase's end is drawn at once."""
+    import time
+
+    from grpo_lab.memory.live import IDLE_REFRESH_S
+
+    lab = loaded_lab(memory={"sample_hz": 20})
+    try:
+        plot = lab.ui().plot
+        plot.refresh()
+        drawn = plot.refreshes
+        time.sleep(3.2)                         # 6 ticks of 0.5 s, all with new samples
+        assert plot.refreshes - drawn <= 3.2 / IDLE_REFRESH_S + 1, plot.refreshes - drawn
+        lab.rollout()
+        deadline = time.monotonic() + 1.5       # a phase ended: drawn at the next tick, not 2 s later
+        before = plot.refreshes
+        while plot.refreshes == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plot.refreshes > before
+    finally:
+        lab.close()

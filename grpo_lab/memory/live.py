@@ -12,6 +12,7 @@ from a cell are serialised by a lock.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 from .probes import MiB
@@ -57,6 +58,11 @@ class Series:
             self.stride *= 2
 
 
+# why: between phases only the squeezed idle tail changes; redrawing it every refresh_s (the sampler keeps sampling)
+# had the kernel handle the browser's replies twice a second, and JupyterLab showed it Busy while nothing ran
+IDLE_REFRESH_S = 2.0
+
+
 class LivePlot:
     def __init__(self, sampler, refresh_s: float = 0.5, max_points: int = 600, max_bands: int = 60):
         go = _needs_notebook_extra()
@@ -79,6 +85,7 @@ class LivePlot:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()   # why: the renderer thread and a cell (display, Panel) both refresh
         self.refreshes = 0
+        self._drawn_at = float("-inf")   # monotonic time of the last redraw
         # a closed widget is never drawn again, so its renderer stops: closed in the kernel (fig.close() sets
         # the widget's comm to None) or by the frontend (a comm_close message, which only the comm hears)
         self.fig.observe(lambda change: self.stop() if change["new"] is None else None, names="comm")
@@ -128,6 +135,9 @@ class LivePlot:
             self._refresh()
 
     def _refresh(self) -> None:
+        idle = getattr(self.sampler, "phase", None) == "idle" and len(self.sampler.marks) == self._marks_drawn
+        if idle and self._lines and time.monotonic() - self._drawn_at < IDLE_REFRESH_S:
+            return
         series = self._ingest()
         if series is None:   # why: a redraw sends the whole figure to the browser; the kernel would show Busy for it
             return
@@ -152,6 +162,7 @@ class LivePlot:
                 self.fig.layout.shapes = self._shapes(marks)
                 self.fig.layout.annotations = self._annotations(marks)
         self.refreshes += 1
+        self._drawn_at = time.monotonic()
 
     def start(self) -> "LivePlot":
         if self._thread is None and self.fig.comm is not None:   # a closed widget has nowhere to draw
