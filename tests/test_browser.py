@@ -69,8 +69,24 @@ def jupyter(tmp_path, tiny_model):
         yield server
 
 
-def test_quickstart_runs_in_a_real_browser(jupyter):
+def run_all(page, url: str) -> None:
+    """Open the notebook at `url` (taking the preselected kernel if JupyterLab asks), then Run All Cells."""
     from playwright.sync_api import TimeoutError as NoDialog
+
+    page.goto(url)
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+    try:   # a first-time JupyterLab asks which kernel to start: take the preselected Python 3, as a user would
+        page.wait_for_selector(".jp-Dialog", timeout=10_000)
+        if "Select Kernel" in page.locator(".jp-Dialog").first.inner_text():
+            page.locator(".jp-Dialog .jp-mod-accept").first.click()
+    except NoDialog:
+        pass
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+
+def test_quickstart_runs_in_a_real_browser(jupyter):
     from playwright.sync_api import sync_playwright
 
     url, token, root = jupyter
@@ -78,17 +94,7 @@ def test_quickstart_runs_in_a_real_browser(jupyter):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.goto(f"{url}/lab/tree/notebooks/01_quickstart.ipynb?reset&token={token}")
-        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
-        try:   # a first-time JupyterLab asks which kernel to start: take the preselected Python 3, as a user would
-            page.wait_for_selector(".jp-Dialog", timeout=10_000)
-            if "Select Kernel" in page.locator(".jp-Dialog").first.inner_text():
-                page.locator(".jp-Dialog .jp-mod-accept").first.click()
-        except NoDialog:
-            pass
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        run_all(page, f"{url}/lab/tree/notebooks/01_quickstart.ipynb?reset&token={token}")
         deadline = time.time() + 600
         while time.time() < deadline:   # nothing queued or running, something ran, kernel idle
             if page.locator(".jp-Dialog").count():          # an unexpected dialog would block the run: record it

@@ -12,7 +12,7 @@ import pytest
 
 from pathlib import Path
 
-from test_browser import ARTIFACTS, CHROMIUM, FLAGS, jupyter_server
+from test_browser import ARTIFACTS, CHROMIUM, FLAGS, jupyter_server, run_all
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")]
@@ -43,7 +43,6 @@ UI = "panels.append(lab.ui())\npanels[-1]"
 @pytest.fixture(scope="module")
 def page(tmp_path_factory, tiny_model):
     """The panel notebook (setup, then `lab.ui()` three times) run in JupyterLab; yields (page, read_state)."""
-    from playwright.sync_api import TimeoutError as NoDialog
     from playwright.sync_api import sync_playwright
 
     server = jupyter_server(tmp_path_factory.mktemp("panel"), notebooks=())
@@ -65,17 +64,7 @@ def page(tmp_path_factory, tiny_model):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         pg = browser.new_page(viewport={"width": 1600, "height": 1400})
-        pg.goto(f"{url}/lab/tree/notebooks/panel.ipynb?reset&token={token}")
-        pg.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
-        try:
-            pg.wait_for_selector(".jp-Dialog", timeout=10_000)
-            if "Select Kernel" in pg.locator(".jp-Dialog").first.inner_text():
-                pg.locator(".jp-Dialog .jp-mod-accept").first.click()
-        except NoDialog:
-            pass
-        pg.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-        pg.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        pg.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        run_all(pg, f"{url}/lab/tree/notebooks/panel.ipynb?reset&token={token}")
         deadline = time.time() + 300
         while time.time() < deadline and pg.locator(".grpo-lab-controls").count() < 3:
             time.sleep(1)
