@@ -95,12 +95,15 @@ class PromptSource:
         self._rng.setstate(state["rng"])
         self._order = list(state["order"])
 
-    def longest(self, max_prompt_length: int) -> dict:
-        """The row whose formatted prompt has the most tokens (at most max_prompt_length count: longer ones are cut)."""
+    def longest(self, max_prompt_length: int) -> tuple[dict, int]:
+        """(the row whose formatted prompt has the most tokens, that count): at most max_prompt_length, as a rollout
+        cuts longer prompts."""
         def tokens(row):
             text = format_prompt(self.tokenizer, row["prompt"], self.system_prompt)
             return min(len(self.tokenizer(text, add_special_tokens=False)["input_ids"]), max_prompt_length)
-        return max(self.rows, key=tokens)
+        counted = [(tokens(row), i) for i, row in enumerate(self.rows)]
+        count, index = max(counted, key=lambda c: c[0])   # (the first of equals, as max over the rows gave)
+        return self.rows[index], count
 
     def next_batch(self, size: int) -> PromptBatch:
         picked = []

@@ -17,9 +17,9 @@ from typing import Optional
 
 from .errors import LabError
 from .memory.probes import MiB
+from .phases import PHASE_NAMES
 
 PROBE_STEP = -1   # the step index the probe's phases are recorded under, then removed
-PHASES = ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync")
 
 
 class WorstCasePrompts:
@@ -28,7 +28,7 @@ class WorstCasePrompts:
     full_length = True
 
     def __init__(self, source, max_prompt_length: int):
-        self.row = source.longest(max_prompt_length)
+        self.row, self.tokens = source.longest(max_prompt_length)
         self.source = source
 
     def next_batch(self, size: int):
@@ -78,7 +78,7 @@ class ProbeReport:
                  "every micro-batch full (nothing it changed is kept)",
                  f"  {'device':<10}{'phase':<12}{'planned MiB':>13}{'measured MiB':>14}{'host used MiB':>15}"]
         for device, phases in self.planned.items():
-            for phase in PHASES:
+            for phase in PHASE_NAMES:
                 got = self.measured(device, phase)
                 if got is None and phase not in phases:
                     continue
@@ -121,16 +121,6 @@ def _worst_case(lab):
         lab._step = saved[3]
 
 
-def _forget(lab) -> list[dict]:
-    """Take the probe step's rows out of the sampler and timeline (it is not a step of the run); return the rows."""
-    memory = lab.memory
-    with memory._lock:
-        rows = [r for r in memory.phase_rows if r["step"] == PROBE_STEP]
-        memory.phase_rows[:] = [r for r in memory.phase_rows if r["step"] != PROBE_STEP]
-    lab.timeline.records[:] = [r for r in lab.timeline.records if r.step != PROBE_STEP]
-    return rows
-
-
 def probe(lab) -> ProbeReport:
     """One step at the largest shapes the config allows; everything it changed is put back (see the module)."""
     from .checkpoint import read_checkpoint
@@ -148,13 +138,11 @@ def probe(lab) -> ProbeReport:
                     lab.step()
                 except LabError as err:   # out of memory (one line already), the host guard, a diverged loss
                     error, phase = err, lab.next_phase()
-        finally:
-            rows = _forget(lab)
+        finally:   # the probe's step is not a step of the run: its rows go to the report only
+            rows = lab.memory.forget(PROBE_STEP)
+            lab.timeline.forget(PROBE_STEP)
             lab.executor.restore_checkpoint(read_checkpoint(tmp))
-    cut = lab.config.generator.max_prompt_length
-    tokens = len(lab.learner.tokenizer(prompts.source.batch_of([prompts.row]).prompts[0],
-                                       add_special_tokens=False)["input_ids"])
-    report = ProbeReport(rows, {}, {}, min(tokens, cut), lab.config.generator.max_completion_length)
+    report = ProbeReport(rows, {}, {}, prompts.tokens, lab.config.generator.max_completion_length)
     for name, device in plan.devices.items():
         report.planned[name] = {p: device.phase_peak(p) for p in ("rollout", "logprobs", "backward")}
         report.capacity[name] = device.capacity

@@ -60,6 +60,10 @@ class Timeline:
             if r.step == step and r.phase in phases and r.failed_attempt is None:
                 r.failed_attempt = attempt
 
+    def forget(self, step: int) -> None:
+        """Drop every record of `step` (the worst-case probe's step, which is not a step of the run)."""
+        self.records[:] = [r for r in self.records if r.step != step]
+
     def seconds(self, step: int) -> dict[str, float]:
         """Wall time per phase of `step` (summed when a phase ran more than once), failed attempts left out."""
         out: dict[str, float] = {}

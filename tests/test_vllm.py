@@ -459,7 +459,7 @@ def test_adapter_directories_are_removed_and_fall_back_when_dev_shm_is_small(in_
 def test_the_probe_forces_full_length_completions_from_vllm_and_keeps_nothing(vllm_lab, monkeypatch):
     """min_tokens = max_completion_length holds back every stop token; lab.probe() on a vLLM Lab puts the weights
     back and syncs the engine to them."""
-    row = vllm_lab.prompts.longest(128)
+    row, _ = vllm_lab.prompts.longest(128)
     batch = vllm_lab.prompts.batch_of([row, row])
     # every even token id stops a completion: unforced, they end within a few tokens, whatever the LoRA learned
     monkeypatch.setattr(vllm_lab.generator, "eos_token_ids", list(range(0, 384, 2)))

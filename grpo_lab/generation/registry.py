@@ -18,11 +18,16 @@ RANK_BACKENDS: dict[str, str] = {"vllm": "grpo_lab.sharded.remote:RemoteVLLM"}
 OWN_WEIGHTS = {"vllm"}
 
 
+def colocated_on_gpu(config) -> bool:
+    """Whether the generator shares a GPU with the learner (where sleeping between rollouts frees memory for it)."""
+    devices = config.placement.generator_devices()
+    return config.placement.learner in devices and devices != ["cpu"]
+
+
 def sleeps(config) -> bool:
     """Whether the generator sleeps between rollouts: vllm's sleep_mode, colocated with the learner on a GPU
     (vLLM has no sleep mode on the CPU; a generator on GPUs of its own has no one to give memory to)."""
-    devices = config.placement.generator_devices()
-    return config.generator.sleep_mode and config.placement.learner in devices and devices != ["cpu"]
+    return config.generator.sleep_mode and colocated_on_gpu(config)
 
 
 def backend_class(name: str, on_rank: bool = False):

@@ -166,6 +166,13 @@ class MemorySampler:
                 if r["step"] == step and r["phase"] in phases and r["failed_attempt"] is None:
                     r["failed_attempt"] = attempt
 
+    def forget(self, step: int) -> list[dict]:
+        """Take every per-phase row of `step` out (the worst-case probe's step); returns them."""
+        with self._lock:
+            rows = [r for r in self.phase_rows if r["step"] == step]
+            self.phase_rows[:] = [r for r in self.phase_rows if r["step"] != step]
+        return rows
+
     def rows_for(self, step: int, failed_attempts: bool = False) -> list[dict]:
         """The per-phase rows of `step`: of the attempt that completed it, or with `failed_attempts` of those rolled back."""
         return [r for r in self.phase_rows if r["step"] == step and (r["failed_attempt"] is not None) == failed_attempts]

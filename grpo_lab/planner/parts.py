@@ -63,15 +63,16 @@ def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences
                         gen.max_prompt_length + gen.max_completion_length, peak if beside else 0.0, phase, asleep,
                         biggest)
         # why at least the minimum: below it vLLM does not start, and the plan shows what it would take
-        engine = max(share or 0.0, d.split.minimum) * d.capacity - CUDA_CONTEXT
+        taken = max(share or 0.0, d.split.minimum)
+        engine = taken * d.capacity - CUDA_CONTEXT
         note = f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache"
-        name = f"{gen.backend} engine share ({max(share or 0.0, d.split.minimum):.0%}{', auto' if auto else ''})"
+        name = f"{gen.backend} engine share ({taken:.0%}{', auto' if auto else ''})"
         if asleep:   # why: sleep(level=1) frees the weights and KV cache between rollouts; its working memory stays
             d.add(f"{gen.backend} engine asleep: working memory", work[d.device], "CUDA graphs, buffers; kept asleep")
             d.add(f"{name}, awake", engine - work[d.device], note, phase="rollout")
         else:
             d.add(name, engine, note)
-    if sleeps(cfg):
+    if asleep:
         # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
         devices["host"].add("generator weights (asleep, sleep level 1)", generator_weight_bytes(shape, cfg),
                             f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned")

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import LabError
-from ..generation.registry import OWN_WEIGHTS
+from ..generation.registry import OWN_WEIGHTS, colocated_on_gpu
 from .estimate import (CUDA_CONTEXT, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes, base_weight_bytes,
                        generation_step_bytes, kv_cache_bytes)
 from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
@@ -161,9 +161,8 @@ def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
         while seqs > 1:
             seqs //= 2
             out.append((f"generator.chunk_size: {seqs}", [f"generator.chunk_size={seqs}"]))
-    place = cfg.placement
-    if cfg.generator.backend in OWN_WEIGHTS and not cfg.generator.sleep_mode and place.learner.startswith("cuda") \
-            and place.learner in place.generator_devices():   # asleep, the engine leaves the learner its weights and KV
+    if cfg.generator.backend in OWN_WEIGHTS and not cfg.generator.sleep_mode and colocated_on_gpu(cfg):
+        # asleep, the engine leaves the learner's phases its weights and KV cache
         out.append(("generator.sleep_mode: true", ["generator.sleep_mode=true"]))
     if cfg.placement.learner != "cpu" and not cfg.placement.optimizer_offload:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
