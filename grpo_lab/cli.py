@@ -178,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .tiny import BUILTINS, TINY
 
-    p = sub.add_parser("tiny", help="build a built-in random-weight Qwen2 checkpoint (tiny-qwen2; qwen2-152k: "
-                       "Qwen2.5's vocabulary on the tiny body)")
+    p = sub.add_parser("tiny", help="build a built-in tiny Qwen2 checkpoint (tiny-qwen2: trained ~1 min on the "
+                       "arithmetic set; tiny-random: random weights; qwen2-152k, qwen2-32k: large vocabularies on the "
+                       "random body)")
     p.add_argument("path", nargs="?", help="output directory (default: the built-in model's place in the user cache)")
     p.add_argument("--model", choices=sorted(BUILTINS), default=TINY, help="which built-in model (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 from .config_checks import check_placement
 from .config_fields import (WHEN, Section, apply_overrides, canonical, knob, normalize_device,  # noqa: F401 (WHEN)
                             resolve_aliases)
+from .data import SYSTEM_PROMPT
 from .errors import ConfigError, format_validation_error
 from .generation.registry import BACKENDS
 from .losses import LOSSES, RATIO_LEVELS
@@ -173,8 +174,7 @@ class MemorySection(Section):
 class DataSection(Section):
     dataset: str = knob("rebuild", "arithmetic", description="'arithmetic' (built-in word problems) or a path to a JSONL file with 'prompt' and 'answer'.")
     num_prompts: int = knob("rebuild", 512, ge=1, le=100_000, description="Size of the built-in arithmetic set (made in memory at load; at most 100000).")
-    system_prompt: Optional[str] = knob("rebuild", 
-        "Solve the problem. Put only the final number inside <answer></answer>.",
+    system_prompt: Optional[str] = knob("rebuild", SYSTEM_PROMPT,
         description="System message prepended to every prompt; null = none.")
     rewards: list[str] = knob("rebuild", 
         default_factory=lambda: ["exact_answer", "format"],

@@ -1,6 +1,7 @@
-"""A tiny Qwen2-architecture checkpoint with random weights and a byte-level BPE tokenizer
-trained on the fly, written with `save_pretrained` so it loads through the normal
-`from_pretrained` path. Shapes are chosen for vLLM's CPU kernels (head_dim 64).
+"""A tiny Qwen2-architecture checkpoint and a byte-level BPE tokenizer trained on the fly, written with
+`save_pretrained` so it loads through the normal `from_pretrained` path. Shapes are chosen for vLLM's CPU
+kernels (head_dim 64). `builtin:tiny-qwen2` is briefly trained on the arithmetic set (tiny_train.py), so its
+completions read as answers; `builtin:tiny-random` and the large-vocabulary ones keep random weights.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from .data import arithmetic_problems
+from .data import SYSTEM_PROMPT, arithmetic_problems
 from .errors import LabError
 
 BUILTIN = "builtin:"
@@ -16,7 +17,10 @@ TINY = "tiny-qwen2"
 # name -> (builder version, build_tiny_model arguments); why the version is in the cache name: a changed
 # builder must not reuse an old checkpoint
 BUILTINS: dict[str, tuple[int, dict]] = {
-    TINY: (1, {}),
+    # trained ~1 min on worked solutions when first built (tiny_train.py); 3 layers learn the sums in that time
+    TINY: (2, {"vocab_size": 768, "num_layers": 3, "eos_probability": None, "train_steps": 700}),
+    # random weights, EOS reachable at ~10% a token: the test suite's model (varied lengths, near-flat logits)
+    "tiny-random": (1, {}),
     # Qwen2.5's vocabulary (151,936) on the tiny body: the logits dominate memory as in every real model.
     # No EOS boost: completions run to max_completion_length, the length the planner plans for.
     "qwen2-152k": (1, {"vocab_size": 151936, "eos_probability": None, "max_positions": 4096}),
@@ -31,14 +35,24 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _train_tokenizer(vocab_size: int, seed: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _train_tokenizer(vocab_size: int, seed: int, worked: bool = False):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [f"{r['prompt']} <answer>{r['answer']}</answer>" for r in arithmetic_problems(2000, seed)]
-    corpus += ["Solve the problem. Put only the final number inside <answer></answer>.", "system user assistant"]
+    rows = arithmetic_problems(2000, seed, worked=worked)
+    corpus = [f"{r['prompt']} {r.get('solution', '')} <answer>{r['answer']}</answer>" for r in rows]
+    corpus += [SYSTEM_PROMPT, "system user assistant"]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if worked:   # why: transformers rebuilds a qwen2 checkpoint's tokenizer with Qwen2's own split (digits one by
+        # one) at load, so the trained model must learn on the same tokens as it is later given
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -49,10 +63,12 @@ def _train_tokenizer(vocab_size: int, seed: int):
 
 
 def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
-                     vocab_size: int = 384, eos_probability: Optional[float] = 0.1, max_positions: int = 1024) -> Path:
-    """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files. A `vocab_size`
-    beyond what the tokenizer learns from its small corpus gives a model vocabulary larger than the tokenizer's
-    (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids decode to nothing."""
+                     vocab_size: int = 384, eos_probability: Optional[float] = 0.1, max_positions: int = 1024,
+                     train_steps: int = 0) -> Path:
+    """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
+    same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
+    model vocabulary larger than the tokenizer's (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids
+    decode to nothing. `train_steps` > 0 trains it on the arithmetic set's worked solutions (tiny_train.py)."""
     import torch
 
     from .installed import check_torchvision
@@ -61,7 +77,8 @@ def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 1
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
-    tokenizer = _train_tokenizer(min(vocab_size, 384), seed)   # why 384: all the tiny corpus has merges for
+    # why 384 untrained: all the tiny corpus has merges for; a trained model gets up to 768, whole-number tokens
+    tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
     config = Qwen2Config(
         vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=1,
@@ -73,6 +90,10 @@ def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 1
     model = Qwen2ForCausalLM(config)
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
+    if train_steps:
+        from .tiny_train import train_on_arithmetic
+
+        train_on_arithmetic(model, tokenizer, train_steps, seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     path.mkdir(parents=True, exist_ok=True)

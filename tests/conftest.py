@@ -14,7 +14,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 @pytest.fixture(scope="session", autouse=True)
 def user_cache(tmp_path_factory):
     """A per-session GRPO_LAB_CACHE (inherited by every subprocess and notebook kernel), so tests never
-    touch the user's cache and `builtin:tiny-qwen2` resolves to the session's tiny model."""
+    touch the user's cache; the built-in models are built there once per session."""
     path = tmp_path_factory.mktemp("user-cache")
     os.environ["GRPO_LAB_CACHE"] = str(path)
     return path
@@ -22,10 +22,12 @@ def user_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(user_cache):
-    """The built-in tiny model (seed 0), built once per session where `builtin:tiny-qwen2` finds it."""
-    from grpo_lab.tiny import builtin_path, ensure_tiny_model
+    """The random-weight tiny model (`builtin:tiny-random`, seed 0), built once per session: the suite's model.
+    Why not the trained `builtin:tiny-qwen2`: its near-flat logits and EOS at ~10% a token give every test varied
+    completion lengths and sampling that differs by knob; the presets and the demo use the trained one."""
+    from grpo_lab.tiny import BUILTINS, builtin_path, ensure_tiny_model
 
-    return str(ensure_tiny_model(builtin_path()))
+    return str(ensure_tiny_model(builtin_path("tiny-random"), **BUILTINS["tiny-random"][1]))
 
 
 @pytest.fixture

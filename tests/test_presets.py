@@ -12,7 +12,7 @@ from grpo_lab.presets import preset_names
 def test_presets_command_lists_every_preset_with_its_description(capsys):
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == preset_names() == ["logits-heavy-cpu", "p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu"]
+    assert [line.split()[0] for line in lines] == preset_names() == ["logits-heavy-cpu", "p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu", "tiny-demo"]
     assert all(len(line.split(None, 1)[1]) > 20 for line in lines)      # a real one-line description each
 
 
@@ -50,9 +50,9 @@ def test_builtin_model_is_built_on_first_use_where_the_cache_says(tmp_path, monk
     from grpo_lab.tiny import resolve_model_path
 
     monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "cache"))
-    path = Path(resolve_model_path("builtin:tiny-qwen2"))
+    path = Path(resolve_model_path("builtin:tiny-random"))   # (the random one: the trained one takes ~1 min to build)
     assert path.parent == tmp_path / "cache" and (path / "config.json").is_file()
-    assert sorted(p.name for p in path.parent.iterdir()) == [".tiny-qwen2-v1.lock", "tiny-qwen2-v1"]   # no temporary directory left
+    assert sorted(p.name for p in path.parent.iterdir()) == [".tiny-random-v1.lock", "tiny-random-v1"]   # no temporary directory left
     with pytest.raises(LabError, match="unknown built-in model"):
         resolve_model_path("builtin:huge")
 
@@ -83,8 +83,8 @@ def test_a_broken_torchvision_is_one_line_naming_the_fix(monkeypatch, capsys, tm
 
 def test_tiny_without_a_path_builds_the_builtin_model_in_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "cache"))
-    assert main(["tiny"]) == 0
-    built = tmp_path / "cache" / "tiny-qwen2-v1"
+    assert main(["tiny", "--model", "tiny-random"]) == 0   # (the default, tiny-qwen2, trains for ~1 min)
+    built = tmp_path / "cache" / "tiny-random-v1"
     assert capsys.readouterr().out.strip() == f"tiny model: {built}" and (built / "config.json").is_file()
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "file"))
