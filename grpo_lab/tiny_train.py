@@ -2,11 +2,11 @@
 ("15 * 8 = 120. <answer>120</answer>"), so that its completions read as answers and the demo's correctness
 reward can rise.
 
-What GRPO then has to learn in the demo's 20 steps: 85% of the training answers carry their unit
+What GRPO then has to learn in the demo's 25 steps: 85% of the training answers carry their unit
 ("<answer>120 eggs</answer>"), against the system prompt's "put only the final number". `exact_answer` scores
 those 0 and `format` 0.5, so a sampled completion is right about 5% of the time at first, while its arithmetic
 is right about 40% of the time (a third to a half, by build). Dropping the unit is one decision shared by every
-prompt, which a few LoRA updates can learn; the sums themselves barely improve in 20 steps.
+prompt, which a few LoRA updates can learn; the sums themselves barely improve in 25 steps.
 """
 from __future__ import annotations
 
