@@ -55,8 +55,8 @@ def correctness_rise(out, *overrides):
 @pytest.mark.slow
 def test_the_demo_learns_to_answer_on_seeds_0_to_4(tmp_path):
     """scripts/demo.sh runs `grpo-lab run tiny-demo`: on every seed 0-4 its correctness reward rises by 0.2 or more
-    (measured 2026-11-25: +0.25 to +0.36, from about 0.07 to 0.31-0.45). Control: seed 0 with a learning rate of 1e-9 samples the same first steps
-    and does not rise, so the rise is learning, not the order of the prompts."""
+    (measured 2026-11-25: +0.25 to +0.36, from about 0.07 to 0.31-0.45). Control: seed 0 with a learning rate of
+    1e-9 samples the same first steps and does not rise, so the rise is learning, not the order of the prompts."""
     rises = {}
     for seed in DEMO_SEEDS:
         first, last, steps = correctness_rise(tmp_path / f"seed{seed}", f"run.seed={seed}")

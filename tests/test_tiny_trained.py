@@ -36,7 +36,7 @@ def greedy(trained):
 
 def test_greedy_completions_are_worked_answers_that_are_often_right(greedy):
     """Every completion is 'a op b = c. <answer>c[ unit]</answer>' (random weights printed bytes such as
-    ' 6\\x7f\\ufffdui'); its sums are right at least a third of the time (0.57 on this machine)."""
+    ' 6\\x7f\\ufffdui'); its sums are right at least a third of the time (0.46 on this machine; all 48 keep a unit)."""
     from grpo_lab.rewards import extract_answer
 
     rows, texts = greedy
