@@ -1,4 +1,5 @@
 """Every notebook runs under papermill with its tiny parameters (real papermill, real kernel)."""
+import re
 from pathlib import Path
 
 import nbformat
@@ -46,6 +47,8 @@ def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path)
     assert "generate calls 2, learning rate 0.0003, temperature 0.7" in text, text[-2000:]
     assert "refused: lora.r: fixed when the Lab loads" in text
     assert "step 0:" in text and "| next: 1 rollout" in text     # the walk's sync ended step 0 by itself
+    # the built-in model's completion reads as a worked answer (random weights printed ' 6\x7f\ufffdui\ufffdFay')
+    assert re.search(r"'\d+ [-+*] \d+ = -?\d+\. <answer>", text), text[:3000]
     if where == "elsewhere":
         assert list(cwd.iterdir()) == []   # nothing written into the user's working directory
 
