@@ -10,6 +10,8 @@ measured peak of the whole step.
 
     .venv/bin/python bench/planner_accuracy.py                      # both presets, several shapes
     .venv/bin/python bench/planner_accuracy.py --worker tiny-cpu    # one config, one JSON line
+    python bench/planner_accuracy.py --device cuda:0                  # on a GPU: the learner there, torch's
+                                                                      # allocated peak per phase (reserved, NVML beside)
 """
 from __future__ import annotations
 
@@ -58,30 +60,40 @@ def grid() -> list[tuple[str, list[str]]]:
     return cases + REPORTED
 
 
-def worker(preset: str, overrides: list[str], steps: int) -> dict:
+# what is measured against the plan, per device kind: the first metric is the one the ratio is taken on
+METRICS = {"host": ("rss",), "cuda": ("allocated", "reserved", "device_used")}
+
+
+def worker(preset: str, overrides: list[str], steps: int, device: str = "host") -> dict:
     from grpo_lab import Lab, load_config
     from grpo_lab.planner import plan
 
-    cfg = load_config(preset, overrides + ["memory.sample_hz=200"])
-    host = plan(cfg).devices["host"]
+    placed = [] if device == "host" else [f"placement.learner={device}"]
+    cfg = load_config(preset, overrides + placed + ["memory.sample_hz=200"])
+    planned_device = plan(cfg).devices[device]
+    metrics = METRICS["host" if device == "host" else "cuda"]
     lab = Lab(cfg).load()
-    measured, rest = {}, 0.0
+    measured, rest = {m: {} for m in metrics}, 0.0
     for i in range(steps):
         result = lab.step()
         if i == 0:
             continue   # one-off state of the first step (see the docstring)
         for row in result.memory:
-            if row["metric"] == "rss" and row["phase"] in PHASES:
-                measured[row["phase"]] = max(measured.get(row["phase"], 0), row["peak"])
-            if row["metric"] == "rss" and row["phase"] == "rollout":
+            if row["device"] != device or row["metric"] not in metrics or row["phase"] not in PHASES:
+                continue
+            per_phase = measured[row["metric"]]
+            per_phase[row["phase"]] = max(per_phase.get(row["phase"], 0), row["peak"])
+            if row["metric"] == metrics[0] and row["phase"] == "rollout":
                 rest = max(rest, row["start"])   # memory at rest: what the step starts from
     lab.close()
-    planned = {p: host.phase_peak(p) for p in PHASES}
-    return {"preset": preset, "overrides": overrides, "planned": planned, "measured": measured,
-            "planned_total": host.total, "measured_total": max(measured.values()),
-            "planned_rest": host.resident, "measured_rest": rest,
-            "transients": {p: planned[p] - host.resident for p in PHASES},
-            "items": [(i.what, i.bytes, i.phase) for i in host.items]}
+    planned = {p: planned_device.phase_peak(p) for p in PHASES}
+    return {"preset": preset, "overrides": overrides, "device": device, "metric": metrics[0],
+            "planned": planned, "measured": measured[metrics[0]],
+            "also": {m: measured[m] for m in metrics[1:]},   # on a GPU: torch's reserved and NVML's device-wide used
+            "planned_total": planned_device.total, "measured_total": max(measured[metrics[0]].values()),
+            "planned_rest": planned_device.resident, "measured_rest": rest,
+            "transients": {p: planned[p] - planned_device.resident for p in PHASES},
+            "items": [(i.what, i.bytes, i.phase) for i in planned_device.items]}
 
 
 def label(preset: str, overrides: list[str]) -> str:
@@ -101,17 +113,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", help="write every row here too")
     parser.add_argument("--quick", action="store_true", help="the base point and the two reported configs only")
+    parser.add_argument("--device", default="host", help="host (peak RSS, the default) or cuda:N: the learner on that "
+                        "GPU, measured as torch's allocated peak (reserved and NVML's used printed beside it)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.worker:
-        print(json.dumps(worker(args.worker, args.set, args.steps)))
+        print(json.dumps(worker(args.worker, args.set, args.steps, args.device)))
         return
     rows = []
     cases = grid() if not args.quick else grid()[:1] + REPORTED
-    print("| grid point | phase | planned MiB | measured peak RSS MiB | measured / planned |")
+    what = "peak RSS" if args.device == "host" else f"{args.device} allocated peak"
+    print(f"| grid point | phase | planned MiB | measured {what} MiB | measured / planned |")
     print("|---|---|---|---|---|", flush=True)
     for preset, overrides in cases:
-        cmd = [sys.executable, __file__, "--worker", preset, "--steps", str(args.steps),
+        cmd = [sys.executable, __file__, "--worker", preset, "--steps", str(args.steps), "--device", args.device,
                *[a for o in overrides for a in ("--set", o)]]
         done = subprocess.run(cmd, capture_output=True, text=True)
         name = label(preset, overrides)
@@ -126,6 +141,10 @@ def main() -> None:
         for phase in PHASES:
             p, m = r["planned"][phase], r["measured"][phase]
             print(f"| {name} | {phase} | {p / MiB:.0f} | {m / MiB:.0f} | {m / p:.2f} |")
+            for metric, per_phase in r["also"].items():
+                if phase in per_phase:
+                    print(f"| {name} | {phase} ({metric}) | {p / MiB:.0f} | {per_phase[phase] / MiB:.0f} | "
+                          f"{per_phase[phase] / p:.2f} |")
         print(f"| {name} | **total** | {r['planned_total'] / MiB:.0f} | {r['measured_total'] / MiB:.0f} | "
               f"**{r['measured_total'] / r['planned_total']:.2f}** |", flush=True)
     if args.json:
