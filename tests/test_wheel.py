@@ -41,10 +41,10 @@ def test_wheel_runs_a_preset_from_an_empty_directory(tmp_path):
 
     grpo_lab = str(env_dir / "bin" / "grpo-lab")
     presets = subprocess.run([grpo_lab, "presets"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
-    assert presets.returncode == 0 and "tiny-cpu" in presets.stdout, presets.stderr[-2000:]
+    assert presets.returncode == 0 and "tiny-cpu" in presets.stdout and "tiny-demo" in presets.stdout, presets.stderr[-2000:]
     proc = subprocess.run([grpo_lab, "run", "tiny-cpu", "--steps", "3", "--out", str(tmp_path / "run")], cwd=work,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
-    assert (cache / "tiny-qwen2-v1" / "config.json").is_file()   # built on first use, in the user cache
+    assert (cache / "tiny-qwen2-v2" / "config.json").is_file()   # trained on first use, in the user cache
     assert list(work.iterdir()) == []                            # nothing in the working directory
