@@ -92,6 +92,7 @@ class PromptSource:
         self.rows, self.tokenizer, self.system_prompt = rows, tokenizer, system_prompt
         self._rng = random.Random(seed)
         self._order: list[int] = []
+        self._before_last: Optional[dict] = None
 
     def state_dict(self) -> dict:
         """The data position: the shuffle RNG and what is left of this epoch's order (for checkpoints)."""
@@ -111,7 +112,13 @@ class PromptSource:
         count, index = max(counted, key=lambda c: c[0])   # (the first of equals, as max over the rows gave)
         return self.rows[index], count
 
+    def rewind(self) -> None:
+        """Back to before the last batch was drawn, so the next batch is that batch again (a redone step's)."""
+        if self._before_last is not None:
+            self.load_state_dict(self._before_last)
+
     def next_batch(self, size: int) -> PromptBatch:
+        self._before_last = self.state_dict()
         picked = []
         while len(picked) < size:
             if not self._order:

@@ -258,11 +258,14 @@ class Lab(LabViews):
 
     # --- the phases of a step (phases.PHASES), each checked, timed and marked ---
     def rollout(self) -> Rollout:
-        """Start the step (or restart it, when no update was applied yet) with a fresh rollout."""
+        """Start the step (or restart it, when no update was applied yet) with a fresh rollout; a restart samples
+        the step's own prompts again."""
         with self._phase("rollout"):
             if self._step.started:   # a restart: the earlier rollout's phases become a failed attempt
                 self._retire(PHASE_NAMES)
                 self._step = StepState(index=self.step_index, attempts=self._step.attempts)
+                if hasattr(self.prompts, "rewind"):   # why: two settings tried on one step compare on the same prompts
+                    self.prompts.rewind()              # (a sharded driver has none: each rank's Lab rewinds its own)
             out = self._compute("rollout")
             out.step = self.step_index
             self._step.rollout = out

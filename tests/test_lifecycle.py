@@ -149,6 +149,20 @@ def test_a_restarted_rollout_files_the_first_as_a_failed_attempt(loaded_lab):
     assert {r["phase"] for r in lab.memory.rows_for(0, failed_attempts=True)} == {"rollout", "rewards"}
 
 
+def test_a_restarted_rollout_samples_the_steps_own_prompts_again(loaded_lab):
+    """Redoing a step's rollout (e.g. to compare a setting on it, as notebook 06 does with the generation gather) must
+    sample the same prompts; it drew the next batch, which the random model's look-alike greedy completions hid until
+    the trained model showed different problems. The step after it draws what it would have drawn anyway."""
+    lab, twin = loaded_lab(), loaded_lab()
+    first = lab.rollout()
+    lab.configure(generator={"temperature": 0.7})
+    again = lab.rollout()
+    assert again.batch.prompts == first.batch.prompts and again.batch.answers == first.batch.answers
+    lab.step()
+    twin.step()
+    assert lab.rollout().batch.prompts == twin.rollout().batch.prompts
+
+
 def test_the_rollback_snapshot_is_taken_inside_the_optimizer_phase(loaded_lab, monkeypatch):
     """A host MemoryError while copying the LoRA + AdamW state is that phase's one-line error, nothing applied."""
     import grpo_lab.rollback as rollback

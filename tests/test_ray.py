@@ -81,8 +81,8 @@ def test_the_driver_fetches_the_model_once_before_any_rank_starts(tiny_model, mo
     monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo: calls.append(repo) or str(tmp_path))
     assert fetch_once("Qwen/Qwen2.5-0.5B", local=True) == str(tmp_path) and calls == ["Qwen/Qwen2.5-0.5B"]
     assert fetch_once("Qwen/Qwen2.5-0.5B", local=False) == "Qwen/Qwen2.5-0.5B" and len(calls) == 2
-    assert fetch_once("builtin:tiny-qwen2", local=True) == tiny_model
-    assert fetch_once("builtin:tiny-qwen2", local=False) == "builtin:tiny-qwen2"
+    assert fetch_once("builtin:tiny-random", local=True) == tiny_model   # a built-in: built where the cache says
+    assert fetch_once("builtin:tiny-random", local=False) == "builtin:tiny-random"
     assert fetch_once(tiny_model, local=True) == tiny_model and len(calls) == 2
 
 
