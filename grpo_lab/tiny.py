@@ -17,7 +17,7 @@ TINY = "tiny-qwen2"
 # name -> (builder version, build_tiny_model arguments); why the version is in the cache name: a changed
 # builder must not reuse an old checkpoint
 BUILTINS: dict[str, tuple[int, dict]] = {
-    # trained ~1 min on worked solutions when first built (tiny_train.py); 3 layers learn the sums in that time
+    # trained ~1 min on worked solutions when first built (tiny_train.py); 3 layers got more sums right than 2 in it
     TINY: (2, {"vocab_size": 768, "num_layers": 3, "eos_probability": None, "train_steps": 700}),
     # random weights, EOS reachable at ~10% a token: the test suite's model (varied lengths, near-flat logits)
     "tiny-random": (1, {}),
@@ -77,7 +77,7 @@ def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 1
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
-    # why 384 untrained: all the tiny corpus has merges for; a trained model gets up to 768, whole-number tokens
+    # why 384 untrained: all the tiny corpus has merges for; a trained model's corpus adds the worked solutions
     tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
     config = Qwen2Config(
         vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden_size, intermediate_size=2 * hidden_size,

@@ -4,8 +4,8 @@ reward can rise.
 
 What GRPO then has to learn in the demo's 25 steps: 85% of the training answers carry their unit
 ("<answer>120 eggs</answer>"), against the system prompt's "put only the final number". `exact_answer` scores
-those 0 and `format` 0.5, so a sampled completion is right about 5% of the time at first, while its arithmetic
-is right about 40% of the time (a third to a half, by build). Dropping the unit is one decision shared by every
+those 0 and `format` 0.5, so a sampled completion is right about 6% of the time at first, while its arithmetic
+is right about 40% of the time. Dropping the unit is one decision shared by every
 prompt, which a few LoRA updates can learn; the sums themselves barely improve in 25 steps.
 """
 from __future__ import annotations

@@ -23,11 +23,11 @@ def user_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(user_cache):
     """The random-weight tiny model (`builtin:tiny-random`, seed 0), built once per session: the suite's model.
-    Why not the trained `builtin:tiny-qwen2`: its near-flat logits and EOS at ~10% a token give every test varied
-    completion lengths and sampling that differs by knob; the presets and the demo use the trained one."""
-    from grpo_lab.tiny import BUILTINS, builtin_path, ensure_tiny_model
+    Why random, not the trained `builtin:tiny-qwen2`: near-flat logits and EOS at ~10% a token give every test
+    varied completion lengths and sampling that differs by knob; the presets and the demo use the trained one."""
+    from grpo_lab.tiny import resolve_model_path
 
-    return str(ensure_tiny_model(builtin_path("tiny-random"), **BUILTINS["tiny-random"][1]))
+    return resolve_model_path("builtin:tiny-random")
 
 
 @pytest.fixture
