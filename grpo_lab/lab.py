@@ -92,10 +92,13 @@ class Lab(LabViews):
 
     def _load(self) -> "Lab":
         from .memory import LeakDetector
+        from .memory.heap import pin_mmap_threshold
         from .trackers import Trackers
 
         cfg, executor = self.config, self.executor
         preflight(cfg)
+        # why before anything loads: host RSS then holds live tensors, not heap holes (memory/heap.py), as planned
+        pin_mmap_threshold(cfg.memory.host_mmap_threshold_mib)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
             self.memory_devices = executor.memory_watch()
             self.memory = executor.memory_sampler().start()

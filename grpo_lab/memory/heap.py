@@ -6,6 +6,12 @@ serves them from its heap once its dynamic mmap threshold has risen, and the hol
 it: RSS climbed up to 558 MiB above the rollout's start on logits-heavy-cpu, none of it live data
 (bench/rollout_heap.py; trimmed, at most 153).
 malloc_trim(0) returns every free page, holes included (madvise), so RSS tracks what is alive.
+
+The same holes open inside a phase, where no trim runs: the log-prob head's chunk buffers (16 MiB of float32
+logits at 128 x 32,000) come and go once per chunk. glibc maps a block of 128 KiB or more on its own, but raises
+that threshold to the size of each mapped block it frees (up to 32 MiB), so from the second chunk on they come from
+the heap, and RSS held 10-19 bytes per chunk element where the tensors are 6 (bench/head_heap.py). A fixed
+threshold (mallopt(M_MMAP_THRESHOLD), which also stops the rise) maps every block above it and unmaps it when freed.
 """
 from __future__ import annotations
 
@@ -14,13 +20,20 @@ import ctypes.util
 import functools
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
+M_MMAP_THRESHOLD = -3   # glibc's malloc.h
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_function(name: str):
+    lib = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):   # musl, macOS: no malloc_trim
+        return getattr(ctypes.CDLL(lib), name) if lib else None
+    except (OSError, AttributeError):   # musl, macOS: no malloc_trim / mallopt
         return None
+
+
+def _malloc_trim():
+    return _libc_function("malloc_trim")
 
 
 def trim_host_heap() -> bool:
@@ -30,3 +43,13 @@ def trim_host_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def pin_mmap_threshold(mib: float | None) -> bool:
+    """Map every C heap block of `mib` MiB or more on its own (returned to the OS when freed) and stop glibc's
+    threshold from rising; None leaves glibc's own. Process-wide, and glibc has no way back to its rising threshold.
+    False where the C library cannot (or None)."""
+    mallopt = _libc_function("mallopt") if mib is not None else None
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, int(mib * 1024 ** 2)))
