@@ -47,17 +47,17 @@ REPORTED = [
 ]
 
 
-def grid() -> list[tuple[str, list[str]]]:
+def grid(vocabs=tuple(VOCABS)) -> list[tuple[str, list[str]]]:
     """(preset, overrides) of every grid point: the base per vocabulary, then each axis value on its own."""
     cases = []
-    for model in VOCABS.values():
+    for model in (VOCABS[v] for v in vocabs):
         common = ["logits-heavy-cpu", [f"model.name_or_path={model}", *BASE]]
         cases.append((common[0], common[1]))
         for key, values in AXES.items():
             for value in values:
                 micro = ["grpo.micro_batch_size=2"] if key == "grpo.num_generations" and value == 2 else []
                 cases.append((common[0], [*common[1], f"{key}={value}", *micro]))
-    return cases + REPORTED
+    return cases
 
 
 # what is measured against the plan, per device kind: the first metric is the one the ratio is taken on
@@ -113,6 +113,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", help="write every row here too")
     parser.add_argument("--quick", action="store_true", help="the base point and the two reported configs only")
+    parser.add_argument("--vocab", nargs="+", choices=list(VOCABS), default=list(VOCABS),
+                        help="the grid's vocabularies to run (default: both)")
+    parser.add_argument("--no-reported", action="store_true", help="leave out the issue's two reported configs")
     parser.add_argument("--device", default="host", help="host (peak RSS, the default) or cuda:N: the learner on that "
                         "GPU, measured as torch's allocated peak (reserved and NVML's used printed beside it)")
     args = parser.parse_args()
@@ -121,7 +124,8 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.set, args.steps, args.device)))
         return
     rows = []
-    cases = grid() if not args.quick else grid()[:1] + REPORTED
+    points = grid(args.vocab)
+    cases = points[:1] + REPORTED if args.quick else points + ([] if args.no_reported else REPORTED)
     what = "peak RSS" if args.device == "host" else f"{args.device} allocated peak"
     print(f"| grid point | phase | planned MiB | measured {what} MiB | measured / planned |")
     print("|---|---|---|---|---|", flush=True)

@@ -280,3 +280,37 @@ def test_parameter_counts_are_printed_in_the_unit_that_fits():
         ["7.62B", "40.4M", "344.7K", "32.8K", "512"]
     line = str(plan(load_config("tiny-cpu"))).splitlines()[0]
     assert "0.00B" not in line and "(0.0M)" not in line and "K params" in line
+
+
+def _host_items(preset: str, *overrides: str) -> dict:
+    return {(i.what, i.phase): i.bytes for i in plan(load_config(preset, list(overrides))).devices["host"].items}
+
+
+def test_glibcs_own_mmap_threshold_widens_only_the_cpu_heads_chunks_under_its_ceiling():
+    """memory.host_mmap_threshold_mib: null leaves the head's chunks in glibc's heap below 32 MiB, whose holes stay
+    resident (19 B/element measured, 6 planned); a pinned threshold, or chunks above the ceiling, plan 6."""
+    head = ("log-prob head", "backward")
+    for vocab, widened in (("builtin:qwen2-32k", True), ("builtin:qwen2-152k", False)):   # 16 MiB / 74 MiB chunks
+        pinned = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}")[head]
+        own = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}", "memory.host_mmap_threshold_mib=null")[head]
+        rows = 128 * load_shape(vocab).vocab
+        assert own - pinned == (pytest.approx((19 / 6 - 1) * rows * 6) if widened else 0), vocab
+
+
+def test_a_cpu_learner_in_16_bit_plans_onednns_caches_and_a_float32_one_does_not():
+    caches = ("oneDNN kernel caches (CPU, 16-bit compute)", None)
+    assert caches in _host_items("logits-heavy-cpu")                       # bf16 compute on the CPU
+    assert caches not in _host_items("tiny-cpu")                           # float32
+    gpu = plan(load_config("qwen2.5-7b-nf4-24gb")).devices
+    assert all(caches[0] not in {i.what for i in d.items} for d in gpu.values())   # a GPU learner: cuBLAS, not oneDNN
+
+
+def test_vllm_on_the_cpu_plans_the_kv_cache_it_reserves_at_start():
+    """vLLM's CPU engine takes generator.cpu_kv_cache_gib of host RAM at start, whatever a rollout uses: resident, and
+    the knob moves the plan by exactly its GiB."""
+    one = _host_items("tiny-cpu", "generator.backend=vllm")
+    three = _host_items("tiny-cpu", "generator.backend=vllm", "generator.cpu_kv_cache_gib=3")
+    kv = ("generator KV cache (reserved)", None)
+    assert one[kv] == 2 ** 30 and three[kv] == 3 * 2 ** 30
+    assert ("vLLM engine and modules (CPU)", None) in one
+    assert ("generation KV cache", "rollout") not in one   # the hf backend's own, shape-sized cache is not planned too

@@ -25,6 +25,17 @@ FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
 # tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch
 # fallback on CPU makes temporaries of tile size (8.3 measured by bench/fused_head_cpu.py; 8.5 keeps a margin)
 HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
+# A CPU learner computing in bf16/fp16 runs its matmuls through oneDNN, whose per-shape primitives and scratchpad stay
+# in the process once made. Which kernels it picks is not a function of the shapes planned here, so this is measured,
+# not modelled: 24-63 MiB at rest over bench/planner_accuracy.py's grid against the float32 baseline above.
+ONEDNN_CPU_CACHES = 48 * 1024 ** 2
+# glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) serves blocks under 32 MiB from its heap once it
+# has risen, and their holes stay resident: the head's chunks held up to 19 bytes of RSS per element where the tensors
+# are 6 (bench/head_heap.py). Planned as that factor on such chunks; a pinned threshold needs none.
+HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 19 / 6, 32 * 1024 ** 2
+# vLLM on the CPU, in this process: its modules and engine state beside its weights and the KV cache it reserves
+# (generator.cpu_kv_cache_gib, touched at start), measured at rest by bench/planner_accuracy.py's vllm points.
+VLLM_CPU_ENGINE = 272 * 1024 ** 2
 # the phases with transients worth planning (phases.PHASES order); "load" only in a sharded plan, where every rank
 # loads the whole model before fully_shard keeps its 1/N
 PHASES = ("load", "rollout", "logprobs", "backward")
@@ -154,6 +165,10 @@ def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: 
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
+    chunk_logits = min(grpo.logprob_chunk_size, rows) * shape.vocab * 4
+    if on_cpu and grpo.logprob_head == "chunked" and cfg.memory.host_mmap_threshold_mib is None \
+            and chunk_logits < HEAP_MMAP_CEILING:   # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
+        head += (HEAP_HOLE_FACTOR - 1) * chunk_logits * (4 + (e if e != 4 else 0)) / 4
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if cfg.model.load_in_4bit else 0
     # no grad (reference log-probs): one layer's intermediates at a time and the last hidden states
     forward = per_layer * tokens + h * e * tokens

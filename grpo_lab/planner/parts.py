@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import LabError
 from ..generation.registry import sleeps
-from .estimate import CUDA_CONTEXT, FUSED_HEAD_TILE, VLLM_SPLIT_SHARE, DevicePlan, GiB, generator_weight_bytes, kv_cache_bytes
+from .estimate import CUDA_CONTEXT, FUSED_HEAD_TILE, VLLM_CPU_ENGINE, VLLM_SPLIT_SHARE, DevicePlan, GiB, generator_weight_bytes, kv_cache_bytes
 from .split import Split, auto_share, engine_work_bytes, kv_token_bytes, largest_share
 from .shapes import ModelShape
 
@@ -53,9 +53,12 @@ def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences
     share = auto_share([v[0] for v in largest.values()]) if auto else gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
     for d in gens:
         d.roles.append(f"generator ({gen.backend}, TP {tp})")
-        if d.device == "host":
+        if d.device == "host":   # why resident: vLLM reserves and touches its CPU KV cache at start, whatever it uses
             d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
-            d.add("generator KV cache", kv_cache_bytes(shape, cfg, sequences) / tp, phase="rollout")
+            d.add("generator KV cache (reserved)", gen.cpu_kv_cache_gib * GiB,
+                  f"generator.cpu_kv_cache_gib; {sequences} sequences use "
+                  f"{kv_cache_bytes(shape, cfg, sequences) / tp / 2 ** 20:.1f} MiB of it")
+            d.add("vLLM engine and modules (CPU)", VLLM_CPU_ENGINE, "measured, not modelled")
             continue
         biggest, peak, phase = largest[d.device]
         beside = any(r.startswith("learner") for r in d.roles)

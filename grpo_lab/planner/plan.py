@@ -6,7 +6,8 @@ from typing import Optional
 
 from ..errors import LabError
 from ..generation.registry import OWN_WEIGHTS, colocated_on_gpu
-from .estimate import (CUDA_CONTEXT, HOST_BASELINE, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes, base_weight_bytes,
+from .estimate import (CUDA_CONTEXT, HOST_BASELINE, ONEDNN_CPU_CACHES, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes,
+                       base_weight_bytes, compute_bytes,
                        generation_step_bytes, kv_cache_bytes)
 from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
 from .render import count
@@ -55,6 +56,9 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
 
     lrn = devices[learner]
     lrn.roles.append("learner")
+    if learner == "host" and compute_bytes(cfg) == 2:   # why: oneDNN's kernel caches (estimate.ONEDNN_CPU_CACHES)
+        lrn.add("oneDNN kernel caches (CPU, 16-bit compute)", ONEDNN_CPU_CACHES, "per-shape primitives, scratchpad; "
+                "measured, not modelled")
     weights, fmt = base_weight_bytes(shape, cfg.model)
     lrn.add("base weights", weights, fmt)
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)

@@ -1,0 +1,76 @@
+"""The log-prob head's host RSS and time with glibc's mmap threshold pinned (memory.host_mmap_threshold_mib, the
+default 1 MiB) against glibc's own rising threshold (null): bytes of RSS per chunk element over the pass's start
+(the plan counts 6: float32 logits + the bf16 matmul output) and milliseconds per forward + backward, each setting
+in its own process, settings alternated round by round.
+
+    .venv/bin/python bench/head_heap.py                     # 32,000 and 151,936 vocabularies, chunks 32 and 128
+    .venv/bin/python bench/head_heap.py --vocab 32000 --chunks 128 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+PASS = """
+import json, sys, threading, time, psutil, torch
+from grpo_lab.head import chunked_logprobs
+from grpo_lab.memory.heap import pin_mmap_threshold, trim_host_heap
+vocab, chunk, rows, hidden_size, threshold, passes = json.loads(sys.argv[1])
+pin_mmap_threshold(threshold)
+torch.manual_seed(0)
+weight = (torch.randn(vocab, hidden_size) * 0.02).bfloat16()   # a frozen bf16 LM head, as under LoRA
+proc, peak, done = psutil.Process(), [0], [False]
+def sample():
+    while not done[0]:
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.0005)
+out = []
+for _ in range(passes):
+    trim_host_heap()
+    start = peak[0] = proc.memory_info().rss
+    done[0] = False
+    t = threading.Thread(target=sample)
+    t.start()
+    hidden = torch.randn(rows, hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    began = time.perf_counter()
+    chunked_logprobs(hidden, weight, None, torch.randint(0, vocab, (rows,)), 1.0, chunk).sum().backward()
+    seconds = time.perf_counter() - began
+    done[0] = True
+    t.join()
+    out.append(((peak[0] - start) / (chunk * vocab), seconds))
+print(json.dumps(out[1:]))   # why not the first: it maps every block before glibc's threshold has risen
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vocab", type=int, nargs="+", default=[32_000, 151_936])
+    p.add_argument("--chunks", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--passes", type=int, default=4)
+    args = p.parse_args()
+    settings = {"pinned 1 MiB": 1.0, "glibc's own": None}
+    print("| vocab | chunk | chunk MiB (float32) | setting | RSS B / chunk element | ms per pass (median) |")
+    print("|---|---|---|---|---|---|", flush=True)
+    for vocab in args.vocab:
+        for chunk in args.chunks:
+            got = {name: [] for name in settings}
+            for _ in range(args.rounds):
+                for name, threshold in settings.items():
+                    spec = json.dumps([vocab, chunk, args.rows, args.hidden, threshold, args.passes])
+                    done = subprocess.run([sys.executable, "-c", PASS, spec], capture_output=True, text=True, check=True)
+                    got[name] += json.loads(done.stdout.strip().splitlines()[-1])
+            for name, rows in got.items():
+                per_element = statistics.median(r[0] for r in rows)
+                ms = 1000 * statistics.median(r[1] for r in rows)
+                print(f"| {vocab:,} | {chunk} | {chunk * vocab * 4 / 2 ** 20:.0f} | {name} | {per_element:.1f} | {ms:.0f} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
