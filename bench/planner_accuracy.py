@@ -1,14 +1,15 @@
 """Planner accuracy on the CPU, per phase: planned vs measured host memory on the tiny model and on the
 logits-heavy one (Qwen2.5's 151,936 vocabulary on the tiny body), each config in a fresh process.
 
-For every config: `Lab.load()`, then `--steps` steps; the measured peak of a phase is the process's
+For every config: `Lab.load()`, then `--steps` steps (5); the measured peak of a phase is the process's
 RSS peak during it (the Lab's sampler at 200 Hz), the largest over the steps after the first (the
-first step adds one-off state for good: lazily imported code, thread pools, oneDNN caches, which the
-plan's "Python, torch, libraries" line includes). Planned: `plan(cfg).devices["host"].phase_peak(phase)`
+first step adds one-off state for good: lazily imported code and thread pools, which the plan's
+"Python, torch, libraries" line includes, and a 16-bit CPU learner's oneDNN caches, its own line). Planned: `plan(cfg).devices["host"].phase_peak(phase)`
 = resident items + that phase's transients; the total is the device's planned peak against the
 measured peak of the whole step.
 
-    .venv/bin/python bench/planner_accuracy.py                      # both presets, several shapes
+    .venv/bin/python bench/planner_accuracy.py                      # the grid, the reported and held-out configs
+    .venv/bin/python bench/planner_accuracy.py --vocab 32k --no-reported   # one vocabulary's grid points
     .venv/bin/python bench/planner_accuracy.py --worker tiny-cpu    # one config, one JSON line
     python bench/planner_accuracy.py --device cuda:0                  # on a GPU: the learner there, torch's
                                                                       # allocated peak per phase (reserved, NVML beside)
@@ -44,6 +45,15 @@ REPORTED = [
                           "grpo.beta=0", "model.gradient_checkpointing=true"]),
     ("tiny-cpu", ["grpo.prompts_per_step=4", "grpo.num_generations=4", "generator.max_completion_length=192",
                   "grpo.micro_batch_size=2", "grpo.beta=0.04", "model.gradient_checkpointing=false"]),
+]
+# held out: configs no term was measured on (the oneDNN and vLLM terms came from the grid's 32k points), off the
+# grid's axes, float32 and 16-bit, both backends, with the system prompt on
+HELD_OUT = [
+    ("tiny-cpu", ["generator.backend=vllm"]),
+    ("tiny-demo", []),
+    ("logits-heavy-cpu", ["model.name_or_path=builtin:qwen2-32k", "generator.max_prompt_length=128",
+                          "generator.max_completion_length=384", "grpo.prompts_per_step=2", "grpo.num_generations=6",
+                          "grpo.micro_batch_size=3", "grpo.logprob_chunk_size=256", "grpo.beta=0.02"]),
 ]
 
 
@@ -99,6 +109,8 @@ def worker(preset: str, overrides: list[str], steps: int, device: str = "host") 
 def label(preset: str, overrides: list[str]) -> str:
     """A grid point by what sets it apart: its vocabulary and the axis it moves (or the reported config)."""
     model = next((o.split("=")[1] for o in overrides if o.startswith("model.name_or_path=")), None)
+    if (preset, overrides) in HELD_OUT:
+        return f"{preset} (held out) " + " ".join(o.split(".")[-1] for o in overrides if "name_or_path" not in o)
     if model is None:
         return f"{preset} (reported) " + " ".join(o.split(".")[-1] for o in overrides)
     vocab = next(k for k, v in VOCABS.items() if v == model)
@@ -110,12 +122,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help="run one preset in this process and print JSON")
     parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="write every row here too")
     parser.add_argument("--quick", action="store_true", help="the base point and the two reported configs only")
     parser.add_argument("--vocab", nargs="+", choices=list(VOCABS), default=list(VOCABS),
                         help="the grid's vocabularies to run (default: both)")
-    parser.add_argument("--no-reported", action="store_true", help="leave out the issue's two reported configs")
+    parser.add_argument("--no-reported", action="store_true", help="leave out the issue's two reported configs and the "
+                        "held-out ones")
+    parser.add_argument("--only-reported", action="store_true", help="the reported and held-out configs only")
     parser.add_argument("--device", default="host", help="host (peak RSS, the default) or cuda:N: the learner on that "
                         "GPU, measured as torch's allocated peak (reserved and NVML's used printed beside it)")
     args = parser.parse_args()
@@ -125,7 +139,8 @@ def main() -> None:
         return
     rows = []
     points = grid(args.vocab)
-    cases = points[:1] + REPORTED if args.quick else points + ([] if args.no_reported else REPORTED)
+    extra = [] if args.no_reported else REPORTED + HELD_OUT
+    cases = points[:1] + REPORTED if args.quick else extra if args.only_reported else points + extra
     what = "peak RSS" if args.device == "host" else f"{args.device} allocated peak"
     print(f"| grid point | phase | planned MiB | measured {what} MiB | measured / planned |")
     print("|---|---|---|---|---|", flush=True)
