@@ -106,16 +106,22 @@ def worker(preset: str, overrides: list[str], steps: int, device: str = "host") 
             "items": [(i.what, i.bytes, i.phase) for i in planned_device.items]}
 
 
+def short(override: str) -> str:
+    """'grpo.beta=0.0' -> 'beta=0.0'."""
+    key, _, value = override.partition("=")
+    return f"{key.split('.')[-1]}={value}"
+
+
 def label(preset: str, overrides: list[str]) -> str:
     """A grid point by what sets it apart: its vocabulary and the axis it moves (or the reported config)."""
     model = next((o.split("=")[1] for o in overrides if o.startswith("model.name_or_path=")), None)
     if (preset, overrides) in HELD_OUT:
-        return f"{preset} (held out) " + " ".join(o.split(".")[-1] for o in overrides if "name_or_path" not in o)
+        return f"{preset} (held out) " + " ".join(short(o) for o in overrides if "name_or_path" not in o)
     if model is None:
-        return f"{preset} (reported) " + " ".join(o.split(".")[-1] for o in overrides)
+        return f"{preset} (reported) " + " ".join(short(o) for o in overrides)
     vocab = next(k for k, v in VOCABS.items() if v == model)
-    moved = [o for o in overrides[len(BASE) + 1:] if not o.startswith("grpo.micro_batch_size=2")] or ["base"]
-    return f"{vocab} " + " ".join(o.split(".")[-1] for o in moved)
+    moved = [short(o) for o in overrides[len(BASE) + 1:] if not o.startswith("grpo.micro_batch_size=2")]
+    return f"{vocab} " + (" ".join(moved) or "base")
 
 
 def main() -> None:
@@ -166,8 +172,22 @@ def main() -> None:
                           f"{per_phase[phase] / p:.2f} |")
         print(f"| {name} | **total** | {r['planned_total'] / MiB:.0f} | {r['measured_total'] / MiB:.0f} | "
               f"**{r['measured_total'] / r['planned_total']:.2f}** |", flush=True)
+    summary(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def summary(rows: list[dict]) -> None:
+    """One line per grid point: measured / planned at rest, per phase and in total; then the range over all."""
+    print("\n| grid point | at rest | rollout | logprobs | backward | total |\n|---|---|---|---|---|---|")
+    ratios = []
+    for r in rows:
+        line = [r["measured_rest"] / r["planned_rest"], *(r["measured"][p] / r["planned"][p] for p in PHASES),
+                r["measured_total"] / r["planned_total"]]
+        ratios += line
+        print(f"| {r['name']} | " + " | ".join(f"{x:.2f}" for x in line) + " |")
+    if ratios:
+        print(f"\nmeasured / planned over {len(rows)} points: {min(ratios):.2f} to {max(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_trim_returns_the_holes_of_a_fragmented_heap():
     assert released > 100 * MiB, f"released {released / MiB:.0f} MiB of ~146 MiB of holes"
 
 
-# a Lab loads with memory.host_mmap_threshold_mib as given, then the log-prob head runs forward and backward at
+# a Lab loads with memory.host_mmap_threshold_mib as configured, then the log-prob head runs forward and backward at
 # 1024 rows x a 32,000 vocabulary, 128 rows a chunk (16 MiB float32 + 8 MiB bf16 per chunk: under glibc's 32 MiB
 # ceiling, so its rising threshold serves them from the heap); prints RSS's peak over its start / the planned bytes
 HEAD_AFTER_LOAD = """
@@ -84,14 +84,14 @@ def test_a_loaded_lab_keeps_the_heads_chunks_out_of_the_heap(tiny_config):
     import subprocess
     import sys
 
-    def ratios(threshold):
-        cfg = tiny_config(memory={"host_mmap_threshold_mib": threshold})
+    def ratios(memory):
+        cfg = tiny_config(memory=memory)
         done = subprocess.run([sys.executable, "-c", HEAD_AFTER_LOAD, json.dumps(cfg)], capture_output=True,
                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    pinned, glibc = ratios(1.0), ratios(None)
+    pinned, glibc = ratios({}), ratios({"host_mmap_threshold_mib": None})   # the default (128 KiB), glibc's own
     # the planned chunk is what RSS holds once every chunk is mapped on its own (6.2 B/element measured)
     assert max(pinned[1:]) < 1.15, f"RSS over the planned chunk, threshold pinned: {pinned}"
     # control: glibc's own threshold serves the chunks from the heap and keeps their holes (10-19 B/element)

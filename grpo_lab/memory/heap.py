@@ -12,6 +12,8 @@ logits at 128 x 32,000) come and go once per chunk. glibc maps a block of 128 Ki
 that threshold to the size of each mapped block it frees (up to 32 MiB), so from the second chunk on they come from
 the heap, and RSS held 10-19 bytes per chunk element where the tensors are 6 (bench/head_heap.py). A fixed
 threshold (mallopt(M_MMAP_THRESHOLD), which also stops the rise) maps every block above it and unmaps it when freed.
+At 1 MiB the layers' sub-MiB activations still left holes at 1,024 tokens (backward +74-111 MiB over rest where
++64 is planned, varying run to run); at glibc's own 128 KiB floor, +41-57, the same in two runs.
 """
 from __future__ import annotations
 
