@@ -1,6 +1,6 @@
-"""What pinning glibc's mmap threshold (memory.host_mmap_threshold_mib, default 128 KiB) costs a CPU step: the median
-step time and the peak RSS of the learner phases, pinned against glibc's own rising threshold (null), each in its
-own process, alternated round by round.
+"""What pinning glibc's mmap threshold (memory.host_mmap_threshold_mib) costs a CPU step: the median step time and
+the peak RSS, pinned at 128 KiB and 1 MiB against glibc's own rising threshold (null, the default), each in its own
+process, alternated round by round.
 
     .venv/bin/python bench/mmap_threshold_step.py                       # logits-heavy-cpu at 32k (256 and 1024 tokens), tiny-demo
     .venv/bin/python bench/mmap_threshold_step.py --rounds 3 --steps 6
@@ -19,7 +19,7 @@ CONFIGS = {
                                                                    "generator.max_completion_length=1024"]),
     "tiny-demo": ("tiny-demo", []),
 }
-SETTINGS = {"pinned 128 KiB (default)": "0.125", "pinned 1 MiB": "1", "glibc's own": "null"}
+SETTINGS = {"pinned 128 KiB": "0.125", "pinned 1 MiB": "1", "glibc's own (default)": "null"}
 
 RUN = """
 import json, sys, warnings
@@ -55,7 +55,7 @@ def main() -> None:
                 done = subprocess.run([sys.executable, "-c", RUN, spec], capture_output=True, text=True, check=True)
                 seconds, peak = json.loads(done.stdout.strip().splitlines()[-1])
                 got[setting] = (got[setting][0] + seconds, max(got[setting][1], peak))
-        own = statistics.median(got["glibc's own"][0])
+        own = statistics.median(got["glibc's own (default)"][0])
         for setting, (seconds, peak) in got.items():
             median = statistics.median(seconds)
             print(f"| {name} | {setting} | {median:.2f} | {peak / 2 ** 20:.0f} | {median / own:.2f} |", flush=True)

@@ -79,7 +79,8 @@ def worker(preset: str, overrides: list[str], steps: int, device: str = "host") 
     from grpo_lab.planner import plan
 
     placed = [] if device == "host" else [f"placement.learner={device}"]
-    cfg = load_config(preset, overrides + placed + ["memory.sample_hz=200"])
+    # why the pinned threshold: host RSS then holds live memory, not heap holes (memory/heap.py); a point may override it
+    cfg = load_config(preset, ["memory.host_mmap_threshold_mib=0.125"] + overrides + placed + ["memory.sample_hz=200"])
     planned_device = plan(cfg).devices[device]
     metrics = METRICS["host" if device == "host" else "cuda"]
     lab = Lab(cfg).load()

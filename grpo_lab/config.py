@@ -168,10 +168,11 @@ class MemorySection(Section):
     host_threshold: float = knob("rebuild", 0.95, gt=0.0, le=1.0, description="Host RAM used/limit fraction at which the run stops between phases.")
     leak_window: int = knob("rebuild", 5, ge=2, description="Steps over which steadily rising after-step memory is flagged as a leak.")
     leak_min_growth_mib: float = knob("rebuild", 4.0, gt=0.0, description="Mean growth per step (MiB) below which a rise is noise, not a leak.")
-    host_mmap_threshold_mib: Optional[float] = knob("load", 0.125, ge=0.125, le=32.0, description="Host memory blocks "
-        "of this size (MiB) or more are mapped on their own and given back when freed (glibc's mmap threshold, fixed "
-        "at load for the whole process), so host RSS follows the live tensors, as planned, instead of keeping heap "
-        "holes; costs page faults (bench/mmap_threshold_step.py); null = glibc's own, which rises up to 32 MiB.")
+    host_mmap_threshold_mib: Optional[float] = knob("load", None, ge=0.125, le=32.0, description="Pin glibc's mmap "
+        "threshold at load (whole process): host blocks of this size (MiB) or more are mapped on their own and given "
+        "back when freed, so host RSS follows the live tensors, as planned, instead of keeping heap holes; 0.125 is "
+        "what the planner's CPU grid was measured with. Costs page faults: CPU steps 1.2-2.5x slower "
+        "(bench/mmap_threshold_step.py). null = glibc's own, which rises up to 32 MiB (the plan adds the head's holes).")
     cuda_snapshots: bool = knob("load", False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only.")
 
 

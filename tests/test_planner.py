@@ -291,8 +291,8 @@ def test_glibcs_own_mmap_threshold_widens_only_the_cpu_heads_chunks_under_its_ce
     resident (19 B/element measured, 6 planned); a pinned threshold, or chunks above the ceiling, plan 6."""
     head = ("log-prob head", "backward")
     for vocab, widened in (("builtin:qwen2-32k", True), ("builtin:qwen2-152k", False)):   # 16 MiB / 74 MiB chunks
-        pinned = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}")[head]
-        own = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}", "memory.host_mmap_threshold_mib=null")[head]
+        pinned = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}", "memory.host_mmap_threshold_mib=0.125")[head]
+        own = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}")[head]   # the default: null
         rows = 128 * load_shape(vocab).vocab
         assert own - pinned == (pytest.approx((19 / 6 - 1) * rows * 6) if widened else 0), vocab
 
