@@ -96,3 +96,27 @@ def test_a_loaded_lab_keeps_the_heads_chunks_out_of_the_heap(tiny_config):
     assert max(pinned[1:]) < 1.15, f"RSS over the planned chunk, threshold pinned: {pinned}"
     # control: glibc's own threshold serves the chunks from the heap and keeps their holes (10-19 B/element)
     assert min(glibc[1:]) > 1.4, f"RSS over the planned chunk, glibc's threshold: {glibc}"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's mmap threshold is glibc's")
+def test_glibcs_own_threshold_after_a_pin_is_refused_in_one_line():
+    """A pin cannot be undone (glibc has no way back to its rising threshold), so null after one is refused, not
+    silently ignored; another value re-pins. Run in a subprocess: the pin is process-wide."""
+    import subprocess
+    import sys
+
+    code = """
+from grpo_lab.errors import ConfigError
+from grpo_lab.memory.heap import pin_mmap_threshold
+assert pin_mmap_threshold(None) is False          # nothing pinned yet: glibc's own, nothing to do
+assert pin_mmap_threshold(1.0) and pin_mmap_threshold(0.125)
+try:
+    pin_mmap_threshold(None)
+except ConfigError as err:
+    print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip()
+    assert line.startswith("memory.host_mmap_threshold_mib: null") and "0.125 MiB" in line and "restart" in line, line
+    assert "\n" not in line

@@ -21,6 +21,8 @@ import ctypes
 import ctypes.util
 import functools
 
+from ..errors import ConfigError
+
 
 M_MMAP_THRESHOLD = -3   # glibc's malloc.h
 
@@ -47,11 +49,21 @@ def trim_host_heap() -> bool:
     return True
 
 
+_pinned: list[float] = []   # the threshold this process pinned last (MiB), if any
+
+
 def pin_mmap_threshold(mib: float | None) -> bool:
     """Map every C heap block of `mib` MiB or more on its own (returned to the OS when freed) and stop glibc's
-    threshold from rising; None leaves glibc's own. Process-wide, and glibc has no way back to its rising threshold.
-    False where the C library cannot (or None)."""
-    mallopt = _libc_function("mallopt") if mib is not None else None
-    if mallopt is None:
+    threshold from rising; None leaves glibc's own. Process-wide. False where the C library cannot (or None).
+    None after a pin is refused: glibc has no way back to its rising threshold, so the knob could not take effect."""
+    if mib is None:
+        if _pinned:
+            raise ConfigError(f"memory.host_mmap_threshold_mib: null, but an earlier Lab in this process pinned it at "
+                              f"{_pinned[-1]:g} MiB and glibc cannot undo that; set {_pinned[-1]:g}, or restart the "
+                              "kernel for glibc's own threshold")
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, int(mib * 1024 ** 2)))
+    mallopt = _libc_function("mallopt")
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, int(mib * 1024 ** 2)):
+        return False
+    _pinned.append(mib)
+    return True
