@@ -112,6 +112,7 @@ NULL_MEANS_DEFAULT = {   # null is the documented "automatic" value of these fie
     "data.system_prompt": "no system message",
     "data.reward_weights": "all 1",
     "run.output_dir": "runs/<date-time>",
+    "memory.host_mmap_threshold_mib": "glibc's own mmap threshold, not pinned",
 }
 ALLOWED = {(field, "null", "null"): f"null = {why}" for field, why in NULL_MEANS_DEFAULT.items()}
 ALLOWED[("run.report_to", "empty", "[]")] = "[] = no tracker (the default; TRL's report_to takes it too)"
