@@ -138,6 +138,7 @@ EDITS = {
     "generator.sleep_mode": {"generator.sleep_mode": True, "generator.backend": "vllm"},
     "reference.device": {"reference.device": "cpu"},
     "run.output_dir": {"run.output_dir": "runs/elsewhere"},
+    "memory.host_mmap_threshold_mib": {"memory.host_mmap_threshold_mib": 1.0},
 }
 
 
