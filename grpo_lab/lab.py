@@ -97,8 +97,7 @@ class Lab(LabViews):
 
         cfg, executor = self.config, self.executor
         preflight(cfg)
-        # why before anything loads: host RSS then holds live tensors, not heap holes (memory/heap.py), as planned
-        pin_mmap_threshold(cfg.memory.host_mmap_threshold_mib)
+        pin_mmap_threshold(cfg.memory.host_mmap_threshold_mib)   # why first: RSS holds live tensors (memory/heap.py)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
             self.memory_devices = executor.memory_watch()
             self.memory = executor.memory_sampler().start()
