@@ -314,3 +314,20 @@ def test_vllm_on_the_cpu_plans_the_kv_cache_it_reserves_at_start():
     assert one[kv] == 2 ** 30 and three[kv] == 3 * 2 ** 30
     assert ("vLLM engine and modules (CPU)", None) in one
     assert ("generation KV cache", "rollout") not in one   # the hf backend's own, shape-sized cache is not planned too
+
+
+def test_the_heads_note_names_heap_holes_exactly_where_the_plan_widens_for_them():
+    """One rule decides both: a chunk larger than the rows it scores is only as big as those rows (512-token chunks
+    over 2 x 16 completion tokens hold 32 rows x 32k = 4 MiB, in the heap), so the note and the bytes must agree."""
+    vocab = "model.name_or_path=builtin:qwen2-32k"
+    cases = {("grpo.logprob_chunk_size=512", "generator.max_completion_length=16", "grpo.num_generations=2"): True,
+             ("grpo.logprob_chunk_size=512",): False,     # 512 x 32k x 4 = 62.5 MiB: over glibc's ceiling, mapped
+             ("grpo.logprob_chunk_size=128",): True}
+    for overrides, in_heap in cases.items():
+        pinned = plan(load_config("logits-heavy-cpu", [vocab, *overrides, "memory.host_mmap_threshold_mib=0.125"]))
+        own = plan(load_config("logits-heavy-cpu", [vocab, *overrides]))
+        head = {p: next(i for i in d.devices["host"].items if i.what == "log-prob head" and i.phase == "backward")
+                for p, d in (("pinned", pinned), ("own", own))}
+        assert (head["own"].bytes > head["pinned"].bytes) is in_heap, overrides
+        assert ("heap holes" in head["own"].note) is in_heap, (overrides, head["own"].note)
+        assert "heap holes" not in head["pinned"].note

@@ -148,6 +148,14 @@ def trl_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: boo
 HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes}   # grpo.logprob_head -> its planned transient
 
 
+def head_in_heap(cfg, shape: ModelShape, rows: int, on_cpu: bool) -> bool:
+    """The chunked head's float32 chunk (as many rows as it scores, at most a chunk) lands in glibc's heap: on the CPU,
+    with glibc's own threshold (null), under its 32 MiB ceiling."""
+    chunk_logits = min(cfg.grpo.logprob_chunk_size, rows) * shape.vocab * 4
+    return on_cpu and cfg.grpo.logprob_head == "chunked" and cfg.memory.host_mmap_threshold_mib is None \
+        and chunk_logits < HEAP_MMAP_CEILING
+
+
 def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: Optional[int] = None) -> dict[str, float]:
     """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU; `micro_batch`: rows
     per pass, default grpo.micro_batch_size or the whole batch)."""
@@ -165,15 +173,14 @@ def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: 
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
-    chunk_logits = min(grpo.logprob_chunk_size, rows) * shape.vocab * 4
-    if on_cpu and grpo.logprob_head == "chunked" and cfg.memory.host_mmap_threshold_mib is None \
-            and chunk_logits < HEAP_MMAP_CEILING:   # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
-        head += (HEAP_HOLE_FACTOR - 1) * chunk_logits * (4 + (e if e != 4 else 0)) / 4
+    in_heap = head_in_heap(cfg, shape, rows, on_cpu)
+    if in_heap:   # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
+        head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if cfg.model.load_in_4bit else 0
     # no grad (reference log-probs): one layer's intermediates at a time and the last hidden states
     forward = per_layer * tokens + h * e * tokens
     return {"activations": stored, "log-prob head": head, "4-bit dequant buffer": dequant,
-            "forward activations": forward, "micro_batch": n, "tokens": tokens}
+            "forward activations": forward, "micro_batch": n, "tokens": tokens, "head in heap": in_heap}
 
 
 def generation_step_bytes(shape: ModelShape, cfg, sequences: int) -> float:

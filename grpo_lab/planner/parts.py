@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import LabError
 from ..generation.registry import sleeps
-from .estimate import (CUDA_CONTEXT, FUSED_HEAD_TILE, HEAP_MMAP_CEILING, VLLM_CPU_ENGINE, VLLM_SPLIT_SHARE, DevicePlan,
+from .estimate import (CUDA_CONTEXT, FUSED_HEAD_TILE, VLLM_CPU_ENGINE, VLLM_SPLIT_SHARE, DevicePlan,
                        GiB, generator_weight_bytes, kv_cache_bytes)
 from .split import Split, auto_share, engine_work_bytes, kv_token_bytes, largest_share
 from .shapes import ModelShape
@@ -33,13 +33,12 @@ def capacity_of(device: str, cfg) -> float:
                    "you plan for, e.g. --set placement.gpu_memory_gib=40")
 
 
-def head_note(cfg, shape: ModelShape, on_cpu: bool) -> str:
+def head_note(cfg, shape: ModelShape, on_cpu: bool, in_heap: bool) -> str:
+    """`in_heap`: activation_bytes' "head in heap", the one rule that also widened the head's bytes."""
     if cfg.grpo.logprob_head == "chunked":
-        holes = on_cpu and cfg.memory.host_mmap_threshold_mib is None and \
-            cfg.grpo.logprob_chunk_size * shape.vocab * 4 < HEAP_MMAP_CEILING
+        holes = "; with glibc's heap holes (memory.host_mmap_threshold_mib: null)" if in_heap else ""
         return (f"chunks of {cfg.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
-                "backward; no [B, L, vocab] logits" + ("; with glibc's heap holes (memory.host_mmap_threshold_mib: null)"
-                                                       if holes else ""))
+                f"backward; no [B, L, vocab] logits{holes}")
     tiles = f"tiles of {FUSED_HEAD_TILE[0]} tokens x {FUSED_HEAD_TILE[1]} vocab"
     return f"TRL's fused head, {tiles}" + (" (CPU: torch fallback, several tiles alive)" if on_cpu else "")
 

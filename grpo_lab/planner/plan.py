@@ -74,7 +74,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
     shape_note = f"micro-batch {act['micro_batch']} x {act['tokens'] // act['micro_batch']} tokens"
     lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    lrn.add("log-prob head", act["log-prob head"], head_note(cfg, shape, learner == "host"), phase="backward")
+    lrn.add("log-prob head", act["log-prob head"], head_note(cfg, shape, learner == "host", act["head in heap"]), phase="backward")
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
 
     if cfg.reference_strategy == "copy":
@@ -86,7 +86,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         ref_act = act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")   # its own kernel path
         ref.add("reference forward (no grad)", ref_act["forward activations"], f"{shape_note}, one layer at a time",
                 phase="logprobs")
-        ref.add("log-prob head", ref_act["log-prob head"], head_note(cfg, shape, ref.device == "host"),
+        ref.add("log-prob head", ref_act["log-prob head"], head_note(cfg, shape, ref.device == "host", ref_act["head in heap"]),
                 phase="logprobs")
 
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations

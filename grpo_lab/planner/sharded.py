@@ -105,12 +105,12 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
         rank.add("layer gather", root + LAYERS_IN_FLIGHT * layer, gather_note, phase="logprobs")
         rank.add("reference forward (no grad)", act["forward activations"], f"{shape_note}, one layer at a time",
                  phase="logprobs")
-        rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu), phase="logprobs")
+        rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu, act["head in heap"]), phase="logprobs")
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
     rank.add("layer gather", root + LAYERS_IN_FLIGHT * layer + lora * 4 / shape.layers,
              f"{gather_note}, + a layer's LoRA gradient before reduce-scatter", phase="backward")
     rank.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu), phase="backward")
+    rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu, act["head in heap"]), phase="backward")
     rank.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
     return act["micro_batch"]
 
