@@ -13,13 +13,17 @@ import json
 import statistics
 import subprocess
 import sys
+from typing import Optional
 
 PASS = """
 import json, sys, threading, time, psutil, torch
+from grpo_lab import Lab
 from grpo_lab.head import chunked_logprobs
 from grpo_lab.memory.heap import pin_mmap_threshold, trim_host_heap
-vocab, chunk, rows, hidden_size, threshold, passes = json.loads(sys.argv[1])
-pin_mmap_threshold(threshold)
+vocab, chunk, rows, hidden_size, threshold, passes, lab_config = json.loads(sys.argv[1])
+lab = Lab(lab_config).load() if lab_config else None   # a Lab pins memory.host_mmap_threshold_mib at load
+if lab is None:
+    pin_mmap_threshold(threshold)
 torch.manual_seed(0)
 weight = (torch.randn(vocab, hidden_size) * 0.02).bfloat16()   # a frozen bf16 LM head, as under LoRA
 proc, peak, done = psutil.Process(), [0], [False]
@@ -41,8 +45,22 @@ for _ in range(passes):
     done[0] = True
     t.join()
     out.append(((peak[0] - start) / (chunk * vocab), seconds))
+if lab is not None:
+    lab.close()
 print(json.dumps(out[1:]))   # why not the first: it maps every block before glibc's threshold has risen
 """
+
+
+def head_passes(vocab: int, chunk: int, rows: int = 1024, hidden: int = 128, threshold: Optional[float] = None,
+                passes: int = 4, lab_config: Optional[dict] = None, env: Optional[dict] = None) -> list[list[float]]:
+    """In a fresh process (the threshold is process-wide): pin `threshold` (or load a Lab from `lab_config`, which pins
+    its own), run the head forward + backward `passes` times; [RSS bytes per chunk element, seconds] of each pass
+    after the first."""
+    spec = json.dumps([vocab, chunk, rows, hidden, threshold, passes, lab_config])
+    done = subprocess.run([sys.executable, "-c", PASS, spec], capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -62,9 +80,7 @@ def main() -> None:
             got = {name: [] for name in settings}
             for _ in range(args.rounds):
                 for name, threshold in settings.items():
-                    spec = json.dumps([vocab, chunk, args.rows, args.hidden, threshold, args.passes])
-                    done = subprocess.run([sys.executable, "-c", PASS, spec], capture_output=True, text=True, check=True)
-                    got[name] += json.loads(done.stdout.strip().splitlines()[-1])
+                    got[name] += head_passes(vocab, chunk, args.rows, args.hidden, threshold, args.passes)
             for name, rows in got.items():
                 per_element = statistics.median(r[0] for r in rows)
                 ms = 1000 * statistics.median(r[1] for r in rows)

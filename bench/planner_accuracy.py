@@ -10,6 +10,7 @@ measured peak of the whole step.
 
     .venv/bin/python bench/planner_accuracy.py                      # the grid, the reported and held-out configs
     .venv/bin/python bench/planner_accuracy.py --vocab 32k --no-reported   # one vocabulary's grid points
+    .venv/bin/python bench/planner_accuracy.py --vocab 32k --set memory.host_mmap_threshold_mib=null   # the default
     .venv/bin/python bench/planner_accuracy.py --worker tiny-cpu    # one config, one JSON line
     python bench/planner_accuracy.py --device cuda:0                  # on a GPU: the learner there, torch's
                                                                       # allocated peak per phase (reserved, NVML beside)
@@ -128,7 +129,8 @@ def label(preset: str, overrides: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help="run one preset in this process and print JSON")
-    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--set", action="append", default=[], help="an override for every point, after the point's own "
+                        "(e.g. memory.host_mmap_threshold_mib=null: glibc's own threshold, the product's default)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="write every row here too")
     parser.add_argument("--quick", action="store_true", help="the base point and the two reported configs only")
@@ -153,7 +155,7 @@ def main() -> None:
     print("|---|---|---|---|---|", flush=True)
     for preset, overrides in cases:
         cmd = [sys.executable, __file__, "--worker", preset, "--steps", str(args.steps), "--device", args.device,
-               *[a for o in overrides for a in ("--set", o)]]
+               *[a for o in overrides + args.set for a in ("--set", o)]]
         done = subprocess.run(cmd, capture_output=True, text=True)
         name = label(preset, overrides)
         if done.returncode != 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import statistics
 
 import psutil
 import pytest
@@ -39,63 +40,29 @@ def test_trim_returns_the_holes_of_a_fragmented_heap():
     assert released > 100 * MiB, f"released {released / MiB:.0f} MiB of ~146 MiB of holes"
 
 
-# a Lab loads with memory.host_mmap_threshold_mib as configured, then the log-prob head runs forward and backward at
-# 1024 rows x a 32,000 vocabulary, 128 rows a chunk (16 MiB float32 + 8 MiB bf16 per chunk: under glibc's 32 MiB
-# ceiling, so its rising threshold serves them from the heap); prints RSS's peak over its start / the planned bytes
-HEAD_AFTER_LOAD = """
-import json, sys, threading, time, psutil, torch
-from grpo_lab import Lab
-from grpo_lab.head import chunked_logprobs
-from grpo_lab.memory.heap import trim_host_heap
-from grpo_lab.planner.estimate import chunked_head_bytes
-from grpo_lab.planner.shapes import ModelShape
-cfg = json.loads(sys.argv[1])
-lab = Lab(cfg).load()
-V, H, rows, chunk = 32000, 128, 1024, 128
-torch.manual_seed(0)
-weight = (torch.randn(V, H) * 0.02).bfloat16()
-proc, peak, done = psutil.Process(), [0], [False]
-def sample():
-    while not done[0]:
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.0005)
-ratios = []
-for _ in range(3):   # why 3: the first pass maps every block; the threshold rises when the first is freed
-    trim_host_heap()
-    start = peak[0] = proc.memory_info().rss
-    done[0] = False
-    t = threading.Thread(target=sample)
-    t.start()
-    hidden = torch.randn(rows, H, dtype=torch.bfloat16, requires_grad=True)
-    chunked_logprobs(hidden, weight, None, torch.randint(0, V, (rows,)), 1.0, chunk).sum().backward()
-    done[0] = True
-    t.join()
-    planned = chunk * V * 6   # the head's chunk: float32 logits + the bf16 matmul output (planner/estimate.py)
-    ratios.append((peak[0] - start) / planned)
-lab.close()
-print(json.dumps(ratios))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's mmap threshold is glibc's")
 def test_a_loaded_lab_keeps_the_heads_chunks_out_of_the_heap(tiny_config):
-    import json
-    import subprocess
-    import sys
+    """A Lab loads with memory.host_mmap_threshold_mib as configured, then the log-prob head runs forward and backward
+    at 1024 rows x a 32,000 vocabulary, 128 rows a chunk (16 MiB float32 + 8 MiB bf16 per chunk: under glibc's 32 MiB
+    ceiling, so its rising threshold serves them from the heap): RSS's peak over each pass's start, per chunk element,
+    against the 6 bytes the plan counts (float32 logits + the bf16 matmul output)."""
+    from bench.head_heap import head_passes
+    from grpo_lab.planner.estimate import HEAP_HOLE_FACTOR
 
-    def ratios(memory):
-        cfg = tiny_config(memory=memory)
-        done = subprocess.run([sys.executable, "-c", HEAD_AFTER_LOAD, json.dumps(cfg)], capture_output=True,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def per_planned(memory):
+        passes = head_passes(32_000, 128, passes=5, lab_config=tiny_config(memory=memory),
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return [round(rss / 6, 3) for rss, _ in passes]
 
-    pinned, glibc = ratios({"host_mmap_threshold_mib": 0.125}), ratios({})   # pinned at 128 KiB; the default, glibc's own
-    # the planned chunk is what RSS holds once every chunk is mapped on its own (6.2 B/element measured)
-    assert max(pinned[1:]) < 1.15, f"RSS over the planned chunk, threshold pinned: {pinned}"
-    # control: glibc's own threshold serves the chunks from the heap and keeps their holes (10-19 B/element)
-    assert min(glibc[1:]) > 1.4, f"RSS over the planned chunk, glibc's threshold: {glibc}"
+    pinned, glibc = per_planned({"host_mmap_threshold_mib": 0.125}), per_planned({})   # 128 KiB; the default (null)
+    # pinned: RSS is the live tensors, every chunk mapped on its own (6.1 B/element measured)
+    assert max(pinned) < 1.15, f"RSS over the planned chunk, threshold pinned: {pinned}"
+    # control: glibc's own threshold serves the chunks from its heap and keeps holes, how many varies pass to pass in
+    # steps of a third (1.35-2.68x the plan in 103 of 104 passes measured, 4.03x once), so the pass's median stays
+    # within what the plan widens them by when the threshold is null; the largest single pass is not a bound
+    assert max(glibc) > 1.4, f"RSS over the planned chunk, glibc's threshold: {glibc}"
+    assert statistics.median(glibc) < HEAP_HOLE_FACTOR, f"glibc's holes over the plan's {HEAP_HOLE_FACTOR:.2f}: {glibc}"
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's mmap threshold is glibc's")
