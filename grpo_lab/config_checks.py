@@ -29,10 +29,12 @@ def check_placement(cfg) -> None:
     if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
         raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
                          "learner's own weights; remove them or use a backend with its own weights")
-    if gen.gpu_memory_utilization == "auto" and not any(d.startswith("cuda") for d in place.generator_devices()):
-        raise ValueError(f"generator.gpu_memory_utilization: auto splits a GPU between the {gen.backend} generator and "
-                         "the learner, and this generator runs on the CPU (no GPU to share); remove it (on the CPU the "
-                         "engine's KV cache is generator.cpu_kv_cache_gib) or place the generator on a GPU")
+    if own and gen.gpu_memory_utilization is not None and \
+            not any(d.startswith("cuda") for d in place.generator_devices()):   # a knob that would do nothing says no
+        raise ValueError(f"generator.gpu_memory_utilization: {gen.gpu_memory_utilization} is a share of a GPU for the "
+                         f"{gen.backend} generator, and this generator runs on the CPU (no GPU to share); remove it "
+                         "(on the CPU the engine's KV cache is generator.cpu_kv_cache_gib) or place the generator on "
+                         "a GPU")
     if place.optimizer_offload and place.learner == "cpu":
         raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
                          "already; set it to false or place the learner on a GPU")

@@ -100,7 +100,10 @@ def test_qwq32b_tensor_parallel_over_the_learners_gpu_takes_one_share_bound_by_i
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["placement.generator=[cpu]"], "generator.gpu_memory_utilization: auto splits a GPU"),
+    (["placement.generator=[cpu]"], "generator.gpu_memory_utilization: auto is a share of a GPU"),
+    # a number was accepted and silently ignored: vLLM's CPU engine sizes its KV cache by generator.cpu_kv_cache_gib
+    (["placement.generator=[cpu]", "generator.gpu_memory_utilization=0.5"],
+     "generator.gpu_memory_utilization: 0.5 is a share of a GPU.*runs on the CPU.*cpu_kv_cache_gib"),
     (["generator.backend=hf"], "backend 'hf' samples with the learner's own weights"),
     (["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization"),
     (["generator.gpu_memory_utilization=half"], "generator.gpu_memory_utilization"),
