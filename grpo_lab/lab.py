@@ -266,8 +266,8 @@ class Lab(LabViews):
             if self._step.started:   # a restart: the earlier rollout's phases become a failed attempt
                 self._retire(PHASE_NAMES)
                 self._step = StepState(index=self.step_index, attempts=self._step.attempts)
-                if hasattr(self.prompts, "rewind"):   # why: two settings tried on one step compare on the same prompts
-                    self.prompts.rewind()              # (a sharded driver has none: each rank's Lab rewinds its own)
+                if self.prompts is not None:   # why: two settings tried on one step compare on the same prompts
+                    self.prompts.rewind()       # (a sharded driver has none: each rank's Lab rewinds its own)
             out = self._compute("rollout")
             out.step = self.step_index
             self._step.rollout = out

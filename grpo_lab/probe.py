@@ -34,6 +34,9 @@ class WorstCasePrompts:
     def next_batch(self, size: int):
         return self.source.batch_of([self.row] * size)
 
+    def rewind(self) -> None:
+        """Every batch is the same: nothing to go back to (the real source's position is untouched by the probe)."""
+
 
 class _NoTrackers:
     def log(self, result) -> None:   # why: a probe is not a step of the run; no tracker sees it
