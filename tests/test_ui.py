@@ -156,6 +156,22 @@ def test_panel_combines_editor_controls_and_plot(loaded_lab):
     assert len(panel.widget.children) == 2
 
 
+def held_at_rewards(lab):
+    """StepControls on `lab` whose reward function holds every step inside its rewards phase: (controls, `inside`
+    set once a step is held there, `release` to let it go)."""
+    controls = StepControls(lab)
+    inside, release = threading.Event(), threading.Event()
+
+    def held(prompts, completions, **kwargs):
+        inside.set()
+        if not release.wait(300):
+            raise RuntimeError("the test never released the step")
+        return [float(len(c)) for c in completions]
+
+    lab.reward_funcs = [held]
+    return controls, inside, release
+
+
 def test_a_run_cannot_be_started_twice_and_cells_cannot_interleave_with_it(loaded_lab):
     """While a run is inside step 0 (its reward function held), a second click on run, on one step or on the
     phase button starts nothing, the buttons are disabled, and a cell's lab.step() is refused in one line;
@@ -163,16 +179,7 @@ def test_a_run_cannot_be_started_twice_and_cells_cannot_interleave_with_it(loade
     from grpo_lab import LabError
 
     lab = loaded_lab()
-    controls = StepControls(lab)
-    inside, release = threading.Event(), threading.Event()
-
-    def held(prompts, completions, **kwargs):
-        inside.set()
-        if not release.wait(300):
-            raise RuntimeError("the test never released the run")
-        return [float(len(c)) for c in completions]
-
-    lab.reward_funcs = [held]
+    controls, inside, release = held_at_rewards(lab)
     controls.count.value = 2
     controls.run_button.click()
     controls.run_button.click()                       # a quick second click
@@ -262,16 +269,7 @@ def test_one_step_disables_the_buttons_says_what_runs_and_stops_at_a_phase_bound
     nothing. Now 'one step' is a run of one: buttons disabled while it runs, 'running: <phase> of step N' shown,
     a second click refused, stop honoured at the next phase boundary and said in the log; the log can be cleared."""
     lab = loaded_lab()
-    controls = StepControls(lab)
-    inside, release = threading.Event(), threading.Event()
-
-    def held(prompts, completions, **kwargs):
-        inside.set()
-        if not release.wait(300):
-            raise RuntimeError("the test never released the step")
-        return [float(len(c)) for c in completions]
-
-    lab.reward_funcs = [held]
+    controls, inside, release = held_at_rewards(lab)
     controls.progress.value = controls.progress.max = 7          # a bar left over from an earlier run
     controls.step_button.click()
     controls.step_button.click()                                  # the quick second click
