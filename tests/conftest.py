@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 
@@ -33,18 +34,21 @@ def tiny_model(user_cache):
 @pytest.fixture
 def tiny_config(tiny_model):
     """A small, fast config dict for the tiny model (float32 compute for exact comparisons)."""
-    def make(**sections):
-        cfg = {
-            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
-            "lora": {"r": 8, "lora_alpha": 16},
-            "generator": {"max_completion_length": 16, "max_prompt_length": 128},
-            "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-3},
-            "data": {"rewards": ["exact_answer", "format", "length"]},
-        }
-        for section, values in sections.items():
-            cfg.setdefault(section, {}).update(values)
-        return cfg
-    return make
+    return partial(tiny_dict, tiny_model)
+
+
+def tiny_dict(tiny_model: str, **sections) -> dict:
+    """tiny_config's dict: 16-token completions, 2 prompts x 4 generations; `sections` update it section by section."""
+    cfg = {
+        "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+        "lora": {"r": 8, "lora_alpha": 16},
+        "generator": {"max_completion_length": 16, "max_prompt_length": 128},
+        "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-3},
+        "data": {"rewards": ["exact_answer", "format", "length"]},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
 
 
 @pytest.fixture

@@ -23,6 +23,8 @@ from grpo_lab.memory.probes import MiB
 from grpo_lab.memory.sampler import HostMemoryExceeded
 from grpo_lab.reference import AdapterDisabledReference, CopyReference, NoReference
 
+from conftest import tiny_dict
+
 LOAD = [path for path, _, _ in leaf_fields() if field_when(path) == "load"]
 REBUILD = [path for path, _, _ in leaf_fields() if field_when(path) == "rebuild"]
 LIVE_OR_REBUILD = {path for path, _, _ in leaf_fields() if field_when(path) in ("live", "rebuild")}
@@ -38,14 +40,8 @@ def observes(*paths):
 
 def tiny(tiny_model, **sections) -> dict:
     """The shared Lab's config: conftest's tiny config, 8-token completions, run.steps 3."""
-    cfg = {
-        "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
-        "lora": {"r": 8, "lora_alpha": 16},
-        "generator": {"max_completion_length": 8, "max_prompt_length": 128},
-        "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-3},
-        "data": {"rewards": ["exact_answer", "format", "length"]},
-        "run": {"steps": 3},
-    }
+    cfg = tiny_dict(tiny_model, run={"steps": 3})
+    cfg["generator"]["max_completion_length"] = 8
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
