@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..errors import LabError
 from ..generation.registry import OWN_WEIGHTS, colocated_on_gpu
-from .estimate import (CUDA_CONTEXT, HOST_BASELINE, ONEDNN_CPU_CACHES, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes,
+from .estimate import (CUDA_CONTEXT, HEAP_HOLES_CAVEAT, HOST_BASELINE, ONEDNN_CPU_CACHES, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes,
                        base_weight_bytes, compute_bytes,
                        generation_step_bytes, kv_cache_bytes)
 from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
@@ -25,6 +25,14 @@ class Plan:
     # a sharded learner's ranks (placement.learner_procs > 1): CUDA, the rank devices (also in `devices`); CPU, each
     # rank's share of host RAM (devices["host"] is their sum, what the fit is checked against)
     ranks: dict[str, DevicePlan] = field(default_factory=dict)
+
+    @property
+    def caveats(self) -> list[str]:
+        """What this plan is known to leave out, measured (render prints each as a note)."""
+        cfg = self.config
+        if cfg.placement.learner == "cpu" and cfg.memory.host_mmap_threshold_mib is None:
+            return [HEAP_HOLES_CAVEAT]
+        return []
 
     @property
     def fits(self) -> bool:

@@ -67,6 +67,7 @@ def render(plan) -> str:
     if splits:
         lines.append(f"GPU split (generator.gpu_memory_utilization: {cfg.generator.gpu_memory_utilization or 'null'}):")
         lines += [f"  {s.describe()}" for s in splits] + [""]
+    lines += [f"note: {c}" for c in plan.caveats]
     verdict = "fits" if plan.fits else "does not fit on " + ", ".join(d.device for d in plan.failing())
     lines.append(f"verdict: {verdict}")
     if not plan.fits:
