@@ -33,11 +33,12 @@ ONEDNN_CPU_CACHES = 48 * 1024 ** 2
 # has risen, and their holes stay resident: the head's chunks held up to 19 bytes of RSS per element where the tensors
 # are 6 (bench/head_heap.py). Planned as that factor on such chunks; a pinned threshold needs none.
 HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 19 / 6, 32 * 1024 ** 2
-# The holes the plan cannot model at that threshold (the rollout's between two trims, the layers' activations): they
-# vary run to run, so they are said, not planned; measured by bench/planner_accuracy.py's 32k grid at null
+# The holes the plan cannot model at that threshold (the rollout's, the layers' activations): they come and go from
+# run to run, so they are said, not planned; measured by bench/planner_accuracy.py's grid at null (docs/benchmarks.md)
 HEAP_HOLES_CAVEAT = ("host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) leaves heap holes this "
-                     "plan widens only for the log-prob head; a CPU learner's peak RSS measured up to 1.15x the plan. "
-                     "0.125 holds it within 1.1, at 1.2-2.5x the CPU step time")
+                     "plan widens only for the log-prob head; a CPU learner's phases measured up to 1.19x their plan "
+                     "(the peak up to 1.10x), more with other processes busy. 0.125 holds them within 1.1, at 1.2-2.5x "
+                     "the CPU step time")
 # vLLM on the CPU, in this process: its modules and engine state beside its weights and the KV cache it reserves
 # (generator.cpu_kv_cache_gib, touched at start), measured at rest by bench/planner_accuracy.py's vllm points.
 VLLM_CPU_ENGINE = 272 * 1024 ** 2
