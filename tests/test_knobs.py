@@ -40,11 +40,9 @@ def observes(*paths):
 
 def tiny(tiny_model, **sections) -> dict:
     """The shared Lab's config: conftest's tiny config, 8-token completions, run.steps 3."""
-    cfg = tiny_dict(tiny_model, run={"steps": 3})
-    cfg["generator"]["max_completion_length"] = 8
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
-    return cfg
+    generator = {"max_completion_length": 8, **sections.pop("generator", {})}
+    run = {"steps": 3, **sections.pop("run", {})}
+    return tiny_dict(tiny_model, generator=generator, run=run, **sections)
 
 
 @pytest.fixture(scope="module")
