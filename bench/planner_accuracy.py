@@ -11,6 +11,7 @@ measured peak of the whole step.
     .venv/bin/python bench/planner_accuracy.py                      # the grid, the reported and held-out configs
     .venv/bin/python bench/planner_accuracy.py --vocab 32k --no-reported   # one vocabulary's grid points
     .venv/bin/python bench/planner_accuracy.py --vocab 32k --set memory.host_mmap_threshold_mib=null   # the default
+    .venv/bin/python bench/planner_accuracy.py --vocab 152k --quick --no-reported --set memory.host_mmap_threshold_mib=null --trim-every 8
     .venv/bin/python bench/planner_accuracy.py --worker tiny-cpu    # one config, one JSON line
     python bench/planner_accuracy.py --device cuda:0                  # on a GPU: the learner there, torch's
                                                                       # allocated peak per phase (reserved, NVML beside)
@@ -132,8 +133,11 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="an override for every point, after the point's own "
                         "(e.g. memory.host_mmap_threshold_mib=null: glibc's own threshold, the product's default)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--trim-every", type=int, help="trim the CPU rollout's heap every N decoding steps (default: "
+                        "grpo_lab's own, generation/hf.py TRIM_EVERY)")
     parser.add_argument("--json", help="write every row here too")
-    parser.add_argument("--quick", action="store_true", help="the base point and the two reported configs only")
+    parser.add_argument("--quick", action="store_true", help="the base point and the two reported configs only "
+                        "(with --no-reported: the base point only)")
     parser.add_argument("--vocab", nargs="+", choices=list(VOCABS), default=list(VOCABS),
                         help="the grid's vocabularies to run (default: both)")
     parser.add_argument("--no-reported", action="store_true", help="leave out the issue's two reported configs and the "
@@ -144,17 +148,25 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.worker:
+        if args.trim_every:
+            import grpo_lab.generation.hf as hf
+
+            hf.TRIM_EVERY = args.trim_every   # the CPU rollout's heap trim, every N decoding steps (memory/heap.py)
         print(json.dumps(worker(args.worker, args.set, args.steps, args.device)))
         return
     rows = []
     points = grid(args.vocab)
     extra = [] if args.no_reported else REPORTED + HELD_OUT
-    cases = points[:1] + REPORTED if args.quick else extra if args.only_reported else points + extra
+    if args.quick:   # the base point, and the reported configs unless --no-reported
+        cases = points[:1] + ([] if args.no_reported else REPORTED)
+    else:
+        cases = extra if args.only_reported else points + extra
     what = "peak RSS" if args.device == "host" else f"{args.device} allocated peak"
     print(f"| grid point | phase | planned MiB | measured {what} MiB | measured / planned |")
     print("|---|---|---|---|---|", flush=True)
     for preset, overrides in cases:
         cmd = [sys.executable, __file__, "--worker", preset, "--steps", str(args.steps), "--device", args.device,
+               *(["--trim-every", str(args.trim_every)] if args.trim_every else []),
                *[a for o in overrides + args.set for a in ("--set", o)]]
         done = subprocess.run(cmd, capture_output=True, text=True)
         name = label(preset, overrides)

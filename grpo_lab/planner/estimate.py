@@ -37,7 +37,7 @@ HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 19 / 6, 32 * 1024 ** 2
 # run to run, so they are said, not planned; measured by bench/planner_accuracy.py's grid at null (docs/benchmarks.md)
 HEAP_HOLES_CAVEAT = ("host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) leaves heap holes this "
                      "plan widens only for the log-prob head; a CPU learner's phases measured up to 1.19x their plan "
-                     "(the peak up to 1.10x), more with other processes busy. 0.125 holds them within 1.1, at 1.2-2.5x "
+                     "(the peak up to 1.10x), with one-off spikes to 1.58x. 0.125 holds them within 1.1, at 1.2-2.5x "
                      "the CPU step time")
 # vLLM on the CPU, in this process: its modules and engine state beside its weights and the KV cache it reserves
 # (generator.cpu_kv_cache_gib, touched at start), measured at rest by bench/planner_accuracy.py's vllm points.
