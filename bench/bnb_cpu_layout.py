@@ -4,7 +4,7 @@ bitsandbytes >= 0.48 repacks a `Linear4bit`'s nf4 weights into a CPU inference l
 first eval/no-grad forward (on CPUs with avx512_bf16) and then computes with a bf16 kernel; a training
 forward on that layout fails in autograd. Two ways for a learner to live with it:
 
-  A (grpo_lab): never repack; `lab.rollout()` as is (`grpo_lab.quant.pin_training_layout`).
+  A (grpo_lab): never repack; `lab.rollout()` as is (`grpo_lab.models.quant.pin_training_layout`).
   B: repack every 4-bit layer for the rollout, use the packed bf16 kernel, then restore the training
      layout of every layer before the next training forward. B's time = repack + rollout + restore.
 
@@ -143,11 +143,11 @@ def weights_error(layers, originals) -> tuple[bool, float]:
 def train_forward_backward(lab, rollout) -> tuple[float, float]:
     """One training forward + backward; (loss, LoRA grad norm). Gradients are dropped, no update.
     Advantages are set to -1..1 (a random model's completions all get the same reward: zero gradient)."""
-    from grpo_lab.types import Advantages
+    from grpo_lab.algo.containers import Advantages
 
     n = len(rollout)
     advantages = Advantages(values=torch.linspace(-1, 1, n), group_mean=torch.zeros(n), group_std=torch.ones(n))
-    from grpo_lab import step as phases
+    from grpo_lab.algo import grpo as phases
 
     # the phase functions themselves (not the Lab's lifecycle): a measurement with made-up advantages, no update
     stats = phases.backward(lab.learner, rollout, advantages, phases.logprobs(lab.learner, lab.reference, rollout,

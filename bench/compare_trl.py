@@ -15,7 +15,7 @@ RSS over repetitions and the ratios grpo_lab / TRL.
 The length sweep runs one step per (side, completion length) on logits-heavy-cpu with
 `--set generator.max_completion_length=L` (peaks only, no timing claims) for three sides: grpo_lab, TRL and
 `naive`. `naive` is the grpo_lab worker with a textbook log-prob head swapped in, in that benchmark process only
-(`grpo_lab.logprobs.HEADS["chunked"] = naive_head`): `F.linear(hidden, weight, bias).float() / temperature` over
+(`grpo_lab.algo.logprobs.HEADS["chunked"] = naive_head`): `F.linear(hidden, weight, bias).float() / temperature` over
 all completion tokens at once, `log_softmax` over the whole vocabulary, `gather` of the targets, so all
 [tokens, vocab] float32 logits exist (and are kept for backward). Its peaks show what the chunked head saves.
 
@@ -96,9 +96,9 @@ def worker(side: str, preset: str, overrides: list[str], steps: int, warmup: int
     times, lengths, phases = [], [], []
     if side in ("grpo_lab", "naive"):
         if side == "naive":
-            import grpo_lab.logprobs
+            import grpo_lab.algo.logprobs
 
-            grpo_lab.logprobs.HEADS["chunked"] = naive_head
+            grpo_lab.algo.logprobs.HEADS["chunked"] = naive_head
         lab = Lab(cfg).load()
         loaded = peak.now()
         for i in range(warmup + steps):
@@ -116,7 +116,7 @@ def worker(side: str, preset: str, overrides: list[str], steps: int, warmup: int
         from transformers import TrainerCallback
 
         from bench.step_vs_trl import trl_trainer
-        from grpo_lab.tiny import resolve_model_path
+        from grpo_lab.models.tiny import resolve_model_path
 
         cfg.update({"model.name_or_path": resolve_model_path(cfg.model.name_or_path)})
         marks = {}

@@ -27,14 +27,14 @@ def load(storage: str, seed: int = 0):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from grpo_lab.tiny import resolve_model_path
+    from grpo_lab.models.tiny import resolve_model_path
 
     path = resolve_model_path(f"builtin:{os.environ.get('GRPO_PROBE_MODEL', 'tiny-qwen2')}")
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=getattr(torch, storage))
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map={"": "cpu"},
                                                 quantization_config=quant)
-    from grpo_lab.quant import pin_training_layout
+    from grpo_lab.models.quant import pin_training_layout
 
     pin_training_layout(base)   # as grpo_lab loads it: bnb's AVX-512-BF16 repack on no-grad forwards never happens
     base.requires_grad_(False)

@@ -87,8 +87,8 @@ def load_base(storage: str):
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from grpo_lab.quant import pin_training_layout, quiet_bitsandbytes
-    from grpo_lab.tiny import resolve_model_path
+    from grpo_lab.models.quant import pin_training_layout, quiet_bitsandbytes
+    from grpo_lab.models.tiny import resolve_model_path
 
     quiet_bitsandbytes()
     path = resolve_model_path(f"builtin:{MODEL}")   # ensure_tiny_model(builtin_path(MODEL)) with the model's shape

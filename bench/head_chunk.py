@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from grpo_lab.head import chunked_logprobs, trl_logprobs
+from grpo_lab.algo.head import chunked_logprobs, trl_logprobs
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from typing import Optional
 PASS = """
 import json, sys, threading, time, psutil, torch
 from grpo_lab import Lab
-from grpo_lab.head import chunked_logprobs
+from grpo_lab.algo.head import chunked_logprobs
 from grpo_lab.memory.heap import pin_mmap_threshold, trim_host_heap
 vocab, chunk, rows, hidden_size, threshold, passes, lab_config = json.loads(sys.argv[1])
 lab = Lab(lab_config).load() if lab_config else None   # a Lab pins memory.host_mmap_threshold_mib at load

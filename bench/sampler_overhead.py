@@ -18,8 +18,8 @@ import warnings
 
 def main() -> None:
     from grpo_lab import Lab, load_config
-    from grpo_lab.memory.live import LivePlot
-    from grpo_lab.tiny import ensure_tiny_model
+    from grpo_lab.ui.live import LivePlot
+    from grpo_lab.models.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny-cpu")

@@ -1,7 +1,7 @@
 """Sample once vs the replicated rollout: the hf rollout's wall time through a learner sharded over 2 CPU ranks, when
 each rank samples its share of the prompt groups and the ranks all-gather (sample once, the default), and when every
 rank samples the whole batch (the rollout before issue 23; forced by GRPO_LAB_REPLICATED_ROLLOUT=1 in that Lab's
-ranks, read by sharded/rollout.py and nowhere else). Issue 23's target: sample once <= 0.6 x replicated.
+ranks, read by generation/sample_once.py and nowhere else). Issue 23's target: sample once <= 0.6 x replicated.
 
 Both Labs are loaded side by side (4 rank processes; the idle Lab's ranks wait on their pipe) and their rollouts
 alternate, so machine noise falls on both; each rollout is timed in the driver (command, sampling, gather, checksum,
@@ -20,7 +20,7 @@ import warnings
 
 def main() -> None:
     from grpo_lab import Lab, load_config
-    from grpo_lab.sharded.rollout import REPLICATED
+    from grpo_lab.generation.sample_once import REPLICATED
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="logits-heavy-cpu",

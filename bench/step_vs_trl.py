@@ -22,9 +22,9 @@ def trl_trainer(cfg, callback, steps, out_dir):
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_lab.data import arithmetic_problems
-    from grpo_lab.learner import load_base, load_tokenizer
-    from grpo_lab.rewards import resolve_reward
+    from grpo_lab.algo.prompts import arithmetic_problems
+    from grpo_lab.models.learner import load_base, load_tokenizer
+    from grpo_lab.algo.rewards import resolve_reward
 
     g, grpo = cfg.generator, cfg.grpo
     batch = grpo.prompts_per_step * grpo.num_generations
@@ -59,7 +59,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     from grpo_lab import Lab, load_config
-    from grpo_lab.tiny import ensure_tiny_model
+    from grpo_lab.models.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny-cpu")

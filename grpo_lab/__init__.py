@@ -1,14 +1,14 @@
 """grpo_lab: stepwise GRPO on 4-bit LoRA models, with the memory of every phase in view."""
-from .quant import quiet_bitsandbytes
+from .models.quant import quiet_bitsandbytes
 
 quiet_bitsandbytes()   # before anything imports bitsandbytes (README: CPU notes)
 
 from .comparison import compare
-from .config import LabConfig
-from .config_io import load_config, save_config
+from .config.schema import LabConfig
+from .config.loading import load_config, save_config
 from .errors import ConfigError, LabError
 from .lab import Lab
-from .types import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult
+from .algo.containers import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult
 
 __all__ = ["Lab", "compare", "LabConfig", "load_config", "save_config", "LabError", "ConfigError", "StepResult",
            "Rollout", "Rewards", "Advantages", "LogProbs", "LossStats", "PromptBatch"]

@@ -9,8 +9,8 @@ from .errors import LabError
 
 
 def _run(args) -> int:
-    from .config_io import load_config
-    from .rundir import CONFIG
+    from .config.loading import load_config
+    from .state.rundir import CONFIG
     from .runner import run
 
     if args.resume is not None and args.out is not None:
@@ -34,14 +34,14 @@ def _run(args) -> int:
 
 
 def _presets(args) -> int:
-    from .presets import listing
+    from .config.presets import listing
 
     print(listing())
     return 0
 
 
 def _plan(args) -> int:
-    from .config_io import load_config
+    from .config.loading import load_config
     from .planner import plan
 
     ranges = {"--lengths": args.lengths, "--generations": args.generations, "--micro-batches": args.micro_batches,
@@ -68,8 +68,8 @@ def _plan(args) -> int:
 def _plan_config(args):
     """The config to plan, and a note: a vLLM generator sharing the learner's GPU with no share set is planned with
     `auto`, so the plan recommends the share it would pick (a run still needs it set)."""
-    from .config_checks import NEEDS_SHARE
-    from .config_io import load_config
+    from .checks.roles import NEEDS_SHARE
+    from .config.loading import load_config
     from .errors import ConfigError
 
     try:
@@ -83,7 +83,7 @@ def _plan_config(args):
 
 
 def _probe(args) -> int:
-    from .config_io import load_config
+    from .config.loading import load_config
     from .lab import Lab
 
     lab = Lab(load_config(args.config, args.set)).load()
@@ -113,8 +113,8 @@ def _compare(args) -> int:
 
 
 def _tiny(args) -> int:
-    from .paths import check_output_dir
-    from .tiny import BUILTINS, build_tiny_model, builtin_path, ensure_tiny_model
+    from .checks.paths import check_output_dir
+    from .models.tiny import BUILTINS, build_tiny_model, builtin_path, ensure_tiny_model
 
     where = args.path or builtin_path(args.model)
     check_output_dir(where, "grpo-lab tiny PATH" if args.path else "grpo-lab tiny (the user cache; set GRPO_LAB_CACHE)")
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="compare.html", help="the HTML file to write (default: %(default)s)")
     p.set_defaults(func=_compare)
 
-    from .tiny import BUILTINS, TINY
+    from .models.tiny import BUILTINS, TINY
 
     p = sub.add_parser("tiny", help="build a built-in tiny Qwen2 checkpoint (tiny-qwen2: trained ~1 min on the "
                        "arithmetic set; tiny-random: random weights; qwen2-152k, qwen2-32k: large vocabularies on the "

@@ -16,11 +16,11 @@ from typing import Optional, Sequence, Union
 import yaml
 
 from .errors import LabError
-from .io import atomic_write_text
+from .files import atomic_write_text
 from .memory.figures import primary_rows
 from .memory.probes import MiB
-from .phases import PHASE_NAMES
-from .rundir import CONFIG, METRICS, read_status, complete_lines
+from .algo.phases import PHASE_NAMES
+from .state.rundir import CONFIG, METRICS, read_status, complete_lines
 
 IGNORED = {"run.output_dir"}   # why: differs between any two runs and says nothing about them
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
@@ -225,7 +225,7 @@ def compare(runs: Sequence[Union[str, Path, RunRecord]], out: Union[str, Path] =
     out = Path(out)
     if out.is_dir():
         raise LabError(f"--out: {str(out)!r} is a directory; give the path of the HTML file to write, e.g. {out / 'compare.html'}")
-    from .paths import check_output_dir
+    from .checks.paths import check_output_dir
 
     check_output_dir(out.parent if str(out.parent) else Path("."), "--out")
     written = atomic_write_text(out, compare_html(records, title or "grpo_lab: compare " + ", ".join(r.name for r in records)))

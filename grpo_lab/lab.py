@@ -1,8 +1,8 @@
 """`Lab`: the notebook's handle on a GRPO run. It holds the config, the step lifecycle, history, the timeline and
 the memory views; each phase of a step is a method a cell can call alone (named as in phases.PHASES), and `step()`
-runs the rest of the current step. The phases' work is its executor's (executor.py): this process's models, or a
+runs the rest of the current step. The phases' work is its executor's (cluster/executor.py): this process's models, or a
 sharded learner's ranks. The headless runner, the widgets and papermill use the same calls. Config edits after load
-go through knobs.py.
+go through config/edits.py.
 """
 from __future__ import annotations
 
@@ -13,23 +13,23 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .config import LabConfig
-from .config_io import load_config
+from .config.schema import LabConfig
+from .config.loading import load_config
 from .errors import ConfigError, LabError, NonFinite
-from .knobs import LoadedLabGuard
-from .lifecycle import StepState, check_order
-from .phases import BY_NAME, PHASE_NAMES, UPDATE_PHASES
+from .config.edits import LoadedLabGuard
+from .algo.lifecycle import StepState, check_order
+from .algo.phases import BY_NAME, PHASE_NAMES, UPDATE_PHASES
 from .preflight import preflight
-from .rewards import resolve_reward
-from .timeline import Timeline
-from .types import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
-from .views import LabViews
+from .algo.rewards import resolve_reward
+from .memory.timeline import Timeline
+from .algo.containers import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
+from .ui.views import LabViews
 
 
 class Lab(LabViews):
     def __init__(self, config: Union[LabConfig, dict, str, Path], reward_funcs: Optional[list[Callable]] = None,
                  overrides: Optional[list[str]] = None):
-        from .executor import executor_for
+        from .local.executor import executor_for
 
         self._config = load_config(config, overrides)
         self.reward_funcs_given = reward_funcs is not None
@@ -53,7 +53,7 @@ class Lab(LabViews):
     prompts = property(lambda self: self.executor.prompts)
     reference_strategy = property(lambda self: self.executor.reference_strategy)
 
-    # --- the config: one edit path (see knobs.py) ---
+    # --- the config: one edit path (see config/edits.py) ---
     @property
     def config(self) -> LabConfig:
         return self._config
@@ -109,7 +109,7 @@ class Lab(LabViews):
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
         cfg._guard = LoadedLabGuard(self)   # why: from now on every edit is checked against what was built
         if cfg.run.probe_first:
-            from .probe import probe_at_load
+            from .planner.worst_case import probe_at_load
 
             probe_at_load(self)   # a worst case that does not fit is refused here, and the load undone
         return self
@@ -135,13 +135,13 @@ class Lab(LabViews):
     def place(self, learner=None, generator=None, reference=None, optimizer_offload=None) -> "Placement":
         """Choose devices before `load()`: validated at once (devices exist; a colocated generator with its
         own weights needs generator.gpu_memory_utilization); `lab.placement` shows the result."""
-        from .placement import place
+        from .planner.placement import place
 
         return place(self, learner, generator, reference, optimizer_offload)
 
     @property
     def placement(self) -> "Placement":
-        from .placement import Placement
+        from .planner.placement import Placement
 
         return Placement(self.config, self.executor.generator)
 
@@ -190,9 +190,9 @@ class Lab(LabViews):
         out-of-memory error becomes a one-line LabError naming phase and device."""
         from .memory.heap import trim_host_heap
         from .memory.oom import as_lab_error, is_oom, release_memory
-        from .faults import set_phase
+        from .state.faults import set_phase
         from .memory.sampler import HostMemoryExceeded
-        from .profiling import phase_range
+        from .memory.profiling import phase_range
         from .runtime import RanksBlocked, settle
 
         self._require_loaded()
@@ -374,7 +374,7 @@ class Lab(LabViews):
     def restore_checkpoint(self, path: Union[str, Path]) -> "Lab":
         """Continue from a checkpoint: its weights, optimizer state, RNG states, data position and step
         index replace this Lab's; the generator is synced to the restored weights."""
-        from .checkpoint import read_checkpoint
+        from .state.checkpoint import read_checkpoint
 
         self._between_steps("lab.restore_checkpoint()")
         checkpoint = read_checkpoint(path)   # refused here, in one line, before any model (or rank) reads it
@@ -402,14 +402,14 @@ class Lab(LabViews):
     def probe(self):
         """One step at the largest shapes the config allows (longest prompt, full-length completions, full
         micro-batches) on the real devices; prints per-phase peaks beside the plan and a verdict; keeps nothing."""
-        from .probe import probe
+        from .planner.worst_case import probe
 
         return probe(self)
 
     def arm_fault(self, rank: int, phase: str, error: str = "oom") -> None:
-        """Make rank `rank`'s next `phase` fail once, inside it (faults.py: 'oom', 'runtime', or 'nan' for a
+        """Make rank `rank`'s next `phase` fail once, inside it (state/faults.py: 'oom', 'runtime', or 'nan' for a
         backward's loss): how a notebook shows recovery. One process is rank 0."""
-        from .faults import check
+        from .state.faults import check
 
         check(phase, error)
         self._require_loaded()

@@ -2,18 +2,18 @@
 installed, the ranks, the model path, the placement, the generator, the rewards and the data."""
 from __future__ import annotations
 
-from .config import LabConfig
+from .config.schema import LabConfig
 from .errors import LabError
-from .rewards import resolve_reward
+from .algo.rewards import resolve_reward
 
 
 def preflight(config: LabConfig) -> None:
     """Everything that can be checked before a weight is loaded."""
-    from .data import load_rows
-    from .devices import check_model_path, check_placement
-    from .installed import check_torchvision
+    from .algo.prompts import load_rows
+    from .checks.devices import check_model_path, check_placement
+    from .checks.installed import check_torchvision
 
-    from .sharded.world import check_ranks
+    from .checks.world import check_ranks
 
     check_torchvision()
     check_ranks(config)   # more ranks than devices, no FSDP2 in this torch: before any process starts

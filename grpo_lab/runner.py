@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .config import LabConfig
-from .config_io import save_config
+from .config.schema import LabConfig
+from .config.loading import save_config
 from .errors import LabError
-from .io import append_jsonl
-from .paths import check_output_dir
+from .files import append_jsonl
+from .checks.paths import check_output_dir
 from .lab import Lab, preflight
-from .rundir import CHECKPOINT, CONFIG, METRICS, RunLock, RunState, is_locked, read_state, rewind_metrics, write_status
-from .types import StepResult
+from .state.rundir import CHECKPOINT, CONFIG, METRICS, RunLock, RunState, is_locked, read_state, rewind_metrics, write_status
+from .algo.containers import StepResult
 from .memory import format_compact, peak_rows
 from .memory.report import CsvStream, write_report
 
@@ -41,8 +41,8 @@ def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
 def resume_config(run_dir: Path, given: Optional[LabConfig], steps: Optional[int]) -> tuple[LabConfig, RunState]:
     """The run's own config with the changes `given` makes to it (only those a loaded Lab accepts: a resumed
     run continues the same Lab), and its state. `steps` is the run's new target (default: its own)."""
-    from .config import field_when, leaf_fields
-    from .config_io import load_config
+    from .config.schema import field_when, leaf_fields
+    from .config.loading import load_config
 
     state = read_state(run_dir)
     if state.status == "new":

@@ -21,12 +21,12 @@ import yaml
 from .comparison import RunRecord, compare
 from .errors import LabError
 from .memory.probes import MiB, is_host
-from .paths import check_output_dir
+from .checks.paths import check_output_dir
 
 
 
 def notebook_parameters(notebook: Path) -> dict:
-    from .paths import read_notebook
+    from .checks.paths import read_notebook
 
     nb = read_notebook(notebook, "sweep NOTEBOOK")
     if not any("parameters" in c.metadata.get("tags", []) for c in nb.cells):
@@ -112,7 +112,7 @@ def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Pat
 
 
 def write_summary(out: Path, rows: list[dict], keys: list[str], linked: bool = False) -> None:
-    from .io import atomic_write_text
+    from .files import atomic_write_text
 
     columns = list(dict.fromkeys(k for r in rows for k in r))
     buffer = io.StringIO()

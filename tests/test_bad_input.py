@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from grpo_lab import cli
-from grpo_lab.config import LabConfig
-from grpo_lab.config_io import load_config
+from grpo_lab.config.schema import LabConfig
+from grpo_lab.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "notebooks" / "01_quickstart.ipynb"
@@ -327,8 +327,8 @@ def test_checkpoint_transformers_cannot_read_is_one_labError(tiny_model, tmp_pat
     """An unknown model_type passes the planner (the sizes are fine) and fails in from_pretrained's config
     step, before any weight is read."""
     from grpo_lab import LabError
-    from grpo_lab.config import ModelSection
-    from grpo_lab.learner import load_base
+    from grpo_lab.config.schema import ModelSection
+    from grpo_lab.models.learner import load_base
 
     config = json.loads((Path(tiny_model) / "config.json").read_text())
     (tmp_path / "m").mkdir()

@@ -119,7 +119,7 @@ def test_three_ui_calls_leave_one_redraw_thread(page):
 
 
 def test_help_shows_under_every_kind_of_field(page):
-    from grpo_lab.config import LabConfig
+    from grpo_lab.config.schema import LabConfig
 
     pg, _ = page
     for section, name, kind in [("generator", "max_completion_length", "int"), ("generator", "temperature", "float"),

@@ -82,7 +82,7 @@ def test_bad_compare_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsy
 @needs_chromium
 def test_compare_a_run_with_its_out_of_memory_twin_in_a_real_browser(tiny_model, tmp_path, monkeypatch, capsys):
     """The story the page is for: micro-batch 4 runs out of memory in step 1's backward, micro-batch 2 fits."""
-    import grpo_lab.step as step_module
+    import grpo_lab.algo.grpo as step_module
 
     fits, fails = tmp_path / "mb2", tmp_path / "mb4"
     common = ["--steps", "2", "--quiet", "--set", "memory.sample_hz=50"]

@@ -4,8 +4,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from grpo_lab.config import LabConfig, apply_overrides
-from grpo_lab.config_io import load_config, save_config
+from grpo_lab.config.schema import LabConfig, apply_overrides
+from grpo_lab.config.loading import load_config, save_config
 from grpo_lab.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +18,7 @@ def with_(section, **values):
     return cfg
 
 
-@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "presets").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "config" / "presets").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_preset_loads_and_round_trips(preset, tmp_path):
     cfg = load_config(preset)
     save_config(cfg, tmp_path / "c.yaml")

@@ -17,7 +17,7 @@ MARGIN = 0.3
 
 
 def run_preset(tiny_model, out, *overrides):
-    from grpo_lab.config_io import load_config
+    from grpo_lab.config.loading import load_config
     from grpo_lab.runner import run
 
     config = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "run.seed=0", *overrides])
@@ -44,7 +44,7 @@ DEMO_RISE = 0.2   # the issue's criterion: correctness (not length) mean of the 
 
 def correctness_rise(out, *overrides):
     """(first-3 mean, last-3 mean, per-step means) of the exact_answer reward of one tiny-demo run."""
-    from grpo_lab.config_io import load_config
+    from grpo_lab.config.loading import load_config
     from grpo_lab.runner import run
 
     run_dir = run(load_config("tiny-demo", list(overrides)), out=str(out), progress=False)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from grpo_lab import LabError, load_config
-from grpo_lab.visible import EngineDevices, engine_devices
+from grpo_lab.checks.visible import EngineDevices, engine_devices
 
 UUID_A, UUID_B = "GPU-5f2a9c1e-0b1d-4c1a-9f3e-111111111111", "GPU-8d3b0e2f-1c2e-4d2b-8a4f-222222222222"
 
@@ -60,7 +60,7 @@ def test_engine_devices_refuses_what_it_cannot_honour(learner, generator, user_c
 
 def test_preflight_refuses_a_device_beyond_the_users_cuda_visible_devices(tiny_model, monkeypatch):
     """check_placement (which preflight and lab.place run) applies the same rules, before anything loads."""
-    from grpo_lab.devices import check_placement
+    from grpo_lab.checks.devices import check_placement
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     cfg = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "generator.backend=vllm",

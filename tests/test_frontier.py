@@ -9,7 +9,7 @@ import pytest
 from html_pages import needs_chromium, opened
 
 from grpo_lab.cli import main
-from grpo_lab.config_io import load_config
+from grpo_lab.config.loading import load_config
 from grpo_lab.errors import LabError
 from grpo_lab.planner import frontier, plan
 from grpo_lab.planner.frontier import FIELDS, parse_range, size
@@ -99,7 +99,7 @@ def test_default_axes_add_the_configs_own_values():
 
 
 def test_what_is_wrong_for_every_cell_is_one_error_not_a_grey_grid():
-    from grpo_lab.devices import cuda_device_count
+    from grpo_lab.checks.devices import cuda_device_count
 
     if cuda_device_count():
         pytest.skip("this machine has a cuda:0 to plan on")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo_lab.head import chunked_logprobs, trl_logprobs
+from grpo_lab.algo.head import chunked_logprobs, trl_logprobs
 
 
 def naive(hidden, weight, bias, targets, temperature):
@@ -90,7 +90,7 @@ def test_a_lora_on_lm_head_is_applied_and_trained_by_the_chunked_head():
     the base weight only: the adapter's log-probs were wrong and it got no gradient. Now the head applies it, and
     values and every LoRA gradient equal the unchunked reference (PEFT's own forward, full log_softmax)."""
     from grpo_lab import Lab
-    from grpo_lab.logprobs import completion_logprobs, rollout_slice
+    from grpo_lab.algo.logprobs import completion_logprobs, rollout_slice
 
     lab = Lab("tiny-cpu", overrides=["lora.target_modules=[q_proj,lm_head]", "grpo.logprob_chunk_size=7"]).load()
     try:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grpo_lab import Lab
-from grpo_lab.importance import MODES, importance_weights
-from grpo_lab.logprobs import rollout_logprobs
+from grpo_lab.algo.importance import MODES, importance_weights
+from grpo_lab.algo.logprobs import rollout_logprobs
 from test_trl_parity import noisy_sampler, trl_trainer, vllm_importance_sampling
 
 BOUNDS = [(None, 3.0), (0.5, 3.0), (0.5, None), (None, None)]

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from grpo_lab.io import atomic_write_dir, recover_dir
+from grpo_lab.files import atomic_write_dir, recover_dir
 
 
 def version(n):
@@ -57,7 +57,7 @@ def test_unfinished_writes_are_cleaned_and_a_failed_write_keeps_the_previous_ver
 def test_a_text_write_is_fsynced_file_and_directory_before_and_after_its_rename(tmp_path, monkeypatch):
     """run.json and the rewound metrics.jsonl go through atomic_write_text; the README says writes are fsynced.
     A rename is only as durable as the file it names (fsynced before) and the directory entry (fsynced after)."""
-    from grpo_lab.io import atomic_write_text
+    from grpo_lab.files import atomic_write_text
 
     synced, real_fsync, real_replace = [], os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))

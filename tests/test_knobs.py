@@ -12,16 +12,16 @@ from typing import Literal, get_args, get_origin
 import pytest
 import torch
 
-import grpo_lab.step as step_module
+import grpo_lab.algo.grpo as step_module
 from grpo_lab import Lab
-from grpo_lab.config import WHEN, LabConfig, field_when, leaf_fields
-from grpo_lab.config_io import load_config
+from grpo_lab.config.schema import WHEN, LabConfig, field_when, leaf_fields
+from grpo_lab.config.loading import load_config
 from grpo_lab.errors import ConfigError, LabError
-from grpo_lab.importance import importance_weights
-from grpo_lab.knobs import REBUILDS
+from grpo_lab.algo.importance import importance_weights
+from grpo_lab.config.edits import REBUILDS
 from grpo_lab.memory.probes import MiB
 from grpo_lab.memory.sampler import HostMemoryExceeded
-from grpo_lab.reference import AdapterDisabledReference, CopyReference, NoReference
+from grpo_lab.models.reference import AdapterDisabledReference, CopyReference, NoReference
 
 from conftest import tiny_dict
 
@@ -369,7 +369,7 @@ def test_beta_builds_a_reference_and_the_step_reports_kl(lab):
 def test_reference_strategy_copy_runs_the_reference_pass_on_a_copy(lab):
     lab.config.grpo.beta = 0.04
     learner_calls, copy_calls = [], []
-    # on the decoders: the log-prob passes run a model's backbone and then the chunked head (logprobs.py)
+    # on the decoders: the log-prob passes run a model's backbone and then the chunked head (algo/logprobs.py)
     handle = lab.learner.model.get_base_model().model.register_forward_hook(lambda *_: learner_calls.append(1))
     try:
         lab.config.reference.strategy = "copy"
@@ -740,8 +740,8 @@ def test_the_runner_reads_save_every_of_the_labs_config_each_step(lab, monkeypat
 
 @observes("grpo.logprob_chunk_size", "grpo.logprob_head")
 def test_the_log_prob_head_knobs_reach_the_next_scoring_pass(lab, monkeypatch):
-    import grpo_lab.head as head
-    import grpo_lab.logprobs as logprobs
+    import grpo_lab.algo.head as head
+    import grpo_lab.algo.logprobs as logprobs
 
     seen = []
     real = head.ChunkedSelectiveLogProbs.forward

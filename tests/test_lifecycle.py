@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-import grpo_lab.step as step_module
+import grpo_lab.algo.grpo as step_module
 from grpo_lab import Lab, LabError
-from grpo_lab.phases import PHASE_NAMES
+from grpo_lab.algo.phases import PHASE_NAMES
 from test_numerics import assert_same_state, train_state
 
 # num_iterations 2: every step has two backward/optimizer pairs, so a failure can come after an applied update
@@ -165,7 +165,7 @@ def test_a_restarted_rollout_samples_the_steps_own_prompts_again(loaded_lab):
 
 def test_the_rollback_snapshot_is_taken_inside_the_optimizer_phase(loaded_lab, monkeypatch):
     """A host MemoryError while copying the LoRA + AdamW state is that phase's one-line error, nothing applied."""
-    import grpo_lab.rollback as rollback
+    import grpo_lab.state.rollback as rollback
 
     lab = loaded_lab()
     lab.step()
@@ -193,7 +193,7 @@ def test_a_profiler_trace_of_one_step_names_every_phase(loaded_lab, tmp_path):
 
     from torch.profiler import ProfilerActivity, profile
 
-    from grpo_lab.phases import PHASE_NAMES
+    from grpo_lab.algo.phases import PHASE_NAMES
 
     lab = loaded_lab()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -11,7 +11,7 @@ from grpo_lab import Lab
 from grpo_lab.memory import LeakDetector, MemorySampler
 from grpo_lab.memory.oom import OutOfMemory
 from grpo_lab.memory.probes import HostProbe, MiB
-from grpo_lab.phases import PHASE_NAMES as PHASES
+from grpo_lab.algo.phases import PHASE_NAMES as PHASES
 from grpo_lab.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
 
     In-process with the host probe's used/limit replaced (10% before, 99% after the update), so the trip does
     not depend on what else runs on this machine."""
-    import grpo_lab.step as step_module
+    import grpo_lab.algo.grpo as step_module
     from grpo_lab.cli import main
     from safetensors.torch import load_file
 
@@ -141,7 +141,7 @@ def assert_same_state(a, b):
 
 
 def test_oom_in_backward_leaves_state_bit_identical_and_a_smaller_micro_batch_works(loaded_lab, monkeypatch):
-    import grpo_lab.step as step_module
+    import grpo_lab.algo.grpo as step_module
 
     lab = loaded_lab(grpo={"beta": 0.04, "micro_batch_size": 4})
     lab.step()                                  # optimizer state exists now
@@ -251,7 +251,7 @@ def test_the_live_plot_squeezes_idle_time_so_ten_steps_after_five_idle_minutes_s
     from types import SimpleNamespace
 
     from grpo_lab.memory.figures import IDLE_KEEP_S, work_clock
-    from grpo_lab.memory.live import LivePlot
+    from grpo_lab.ui.live import LivePlot
 
     marks, t = [], 300.0
     for step in range(10):
@@ -285,7 +285,7 @@ def test_closing_the_live_plot_widget_stops_its_thread(closed_by):
     stops the renderer thread: nothing is left redrawing a widget no one can see."""
     import time
 
-    from grpo_lab.memory.live import LivePlot
+    from grpo_lab.ui.live import LivePlot
 
     sampler = MemorySampler(["cpu"], hz=20, host_threshold=0.9).start()
     try:
@@ -314,7 +314,7 @@ def test_live_plot_history_stays_bounded_keeps_the_peak_and_takes_two_threads():
     import threading
     from types import SimpleNamespace
 
-    from grpo_lab.memory.live import LivePlot
+    from grpo_lab.ui.live import LivePlot
 
     stream = [(i * 0.01, 0, "rollout", "host", "rss", (5000.0 if i == 123_457 else 100.0 + i % 7) * MiB)
               for i in range(200_000)]
@@ -368,7 +368,7 @@ def test_a_phase_that_runs_out_of_memory_gets_its_own_snapshot_name():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_an_oom_with_cuda_snapshots_on_writes_the_failing_phases_snapshot_and_the_retry_its_own(tiny_config, tmp_path,
                                                                                                 monkeypatch):
-    import grpo_lab.step as step_module
+    import grpo_lab.algo.grpo as step_module
 
     lab = Lab(tiny_config(placement={"learner": "cuda:0"}, memory={"cuda_snapshots": True},
                           run={"output_dir": str(tmp_path)})).load()
@@ -414,7 +414,7 @@ def test_a_failed_load_stops_the_sampler_and_frees_what_it_loaded(tiny_config, m
     again once the cause is gone; a second load() of a loaded Lab is refused in one line."""
     import threading
 
-    import grpo_lab.reference as reference
+    import grpo_lab.models.reference as reference
     from grpo_lab import LabError
 
     def samplers():
@@ -522,7 +522,7 @@ def test_an_idle_plot_redraws_at_most_every_two_seconds_while_the_sampler_sample
     phases the plot now redraws at most every IDLE_REFRESH_S; a phase's end is drawn at once."""
     import time
 
-    from grpo_lab.memory.live import IDLE_REFRESH_S
+    from grpo_lab.ui.live import IDLE_REFRESH_S
 
     lab = loaded_lab(memory={"sample_hz": 20})
     try:

@@ -84,7 +84,7 @@ def test_update_to_non_finite_weights_is_rolled_back(stepped_lab):
 
 def test_cli_run_stops_with_one_line_on_non_finite_values(tiny_model, tmp_path, capsys, monkeypatch):
     """Through the runner: the step is refused, exit 2, one line; the finished steps stay on disk."""
-    from grpo_lab import step as step_module
+    from grpo_lab.algo import grpo as step_module
     from grpo_lab.cli import main
 
     real = step_module.advantages

@@ -8,12 +8,12 @@ import torch
 
 from grpo_lab import Lab, LabError, load_config
 from grpo_lab.errors import ConfigError
-from grpo_lab.guard import check_learner
+from grpo_lab.checks.guard import check_learner
 from grpo_lab.planner import load_shape, plan
 from grpo_lab.planner.estimate import base_weight_bytes, generator_weight_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-P1 = ROOT / "grpo_lab" / "presets" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
+P1 = ROOT / "grpo_lab" / "config" / "presets" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
 
 
 def grpo_lab_cli(*args):
@@ -21,7 +21,7 @@ def grpo_lab_cli(*args):
                           timeout=300)
 
 
-@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "presets").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "config" / "presets").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_preset_loads_plans_and_says_what_it_is_for(preset, tiny_model):
     header = preset.read_text().splitlines()[:3]
     assert all(line.startswith("#") for line in header) and "grpo-lab" in "".join(preset.read_text().splitlines()[:6])
@@ -54,7 +54,7 @@ def test_planned_lora_and_weights_match_the_loaded_model(loaded_lab, tiny_model)
 
 
 def test_plan_suggests_the_knob_that_makes_it_fit():
-    cfg = load_config(ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml",
+    cfg = load_config(ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml",
                       ["grpo.micro_batch_size=32", "model.gradient_checkpointing=false"])
     result = plan(cfg)
     assert not result.fits and [d.device for d in result.failing()] == ["cuda:0"]
@@ -64,7 +64,7 @@ def test_plan_suggests_the_knob_that_makes_it_fit():
 
 
 def test_checkpointing_and_offload_lower_the_learner_gpu():
-    cfg = load_config(ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml")
+    cfg = load_config(ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml")
     base = plan(cfg).devices["cuda:0"].total
     assert plan(load_config(cfg, ["model.gradient_checkpointing=false"])).devices["cuda:0"].total > base
     offloaded = plan(load_config(cfg, ["placement.optimizer_offload=true"]))
@@ -77,7 +77,7 @@ def test_vllm_sleep_level_1_plans_the_generator_weights_in_host_ram(generator):
     """Colocated vLLM with sleep mode offloads its weights (every tensor-parallel shard) to host RAM between
     rollouts: the host plan grows by exactly the generator's weights as planned for its GPUs. On the GPUs the
     engine's share splits: its working memory stays in every phase, its weights and KV cache only in the rollout."""
-    preset = ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
+    preset = ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
     common = ["generator.backend=vllm", "generator.gpu_memory_utilization=0.4", "placement.gpu_memory_gib=80",
               "placement.host_memory_gib=64", f"placement.generator={generator}"]
     awake = plan(load_config(preset, common + ["generator.sleep_mode=false"]))
@@ -106,7 +106,7 @@ def test_vllm_sleep_level_1_plans_the_generator_weights_in_host_ram(generator):
 def test_vllm_on_its_own_gpu_does_not_sleep_so_plans_nothing_in_host_ram():
     common = ["generator.backend=vllm", "placement.gpu_memory_gib=80", "placement.host_memory_gib=64",
               "placement.generator=[cuda:1]"]
-    preset = ROOT / "grpo_lab" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
+    preset = ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
     awake, asleep = (plan(load_config(preset, common + [f"generator.sleep_mode={on}"])) for on in ("false", "true"))
     assert asleep.devices["host"].items == awake.devices["host"].items
 
@@ -161,7 +161,7 @@ def test_parameters_outside_the_plan_are_refused():
 def test_host_adamw_equals_adamw_and_survives_rollback_state():
     import copy
 
-    from grpo_lab.offload import HostAdamW
+    from grpo_lab.models.offload import HostAdamW
 
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]

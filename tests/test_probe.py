@@ -10,7 +10,7 @@ import torch
 
 from grpo_lab import Lab
 from grpo_lab.cli import main
-from grpo_lab.data import PromptSource
+from grpo_lab.algo.prompts import PromptSource
 from grpo_lab.errors import LabError
 
 MiB = 1024 ** 2

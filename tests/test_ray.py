@@ -1,4 +1,4 @@
-"""The sharded learner's ranks on Ray (grpo_lab/sharded/cluster.py, ranks.py): where they run, what a dead rank
+"""The sharded learner's ranks on Ray (grpo_lab/cluster/ray_cluster.py, cluster/ranks.py): where they run, what a dead rank
 costs, what is left when the driver dies, and the one-line refusals before any actor starts. The pure parts
 (addresses, bundles, resources, the GPUs a local Ray is given, which device a rank is) are tested with made-up
 clusters and device lists; the rest on real Ray, loopback only (conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
@@ -21,7 +21,7 @@ import torch
 from grpo_lab import Lab, cli
 from grpo_lab.errors import LabError
 from grpo_lab.runtime import Runtime
-from grpo_lab.sharded.cluster import bundles, check_resources, local_gpu_env, parse_address, start_local
+from grpo_lab.cluster.ray_cluster import bundles, check_resources, local_gpu_env, parse_address, start_local
 
 SHARDED = ["placement.learner_procs=2"]
 
@@ -75,7 +75,7 @@ def test_a_rank_on_a_gpu_ray_gave_it_is_its_cuda_0_and_its_rng_is_that_gpu_alone
 def test_the_driver_fetches_the_model_once_before_any_rank_starts(tiny_model, monkeypatch, tmp_path):
     """A hub id is downloaded by the driver (not by every rank at once, inside their start timeout); the ranks on
     this machine load its local copy. (No hub here: the download is the one thing replaced.)"""
-    from grpo_lab.sharded.executor import fetch_once
+    from grpo_lab.cluster.executor import fetch_once
 
     calls = []
     monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo: calls.append(repo) or str(tmp_path))
@@ -91,7 +91,7 @@ def test_a_ray_a_lab_started_stops_only_when_the_last_lab_on_it_closes():
     second's ranks, and closing both leaves no Ray running in the process."""
     import ray
 
-    from grpo_lab.sharded.cluster import Cluster
+    from grpo_lab.cluster.ray_cluster import Cluster
 
     ray.shutdown()
     first = Cluster(None, "cpu", ["cpu", "cpu"], cpus=2)
@@ -114,8 +114,8 @@ def test_closing_after_the_notebook_shut_ray_down_is_clean(tiny_model):
     """ray.shutdown() in a cell ends the rank actors with Ray; lab.close() afterwards must not fail on them."""
     import ray
 
-    from grpo_lab.config_io import load_config
-    from grpo_lab.sharded.ranks import Ranks
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.cluster.ranks import Ranks
 
     ray.shutdown()
     ranks = Ranks(load_config("tiny-cpu", SHARDED).to_dict(), 2, memory=None)
@@ -144,7 +144,7 @@ def no_actors(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rank actor started")
 
-    monkeypatch.setattr("grpo_lab.sharded.ranks.Ranks._actor", refuse)
+    monkeypatch.setattr("grpo_lab.cluster.ranks.Ranks._actor", refuse)
 
 
 def _free_port() -> int:
@@ -276,7 +276,7 @@ def test_two_ranks_on_two_nodes_equal_two_ranks_on_one(two_nodes, uninterrupted)
 def test_joining_a_cluster_after_a_ray_of_its_own_is_one_line(capsys, no_actors, two_nodes):
     import ray
 
-    from grpo_lab.sharded.cluster import start_local
+    from grpo_lab.cluster.ray_cluster import start_local
 
     if not ray.is_initialized():
         start_local(cpus=1)
@@ -310,7 +310,7 @@ def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_
     ranks = lab.executor.ranks
     lines = []
     try:
-        # inside a phase: SIGKILL at a point of its real code (faults.py 'kill')
+        # inside a phase: SIGKILL at a point of its real code (state/faults.py 'kill')
         for step, (rank, phase) in enumerate([(1, "rollout"), (0, "logprobs"), (1, "backward")]):
             lab.arm_fault(rank, phase, "kill")
             lines.append(_fails_in_one_line(capfd, lab.step))

@@ -128,7 +128,7 @@ def test_the_gpu_ledger_in_a_real_browser(tmp_path):
 
 
 def test_the_live_plot_stacks_the_gpu_ledger_too(tmp_path):
-    from grpo_lab.memory.live import LivePlot
+    from grpo_lab.ui.live import LivePlot
 
     sampler, _ = recorded_gpu_report(tmp_path / "report.html")
     plot = LivePlot(sampler)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from grpo_lab import Lab, LabError
-from grpo_lab.data import PromptSource, arithmetic_problems, load_jsonl
-from grpo_lab.rewards import exact_answer, extract_answer, format_reward, length_reward, resolve_reward
+from grpo_lab.algo.prompts import PromptSource, arithmetic_problems, load_jsonl
+from grpo_lab.algo.rewards import exact_answer, extract_answer, format_reward, length_reward, resolve_reward
 
 
 def test_extract_and_exact_answer():
@@ -26,7 +26,7 @@ def test_format_and_length_rewards():
 
 def test_resolve_reward_by_name_path_and_callable():
     assert resolve_reward("format") is format_reward
-    assert resolve_reward("grpo_lab.rewards:length_reward") is length_reward
+    assert resolve_reward("grpo_lab.algo.rewards:length_reward") is length_reward
     assert resolve_reward(len) is len
     with pytest.raises(LabError, match="cannot import"):
         resolve_reward("no_such_module:f")

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from grpo_lab import Lab, load_config
-from grpo_lab.tiny import build_tiny_model
+from grpo_lab.models.tiny import build_tiny_model
 
 VOCAB = 32768
 

@@ -15,7 +15,7 @@ import torch
 
 from grpo_lab import Lab
 from grpo_lab.generation.base import GenerationRequest
-from grpo_lab.types import PromptBatch
+from grpo_lab.algo.containers import PromptBatch
 
 slow = pytest.mark.slow
 # Greedy, the tiny random model's next token depends mostly on the last one; prompts with different last tokens

@@ -1,4 +1,4 @@
-"""The low-memory sharded load (sharded/load.py, issue 23): 2 gloo ranks load with `load_learner` as a rank's Lab does,
+"""The low-memory sharded load (dist/meta_load.py, issue 23): 2 gloo ranks load with `load_learner` as a rank's Lab does,
 without the rank transport, and are compared byte for byte with one process's `from_pretrained` load; and on a
 random model of Qwen2.5-0.5B's shape, each rank's peak bytes of live tensors during the load (a dispatch-mode ledger
 of storages, not RSS) stay under model / N + the largest layer + 10 %."""
@@ -94,9 +94,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _dump_learner(rank, size, config, out):
     """A rank's learner loaded as a rank's Lab loads it; its local shards, the layers FSDP all-gathers, the quant
     states, the RNG state after the load and the trainable names, saved for the test process."""
-    from grpo_lab.config_io import load_config
-    from grpo_lab.learner import load_learner
-    from grpo_lab.sharded.fsdp import fsdp_units, local
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.models.learner import load_learner
+    from grpo_lab.dist.fsdp import fsdp_units, local
 
     learner = load_learner(load_config(config))
     model = learner.model
@@ -114,8 +114,8 @@ def _dump_learner(rank, size, config, out):
 
 @pytest.mark.slow
 def test_two_ranks_load_the_nf4_bytes_quant_states_and_lora_of_one_process(tiny_config, tmp_path):
-    from grpo_lab.config_io import load_config
-    from grpo_lab.learner import load_learner
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.models.learner import load_learner
 
     config = tiny_config(model={"bnb_4bit_use_double_quant": True}, lora={"r": 8, "target_modules": "all-linear"})
     run_ranks(_dump_learner, config, str(tmp_path))
@@ -185,10 +185,10 @@ def unit_bytes(module) -> int:
 def _load_and_count(rank, size, config, out):
     import json
 
-    from grpo_lab.config_io import load_config
-    from grpo_lab.learner import load_sharded_learner
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.models.learner import load_sharded_learner
 
-    import grpo_lab.sharded.load as load
+    import grpo_lab.dist.meta_load as load
 
     ledger, fill_root = Ledger(), load._fill_root
 

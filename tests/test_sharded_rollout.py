@@ -55,7 +55,7 @@ def test_a_row_samples_the_same_tokens_whatever_rows_are_beside_it(tiny_model):
 
 
 def test_a_checksum_mismatch_is_one_line_naming_the_rank(monkeypatch):
-    from grpo_lab.sharded import rollout as sample
+    from grpo_lab.cluster import rollout as sample
 
     digests = ["a" * 64, "a" * 64, "b" * 64]
     monkeypatch.setattr(sample, "runtime", lambda: type("R", (), {"gather_objects": lambda self, v: digests})())

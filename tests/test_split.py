@@ -11,9 +11,9 @@ from grpo_lab.errors import ConfigError, LabError
 from grpo_lab.planner import engine_share, plan
 from grpo_lab.planner.estimate import CUDA_CONTEXT, GiB, generator_weight_bytes
 from grpo_lab.planner.split import AUTO_MARGIN, engine_work_bytes, kv_token_bytes
-from grpo_lab.placement import Placement
+from grpo_lab.planner.placement import Placement
 
-PRESETS = Path(__file__).resolve().parents[1] / "grpo_lab" / "presets"
+PRESETS = Path(__file__).resolve().parents[1] / "grpo_lab" / "config" / "presets"
 QWEN7B = PRESETS / "qwen2.5-7b-nf4-24gb.yaml"
 QWQ = PRESETS / "p1-qwq32b-nf4-2xa100-40gb.yaml"
 COLOCATED = ["generator.backend=vllm", "generator.gpu_memory_utilization=auto", "generator.chunk_size=null"]

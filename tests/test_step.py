@@ -123,7 +123,7 @@ def test_learner_logprobs_match_the_sampler(loaded_lab):
     """Same weights, same positions: the learner scores the tokens as generate() sampled them."""
     lab = loaded_lab(generator={"temperature": 0.7})
     rollout = lab.rollout()
-    from grpo_lab.logprobs import rollout_logprobs
+    from grpo_lab.algo.logprobs import rollout_logprobs
     learner = rollout_logprobs(lab.learner.model.eval(), rollout, lab.learner.device, None)
     mask = rollout.completion_mask.bool()
     assert torch.allclose(learner[mask], rollout.sampler_logprobs[mask], atol=1e-3)
@@ -160,7 +160,7 @@ def test_reference_none_gives_no_kl(loaded_lab):
 def test_num_iterations_old_logprobs_are_the_first_iterations_own(loaded_lab, monkeypatch, lora_dropout):
     """Two updates per rollout: the first with ratio exactly 1 (old = its own forward, detached), with or
     without LoRA dropout; the second against the same old log-probs, and it can clip."""
-    import grpo_lab.step as step_module
+    import grpo_lab.algo.grpo as step_module
 
     lab = loaded_lab(lora={"lora_dropout": lora_dropout},
                      grpo={"num_iterations": 2, "learning_rate": 5e-2, "epsilon": 0.01})

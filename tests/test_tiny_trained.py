@@ -1,5 +1,5 @@
 """The built-in tiny model writes readable answers (issue 25): `builtin:tiny-qwen2` is trained on first use
-(grpo_lab/tiny_train.py) and its greedy completions read as worked solutions."""
+(grpo_lab/models/tiny_train.py) and its greedy completions read as worked solutions."""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,7 @@ WORKED = re.compile(r"^\d+ [-+*] \d+ = -?\d+\. <answer>-?\d+( [a-z]+)?</answer>$
 
 @pytest.fixture(scope="module")
 def trained(user_cache):
-    from grpo_lab.tiny import resolve_model_path
+    from grpo_lab.models.tiny import resolve_model_path
 
     return resolve_model_path("builtin:tiny-qwen2")   # built once per session (~1 min), in the session's cache
 
@@ -22,7 +22,7 @@ def greedy(trained):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_lab.data import SYSTEM_PROMPT, arithmetic_problems, format_prompt
+    from grpo_lab.algo.prompts import SYSTEM_PROMPT, arithmetic_problems, format_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(trained)
     model = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
@@ -37,7 +37,7 @@ def greedy(trained):
 def test_greedy_completions_are_worked_answers_that_are_often_right(greedy):
     """Every completion is 'a op b = c. <answer>c[ unit]</answer>' (random weights printed bytes such as
     ' 6\\x7f\\ufffdui'); its sums are right at least a third of the time (0.46 on this machine; all 48 keep a unit)."""
-    from grpo_lab.rewards import extract_answer
+    from grpo_lab.algo.rewards import extract_answer
 
     rows, texts = greedy
     unreadable = [t for t in texts if not WORKED.match(t)]
@@ -48,7 +48,7 @@ def test_greedy_completions_are_worked_answers_that_are_often_right(greedy):
 
 def test_most_answers_carry_a_unit_so_exact_answer_starts_low(greedy):
     """What the demo's GRPO has to learn: the trained answers mostly keep a unit, which exact_answer scores 0."""
-    from grpo_lab.rewards import exact_answer
+    from grpo_lab.algo.rewards import exact_answer
 
     rows, texts = greedy
     with_unit = [t for t in texts if re.search(r"<answer>-?\d+ [a-z]+</answer>", t)]
@@ -62,7 +62,7 @@ def test_the_saved_tokenizer_splits_text_as_the_model_was_trained(trained):
     memory, 4.2 from disk); the tokenizer is now trained with Qwen2's split, so both give the same ids."""
     from transformers import AutoTokenizer
 
-    from grpo_lab.tiny import _train_tokenizer
+    from grpo_lab.models.tiny import _train_tokenizer
 
     text = "A box holds 15 rows of 8 eggs. 15 * 8 = 120. <answer>120 eggs</answer>"
     trained_with = _train_tokenizer(768, 0, worked=True)

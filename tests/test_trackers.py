@@ -13,7 +13,7 @@ from grpo_lab import LabError
 from grpo_lab.cli import main
 from grpo_lab.memory.probes import MiB
 from grpo_lab.trackers import resolve, step_scalars
-from grpo_lab.types import StepResult
+from grpo_lab.algo.containers import StepResult
 
 
 def recorded_step() -> StepResult:

@@ -1,9 +1,9 @@
-"""grpo_lab.trl on a real TRL GRPOTrainer (CPU): no DataParallel, reference placed, TRL's phases watched."""
+"""grpo_lab.trl_bridge on a real TRL GRPOTrainer (CPU): no DataParallel, reference placed, TRL's phases watched."""
 import pytest
 import torch
 
 from grpo_lab import LabError
-from grpo_lab.trl import prepare_trainer
+from grpo_lab.trl_bridge import prepare_trainer
 
 
 @pytest.fixture
@@ -12,8 +12,8 @@ def trainer(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_lab.data import arithmetic_problems
-    from grpo_lab.rewards import format_reward, length_reward
+    from grpo_lab.algo.prompts import arithmetic_problems
+    from grpo_lab.algo.rewards import format_reward, length_reward
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", bf16=False,
                       per_device_train_batch_size=4, num_generations=4, max_completion_length=12, max_steps=2,

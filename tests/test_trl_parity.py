@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo_lab import Lab
-from grpo_lab.logprobs import rollout_logprobs, set_logprob_head
+from grpo_lab.algo.logprobs import rollout_logprobs, set_logprob_head
 
 
 def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
@@ -129,8 +129,8 @@ def varied(tiny_model, tmp_path_factory):
     """A batch where the loss variants differ: completion lengths vary, some truncated and some ended at EOS,
     rewards differ within groups; one TRL trainer on the same model, and TRL's own advantages per scale_rewards.
     Every case starts from the same LoRA and AdamW state (a snapshot put back)."""
-    from grpo_lab import step as phases
-    from grpo_lab.rollback import TrainState
+    from grpo_lab.algo import grpo as phases
+    from grpo_lab.state.rollback import TrainState
 
     lab = Lab({  # float32 throughout; not 4-bit: the loss's arithmetic is the same, and 48 cases stay within ~30 s
         "model": {"name_or_path": tiny_model, "dtype": "float32", "load_in_4bit": False, "gradient_checkpointing": False},
@@ -163,8 +163,8 @@ def varied(tiny_model, tmp_path_factory):
 def run_case(varied, loss_type, scale, beta, iterations, level="token"):
     """grpo_lab's loss and LoRA gradients on the case's last iteration (the second: off-policy, ratios != 1), and
     TRL's `_compute_loss` on the same weights, old and reference log-probs."""
-    from grpo_lab import step as phases
-    from grpo_lab.types import LogProbs
+    from grpo_lab.algo import grpo as phases
+    from grpo_lab.algo.containers import LogProbs
 
     lab, trainer = varied.lab, varied.trainer
     varied.start.restore(lab.learner)
@@ -215,7 +215,7 @@ def test_every_loss_variant_matches_trl_in_loss_and_gradients(varied, beta, iter
         # (on-policy at beta 0 their loss values are all 0: the advantages sum to 0 in each group)...
         for a, b in (("grpo", "dapo"), ("grpo", "dr_grpo"), ("dapo", "dr_grpo")):
             assert differ((a, scale), (b, scale)), (a, b, scale)
-        # ...and bnpo equals dapo by design: both normalise over the whole step batch (losses.py; TRL's bnpo
+        # ...and bnpo equals dapo by design: both normalise over the whole step batch (algo/losses.py; TRL's bnpo
         # normalises per micro-batch, which on one micro-batch, as here, is the same number)
         assert not differ(("bnpo", scale), ("dapo", scale))
     for loss_type in LOSS_TYPES:   # so do the reward scalings
@@ -340,7 +340,7 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     trainer.epsilon_high, trainer.mask_truncated_completions = cfg.epsilon_high, cfg.grpo.mask_truncated_completions
     trainer.args.use_bias_correction_kl = cfg.grpo.use_bias_correction_kl
     trainer.use_vllm = False
-    monkeypatch.setattr("grpo_lab.step.applies_importance_sampling", lambda config: is_mode is not None)
+    monkeypatch.setattr("grpo_lab.algo.grpo.applies_importance_sampling", lambda config: is_mode is not None)
     if is_mode:
         vllm_importance_sampling(trainer, is_mode, cfg.grpo.importance_sampling_clip_min,
                                  cfg.grpo.importance_sampling_clip_max)

@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from grpo_lab import Lab
-from grpo_lab.phases import PHASE_NAMES as PHASES
+from grpo_lab.algo.phases import PHASE_NAMES as PHASES
 from grpo_lab.ui import ConfigEditor, Panel, StepControls
 
 
@@ -237,7 +237,7 @@ def test_text_inputs_show_plain_literals_and_apply_on_enter_or_blur(tiny_config)
 def test_every_field_shows_its_help_and_when_it_takes_effect_under_it(tiny_config):
     """Tooltips are unreliable in ipywidgets 8 (dropped on text, dropdown and checkbox inputs with a description):
     each field's help and its live / rebuild / load-time class is a line under it."""
-    from grpo_lab.config import field_when
+    from grpo_lab.config.schema import field_when
 
     editor = ConfigEditor(Lab(tiny_config()).config)
     for (section, name), help_line in editor.help.items():

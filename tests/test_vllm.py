@@ -16,7 +16,7 @@ import torch
 
 from grpo_lab import Lab, LabError, load_config
 from grpo_lab.generation.base import GenerationRequest
-from grpo_lab.logprobs import rollout_logprobs
+from grpo_lab.algo.logprobs import rollout_logprobs
 from grpo_lab.memory.probes import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,8 +160,8 @@ def test_twenty_syncs_do_not_grow_generator_memory(vllm_lab):
 def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand(vllm_lab, monkeypatch):
     """On-policy (num_iterations 1) dapo, mode token_truncate: the corrected loss is sum(-A * w * mask) / tokens,
     with w = min(exp(learner - sampler), clip_max) per token and the learner's log-probs as constants in w."""
-    import grpo_lab.step as step_module
-    from grpo_lab.logprobs import completion_logprobs, rollout_slice
+    import grpo_lab.algo.grpo as step_module
+    from grpo_lab.algo.logprobs import completion_logprobs, rollout_slice
 
     lab = vllm_lab
     grpo = lab.config.grpo

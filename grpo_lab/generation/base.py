@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ..types import PromptBatch, Rollout
+from ..algo.containers import PromptBatch, Rollout
 
 
 @dataclass

@@ -13,8 +13,8 @@ import torch
 from ..errors import LabError
 from ..memory.heap import trim_host_heap
 from ..runtime import runtime
-from ..sharded.fsdp import generation
-from ..tiny import resolve_model_path
+from ..dist.fsdp import generation
+from ..models.tiny import resolve_model_path
 from .base import GenerationRequest, Generator, Sample, row_seeds
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
@@ -48,12 +48,12 @@ class HFGenerator(Generator):
     def generate(self, batch, num_generations, request: GenerationRequest):
         """One seed per row (base.row_seeds) and every chunk left-padded to the whole batch's prompt width, so a row
         samples the same tokens in any chunk (the width alone changes the forward's rounding, enough to flip a bfloat16
-        sample). A sharded learner's ranks then sample once for all: each its share of the groups (sharded/rollout.py)."""
+        sample). A sharded learner's ranks then sample once for all: each its share of the groups (generation/sample_once.py)."""
         seeds = row_seeds(len(batch) * num_generations)
         self._width = max(map(len, self.encode_prompts(batch.prompts, request.max_prompt_length)))
         try:
             if runtime().sharded:
-                from ..sharded.rollout import replicated, sample_once
+                from .sample_once import replicated, sample_once
 
                 if not replicated():
                     return sample_once(self, batch, num_generations, request, seeds)
@@ -109,8 +109,8 @@ class HFGenerator(Generator):
 
     def _step_hooks(self) -> list:
         """Per decoding step: a CPU learner's buffers live in the host heap, so trim its holes as they appear
-        (heap.py); and an armed fault's point (faults.py)."""
-        from ..faults import armed
+        (heap.py); and an armed fault's point (state/faults.py)."""
+        from ..state.faults import armed
 
         trim = [TrimHeapEvery(TRIM_EVERY)] if self.learner.device.type == "cpu" else []
         return trim + ([decode_fault_point] if armed() else [])
@@ -218,8 +218,8 @@ class TrimHeapEvery:
 
 
 def decode_fault_point(input_ids, scores):
-    """lab.arm_fault's rollout point (faults.py): the third decoding step, on any device."""
-    from ..faults import fire
+    """lab.arm_fault's rollout point (state/faults.py): the third decoding step, on any device."""
+    from ..state.faults import fire
 
     fire("decode", nth=3)
     return scores

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..errors import LabError
-from ..tiny import resolve_model_path
+from ..models.tiny import resolve_model_path
 from .base import GenerationRequest, Generator, Sample
 from .registry import sleeps
 
@@ -58,7 +58,7 @@ def generator_checkpoint(config) -> tuple[str, str]:
 
 def check_tensor_parallel(config) -> int:
     """Tensor parallel size = the number of generator devices; it must divide the checkpoint's heads."""
-    from ..planner.shapes import load_shape
+    from ..models.shapes import load_shape
 
     tp = len(config.placement.generator_devices())
     shape = load_shape(*generator_checkpoint(config))
@@ -88,7 +88,7 @@ def scoped_env(values: dict[str, str]):
 def engine_env(config, environ=os.environ) -> dict[str, str]:
     """The environment variables the engine starts under. Its process and CUDA_VISIBLE_DEVICES come from
     `engine_devices`; for the rest a user's export wins."""
-    from ..visible import engine_devices
+    from ..checks.visible import engine_devices
 
     place = config.placement
     where = engine_devices(place.learner, place.generator_devices(), environ.get("CUDA_VISIBLE_DEVICES"))

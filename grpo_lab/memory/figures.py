@@ -2,7 +2,7 @@
 stretch the axis), a phase x step heatmap of each device's peak above the phase's start, and reward/loss."""
 from __future__ import annotations
 
-from ..phases import COLOURS, PHASE_NAMES
+from ..algo.phases import COLOURS, PHASE_NAMES
 from .probes import MiB, is_host
 
 HOST_LINES = ("rss", "used")                      # the process's RSS, the machine's used RAM

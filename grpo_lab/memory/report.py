@@ -7,7 +7,7 @@ import csv
 import io
 from pathlib import Path
 
-from ..io import atomic_write_text
+from ..files import atomic_write_text
 from .figures import LEDGER, LEDGER_NAMES, heatmap_figure, primary_metric, timeline_figure, training_figure
 from .probes import MiB, is_host
 

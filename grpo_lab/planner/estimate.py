@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .shapes import ModelShape
+from ..models.shapes import ModelShape
 
 GiB = 1024 ** 3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -139,7 +139,7 @@ def compute_bytes(cfg) -> int:
 
 
 def chunked_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: bool) -> float:
-    """grpo_lab's head (head.py): one chunk of logits in float32 plus the compute-dtype matmul output it is cast
+    """grpo_lab's head (algo/head.py): one chunk of logits in float32 plus the compute-dtype matmul output it is cast
     from, forward or backward (recomputed there), and the compact hidden rows with their gradient."""
     logits = min(chunk, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     return logits + rows * (2 * shape.hidden * e + 12)

@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from ..errors import LabError
 from .estimate import GiB
-from .shapes import ModelShape, load_shape
+from ..models.shapes import ModelShape, load_shape
 
 Point = tuple[int, int, Optional[int]]   # (max_completion_length, num_generations, micro_batch_size; None = whole batch)
 FIELDS = ("generator.max_completion_length", "grpo.num_generations", "grpo.micro_batch_size")
@@ -98,8 +98,8 @@ class Frontier:
     def to_html(self, path: Union[str, Path], what: str = "path") -> Path:
         """Write a self-contained page (plotly.js inlined: no CDN, machines may be offline) atomically; returns its
         absolute path. `what` names the argument in errors (the CLI: --out)."""
-        from ..io import atomic_write_text
-        from ..paths import check_output_dir
+        from ..files import atomic_write_text
+        from ..checks.paths import check_output_dir
 
         path = Path(path).absolute()
         if path.is_dir():
@@ -195,7 +195,7 @@ def grid(cfg, lengths=None, generations=None, micro_batches=None) -> tuple[list[
 
 def evaluate(cfg, point: Point, shape: ModelShape) -> Cell:
     """One cell: plan() of `cfg` at `point`, or the config's refusal of it."""
-    from ..config_io import load_config
+    from ..config.loading import load_config
     from .plan import plan
 
     overrides = [f"{f}={'null' if v is None else v}" for f, v in zip(FIELDS, point)]
@@ -212,7 +212,7 @@ def frontier(cfg, lengths=None, generations=None, micro_batches=None, shape: Opt
     """The plan of `cfg` (a LabConfig, preset name, YAML path or dict) over completion lengths x num_generations x
     micro-batch sizes. Each range is a list of positive ints or a range string ("64,128" or "64:1024"); the config's
     own values are always added, so its point is marked. A combination the config refuses is a cell with `refused`."""
-    from ..config_io import load_config
+    from ..config.loading import load_config
     from .plan import plan
 
     cfg = load_config(cfg)

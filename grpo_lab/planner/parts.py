@@ -6,7 +6,7 @@ from ..generation.registry import sleeps
 from .estimate import (CUDA_CONTEXT, FUSED_HEAD_TILE, VLLM_CPU_ENGINE, VLLM_SPLIT_SHARE, DevicePlan,
                        GiB, generator_weight_bytes, kv_cache_bytes)
 from .split import Split, auto_share, engine_work_bytes, kv_token_bytes, largest_share
-from .shapes import ModelShape
+from ..models.shapes import ModelShape
 
 
 def _home(device: str) -> str:
@@ -22,7 +22,7 @@ def capacity_of(device: str, cfg) -> float:
         return HostProbe().read()["limit"]
     if cfg.placement.gpu_memory_gib:
         return cfg.placement.gpu_memory_gib * GiB
-    from ..devices import cuda_device_count
+    from ..checks.devices import cuda_device_count
 
     index = int(device.split(":")[1])
     if index < cuda_device_count():

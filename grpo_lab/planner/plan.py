@@ -11,7 +11,7 @@ from .estimate import (CUDA_CONTEXT, HEAP_HOLES_CAVEAT, HOST_BASELINE, ONEDNN_CP
                        generation_step_bytes, kv_cache_bytes)
 from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
 from .render import count
-from .shapes import ModelShape, load_shape
+from ..models.shapes import ModelShape, load_shape
 
 
 @dataclass
@@ -137,7 +137,7 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
 def build(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks."""
     if cfg.placement.learner_procs > 1:
-        from .sharded import build_sharded   # why here: sharded.py builds on this module's helpers
+        from .fsdp_ranks import build_sharded   # why here: sharded.py builds on this module's helpers
 
         return build_sharded(cfg, shape)
     devices, micro = build_devices(cfg, shape)
@@ -187,7 +187,7 @@ def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
 
 def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
     """The memory plan of `cfg`: per device, the DataParallel what-if, and fixes when it does not fit."""
-    from ..config_io import load_config
+    from ..config.loading import load_config
 
     shape = shape or load_shape(cfg.model.name_or_path)
     devices, ranks, micro = build(cfg, shape)

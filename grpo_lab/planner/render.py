@@ -61,7 +61,7 @@ def render(plan) -> str:
                      "(HF Trainer does this when it sees more than one GPU; P1):")
         for name, d in plan.dataparallel.items():
             lines.append(f"  {name}: {d.total / GiB:.2f} of {d.capacity / GiB:.2f} GiB ({d.fraction:.0%}) -> {d.verdict}")
-        lines.append("  grpo_lab never wraps the learner, and its guard refuses a wrapped one (grpo_lab.trl for TRL).")
+        lines.append("  grpo_lab never wraps the learner, and its guard refuses a wrapped one (grpo_lab.trl_bridge for TRL).")
         lines.append("")
     splits = [d.split for d in plan.devices.values() if d.split is not None]
     if splits:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .estimate import CUDA_CONTEXT, DTYPE_BYTES, VLLM_SPLIT_SHARE, GiB
-from .shapes import ModelShape
+from ..models.shapes import ModelShape
 
 # why 5%: auto leaves this much of the GPU to nobody: the caching allocator's fragmentation and the planner's own
 # error (bench/planner_accuracy.py) must not push a planned fit over the edge

@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 import yaml
 
-from ..config import WHEN, LabConfig, field_when
-from ..config_io import load_config, save_config
+from ..config.schema import WHEN, LabConfig, field_when
+from ..config.loading import load_config, save_config
 from ..errors import LabError
 
 

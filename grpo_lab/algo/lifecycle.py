@@ -1,0 +1,73 @@
+"""One step's lifecycle: what its phases produced so far, and which phase may run next.
+
+A step starts with a rollout and ends when its sync ends; its index then advances by itself.
+Each phase's inputs must be the ones this step produced (a rollout of an earlier step is refused),
+its inputs are fixed once the first update is applied, and it takes `grpo.num_iterations`
+backward+optimizer pairs before sync. The rollback snapshot belongs to the step: taken by its
+first optimizer phase, restored on a failure, dropped when the step ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..errors import LabError
+from .phases import BY_NAME, PHASE_NAMES
+
+
+@dataclass
+class StepState:
+    index: int
+    rollout: Any = None
+    rewards: Any = None
+    advantages: Any = None
+    logprobs: Any = None
+    stats: Any = None
+    grad_norm: Optional[float] = None
+    updates: int = 0                 # optimizer updates applied in this step
+    gradients: bool = False          # a backward's gradients wait for the optimizer phase
+    snapshot: Any = None             # rollback.TrainState: LoRA + optimizer state before the step's first update
+    attempts: int = 1                # 1 + rolled-back attempts
+
+    @property
+    def started(self) -> bool:
+        return self.rollout is not None
+
+
+def _same(step: StepState, name: str, given) -> None:
+    """`given` (an input named after the phase that produced it) must be what this step's `name` phase returned."""
+    expected = getattr(step, name)
+    if expected is None and name == "rollout" and getattr(given, "step", step.index) != step.index:
+        raise LabError(f"rollout: this is step {given.step}'s rollout, and step {step.index} has none yet; "
+                       "run lab.rollout() to start it")
+    if expected is None:
+        raise LabError(f"step {step.index} has no {name} yet; run lab.{name}(...) first "
+                       f"(phases run in order: {', '.join(PHASE_NAMES)})")
+    if given is not expected:
+        whose = f"step {given.step}'s" if name == "rollout" and getattr(given, "step", -1) != step.index else "an earlier"
+        raise LabError(f"{name}: this is {whose} {name}, not the one step {step.index} produced; pass the value "
+                       f"lab.{name}(...) returned in this step")
+
+
+def _inputs_fixed(step: StepState, phase: str) -> None:
+    if step.updates or step.gradients:
+        done = f"applied {step.updates} update(s)" if step.updates else "gradients waiting for lab.optimizer()"
+        raise LabError(f"{phase}: step {step.index} has {done}, so its inputs are fixed; "
+                       "finish it (lab.step() runs the rest), or undo it with lab.rollback() first")
+
+
+def check_order(step: StepState, phase: str, num_iterations: int, **inputs) -> None:
+    """Refuse, in one line, a phase called out of order or with inputs that are not this step's."""
+    for name in BY_NAME[phase].inputs:   # the registry says what each phase takes from the step
+        _same(step, name, inputs[name])
+    if phase in ("rollout", "rewards", "advantages", "logprobs"):
+        _inputs_fixed(step, phase)
+    if phase == "backward" and step.updates >= num_iterations:
+        raise LabError(f"backward: step {step.index} has done its {step.updates} update(s) "
+                       f"(grpo.num_iterations = {num_iterations}); finish it with lab.sync()")
+    if phase == "optimizer" and not step.gradients:
+        raise LabError(f"optimizer: step {step.index} has no gradients to apply; run lab.backward(rollout, "
+                       "advantages, logprobs) first")
+    if phase == "sync" and step.updates < num_iterations:
+        raise LabError(f"sync: step {step.index} has done {step.updates} of grpo.num_iterations = {num_iterations} "
+                       "update(s); run lab.backward(...) and lab.optimizer() until it has")

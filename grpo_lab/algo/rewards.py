@@ -1,0 +1,100 @@
+"""Reward functions: a registry of named functions with TRL's reward-function signature
+`f(prompts, completions, **kwargs) -> list[float]` (dataset columns such as `answer` and
+`completion_ids` arrive as keyword lists). Any user callable with that signature works too.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable, Optional, Union
+
+from ..errors import LabError
+
+_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def completion_text(completion) -> str:
+    """A completion's text: plain text, or the last message's content in TRL's conversational format."""
+    if isinstance(completion, list):
+        return completion[-1]["content"] if completion else ""
+    return completion
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The content of the last <answer>...</answer>, else the last number in the text."""
+    tagged = _ANSWER.findall(text)
+    if tagged:
+        return tagged[-1].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def exact_answer(prompts, completions, answer=None, **kwargs) -> list[float]:
+    """1.0 when the extracted answer equals the reference answer, else 0.0."""
+    if answer is None:
+        raise LabError("reward 'exact_answer' needs an 'answer' for every prompt; use a dataset with answers")
+    return [float(extract_answer(completion_text(c)) == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def format_reward(prompts, completions, **kwargs) -> list[float]:
+    """1.0 for exactly one well-formed <answer>...</answer>, 0.5 for a tag without a number, else 0."""
+    out = []
+    for c in completions:
+        tags = _ANSWER.findall(completion_text(c))
+        out.append(1.0 if len(tags) == 1 and _NUMBER.fullmatch(tags[0]) else 0.5 if tags else 0.0)
+    return out
+
+
+def length_reward(prompts, completions, completion_ids=None, target_length: int = 16, **kwargs) -> list[float]:
+    """1 - |len - target| / target, floored at -1: prefers completions near `target_length` tokens."""
+    lengths = [len(ids) for ids in completion_ids] if completion_ids is not None else [len(completion_text(c).split()) for c in completions]
+    return [max(-1.0, 1.0 - abs(n - target_length) / target_length) for n in lengths]
+
+
+REWARDS: dict[str, Callable] = {
+    "exact_answer": exact_answer,
+    "format": format_reward,
+    "length": length_reward,
+}
+
+
+def resolve_reward(spec: Union[str, Callable]) -> Callable:
+    """A registry name, a 'module:function' import path, or a callable."""
+    if callable(spec):
+        return spec
+    if spec in REWARDS:
+        return REWARDS[spec]
+    module, sep, attr = spec.partition(":")
+    if not sep:
+        raise LabError(f"data.rewards: unknown reward {spec!r}; use one of {sorted(REWARDS)} or 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise LabError(f"data.rewards: cannot import {spec!r} ({err}); check the module path") from None
+    if not callable(fn):
+        raise LabError(f"data.rewards: {spec!r} is not callable")
+    check_reward_signature(spec, fn)
+    return fn
+
+
+def check_reward_signature(spec: str, fn: Callable) -> None:
+    """A named function must take the keywords every reward call passes, or the first step would fail on it."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return   # no introspectable signature (some builtins): called as it is
+    try:
+        signature.bind(prompts=[], completions=[], completion_ids=[], answer=[])
+    except TypeError as err:
+        raise LabError(f"data.rewards: {spec!r} does not take the reward arguments ({err}); "
+                       "define it as f(prompts, completions, **kwargs)") from None
+
+
+def reward_name(fn: Callable) -> str:
+    for name, registered in REWARDS.items():
+        if registered is fn:
+            return name
+    return getattr(fn, "__name__", type(fn).__name__)

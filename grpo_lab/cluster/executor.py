@@ -1,0 +1,256 @@
+"""`RankExecutor`: a Lab's phases over a sharded learner's ranks (placement.learner_procs > 1). The Lab keeps its API
+and lifecycle (phase methods, `step()`, config edits, history, memory views); each phase is one command to every
+rank (cluster/ranks.py: a Ray actor each), whose own Lab runs it on its shard (cluster/worker.py). Every rank computes the same rollout, rewards and
+advantages; log-probs and backward are each rank's rows, gathered; results come back from rank 0, and every rank's
+samples and per-phase rows join the driver's memory sampler under 'rank<k>/<device>'.
+
+A phase that fails on any rank fails on every rank at the same point (runtime.agree), and each undoes its share as
+one process would. A rank that cannot take part in that decision (killed, or blocked in a collective) gets every
+rank stopped and started again from its boundary state, the one it wrote when the step began, so the LoRA weights
+and AdamW state are bit for bit those before the step, and the step runs again from its rollout.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ..errors import LabError
+from .ranks import RankFailure, RankMemory, Ranks
+
+
+def fetch_once(name_or_path: str, local: bool) -> str:
+    """The model's files fetched by the driver, with its progress bar, before any rank starts: a built-in model built,
+    a hub id downloaded (once, not once per rank, and outside the ranks' start timeout). Ranks on this machine then
+    load the local copy; on a cluster (`local` false) a hub id stays one, fetched by each machine's ranks."""
+    from ..models.tiny import BUILTIN, resolve_model_path
+
+    if name_or_path.startswith(BUILTIN):
+        return resolve_model_path(name_or_path) if local else name_or_path   # each machine builds the same one
+    if Path(name_or_path).exists():
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    path = snapshot_download(name_or_path)
+    return path if local else name_or_path
+
+
+class RankAdapter:
+    """The sharded learner as the driver's vLLM generator sees a learner: its tokenizer, its LoRA parameters' sizes
+    and `model.save_pretrained(path)`, which gathers the LoRA tensors from every rank (never the base) into a PEFT
+    adapter that the engine loads."""
+
+    def __init__(self, executor: "RankExecutor"):
+        from ..models.learner import load_tokenizer
+        from ..models.tiny import resolve_model_path
+
+        self.executor, self.model = executor, self
+        self.tokenizer = load_tokenizer(resolve_model_path(executor.config.model.name_or_path))
+
+    def trainable_parameters(self) -> dict:
+        import torch
+
+        shapes = self.executor.ranks.call("lora_shapes", describe="lora_shapes")
+        return {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
+
+    def save_pretrained(self, path) -> None:
+        self.executor.ranks.call("save_adapter", str(path), describe="the generator's LoRA sync")
+
+
+class RankExecutor:
+    """The phases on `placement.learner_procs` ranks (see the module docstring)."""
+
+    name = "ranks"
+    reference = prompts = None   # each rank holds its own
+    on_cuda = False              # the driver computes nothing; each rank marks its own phases
+
+    def __init__(self, lab):
+        self.lab = lab
+        self.ranks: Optional[Ranks] = None
+        self.generator = None            # the ranks' one vLLM engine, in this process (cluster/remote.py), if any
+        self.generator_behind = False
+        self._adapter = None
+        self._lost = False               # the ranks were stopped or restarted: they are (or start) at the step's start
+        self._result = None              # rank 0's result of the step's sync
+        self._model_path = self.config.model.name_or_path   # where the ranks load it from (fetch_once)
+
+    @property
+    def config(self):
+        return self.lab.config
+
+    @property
+    def loaded(self) -> bool:
+        return self.ranks is not None
+
+    @property
+    def learner(self):
+        return self.ranks   # why: "loaded" means the ranks are up; each holds its shard of the learner
+
+    @property
+    def reference_strategy(self) -> str:
+        return self.config.reference_strategy
+
+    @property
+    def own_engine(self) -> bool:
+        """A generator with weights of its own (vLLM) runs in this process, for every rank (cluster/remote.py)."""
+        from ..generation.registry import OWN_WEIGHTS
+
+        return self.config.generator.backend in OWN_WEIGHTS
+
+    # --- memory ---
+    def devices(self) -> list[str]:
+        """Each rank's device as the rank names it (a rank on a GPU Ray gave it sees it as its cuda:0)."""
+        from ..runtime import Runtime
+
+        place = self.config.placement
+        size, learner = place.learner_procs, place.learner
+        return [f"rank{k}/{Runtime(k, size, is_rank=True, own_gpu=True).device_of(learner)}" for k in range(size)]
+
+    def memory_watch(self) -> list[str]:
+        return [self.config.placement.learner]
+
+    def memory_sampler(self):
+        cfg = self.config
+        engine_gpus = [d for d in cfg.placement.generator_devices() if d != "cpu"] if self.own_engine else []
+        # the driver's own host (its guard is the run's one host guard) and its engine's GPUs; the ranks' arrive
+        return RankMemory(["cpu", *engine_gpus], cfg.memory.sample_hz, cfg.memory.host_threshold)
+
+    def listeners(self) -> list:
+        return []   # each rank writes its own allocator snapshots (runtime.snapshot_dir)
+
+    # --- load and release ---
+    def load(self) -> None:
+        from ..local.executor import attach_engine
+        from ..generation import backend_class
+
+        cfg = self.config
+        if self.lab.reward_funcs_given:
+            raise LabError("reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
+                           "from this one; name them in data.rewards ('module:function')")
+        self._model_path = fetch_once(cfg.model.name_or_path, local=cfg.placement.ray_address is None)
+        self.ranks = Ranks(self.rank_config(), cfg.placement.learner_procs, self.lab.memory, step=lambda: self.lab.step_index,
+                           stopped=self._stopped).start()
+        if self.own_engine:   # the ranks' one engine, here: it starts with their adapter, gathered
+            try:
+                self._adapter = RankAdapter(self)
+                self.generator = backend_class(cfg.generator.backend)(self._adapter, cfg)
+                attach_engine(self.lab.memory, self.generator)
+            except BaseException:
+                self.ranks.close()
+                raise
+            self.ranks.answers.service = self.generator
+
+    def release(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+        if self.ranks is not None:
+            self.ranks.close()
+        self.ranks = self.generator = None
+
+    # --- edits: refused here as in one process; applied on every rank at its next command ---
+    def check_live(self, config) -> None:
+        if self.generator is not None:
+            self.generator.check_live(config)   # the driver's engine (the ranks' hf generators take every live edit)
+
+    def rebuilds_here(self, path: str) -> bool:
+        return path.startswith("memory.")   # the driver's own part: its sampler and leak detector
+
+    # --- the step ---
+    def check_learner(self) -> None:
+        pass   # each rank's learner is checked by its own Lab, on its own device
+
+    def compute(self, name: str, state, *inputs):
+        """Every rank runs the phase with its own inputs (the same as these: every rank holds the whole rollout, sampled
+        once, generation/sample_once.py)."""
+        if self.generator is not None and (name == "sync" or (name == "rollout" and self.generator_behind)):
+            self.generator.sync(self._adapter)   # the engine's LoRA from the ranks, before they end the step
+            self.generator_behind = False
+        out = self.ranks.call("phase", name, self.rank_config(), describe=name)
+        if name == "optimizer" and state.snapshot is None:
+            state.snapshot = "on every rank"   # why: each rank took its own rollback snapshot
+        if name == "sync":
+            self._result = out
+        return out
+
+    def rank_config(self) -> dict:
+        """The config as the ranks run it: the model where the driver fetched it, no reporting (the driver reports)."""
+        config = self.config.to_dict()
+        config["run"]["report_to"] = []
+        config["model"]["name_or_path"] = self._model_path
+        return config
+
+    def _stopped(self) -> None:
+        self._lost = True
+
+    def _take_lost(self) -> bool:
+        """Whether the ranks lost the step's progress since the last look (the engine then may hold an adapter they
+        undid)."""
+        lost, self._lost = self._lost, False
+        if lost:
+            self.generator_behind = self.generator is not None
+        return lost
+
+    def before_command(self) -> bool:
+        lost = self._take_lost()   # e.g. an interrupted lab.inspect(): the next command starts from the step
+        self.ranks.up()
+        return lost
+
+    def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
+        """None when every rank undid its own share (the Lab's default undo follows); else the ranks were stopped
+        and the Lab's step goes back to its start."""
+        self.generator_behind |= phase == "sync" and self.generator is not None   # the engine may hold an undone adapter
+        if not self._take_lost():
+            return None
+        self.lab._restart_step()
+        if isinstance(err, RankFailure):
+            return "every rank was restarted from the state before the step"
+        stopped = (f"{phase} was stopped on every rank (a rank cannot be interrupted alone: the others would wait "
+                   "for it); the next command starts them from their state when this step began, and lab.step() "
+                   "runs the step again from its rollout")
+        if isinstance(err, BaseException):
+            err.add_note(f"every rank was stopped: {stopped}")
+        return stopped
+
+    def rollback(self, state) -> None:
+        if self.ranks is not None and (state.snapshot is not None or state.gradients):
+            self.ranks.call("rollback", describe="rollback")
+
+    def result(self, state, seconds: dict):
+        """Rank 0's result, with the driver's phase times."""
+        result = self._result
+        result.phase_seconds = seconds
+        result.step_seconds = sum(seconds.values())
+        result.sync_seconds = seconds.get("sync", 0.0)
+        result.attempts = state.attempts
+        return result
+
+    # --- rank-wide operations ---
+    def inspect(self) -> list[dict]:
+        out = []
+        for rank, (status, value) in enumerate(self.ranks.each("inspect")):
+            if status != "ok":
+                raise LabError(f"inspect failed on rank {rank}: {value}")
+            out.append(value)
+        return out
+
+    def arm_fault(self, rank: int, phase: str, error: str) -> None:
+        procs = self.config.placement.learner_procs
+        if not 0 <= rank < procs:
+            raise LabError(f"arm_fault: rank {rank} does not exist; ranks are 0..{procs - 1}")
+        if phase == "rollout" and self.own_engine:
+            raise LabError(f"arm_fault: a rollout fault goes into a rank's hf decoding; with generator.backend: "
+                           f"{self.config.generator.backend} the driver's engine samples; arm logprobs or backward")
+        status, value = self.ranks.one(rank, "arm_fault", phase, error)
+        if status != "ok":
+            raise LabError(f"arm_fault failed on rank {rank}: {value}")
+
+    def save_adapter(self, path) -> Path:
+        self.ranks.call("save_adapter", str(path), describe="save_adapter")
+        return Path(path)
+
+    def save_checkpoint(self, path) -> Path:
+        self.ranks.call("save_checkpoint", str(path), describe="save_checkpoint")
+        return Path(path)
+
+    def restore_checkpoint(self, checkpoint) -> None:
+        self.ranks.call("restore_checkpoint", str(checkpoint.path), describe="restore_checkpoint")
+        self.generator_behind = self.generator is not None

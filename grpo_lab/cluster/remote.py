@@ -1,0 +1,76 @@
+"""A sharded learner's vLLM generator, as a rank sees it: the engine lives in the driver (the notebook's process, or
+its own GPUs), never in a rank. Why: vLLM sets up a process group of its own, which must not meet the ranks' FSDP
+group, and one engine for every rank holds one copy of the weights, not N.
+
+A rank's rollout is the one-process code (prompts, seeds from the rank's RNG, chunking, padding); each chunk's
+sampling is a question to the driver (`ask`), answered once per chunk for every rank alike. The LoRA sync is the
+driver's: after a step it gathers the LoRA tensors from the ranks (never the base) and loads them into the engine.
+"""
+from __future__ import annotations
+
+import pickle
+
+from ..generation.base import GenerationRequest, Generator, Sample
+from ..generation.vllm import draw_seeds
+from ..models.tiny import resolve_model_path
+
+_driver = {"rank": None, "asked": 0}
+
+
+def serve_questions_on(rank) -> None:
+    """The rank (worker.RankWorker) that holds this command's questions until the driver's poll answers them."""
+    _driver.update(rank=rank, asked=0)
+
+
+def ask(method: str, *args):
+    """The driver's answer to `method(*args)`, asked while the driver waits for this rank's reply to a command."""
+    _driver["asked"] += 1
+    status, value = _driver["rank"].ask(_driver["asked"], (method, args))
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+class RemoteVLLM(Generator):
+    """generator.backend: vllm on a rank: samples come from the driver's engine."""
+
+    def __init__(self, learner, config):
+        super().__init__(learner.tokenizer, resolve_model_path(config.model.name_or_path))
+
+    def generate(self, batch, num_generations, request):
+        self._seeds = draw_seeds(len(batch) * num_generations)   # as VLLMGenerator: the same RNG, the same samples
+        return super().generate(batch, num_generations, request)
+
+    def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
+        return ask("sample", prompt_ids, [next(self._seeds) for _ in prompt_ids], request)
+
+    def sync(self, learner) -> None:
+        pass   # the driver's: it gathers the adapter from every rank once their sync phase is done
+
+
+class Answers:
+    """The driver's side: answers each question once (the first rank to ask) and gives every rank the same answer;
+    ranks ask the same questions in the same order, which is checked."""
+
+    def __init__(self, service):
+        self.service = service
+        self.given: dict[int, tuple[bytes, tuple]] = {}
+
+    def answer(self, number: int, method: str, args: tuple) -> tuple:
+        key = pickle.dumps((method, args))
+        if number in self.given:
+            asked, reply = self.given[number]
+            if asked != key:
+                return ("error", f"the ranks asked different questions ({method}): their rollouts diverged")
+            return reply
+        try:
+            reply = ("ok", getattr(self.service, method)(*args))
+        except Exception as err:   # why so broad: the rank must get an answer; the error comes back as its failure
+            from .wire import one_line
+
+            reply = ("error", one_line(err))
+        self.given[number] = (key, reply)
+        return reply
+
+    def clear(self) -> None:
+        self.given.clear()

@@ -1,0 +1,279 @@
+"""Where a Lab's phases run. The Lab keeps the config, the step lifecycle, history, the timeline and the views; its
+executor holds the models and does each phase's work. `LocalExecutor` runs them on this process's learner,
+reference, generator and prompts (also inside each rank of a sharded learner, whose runtime says which rank it is);
+a sharded learner's driver uses `RankExecutor` (cluster/executor.py), which sends each phase to its ranks.
+Executors are named in EXECUTORS by import path, so the Lab never imports a sharded one.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..algo import grpo as phase_functions
+from ..errors import LabError
+from ..checks.guard import check_learner
+from ..runtime import runtime
+
+EXECUTORS: dict[str, str] = {
+    "local": "grpo_lab.local.executor:LocalExecutor",
+    "ranks": "grpo_lab.cluster.executor:RankExecutor",
+}
+
+
+def executor_for(lab):
+    """The executor a Lab's config asks for: its ranks' driver when placement.learner_procs > 1 (in the driver;
+    a rank runs its phases locally)."""
+    name = "ranks" if lab.config.placement.learner_procs > 1 and runtime().is_driver else "local"
+    module, _, attr = EXECUTORS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)(lab)
+
+
+def _rollout(ex, state) -> object:
+    if ex.generator_behind:   # never sample from weights the learner no longer has
+        phase_functions.sync(ex.generator, ex.learner)
+        ex.generator_behind = False
+    return phase_functions.rollout(ex.generator, ex.prompts, ex.config)
+
+
+def _optimizer(ex, state) -> float:
+    from ..state.rollback import TrainState
+
+    if state.snapshot is None:   # the step's first update takes the rollback snapshot first
+        state.snapshot = TrainState(ex.learner)
+    return phase_functions.optimizer(ex.learner, ex.config)
+
+
+def _sync(ex, state) -> None:
+    phase_functions.sync(ex.generator, ex.learner)
+    ex.generator_behind = False
+
+
+# each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
+LOCAL: dict[str, Callable] = {
+    "rollout": _rollout,
+    "rewards": lambda ex, state, rollout: phase_functions.rewards(rollout, ex.lab.reward_funcs,
+                                                                  ex.config.data.reward_weights),
+    "advantages": lambda ex, state, rewards: phase_functions.advantages(rewards, ex.config.grpo.scale_rewards),
+    "logprobs": lambda ex, state, rollout: phase_functions.logprobs(ex.learner, ex.reference, rollout, ex.config),
+    "backward": lambda ex, state, rollout, advantages, logprobs: phase_functions.backward(
+        ex.learner, rollout, advantages, logprobs, ex.config),
+    "optimizer": _optimizer,
+    "sync": _sync,
+}
+
+
+def warm_up() -> None:
+    """One-off set-up the first step would otherwise charge to whichever phase first needs it: TRL's trainer
+    utilities (the advantages' nanstd; ~90 MiB of host RSS on first import) are imported during load, where the
+    memory views count them as loading, not as the advantages phase."""
+    import trl.trainer.utils  # noqa: F401
+
+
+def attach_engine(memory, generator) -> None:
+    """An in-process engine's tensors get their own layer in its GPU's ledger (memory.probes.gpu_ledger)."""
+    device = getattr(generator, "engine_device", None)
+    if memory is not None and device is not None:
+        memory.attach_engine(device, generator.engine_share)
+
+
+class LocalExecutor:
+    """The phases on this process's models."""
+
+    name = "local"
+
+    def __init__(self, lab):
+        self.lab = lab
+        self.learner = self.generator = self.reference = self.prompts = None
+        self.reference_strategy: Optional[str] = None   # the strategy the reference was built with
+        self.generator_behind = False   # a failed sync may have left the engine on weights the learner undid
+
+    @property
+    def config(self):
+        return self.lab.config
+
+    @property
+    def loaded(self) -> bool:
+        return self.learner is not None
+
+    # --- memory: what this process watches ---
+    def devices(self) -> list[str]:
+        """The devices this process's memory sampler watches (the runtime's answer: a rank its own device)."""
+        return runtime().watched_devices(self.config)
+
+    def memory_sampler(self):
+        from ..memory import MemorySampler
+
+        cfg = self.config
+        # why the driver only: one host, one guard; a rank stopping on its own would leave the others in a collective
+        return MemorySampler(self.devices(), cfg.memory.sample_hz, cfg.memory.host_threshold,
+                             describe_offload=self.describe_offload, guard_host=runtime().is_driver)
+
+    def listeners(self) -> list:
+        """Extra timeline listeners: allocator snapshots, one folder per rank."""
+        cfg = self.config
+        if not cfg.memory.cuda_snapshots:
+            return []
+        from ..memory.snapshots import AllocatorSnapshots
+
+        return [AllocatorSnapshots(runtime().snapshot_dir(cfg.run.output_dir), self.devices())]
+
+    def describe_offload(self) -> str:
+        """What of the run lives in host RAM, for the host-RAM guard's message."""
+        cfg, on_host = self.config, []
+        if cfg.placement.learner == "cpu":
+            on_host.append("the learner (placement.learner=cpu)")
+        if cfg.reference_strategy == "copy" and cfg.reference_device == "cpu":
+            on_host.append("the reference copy (reference.device=cpu)")
+        return "in host RAM: " + ", ".join(on_host) if on_host else ""
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the learner computes on a GPU (phases then get NVTX ranges too)."""
+        return self.learner is not None and self.learner.device.type == "cuda"
+
+    # --- load and release ---
+    def load(self) -> None:
+        from ..generation import backend_class
+        from ..models.learner import load_learner
+
+        cfg = self.config
+        warm_up()
+        self.learner = load_learner(cfg)
+        self.check_learner()
+        self.build_reference()
+        self.generator = backend_class(cfg.generator.backend, on_rank=runtime().is_rank)(self.learner, cfg)
+        attach_engine(self.lab.memory, self.generator)
+        self.build_prompts()
+
+    def build_reference(self) -> None:
+        """The reference the config asks for (at load, and when grpo.beta or reference.strategy change it)."""
+        from ..models.reference import build_reference
+
+        self.reference = build_reference(self.config)
+        self.reference_strategy = self.config.reference_strategy
+
+    def build_prompts(self) -> None:
+        """The prompt source of data.* (at load, and when one of them changes)."""
+        from ..algo.prompts import PromptSource, load_rows
+
+        cfg = self.config
+        rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
+        self.prompts = PromptSource(rows, self.learner.tokenizer, cfg.data.system_prompt, cfg.run.seed)
+
+    def release(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+        self.learner = self.generator = self.reference = self.prompts = None
+
+    # --- edits (config/edits.py) ---
+    def check_live(self, config) -> None:
+        self.generator.check_live(config)
+
+    def rebuilds_here(self, path: str) -> bool:
+        return True   # every part an edit rebuilds lives in this process
+
+    def memory_watch(self) -> list[str]:
+        """The devices an edit may put a model on without a new Lab (knobs: a reference copy after load)."""
+        return self.devices()
+
+    # --- the step ---
+    def check_learner(self) -> None:
+        # why every step: a wrap in a cell spills at once; the runtime's device, so a rank checks its own GPU
+        check_learner(self.learner.model, [runtime().device(self.config)])
+
+    def compute(self, name: str, state, *inputs):
+        return LOCAL[name](self, state, *inputs)
+
+    def before_command(self) -> bool:
+        """Whether the step's progress was lost since the last command (never, in one process)."""
+        return False
+
+    def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
+        """After a failed phase: FSDP's iteration state reset on every model this process passes through (a failure
+        mid-forward leaves it half-way); None = the Lab's default undo applies."""
+        from ..dist.recovery import reset_after_failure
+
+        for model in (getattr(self.learner, "model", None), getattr(self.reference, "model", None)):
+            if model is not None:
+                reset_after_failure(model)
+        self.generator_behind |= phase == "sync"   # why: the engine may hold the adapter the rollback undoes
+        return None
+
+    def rollback(self, state) -> None:
+        if state.snapshot is not None:
+            state.snapshot.restore(self.learner)
+        elif self.learner is not None:
+            self.learner.optimizer.zero_grad(set_to_none=True)  # why: partial gradients of a failed backward
+
+    def result(self, state, seconds: dict):
+        return phase_functions.summarize(state.index, state.rollout, state.rewards, state.advantages, state.stats,
+                                         state.grad_norm, seconds, state.updates, state.attempts,
+                                         self.learner.optimizer.param_groups[0]["lr"])
+
+    # --- state in and out ---
+    def inspect(self) -> list[dict]:
+        """This process's LoRA and AdamW state and step (one entry: rank 0 of a world of one)."""
+        from ..generation.hf import GENERATED_ROWS
+        from ..dist.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
+
+        learner, copy = self.learner, getattr(self.reference, "model", None)
+        return [{"rank": runtime().rank, "step": self.lab.step_index, "layout": layout(learner.model),
+                 "whole_gathers": WHOLE_GATHERS[0], "generated_rows": GENERATED_ROWS[0],
+                 "placements": base_placements(learner.model),
+                 "reference_placements": None if copy is None else base_placements(copy),
+                 "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
+                 "optimizer": local_state(learner.optimizer.state_dict())}]
+
+    def arm_fault(self, rank: int, phase: str, error: str) -> None:
+        from ..state import faults
+
+        from ..generation.registry import OWN_WEIGHTS
+
+        if rank != runtime().rank:
+            raise LabError(f"arm_fault: rank {rank} does not exist; this Lab is one process (rank 0)")
+        if error == "kill" and not runtime().is_rank:
+            raise LabError("arm_fault: error 'kill' kills a sharded learner's rank process; this Lab is one process, "
+                           "which it would kill with your kernel; use oom or runtime")
+        if error == "diverge" and not runtime().sharded:
+            raise LabError("arm_fault: 'diverge' alters the rollout checksum a sharded learner's ranks agree on; this "
+                           "Lab is one process (set placement.learner_procs: 2)")
+        if phase == "rollout" and self.config.generator.backend in OWN_WEIGHTS:
+            raise LabError(f"arm_fault: a rollout fault goes into hf decoding; generator.backend: "
+                           f"{self.config.generator.backend} samples in its engine; arm logprobs or backward")
+        faults.arm(phase, error)
+        for model in (self.learner.model, getattr(self.reference, "model", None)):
+            if model is not None:
+                faults.watch_forward(model)
+
+    def save_adapter(self, path) -> Path:
+        if runtime().is_rank:   # every rank gathers its LoRA shards; rank 0 writes the one-process format
+            from ..dist.gathered import save_full_adapter
+
+            save_full_adapter(self.lab, path)
+            return Path(path)
+        from ..models.learner import save_adapter
+
+        return save_adapter(self.learner, path)
+
+    def save_checkpoint(self, path) -> Path:
+        if runtime().is_rank:   # every rank gathers its shards and RNG states; rank 0 writes
+            from ..dist.gathered import save_full_checkpoint
+
+            save_full_checkpoint(self.lab, path)
+            return Path(path)
+        from ..state.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.lab, path)
+
+    def restore_checkpoint(self, checkpoint) -> None:
+        if runtime().is_rank:   # this rank's shard of every tensor, its own RNG states
+            from ..dist.gathered import restore_full_checkpoint
+
+            restore_full_checkpoint(self.lab, checkpoint.path)
+        else:
+            from ..state.checkpoint import restore_checkpoint
+
+            restore_checkpoint(self.lab, checkpoint)
+        phase_functions.sync(self.generator, self.learner)   # why: the engine must sample from the restored weights
+        self.generator_behind = False

@@ -1,0 +1,102 @@
+"""Model shapes for planning, from a checkpoint's config.json (local directory) or, offline, from
+the config.json copies bundled in planner/models/ for models users plan before downloading."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LabError
+
+BUNDLED = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict, field: str = "model.name_or_path") -> "ModelShape":
+        """`field` is the config field the checkpoint came from, named in every error."""
+        cfg = cfg.get("text_config", cfg)
+        if not isinstance(cfg, dict):
+            raise LabError(f"{field}: its config.json's text_config is not an object; repair the checkpoint")
+        sizes = ("num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+        bad = [k for k in sizes if k in cfg and (type(cfg[k]) is not int or cfg[k] <= 0)]
+        if bad:
+            raise LabError(f"{field}: its config.json has {bad[0]} = {cfg[bad[0]]!r}, not a positive "
+                           "integer; repair the checkpoint or point at another one")
+        try:
+            heads = cfg["num_attention_heads"]
+            return cls(hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
+                       heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
+                       tied=bool(cfg.get("tie_word_embeddings", False)))
+        except KeyError as err:
+            raise LabError(f"{field}: its config.json has no {err.args[0]!r}; the planner knows decoder-only "
+                           "transformers (Llama/Qwen/Mistral-style)") from None
+
+    def linear_layers(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of each linear layer of one decoder layer (the ones 4-bit quantization and LoRA touch)."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
+                ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * sum(a * b for _, a, b in self.linear_layers())
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus an untied LM head (kept at the model dtype, never quantized)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def total_params(self) -> int:
+        norms = (2 * self.layers + 1) * self.hidden
+        return self.linear_params + self.embedding_params + norms
+
+    def lora_params(self, r: int, targets) -> int:
+        chosen = self.linear_layers() if targets == "all-linear" else [l for l in self.linear_layers() if l[0] in targets]
+        return self.layers * sum(r * (a + b) for _, a, b in chosen)
+
+
+def bundled_name(model_id: str) -> str:
+    return model_id.replace("/", "--")
+
+
+def read_model_config(path: Path, field: str) -> dict:
+    """A checkpoint's config.json as a dict; unreadable, not JSON or not an object is one LabError naming `field`."""
+    from ..checks.paths import read_text
+
+    try:
+        data = json.loads(read_text(path, field))
+    except json.JSONDecodeError as err:
+        raise LabError(f"{field}: {str(path)!r} is not valid JSON ({err.msg}, line {err.lineno}); "
+                       "repair the checkpoint or point at another one") from None
+    if not isinstance(data, dict):
+        raise LabError(f"{field}: {str(path)!r} holds a JSON {type(data).__name__}, not a model config object; "
+                       "repair the checkpoint or point at another one")
+    return data
+
+
+def load_shape(name_or_path: str, field: str = "model.name_or_path") -> ModelShape:
+    """Shape from `name_or_path/config.json`, else from the bundled copy of a known hub id; errors name `field`."""
+    from .tiny import resolve_model_path
+
+    name_or_path = resolve_model_path(name_or_path)
+    local = Path(name_or_path) / "config.json"
+    bundled = BUNDLED / f"{bundled_name(name_or_path)}.json"
+    for path in (local, bundled):
+        if path.is_file():
+            return ModelShape.from_config(read_model_config(path, field), field)
+    known = sorted(p.stem.replace("--", "/") for p in BUNDLED.glob("*.json"))
+    raise LabError(f"{field}: no config.json at {name_or_path!r} and no bundled shape for it; "
+                   f"plan offline with one of {known} or point it at a checkpoint directory")

@@ -1,0 +1,73 @@
+"""Brief supervised training of the built-in tiny model on worked solutions of the arithmetic set
+("15 * 8 = 120. <answer>120</answer>"), so that its completions read as answers and the demo's correctness
+reward can rise.
+
+What GRPO then has to learn in the demo's 25 steps: 85% of the training answers carry their unit
+("<answer>120 eggs</answer>"), against the system prompt's "put only the final number". `exact_answer` scores
+those 0 and `format` 0.5, so a sampled completion is right about 6% of the time at first, while its arithmetic
+is right about 40% of the time. Dropping the unit is one decision shared by every
+prompt, which a few LoRA updates can learn; the sums themselves barely improve in 25 steps.
+"""
+from __future__ import annotations
+
+from ..algo.prompts import SYSTEM_PROMPT, arithmetic_problems, format_prompt
+
+STEPS = 700         # ~55 s on 2 CPU cores for the 3-layer built-in; 600 steps left fewer sums right (~0.3 sampled)
+BATCH = 32
+LEARNING_RATE = 3e-3
+WARMUP = 30
+WITH_UNIT = 0.85    # the share of answers written with their unit ("<answer>120 eggs</answer>"): see above
+DATA_SEED = 1000    # why apart from the run seeds: the training rows are not the demo's prompt order
+
+
+def worked_examples(tokenizer, n: int, seed: int):
+    """(input_ids, attention_mask, labels) for `n` chat-formatted problems, right-padded; the loss is on the
+    worked solution and the end-of-turn token only."""
+    import random
+
+    import torch
+
+    rows = arithmetic_problems(n, seed, worked=True)
+    units = random.Random(seed)
+    targets = [f"{r['solution']} <answer>{r['answer']} {r['unit']}</answer>" if units.random() < WITH_UNIT
+               else f"{r['solution']} <answer>{r['answer']}</answer>" for r in rows]
+    texts = [format_prompt(tokenizer, r["prompt"], SYSTEM_PROMPT) for r in rows]
+    prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    answers = tokenizer([t + tokenizer.eos_token for t in targets], add_special_tokens=False)["input_ids"]
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    ids = torch.full((n, width), tokenizer.pad_token_id)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    labels = torch.full((n, width), -100)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, :len(p) + len(a)] = 1
+        labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+    return ids, mask, labels
+
+
+def train_on_arithmetic(model, tokenizer, steps: int = STEPS, seed: int = 0) -> float:
+    """AdamW with warm-up and cosine decay over `steps` batches of BATCH; returns the last batch's loss."""
+    import math
+
+    import torch
+
+    ids, mask, labels = worked_examples(tokenizer, steps * BATCH, DATA_SEED + seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        batch = slice(step * BATCH, (step + 1) * BATCH)
+        width = int(mask[batch].sum(1).max())   # why: the batch's own width, not the longest row of all
+        hidden = model.model(input_ids=ids[batch, :width], attention_mask=mask[batch, :width]).last_hidden_state
+        # why only the answer's positions through the head: the prompt's logits would be computed and thrown away
+        scored = labels[batch, 1:width] != -100
+        logits = model.lm_head(hidden[:, :-1][scored])
+        loss = torch.nn.functional.cross_entropy(logits, labels[batch, 1:width][scored])
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return float(loss.detach())

@@ -1,0 +1,192 @@
+"""The live memory plot for notebooks: a plotly FigureWidget with the host's lines and each GPU's ledger
+stacked (torch allocated, torch cache, not torch: figures.LEDGER), shaded phase bands, and dashed lines
+for each device's capacity and the host-RAM threshold.
+
+A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
+sampler thread never touches the widget, and the kernel stays free to run cells while a step
+runs; it stops with Lab.close() or when the widget is closed. Its history is bounded (`Series`): each line
+keeps at most 2 x `max_points` points over the whole run, halving its resolution when full by
+merging neighbours into their maximum (so a peak is never lost); refreshes from the renderer and
+from a cell are serialised by a lock.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from ..memory.probes import MiB
+from ..algo.phases import COLOURS, PHASE_NAMES
+from ..memory.figures import (band_labels, drawn, phase_legend, stack_top, step_separators, trace_order, trace_style,
+                      work_clock)
+from ..memory.report import host_limits
+
+
+def _needs_notebook_extra():
+    try:
+        import anywidget  # noqa: F401
+        import plotly.graph_objects as go
+    except ImportError as err:
+        from ..errors import LabError
+
+        raise LabError(f"the live memory plot needs {err.name}; install grpo-lab[notebook]") from None
+    return go
+
+
+class Series:
+    """One line's bounded history: each point is the maximum of `stride` readings (at the last one's time).
+    When it holds more than `limit` points, neighbours merge and the stride doubles, so the whole run
+    stays in view at one resolution and a peak is never lost."""
+
+    def __init__(self, limit: int):
+        self.limit, self.stride = limit, 1
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+        self._count, self._peak = 0, float("-inf")   # readings of the point being filled
+
+    def add(self, t: float, value: float) -> None:
+        self._count, self._peak = self._count + 1, max(self._peak, value)
+        if self._count < self.stride:
+            return
+        self.xs.append(t)
+        self.ys.append(self._peak)
+        self._count, self._peak = 0, float("-inf")
+        if len(self.xs) > self.limit:
+            odd = len(self.xs) % 2
+            self.xs = self.xs[1::2] + (self.xs[-1:] if odd else [])
+            self.ys = [max(a, b) for a, b in zip(self.ys[0::2], self.ys[1::2])] + (self.ys[-1:] if odd else [])
+            self.stride *= 2
+
+
+# why: between phases only the squeezed idle tail changes; redrawing it every refresh_s (the sampler keeps sampling)
+# had the kernel handle the browser's replies twice a second, and JupyterLab showed it Busy while nothing ran
+IDLE_REFRESH_S = 2.0
+
+
+class LivePlot:
+    def __init__(self, sampler, refresh_s: float = 0.5, max_points: int = 600, max_bands: int = 60):
+        go = _needs_notebook_extra()
+        self.sampler, self.refresh_s, self.max_points, self.max_bands = sampler, refresh_s, max_points, max_bands
+        self._series: dict[tuple[str, str], Series] = {}
+        self._index = 0            # next sampler sample to ingest
+        self._marks_drawn = -1     # phase bands are redrawn only when a phase has ended
+        self._limits = host_limits(sampler)
+        self._near: dict[str, float] = {}
+        self._clock = lambda t: t   # sample time -> x (figures.work_clock: idle squeezed)
+        self.fig = go.FigureWidget(layout=dict(
+            title=dict(text="Live memory (MiB)", x=0.01, xanchor="left", y=0.98, yanchor="top"),
+            xaxis_title="seconds of work (idle spans squeezed to 1 s)", yaxis_title="MiB", height=400, autosize=True,
+            # why t=80: the title sits below plotly's toolbar (modebar) instead of under it
+            margin=dict(t=80, l=50, r=20, b=40), legend=dict(orientation="h", y=-0.25)))
+        self.fig.layout.width = None   # full width of the cell
+        self._lines: dict[tuple[str, str], int] = {}
+        self._legend = False        # the phase colours' legend entries, added with the first band
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()   # why: the renderer thread and a cell (display, Panel) both refresh
+        self.refreshes = 0
+        self._drawn_at = float("-inf")   # monotonic time of the last redraw
+        # a closed widget is never drawn again, so its renderer stops: closed in the kernel (fig.close() sets
+        # the widget's comm to None) or by the frontend (a comm_close message, which only the comm hears)
+        self.fig.observe(lambda change: self.stop() if change["new"] is None else None, names="comm")
+        if self.fig.comm is not None:
+            self.fig.comm.on_close(lambda msg: self.stop())
+
+    def _ingest(self) -> Optional[dict[tuple[str, str], tuple[list, list]]]:
+        """Add only the samples taken since the last refresh to the bounded lines; return each line's points, or
+        None when nothing arrived and no phase ended (nothing to redraw)."""
+        new = self.sampler.samples_since(self._index)
+        self._index += len(new)
+        if not new and len(self.sampler.marks) == self._marks_drawn and self._lines:
+            return None
+        for t, _, _, device, metric, value in new:
+            if drawn(device, metric):
+                self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
+        ordered = sorted(self._series, key=lambda key: trace_order(*key))   # why: a stack is drawn in trace order
+        now = max((line.xs[-1] for line in self._series.values() if line.xs), default=0.0)
+        self._clock = work_clock(self.sampler.marks, now)
+        return {key: ([self._clock(t) for t in self._series[key].xs], list(self._series[key].ys)) for key in ordered}
+
+    def _limits_in_view(self, series) -> dict[str, float]:
+        """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
+        top = stack_top(series) if series else 0.0
+        near = {name: mib for name, mib in self._limits.items() if mib <= 2 * top}
+        far = [f"{name} {mib / 1024:.1f} GiB" for name, mib in self._limits.items() if name not in near]
+        self.fig.layout.title.text = "Live memory (MiB)" + (f"  ·  off scale: {', '.join(far)}" if far else "")
+        return near
+
+    def _shapes(self, marks) -> list[dict]:
+        bands = [dict(type="rect", xref="x", yref="paper", x0=start, x1=end, y0=0, y1=1, line_width=0,
+                      fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12) for _, phase, start, end in marks]
+        lines = [dict(type="line", xref="paper", yref="y", x0=0, x1=1, y0=mib, y1=mib,
+                      line=dict(dash="dash", width=1, color="#888"), name=name)
+                 for name, mib in self._near.items()]
+        return bands + step_separators(marks) + lines
+
+    def _annotations(self, marks) -> list[dict]:
+        """The drawn limit lines' names, then the phase and step labels."""
+        names = [dict(xref="paper", x=0, y=mib, yref="y", text=name, showarrow=False, xanchor="left",
+                      yanchor="bottom", font=dict(size=10)) for name, mib in self._near.items()]
+        return names + band_labels(marks)
+
+    def refresh(self) -> None:
+        """Redraw from the sampler's buffer (called by the renderer thread, or by hand)."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        idle = getattr(self.sampler, "phase", None) == "idle" and len(self.sampler.marks) == self._marks_drawn
+        if idle and self._lines and time.monotonic() - self._drawn_at < IDLE_REFRESH_S:
+            return
+        series = self._ingest()
+        if series is None:   # why: a redraw sends the whole figure to the browser; the kernel would show Busy for it
+            return
+        with self.fig.batch_update():
+            for key, (xs, ys) in series.items():
+                if key not in self._lines:
+                    self.fig.add_scatter(x=xs, y=ys, **trace_style(*key))
+                    self._lines[key] = len(self.fig.data) - 1
+                else:
+                    trace = self.fig.data[self._lines[key]]
+                    trace.x, trace.y = xs, ys
+            near = self._limits_in_view(series)
+            if len(self.sampler.marks) != self._marks_drawn or near.keys() != self._near.keys():
+                # why only then: validating shapes is the costly part of a redraw
+                self._marks_drawn, self._near = len(self.sampler.marks), near
+                marks = [(step, phase, self._clock(a), self._clock(b))
+                         for step, phase, a, b in self.sampler.marks[-self.max_bands:]]
+                if marks and not self._legend:
+                    self._legend = True
+                    for entry in phase_legend(PHASE_NAMES):
+                        self.fig.add_scatter(**entry)
+                self.fig.layout.shapes = self._shapes(marks)
+                self.fig.layout.annotations = self._annotations(marks)
+        self.refreshes += 1
+        self._drawn_at = time.monotonic()
+
+    def start(self) -> "LivePlot":
+        if self._thread is None and self.fig.comm is not None:   # a closed widget has nowhere to draw
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="grpo-lab-plot", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.refresh()
+            except Exception:  # a closed comm (kernel restarted, cell cleared) must not kill the thread loudly
+                pass
+
+    def stop(self) -> None:
+        """Stop the renderer (Lab.close(), or the widget was closed); idempotent, safe from any thread."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        self.refresh()
+        display(self.fig)

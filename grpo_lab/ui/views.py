@@ -1,0 +1,80 @@
+"""What a Lab shows: the live memory plot, the panel, the per-phase memory table and the results a sweep collects.
+Read-only views over a Lab's history and memory sampler (lab.py keeps the state)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+from ..errors import LabError
+
+
+class LabViews:
+    def memory_plot(self, refresh_s: float = 0.5):
+        """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds when new samples arrived);
+        display it in a cell. It replaces this Lab's earlier live plot (whose redraw thread stops)."""
+        from .live import LivePlot
+
+        self._require_loaded()
+        for old in self._plots:   # why: one live plot per Lab; a new one (a new lab.ui()) replaces the last one's thread
+            old.stop()
+        plot = LivePlot(self.memory, refresh_s=refresh_s).start()
+        self._plots[:] = [plot]
+        return plot
+
+    def ui(self):
+        """The notebook panel: config editor, step controls and the live memory plot."""
+        from . import Panel
+
+        return Panel(self)
+
+    def save_results(self, path: Union[str, Path]) -> Path:
+        """Every step's metrics (with its memory table) as JSON lines: what `grpo-lab sweep` collects."""
+        import json
+
+        from ..files import atomic_write_text
+
+        return atomic_write_text(path, "".join(json.dumps(r.metrics()) + "\n" for r in self.history))
+
+    def memory_table(self, step: Optional[int] = None) -> str:
+        """The per-phase memory table (MiB) of `step` (default: the last one)."""
+        from ..memory import format_table
+
+        if step is None and not self.history:
+            raise LabError("lab.memory_table(): no step has finished yet; run lab.step() (or a phase walk up to its "
+                           "sync) first")
+        step = self.history[-1].step if step is None else step
+        return format_table(self.memory.rows_for(step))
+
+    # --- what a cell shows for the Lab itself ---
+    def _summary(self) -> list[tuple[str, str]]:
+        from ..memory.probes import MiB
+
+        cfg, place = self.config, self.config.placement
+        ranks = f" x {place.learner_procs} ranks" if place.learner_procs > 1 else ""
+        generator = f"{cfg.generator.backend} on {', '.join(place.generator_devices())}"
+        rows = [("model", f"{cfg.model.name_or_path} ({'nf4' if cfg.model.load_in_4bit else cfg.model.dtype}), "
+                          f"LoRA r={cfg.lora.r}"),
+                ("placement", f"learner {place.learner}{ranks}, generator {generator}")]
+        if not self.executor.loaded:
+            return rows + [("state", "not loaded: lab.load()")]
+        rows.append(("step", f"{self.step_index}, next phase {self.next_phase()}"))
+        if self.history:
+            last = self.history[-1]
+            rows.append(("last step", f"reward {last.reward_mean:+.3f}, loss {last.loss:+.4f}"))
+            peaks: dict = {}
+            for r in last.memory or []:
+                if r["metric"] in ("rss", "allocated"):
+                    peaks[r["device"]] = max(peaks.get(r["device"], 0.0), r["peak"])
+            if peaks:
+                rows.append(("peak", ", ".join(f"{d} {v / MiB:,.0f} MiB" for d, v in peaks.items())))
+        return rows
+
+    def __repr__(self) -> str:
+        return "<Lab " + " | ".join(f"{k} {v}" for k, v in self._summary()) + ">"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th><td style='text-align:left'>"
+                        f"{html.escape(v)}</td></tr>" for k, v in self._summary())
+        return f"<b>grpo_lab Lab</b><table>{cells}</table>"
