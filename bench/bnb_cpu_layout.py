@@ -151,7 +151,7 @@ def train_forward_backward(lab, rollout) -> tuple[float, float]:
 
     # the phase functions themselves (not the Lab's lifecycle): a measurement with made-up advantages, no update
     stats = phases.backward(lab.learner, rollout, advantages, phases.logprobs(lab.learner, lab.reference, rollout,
-                                                                               lab.config), lab.config)
+                                                                               lab.config), lab.config).stats
     grads = [p.grad for p in lab.learner.model.parameters() if p.requires_grad and p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0
     lab.learner.optimizer.zero_grad(set_to_none=True)

@@ -116,7 +116,7 @@ def worker(side: str, preset: str, overrides: list[str], steps: int, warmup: int
         from transformers import TrainerCallback
 
         from bench.step_vs_trl import trl_trainer
-        from grpo_lab.models.tiny import resolve_model_path
+        from grpo_lab.models.source import resolve_model_path
 
         cfg.update({"model.name_or_path": resolve_model_path(cfg.model.name_or_path)})
         marks = {}

@@ -27,7 +27,7 @@ def load(storage: str, seed: int = 0):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from grpo_lab.models.tiny import resolve_model_path
+    from grpo_lab.models.source import resolve_model_path
 
     path = resolve_model_path(f"builtin:{os.environ.get('GRPO_PROBE_MODEL', 'tiny-qwen2')}")
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

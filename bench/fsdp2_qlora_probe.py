@@ -88,7 +88,7 @@ def load_base(storage: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from grpo_lab.models.quant import pin_training_layout, quiet_bitsandbytes
-    from grpo_lab.models.tiny import resolve_model_path
+    from grpo_lab.models.source import resolve_model_path
 
     quiet_bitsandbytes()
     path = resolve_model_path(f"builtin:{MODEL}")   # ensure_tiny_model(builtin_path(MODEL)) with the model's shape

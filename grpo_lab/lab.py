@@ -1,8 +1,8 @@
 """`Lab`: the notebook's handle on a GRPO run. It holds the config, the step lifecycle, history, the timeline and
-the memory views; each phase of a step is a method a cell can call alone (named as in phases.PHASES), and `step()`
-runs the rest of the current step. The phases' work is its executor's (cluster/executor.py): this process's models, or a
-sharded learner's ranks. The headless runner, the widgets and papermill use the same calls. Config edits after load
-go through config/edits.py.
+the memory views; each phase of a step is a method a cell can call alone (named as in algo/phases.PHASES), and
+`step()` runs the rest of the current step through `algo.grpo.step`. The phases' work is its executor's
+(executor.py: this process's models, or a sharded learner's ranks). The headless runner, the widgets and papermill
+use the same calls. Config edits after load go through config/edits.py.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from .config.schema import LabConfig
 from .config.loading import load_config
 from .errors import ConfigError, LabError, NonFinite
 from .config.edits import LoadedLabGuard
-from .algo.lifecycle import StepState, check_order
+from .executor import executor_for
+from .algo import grpo
+from .algo.lifecycle import RestOfStep, StepState, check_order, next_phase
 from .algo.phases import BY_NAME, PHASE_NAMES, UPDATE_PHASES
 from .preflight import preflight
-from .algo.rewards import resolve_reward
 from .memory.timeline import Timeline
 from .algo.containers import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
 from .ui.views import LabViews
@@ -29,11 +30,7 @@ from .ui.views import LabViews
 class Lab(LabViews):
     def __init__(self, config: Union[LabConfig, dict, str, Path], reward_funcs: Optional[list[Callable]] = None,
                  overrides: Optional[list[str]] = None):
-        from .local.executor import executor_for
-
         self._config = load_config(config, overrides)
-        self.reward_funcs_given = reward_funcs is not None
-        self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or self._config.data.rewards)]
         self.memory = None
         self.memory_devices: list[str] = []              # the devices the sampler watches
         self.timeline = Timeline()
@@ -44,7 +41,7 @@ class Lab(LabViews):
         self.trackers = None             # run.report_to, opened at load
         self._plots: list = []
         # where the phases run: this process's models, or a sharded learner's ranks (placement.learner_procs > 1)
-        self.executor = executor_for(self)
+        self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index)
 
     # --- what the executor holds (this process's models; on a sharded driver, its engine) ---
     learner = property(lambda self: self.executor.learner)
@@ -52,6 +49,7 @@ class Lab(LabViews):
     reference = property(lambda self: self.executor.reference)
     prompts = property(lambda self: self.executor.prompts)
     reference_strategy = property(lambda self: self.executor.reference_strategy)
+    reward_funcs = property(lambda self: self.executor.reward_funcs)
 
     # --- the config: one edit path (see config/edits.py) ---
     @property
@@ -104,10 +102,10 @@ class Lab(LabViews):
             self.timeline.listeners.append(self.memory)
             self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
             self.timeline.listeners.extend(executor.listeners())
-        executor.load()
+        executor.load(self.memory)
         self.trackers = Trackers(cfg)    # last: a load that fails earlier opens no tracker run
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
-        cfg._guard = LoadedLabGuard(self)   # why: from now on every edit is checked against what was built
+        cfg.attach_guard(LoadedLabGuard(executor, self.memory, self.leaks, self.memory_devices))
         if cfg.run.probe_first:
             from .planner.worst_case import probe_at_load
 
@@ -125,7 +123,7 @@ class Lab(LabViews):
         if self.trackers is not None:
             self.trackers.close()
         self.trackers = None
-        self._config._guard = None   # why: nothing loaded is left to protect; the config is a plain config again
+        self._config.detach_guard()   # why: nothing loaded is left to protect
 
     def devices(self) -> list[str]:
         """Every device the run uses, as the memory views name them (a sharded learner's: rank<k>/<device>)."""
@@ -175,14 +173,7 @@ class Lab(LabViews):
 
     def next_phase(self) -> str:
         """The phase the current step runs next, by the lifecycle's rules."""
-        s, iterations = self._step, self.config.grpo.num_iterations
-        for name, done in (("rollout", s.rollout), ("rewards", s.rewards), ("advantages", s.advantages),
-                           ("logprobs", s.logprobs)):
-            if done is None:
-                return name
-        if s.gradients:
-            return "optimizer"
-        return "backward" if s.updates < iterations else "sync"
+        return next_phase(self._step, self.config.grpo.num_iterations)
 
     @contextmanager
     def _phase(self, name: str, **inputs):
@@ -237,7 +228,8 @@ class Lab(LabViews):
         import sys
 
         undone = self.executor.failed(phase, sys.exc_info()[1])
-        if undone is not None:
+        if undone is not None:   # the executor lost the step (its ranks were stopped): it starts again from its rollout
+            self._restart_step()
             return undone
         undone = "the step's updates were rolled back" if self._step.snapshot is not None else "no update had been applied"
         # (check_order lets no other phase run while updates or gradients are pending, so only these redo the updates)
@@ -294,8 +286,10 @@ class Lab(LabViews):
     def backward(self, rollout: Rollout, advantages: Advantages, logprobs: LogProbs) -> LossStats:
         with self._phase("backward", rollout=rollout, advantages=advantages, logprobs=logprobs):
             out = self._compute("backward", rollout, advantages, logprobs)
-        self._step.stats, self._step.gradients = out, True
-        return out
+        s = self._step
+        s.stats, s.gradients, s.is_weights = out.stats, True, out.is_weights
+        s.old_logprobs = out.old_logprobs if s.old_logprobs is None else s.old_logprobs   # the first backward's
+        return out.stats
 
     def optimizer(self) -> float:
         """Clip and apply the gradients. The step's first update takes the rollback snapshot first (inside
@@ -344,10 +338,7 @@ class Lab(LabViews):
         as they were before the step, and calling it again retries from the failed phase."""
         self._require_loaded()
         self.executor.check_learner()   # why every step: a wrap in a cell spills at once
-        while True:
-            name, out = self.run_next_phase()
-            if name == "sync":
-                return out
+        return grpo.step(RestOfStep(self), self.config.grpo.num_iterations)
 
     def rollback(self) -> None:
         """Undo the current step's updates (if any) and drop its gradients; its rollout, rewards,
@@ -379,10 +370,10 @@ class Lab(LabViews):
         self._between_steps("lab.restore_checkpoint()")
         checkpoint = read_checkpoint(path)   # refused here, in one line, before any model (or rank) reads it
         self.executor.restore_checkpoint(checkpoint)
-        self._resume_at(checkpoint.step)
+        self.resume_at(checkpoint.step)
         return self
 
-    def _resume_at(self, step: int) -> None:
+    def resume_at(self, step: int) -> None:
         """Continue at the start of `step` (a restored checkpoint or boundary state)."""
         self._step = StepState(index=step)
 

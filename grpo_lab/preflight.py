@@ -10,7 +10,8 @@ from .algo.rewards import resolve_reward
 def preflight(config: LabConfig) -> None:
     """Everything that can be checked before a weight is loaded."""
     from .algo.prompts import load_rows
-    from .checks.devices import check_model_path, check_placement
+    from .checks.devices import check_devices
+    from .models.source import check_model_path
     from .checks.installed import check_torchvision
 
     from .checks.world import check_ranks
@@ -23,11 +24,11 @@ def preflight(config: LabConfig) -> None:
         engine_share(config)   # why before anything is fetched: no share that fits is refused with its fixes, at no cost
     check_model_path(config.model.name_or_path)
     if config.generator.backend == "vllm":
-        from .generation.vllm import check_tensor_parallel, max_lora_rank
+        from .generation.vllm_engine import check_tensor_parallel, max_lora_rank
 
         max_lora_rank(config.lora.r)
         check_tensor_parallel(config)
-    check_placement(config)
+    check_devices(config)
     if config.generator.backend == "hf":
         from .generation.hf import check_hf_placement
 

@@ -57,12 +57,11 @@ class Runtime:
     def watched_devices(self, config) -> list[str]:
         """The devices this process's memory sampler reads: a rank its own device only (its reference copy sits on it
         too); one process its learner, generator engine and reference copy."""
-        from .generation.registry import OWN_WEIGHTS
 
         if self.is_rank:
             return [self.device(config)]
         place = config.placement
-        engine = place.generator_devices() if config.generator.backend in OWN_WEIGHTS else []
+        engine = place.generator_devices() if config.generator.own_weights else []
         ref = [config.reference_device] if config.reference_strategy == "copy" else []
         return list(dict.fromkeys([place.learner, *engine, *ref]))
 

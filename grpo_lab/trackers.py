@@ -18,7 +18,6 @@ A tracker that fails while logging is a warning naming it; the other trackers st
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import warnings
@@ -108,36 +107,6 @@ class Trackio:
 
 
 TRACKERS = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": WandB}
-
-
-def installed(name: str) -> bool:
-    """Whether a tracker's package can be imported (looked up, not imported: wandb takes seconds)."""
-    try:
-        return importlib.util.find_spec(TRACKERS[name].package) is not None
-    except ValueError:   # why: a module set to None in sys.modules (how a test hides one) raises here
-        return False
-
-
-def resolve(value) -> list[str]:
-    """run.report_to as TRL takes it: a name, a list of names, "none" (= []) or "all" (= every installed one).
-    Raises ValueError (one line, for the config) for an unknown name or a tracker that is not installed."""
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return value   # why: pydantic then names the wrong type
-    if names in (["none"], []):
-        return []
-    if names == ["all"]:
-        found = [n for n in TRACKERS if installed(n)]
-        if not found:
-            raise ValueError(f"'all', but no tracker is installed; pip install 'grpo-lab[trackers]' (or one of "
-                             f"{sorted(TRACKERS)})")
-        return found
-    for name in names:
-        if name not in TRACKERS:
-            raise ValueError(f"unknown tracker {name!r}; use some of {sorted(TRACKERS)}, 'all' or 'none'")
-        if not installed(name):
-            raise ValueError(f"{name!r} needs the {TRACKERS[name].package} package; pip install 'grpo-lab[{name}]'")
-    return list(dict.fromkeys(names))
 
 
 class Trackers:

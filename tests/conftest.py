@@ -26,7 +26,7 @@ def tiny_model(user_cache):
     """The random-weight tiny model (`builtin:tiny-random`, seed 0), built once per session: the suite's model.
     Why random, not the trained `builtin:tiny-qwen2`: near-flat logits and EOS at ~10% a token give every test
     varied completion lengths and sampling that differs by knob; the presets and the demo use the trained one."""
-    from grpo_lab.models.tiny import resolve_model_path
+    from grpo_lab.models.source import resolve_model_path
 
     return resolve_model_path("builtin:tiny-random")
 

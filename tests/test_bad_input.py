@@ -361,7 +361,7 @@ def test_diverged_sampling_is_one_line_naming_the_knobs():
     generator.tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     generator.eos_token_ids = [1]
     with pytest.raises(LabError, match="grpo.learning_rate") as err:
-        generator._generate_chunk([[5, 6]], GenerationRequest(max_completion_length=4))
+        generator.generate_chunk([[5, 6]], GenerationRequest(max_completion_length=4))
     assert "\n" not in str(err.value)
 
 

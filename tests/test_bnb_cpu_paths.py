@@ -104,10 +104,10 @@ def test_vllm_reference_pass_then_training_step(cpu_flag, loaded_lab):
         rollout = lab.rollout()
         advantages = lab.advantages(lab.rewards(rollout))
         logprobs = lab.logprobs(rollout)
-        assert logprobs.ref is not None and logprobs.old is None
+        assert logprobs.ref is not None and lab.current.old_logprobs is None
         before = lora_state(lab)
         lab.backward(rollout, advantages, logprobs)
-        assert logprobs.old is not None
+        assert lab.current.old_logprobs is not None
         lab.optimizer()
         lab.backward(rollout, advantages, logprobs)
         lab.optimizer()

@@ -59,18 +59,18 @@ def test_engine_devices_refuses_what_it_cannot_honour(learner, generator, user_c
 
 
 def test_preflight_refuses_a_device_beyond_the_users_cuda_visible_devices(tiny_model, monkeypatch):
-    """check_placement (which preflight and lab.place run) applies the same rules, before anything loads."""
-    from grpo_lab.checks.devices import check_placement
+    """check_devices (which preflight and lab.place run) applies the same rules, before anything loads."""
+    from grpo_lab.checks.devices import check_devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     cfg = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "generator.backend=vllm",
                                    "placement.generator=[cpu, cpu]"])
     with pytest.raises(LabError, match=r"^placement\.generator: 'cpu' is listed twice"):
-        check_placement(cfg)
+        check_devices(cfg)
     cfg = load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "generator.backend=vllm",
                                    "placement.generator=[0]", "generator.gpu_memory_utilization=0.5"])
     with pytest.raises(LabError, match=r"^placement\.generator: 'cuda:0' is beyond CUDA_VISIBLE_DEVICES=''"):
-        check_placement(cfg)
+        check_devices(cfg)
 
 
 def vllm_config(tiny_model, *overrides):
@@ -96,7 +96,7 @@ def vllm_config(tiny_model, *overrides):
     ([], {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}),
 ])
 def test_the_vllm_engine_env_comes_from_engine_devices(tiny_model, overrides, environ, expected):
-    from grpo_lab.generation.vllm import engine_env
+    from grpo_lab.generation.vllm_engine import engine_env
 
     assert engine_env(vllm_config(tiny_model, *overrides), environ) == expected
 
@@ -107,7 +107,7 @@ MiB = 1024 ** 2
 
 
 def test_the_adapter_directory_is_the_first_with_room():
-    from grpo_lab.generation.vllm import choose_adapter_dir
+    from grpo_lab.generation.vllm_engine import choose_adapter_dir
 
     roomy = [("/dev/shm", 64 * MiB), ("/tmp", 10_000 * MiB)]
     assert choose_adapter_dir(roomy, 40 * MiB) == ("/dev/shm", None)
@@ -128,7 +128,7 @@ def dead_pid() -> int:
 
 
 def test_stale_adapter_directories_of_dead_processes_go_and_live_ones_stay(tmp_path):
-    from grpo_lab.generation.vllm import adapter_dir_prefix, remove_stale_adapter_dirs
+    from grpo_lab.generation.vllm_engine import adapter_dir_prefix, remove_stale_adapter_dirs
 
     dead, live = dead_pid(), os.getpid()
     stale = tmp_path / f"{adapter_dir_prefix(dead)}abc123"

@@ -295,7 +295,7 @@ def test_temperature_samples_and_scores_the_next_rollout_at_the_new_temperature(
     at_one = lab.reference.logprobs(lab.learner, dataclasses.replace(rollout, temperature=1.0), lab.config)
     assert not torch.allclose(logprobs.ref[mask], at_one[mask], atol=1e-3)   # the old temperature would show
     lab.backward(rollout, advantages, logprobs)   # the first backward's own log-probs are the learner's at 0.7...
-    assert torch.allclose(logprobs.old[mask], rollout.sampler_logprobs[mask], atol=1e-3)   # ...as sampled
+    assert torch.allclose(lab.current.old_logprobs[mask], rollout.sampler_logprobs[mask], atol=1e-3)   # ...as sampled
 
 
 @observes("generator.gather_for_generation")
@@ -576,11 +576,11 @@ IS_CASES = {
 }
 
 
-def expected_weights(config, logprobs, rollout):
+def expected_weights(config, old_logprobs, rollout):
     g = config.grpo
     if not g.importance_sampling_correction:
         return None
-    return importance_weights(logprobs.old, rollout.sampler_logprobs, rollout.completion_mask.float(),
+    return importance_weights(old_logprobs, rollout.sampler_logprobs, rollout.completion_mask.float(),
                               g.importance_sampling_mode, g.importance_sampling_clip_min, g.importance_sampling_clip_max)
 
 
@@ -595,16 +595,17 @@ def test_importance_sampling_knobs_change_the_next_backwards_weights(lab, monkey
     noise = torch.randn(rollout.sampler_logprobs.shape, generator=torch.Generator().manual_seed(0))
     rollout.sampler_logprobs += noise * rollout.completion_mask   # a sampler that is not the learner: ratios ~ e^N(0,1)
     before = lab.backward(rollout, advantages, logprobs)
-    weights_before = logprobs.is_weights
-    assert torch.allclose(weights_before, expected_weights(lab.config, logprobs, rollout))
+    weights_before = lab.current.is_weights
+    assert torch.allclose(weights_before, expected_weights(lab.config, lab.current.old_logprobs, rollout))
     lab.configure(edit)
     after = lab.backward(rollout, advantages, logprobs)
-    expected = expected_weights(lab.config, logprobs, rollout)
+    expected = expected_weights(lab.config, lab.current.old_logprobs, rollout)
     if expected is None:
-        assert logprobs.is_weights is None and after.is_ratio_mean is None and before.is_ratio_mean is not None
+        assert lab.current.is_weights is None and after.is_ratio_mean is None and before.is_ratio_mean is not None
         return
-    assert torch.allclose(logprobs.is_weights, expected)
-    assert logprobs.is_weights.shape != weights_before.shape or not torch.allclose(logprobs.is_weights, weights_before)
+    weights = lab.current.is_weights
+    assert torch.allclose(weights, expected)
+    assert weights.shape != weights_before.shape or not torch.allclose(weights, weights_before)
     if path.endswith("clip_max"):
         assert before.is_ratio_max > 1.5 >= after.is_ratio_max
     if path.endswith("clip_min"):

@@ -47,7 +47,7 @@ def test_lab_by_name_uses_the_builtin_model_from_the_user_cache(tiny_model, tmp_
 
 
 def test_builtin_model_is_built_on_first_use_where_the_cache_says(tmp_path, monkeypatch):
-    from grpo_lab.models.tiny import resolve_model_path
+    from grpo_lab.models.source import resolve_model_path
 
     monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "cache"))
     path = Path(resolve_model_path("builtin:tiny-random"))   # (the random one: the trained one takes ~1 min to build)

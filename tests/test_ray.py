@@ -21,7 +21,8 @@ import torch
 from grpo_lab import Lab, cli
 from grpo_lab.errors import LabError
 from grpo_lab.runtime import Runtime
-from grpo_lab.cluster.ray_cluster import bundles, check_resources, local_gpu_env, parse_address, start_local
+from grpo_lab.checks.world import parse_address
+from grpo_lab.cluster.ray_cluster import bundles, check_resources, local_gpu_env, start_local
 
 SHARDED = ["placement.learner_procs=2"]
 
@@ -75,7 +76,7 @@ def test_a_rank_on_a_gpu_ray_gave_it_is_its_cuda_0_and_its_rng_is_that_gpu_alone
 def test_the_driver_fetches_the_model_once_before_any_rank_starts(tiny_model, monkeypatch, tmp_path):
     """A hub id is downloaded by the driver (not by every rank at once, inside their start timeout); the ranks on
     this machine load its local copy. (No hub here: the download is the one thing replaced.)"""
-    from grpo_lab.cluster.executor import fetch_once
+    from grpo_lab.models.source import fetch_once
 
     calls = []
     monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo: calls.append(repo) or str(tmp_path))

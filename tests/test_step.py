@@ -60,7 +60,7 @@ def test_phases_can_be_called_one_by_one(loaded_lab):
     groups = adv.values.view(2, 4)
     assert torch.allclose(groups.sum(1), torch.zeros(2), atol=1e-4)   # zero-mean within each group
     lp = lab.logprobs(rollout)
-    assert lp.old is None and lp.ref.shape == rollout.completion_ids.shape
+    assert lab.current.old_logprobs is None and lp.ref.shape == rollout.completion_ids.shape
     stats = lab.backward(rollout, adv, lp)
     assert math.isfinite(stats.loss) and stats.num_tokens == int(rollout.completion_mask.sum())
     params = lab.learner.trainable_parameters()
@@ -165,7 +165,8 @@ def test_num_iterations_old_logprobs_are_the_first_iterations_own(loaded_lab, mo
     lab = loaded_lab(lora={"lora_dropout": lora_dropout},
                      grpo={"num_iterations": 2, "learning_rate": 5e-2, "epsilon": 0.01})
     rollout = lab.rollout()
-    assert lab.logprobs(rollout).old is None             # no pass of its own: the first backward records it
+    lab.logprobs(rollout)
+    assert lab.current.old_logprobs is None              # no pass of its own: the first backward records it
 
     passes, stats, weights = [], [], [lora_state(lab)]
     real_loss = step_module.grpo_loss

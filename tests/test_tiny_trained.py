@@ -11,7 +11,7 @@ WORKED = re.compile(r"^\d+ [-+*] \d+ = -?\d+\. <answer>-?\d+( [a-z]+)?</answer>$
 
 @pytest.fixture(scope="module")
 def trained(user_cache):
-    from grpo_lab.models.tiny import resolve_model_path
+    from grpo_lab.models.source import resolve_model_path
 
     return resolve_model_path("builtin:tiny-qwen2")   # built once per session (~1 min), in the session's cache
 

@@ -12,7 +12,8 @@ import pytest
 from grpo_lab import LabError
 from grpo_lab.cli import main
 from grpo_lab.memory.probes import MiB
-from grpo_lab.trackers import resolve, step_scalars
+from grpo_lab.checks.installed import resolve_trackers as resolve
+from grpo_lab.trackers import step_scalars
 from grpo_lab.algo.containers import StepResult
 
 
@@ -179,3 +180,12 @@ def wandb_history(path) -> dict[int, dict]:
                 items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
                 out[record.history.step.num] = items
     return out
+
+
+def test_the_trackers_classes_and_the_configs_names_agree():
+    """checks/installed.py names the trackers run.report_to accepts (the config imports no tracker); trackers.py holds
+    their classes: the two lists are the same, package for package."""
+    from grpo_lab.checks.installed import TRACKER_PACKAGES
+    from grpo_lab.trackers import TRACKERS
+
+    assert {name: cls.package for name, cls in TRACKERS.items()} == TRACKER_PACKAGES

@@ -175,13 +175,14 @@ def run_case(varied, loss_type, scale, beta, iterations, level="token"):
     batch = dict(varied.batches[scale])
     torch.testing.assert_close(batch["advantages"].cpu(), advantages.values, rtol=1e-5, atol=1e-6)
     logprobs = LogProbs(ref=varied.ref if beta > 0 else None)
+    old = None   # the first backward records the old log-probs; later iterations are given them
     for _ in range(iterations - 1):   # earlier iterations: their updates move the policy off the sampler's weights
-        phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg)
+        old = phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg, old).old_logprobs
         phases.optimizer(lab.learner, cfg)
-    ours = phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg)
+    ours = phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg, old).stats
     batch["ref_per_token_logps"] = varied.ref
     if iterations > 1:
-        batch["old_per_token_logps"] = logprobs.old
+        batch["old_per_token_logps"] = old
     else:
         batch.pop("old_per_token_logps", None)
     trainer.loss_type, trainer.beta, trainer.importance_sampling_level = loss_type, beta, level
@@ -329,7 +330,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     """Both iterations of a num_iterations = 2 step: loss, gradient, KL and clip fraction equal TRL's
-    `_compute_loss` with old_per_token_logps = logprobs.old; with importance sampling, our weights equal
+    `_compute_loss` with old_per_token_logps = the recorded old log-probs (lab.current.old_logprobs); with importance sampling, our weights equal
     TRL's `importance_sampling_ratio` and its min/mean/max TRL's `sampling/importance_sampling_ratio/*`."""
     changes, is_mode = SCENARIOS[name]
     lab, rollout, advantages, logprobs, trainer = step.lab, step.rollout, step.advantages, step.logprobs, step.trainer
@@ -354,11 +355,11 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     batch["ref_per_token_logps"] = logprobs.ref
 
     first = lab.backward(rollout, advantages, logprobs)
-    batch["old_per_token_logps"] = logprobs.old
+    batch["old_per_token_logps"] = lab.current.old_logprobs
     with torch.no_grad():
         assert first.loss == pytest.approx(trainer._compute_loss(model, batch).item(), abs=1e-5)
     if is_mode:
-        weights = logprobs.is_weights
+        weights = lab.current.is_weights
         torch.testing.assert_close(weights, batch["importance_sampling_ratio"].cpu(), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(weights, torch.ones_like(weights))
         if is_mode.endswith("_mask"):
@@ -380,6 +381,6 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     assert second.clip_fraction == pytest.approx(metrics["clip_ratio/region_mean"][-1], abs=1e-6)
     assert second.clip_fraction > 0
     if name == "epsilon_high":   # only a test if some ratios fall between the two bounds, where A > 0
-        ratio = torch.exp(rollout_logprobs(model, rollout, lab.learner.device, None) - logprobs.old)
+        ratio = torch.exp(rollout_logprobs(model, rollout, lab.learner.device, None) - lab.current.old_logprobs)
         between = (ratio > 1 + cfg.grpo.epsilon) & (ratio <= 1 + cfg.epsilon_high) & (advantages.values > 0).unsqueeze(1)
         assert (between & rollout.completion_mask.bool()).any()

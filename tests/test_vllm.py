@@ -261,7 +261,7 @@ def sleep_spy(gen, monkeypatch, fail_at=None):
     monkeypatch.setattr(gen.llm, "wake_up", lambda *a, **k: events.append("wake"))
     monkeypatch.setattr(gen.llm, "sleep", lambda *a, **k: events.append("sleep"))
     monkeypatch.setattr(gen.llm, "generate", generate)
-    monkeypatch.setattr("grpo_lab.generation.vllm.release_cached_blocks", lambda: events.append("empty_cache"))
+    monkeypatch.setattr("grpo_lab.generation.vllm_engine.release_cached_blocks", lambda: events.append("empty_cache"))
     return events
 
 
@@ -323,7 +323,7 @@ import gc, json, os, shutil, sys, tempfile, warnings, weakref
 from pathlib import Path
 import psutil
 from grpo_lab import Lab, LabError
-from grpo_lab.generation.vllm import adapter_dir_prefix
+from grpo_lab.generation.vllm_engine import adapter_dir_prefix
 from vllm.distributed import parallel_state
 from vllm.v1.engine.core import EngineCore
 
@@ -393,7 +393,7 @@ print("RESULT " + json.dumps(out))
 
 
 def lifecycle(tiny_model, **env):
-    from grpo_lab.generation.vllm import adapter_dir_prefix
+    from grpo_lab.generation.vllm_engine import adapter_dir_prefix
 
     cfg = {"model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
            "lora": {"r": 8, "lora_alpha": 16}, "generator": {"backend": "vllm", "max_completion_length": 8},

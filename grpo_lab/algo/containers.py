@@ -70,9 +70,6 @@ class Advantages:
 @dataclass
 class LogProbs:
     ref: Optional[torch.Tensor]      # [N, L] reference policy (None: beta was 0 at the logprobs phase)
-    # Filled by the rollout's first backward, from its own forward (see step.backward), reused by later iterations:
-    old: Optional[torch.Tensor] = None          # [N, L] learner before this rollout's first update, detached
-    is_weights: Optional[torch.Tensor] = None   # [N, L] or [N, 1] importance-sampling weights (None: not applied)
 
 
 @dataclass
@@ -86,6 +83,15 @@ class LossStats:
     is_ratio_min: Optional[float] = None    # importance-sampling weights over the loss's tokens (None: not applied)
     is_ratio_mean: Optional[float] = None
     is_ratio_max: Optional[float] = None
+
+
+@dataclass
+class BackwardResult:
+    """What a backward phase returns: its metrics, and the old log-probs and importance-sampling weights it used (the
+    rollout's first backward records the old log-probs from its own forward; its later iterations are given them)."""
+    stats: LossStats
+    old_logprobs: torch.Tensor             # [N, L] learner before the rollout's first update, detached, on the CPU
+    is_weights: Optional[torch.Tensor]     # [N, L] or [N, 1] importance-sampling weights (None: not applied)
 
 
 @dataclass
@@ -139,3 +145,23 @@ class StepResult:
         kl = "-" if self.kl is None else f"{self.kl:.4f}"
         return (f"step {self.step}: reward {self.reward_mean:.3f}±{self.reward_std:.3f}  loss {self.loss:+.4f}  "
                 f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s")
+
+
+@dataclass
+class GenerationRequest:
+    """Settings of one rollout, read from the live config at the rollout phase (the generator keeps
+    no copy of them, so an edit between steps takes effect at the next rollout); temperature 0 = greedy."""
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_prompt_length: int = 256
+    chunk_size: Optional[int] = None     # sequences per engine call; None = all at once
+    gather_for_generation: bool = True   # a sharded hf learner: full weights for the rollout, or one layer at a time
+    full_length: bool = False            # the worst-case probe: stop tokens suppressed until max_completion_length
+
+    @classmethod
+    def from_config(cls, config, full_length: bool = False) -> "GenerationRequest":
+        gen = config.generator
+        return cls(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k, gen.max_prompt_length, gen.chunk_size,
+                   gen.gather_for_generation, full_length)

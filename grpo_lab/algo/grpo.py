@@ -1,8 +1,6 @@
-"""One GRPO step, phase by phase. Each phase (phases.PHASES) is a public function of the same
-name taking the typed output of the one before; the Lab times and marks each, checks their order
-and composes them into a step:
-
-    rollout -> rewards -> advantages -> logprobs -> (backward -> optimizer) x num_iterations -> sync
+"""One GRPO step, phase by phase. `step()` is the algorithm; each phase (phases.PHASES) is a public function of the
+same name taking the typed output of the one before, and returning a new value (it changes no input). The Lab
+checks, times and marks each phase, and undoes a step that fails part-way.
 
 Departs from TRL: micro-batching the log-prob/backward passes never changes the objective
 (losses normalise over the whole step batch); a step is one optimizer update per rollout
@@ -18,8 +16,6 @@ import torch
 
 from ..errors import LabError, NonFinite
 from ..state.faults import poison
-from ..generation.base import GenerationRequest
-from ..generation.registry import OWN_WEIGHTS
 from .importance import importance_weights
 from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice
 from .losses import BatchTotals, grpo_loss
@@ -27,7 +23,23 @@ from .rewards import reward_name
 from ..dist.fsdp import full, local
 from ..dist.recovery import agreed
 from ..runtime import runtime
-from .containers import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
+from .containers import (Advantages, BackwardResult, GenerationRequest, LogProbs, LossStats, Rewards, Rollout,
+                         StepResult)
+
+
+def step(phases, num_iterations: int) -> StepResult:
+    """One GRPO step (DeepSeekMath's Algorithm 1, one batch): sample a group of completions per prompt, score them,
+    turn the scores into group-relative advantages, then take `num_iterations` clipped-surrogate updates on that one
+    rollout, and hand the new weights to the generator. `phases` runs each phase: the Lab's phase methods, which check,
+    time and roll back (where a step is resumed, a phase it already ran gives back what it produced)."""
+    rollout = phases.rollout()
+    rewards = phases.rewards(rollout)
+    advantages = phases.advantages(rewards)
+    logprobs = phases.logprobs(rollout)
+    for _ in range(num_iterations):   # mu in the paper: updates per rollout, each from the same old log-probs
+        phases.backward(rollout, advantages, logprobs)
+        phases.optimizer()
+    return phases.sync()
 
 
 def rollout(generator, prompts, config) -> Rollout:
@@ -88,7 +100,7 @@ def logprobs(learner, reference, rollout: Rollout, config) -> LogProbs:
 
 def applies_importance_sampling(config) -> bool:
     """IS corrects for a sampler that is not the learner: only a backend with its own weights can be one."""
-    return config.grpo.importance_sampling_correction and config.generator.backend in OWN_WEIGHTS
+    return config.grpo.importance_sampling_correction and config.generator.own_weights
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
@@ -99,17 +111,18 @@ def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
     return mask
 
 
-def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogProbs, config) -> LossStats:
+def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogProbs, config,
+             old_logprobs: Optional[torch.Tensor] = None) -> BackwardResult:
     """Forward with gradients and backward, one micro-batch at a time; gradients accumulate in the LoRA params.
 
-    The rollout's first backward (logprobs.old is None) is at the weights that sampled it: its own detached
+    The rollout's first backward (no `old_logprobs` yet) is at the weights that sampled it: its own detached
     log-probs are the old log-probs (ratio exactly 1, dropout included, as the forward is the same) and the
-    importance-sampling weights come from them; both are recorded for the rollout's later iterations."""
+    importance-sampling weights come from them; it returns them, for the rollout's later iterations."""
     grpo, device = config.grpo, learner.device
     if grpo.beta > 0 and logprobs.ref is None:
         raise LabError(f"backward: grpo.beta is {grpo.beta} but this step's logprobs phase ran at beta 0, so there are "
                        "no reference log-probs; run lab.logprobs(rollout) again (before the step's first update)")
-    first = logprobs.old is None
+    first = old_logprobs is None
     is_on = applies_importance_sampling(config)
     mask_all = loss_mask(rollout, grpo.mask_truncated_completions)
     totals = BatchTotals(len(rollout), int(mask_all.sum().item()), rollout.max_completion_length)
@@ -128,7 +141,7 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
         with agreed(model):   # a rank whose forward fails takes every rank out before any backward's reduce-scatter
             logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
         sampler = rollout.sampler_logprobs[rows].to(device)
-        old = logps.detach() if first else logprobs.old[rows].to(device)
+        old = logps.detach() if first else old_logprobs[rows].to(device)
         weights = None
         if is_on:   # from the old log-probs, so every iteration of the rollout gets the same weights
             # over the loss mask, as TRL (mask_truncated_completions zeroes its completion mask first)
@@ -166,15 +179,16 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
             kl_sum += (kl.detach() * mask).sum().item()
         del logps, loss, kl  # why: free this micro-batch's activations before the next forward
     if first:   # why after the loop: a backward that failed part-way records nothing
-        logprobs.old = ranks.gather_rows(torch.cat(olds))
-    logprobs.is_weights = ranks.gather_rows(torch.cat(weights_all)) if is_on else None
+        old_logprobs = ranks.gather_rows(torch.cat(olds))
+    is_weights = ranks.gather_rows(torch.cat(weights_all)) if is_on else None
     loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens = ranks.sum(
         [loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens])   # the whole batch's
     tokens = max(totals.num_tokens, 1)
-    return LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
-                     clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
-                     logprob_kl=mismatch_kl_sum / max(mismatch_tokens, 1), num_tokens=totals.num_tokens,
-                     **ratio_stats(logprobs.is_weights, mask_all))
+    stats = LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
+                      clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
+                      logprob_kl=mismatch_kl_sum / max(mismatch_tokens, 1), num_tokens=totals.num_tokens,
+                      **ratio_stats(is_weights, mask_all))
+    return BackwardResult(stats, old_logprobs, is_weights)
 
 
 def ratio_stats(weights: Optional[torch.Tensor], loss_mask_: torch.Tensor) -> dict:

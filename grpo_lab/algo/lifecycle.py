@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import LabError
-from .phases import BY_NAME, PHASE_NAMES
+from .phases import BY_NAME, PHASE_NAMES, PHASES, UPDATE_PHASES
 
 
 @dataclass
@@ -24,6 +24,9 @@ class StepState:
     logprobs: Any = None
     stats: Any = None
     grad_norm: Optional[float] = None
+    # what the rollout's first backward records from its own forward (grpo.backward), for its later iterations:
+    old_logprobs: Any = None         # [N, L] the learner's log-probs before the step's first update, detached
+    is_weights: Any = None           # [N, L] or [N, 1] the last backward's importance-sampling weights (None: off)
     updates: int = 0                 # optimizer updates applied in this step
     gradients: bool = False          # a backward's gradients wait for the optimizer phase
     snapshot: Any = None             # rollback.TrainState: LoRA + optimizer state before the step's first update
@@ -32,6 +35,11 @@ class StepState:
     @property
     def started(self) -> bool:
         return self.rollout is not None
+
+
+def next_phase(step: StepState, num_iterations: int) -> str:
+    """The first phase, in PHASES order, that the step still needs."""
+    return next(phase.name for phase in PHASES if not phase.done(step, num_iterations))
 
 
 def _same(step: StepState, name: str, given) -> None:
@@ -60,7 +68,7 @@ def check_order(step: StepState, phase: str, num_iterations: int, **inputs) -> N
     """Refuse, in one line, a phase called out of order or with inputs that are not this step's."""
     for name in BY_NAME[phase].inputs:   # the registry says what each phase takes from the step
         _same(step, name, inputs[name])
-    if phase in ("rollout", "rewards", "advantages", "logprobs"):
+    if phase not in UPDATE_PHASES:   # the phases an update is computed from
         _inputs_fixed(step, phase)
     if phase == "backward" and step.updates >= num_iterations:
         raise LabError(f"backward: step {step.index} has done its {step.updates} update(s) "
@@ -71,3 +79,21 @@ def check_order(step: StepState, phase: str, num_iterations: int, **inputs) -> N
     if phase == "sync" and step.updates < num_iterations:
         raise LabError(f"sync: step {step.index} has done {step.updates} of grpo.num_iterations = {num_iterations} "
                        "update(s); run lab.backward(...) and lab.optimizer() until it has")
+
+
+class RestOfStep:
+    """A Lab's phase methods as `grpo.step` calls them, resuming the current step: a phase the step needs no more
+    gives back what it produced (so `lab.step()` after a failure retries from the failed phase)."""
+
+    def __init__(self, lab):
+        self.lab = lab
+
+    def __getattr__(self, name: str):
+        phase, lab = BY_NAME[name], self.lab
+
+        def run(*inputs):
+            if phase.done(lab.current, lab.config.grpo.num_iterations):
+                return getattr(lab.current, phase.output)
+            return getattr(lab, name)(*inputs)
+
+        return run

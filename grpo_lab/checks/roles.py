@@ -3,15 +3,14 @@ pydantic reports them as one ConfigError line naming the field."""
 from __future__ import annotations
 
 from ..errors import LabError
-from ..generation.registry import OWN_WEIGHTS
 
 NEEDS_SHARE = "needs a memory share"   # (grpo-lab plan recognises this refusal and plans with auto instead)
 
 
-def check_placement(cfg) -> None:
+def check_roles(cfg) -> None:
     """Who may sit where (LabConfig's cross-checks; `cfg` is the config being validated): refused with one line per problem."""
     place, gen = cfg.placement, cfg.generator
-    own = gen.backend in OWN_WEIGHTS
+    own = gen.own_weights
     if place.learner_procs > 1:
         check_sharding(cfg)
     elif place.ray_address is not None:
@@ -60,7 +59,7 @@ def check_sharding(cfg) -> None:
                              "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
                              "set it to true")
     if cfg.placement.ray_address not in (None, "auto"):
-        from ..cluster.ray_cluster import parse_address
+        from .world import parse_address
 
         try:
             parse_address(cfg.placement.ray_address)

@@ -1,8 +1,11 @@
 """Checks of a sharded learner's world before any process starts (pure: they read the config and what is
-installed). Which rank this process is, and the collectives, are the runtime's (grpo_lab/runtime.py)."""
+installed, and ask a Ray address whether it answers). Which rank this process is, and the collectives, are the
+runtime's (grpo_lab/runtime.py); starting the ranks is the Ray driver's (cluster/)."""
 from __future__ import annotations
 
 import os
+import socket
+import sys
 from typing import Optional
 
 import torch
@@ -10,8 +13,9 @@ import torch
 from ..errors import LabError
 from ..runtime import rank_devices
 
+CONNECT_S = 5           # an address that does not answer a TCP connect within this is unreachable
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
 
-# --- checks before any process starts (pure: they read the config and what is installed) ---
 
 def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -45,12 +49,8 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
     if procs == 1:
         return
     check_engine(place.learner)
-    from ..cluster.ray_cluster import import_ray_for
-
     import_ray_for(place.ray_address)   # Ray installed, or one line naming the extra
     if place.ray_address is not None:
-        from ..cluster.ray_cluster import check_reachable
-
         check_reachable(place.ray_address)   # before anything loads: an unreachable address is one line in seconds
         return   # the cluster's resources decide, checked when it is joined, before any rank starts (cluster/ray_cluster.py)
     if place.learner == "cpu":
@@ -69,3 +69,44 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
         raise LabError(f"placement.learner_procs: {procs} ranks from {place.learner} need {devices[0]}..{devices[-1]}, "
                        f"but this machine has {cuda_count} CUDA device(s); use at most {max(cuda_count - first, 0)} ranks "
                        "from there, or another placement.learner")
+
+
+def import_ray():
+    """Ray, or one line naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise LabError("placement.learner_procs: a sharded learner's ranks run as Ray actors, and Ray is not installed; "
+                       "pip install 'grpo-lab[ray]' (or set placement.learner_procs: 1)") from None
+    return ray
+
+
+def import_ray_for(address: Optional[str]):
+    """Ray, imported so that a local one (no address) binds loopback only."""
+    if address is None and "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")   # why: a Ray only this machine uses binds no public address
+    return import_ray()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' of a Ray cluster's head (its GCS), as `ray start --head` prints it."""
+    host, sep, port = address.rpartition(":")
+    if "/" in host or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LabError(f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
+                       "`ray start --head` prints; not a ray:// client address), 'auto' (the cluster this machine joined), or null (a local "
+                       "Ray)")
+    return host, int(port)
+
+
+def check_reachable(address: str, timeout: float = CONNECT_S) -> None:
+    """One line within `timeout` when nothing listens at `address` (ray.init would retry for minutes)."""
+    if address == "auto":
+        return
+    host, port = parse_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as err:
+        raise LabError(f"placement.ray_address: no Ray cluster answers at {address} ({err.strerror or err}); start one "
+                       f"there with `ray start --head --port {port}`, or set placement.ray_address: null for a local "
+                       "Ray") from None

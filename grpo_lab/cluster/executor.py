@@ -12,26 +12,12 @@ and AdamW state are bit for bit those before the step, and the step runs again f
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from ..algo.containers import BackwardResult
 from ..errors import LabError
+from ..models.source import fetch_once
 from .ranks import RankFailure, RankMemory, Ranks
-
-
-def fetch_once(name_or_path: str, local: bool) -> str:
-    """The model's files fetched by the driver, with its progress bar, before any rank starts: a built-in model built,
-    a hub id downloaded (once, not once per rank, and outside the ranks' start timeout). Ranks on this machine then
-    load the local copy; on a cluster (`local` false) a hub id stays one, fetched by each machine's ranks."""
-    from ..models.tiny import BUILTIN, resolve_model_path
-
-    if name_or_path.startswith(BUILTIN):
-        return resolve_model_path(name_or_path) if local else name_or_path   # each machine builds the same one
-    if Path(name_or_path).exists():
-        return name_or_path
-    from huggingface_hub import snapshot_download
-
-    path = snapshot_download(name_or_path)
-    return path if local else name_or_path
 
 
 class RankAdapter:
@@ -41,7 +27,7 @@ class RankAdapter:
 
     def __init__(self, executor: "RankExecutor"):
         from ..models.learner import load_tokenizer
-        from ..models.tiny import resolve_model_path
+        from ..models.source import resolve_model_path
 
         self.executor, self.model = executor, self
         self.tokenizer = load_tokenizer(resolve_model_path(executor.config.model.name_or_path))
@@ -63,19 +49,20 @@ class RankExecutor:
     reference = prompts = None   # each rank holds its own
     on_cuda = False              # the driver computes nothing; each rank marks its own phases
 
-    def __init__(self, lab):
-        self.lab = lab
+    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
+        from ..algo.rewards import resolve_reward
+
+        self.config = config
+        self.rewards_given = reward_funcs is not None   # refused at load: a rank cannot take this process's functions
+        self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or config.data.rewards)]
+        self.step_index = step_index
         self.ranks: Optional[Ranks] = None
         self.generator = None            # the ranks' one vLLM engine, in this process (cluster/remote.py), if any
         self.generator_behind = False
-        self._adapter = None
-        self._lost = False               # the ranks were stopped or restarted: they are (or start) at the step's start
-        self._result = None              # rank 0's result of the step's sync
-        self._model_path = self.config.model.name_or_path   # where the ranks load it from (fetch_once)
-
-    @property
-    def config(self):
-        return self.lab.config
+        self.adapter = None              # the ranks' LoRA as the engine syncs it (RankAdapter)
+        self.lost = False                # the ranks were stopped or restarted: they are (or start) at the step's start
+        self.sync_result = None          # rank 0's result of the step's sync
+        self.model_path = config.model.name_or_path   # where the ranks load it from (fetch_once)
 
     @property
     def loaded(self) -> bool:
@@ -92,9 +79,8 @@ class RankExecutor:
     @property
     def own_engine(self) -> bool:
         """A generator with weights of its own (vLLM) runs in this process, for every rank (cluster/remote.py)."""
-        from ..generation.registry import OWN_WEIGHTS
 
-        return self.config.generator.backend in OWN_WEIGHTS
+        return self.config.generator.own_weights
 
     # --- memory ---
     def devices(self) -> list[str]:
@@ -118,22 +104,22 @@ class RankExecutor:
         return []   # each rank writes its own allocator snapshots (runtime.snapshot_dir)
 
     # --- load and release ---
-    def load(self) -> None:
+    def load(self, memory) -> None:
         from ..local.executor import attach_engine
         from ..generation import backend_class
 
         cfg = self.config
-        if self.lab.reward_funcs_given:
+        if self.rewards_given:
             raise LabError("reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
                            "from this one; name them in data.rewards ('module:function')")
-        self._model_path = fetch_once(cfg.model.name_or_path, local=cfg.placement.ray_address is None)
-        self.ranks = Ranks(self.rank_config(), cfg.placement.learner_procs, self.lab.memory, step=lambda: self.lab.step_index,
-                           stopped=self._stopped).start()
+        self.model_path = fetch_once(cfg.model.name_or_path, local=cfg.placement.ray_address is None)
+        self.ranks = Ranks(self.rank_config(), cfg.placement.learner_procs, memory, step=self.step_index,
+                           stopped=self.on_ranks_stopped).start()
         if self.own_engine:   # the ranks' one engine, here: it starts with their adapter, gathered
             try:
-                self._adapter = RankAdapter(self)
-                self.generator = backend_class(cfg.generator.backend)(self._adapter, cfg)
-                attach_engine(self.lab.memory, self.generator)
+                self.adapter = RankAdapter(self)
+                self.generator = backend_class(cfg.generator.backend)(self.adapter, cfg)
+                attach_engine(memory, self.generator)
             except BaseException:
                 self.ranks.close()
                 raise
@@ -151,8 +137,11 @@ class RankExecutor:
         if self.generator is not None:
             self.generator.check_live(config)   # the driver's engine (the ranks' hf generators take every live edit)
 
-    def rebuilds_here(self, path: str) -> bool:
-        return path.startswith("memory.")   # the driver's own part: its sampler and leak detector
+    def build_reference(self) -> None:
+        """Nothing here: each rank builds its own reference from the config it is sent with its next command."""
+
+    def build_prompts(self) -> None:
+        """Nothing here: each rank builds its own prompt source from the config it is sent with its next command."""
 
     # --- the step ---
     def check_learner(self) -> None:
@@ -162,45 +151,47 @@ class RankExecutor:
         """Every rank runs the phase with its own inputs (the same as these: every rank holds the whole rollout, sampled
         once, generation/sample_once.py)."""
         if self.generator is not None and (name == "sync" or (name == "rollout" and self.generator_behind)):
-            self.generator.sync(self._adapter)   # the engine's LoRA from the ranks, before they end the step
+            self.generator.sync(self.adapter)   # the engine's LoRA from the ranks, before they end the step
             self.generator_behind = False
         out = self.ranks.call("phase", name, self.rank_config(), describe=name)
         if name == "optimizer" and state.snapshot is None:
             state.snapshot = "on every rank"   # why: each rank took its own rollback snapshot
         if name == "sync":
-            self._result = out
+            self.sync_result = out
+        if name == "backward":   # each rank keeps the old log-probs its first backward recorded; the driver, the stats
+            return BackwardResult(out, None, None)
         return out
 
     def rank_config(self) -> dict:
         """The config as the ranks run it: the model where the driver fetched it, no reporting (the driver reports)."""
         config = self.config.to_dict()
         config["run"]["report_to"] = []
-        config["model"]["name_or_path"] = self._model_path
+        config["model"]["name_or_path"] = self.model_path
         return config
 
-    def _stopped(self) -> None:
-        self._lost = True
+    def on_ranks_stopped(self) -> None:
+        """Ranks calls this when it stopped or restarted the ranks."""
+        self.lost = True
 
-    def _take_lost(self) -> bool:
+    def take_lost(self) -> bool:
         """Whether the ranks lost the step's progress since the last look (the engine then may hold an adapter they
         undid)."""
-        lost, self._lost = self._lost, False
+        lost, self.lost = self.lost, False
         if lost:
             self.generator_behind = self.generator is not None
         return lost
 
     def before_command(self) -> bool:
-        lost = self._take_lost()   # e.g. an interrupted lab.inspect(): the next command starts from the step
+        lost = self.take_lost()   # e.g. an interrupted lab.inspect(): the next command starts from the step
         self.ranks.up()
         return lost
 
     def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
-        """None when every rank undid its own share (the Lab's default undo follows); else the ranks were stopped
-        and the Lab's step goes back to its start."""
+        """None when every rank undid its own share (the Lab's default undo follows); else the ranks were stopped,
+        and the Lab's step goes back to its start (the Lab does so on any answer but None)."""
         self.generator_behind |= phase == "sync" and self.generator is not None   # the engine may hold an undone adapter
-        if not self._take_lost():
+        if not self.take_lost():
             return None
-        self.lab._restart_step()
         if isinstance(err, RankFailure):
             return "every rank was restarted from the state before the step"
         stopped = (f"{phase} was stopped on every rank (a rank cannot be interrupted alone: the others would wait "
@@ -216,7 +207,7 @@ class RankExecutor:
 
     def result(self, state, seconds: dict):
         """Rank 0's result, with the driver's phase times."""
-        result = self._result
+        result = self.sync_result
         result.phase_seconds = seconds
         result.step_seconds = sum(seconds.values())
         result.sync_seconds = seconds.get("sync", 0.0)

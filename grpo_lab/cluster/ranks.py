@@ -85,7 +85,8 @@ class Ranks:
             raise
 
     def _start(self, restore: Optional[int]) -> "Ranks":
-        from .ray_cluster import Cluster, bundles, import_ray_for
+        from ..checks.world import import_ray_for
+        from .ray_cluster import Cluster, bundles
 
         if restore is not None and restore not in self.boundaries:
             raise LabError(f"the ranks cannot start from step {restore}: no boundary state of it is held (held: "

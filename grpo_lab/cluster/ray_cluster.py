@@ -2,9 +2,9 @@
 and a placement group of one bundle per rank. Ray places and supervises the rank processes (an actor per rank):
 it spans machines, and it tells the driver when a rank's process dies, whatever the cause (docs/fsdp2.md, "Why Ray").
 
-The checks here run before any actor starts: Ray installed, the address reachable (within CONNECT_S), the cluster's
-resources enough for the ranks. The pure parts (address parsing, bundles, resource arithmetic, the GPUs a local Ray
-is given) are tested with made-up clusters (tests/test_ray.py).
+Before any actor starts, the cluster's resources must be enough for the ranks (Ray installed and the address reachable
+are checked earlier, by checks/world.py). The pure parts (bundles, resource arithmetic, the GPUs a local Ray is given)
+are tested with made-up clusters (tests/test_ray.py).
 """
 from __future__ import annotations
 
@@ -12,45 +12,10 @@ import os
 import socket
 from typing import Optional
 
+from ..checks.world import check_reachable, import_ray_for, parse_address
 from ..errors import LabError
 
-CONNECT_S = 5           # an address that does not answer a TCP connect within this is unreachable
 PLACE_S = 60            # a placement group that is not ready within this cannot be placed (resources taken by others)
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
-
-
-def import_ray():
-    """Ray, or one line naming the extra that installs it."""
-    try:
-        import ray
-    except ImportError:
-        raise LabError("placement.learner_procs: a sharded learner's ranks run as Ray actors, and Ray is not installed; "
-                       "pip install 'grpo-lab[ray]' (or set placement.learner_procs: 1)") from None
-    return ray
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """'host:port' of a Ray cluster's head (its GCS), as `ray start --head` prints it."""
-    host, sep, port = address.rpartition(":")
-    if "/" in host or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LabError(f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
-                       "`ray start --head` prints; not a ray:// client address), 'auto' (the cluster this machine joined), or null (a local "
-                       "Ray)")
-    return host, int(port)
-
-
-def check_reachable(address: str, timeout: float = CONNECT_S) -> None:
-    """One line within `timeout` when nothing listens at `address` (ray.init would retry for minutes)."""
-    if address == "auto":
-        return
-    host, port = parse_address(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as err:
-        raise LabError(f"placement.ray_address: no Ray cluster answers at {address} ({err.strerror or err}); start one "
-                       f"there with `ray start --head --port {port}`, or set placement.ray_address: null for a local "
-                       "Ray") from None
 
 
 def bundles(learner: str, procs: int, threads: int) -> list[dict]:
@@ -179,12 +144,6 @@ def start_local(cpus: int, gpus: int = 0, tries: int = 2) -> None:
                 raise LabError(f"placement.learner_procs: a local Ray for the ranks did not start ({str(err).splitlines()[0]}); "
                                "this machine may be too busy; try again, or start one with `ray start --head` and set "
                                "placement.ray_address") from None
-
-
-def import_ray_for(address: Optional[str]):
-    if address is None and "ray" not in __import__("sys").modules:
-        os.environ.setdefault(LOOPBACK_ENV, "0")   # why: a Ray only this machine uses binds no public address
-    return import_ray()
 
 
 def _ready(group, timeout: float) -> bool:

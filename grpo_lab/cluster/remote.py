@@ -11,8 +11,8 @@ from __future__ import annotations
 import pickle
 
 from ..generation.base import GenerationRequest, Generator, Sample
-from ..generation.vllm import draw_seeds
-from ..models.tiny import resolve_model_path
+from ..generation.vllm_engine import draw_seeds
+from ..models.source import resolve_model_path
 
 _driver = {"rank": None, "asked": 0}
 
@@ -41,7 +41,7 @@ class RemoteVLLM(Generator):
         self._seeds = draw_seeds(len(batch) * num_generations)   # as VLLMGenerator: the same RNG, the same samples
         return super().generate(batch, num_generations, request)
 
-    def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
+    def generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
         return ask("sample", prompt_ids, [next(self._seeds) for _ in prompt_ids], request)
 
     def sync(self, learner) -> None:

@@ -209,4 +209,4 @@ def restore_boundary(lab, data: bytes) -> None:
     load_optimizer_shards(learner, state["optimizer"])
     lab.prompts.load_state_dict(state["data"])
     restore_rng(state["rng"])
-    lab._resume_at(state["step"])
+    lab.resume_at(state["step"])

@@ -16,45 +16,46 @@ from .schema import field_when
 from ..errors import LabError
 
 
-def rebuild_reference(lab) -> None:
-    if lab.config.reference_strategy != lab.executor.reference_strategy:   # why: 'copy' loads a model; only on a change
-        lab.executor.build_reference()
+def rebuild_reference(loaded: "LoadedLabGuard") -> None:
+    executor = loaded.executor
+    if executor.config.reference_strategy != executor.reference_strategy:   # why: 'copy' loads a model; only on a change
+        executor.build_reference()
 
 
-def rebuild_prompts(lab) -> None:
-    lab.executor.build_prompts()
-
-
-def rebuild_rewards(lab) -> None:
+def rebuild_rewards(loaded: "LoadedLabGuard") -> None:
     from ..algo.rewards import resolve_reward
 
-    lab.reward_funcs = [resolve_reward(name) for name in lab.config.data.rewards]
+    loaded.executor.reward_funcs = [resolve_reward(name) for name in loaded.executor.config.data.rewards]
 
 
-def rebuild_leak_detector(lab) -> None:
-    lab.leaks.window = lab.config.memory.leak_window
-    lab.leaks.min_growth = lab.config.memory.leak_min_growth_mib * 1024 ** 2
+def rebuild_leak_detector(loaded: "LoadedLabGuard") -> None:
+    memory = loaded.executor.config.memory
+    loaded.leaks.window = memory.leak_window
+    loaded.leaks.min_growth = memory.leak_min_growth_mib * 1024 ** 2
 
 
+# (a sharded learner's driver rebuilds its memory views; its ranks their own parts, at their next command)
 REBUILDS: dict[str, Callable] = {
     "grpo.beta": rebuild_reference,
     "reference.strategy": rebuild_reference,
-    "data.dataset": rebuild_prompts,
-    "data.num_prompts": rebuild_prompts,
-    "data.system_prompt": rebuild_prompts,
+    "data.dataset": lambda loaded: loaded.executor.build_prompts(),
+    "data.num_prompts": lambda loaded: loaded.executor.build_prompts(),
+    "data.system_prompt": lambda loaded: loaded.executor.build_prompts(),
     "data.rewards": rebuild_rewards,
-    "memory.sample_hz": lambda lab: lab.memory.set_rate(lab.config.memory.sample_hz),
-    "memory.host_threshold": lambda lab: setattr(lab.memory, "host_threshold", lab.config.memory.host_threshold),
+    "memory.sample_hz": lambda loaded: loaded.memory.set_rate(loaded.executor.config.memory.sample_hz),
+    "memory.host_threshold": lambda loaded: setattr(loaded.memory, "host_threshold",
+                                                    loaded.executor.config.memory.host_threshold),
     "memory.leak_window": rebuild_leak_detector,
     "memory.leak_min_growth_mib": rebuild_leak_detector,
 }
 
 
 class LoadedLabGuard:
-    """Installed on a Lab's config by `Lab.load()`."""
+    """Installed on a Lab's config by `Lab.load()`: what was built from it (the executor's models, the memory sampler,
+    the leak detector, the devices watched), never the Lab itself."""
 
-    def __init__(self, lab):
-        self.lab = lab
+    def __init__(self, executor, memory, leaks, memory_devices: list[str]):
+        self.executor, self.memory, self.leaks, self.memory_devices = executor, memory, leaks, memory_devices
 
     def refuse_fixed(self, paths) -> None:
         """Load-time fields among `paths` are refused first: no other message can help an edit that never applies."""
@@ -65,8 +66,7 @@ class LoadedLabGuard:
 
     def check(self, config, new, changed: dict) -> None:
         self.refuse_fixed(changed)
-        lab = self.lab
-        if "data.rewards" in changed and lab.reward_funcs_given:
+        if "data.rewards" in changed and self.executor.rewards_given:
             raise LabError("data.rewards: this Lab's reward functions were passed to Lab(reward_funcs=...); pass new "
                            "ones to a new Lab, or edit data.reward_weights")
         if "data.rewards" in changed:
@@ -74,16 +74,15 @@ class LoadedLabGuard:
 
             for name in new.data.rewards:
                 resolve_reward(name)
-        if new.reference_strategy == "copy" and new.reference_device not in lab.memory_devices:
+        if new.reference_strategy == "copy" and new.reference_device not in self.memory_devices:
             raise LabError(f"reference.strategy: a copy on {new.reference_device} after load would sit on a device this "
-                           f"Lab does not watch ({', '.join(lab.memory_devices)}); make a new Lab with it")
-        lab.executor.check_live(new)
+                           f"Lab does not watch ({', '.join(self.memory_devices)}); make a new Lab with it")
+        self.executor.check_live(new)
 
     def apply(self, config, changed: dict) -> None:
         done = []
         for path in changed:
             rebuild = REBUILDS.get(path)
-            # (a sharded learner's ranks rebuild their own parts at their next command; the driver its memory views)
-            if rebuild is not None and rebuild not in done and self.lab.executor.rebuilds_here(path):
-                rebuild(self.lab)
+            if rebuild is not None and rebuild not in done:
+                rebuild(self)
                 done.append(rebuild)

@@ -10,12 +10,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from ..checks.roles import check_placement
+from ..checks.roles import check_roles
 from .fields import (WHEN, Section, apply_overrides, canonical, knob, normalize_device,  # noqa: F401 (WHEN)
                             resolve_aliases)
 from ..algo.prompts import SYSTEM_PROMPT
 from ..errors import ConfigError, format_validation_error
-from ..generation.registry import BACKENDS
+from ..generation.registry import BACKENDS, OWN_WEIGHTS
 from ..algo.losses import LOSSES, RATIO_LEVELS
 from ..algo.rewards import REWARDS
 
@@ -110,6 +110,12 @@ class GeneratorSection(Section):
         "hf backend: gather the full weights on every rank for the rollout (fast; needs room for the whole model, the "
         "planner says how much) or generate through the sharded model, one layer gathered at a time (slow; fits) (P3).")
     cpu_kv_cache_gib: int = knob("load", 1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
+
+    @property
+    def own_weights(self) -> bool:
+        """Whether the backend holds its own copy of the weights (vllm), and so a memory share of its GPU and an adapter
+        to sync; hf samples with the learner itself."""
+        return self.backend in OWN_WEIGHTS
 
 
 class GRPOSection(Section):
@@ -214,9 +220,9 @@ class RunSection(Section):
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_to(cls, v):
-        from ..trackers import resolve
+        from ..checks.installed import resolve_trackers
 
-        return resolve(v)
+        return resolve_trackers(v)
 
 
 def _at(data: dict, path: str):
@@ -238,6 +244,14 @@ class LabConfig(Section):
 
     _guard: Any = PrivateAttr(None)   # a loaded Lab's edit guard: check(changes) before, apply(changes) after an update
 
+    def attach_guard(self, guard) -> None:
+        """A loaded Lab's edit guard (config/edits.py): from now on every edit is checked against what was built."""
+        self._guard = guard
+
+    def detach_guard(self) -> None:
+        """Nothing loaded is left to protect: the config is a plain config again."""
+        self._guard = None
+
     def model_post_init(self, context: Any) -> None:
         for name in type(self).model_fields:
             section = self.__dict__[name]
@@ -256,7 +270,7 @@ class LabConfig(Section):
 
     def model_copy(self, *, update: Optional[dict] = None, deep: bool = False) -> "LabConfig":
         """A deep copy (sections are never shared between two configs: each belongs to one root), unguarded."""
-        guard, self._guard = self._guard, None   # why: the guard holds the Lab (threads, locks): never copied
+        guard, self._guard = self._guard, None   # why: the guard holds loaded models (threads, locks): never copied
         try:
             copy = super().model_copy(update=update, deep=True)
         finally:
@@ -318,7 +332,7 @@ class LabConfig(Section):
         if ref.strategy == "none" and self.grpo.beta > 0:
             raise ValueError(f"reference.strategy: 'none' needs grpo.beta = 0 (got {self.grpo.beta}); "
                              "set beta: 0 or strategy: adapter-disabled")
-        check_placement(self)
+        check_roles(self)
         weights = self.data.reward_weights
         if weights is not None and len(weights) != len(self.data.rewards):
             raise ValueError(f"data.reward_weights: {len(weights)} weights for {len(self.data.rewards)} rewards; give one per reward")

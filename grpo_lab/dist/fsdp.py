@@ -27,14 +27,15 @@ def _layers(causal_lm) -> list:
     return list(backbone.layers)
 
 
-def shard(model, device: torch.device):
-    """Shard `model` (a PeftModel or a bare causal LM) in place over the default process group; returns it."""
+def shard(model, device: torch.device, score):
+    """Shard `model` (a PeftModel or a bare causal LM) in place over the default process group; returns it. `score` is
+    the log-prob pass (algo/logprobs.score_completions), registered with FSDP as a forward of its own."""
     mesh = mesh_for(device)
     lm = _causal_lm(model)
     for layer in _layers(lm):
         shard_unit(layer, mesh)   # why per layer: one layer whole at a time
     shard_unit(lm, mesh)   # the root owns the embedding, final norm and LM head (tied or not)
-    finish(lm)
+    finish(lm, score)
     return model
 
 
@@ -58,15 +59,14 @@ def shard_unit(module, mesh):
     return unit
 
 
-def finish(lm) -> None:
-    """After the root is sharded: the log-prob pass registered with FSDP and the root's settings made final."""
+def finish(lm, score) -> None:
+    """After the root is sharded: the log-prob pass `score(lm, ...)` registered with FSDP and the root's settings made
+    final."""
     from types import MethodType
 
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    from ..algo.logprobs import score_completions
-
-    setattr(lm, SCORE, MethodType(score_completions, lm))
+    setattr(lm, SCORE, MethodType(score, lm))
     register_fsdp_forward_method(lm, SCORE)   # why: a log-prob pass calls the backbone and the head, not forward()
     lm._get_fsdp_state()._lazy_init()   # why now: the root's settings (no reshard after forward) are final before any pass
 

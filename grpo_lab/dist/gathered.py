@@ -51,35 +51,36 @@ def full_lora(learner) -> dict:
     return {n: full(p).detach().cpu() for n, p in learner.trainable_parameters().items()}
 
 
-def save_full_checkpoint(lab, path) -> None:
+def save_full_checkpoint(learner, prompts, config, step: int, path) -> None:
     """Every rank gathers; rank 0 writes the single-process checkpoint format."""
     from ..state.checkpoint import save_checkpoint
     from ..runtime import capture_rng, runtime
 
     me = runtime()
-    lora, optimizer = full_lora(lab.learner), full_optimizer_state(lab.learner.optimizer)
+    lora, optimizer = full_lora(learner), full_optimizer_state(learner.optimizer)
     # why every rank's: each rank's CUDA generator is its own GPU's; rank 0's restored on rank 1 samples elsewhere
-    rngs = me.gather_objects(capture_rng(me.cuda_indices(lab.config)))
+    rngs = me.gather_objects(capture_rng(me.cuda_indices(config)))
     if me.rank == 0:
-        save_checkpoint(lab, path, lora=lora, optimizer=optimizer, rng={**rngs[0], "ranks": rngs})
+        save_checkpoint(learner, prompts, config, step, path, lora=lora, optimizer=optimizer,
+                        rng={**rngs[0], "ranks": rngs})
     _barrier()   # why: no rank reports done before the files exist
 
 
-def save_full_adapter(lab, path) -> None:
+def save_full_adapter(learner, path) -> None:
     from ..files import atomic_write_dir
     from ..runtime import runtime
 
-    lora = full_lora(lab.learner)
+    lora = full_lora(learner)
     if runtime().rank == 0:
         def write(tmp: Path):
-            lab.learner.model.save_pretrained(tmp, state_dict=lora)
-            lab.learner.tokenizer.save_pretrained(tmp)
+            learner.model.save_pretrained(tmp, state_dict=lora)
+            learner.tokenizer.save_pretrained(tmp)
 
         atomic_write_dir(path, write)
     _barrier()
 
 
-def restore_full_checkpoint(lab, path) -> int:
+def restore_full_checkpoint(learner, prompts, path) -> int:
     """A checkpoint of any number of ranks into this rank: its shard of every tensor, RNG states, data position;
     returns the step it continues at."""
     from peft.utils import load_peft_weights
@@ -91,7 +92,7 @@ def restore_full_checkpoint(lab, path) -> int:
 
     checkpoint = read_checkpoint(path)
     weights = load_peft_weights(str(checkpoint.path / "adapter"), device="cpu")
-    params = lab.learner.trainable_parameters()
+    params = learner.trainable_parameters()
     names = {n.replace(".default.", "."): n for n in params}   # PEFT saves without the adapter name
     if set(weights) != set(names):
         raise LabError(f"checkpoint {str(checkpoint.path)!r}: its LoRA tensors do not match this model's ({len(weights)} "
@@ -104,8 +105,8 @@ def restore_full_checkpoint(lab, path) -> int:
                 value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
             local(p).copy_(value)
     state = checkpoint.load_state()
-    load_optimizer_shards(lab.learner, state["optimizer"], whole=True)
-    lab.prompts.load_state_dict(state["data"])
+    load_optimizer_shards(learner, state["optimizer"], whole=True)
+    prompts.load_state_dict(state["data"])
     me = runtime()
     restore_rng(rank_rng(state["rng"], me.rank, me.size))
     return checkpoint.step

@@ -183,7 +183,7 @@ def _fill_root(root_entries: list[tuple], checkpoint: Checkpoint, device: torch.
                 local[at:stop].copy_(checkpoint.rows(key, start + at, start + stop).to(local.dtype))
 
 
-def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: torch.device,
+def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: torch.device, score: Callable,
                  wrap: Optional[Callable] = None):
     """The model sharded over the default process group, never whole on this rank. `wrap(lm)` adds what one process
     adds before sharding (the log-prob head, PEFT's LoRA, checkpointing) while everything is on meta; it returns the
@@ -207,6 +207,6 @@ def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: to
     if left:   # a LoRA target outside the decoder layers (e.g. the LM head): nothing here reads or draws it
         raise LabError(f"lora.target_modules: {left[0]} is outside the decoder layers, which a sharded learner "
                        "(placement.learner_procs > 1) loads layer by layer; target the decoder layers' linear layers")
-    finish(lm)
+    finish(lm, score)   # the log-prob pass (fsdp.finish)
     torch.set_rng_state(rng)      # where get_peft_model leaves one process's generator
     return model

@@ -1,4 +1,4 @@
-"""The generator interface. A backend implements `_generate_chunk` (token ids in, sampled
+"""The generator interface. A backend implements `generate_chunk` (token ids in, sampled
 token ids and their sampler log-probs out) and `sync`; this base class tokenizes, repeats
 each prompt G times, splits the requests into chunks, merges the chunks in order and pads.
 
@@ -15,27 +15,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ..algo.containers import PromptBatch, Rollout
-
-
-@dataclass
-class GenerationRequest:
-    """Settings of one rollout, read from the live config at the rollout phase (the generator keeps
-    no copy of them, so an edit between steps takes effect at the next rollout); temperature 0 = greedy."""
-    max_completion_length: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_prompt_length: int = 256
-    chunk_size: Optional[int] = None     # sequences per engine call; None = all at once
-    gather_for_generation: bool = True   # a sharded hf learner: full weights for the rollout, or one layer at a time
-    full_length: bool = False            # the worst-case probe: stop tokens suppressed until max_completion_length
-
-    @classmethod
-    def from_config(cls, config, full_length: bool = False) -> "GenerationRequest":
-        gen = config.generator
-        return cls(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k, gen.max_prompt_length, gen.chunk_size,
-                   gen.gather_for_generation, full_length)
+from ..algo.containers import GenerationRequest, PromptBatch, Rollout
 
 
 @dataclass
@@ -88,7 +68,7 @@ class Generator:
         self.eos_token_ids = eos_token_ids(tokenizer, checkpoint)   # one stop set for every backend
 
     # --- backends implement these ---
-    def _generate_chunk(self, prompt_ids: list[list[int]], request: GenerationRequest) -> list[Sample]:
+    def generate_chunk(self, prompt_ids: list[list[int]], request: GenerationRequest) -> list[Sample]:
         raise NotImplementedError
 
     def sync(self, learner) -> None:
@@ -116,13 +96,13 @@ class Generator:
         samples: list[Sample] = []
         calls = 0
         for chunk in chunked(prompt_ids, request.chunk_size):
-            samples.extend(self._generate_chunk(list(chunk), request))
+            samples.extend(self.generate_chunk(list(chunk), request))
             calls += 1
-        out = self._to_rollout(batch, num_generations, prompt_ids, samples, request)
+        out = self.to_rollout(batch, num_generations, prompt_ids, samples, request)
         out.generate_calls = calls
         return out
 
-    def _to_rollout(self, batch, num_generations, prompt_ids, samples, request) -> Rollout:
+    def to_rollout(self, batch, num_generations, prompt_ids, samples, request) -> Rollout:
         pad = self.tokenizer.pad_token_id
         n, p_len = len(prompt_ids), max(len(p) for p in prompt_ids)
         c_len = max(1, max(len(s.completion_ids) for s in samples))

@@ -14,7 +14,7 @@ from ..errors import LabError
 from ..memory.heap import trim_host_heap
 from ..runtime import runtime
 from ..dist.fsdp import generation
-from ..models.tiny import resolve_model_path
+from ..models.source import resolve_model_path
 from .base import GenerationRequest, Generator, Sample, row_seeds
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
@@ -65,8 +65,16 @@ class HFGenerator(Generator):
     _seeds = None   # the rows' seeds, consumed chunk by chunk in row order (set by generate)
     _width = None   # the whole batch's prompt width (set by generate)
 
+    def sample_rows(self, prompt_ids: list[list[int]], seeds: list[int], request: GenerationRequest) -> list[Sample]:
+        """Sample `prompt_ids` with `seeds[i]` for row i, inside `generate` (a sharded rank's share: sample_once.py)."""
+        self._seeds = iter(seeds)
+        try:
+            return self.generate_chunk(prompt_ids, request)
+        finally:
+            self._seeds = None
+
     @torch.no_grad()  # why: a rollout needs no autograd graph
-    def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
+    def generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         model, tok = self.learner.model, self.tokenizer

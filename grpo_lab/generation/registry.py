@@ -8,7 +8,7 @@ from ..errors import LabError
 
 BACKENDS: dict[str, str] = {
     "hf": "grpo_lab.generation.hf:HFGenerator",
-    "vllm": "grpo_lab.generation.vllm:VLLMGenerator",
+    "vllm": "grpo_lab.generation.vllm_engine:VLLMGenerator",
 }
 
 # a sharded learner's rank asks the driver's engine instead (cluster/remote.py)

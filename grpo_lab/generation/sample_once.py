@@ -29,8 +29,8 @@ def replicated() -> bool:
 
 
 def sample_once(generator, batch, num_generations: int, request, seeds: list[int]) -> Rollout:
-    """This rank samples its share of the groups and gets every rank's; `generator`'s `_generate_chunk` samples, with
-    `seeds[i]` for row i. Every rank makes the same number of engine calls (each one's `generation` context gathers
+    """This rank samples its share of the groups and gets every rank's; `generator.sample_rows` samples, with `seeds[i]`
+    for row i. Every rank makes the same number of engine calls (each one's `generation` context gathers
     collectively, and through the shards every forward does): its rows in `calls` near-equal chunks, each within
     chunk_size, and a rank with no rows samples a stand-in row, discarded."""
     me, g = runtime(), num_generations
@@ -42,15 +42,12 @@ def sample_once(generator, batch, num_generations: int, request, seeds: list[int
     samples, made = [], 0
     for part in split(rows[me.rank], calls):
         if not part:   # why: the others' engine calls need this rank's (a collective gather or a synced forward)
-            generator._seeds = iter([0])
-            generator._generate_chunk([prompt_ids[0]], request)
+            generator.sample_rows([prompt_ids[0]], [0], request)
             continue
-        generator._seeds = iter(seeds[part.start:part.stop])
-        samples.extend(generator._generate_chunk([prompt_ids[i] for i in part], request))
+        samples.extend(generator.sample_rows([prompt_ids[i] for i in part], seeds[part.start:part.stop], request))
         made += 1
-    generator._seeds = None
     everyone = me.gather_objects((samples, made))   # why objects: each rank's rows are ragged lists until padded
-    out = generator._to_rollout(batch, g, prompt_ids, [s for part, _ in everyone for s in part], request)
+    out = generator.to_rollout(batch, g, prompt_ids, [s for part, _ in everyone for s in part], request)
     out.generate_calls = sum(n for _, n in everyone)
     agree_on(out)
     return out

@@ -1,12 +1,9 @@
-"""Where a Lab's phases run. The Lab keeps the config, the step lifecycle, history, the timeline and the views; its
-executor holds the models and does each phase's work. `LocalExecutor` runs them on this process's learner,
-reference, generator and prompts (also inside each rank of a sharded learner, whose runtime says which rank it is);
-a sharded learner's driver uses `RankExecutor` (cluster/executor.py), which sends each phase to its ranks.
-Executors are named in EXECUTORS by import path, so the Lab never imports a sharded one.
+"""`LocalExecutor`: a Lab's phases on this process's learner, reference, generator and prompts (executor.py has the
+contract). It also runs inside each rank of a sharded learner, whose runtime says which rank it is; a sharded
+learner's driver uses `RankExecutor` (cluster/executor.py) instead.
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -14,20 +11,6 @@ from ..algo import grpo as phase_functions
 from ..errors import LabError
 from ..checks.guard import check_learner
 from ..runtime import runtime
-
-EXECUTORS: dict[str, str] = {
-    "local": "grpo_lab.local.executor:LocalExecutor",
-    "ranks": "grpo_lab.cluster.executor:RankExecutor",
-}
-
-
-def executor_for(lab):
-    """The executor a Lab's config asks for: its ranks' driver when placement.learner_procs > 1 (in the driver;
-    a rank runs its phases locally)."""
-    name = "ranks" if lab.config.placement.learner_procs > 1 and runtime().is_driver else "local"
-    module, _, attr = EXECUTORS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)(lab)
-
 
 def _rollout(ex, state) -> object:
     if ex.generator_behind:   # never sample from weights the learner no longer has
@@ -52,12 +35,12 @@ def _sync(ex, state) -> None:
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
-    "rewards": lambda ex, state, rollout: phase_functions.rewards(rollout, ex.lab.reward_funcs,
+    "rewards": lambda ex, state, rollout: phase_functions.rewards(rollout, ex.reward_funcs,
                                                                   ex.config.data.reward_weights),
     "advantages": lambda ex, state, rewards: phase_functions.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: phase_functions.logprobs(ex.learner, ex.reference, rollout, ex.config),
     "backward": lambda ex, state, rollout, advantages, logprobs: phase_functions.backward(
-        ex.learner, rollout, advantages, logprobs, ex.config),
+        ex.learner, rollout, advantages, logprobs, ex.config, state.old_logprobs),
     "optimizer": _optimizer,
     "sync": _sync,
 }
@@ -82,15 +65,16 @@ class LocalExecutor:
 
     name = "local"
 
-    def __init__(self, lab):
-        self.lab = lab
+    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
+        from ..algo.rewards import resolve_reward
+
+        self.config = config
+        self.rewards_given = reward_funcs is not None
+        self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or config.data.rewards)]
+        self.step_index = step_index
         self.learner = self.generator = self.reference = self.prompts = None
         self.reference_strategy: Optional[str] = None   # the strategy the reference was built with
         self.generator_behind = False   # a failed sync may have left the engine on weights the learner undid
-
-    @property
-    def config(self):
-        return self.lab.config
 
     @property
     def loaded(self) -> bool:
@@ -133,7 +117,7 @@ class LocalExecutor:
         return self.learner is not None and self.learner.device.type == "cuda"
 
     # --- load and release ---
-    def load(self) -> None:
+    def load(self, memory) -> None:
         from ..generation import backend_class
         from ..models.learner import load_learner
 
@@ -143,7 +127,7 @@ class LocalExecutor:
         self.check_learner()
         self.build_reference()
         self.generator = backend_class(cfg.generator.backend, on_rank=runtime().is_rank)(self.learner, cfg)
-        attach_engine(self.lab.memory, self.generator)
+        attach_engine(memory, self.generator)
         self.build_prompts()
 
     def build_reference(self) -> None:
@@ -169,9 +153,6 @@ class LocalExecutor:
     # --- edits (config/edits.py) ---
     def check_live(self, config) -> None:
         self.generator.check_live(config)
-
-    def rebuilds_here(self, path: str) -> bool:
-        return True   # every part an edit rebuilds lives in this process
 
     def memory_watch(self) -> list[str]:
         """The devices an edit may put a model on without a new Lab (knobs: a reference copy after load)."""
@@ -218,7 +199,7 @@ class LocalExecutor:
         from ..dist.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
 
         learner, copy = self.learner, getattr(self.reference, "model", None)
-        return [{"rank": runtime().rank, "step": self.lab.step_index, "layout": layout(learner.model),
+        return [{"rank": runtime().rank, "step": self.step_index(), "layout": layout(learner.model),
                  "whole_gathers": WHOLE_GATHERS[0], "generated_rows": GENERATED_ROWS[0],
                  "placements": base_placements(learner.model),
                  "reference_placements": None if copy is None else base_placements(copy),
@@ -228,7 +209,6 @@ class LocalExecutor:
     def arm_fault(self, rank: int, phase: str, error: str) -> None:
         from ..state import faults
 
-        from ..generation.registry import OWN_WEIGHTS
 
         if rank != runtime().rank:
             raise LabError(f"arm_fault: rank {rank} does not exist; this Lab is one process (rank 0)")
@@ -238,7 +218,7 @@ class LocalExecutor:
         if error == "diverge" and not runtime().sharded:
             raise LabError("arm_fault: 'diverge' alters the rollout checksum a sharded learner's ranks agree on; this "
                            "Lab is one process (set placement.learner_procs: 2)")
-        if phase == "rollout" and self.config.generator.backend in OWN_WEIGHTS:
+        if phase == "rollout" and self.config.generator.own_weights:
             raise LabError(f"arm_fault: a rollout fault goes into hf decoding; generator.backend: "
                            f"{self.config.generator.backend} samples in its engine; arm logprobs or backward")
         faults.arm(phase, error)
@@ -250,7 +230,7 @@ class LocalExecutor:
         if runtime().is_rank:   # every rank gathers its LoRA shards; rank 0 writes the one-process format
             from ..dist.gathered import save_full_adapter
 
-            save_full_adapter(self.lab, path)
+            save_full_adapter(self.learner, path)
             return Path(path)
         from ..models.learner import save_adapter
 
@@ -260,20 +240,20 @@ class LocalExecutor:
         if runtime().is_rank:   # every rank gathers its shards and RNG states; rank 0 writes
             from ..dist.gathered import save_full_checkpoint
 
-            save_full_checkpoint(self.lab, path)
+            save_full_checkpoint(self.learner, self.prompts, self.config, self.step_index(), path)
             return Path(path)
         from ..state.checkpoint import save_checkpoint
 
-        return save_checkpoint(self.lab, path)
+        return save_checkpoint(self.learner, self.prompts, self.config, self.step_index(), path)
 
     def restore_checkpoint(self, checkpoint) -> None:
         if runtime().is_rank:   # this rank's shard of every tensor, its own RNG states
             from ..dist.gathered import restore_full_checkpoint
 
-            restore_full_checkpoint(self.lab, checkpoint.path)
+            restore_full_checkpoint(self.learner, self.prompts, checkpoint.path)
         else:
             from ..state.checkpoint import restore_checkpoint
 
-            restore_checkpoint(self.lab, checkpoint)
+            restore_checkpoint(self.learner, self.prompts, self.config, checkpoint)
         phase_functions.sync(self.generator, self.learner)   # why: the engine must sample from the restored weights
         self.generator_behind = False

@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 
 from ..errors import LabError
-from ..checks.devices import check_model_path
-from ..algo.logprobs import add_logprob_head
+from ..algo.logprobs import add_logprob_head, score_completions
 from .offload import HostAdamW
 from .quant import pin_training_layout
-from .tiny import resolve_model_path
+from .source import check_model_path, resolve_model_path
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -141,7 +140,8 @@ def load_sharded_base(model_cfg, device: str, wrap=None):
         base.config.use_cache = False  # as load_base
         return wrap(base) if wrap is not None else base
 
-    return load_sharded(path, _DTYPES[model_cfg.dtype], quantization_config(model_cfg), torch.device(device), prepare)
+    return load_sharded(path, _DTYPES[model_cfg.dtype], quantization_config(model_cfg), torch.device(device),
+                        score_completions, prepare)
 
 
 def runtime_is_rank() -> bool:
@@ -166,7 +166,7 @@ def prepare_like_policy(model, device: str) -> None:
         from ..dist.fsdp import is_sharded, shard
 
         if not is_sharded(model):   # load_base on a rank shards as it loads
-            shard(model, torch.device(device))
+            shard(model, torch.device(device), score_completions)
 
 
 def lora_target_error(base: torch.nn.Module, targets, err: Exception) -> LabError:

@@ -89,7 +89,7 @@ def read_model_config(path: Path, field: str) -> dict:
 
 def load_shape(name_or_path: str, field: str = "model.name_or_path") -> ModelShape:
     """Shape from `name_or_path/config.json`, else from the bundled copy of a known hub id; errors name `field`."""
-    from .tiny import resolve_model_path
+    from .source import resolve_model_path
 
     name_or_path = resolve_model_path(name_or_path)
     local = Path(name_or_path) / "config.json"

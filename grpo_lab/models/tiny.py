@@ -12,7 +12,6 @@ from typing import Optional, Union
 from ..algo.prompts import SYSTEM_PROMPT, arithmetic_problems
 from ..errors import LabError
 
-BUILTIN = "builtin:"
 TINY = "tiny-qwen2"
 # name -> (builder version, build_tiny_model arguments); why the version is in the cache name: a changed
 # builder must not reuse an old checkpoint
@@ -162,14 +161,3 @@ def cache_dir() -> Path:
 def builtin_path(name: str = TINY) -> Path:
     """Where the built-in model `name` lives in the user cache."""
     return cache_dir() / f"{name}-v{BUILTINS[name][0]}"
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """`builtin:tiny-qwen2` -> its directory in the user cache, built on first use; anything else as given."""
-    if not name_or_path.startswith(BUILTIN):
-        return name_or_path
-    name = name_or_path.removeprefix(BUILTIN)
-    if name not in BUILTINS:
-        raise LabError(f"model.name_or_path: unknown built-in model {name_or_path!r}; use one of "
-                       f"{[BUILTIN + n for n in BUILTINS]}")
-    return str(ensure_tiny_model(builtin_path(name), **BUILTINS[name][1]))

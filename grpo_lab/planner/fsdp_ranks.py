@@ -9,7 +9,6 @@ CUDA ranks have a device each; CPU ranks share host RAM, so there the host is th
 """
 from __future__ import annotations
 
-from ..generation.registry import OWN_WEIGHTS
 from .estimate import (CUDA_CONTEXT, DTYPE_BYTES, HOST_BASELINE, PHASES, DevicePlan, activation_bytes,
                        base_weight_bytes, base_weight_split, generation_step_bytes, kv_cache_bytes, unit_bytes)
 from .parts import _home, add_engine, capacity_of, head_note
@@ -37,7 +36,7 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
     host.add("driver process (ShardedLab)", HOST_BASELINE["cpu" if on_cpu else "cuda"],
              "the notebook or grpo-lab run: drives the ranks" + (
-                 f", runs their {cfg.generator.backend} engine (below)" if cfg.generator.backend in OWN_WEIGHTS
+                 f", runs their {cfg.generator.backend} engine (below)" if cfg.generator.own_weights
                  else ", holds no model"))
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
     ranks, micro = {}, 0
@@ -56,7 +55,7 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
             host.add(f"rank {k} process", HOST_BASELINE["cuda"] + rollback,
                      f"Python, torch, libraries + step rollback copy of its shard ({rollback / 1024 ** 2:.1f} MiB)")
     devices = {"host": host} if on_cpu else {**ranks, "host": host}
-    if cfg.generator.backend in OWN_WEIGHTS:   # one engine for every rank, in the driver (on its own GPUs, or the host)
+    if cfg.generator.own_weights:   # one engine for every rank, in the driver (on its own GPUs, or the host)
         for d in dict.fromkeys(_home(d) for d in place.generator_devices()):
             if d not in devices:
                 devices[d] = DevicePlan(d, capacity_of(d, cfg))
@@ -92,7 +91,7 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
     rank.add("one layer whole before fully_shard", layer + load_float_bytes(shape, cfg),
              f"read and quantized layer by layer, then 1/{procs} kept; + its largest weight as read", phase="load")
 
-    if gen.backend in OWN_WEIGHTS:   # the rank's rollout is the driver engine's answer: no weights gathered for it
+    if gen.own_weights:   # the rank's rollout is the driver engine's answer: no weights gathered for it
         rank.roles.append(f"rollout sampled by the driver's {gen.backend} engine")
     else:
         fill_hf_rollout(rank, cfg, shape, layer, root)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..generation.registry import OWN_WEIGHTS
 
 if TYPE_CHECKING:
     from ..config.schema import LabConfig
@@ -34,7 +33,7 @@ class Placement:
         out: dict[str, list[str]] = {}
         learner = "learner (4-bit base + LoRA" + (", AdamW state in host RAM)" if place.optimizer_offload else " + AdamW)")
         out.setdefault(place.learner, []).append(learner)
-        engine = cfg.generator.backend in OWN_WEIGHTS and any(d != "cpu" for d in place.generator_devices())
+        engine = cfg.generator.own_weights and any(d != "cpu" for d in place.generator_devices())
         for device in place.generator_devices():
             shared = " colocated" if device == place.learner else ""
             share = f", {self.share()}" if engine and device != "cpu" else ""
@@ -59,7 +58,7 @@ class Placement:
 def place(lab, learner=None, generator=None, reference=None, optimizer_offload=None) -> Placement:
     """`lab.place(...)`: the Lab's config with these devices, validated at once, before load."""
     from ..config.loading import load_config
-    from ..checks.devices import check_placement
+    from ..checks.devices import check_devices
     from ..errors import LabError
 
     if lab.learner is not None:
@@ -74,6 +73,6 @@ def place(lab, learner=None, generator=None, reference=None, optimizer_offload=N
     if optimizer_offload is not None:
         data["placement"]["optimizer_offload"] = optimizer_offload
     config = load_config(data)
-    check_placement(config)
+    check_devices(config)
     lab.config = config
     return lab.placement

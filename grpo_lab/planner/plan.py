@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import LabError
-from ..generation.registry import OWN_WEIGHTS, colocated_on_gpu
+from ..generation.registry import colocated_on_gpu
 from .estimate import (CUDA_CONTEXT, HEAP_HOLES_CAVEAT, HOST_BASELINE, ONEDNN_CPU_CACHES, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes,
                        base_weight_bytes, compute_bytes,
                        generation_step_bytes, kv_cache_bytes)
@@ -98,7 +98,7 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
                 phase="logprobs")
 
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
-    if gen.backend in OWN_WEIGHTS:
+    if gen.own_weights:
         add_engine(devices, cfg, shape, sequences)
     else:
         lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
@@ -148,7 +148,7 @@ def sharding_fixes(cfg) -> list[tuple[str, list[str]]]:
     """A sharded learner's own knobs: generate layer by layer, then more ranks (fewest first: the first that fits
     is the one shown), each dividing the batch."""
     out = []
-    if cfg.generator.gather_for_generation and cfg.generator.backend not in OWN_WEIGHTS:   # (vllm gathers nothing)
+    if cfg.generator.gather_for_generation and not cfg.generator.own_weights:   # (vllm gathers nothing)
         out.append(("generator.gather_for_generation: false", ["generator.gather_for_generation=false"]))
     batch = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
     procs = cfg.placement.learner_procs * 2
@@ -168,12 +168,12 @@ def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
     while micro > 1:
         micro //= 2
         out.append((f"grpo.micro_batch_size: {micro}", [f"grpo.micro_batch_size={micro}"]))
-    if cfg.generator.backend not in OWN_WEIGHTS:
+    if not cfg.generator.own_weights:
         seqs = cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
         while seqs > 1:
             seqs //= 2
             out.append((f"generator.chunk_size: {seqs}", [f"generator.chunk_size={seqs}"]))
-    if cfg.generator.backend in OWN_WEIGHTS and not cfg.generator.sleep_mode and colocated_on_gpu(cfg):
+    if cfg.generator.own_weights and not cfg.generator.sleep_mode and colocated_on_gpu(cfg):
         # asleep, the engine leaves the learner's phases its weights and KV cache
         out.append(("generator.sleep_mode: true", ["generator.sleep_mode=true"]))
     if cfg.placement.learner != "cpu" and not cfg.placement.optimizer_offload:

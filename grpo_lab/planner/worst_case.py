@@ -115,7 +115,7 @@ def _worst_case(lab):
     saved = ex.prompts, lab.trackers, lab.leaks, lab._step, len(lab.history)
     ex.prompts = WorstCasePrompts(ex.prompts, lab.config.generator.max_prompt_length)
     lab.trackers, lab.leaks = _NoTrackers(), copy.deepcopy(lab.leaks)
-    lab._resume_at(PROBE_STEP)
+    lab.resume_at(PROBE_STEP)
     try:
         yield ex.prompts
     finally:

@@ -25,21 +25,22 @@ def data_key(config) -> dict:
     return {"dataset": config.data.dataset, "num_prompts": config.data.num_prompts, "seed": config.run.seed}
 
 
-def save_checkpoint(lab, path: Union[str, Path], lora: Optional[dict] = None, optimizer: Optional[dict] = None,
-                    rng: Optional[dict] = None) -> Path:
-    """Write the Lab's state between steps to `path`, atomically (`lora`/`optimizer`: a sharded learner's, gathered
+def save_checkpoint(learner, prompts, config, step: int, path: Union[str, Path], lora: Optional[dict] = None,
+                    optimizer: Optional[dict] = None, rng: Optional[dict] = None) -> Path:
+    """Write a run's state between steps to `path`, atomically: `learner`'s LoRA and AdamW state, the RNG states,
+    `prompts`' position, and `step`, the step that runs next (`lora`/`optimizer`: a sharded learner's, gathered
     whole, so one format serves every number of ranks; `rng`: with every rank's own states under 'ranks')."""
     from ..files import atomic_write_dir
     from ..runtime import capture_rng, runtime
 
-    optimizer = lab.learner.optimizer.state_dict() if optimizer is None else optimizer
-    rng = capture_rng(runtime().cuda_indices(lab.config)) if rng is None else rng
-    state = {"optimizer": optimizer, "rng": rng, "data": lab.prompts.state_dict()}
-    meta = {"format": FORMAT, "step": lab.step_index, "data": data_key(lab.config)}
+    optimizer = learner.optimizer.state_dict() if optimizer is None else optimizer
+    rng = capture_rng(runtime().cuda_indices(config)) if rng is None else rng
+    state = {"optimizer": optimizer, "rng": rng, "data": prompts.state_dict()}
+    meta = {"format": FORMAT, "step": step, "data": data_key(config)}
 
     def write(tmp: Path) -> None:
-        lab.learner.model.save_pretrained(tmp / ADAPTER, state_dict=lora)   # PEFT: the adapter tensors only, never the base
-        lab.learner.tokenizer.save_pretrained(tmp / ADAPTER)
+        learner.model.save_pretrained(tmp / ADAPTER, state_dict=lora)   # PEFT: the adapter tensors only, never the base
+        learner.tokenizer.save_pretrained(tmp / ADAPTER)
         torch.save(state, tmp / STATE)
         (tmp / META).write_text(json.dumps(meta, indent=1))
 
@@ -71,15 +72,14 @@ def read_checkpoint(path: Union[str, Path]) -> Checkpoint:
     return Checkpoint(path, int(meta["step"]), meta["data"])
 
 
-def restore_checkpoint(lab, checkpoint: Checkpoint) -> None:
-    """Put the checkpoint's LoRA weights, optimizer state, RNG states, data position and step index into a
-    loaded Lab whose config matches it (same model and LoRA)."""
+def restore_checkpoint(learner, prompts, config, checkpoint: Checkpoint) -> None:
+    """Put the checkpoint's LoRA weights, optimizer state, RNG states and data position into a loaded learner and
+    prompt source whose config matches it (same model and LoRA); the Lab resumes at its step."""
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
     from ..runtime import rank_rng, restore_rng, runtime
 
-    learner = lab.learner
     weights = load_peft_weights(str(checkpoint.path / ADAPTER), device="cpu")
     result = set_peft_model_state_dict(learner.model, weights)
     unexpected = [k for k in result.unexpected_keys if "lora_" in k]
@@ -90,8 +90,8 @@ def restore_checkpoint(lab, checkpoint: Checkpoint) -> None:
     state = checkpoint.load_state()
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.optimizer.zero_grad(set_to_none=True)
-    if checkpoint.data == data_key(lab.config):
-        lab.prompts.load_state_dict(state["data"])
+    if checkpoint.data == data_key(config):
+        prompts.load_state_dict(state["data"])
     else:   # why not refused: a Lab may change data.* between steps; the prompt order then starts afresh
         import warnings
 

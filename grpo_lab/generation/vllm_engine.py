@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..errors import LabError
-from ..models.tiny import resolve_model_path
+from ..models.source import resolve_model_path
 from .base import GenerationRequest, Generator, Sample
 from .registry import sleeps
 
@@ -288,7 +288,7 @@ class VLLMGenerator(Generator):
             self.llm.llm_engine.remove_lora(old.lora_int_id)   # why: a superseded adapter must not hold engine memory
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
-    def _generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
+    def generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
         return self.sample(prompt_ids, [next(self._seeds) for _ in prompt_ids], request)
 
     def sample(self, prompt_ids: list[list[int]], seeds: list[int], request: GenerationRequest) -> list[Sample]:

@@ -1,0 +1,74 @@
+"""The executor contract: where a Lab's phases run. The Lab keeps the config, the step lifecycle, history, the
+timeline and the views; its executor holds the models and does each phase's work. Two implement it:
+`local/executor.py` (this process's models; also inside each rank of a sharded learner) and `cluster/executor.py`
+(a sharded learner's driver, which sends each phase to its Ray ranks). An executor is given what it needs (the
+config, the reward functions, the step index) and never the Lab. EXECUTORS names them by import path, so the
+one-process path never imports the Ray driver.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+from .runtime import runtime
+
+EXECUTORS: dict[str, str] = {
+    "local": "grpo_lab.local.executor:LocalExecutor",
+    "ranks": "grpo_lab.cluster.executor:RankExecutor",
+}
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """What the Lab (and a loaded Lab's edit guard, config/edits.py) asks of an executor."""
+
+    name: str
+    config: object                  # the Lab's LabConfig (one object for the Lab's life: edits change it in place)
+    reward_funcs: list[Callable]    # resolved; config/edits.py replaces them when data.rewards changes
+    rewards_given: bool             # passed to Lab(reward_funcs=...) rather than named in data.rewards
+    learner: object                 # None until loaded (a driver: its ranks)
+    generator: object
+    reference: object
+    prompts: object
+    reference_strategy: Optional[str]
+    on_cuda: bool                   # the phases compute on a GPU here (they then get NVTX ranges too)
+
+    @property
+    def loaded(self) -> bool: ...
+
+    # memory: what this process watches
+    def devices(self) -> list[str]: ...
+    def memory_watch(self) -> list[str]: ...
+    def memory_sampler(self): ...
+    def listeners(self) -> list: ...
+
+    # load and release; edits after load
+    def load(self, memory) -> None: ...
+    def release(self) -> None: ...
+    def check_live(self, config) -> None: ...
+    def build_reference(self) -> None: ...
+    def build_prompts(self) -> None: ...
+
+    # the step (`state`: lifecycle.StepState)
+    def check_learner(self) -> None: ...
+    def compute(self, name: str, state, *inputs): ...
+    def before_command(self) -> bool: ...
+    def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]: ...
+    def rollback(self, state) -> None: ...
+    def result(self, state, seconds: dict): ...
+
+    # state in and out, and failures on demand
+    def inspect(self) -> list[dict]: ...
+    def arm_fault(self, rank: int, phase: str, error: str) -> None: ...
+    def save_adapter(self, path) -> Path: ...
+    def save_checkpoint(self, path) -> Path: ...
+    def restore_checkpoint(self, checkpoint) -> None: ...
+
+
+def executor_for(config, reward_funcs: Optional[list], step_index: Callable[[], int]) -> Executor:
+    """The executor a config asks for: its ranks' driver when placement.learner_procs > 1 (in the driver; a rank runs
+    its phases locally). `reward_funcs`: as passed to the Lab (None: data.rewards names them)."""
+    name = "ranks" if config.placement.learner_procs > 1 and runtime().is_driver else "local"
+    module, _, attr = EXECUTORS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index)
