@@ -23,6 +23,7 @@ is measured once at the end: its time, its weight error, and whether training st
 
     .venv/bin/python bench/bnb_cpu_layout.py --threads 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,10 @@ if __name__ == "__main__" and "--threads" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python bench/bnb_cpu_layout.py` works too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/bnb_cpu_layout.py` works too
 from bench.planner_accuracy import build_model  # noqa: E402
 
-QS_FIELDS = ("absmax", "dtype", "nested", "offset", "state2")   # what the repack changes in a QuantState
+QS_FIELDS = ("absmax", "dtype", "nested", "offset", "state2")  # what the repack changes in a QuantState
 REPACK_MARKS = ("original_dtype", "original_nested", "original_qshape", "original_storage_type")
 
 
@@ -94,7 +95,7 @@ class PackedLayout:
             if not getattr(qs, "packing_format_for_cpu", False):
                 continue
             scratch = copy.copy(qs)
-            scratch.original_nested = False   # why: permute the nibbles only; absmax comes from `saved`
+            scratch.original_nested = False  # why: permute the nibbles only; absmax comes from `saved`
             layer.weight.data, _ = _convert_weight_packed_for_cpu_inverse(layer.weight.data, scratch)
             for k in QS_FIELDS:
                 if k in saved:
@@ -115,7 +116,8 @@ class PackedLayout:
             layer.support_avx512bf16_for_cpu = False
             if is_packed(layer):
                 layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
-                    layer.weight.data, layer.weight.quant_state)
+                    layer.weight.data, layer.weight.quant_state
+                )
         self.saved = []
 
 
@@ -123,8 +125,10 @@ def check_module_agrees(layers) -> None:
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
     for layer in layers:
-        fix_4bit_weight_quant_state_from_module(layer)   # a no-op while the weight keeps its QuantState
-        assert layer.quant_state is None or layer.quant_state is layer.weight.quant_state, "module/weight quant state differ"
+        fix_4bit_weight_quant_state_from_module(layer)  # a no-op while the weight keeps its QuantState
+        assert layer.quant_state is None or layer.quant_state is layer.weight.quant_state, (
+            "module/weight quant state differ"
+        )
         assert not is_packed(layer) and not layer.support_avx512bf16_for_cpu
 
 
@@ -150,8 +154,9 @@ def train_forward_backward(lab, rollout) -> tuple[float, float]:
     from grpo_lab.algo import grpo as phases
 
     # the phase functions themselves (not the Lab's lifecycle): a measurement with made-up advantages, no update
-    stats = phases.backward(lab.learner, rollout, advantages, phases.logprobs(lab.learner, lab.reference, rollout,
-                                                                               lab.config), lab.config).stats
+    stats = phases.backward(
+        lab.learner, rollout, advantages, phases.logprobs(lab.learner, lab.reference, rollout, lab.config), lab.config
+    ).stats
     grads = [p.grad for p in lab.learner.model.parameters() if p.requires_grad and p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0
     lab.learner.optimizer.zero_grad(set_to_none=True)
@@ -162,7 +167,7 @@ def train_forward_backward(lab, rollout) -> tuple[float, float]:
 def logprob_gap(ra, rb) -> tuple[float, float, float]:
     """Sampler log-probs of A vs B on tokens where both sampled the same completion so far:
     (max |diff|, mean |diff|, fraction of A's completion tokens compared)."""
-    w = min(ra.completion_ids.shape[1], rb.completion_ids.shape[1])   # padded widths differ if one stopped early
+    w = min(ra.completion_ids.shape[1], rb.completion_ids.shape[1])  # padded widths differ if one stopped early
     same = (ra.completion_ids[:, :w] == rb.completion_ids[:, :w]).long().cumprod(dim=1).bool()
     mask = same & ra.completion_mask[:, :w].bool() & rb.completion_mask[:, :w].bool()
     diff = (ra.sampler_logprobs[:, :w] - rb.sampler_logprobs[:, :w]).abs()[mask]
@@ -191,19 +196,37 @@ class Case:
     def __init__(self, path: str, compute_dtype: str, args):
         from grpo_lab import Lab, load_config
 
-        cfg = load_config("tiny-cpu", [
-            f"model.name_or_path={path}", f"model.bnb_4bit_compute_dtype={compute_dtype}", "memory.sample_hz=0",
-            "grpo.num_generations=8", "grpo.prompts_per_step=1", f"generator.max_completion_length={args.tokens}",
-            f"generator.temperature={args.temperature}", "grpo.beta=0.04", "reference.strategy=adapter-disabled"])
+        cfg = load_config(
+            "tiny-cpu",
+            [
+                f"model.name_or_path={path}",
+                f"model.bnb_4bit_compute_dtype={compute_dtype}",
+                "memory.sample_hz=0",
+                "grpo.num_generations=8",
+                "grpo.prompts_per_step=1",
+                f"generator.max_completion_length={args.tokens}",
+                f"generator.temperature={args.temperature}",
+                "grpo.beta=0.04",
+                "reference.strategy=adapter-disabled",
+            ],
+        )
         self.lab = lab = Lab(cfg).load()
         batch = lab.prompts.next_batch(1)
-        lab.prompts.next_batch = lambda size: batch          # every rollout samples the same prompt
+        lab.prompts.next_batch = lambda size: batch  # every rollout samples the same prompt
         self.layout = PackedLayout(lab.learner.model)
         self.layers = self.layout.layers
         assert self.layers and not any(map(is_packed, self.layers))
         self.originals = dequantized(self.layers)
-        self.out = {"layers": len(self.layers), "A": [], "B": [], "repack": [], "rollout_B": [], "restore": [],
-                    "ratio": [], "gap": []}
+        self.out = {
+            "layers": len(self.layers),
+            "A": [],
+            "B": [],
+            "repack": [],
+            "rollout_B": [],
+            "restore": [],
+            "ratio": [],
+            "gap": [],
+        }
         self.runs = {}
 
     def warm_up(self, seed: int) -> None:
@@ -242,7 +265,14 @@ class Case:
         self.out["gap"].append(logprob_gap(self.runs["A"], self.runs["B"]))
 
     def verify(self) -> dict:
-        out, lab, layout, layers, originals, runs = self.out, self.lab, self.layout, self.layers, self.originals, self.runs
+        out, lab, layout, layers, originals, runs = (
+            self.out,
+            self.lab,
+            self.layout,
+            self.layers,
+            self.originals,
+            self.runs,
+        )
         out["tokens"] = int(runs["A"].completion_lengths.sum())
         # B is a correct alternative: the restored layers dequantize to the original weights, and train
         out["exact_after_restore"], _ = weights_error(layers, originals)
@@ -258,7 +288,7 @@ class Case:
         try:
             train_forward_backward(lab, runs["B"])
             out["train_on_packed"] = "works"
-        except Exception as err:   # noqa: BLE001 - reported, not handled
+        except Exception as err:  # noqa: BLE001 - reported, not handled
             out["train_on_packed"] = f"fails ({type(err).__name__})"
         lab.learner.optimizer.zero_grad(set_to_none=True)
         layout.restore()
@@ -273,7 +303,7 @@ class Case:
         try:
             train_forward_backward(lab, runs["B"])
             out["train_after_bnb_inverse"] = "works"
-        except Exception as err:   # noqa: BLE001
+        except Exception as err:  # noqa: BLE001
             out["train_after_bnb_inverse"] = f"fails ({type(err).__name__}: {str(err)[:80]})"
         lab.close()
         return out
@@ -296,9 +326,11 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     flags = open("/proc/cpuinfo").read().split()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, bitsandbytes {bitsandbytes.__version__}, "
-          f"avx512_bf16 {'avx512_bf16' in flags}, {os.cpu_count()} CPUs, threads {torch.get_num_threads()} "
-          f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, bitsandbytes {bitsandbytes.__version__}, "
+        f"avx512_bf16 {'avx512_bf16' in flags}, {os.cpu_count()} CPUs, threads {torch.get_num_threads()} "
+        f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
+    )
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), args.hidden, args.layers, args.vocab)
@@ -308,44 +340,61 @@ def main() -> None:
         # why interleaved: other processes share the machine; each round runs every dtype and choice, order swapped
         for r in range(args.rounds):
             order = [(d, c) for d in args.dtypes for c in "AB"]
-            for dtype, choice in (order if r % 2 == 0 else order[::-1]):
+            for dtype, choice in order if r % 2 == 0 else order[::-1]:
                 cases[dtype].run(choice, args.seed + 1 + r)
             for case in cases.values():
                 case.end_round()
         results = {dtype: case.verify() for dtype, case in cases.items()}
+
     def med(values, i=None) -> str:
         if i is not None:
             return f"{statistics.median(v[i] for v in values):.2f}"
         return f"{statistics.median(v[0] for v in values):.3f} / {statistics.median(v[1] for v in values):.3f}"
 
-    print(f"model: random Qwen2, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; nf4 (double quant) + LoRA r=8; "
-          f"8 sequences x {args.tokens} new tokens, temperature {args.temperature}, seeded; {args.rounds} rounds; "
-          "seconds as wall / process CPU, medians")
-    print("| compute dtype | 4-bit layers | rounds | A: pinned, rollout s | B: repack s | B: rollout s | B: restore s | "
-          "B: total s | median ratio B/A wall | median ratio B/A CPU | sampler log-prob max / mean abs diff A vs B "
-          "(tokens compared) |")
+    print(
+        f"model: random Qwen2, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; nf4 (double quant) + "
+        "LoRA r=8; "
+        f"8 sequences x {args.tokens} new tokens, temperature {args.temperature}, seeded; {args.rounds} rounds; "
+        "seconds as wall / process CPU, medians"
+    )
+    print(
+        "| compute dtype | 4-bit layers | rounds | A: pinned, rollout s | B: repack s | B: rollout s | B: restore s | "
+        "B: total s | median ratio B/A wall | median ratio B/A CPU | sampler log-prob max / mean abs diff A vs B "
+        "(tokens compared) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype, o in results.items():
         gmax = max(g[0] for g in o["gap"])
         gmean = statistics.mean(g[1] for g in o["gap"])
         frac = statistics.mean(g[2] for g in o["gap"])
-        print(f"| {dtype} | {o['layers']} | {len(o['A'])} | {med(o['A'])} | {med(o['repack'])} | {med(o['rollout_B'])} | "
-              f"{med(o['restore'])} | {med(o['B'])} | {med(o['ratio'], 0)} | **{med(o['ratio'], 1)}** | "
-              f"{gmax:.3g} / {gmean:.3g} ({frac:.0%}) |")
+        print(
+            f"| {dtype} | {o['layers']} | {len(o['A'])} | {med(o['A'])} | {med(o['repack'])} | {med(o['rollout_B'])} | "
+            f"{med(o['restore'])} | {med(o['B'])} | {med(o['ratio'], 0)} | **{med(o['ratio'], 1)}** | "
+            f"{gmax:.3g} / {gmean:.3g} ({frac:.0%}) |"
+        )
     print()
     for dtype, o in results.items():
-        print(f"{dtype}: lazy repack by bnb's forward: {o['lazy_repacked']}/{o['layers']} layers; "
-              f"restored weights bit-exact: {o['exact_after_restore']}; training fwd+bwd after restore: "
-              f"loss {o['train_after_restore'][0]:.4g}, grad norm {o['train_after_restore'][1]:.3g}; "
-              f"training on the packed layout: {o['train_on_packed']} (bit-exact after restoring: "
-              f"{o['exact_after_failed_train']})")
-        print(f"{dtype}: sampler vs learner log-prob |diff| max / mean: A {o['learner_gap_A'][0]:.3g} / "
-              f"{o['learner_gap_A'][1]:.3g}, B {o['learner_gap_B'][0]:.3g} / {o['learner_gap_B'][1]:.3g}")
-        print(f"{dtype}: bnb's _convert_weight_packed_for_cpu_inverse: {o['bnb_inverse_s']:.3f} s, bit-exact "
-              f"{o['bnb_inverse_exact']}, max |dequantized weight diff| {o['bnb_inverse_err']:.3g}; training after it: "
-              f"{o['train_after_bnb_inverse']}")
-        print(f"{dtype}: per-round wall/CPU s A {[(round(w, 2), round(c, 2)) for w, c in o['A']]}, "
-              f"B {[(round(w, 2), round(c, 2)) for w, c in o['B']]}; completion tokens {o['tokens']}")
+        print(
+            f"{dtype}: lazy repack by bnb's forward: {o['lazy_repacked']}/{o['layers']} layers; "
+            f"restored weights bit-exact: {o['exact_after_restore']}; training fwd+bwd after restore: "
+            f"loss {o['train_after_restore'][0]:.4g}, grad norm {o['train_after_restore'][1]:.3g}; "
+            f"training on the packed layout: {o['train_on_packed']} (bit-exact after restoring: "
+            f"{o['exact_after_failed_train']})"
+        )
+        print(
+            f"{dtype}: sampler vs learner log-prob |diff| max / mean: A {o['learner_gap_A'][0]:.3g} / "
+            f"{o['learner_gap_A'][1]:.3g}, B {o['learner_gap_B'][0]:.3g} / {o['learner_gap_B'][1]:.3g}"
+        )
+        print(
+            f"{dtype}: bnb's _convert_weight_packed_for_cpu_inverse: {o['bnb_inverse_s']:.3f} s, bit-exact "
+            f"{o['bnb_inverse_exact']}, max |dequantized weight diff| {o['bnb_inverse_err']:.3g}; training after it: "
+            f"{o['train_after_bnb_inverse']}"
+        )
+        print(
+            f"{dtype}: per-round wall/CPU s A {[(round(w, 2), round(c, 2)) for w, c in o['A']]}, "
+            f"B {[(round(w, 2), round(c, 2)) for w, c in o['B']]}; completion tokens {o['tokens']}"
+        )
+
 
 if __name__ == "__main__":
     main()

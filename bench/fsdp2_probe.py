@@ -10,6 +10,7 @@ model (each layer gathered per forward), and after `unshard()` (full parameters 
     GRPO_LAB_CACHE=/tmp/glc python -m bench.fsdp2_probe [STORAGE ...]     # a line per storage; JSON in bench/results/
     GRPO_PROBE_MODEL=qwen2-152k ...    # Qwen2.5's 152k vocabulary on the tiny body: the embedding and head dominate
 """
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,19 @@ def load(storage: str, seed: int = 0):
     from grpo_lab.models.source import resolve_model_path
 
     path = resolve_model_path(f"builtin:{os.environ.get('GRPO_PROBE_MODEL', 'tiny-qwen2')}")
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=getattr(torch, storage))
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map={"": "cpu"},
-                                                quantization_config=quant)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=getattr(torch, storage),
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, device_map={"": "cpu"}, quantization_config=quant
+    )
     from grpo_lab.models.quant import pin_training_layout
 
-    pin_training_layout(base)   # as grpo_lab loads it: bnb's AVX-512-BF16 repack on no-grad forwards never happens
+    pin_training_layout(base)  # as grpo_lab loads it: bnb's AVX-512-BF16 repack on no-grad forwards never happens
     base.requires_grad_(False)
     base.config.use_cache = False
     torch.manual_seed(seed)
@@ -63,7 +70,7 @@ def lora_grads(model) -> dict:
     for name, p in model.named_parameters():
         if p.requires_grad and p.grad is not None:
             g = p.grad
-            g = g.full_tensor() if hasattr(g, "full_tensor") else g   # a DTensor's whole gradient
+            g = g.full_tensor() if hasattr(g, "full_tensor") else g  # a DTensor's whole gradient
             out[name.replace("_fsdp_wrapped_module.", "")] = g.detach().clone()
     return out
 
@@ -71,7 +78,7 @@ def lora_grads(model) -> dict:
 def rss_mib() -> float:
     import psutil
 
-    return psutil.Process().memory_info().rss / 2 ** 20
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def rank_main(rank: int, world: int, storage: str, port: int, out_dir: str) -> None:
@@ -87,11 +94,11 @@ def rank_main(rank: int, world: int, storage: str, port: int, out_dir: str) -> N
 
         model = load(storage)
         result["rss_loaded_mib"] = rss_mib()
-        causal_lm = model.base_model.model   # the transformers model: PeftModel.forward and .generate both reach it
+        causal_lm = model.base_model.model  # the transformers model: PeftModel.forward and .generate both reach it
         for layer in causal_lm.model.layers:
             fully_shard(layer)
-        fully_shard(causal_lm)   # why the inner model as root: PeftModel.generate calls it, not PeftModel.forward
-        register_fsdp_forward_method(causal_lm, "generate")   # why: the root's hooks must wrap generate too
+        fully_shard(causal_lm)  # why the inner model as root: PeftModel.generate calls it, not PeftModel.forward
+        register_fsdp_forward_method(causal_lm, "generate")  # why: the root's hooks must wrap generate too
         fsdp_modules = [m for m in causal_lm.modules() if isinstance(m, FSDPModule)]
         result["rss_sharded_mib"] = rss_mib()
         result["shard"] = "ok"
@@ -101,16 +108,16 @@ def rank_main(rank: int, world: int, storage: str, port: int, out_dir: str) -> N
         result["loss"] = loss.item()
         loss.backward()
         result["rss_after_backward_mib"] = rss_mib()
-        grads = {k: v.tolist() for k, v in lora_grads(model).items()}   # averaged over ranks: the whole batch's mean
+        grads = {k: v.tolist() for k, v in lora_grads(model).items()}  # averaged over ranks: the whole batch's mean
         result["backward"] = "ok"
         prompt = ids[:2, :8]
         with torch.no_grad():
-            try:   # generation through the sharded model: every layer all-gathered per decoding step
+            try:  # generation through the sharded model: every layer all-gathered per decoding step
                 sharded = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, use_cache=True)
                 result["generate_sharded"] = sharded[:, 8:].tolist()
             except Exception as err:
                 result["generate_sharded"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-            try:   # the gather: full parameters for the whole generate, resharded after
+            try:  # the gather: full parameters for the whole generate, resharded after
                 for m in fsdp_modules:
                     m.set_reshard_after_forward(False)
                     m.unshard()
@@ -124,7 +131,7 @@ def rank_main(rank: int, world: int, storage: str, port: int, out_dir: str) -> N
                     m.reshard()
                     m.set_reshard_after_forward(True)
         model.zero_grad(set_to_none=True)
-        loss_of(model, mine).backward()   # training still works after both generations
+        loss_of(model, mine).backward()  # training still works after both generations
         again = lora_grads(model)
         result["backward_after_generate_equal"] = all(torch.equal(again[k], torch.tensor(grads[k])) for k in grads)
         if rank == 0:
@@ -145,7 +152,9 @@ def single(storage: str) -> dict:
     halves = [loss_of(model, half).item() for half in ids.chunk(2)]
     loss_of(model, ids).backward()
     with torch.no_grad():
-        tokens = model.generate(input_ids=ids[:2, :8], max_new_tokens=8, do_sample=False, use_cache=True)[:, 8:].tolist()
+        tokens = model.generate(input_ids=ids[:2, :8], max_new_tokens=8, do_sample=False, use_cache=True)[
+            :, 8:
+        ].tolist()
     return {"grads": {k: v.tolist() for k, v in lora_grads(model).items()}, "tokens": tokens, "half_losses": halves}
 
 
@@ -169,8 +178,12 @@ def main() -> None:
             p.join(timeout=300)
             if p.is_alive():
                 p.kill()
-        ranks = [json.loads(Path(out_dir, f"rank{r}-{storage}.json").read_text()) if Path(out_dir, f"rank{r}-{storage}.json").exists()
-                 else {"error": "no result (hung or crashed)"} for r in range(2)]
+        ranks = [
+            json.loads(Path(out_dir, f"rank{r}-{storage}.json").read_text())
+            if Path(out_dir, f"rank{r}-{storage}.json").exists()
+            else {"error": "no result (hung or crashed)"}
+            for r in range(2)
+        ]
         row = {"storage": storage, "seconds": round(time.perf_counter() - start, 1), "ranks": ranks}
         grads_file = Path(out_dir, f"grads-{storage}.json")
         if grads_file.exists():
@@ -178,32 +191,53 @@ def main() -> None:
             common = sorted(set(sharded) & set(reference["grads"]))
             row["lora_grads_compared"] = len(common)
             row["lora_grads_missing"] = len(set(reference["grads"]) ^ set(sharded))
-            row["max_abs_grad_diff"] = max((torch.tensor(sharded[k]) - torch.tensor(reference["grads"][k])).abs().max().item()
-                                           for k in common) if common else None
-            row["max_abs_grad"] = max(torch.tensor(reference["grads"][k]).abs().max().item() for k in common) if common else None
+            row["max_abs_grad_diff"] = (
+                max((torch.tensor(sharded[k]) - torch.tensor(reference["grads"][k])).abs().max().item() for k in common)
+                if common
+                else None
+            )
+            row["max_abs_grad"] = (
+                max(torch.tensor(reference["grads"][k]).abs().max().item() for k in common) if common else None
+            )
         row["single_process_tokens"] = reference["tokens"]
         row["single_process_half_losses"] = reference["half_losses"]
         row["sharded_losses"] = [r.get("loss") for r in ranks]
         rows.append(row)
         r0 = ranks[0]
-        print(f"{storage:9s} shard={r0.get('shard', '-')} backward={r0.get('backward', '-')} "
-              f"loss {row['sharded_losses']} vs {row['single_process_half_losses']} "
-              f"grads {row.get('lora_grads_compared')} (+{row.get('lora_grads_missing')} unmatched) "
-              f"diff={row.get('max_abs_grad_diff')} (max |g| {row.get('max_abs_grad')}) "
-              f"single gen={reference['tokens']} sharded gen={'same' if r0.get('generate_sharded') == reference['tokens'] else r0.get('generate_sharded')} "
-              f"gathered gen={'same' if r0.get('generate_gathered') == reference['tokens'] else r0.get('generate_gathered')} "
-              f"backward after generate equal={r0.get('backward_after_generate_equal')} "
-              f"rss MiB loaded/sharded/backward/gathered={[round(r0.get(k, 0)) for k in ('rss_loaded_mib', 'rss_sharded_mib', 'rss_after_backward_mib', 'rss_gathered_mib')]} "
-              f"error={r0.get('error', '')} {r0.get('where', '')}", flush=True)
+        rss_keys = ("rss_loaded_mib", "rss_sharded_mib", "rss_after_backward_mib", "rss_gathered_mib")
+        print(
+            f"{storage:9s} shard={r0.get('shard', '-')} backward={r0.get('backward', '-')} "
+            f"loss {row['sharded_losses']} vs {row['single_process_half_losses']} "
+            f"grads {row.get('lora_grads_compared')} (+{row.get('lora_grads_missing')} unmatched) "
+            f"diff={row.get('max_abs_grad_diff')} (max |g| {row.get('max_abs_grad')}) "
+            f"single gen={reference['tokens']} sharded gen="
+            f"{'same' if r0.get('generate_sharded') == reference['tokens'] else r0.get('generate_sharded')} "
+            f"gathered gen="
+            f"{'same' if r0.get('generate_gathered') == reference['tokens'] else r0.get('generate_gathered')} "
+            f"backward after generate equal={r0.get('backward_after_generate_equal')} "
+            f"rss MiB loaded/sharded/backward/gathered={[round(r0.get(k, 0)) for k in rss_keys]} "
+            f"error={r0.get('error', '')} {r0.get('where', '')}",
+            flush=True,
+        )
     import bitsandbytes
     import peft
     import transformers
 
-    report = {"versions": {"torch": torch.__version__, "bitsandbytes": bitsandbytes.__version__, "peft": peft.__version__,
-                           "transformers": transformers.__version__, "python": sys.version.split()[0]}, "rows": rows}
+    report = {
+        "versions": {
+            "torch": torch.__version__,
+            "bitsandbytes": bitsandbytes.__version__,
+            "peft": peft.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+        "rows": rows,
+    }
     results = Path(__file__).parent / "results"
     if results.is_dir():
-        (results / f"fsdp2_probe-{os.environ.get('GRPO_PROBE_MODEL', 'tiny-qwen2')}.json").write_text(json.dumps(report, indent=1))
+        (results / f"fsdp2_probe-{os.environ.get('GRPO_PROBE_MODEL', 'tiny-qwen2')}.json").write_text(
+            json.dumps(report, indent=1)
+        )
     print(json.dumps(report["versions"]))
 
 

@@ -7,6 +7,7 @@ for a CPU learner (planner/estimate.py HEAD_TILES["cpu"]).
 
     .venv/bin/python bench/fused_head_cpu.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ def peak_mib(fn) -> float:
     fn()
     stop.set()
     thread.join()
-    return (peak[0] - base) / 2 ** 20
+    return (peak[0] - base) / 2**20
 
 
 def main() -> None:
@@ -62,11 +63,14 @@ def main() -> None:
         torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum().backward()
         hidden.grad = None
 
-    tile = min(args.tokens, 4096) * min(args.vocab, 32768) * 4 / 2 ** 20
+    tile = min(args.tokens, 4096) * min(args.vocab, 32768) * 4 / 2**20
     fused_peak = sorted(peak_mib(fused) for _ in range(args.repeats))[args.repeats // 2]
     naive_peak = sorted(peak_mib(naive) for _ in range(args.repeats))[args.repeats // 2]
-    print(f"| {args.tokens} x {args.vocab} (hidden {args.hidden}) | {tile:.0f} | {fused_peak:.0f} ({fused_peak / tile:.1f} tiles) "
-          f"| {naive_peak:.0f} ({naive_peak / tile:.1f} tiles) |")
+    print(
+        f"| {args.tokens} x {args.vocab} (hidden {args.hidden}) | {tile:.0f} "
+        f"| {fused_peak:.0f} ({fused_peak / tile:.1f} tiles) "
+        f"| {naive_peak:.0f} ({naive_peak / tile:.1f} tiles) |"
+    )
 
 
 if __name__ == "__main__":

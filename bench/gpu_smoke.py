@@ -1,12 +1,13 @@
 """Every CUDA path CPU CI cannot run, in one command: one line per path (ok / failed / skipped, and why).
 
-    python -m bench.gpu_smoke            # exit 1 if a path failed; 0 if each is ok or skipped (a CPU: every one skipped)
+    python -m bench.gpu_smoke           # exit 1 if a path failed; 0 if each is ok or skipped (a CPU: every one skipped)
 
 Run it first on any machine with a GPU (README "CPU vs GPU"; docs/benchmarks.md keeps the last result). The paths:
 the learner on cuda:0 with the HF generator; NVML rows read by UUID under a remapped CUDA_VISIBLE_DEVICES; a real
 CUDA OOM rolled back, with its allocator snapshot; the CUDA RNG round trip in a checkpoint; 2 NCCL ranks (with 2
 GPUs); vLLM sleep/wake (with vLLM). tests/test_gpu.py runs the same functions as `gpu`-marked tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-MiB = 1024 ** 2
+MiB = 1024**2
 
 
 class Skip(Exception):
@@ -26,13 +27,16 @@ class Skip(Exception):
 
 def tiny(**sections) -> dict:
     """The built-in tiny model on cuda:0 (4-bit when bitsandbytes has a CUDA build here)."""
-    cfg = {"model": {"name_or_path": "builtin:tiny-qwen2"}, "placement": {"learner": "cuda:0"},
-           "generator": {"backend": "hf", "max_completion_length": 16},
-           "grpo": {"num_generations": 4, "prompts_per_step": 2, "beta": 0.04}}
+    cfg = {
+        "model": {"name_or_path": "builtin:tiny-qwen2"},
+        "placement": {"learner": "cuda:0"},
+        "generator": {"backend": "hf", "max_completion_length": 16},
+        "grpo": {"num_generations": 4, "prompts_per_step": 2, "beta": 0.04},
+    }
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        cfg["model"]["load_in_4bit"] = False   # the device's image may lack it: bf16 then, said in the line
+        cfg["model"]["load_in_4bit"] = False  # the device's image may lack it: bf16 then, said in the line
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
@@ -58,7 +62,10 @@ def learner_on_cuda() -> str:
         rows = [r for r in result.memory if r["device"] == "cuda:0" and r["metric"] == "allocated"]
         assert rows and max(r["peak"] for r in rows) > 0, "no cuda:0 rows"
         quant = "nf4" if lab.config.model.load_in_4bit else "bf16 (no bitsandbytes)"
-        return f"step 0 loss {result.loss:+.4f}, {quant}, cuda:0 backward peak {max(r['peak'] for r in rows) / MiB:.0f} MiB"
+        return (
+            f"step 0 loss {result.loss:+.4f}, {quant}, "
+            f"cuda:0 backward peak {max(r['peak'] for r in rows) / MiB:.0f} MiB"
+        )
     finally:
         lab.close()
 
@@ -70,9 +77,11 @@ def nvml_by_uuid() -> str:
     import torch
 
     last = torch.cuda.device_count() - 1
-    code = ("import torch, pynvml; from grpo_lab.runtime import nvml_handle; h = nvml_handle(0); "
-            "u = pynvml.nvmlDeviceGetUUID(h); u = u.decode() if isinstance(u, bytes) else u; "
-            "print(u, str(torch.cuda.get_device_properties(0).uuid))")
+    code = (
+        "import torch, pynvml; from grpo_lab.runtime import nvml_handle; h = nvml_handle(0); "
+        "u = pynvml.nvmlDeviceGetUUID(h); u = u.decode() if isinstance(u, bytes) else u; "
+        "print(u, str(torch.cuda.get_device_properties(0).uuid))"
+    )
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(last))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if out.returncode:
@@ -80,7 +89,8 @@ def nvml_by_uuid() -> str:
     nvml_uuid, torch_uuid = out.stdout.split()
     assert nvml_uuid.lower().removeprefix("gpu-") == torch_uuid.lower().removeprefix("gpu-"), (nvml_uuid, torch_uuid)
     return f"CUDA_VISIBLE_DEVICES={last}: cuda:0 read through NVML as {nvml_uuid}" + (
-        " (one GPU: the remap is the identity here)" if last == 0 else "")
+        " (one GPU: the remap is the identity here)" if last == 0 else ""
+    )
 
 
 def oom_rolled_back() -> str:
@@ -93,14 +103,19 @@ def oom_rolled_back() -> str:
     from grpo_lab.memory.oom import OutOfMemory
 
     out = Path(tempfile.mkdtemp(prefix="grpo-lab-smoke-"))
-    lab = Lab(tiny(memory={"cuda_snapshots": True}, run={"output_dir": str(out)},
-                   grpo={"micro_batch_size": None, "logprob_chunk_size": 8192})).load()
+    lab = Lab(
+        tiny(
+            memory={"cuda_snapshots": True},
+            run={"output_dir": str(out)},
+            grpo={"micro_batch_size": None, "logprob_chunk_size": 8192},
+        )
+    ).load()
     try:
         lab.step()
         before = lab.inspect()[0]
         used = torch.cuda.memory_allocated(0)
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction((used + 4 * MiB) / total, 0)   # why: any real backward exceeds it
+        torch.cuda.set_per_process_memory_fraction((used + 4 * MiB) / total, 0)  # why: any real backward exceeds it
         try:
             lab.step()
             raise AssertionError("no OOM at a cap 4 MiB above what was allocated")
@@ -169,13 +184,23 @@ def vllm_sleep_wake() -> str:
         raise Skip("vLLM is not installed here") from None
     from grpo_lab import Lab
 
-    lab = Lab(tiny(generator={"backend": "vllm", "sleep_mode": True, "gpu_memory_utilization": 0.3,
-                              "max_completion_length": 16})).load()
+    lab = Lab(
+        tiny(
+            generator={
+                "backend": "vllm",
+                "sleep_mode": True,
+                "gpu_memory_utilization": 0.3,
+                "max_completion_length": 16,
+            }
+        )
+    ).load()
     try:
         result = lab.step()
         assert lab.generator.asleep, "the engine is awake after the step"
         books, resident = lab.generator.engine_share()
-        return f"step 0 loss {result.loss:+.4f}; engine books {books / MiB:.0f} MiB, resident asleep {resident / MiB:.0f}"
+        return (
+            f"step 0 loss {result.loss:+.4f}; engine books {books / MiB:.0f} MiB, resident asleep {resident / MiB:.0f}"
+        )
     finally:
         lab.close()
 
@@ -197,11 +222,14 @@ def main() -> int:
             print(f"{name:<40} ok       {check()}", flush=True)
         except Skip as why:
             print(f"{name:<40} skipped  {why}", flush=True)
-        except Exception as err:   # why so broad: one path's failure must not hide the others'
+        except Exception as err:  # why so broad: one path's failure must not hide the others'
             failed += 1
             where = traceback.extract_tb(err.__traceback__)[-1]
-            print(f"{name:<40} FAILED   {type(err).__name__}: {str(err).strip()[:200]} "
-                  f"({Path(where.filename).name}:{where.lineno})", flush=True)
+            print(
+                f"{name:<40} FAILED   {type(err).__name__}: {str(err).strip()[:200]} "
+                f"({Path(where.filename).name}:{where.lineno})",
+                flush=True,
+            )
     return 1 if failed else 0
 
 

@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/head_chunk.py --tokens 2048 --hidden 128 --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ def main() -> None:
     p.add_argument("--chunks", default="16,32,64,128,256,512,1024")
     args = p.parse_args()
     torch.manual_seed(0)
-    weight = (torch.randn(args.vocab, args.hidden) * 0.02).bfloat16()   # a frozen bf16 LM head, as under LoRA
+    weight = (torch.randn(args.vocab, args.hidden) * 0.02).bfloat16()  # a frozen bf16 LM head, as under LoRA
     hidden = torch.randn(args.tokens, args.hidden, requires_grad=True)
     targets = torch.randint(0, args.vocab, (args.tokens,))
     heads = {f"chunked {c}": (chunked_logprobs, int(c)) for c in args.chunks.split(",")}
@@ -37,8 +38,8 @@ def main() -> None:
             hidden.grad = None
     print(f"| head | chunk buffer MiB | median s (fwd+bwd, {args.tokens} tokens) | min s |")
     print("|---|---|---|---|")
-    for name, (fn, chunk) in heads.items():
-        buffer = chunk * args.vocab * 4 / 2 ** 20 if chunk else float("nan")
+    for name, (_fn, chunk) in heads.items():
+        buffer = chunk * args.vocab * 4 / 2**20 if chunk else float("nan")
         print(f"| {name} | {buffer:.0f} | {statistics.median(times[name]):.2f} | {min(times[name]):.2f} |")
 
 

@@ -7,6 +7,7 @@ in its own process, settings alternated round by round.
     .venv/bin/python bench/head_heap.py --vocab 32000 --chunks 128 --rounds 3
     .venv/bin/python bench/head_heap.py --vocab 32000 --chunks 128 --rounds 10 --passes 5 --lab tiny-cpu   # after a Lab
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,16 @@ print(json.dumps(out[1:]))   # why not the first: it maps every block before gli
 """
 
 
-def head_passes(vocab: int, chunk: int, rows: int = 1024, hidden: int = 128, threshold: Optional[float] = None,
-                passes: int = 4, lab_config: Optional[dict] = None, env: Optional[dict] = None) -> list[list[float]]:
+def head_passes(
+    vocab: int,
+    chunk: int,
+    rows: int = 1024,
+    hidden: int = 128,
+    threshold: Optional[float] = None,
+    passes: int = 4,
+    lab_config: Optional[dict] = None,
+    env: Optional[dict] = None,
+) -> list[list[float]]:
     """In a fresh process (the threshold is process-wide): pin `threshold` (or load a Lab from `lab_config`, which pins
     its own), run the head forward + backward `passes` times; [RSS bytes per chunk element, seconds] of each pass
     after the first."""
@@ -72,26 +81,41 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--passes", type=int, default=4)
-    p.add_argument("--lab", metavar="PRESET", help="load this preset's Lab first (it pins the setting's threshold at "
-                   "load, as tests/test_heap.py does), then run the head")
+    p.add_argument(
+        "--lab",
+        metavar="PRESET",
+        help="load this preset's Lab first (it pins the setting's threshold at "
+        "load, as tests/test_heap.py does), then run the head",
+    )
     args = p.parse_args()
     settings = {"pinned 128 KiB": 0.125, "glibc's own (default)": None}
-    print("| vocab | chunk | chunk MiB (float32) | setting | RSS B / chunk element: median (min-max) | ms per pass "
-          "(median) |")
+    print(
+        "| vocab | chunk | chunk MiB (float32) | setting | RSS B / chunk element: median (min-max) | ms per pass "
+        "(median) |"
+    )
     print("|---|---|---|---|---|---|", flush=True)
     for vocab in args.vocab:
         for chunk in args.chunks:
             got = {name: [] for name in settings}
             for _ in range(args.rounds):
                 for name, threshold in settings.items():
-                    got[name] += head_passes(vocab, chunk, args.rows, args.hidden, threshold, args.passes,
-                                             lab_config=lab_config(args.lab, threshold))
+                    got[name] += head_passes(
+                        vocab,
+                        chunk,
+                        args.rows,
+                        args.hidden,
+                        threshold,
+                        args.passes,
+                        lab_config=lab_config(args.lab, threshold),
+                    )
             for name, rows in got.items():
                 per_element = [r[0] for r in rows]
                 spread = f"{statistics.median(per_element):.1f} ({min(per_element):.1f}-{max(per_element):.1f})"
                 ms = 1000 * statistics.median(r[1] for r in rows)
-                print(f"| {vocab:,} | {chunk} | {chunk * vocab * 4 / 2 ** 20:.0f} | {name} | {spread} | {ms:.0f} |",
-                      flush=True)
+                print(
+                    f"| {vocab:,} | {chunk} | {chunk * vocab * 4 / 2**20:.0f} | {name} | {spread} | {ms:.0f} |",
+                    flush=True,
+                )
 
 
 def lab_config(preset: Optional[str], threshold: Optional[float]) -> Optional[dict]:
@@ -100,7 +124,9 @@ def lab_config(preset: Optional[str], threshold: Optional[float]) -> Optional[di
         return None
     from grpo_lab import load_config
 
-    return load_config(preset, [f"memory.host_mmap_threshold_mib={'null' if threshold is None else threshold}"]).to_dict()
+    return load_config(
+        preset, [f"memory.host_mmap_threshold_mib={'null' if threshold is None else threshold}"]
+    ).to_dict()
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 the peak RSS, pinned at 128 KiB and 1 MiB against glibc's own rising threshold (null, the default), each in its own
 process, alternated round by round.
 
-    .venv/bin/python bench/mmap_threshold_step.py                       # logits-heavy-cpu at 32k (256 and 1024 tokens), tiny-demo
+    .venv/bin/python bench/mmap_threshold_step.py             # logits-heavy-cpu at 32k (256 and 1024 tokens), tiny-demo
     .venv/bin/python bench/mmap_threshold_step.py --rounds 3 --steps 6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,10 @@ import sys
 
 CONFIGS = {
     "logits-heavy-cpu, 32k vocab": ("logits-heavy-cpu", ["model.name_or_path=builtin:qwen2-32k", "grpo.beta=0.04"]),
-    "logits-heavy-cpu, 32k vocab, 1024 tokens": ("logits-heavy-cpu", ["model.name_or_path=builtin:qwen2-32k", "grpo.beta=0.04",
-                                                                   "generator.max_completion_length=1024"]),
+    "logits-heavy-cpu, 32k vocab, 1024 tokens": (
+        "logits-heavy-cpu",
+        ["model.name_or_path=builtin:qwen2-32k", "grpo.beta=0.04", "generator.max_completion_length=1024"],
+    ),
     "tiny-demo": ("tiny-demo", []),
 }
 SETTINGS = {"pinned 128 KiB": "0.125", "pinned 1 MiB": "1", "glibc's own (default)": "null"}
@@ -58,7 +61,7 @@ def main() -> None:
         own = statistics.median(got["glibc's own (default)"][0])
         for setting, (seconds, peak) in got.items():
             median = statistics.median(seconds)
-            print(f"| {name} | {setting} | {median:.2f} | {peak / 2 ** 20:.0f} | {median / own:.2f} |", flush=True)
+            print(f"| {name} | {setting} | {median:.2f} | {peak / 2**20:.0f} | {median / own:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

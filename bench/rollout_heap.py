@@ -1,12 +1,13 @@
 """The CPU rollout's host memory with and without grpo_lab's heap trims, on the logits-heavy preset.
 
 Each variant in a fresh process: `Lab.load()`, `--steps` steps with the Lab's sampler at 500 Hz; prints, per step,
-the rollout phase's RSS peak above its start and its absolute peak, the step's RSS peak and the step time. `untrimmed` swaps grpo_lab's
-trim_host_heap for a no-op in that process only (before every phase and every TRIM_EVERY decoding steps):
-what glibc's heap does on its own.
+the rollout phase's RSS peak above its start and its absolute peak, the step's RSS peak and the step time. `untrimmed`
+swaps grpo_lab's trim_host_heap for a no-op in that process only (before every phase and every TRIM_EVERY decoding
+steps): what glibc's heap does on its own.
 
     .venv/bin/python bench/rollout_heap.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import warnings
 
-MiB = 1024 ** 2
+MiB = 1024**2
 
 
 def worker(variant: str, steps: int) -> dict:
@@ -37,8 +38,13 @@ def worker(variant: str, steps: int) -> dict:
         step_peaks.append(max(r["peak"] for r in rss) / MiB)
         seconds.append(result.step_seconds)
     lab.close()
-    return {"variant": variant, "rollout_rise_mib": rises, "rollout_peak_mib": peaks, "step_peak_mib": step_peaks,
-            "step_seconds": seconds}
+    return {
+        "variant": variant,
+        "rollout_rise_mib": rises,
+        "rollout_peak_mib": peaks,
+        "step_peak_mib": step_peaks,
+        "step_seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -50,12 +56,18 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.steps)))
         return
-    print("| variant | rollout RSS peak above its start (MiB) | rollout RSS peak (MiB) | step RSS peak (MiB) | "
-          "step seconds |")
+    print(
+        "| variant | rollout RSS peak above its start (MiB) | rollout RSS peak (MiB) | step RSS peak (MiB) | "
+        "step seconds |"
+    )
     print("|---|---|---|---|---|")
     for variant in ("untrimmed", "trimmed"):
-        out = subprocess.run([sys.executable, __file__, "--worker", variant, "--steps", str(args.steps)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", variant, "--steps", str(args.steps)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         r = json.loads(out.strip().splitlines()[-1])
         cells = [", ".join(f"{v:.0f}" for v in r[k]) for k in ("rollout_rise_mib", "rollout_peak_mib", "step_peak_mib")]
         print(f"| {variant} | {' | '.join(cells)} | {', '.join(f'{v:.1f}' for v in r['step_seconds'])} |")

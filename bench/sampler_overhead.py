@@ -7,6 +7,7 @@ conditions differ only in the background threads. Goal: sampler at 20 Hz <= 1% s
 
     .venv/bin/python bench/sampler_overhead.py --rounds 40
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ import warnings
 
 def main() -> None:
     from grpo_lab import Lab, load_config
-    from grpo_lab.ui.live import LivePlot
     from grpo_lab.models.tiny import ensure_tiny_model
+    from grpo_lab.ui.live import LivePlot
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny-cpu")
@@ -69,8 +70,10 @@ def main() -> None:
     plot.stop()
     sampler.stop()
 
-    print(f"| {args.config} | {args.rounds} | {med['off']:.4f} | {med['sampler']:.4f} | {pair('sampler'):.4f} | "
-          f"{med['plot']:.4f} | {pair('plot'):.4f} | {1000 * statistics.median(stalls):.1f} / {1000 * max(stalls):.1f} |")
+    print(
+        f"| {args.config} | {args.rounds} | {med['off']:.4f} | {med['sampler']:.4f} | {pair('sampler'):.4f} | "
+        f"{med['plot']:.4f} | {pair('plot'):.4f} | {1000 * statistics.median(stalls):.1f} / {1000 * max(stalls):.1f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ step, so both see the same machine state. Prints a markdown row for docs/benchma
 
     .venv/bin/python bench/step_vs_trl.py --steps 12 --warmup 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,33 +24,59 @@ def trl_trainer(cfg, callback, steps, out_dir):
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_lab.algo.prompts import arithmetic_problems
-    from grpo_lab.models.learner import load_base, load_tokenizer
     from grpo_lab.algo.rewards import resolve_reward
+    from grpo_lab.models.learner import load_base, load_tokenizer
 
     g, grpo = cfg.generator, cfg.grpo
     batch = grpo.prompts_per_step * grpo.num_generations
     micro = grpo.micro_batch_size or batch
     rows = arithmetic_problems(cfg.data.num_prompts, cfg.run.seed)
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    dataset = Dataset.from_list([{"prompt": system + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-                                 for r in rows])
+    dataset = Dataset.from_list(
+        [{"prompt": system + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    )
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10_000,
-        bf16=cfg.model.bnb_4bit_compute_dtype == "bfloat16", max_steps=steps, seed=cfg.run.seed,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, steps_per_generation=batch // micro,
-        num_generations=grpo.num_generations, max_completion_length=g.max_completion_length,
-        temperature=g.temperature, top_p=g.top_p, beta=grpo.beta, loss_type=grpo.loss_type,
-        scale_rewards=grpo.scale_rewards, epsilon=grpo.epsilon, learning_rate=grpo.learning_rate,
-        gradient_checkpointing=cfg.model.gradient_checkpointing, max_grad_norm=grpo.max_grad_norm,
-        lr_scheduler_type="constant", warmup_steps=0, disable_tqdm=True,
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10_000,
+        bf16=cfg.model.bnb_4bit_compute_dtype == "bfloat16",
+        max_steps=steps,
+        seed=cfg.run.seed,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
+        steps_per_generation=batch // micro,
+        num_generations=grpo.num_generations,
+        max_completion_length=g.max_completion_length,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        beta=grpo.beta,
+        loss_type=grpo.loss_type,
+        scale_rewards=grpo.scale_rewards,
+        epsilon=grpo.epsilon,
+        learning_rate=grpo.learning_rate,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        max_grad_norm=grpo.max_grad_norm,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        disable_tqdm=True,
     )
     lora = cfg.lora
     return GRPOTrainer(
-        model=load_base(cfg.model, "cpu"), args=args, train_dataset=dataset,
+        model=load_base(cfg.model, "cpu"),
+        args=args,
+        train_dataset=dataset,
         processing_class=load_tokenizer(cfg.model.name_or_path),
-        reward_funcs=[resolve_reward(r) for r in cfg.data.rewards], callbacks=[callback],
-        peft_config=LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-                               target_modules=lora.target_modules, task_type="CAUSAL_LM"),
+        reward_funcs=[resolve_reward(r) for r in cfg.data.rewards],
+        callbacks=[callback],
+        peft_config=LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.lora_alpha,
+            lora_dropout=lora.lora_dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        ),
     )
 
 
@@ -95,12 +122,14 @@ def main() -> None:
         trainer.args.logging_steps = 1
         trainer.train()
 
-    kept = {k: v[args.warmup:] for k, v in timings.items() if k in ("trl", "grpo_lab")}
+    kept = {k: v[args.warmup :] for k, v in timings.items() if k in ("trl", "grpo_lab")}
     ratios = [a / b for a, b in zip(kept["grpo_lab"], kept["trl"])]
     med = {k: statistics.median(v) for k, v in kept.items()}
     mean_len = {k: statistics.mean(timings[f"{k}_len"]) if timings[f"{k}_len"] else float("nan") for k in kept}
-    print(f"| {args.config} | {len(ratios)} | {med['grpo_lab']:.3f} | {med['trl']:.3f} | "
-          f"{statistics.median(ratios):.2f} | {mean_len['grpo_lab']:.1f} / {mean_len['trl']:.1f} |")
+    print(
+        f"| {args.config} | {len(ratios)} | {med['grpo_lab']:.3f} | {med['trl']:.3f} | "
+        f"{statistics.median(ratios):.2f} | {mean_len['grpo_lab']:.1f} / {mean_len['trl']:.1f} |"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(timings, f, indent=1)

@@ -8,6 +8,7 @@
 
     .venv/bin/python bench/vllm_generator.py --rounds 15
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def lab_for(model_path: str, steps_overrides: list[str]):
     from grpo_lab import Lab, load_config
 
-    cfg = load_config("tiny-cpu", [f"model.name_or_path={model_path}", "generator.backend=vllm",
-                                                "memory.sample_hz=0", *steps_overrides])
+    cfg = load_config(
+        "tiny-cpu",
+        [f"model.name_or_path={model_path}", "generator.backend=vllm", "memory.sample_hz=0", *steps_overrides],
+    )
     return Lab(cfg).load()
 
 
@@ -48,10 +51,22 @@ def overhead(lab, rounds: int) -> tuple[float, float, float]:
         ours.append(time.perf_counter() - t0)
         # the identical requests, prepared outside the timing
         torch.manual_seed(1)
-        seeds = torch.randint(0, 2 ** 31 - 1, (len(batch) * g,)).tolist()
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in gen.encode_prompts(batch.prompts, cfg.generator.max_prompt_length) for _ in range(g)]
-        params = [SamplingParams(temperature=request.temperature, max_tokens=request.max_completion_length, logprobs=0,
-                                 seed=s, stop_token_ids=gen.eos_token_ids) for s in seeds]
+        seeds = torch.randint(0, 2**31 - 1, (len(batch) * g,)).tolist()
+        prompts = [
+            TokensPrompt(prompt_token_ids=p)
+            for p in gen.encode_prompts(batch.prompts, cfg.generator.max_prompt_length)
+            for _ in range(g)
+        ]
+        params = [
+            SamplingParams(
+                temperature=request.temperature,
+                max_tokens=request.max_completion_length,
+                logprobs=0,
+                seed=s,
+                stop_token_ids=gen.eos_token_ids,
+            )
+            for s in seeds
+        ]
         t0 = time.perf_counter()
         gen.llm.generate(prompts, params, lora_request=gen.lora_request, use_tqdm=False)
         raw.append(time.perf_counter() - t0)
@@ -60,9 +75,11 @@ def overhead(lab, rounds: int) -> tuple[float, float, float]:
 
 
 def per_step(lab, steps: int) -> tuple[float, float]:
-    results = lab.run(steps)[1:]   # the first step includes engine warm-up
-    return (statistics.median(r.sync_seconds for r in results),
-            statistics.median(r.phase_seconds["rollout"] for r in results))
+    results = lab.run(steps)[1:]  # the first step includes engine warm-up
+    return (
+        statistics.median(r.sync_seconds for r in results),
+        statistics.median(r.phase_seconds["rollout"] for r in results),
+    )
 
 
 def main() -> None:
@@ -80,15 +97,19 @@ def main() -> None:
     ours, raw, ratio = overhead(lab, args.rounds)
     print(f"| overhead | tiny | {args.rounds} | {ours:.4f} | {raw:.4f} | {ratio:.3f} |")
     sync, rollout = per_step(lab, args.steps)
-    print(f"| per step | tiny (0.5M params, LoRA r=8) | {args.steps - 1} | sync {sync:.4f} s | rollout {rollout:.4f} s |")
+    print(
+        f"| per step | tiny (0.5M params, LoRA r=8) | {args.steps - 1} | sync {sync:.4f} s | rollout {rollout:.4f} s |"
+    )
     lab.close()
     del lab
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), 1024, 8, 32768)
         big = lab_for(tmp, [])
         sync, rollout = per_step(big, args.steps)
-        print(f"| per step | random Qwen2 hidden 1024 x 8 layers (0.17B, LoRA r=8) | {args.steps - 1} | "
-              f"sync {sync:.4f} s | rollout {rollout:.4f} s |")
+        print(
+            f"| per step | random Qwen2 hidden 1024 x 8 layers (0.17B, LoRA r=8) | {args.steps - 1} | "
+            f"sync {sync:.4f} s | rollout {rollout:.4f} s |"
+        )
         big.close()
 
 

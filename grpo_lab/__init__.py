@@ -1,15 +1,30 @@
 """grpo_lab: stepwise GRPO on 4-bit LoRA models, with the memory of every phase in view."""
+
 from .models.quant import quiet_bitsandbytes
 
-quiet_bitsandbytes()   # before anything imports bitsandbytes (README: CPU notes)
+quiet_bitsandbytes()  # before anything imports bitsandbytes (README: CPU notes)
 
+from .algo.containers import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult
 from .comparison import compare
-from .config.schema import LabConfig
 from .config.loading import load_config, save_config
+from .config.schema import LabConfig
 from .errors import ConfigError, LabError
 from .lab import Lab
-from .algo.containers import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult
 
-__all__ = ["Lab", "compare", "LabConfig", "load_config", "save_config", "LabError", "ConfigError", "StepResult",
-           "Rollout", "Rewards", "Advantages", "LogProbs", "LossStats", "PromptBatch"]
+__all__ = [
+    "Lab",
+    "compare",
+    "LabConfig",
+    "load_config",
+    "save_config",
+    "LabError",
+    "ConfigError",
+    "StepResult",
+    "Rollout",
+    "Rewards",
+    "Advantages",
+    "LogProbs",
+    "LossStats",
+    "PromptBatch",
+]
 __version__ = "0.1.0"

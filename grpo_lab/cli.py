@@ -1,4 +1,5 @@
 """`grpo-lab` command line: thin wrappers over the library. User errors print one line and exit 2."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ from .errors import LabError
 
 def _run(args) -> int:
     from .config.loading import load_config
-    from .state.rundir import CONFIG
     from .runner import run
+    from .state.rundir import CONFIG
 
     if args.resume is not None and args.out is not None:
         raise LabError(f"--out: a resumed run stays in its own directory ({args.resume}); drop --out")
@@ -20,14 +21,21 @@ def _run(args) -> int:
     config = None
     if args.config is not None:
         config = load_config(args.config, args.set)
-    elif args.set and (Path(args.resume) / CONFIG).is_file():   # --set alone: changes to the run's own config
+    elif args.set and (Path(args.resume) / CONFIG).is_file():  # --set alone: changes to the run's own config
         config = load_config(Path(args.resume) / CONFIG, args.set)
     if not args.verbose:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()   # one line per step: no per-shard loading bars
-    run_dir = run(config, steps=args.steps, out=args.out, progress=not args.quiet, force=args.force, verbose=args.verbose,
-                  resume=args.resume)
+        hf_logging.disable_progress_bar()  # one line per step: no per-shard loading bars
+    run_dir = run(
+        config,
+        steps=args.steps,
+        out=args.out,
+        progress=not args.quiet,
+        force=args.force,
+        verbose=args.verbose,
+        resume=args.resume,
+    )
     print(f"run directory: {run_dir}")
     print(f"report: open {run_dir / 'report.html'} in a browser (memory timeline, per-phase peaks, rewards)")
     return 0
@@ -41,11 +49,14 @@ def _presets(args) -> int:
 
 
 def _plan(args) -> int:
-    from .config.loading import load_config
     from .planner import plan
 
-    ranges = {"--lengths": args.lengths, "--generations": args.generations, "--micro-batches": args.micro_batches,
-              "--out": args.out}
+    ranges = {
+        "--lengths": args.lengths,
+        "--generations": args.generations,
+        "--micro-batches": args.micro_batches,
+        "--out": args.out,
+    }
     given = [flag for flag, value in ranges.items() if value is not None]
     if given and not args.frontier:
         raise LabError(f"{given[0]}: only with --frontier; add --frontier, or drop {given[0]}")
@@ -55,11 +66,12 @@ def _plan(args) -> int:
         if note:
             print(note)
         return 0
-    from .planner.frontier import frontier, parse_range
+    from .planner.frontier import frontier
+    from .planner.grid import parse_range
 
     axes = [None if value is None else parse_range(value, flag) for flag, value in list(ranges.items())[:3]]
     front = frontier(config, *axes)
-    path = front.to_html(args.out or "frontier.html", "--out")   # why last: an error above leaves no page behind
+    path = front.to_html(args.out or "frontier.html", "--out")  # why last: an error above leaves no page behind
     print(front)
     print(f"frontier page: open {path} in a browser (hover a cell for its binding device, peak, phase and headroom)")
     return 0
@@ -78,8 +90,10 @@ def _plan_config(args):
         if NEEDS_SHARE not in str(err):
             raise
     config = load_config(args.config, [*args.set, "generator.gpu_memory_utilization=auto"])
-    return config, ("recommended: generator.gpu_memory_utilization is unset and the generator shares the learner's GPU; "
-                    "the plan above uses auto: set it to auto, or to the share the GPU split shows")
+    return config, (
+        "recommended: generator.gpu_memory_utilization is unset and the generator shares the learner's GPU; "
+        "the plan above uses auto: set it to auto, or to the share the GPU split shows"
+    )
 
 
 def _probe(args) -> int:
@@ -119,8 +133,11 @@ def _tiny(args) -> int:
     where = args.path or builtin_path(args.model)
     check_output_dir(where, "grpo-lab tiny PATH" if args.path else "grpo-lab tiny (the user cache; set GRPO_LAB_CACHE)")
     shape = BUILTINS[args.model][1]
-    path = (build_tiny_model(where, seed=args.seed, **shape) if args.force
-            else ensure_tiny_model(where, seed=args.seed, **shape))
+    path = (
+        build_tiny_model(where, seed=args.seed, **shape)
+        if args.force
+        else ensure_tiny_model(where, seed=args.seed, **shape)
+    )
     print(f"tiny model: {path}")
     return 0
 
@@ -130,33 +147,63 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run GRPO steps headless from a YAML config")
-    p.add_argument("config", nargs="?", help="a preset name (grpo-lab presets) or a YAML file, e.g. tiny-cpu "
-                   "(with --resume: optional; what it changes must be editable in a loaded Lab)")
-    p.add_argument("--steps", type=int, help="the run's number of steps (default: run.steps; with --resume: the new total)")
-    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (killed, failed or finished) from its last checkpoint")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="a preset name (grpo-lab presets) or a YAML file, e.g. tiny-cpu "
+        "(with --resume: optional; what it changes must be editable in a loaded Lab)",
+    )
+    p.add_argument(
+        "--steps", type=int, help="the run's number of steps (default: run.steps; with --resume: the new total)"
+    )
+    p.add_argument(
+        "--resume", metavar="DIR", help="continue the run in DIR (killed, failed or finished) from its last checkpoint"
+    )
     p.add_argument("--out", help="run directory (default: run.output_dir or runs/<date-time>)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set grpo.beta=0.04 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set grpo.beta=0.04 (repeatable)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--verbose", action="store_true", help="print the per-phase memory table after every step (default: once, at the end)")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the per-phase memory table after every step (default: once, at the end)",
+    )
     p.add_argument("--force", action="store_true", help="run even when the memory plan says it does not fit")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("plan", help="print the per-device memory plan of a config, before loading anything")
     p.add_argument("config", help="a preset name or a YAML file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--frontier", action="store_true", help="plan every combination of completion length x "
-                   "num_generations x micro-batch: a table here and an HTML heatmap (--out)")
-    for flag, what in (("--lengths", "generator.max_completion_length (default: 64:1024)"),
-                       ("--generations", "grpo.num_generations (default: 2,4,8,16)"),
-                       ("--micro-batches", "grpo.micro_batch_size (default: the config's)")):
-        p.add_argument(flag, metavar="RANGE", help=f"with --frontier: {what}; a comma list (64,128,256) or LO:HI "
-                       "(powers of two from LO to HI); the config's own value is always added")
+    p.add_argument(
+        "--frontier",
+        action="store_true",
+        help="plan every combination of completion length x "
+        "num_generations x micro-batch: a table here and an HTML heatmap (--out)",
+    )
+    for flag, what in (
+        ("--lengths", "generator.max_completion_length (default: 64:1024)"),
+        ("--generations", "grpo.num_generations (default: 2,4,8,16)"),
+        ("--micro-batches", "grpo.micro_batch_size (default: the config's)"),
+    ):
+        p.add_argument(
+            flag,
+            metavar="RANGE",
+            help=f"with --frontier: {what}; a comma list (64,128,256) or LO:HI "
+            "(powers of two from LO to HI); the config's own value is always added",
+        )
     p.add_argument("--out", metavar="FILE", help="with --frontier: the HTML page to write (default: frontier.html)")
     p.set_defaults(func=_plan)
 
-    p = sub.add_parser("probe", help="load a config and run one worst-case step (longest prompt, full-length completions, "
-                       "full micro-batches) on the real devices; per-phase peaks beside the plan; exit 1 if it does not fit")
+    p = sub.add_parser(
+        "probe",
+        help="load a config and run one worst-case step (longest prompt, full-length completions, "
+        "full micro-batches) on the real devices; per-phase peaks beside the plan; exit 1 if it does not fit",
+    )
     p.add_argument("config", help="a preset name or a YAML file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.set_defaults(func=_probe)
@@ -170,17 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="sweep directory")
     p.set_defaults(func=_sweep)
 
-    p = sub.add_parser("compare", help="one HTML page overlaying runs' per-phase memory peaks and reward/loss curves, "
-                       "labelled by what differs in their configs")
+    p = sub.add_parser(
+        "compare",
+        help="one HTML page overlaying runs' per-phase memory peaks and reward/loss curves, "
+        "labelled by what differs in their configs",
+    )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories `grpo-lab run` wrote (two or more)")
     p.add_argument("--out", default="compare.html", help="the HTML file to write (default: %(default)s)")
     p.set_defaults(func=_compare)
 
     from .models.tiny import BUILTINS, TINY
 
-    p = sub.add_parser("tiny", help="build a built-in tiny Qwen2 checkpoint (tiny-qwen2: trained ~1 min on the "
-                       "arithmetic set; tiny-random: random weights; qwen2-152k, qwen2-32k: large vocabularies on the "
-                       "random body)")
+    p = sub.add_parser(
+        "tiny",
+        help="build a built-in tiny Qwen2 checkpoint (tiny-qwen2: trained ~1 min on the "
+        "arithmetic set; tiny-random: random weights; qwen2-152k, qwen2-32k: large vocabularies on the "
+        "random body)",
+    )
     p.add_argument("path", nargs="?", help="output directory (default: the built-in model's place in the user cache)")
     p.add_argument("--model", choices=sorted(BUILTINS), default=TINY, help="which built-in model (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)

@@ -3,6 +3,7 @@
 Everything a user can get wrong (config, devices, paths) is raised as a `LabError`;
 the CLI prints it without a traceback and exits 2, a notebook shows it as one line.
 """
+
 from __future__ import annotations
 
 

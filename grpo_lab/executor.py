@@ -5,6 +5,7 @@ timeline and the views; its executor holds the models and does each phase's work
 config, the reward functions, the step index) and never the Lab. EXECUTORS names them by import path, so the
 one-process path never imports the Ray driver.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,15 +25,15 @@ class Executor(Protocol):
     """What the Lab (and a loaded Lab's edit guard, config/edits.py) asks of an executor."""
 
     name: str
-    config: object                  # the Lab's LabConfig (one object for the Lab's life: edits change it in place)
-    reward_funcs: list[Callable]    # resolved; config/edits.py replaces them when data.rewards changes
-    rewards_given: bool             # passed to Lab(reward_funcs=...) rather than named in data.rewards
-    learner: object                 # None until loaded (a driver: its ranks)
+    config: object  # the Lab's LabConfig (one object for the Lab's life: edits change it in place)
+    reward_funcs: list[Callable]  # resolved; config/edits.py replaces them when data.rewards changes
+    rewards_given: bool  # passed to Lab(reward_funcs=...) rather than named in data.rewards
+    learner: object  # None until loaded (a driver: its ranks)
     generator: object
     reference: object
     prompts: object
     reference_strategy: Optional[str]
-    on_cuda: bool                   # the phases compute on a GPU here (they then get NVTX ranges too)
+    on_cuda: bool  # the phases compute on a GPU here (they then get NVTX ranges too)
 
     @property
     def loaded(self) -> bool: ...

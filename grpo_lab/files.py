@@ -6,6 +6,7 @@ swapped in with two renames (NAME -> .NAME.old, tmp -> NAME). A crash can leave:
 crash fell between the renames: it is the last complete version and goes back). `recover_dir`
 does that; every write starts with it, and readers call it before they look.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ def atomic_write_text(path: Union[str, Path], text: Union[str, bytes]) -> Path:
         os.chmod(tmp, 0o666 & ~_umask())  # why: mkstemp creates 0600; a run's files should read like any other
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)   # why: nothing half-written is left behind
+        Path(tmp).unlink(missing_ok=True)  # why: nothing half-written is left behind
         raise
     _fsync_dir(path.parent)
     return path

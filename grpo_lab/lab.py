@@ -4,6 +4,7 @@ the memory views; each phase of a step is a method a cell can call alone (named 
 (executor.py: this process's models, or a sharded learner's ranks). The headless runner, the widgets and papermill
 use the same calls. Config edits after load go through config/edits.py.
 """
+
 from __future__ import annotations
 
 import threading
@@ -13,32 +14,36 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .config.schema import LabConfig
-from .config.loading import load_config
-from .errors import ConfigError, LabError, NonFinite
-from .config.edits import LoadedLabGuard
-from .executor import executor_for
 from .algo import grpo
+from .algo.containers import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
 from .algo.lifecycle import RestOfStep, StepState, check_order, next_phase
 from .algo.phases import BY_NAME, PHASE_NAMES, UPDATE_PHASES
-from .preflight import preflight
+from .config.edits import LoadedLabGuard
+from .config.loading import load_config
+from .config.schema import LabConfig
+from .errors import ConfigError, LabError
+from .executor import executor_for
 from .memory.timeline import Timeline
-from .algo.containers import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
+from .preflight import preflight
 from .ui.views import LabViews
 
 
 class Lab(LabViews):
-    def __init__(self, config: Union[LabConfig, dict, str, Path], reward_funcs: Optional[list[Callable]] = None,
-                 overrides: Optional[list[str]] = None):
+    def __init__(
+        self,
+        config: Union[LabConfig, dict, str, Path],
+        reward_funcs: Optional[list[Callable]] = None,
+        overrides: Optional[list[str]] = None,
+    ):
         self._config = load_config(config, overrides)
         self.memory = None
-        self.memory_devices: list[str] = []              # the devices the sampler watches
+        self.memory_devices: list[str] = []  # the devices the sampler watches
         self.timeline = Timeline()
         self.history: list[StepResult] = []
         self._step = StepState(index=0)
-        self._busy = threading.Lock()    # one phase at a time: a panel run and a cell must not interleave
+        self._busy = threading.Lock()  # one phase at a time: a panel run and a cell must not interleave
         self.leaks = None
-        self.trackers = None             # run.report_to, opened at load
+        self.trackers = None  # run.report_to, opened at load
         self._plots: list = []
         # where the phases run: this process's models, or a sharded learner's ranks (placement.learner_procs > 1)
         self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index)
@@ -70,7 +75,9 @@ class Lab(LabViews):
         flat = dict(changes or {})
         for section, values in sections.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"{section}: got {values!r}; pass a mapping of its fields, e.g. grpo={{'beta': 0.04}}")
+                raise ConfigError(
+                    f"{section}: got {values!r}; pass a mapping of its fields, e.g. grpo={{'beta': 0.04}}"
+                )
             flat.update({f"{section}.{name}": value for name, value in values.items()})
         return self._config.update(flat)
 
@@ -84,7 +91,7 @@ class Lab(LabViews):
             return self._load()
         except BaseException:
             self._release()
-            self.memory = self.leaks = None   # why: a failed load leaves no sampler behind; the next load starts its own
+            self.memory = self.leaks = None  # why: a failed load leaves no sampler behind; the next load starts its own
             self.timeline.listeners.clear()
             raise
 
@@ -95,21 +102,21 @@ class Lab(LabViews):
 
         cfg, executor = self.config, self.executor
         preflight(cfg)
-        pin_mmap_threshold(cfg.memory.host_mmap_threshold_mib)   # why first: RSS holds live tensors (memory/heap.py)
+        pin_mmap_threshold(cfg.memory.host_mmap_threshold_mib)  # why first: RSS holds live tensors (memory/heap.py)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
             self.memory_devices = executor.memory_watch()
             self.memory = executor.memory_sampler().start()
             self.timeline.listeners.append(self.memory)
-            self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024 ** 2)
+            self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024**2)
             self.timeline.listeners.extend(executor.listeners())
         executor.load(self.memory)
-        self.trackers = Trackers(cfg)    # last: a load that fails earlier opens no tracker run
+        self.trackers = Trackers(cfg)  # last: a load that fails earlier opens no tracker run
         torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
         cfg.attach_guard(LoadedLabGuard(executor, self.memory, self.leaks, self.memory_devices))
         if cfg.run.probe_first:
             from .planner.worst_case import probe_at_load
 
-            probe_at_load(self)   # a worst case that does not fit is refused here, and the load undone
+            probe_at_load(self)  # a worst case that does not fit is refused here, and the load undone
         return self
 
     def _release(self) -> None:
@@ -123,36 +130,22 @@ class Lab(LabViews):
         if self.trackers is not None:
             self.trackers.close()
         self.trackers = None
-        self._config.detach_guard()   # why: nothing loaded is left to protect
-
-    def devices(self) -> list[str]:
-        """Every device the run uses, as the memory views name them (a sharded learner's: rank<k>/<device>)."""
-        return self.executor.devices()
+        self._config.detach_guard()  # why: nothing loaded is left to protect
 
     # --- placement and plan ---
-    def place(self, learner=None, generator=None, reference=None, optimizer_offload=None) -> "Placement":
+    def place(self, learner=None, generator=None, reference=None, optimizer_offload=None):
         """Choose devices before `load()`: validated at once (devices exist; a colocated generator with its
         own weights needs generator.gpu_memory_utilization); `lab.placement` shows the result."""
         from .planner.placement import place
 
         return place(self, learner, generator, reference, optimizer_offload)
 
-    @property
-    def placement(self) -> "Placement":
-        from .planner.placement import Placement
-
-        return Placement(self.config, self.executor.generator)
-
-    def plan(self):
-        """The per-device memory plan of the current config (nothing is loaded)."""
-        from .planner import plan
-
-        return plan(self.config)
-
     def _require_loaded(self):
         if not self.executor.loaded:
             raise LabError("the lab is not loaded; call lab.load() first")
-        if self.executor.before_command():   # e.g. a sharded learner's ranks were stopped: they start at the step's start
+        if (
+            self.executor.before_command()
+        ):  # e.g. a sharded learner's ranks were stopped: they start at the step's start
             self._restart_step()
 
     def _restart_step(self) -> None:
@@ -180,40 +173,36 @@ class Lab(LabViews):
         """Check order, time and mark a phase; on any failure put the step back (see `_failed`); an
         out-of-memory error becomes a one-line LabError naming phase and device."""
         from .memory.heap import trim_host_heap
-        from .memory.oom import as_lab_error, is_oom, release_memory
-        from .state.faults import set_phase
-        from .memory.sampler import HostMemoryExceeded
+        from .memory.oom import phase_error, release_memory
         from .memory.profiling import phase_range
-        from .runtime import RanksBlocked, settle
+        from .runtime import RanksBlocked, runtime, settle
+        from .state.faults import set_phase
 
         self._require_loaded()
         if not self._busy.acquire(blocking=False):
-            raise LabError(f"{name}: another phase of this Lab is running (a panel run or another thread); "
-                           "wait for it to finish, or press stop")
+            raise LabError(
+                f"{name}: another phase of this Lab is running (a panel run or another thread); "
+                "wait for it to finish, or press stop"
+            )
         try:
-            check_order(self._step, name, self.config.grpo.num_iterations, **inputs)   # a refusal changes nothing
-            trim_host_heap()   # why: a phase starts from live host memory, not the heap holes earlier phases left
+            check_order(self._step, name, self.config.grpo.num_iterations, **inputs)  # a refusal changes nothing
+            trim_host_heap()  # why: a phase starts from live host memory, not the heap holes earlier phases left
             try:
-                set_phase(name)   # an armed fault (lab.arm_fault) fires only inside its phase
+                set_phase(name)  # an armed fault (lab.arm_fault) fires only inside its phase
                 with self.timeline.phase(name, self.step_index), phase_range(name, self.executor.on_cuda):
                     yield
-                    settle(name, failed=False)   # on a rank: another rank's failure fails this phase here too
+                    settle(name, failed=False)  # on a rank: another rank's failure fails this phase here too
             except BaseException as err:
-                if not getattr(err, "agreed", False):   # (a failure already agreed mid-phase is not asked twice)
+                if not getattr(err, "agreed", False):  # (a failure already agreed mid-phase is not asked twice)
                     try:
-                        settle(name, failed=True)    # on a rank: the others learn it and take the same branch
-                    except RanksBlocked as blocked:   # they are stuck in a collective: the driver restarts every rank
+                        settle(name, failed=True)  # on a rank: the others learn it and take the same branch
+                    except RanksBlocked as blocked:  # they are stuck in a collective: the driver restarts every rank
                         err.add_note(str(blocked))
                 undone = self._failed(name)
-                if isinstance(err, NonFinite):
-                    err.step = self.step_index
+                # an OOM line names this process's device (a rank's own)
+                error = phase_error(err, name, self.step_index, runtime().device(self.config), self.memory, undone)
+                if error is None:
                     raise
-                if isinstance(err, HostMemoryExceeded):
-                    err.undone = undone
-                    raise
-                if not is_oom(err):
-                    raise
-                error = as_lab_error(err, name, self.step_index, self._my_device(), self.memory, undone)
                 err.__traceback__ = None
                 del err  # why: the traceback's frames hold the failed phase's tensors
                 release_memory()
@@ -228,19 +217,16 @@ class Lab(LabViews):
         import sys
 
         undone = self.executor.failed(phase, sys.exc_info()[1])
-        if undone is not None:   # the executor lost the step (its ranks were stopped): it starts again from its rollout
+        if undone is not None:  # the executor lost the step (its ranks were stopped): it starts again from its rollout
             self._restart_step()
             return undone
-        undone = "the step's updates were rolled back" if self._step.snapshot is not None else "no update had been applied"
+        undone = (
+            "the step's updates were rolled back" if self._step.snapshot is not None else "no update had been applied"
+        )
         # (check_order lets no other phase run while updates or gradients are pending, so only these redo the updates)
         self._retire({phase, *UPDATE_PHASES} if phase in UPDATE_PHASES else {phase})
         self.rollback()
         return undone
-
-    def _my_device(self) -> str:
-        from .runtime import runtime
-
-        return runtime().device(self.config)   # an OOM line names this process's device (a rank's own)
 
     def _retire(self, phases_) -> None:
         """File the current step's timings and memory rows of `phases_` as a failed attempt; the next is a new one."""
@@ -255,11 +241,11 @@ class Lab(LabViews):
         """Start the step (or restart it, when no update was applied yet) with a fresh rollout; a restart samples
         the step's own prompts again."""
         with self._phase("rollout"):
-            if self._step.started:   # a restart: the earlier rollout's phases become a failed attempt
+            if self._step.started:  # a restart: the earlier rollout's phases become a failed attempt
                 self._retire(PHASE_NAMES)
                 self._step = StepState(index=self.step_index, attempts=self._step.attempts)
-                if self.prompts is not None:   # why: two settings tried on one step compare on the same prompts
-                    self.prompts.rewind()       # (a sharded driver has none: each rank's Lab rewinds its own)
+                if self.prompts is not None:  # why: two settings tried on one step compare on the same prompts
+                    self.prompts.rewind()  # (a sharded driver has none: each rank's Lab rewinds its own)
             out = self._compute("rollout")
             out.step = self.step_index
             self._step.rollout = out
@@ -288,7 +274,7 @@ class Lab(LabViews):
             out = self._compute("backward", rollout, advantages, logprobs)
         s = self._step
         s.stats, s.gradients, s.is_weights = out.stats, True, out.is_weights
-        s.old_logprobs = out.old_logprobs if s.old_logprobs is None else s.old_logprobs   # the first backward's
+        s.old_logprobs = out.old_logprobs if s.old_logprobs is None else s.old_logprobs  # the first backward's
         return out.stats
 
     def optimizer(self) -> float:
@@ -320,8 +306,8 @@ class Lab(LabViews):
         result.memory = self.memory.rows_for(s.index)
         result.leaks = self.leaks.observe(end_of_step(result.memory))
         self.history.append(result)
-        self._step = StepState(index=s.index + 1)   # why: the snapshot goes with the finished step
-        self.trackers.log(result)      # after the step is recorded: a tracker's failure is only a warning
+        self._step = StepState(index=s.index + 1)  # why: the snapshot goes with the finished step
+        self.trackers.log(result)  # after the step is recorded: a tracker's failure is only a warning
         return result
 
     # --- composition ---
@@ -337,7 +323,7 @@ class Lab(LabViews):
         All or nothing: if a phase fails (out of memory included), LoRA weights and optimizer state are
         as they were before the step, and calling it again retries from the failed phase."""
         self._require_loaded()
-        self.executor.check_learner()   # why every step: a wrap in a cell spills at once
+        self.executor.check_learner()  # why every step: a wrap in a cell spills at once
         return grpo.step(RestOfStep(self), self.config.grpo.num_iterations)
 
     def rollback(self) -> None:
@@ -368,7 +354,7 @@ class Lab(LabViews):
         from .state.checkpoint import read_checkpoint
 
         self._between_steps("lab.restore_checkpoint()")
-        checkpoint = read_checkpoint(path)   # refused here, in one line, before any model (or rank) reads it
+        checkpoint = read_checkpoint(path)  # refused here, in one line, before any model (or rank) reads it
         self.executor.restore_checkpoint(checkpoint)
         self.resume_at(checkpoint.step)
         return self
@@ -380,16 +366,12 @@ class Lab(LabViews):
     def _between_steps(self, what: str) -> None:
         self._require_loaded()
         if self._step.started:
-            raise LabError(f"{what}: step {self.step_index} is under way (next phase: {self.next_phase()}); finish it "
-                           "with lab.step() first")
+            raise LabError(
+                f"{what}: step {self.step_index} is under way (next phase: {self.next_phase()}); finish it "
+                "with lab.step() first"
+            )
 
-    # --- every rank's state, and failures on demand ---
-    def inspect(self) -> list[dict]:
-        """Each rank's LoRA and AdamW state (its shards when sharded), step index and sharding layout: one entry per
-        rank, one in one process (for comparisons and tests)."""
-        self._require_loaded()
-        return self.executor.inspect()
-
+    # --- the worst case, and failures on demand ---
     def probe(self):
         """One step at the largest shapes the config allows (longest prompt, full-length completions, full
         micro-batches) on the real devices; prints per-phase peaks beside the plan and a verdict; keeps nothing."""

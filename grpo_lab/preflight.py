@@ -1,27 +1,27 @@
 """Everything that can be checked before a weight is loaded (and before any rank process starts): what is
 installed, the ranks, the model path, the placement, the generator, the rewards and the data."""
+
 from __future__ import annotations
 
+from .algo.rewards import resolve_reward
 from .config.schema import LabConfig
 from .errors import LabError
-from .algo.rewards import resolve_reward
 
 
 def preflight(config: LabConfig) -> None:
     """Everything that can be checked before a weight is loaded."""
     from .algo.prompts import load_rows
     from .checks.devices import check_devices
-    from .models.source import check_model_path
     from .checks.installed import check_torchvision
-
     from .checks.world import check_ranks
+    from .models.source import check_model_path
 
     check_torchvision()
-    check_ranks(config)   # more ranks than devices, no FSDP2 in this torch: before any process starts
+    check_ranks(config)  # more ranks than devices, no FSDP2 in this torch: before any process starts
     if config.generator.gpu_memory_utilization == "auto":
         from .planner import engine_share
 
-        engine_share(config)   # why before anything is fetched: no share that fits is refused with its fixes, at no cost
+        engine_share(config)  # why before anything is fetched: no share that fits is refused with its fixes, at no cost
     check_model_path(config.model.name_or_path)
     if config.generator.backend == "vllm":
         from .generation.vllm_engine import check_tensor_parallel, max_lora_rank
@@ -38,5 +38,7 @@ def preflight(config: LabConfig) -> None:
     if config.data.dataset != "arithmetic":
         rows = load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
         if config.grpo.prompts_per_step > len(rows):
-            raise LabError(f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
-                           f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset")
+            raise LabError(
+                f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
+                f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset"
+            )

@@ -4,6 +4,7 @@ memory sample), DIR/report.html, DIR/checkpoint (what a resume needs, every run.
 and at the end), DIR/adapter (the final LoRA adapter) and DIR/run.json (running, failed, finished).
 When a step fails (host-RAM guard, out of memory) or the process is killed, the files cover every
 finished step and the last checkpoint is left as it was: `run(..., resume=DIR)` continues from it."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -11,60 +12,86 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .config.schema import LabConfig
+from .algo.containers import StepResult
+from .checks.paths import check_output_dir
 from .config.loading import save_config
+from .config.schema import LabConfig
 from .errors import LabError
 from .files import append_jsonl
-from .checks.paths import check_output_dir
 from .lab import Lab, preflight
-from .state.rundir import CHECKPOINT, CONFIG, METRICS, RunLock, RunState, is_locked, read_state, rewind_metrics, write_status
-from .algo.containers import StepResult
 from .memory import format_compact, peak_rows
 from .memory.report import CsvStream, write_report
+from .state.rundir import (
+    CHECKPOINT,
+    CONFIG,
+    METRICS,
+    RunLock,
+    RunState,
+    is_locked,
+    read_state,
+    rewind_metrics,
+    write_status,
+)
 
 
 def resolve_run_dir(config: LabConfig, out: Optional[str]) -> Path:
     """--out, else run.output_dir, else runs/<date-time>; an existing run is never overwritten."""
     field = "--out" if out else "run.output_dir"
     path = Path(out or config.run.output_dir or Path("runs") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    if is_locked(path):   # why first: reading a run's state puts back its interrupted checkpoint writes
-        raise LabError(f"{field}: {str(path)!r} is in use by another grpo-lab run that is still going; choose another directory")
+    if is_locked(path):  # why first: reading a run's state puts back its interrupted checkpoint writes
+        raise LabError(
+            f"{field}: {str(path)!r} is in use by another grpo-lab run that is still going; choose another directory"
+        )
     state = read_state(path)
     if state.status != "new":
-        how = ("continue it with `grpo-lab run --resume DIR --steps N`" if state.status == "finished"
-               else "resume it with `grpo-lab run --resume DIR`")
-        raise LabError(f"{field}: {str(path)!r} holds {'a finished' if state.status == 'finished' else 'an unfinished'} "
-                       f"run ({state.describe()}); {how}, or choose another directory")
+        how = (
+            "continue it with `grpo-lab run --resume DIR --steps N`"
+            if state.status == "finished"
+            else "resume it with `grpo-lab run --resume DIR`"
+        )
+        raise LabError(
+            f"{field}: {str(path)!r} holds {'a finished' if state.status == 'finished' else 'an unfinished'} "
+            f"run ({state.describe()}); {how}, or choose another directory"
+        )
     return check_output_dir(path, field)  # why here: refused before any model loads
 
 
 def resume_config(run_dir: Path, given: Optional[LabConfig], steps: Optional[int]) -> tuple[LabConfig, RunState]:
     """The run's own config with the changes `given` makes to it (only those a loaded Lab accepts: a resumed
     run continues the same Lab), and its state. `steps` is the run's new target (default: its own)."""
-    from .config.schema import field_when, leaf_fields
     from .config.loading import load_config
+    from .config.schema import field_when, leaf_fields
 
     state = read_state(run_dir)
     if state.status == "new":
-        raise LabError(f"--resume: {str(run_dir)!r} holds no grpo_lab run (no {CONFIG} or {METRICS}); "
-                       "give the directory a `grpo-lab run` wrote")
+        raise LabError(
+            f"--resume: {str(run_dir)!r} holds no grpo_lab run (no {CONFIG} or {METRICS}); "
+            "give the directory a `grpo-lab run` wrote"
+        )
     config = load_config(run_dir / CONFIG)
     if given is not None:
         mine, theirs = config.to_dict(), given.to_dict()
-        changes = {path: theirs[s][f] for path, s, f in leaf_fields()
-                   if path not in ("run.steps", "run.output_dir") and mine[s][f] != theirs[s][f]}
+        changes = {
+            path: theirs[s][f]
+            for path, s, f in leaf_fields()
+            if path not in ("run.steps", "run.output_dir") and mine[s][f] != theirs[s][f]
+        }
         fixed = next((path for path in changes if field_when(path) == "load"), None)
         if fixed:
             section, name = fixed.split(".")
-            raise LabError(f"--resume: {fixed} is {mine[section][name]!r} in the run and {changes[fixed]!r} here; a "
-                           "resumed run keeps its load-time settings (model, LoRA, placement, engine, seed); drop the "
-                           "change or start a new run")
+            raise LabError(
+                f"--resume: {fixed} is {mine[section][name]!r} in the run and {changes[fixed]!r} here; a "
+                "resumed run keeps its load-time settings (model, LoRA, placement, engine, seed); drop the "
+                "change or start a new run"
+            )
         config.update(changes)
     target = steps or config.run.steps
     start = state.checkpoint or 0
     if state.status == "finished" and target <= state.done:
-        raise LabError(f"--resume: {str(run_dir)!r} finished all its {state.done} steps; pass --steps N with N > "
-                       f"{state.done} to continue it")
+        raise LabError(
+            f"--resume: {str(run_dir)!r} finished all its {state.done} steps; pass --steps N with N > "
+            f"{state.done} to continue it"
+        )
     if target <= start:
         raise LabError(f"--steps: {target}, but the run's checkpoint is at step {start}; give more than {start}")
     config.update({"run.steps": target})
@@ -79,12 +106,21 @@ def check_plan(config: LabConfig) -> None:
     if not result.fits:
         worst = max(result.failing(), key=lambda d: d.fraction)
         fixes = "; ".join(result.fixes) if result.fixes else "a bigger device, a smaller model or shorter sequences"
-        raise LabError(f"memory plan: does not fit on {worst.device} ({worst.total / 1024 ** 3:.1f} of "
-                       f"{worst.capacity / 1024 ** 3:.1f} GiB); try {fixes}; `grpo-lab plan` shows the table, --force runs anyway")
+        raise LabError(
+            f"memory plan: does not fit on {worst.device} ({worst.total / 1024**3:.1f} of "
+            f"{worst.capacity / 1024**3:.1f} GiB); try {fixes}; `grpo-lab plan` shows the table, --force runs anyway"
+        )
 
 
-def run(config: Optional[LabConfig], steps: Optional[int] = None, out: Optional[str] = None, progress: bool = True,
-        force: bool = False, verbose: bool = False, resume: Optional[str] = None) -> Path:
+def run(
+    config: Optional[LabConfig],
+    steps: Optional[int] = None,
+    out: Optional[str] = None,
+    progress: bool = True,
+    force: bool = False,
+    verbose: bool = False,
+    resume: Optional[str] = None,
+) -> Path:
     """Run GRPO steps headless until the run has `steps` (default run.steps); returns the run directory.
     Prints one line per step, and the per-phase memory table once at the end (after every step with
     `verbose`). Checkpoints every run.save_every steps and at the end; `resume` continues the run in
@@ -92,11 +128,15 @@ def run(config: Optional[LabConfig], steps: Optional[int] = None, out: Optional[
     if resume is not None:
         run_dir = Path(resume)
         if not run_dir.is_dir():
-            raise LabError(f"--resume: {str(run_dir)!r} holds no grpo_lab run (no such directory); give the directory "
-                           "a `grpo-lab run` wrote")
+            raise LabError(
+                f"--resume: {str(run_dir)!r} holds no grpo_lab run (no such directory); give the directory "
+                "a `grpo-lab run` wrote"
+            )
         with RunLock(run_dir, "--resume"):
             config, state = resume_config(run_dir, config, steps)
-            return _run(config, run_dir, state.checkpoint or 0, progress, verbose, load_lab(config, force), resumed=True)
+            return _run(
+                config, run_dir, state.checkpoint or 0, progress, verbose, load_lab(config, force), resumed=True
+            )
     config = config.model_copy(update={"run": config.run.model_copy(update={"steps": steps or config.run.steps})})
     run_dir = resolve_run_dir(config, out)
     config.update({"run.output_dir": str(run_dir)})
@@ -118,8 +158,9 @@ def load_lab(config: LabConfig, force: bool) -> Lab:
     return Lab(config).load()
 
 
-def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: bool, lab: Lab,
-         resumed: bool = False) -> Path:
+def _run(
+    config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: bool, lab: Lab, resumed: bool = False
+) -> Path:
     """Steps `start`..run.steps-1 of the loaded `lab` in `run_dir` (locked by the caller); closes the Lab."""
     from tqdm.auto import tqdm
 
@@ -129,8 +170,11 @@ def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: 
         if start:
             lab.restore_checkpoint(run_dir / CHECKPOINT)
         if resumed:
-            print(f"resuming {run_dir} at step {start} of {steps}" + ("" if start else " (no checkpoint: from the start)"),
-                  file=sys.stderr)
+            print(
+                f"resuming {run_dir} at step {start} of {steps}"
+                + ("" if start else " (no checkpoint: from the start)"),
+                file=sys.stderr,
+            )
         save_config(lab.config, run_dir / CONFIG)
         earlier = [StepResult.from_metrics(m) for m in rewind_metrics(run_dir / METRICS, start)]
         samples = CsvStream(run_dir / "memory.csv", lab.memory, keep_before=start if resumed else None)
@@ -138,8 +182,9 @@ def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: 
     except BaseException:
         lab.close()
         raise
-    bar = tqdm(range(start, steps), desc="grpo", unit="step", disable=not progress, file=sys.stderr,
-               initial=start, total=steps)
+    bar = tqdm(
+        range(start, steps), desc="grpo", unit="step", disable=not progress, file=sys.stderr, initial=start, total=steps
+    )
     try:
         for i in bar:
             result = lab.step()
@@ -149,8 +194,10 @@ def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: 
             if verbose:
                 bar.write(format_compact(result.memory), file=sys.stderr)
             if result.leaks:
-                bar.write(f"  leak detector: after-step memory keeps rising on {', '.join(result.leaks)}", file=sys.stderr)
-            every = lab.config.run.save_every   # live: read at each step
+                bar.write(
+                    f"  leak detector: after-step memory keeps rising on {', '.join(result.leaks)}", file=sys.stderr
+                )
+            every = lab.config.run.save_every  # live: read at each step
             if every and (i + 1) % every == 0 and i + 1 < steps:
                 lab.save_checkpoint(run_dir / CHECKPOINT)
         lab.save_checkpoint(run_dir / CHECKPOINT)
@@ -164,7 +211,9 @@ def _run(config: LabConfig, run_dir: Path, start: int, progress: bool, verbose: 
         raise
     finally:
         samples.flush()
-        title = f"grpo_lab run {run_dir}" + (f" (resumed at step {start}: the timeline shows steps {start}-)" if resumed else "")
+        title = f"grpo_lab run {run_dir}" + (
+            f" (resumed at step {start}: the timeline shows steps {start}-)" if resumed else ""
+        )
         write_report(run_dir / "report.html", lab.memory, earlier + lab.history, title=title, config=config.to_dict())
         lab.close()
     return run_dir

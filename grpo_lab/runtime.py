@@ -7,6 +7,7 @@ Nothing else reads `placement.learner` to mean "my device".
 Why one object: a CPU has one device, one RNG and no streams, so every "which device / whose RNG" bug passes on it;
 here they are pure functions of (rank, size, placement), tested with remapped device lists.
 """
+
 from __future__ import annotations
 
 import random
@@ -32,8 +33,8 @@ def rank_devices(learner: str, procs: int) -> list[str]:
 class Runtime:
     rank: int = 0
     size: int = 1
-    is_rank: bool = False   # a worker process of a sharded learner (its driver is the notebook's process)
-    own_gpu: bool = False   # a rank Ray gave one GPU: it sees that GPU alone, as its cuda:0 (CUDA_VISIBLE_DEVICES)
+    is_rank: bool = False  # a worker process of a sharded learner (its driver is the notebook's process)
+    own_gpu: bool = False  # a rank Ray gave one GPU: it sees that GPU alone, as its cuda:0 (CUDA_VISIBLE_DEVICES)
 
     @property
     def sharded(self) -> bool:
@@ -51,7 +52,7 @@ class Runtime:
 
     def device_of(self, learner: str) -> str:
         if self.is_rank and self.own_gpu and learner != "cpu":
-            return "cuda:0"   # why: Ray set CUDA_VISIBLE_DEVICES to this rank's GPU; which one the driver's plan names
+            return "cuda:0"  # why: Ray set CUDA_VISIBLE_DEVICES to this rank's GPU; which one the driver's plan names
         return rank_devices(learner, self.size)[self.rank] if self.is_rank else learner
 
     def watched_devices(self, config) -> list[str]:
@@ -117,8 +118,10 @@ class Runtime:
             work.wait(timeout=timedelta(seconds=DECIDE_S if failed else DECISION_TIMEOUT_S))
         except RuntimeError:
             _BLOCKED[0] = True
-            raise RanksBlocked(f"rank {self.rank} failed and the other ranks did not reach the decision within "
-                               f"{DECIDE_S:.0f} s (blocked in a collective the failure left)") from None
+            raise RanksBlocked(
+                f"rank {self.rank} failed and the other ranks did not reach the decision within "
+                f"{DECIDE_S:.0f} s (blocked in a collective the failure left)"
+            ) from None
         return [k for k, flag in enumerate(flags.tolist()) if flag]
 
     def gather_rows(self, part: torch.Tensor) -> torch.Tensor:
@@ -144,8 +147,10 @@ class Runtime:
 
 
 class PeerFailed(LabError):
-    """Another rank failed this phase: this one, which did not, undoes its share with it (the same branch everywhere)."""
-    agreed = True   # every rank took part in the decision that raised it
+    """Another rank failed this phase: this one, which did not, undoes its share with it (the same branch
+    everywhere)."""
+
+    agreed = True  # every rank took part in the decision that raised it
 
 
 def settle(phase: str, failed: bool) -> None:
@@ -156,8 +161,10 @@ def settle(phase: str, failed: bool) -> None:
         return
     ranks = me.agree(failed)
     if ranks and not failed:
-        raise PeerFailed(f"{phase} failed on rank {', '.join(map(str, ranks))}; every rank stopped it there and undid "
-                         "this step's work")
+        raise PeerFailed(
+            f"{phase} failed on rank {', '.join(map(str, ranks))}; every rank stopped it there and undid "
+            "this step's work"
+        )
 
 
 def take_blocked() -> bool:
@@ -173,12 +180,13 @@ _BLOCKED = [False]
 
 class RanksBlocked(RuntimeError):
     """A failed rank's peers are blocked in a collective: only restarting every rank gets them out."""
-    agreed = True   # nothing more to agree: the driver restarts every rank
+
+    agreed = True  # nothing more to agree: the driver restarts every rank
 
 
-DECIDE_S = 5.0                # how long a failed rank waits for its peers at a decision
-DECISION_TIMEOUT_S = 600.0    # how long a rank that did not fail waits (a slow peer; as long as a collective)
-_DECISIONS = None             # the decision process group (gloo), made by `init_decisions` on every rank
+DECIDE_S = 5.0  # how long a failed rank waits for its peers at a decision
+DECISION_TIMEOUT_S = 600.0  # how long a rank that did not fail waits (a slow peer; as long as a collective)
+_DECISIONS = None  # the decision process group (gloo), made by `init_decisions` on every rank
 
 
 def init_decisions() -> None:
@@ -211,6 +219,7 @@ def set_runtime(value: Runtime) -> None:
 
 # --- RNG: every stream a step draws from, per process ---
 
+
 def capture_rng(cuda: Optional[list[int]] = None) -> dict:
     """torch's CPU generator, Python's, and the CUDA generators of `cuda` (default: every initialised device);
     keyed by device index, so a rank's state never lands on another rank's GPU."""
@@ -226,7 +235,7 @@ def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
-        if isinstance(cuda, list):   # a checkpoint written before states were keyed by device
+        if isinstance(cuda, list):  # a checkpoint written before states were keyed by device
             cuda = dict(enumerate(cuda))
         for index, value in cuda.items():
             torch.cuda.set_rng_state(value, index)
@@ -243,6 +252,7 @@ def rank_rng(saved: dict, rank: int, size: int) -> dict:
 
 
 # --- NVML: a CUDA device's handle by UUID (NVML ignores CUDA_VISIBLE_DEVICES; its indices are physical) ---
+
 
 def _bare(uuid: str) -> str:
     return uuid.lower().removeprefix("gpu-").removeprefix("mig-")
@@ -264,7 +274,7 @@ def nvml_handle(torch_index: int, pynvml=None, torch_uuid: Optional[str] = None)
         pynvml.nvmlInit()
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         uuids = [u.decode() if isinstance(u, bytes) else u for u in map(pynvml.nvmlDeviceGetUUID, handles)]
-    except Exception:   # nvidia-ml-py not installed or no driver: torch's figures still work
+    except Exception:  # nvidia-ml-py not installed or no driver: torch's figures still work
         return None
     index = nvml_index(torch_uuid, uuids)
     return None if index is None else handles[index]

@@ -6,6 +6,7 @@ A sweepable notebook has a cell tagged `parameters` that includes `results_path`
 with `lab.save_results(results_path)` when it is set. A grid point that fails (out of memory
 included, or its kernel killed) is a row with its error, and the sweep goes on: that is data too.
 """
+
 from __future__ import annotations
 
 import csv
@@ -18,11 +19,10 @@ from typing import Optional, Union
 
 import yaml
 
+from .checks.paths import check_output_dir
 from .comparison import RunRecord, compare
 from .errors import LabError
 from .memory.probes import MiB, is_host
-from .checks.paths import check_output_dir
-
 
 
 def notebook_parameters(notebook: Path) -> dict:
@@ -35,9 +35,11 @@ def notebook_parameters(notebook: Path) -> dict:
 
     try:
         return pm.inspect_notebook(str(notebook))
-    except ValueError as err:   # why: papermill's ValueError, e.g. a notebook without kernel metadata
-        raise LabError(f"sweep NOTEBOOK: papermill cannot read the parameters of {notebook.name} ({err}); "
-                       "open and save it in Jupyter to repair it") from None
+    except ValueError as err:  # why: papermill's ValueError, e.g. a notebook without kernel metadata
+        raise LabError(
+            f"sweep NOTEBOOK: papermill cannot read the parameters of {notebook.name} ({err}); "
+            "open and save it in Jupyter to repair it"
+        ) from None
 
 
 def parse_grid(items: list[str]) -> dict[str, list]:
@@ -66,8 +68,13 @@ def peaks(metrics: list[dict]) -> dict[str, float]:
     return out
 
 
-def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Path],
-          fixed: Optional[dict] = None, kernel_name: str = "python3") -> Path:
+def sweep(
+    notebook: Union[str, Path],
+    grid: dict[str, list],
+    out: Union[str, Path],
+    fixed: Optional[dict] = None,
+    kernel_name: str = "python3",
+) -> Path:
     """Run `notebook` for every point of `grid`; returns DIR with summary.csv and summary.html."""
     import papermill as pm
 
@@ -90,12 +97,19 @@ def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Pat
         results = (out / f"{name}.jsonl").resolve()
         row = {**point, "notebook": f"{name}.ipynb", "error": ""}
         try:
-            pm.execute_notebook(str(notebook), str(out / f"{name}.ipynb"), cwd=str(notebook.parent),
-                                parameters={**(fixed or {}), **point, "results_path": str(results)},
-                                kernel_name=kernel_name, progress_bar=False)
+            pm.execute_notebook(
+                str(notebook),
+                str(out / f"{name}.ipynb"),
+                cwd=str(notebook.parent),
+                parameters={**(fixed or {}), **point, "results_path": str(results)},
+                kernel_name=kernel_name,
+                progress_bar=False,
+            )
         except pm.PapermillExecutionError as err:
             row["error"] = f"{err.ename}: {err.evalue}"[:300]
-        except Exception as err:   # why: a kernel killed mid-point (OOM killer: DeadKernelError) is a result, not the end
+        except (
+            Exception
+        ) as err:  # why: a kernel killed mid-point (OOM killer: DeadKernelError) is a result, not the end
             row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
         metrics = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
         if metrics:
@@ -103,9 +117,17 @@ def sweep(notebook: Union[str, Path], grid: dict[str, list], out: Union[str, Pat
             row.update({k: last[k] for k in ("step", "reward_mean", "loss", "step_seconds")})
         row.update(peaks(metrics))
         rows.append(row)
-        runs.append(RunRecord(name, {"parameters": point}, metrics, status="failed" if row["error"] else "finished",
-                              error=row["error"], label=", ".join(f"{k}={v}" for k, v in point.items())))
-    if len(runs) > 1:   # why first: the summary links to it
+        runs.append(
+            RunRecord(
+                name,
+                {"parameters": point},
+                metrics,
+                status="failed" if row["error"] else "finished",
+                error=row["error"],
+                label=", ".join(f"{k}={v}" for k, v in point.items()),
+            )
+        )
+    if len(runs) > 1:  # why first: the summary links to it
         compare(runs, out / "compare.html", title=f"grpo_lab sweep of {notebook.name}: compare the points")
     write_summary(out, rows, list(grid), linked=len(runs) > 1)
     return out
@@ -137,13 +159,28 @@ def summary_html(rows: list[dict], keys: list[str], linked: bool = False) -> str
             if column in r:
                 groups.setdefault(tuple(r[k] for k in others), []).append((r[x_key], r[column]))
         for group, points in groups.items():
-            label = column.removeprefix("peak_").removesuffix("_mib") + "".join(f" {k}={v}" for k, v in zip(others, group))
+            label = column.removeprefix("peak_").removesuffix("_mib") + "".join(
+                f" {k}={v}" for k, v in zip(others, group)
+            )
             numeric = all(isinstance(p[0], (int, float)) and not isinstance(p[0], bool) for p in points)
-            points.sort(key=lambda p: p[0] if numeric else str(p[0]))   # why: 1, 2, 10, not '1', '10', '2'
-            fig.add_trace(go.Scatter(x=[p[0] if numeric else str(p[0]) for p in points], y=[p[1] for p in points],
-                                     mode="lines+markers", name=label))
+            points.sort(key=lambda p: p[0] if numeric else str(p[0]))  # why: 1, 2, 10, not '1', '10', '2'
+            fig.add_trace(
+                go.Scatter(
+                    x=[p[0] if numeric else str(p[0]) for p in points],
+                    y=[p[1] for p in points],
+                    mode="lines+markers",
+                    name=label,
+                )
+            )
     fig.update_layout(title=f"Peak memory per device against {x_key}", xaxis_title=x_key, yaxis_title="peak MiB")
-    link = ("<p class='compare-link'><a href='compare.html'>Compare the points</a>: per-phase peaks per device, "
-            "reward and loss per step, labelled by their parameters</p>" if linked else "")
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>grpo_lab sweep</title></head>"
-            f"<body style='font-family:sans-serif'>{link}{fig.to_html(include_plotlyjs=True, full_html=False)}</body></html>")
+    link = (
+        "<p class='compare-link'><a href='compare.html'>Compare the points</a>: per-phase peaks per device, "
+        "reward and loss per step, labelled by their parameters</p>"
+        if linked
+        else ""
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>grpo_lab sweep</title></head>"
+        f"<body style='font-family:sans-serif'>{link}"
+        f"{fig.to_html(include_plotlyjs=True, full_html=False)}</body></html>"
+    )

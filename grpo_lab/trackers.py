@@ -16,6 +16,7 @@ Trackers (each an optional extra, `pip install 'grpo-lab[NAME]'`), writing under
 
 A tracker that fails while logging is a warning naming it; the other trackers still get the step.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,14 @@ from .memory.probes import MiB
 
 def step_scalars(result) -> dict[str, float]:
     """What a tracker logs for one finished step: {name: value} (names in the module docstring)."""
-    out = {f"train/{k}": float(v) for k, v in result.metrics().items()
-           if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
-    rows = [r for r in result.memory if not r.get("failed_attempt")]   # why: a retried phase's first try is not the step's
+    out = {
+        f"train/{k}": float(v)
+        for k, v in result.metrics().items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)
+    }
+    rows = [
+        r for r in result.memory if not r.get("failed_attempt")
+    ]  # why: a retried phase's first try is not the step's
     for r in primary_rows(rows):
         device = r["device"]
         out[f"memory/{device}/{r['phase']}/peak_mib"] = r["peak"] / MiB
@@ -52,7 +58,7 @@ class TensorBoard:
     def log(self, scalars: dict, step: int) -> None:
         for name, value in scalars.items():
             self.writer.add_scalar(name, value, step)
-        self.writer.flush()   # why: a killed run keeps every finished step, as metrics.jsonl does
+        self.writer.flush()  # why: a killed run keeps every finished step, as metrics.jsonl does
 
     def close(self) -> None:
         self.writer.close()
@@ -66,8 +72,9 @@ class WandB:
 
         where.mkdir(parents=True, exist_ok=True)
         # why offline: no network on most training nodes and no account needed; `wandb sync` uploads later
-        self.run = wandb.init(project="grpo_lab", dir=str(where), mode="offline", config=config.to_dict(),
-                              reinit="create_new")
+        self.run = wandb.init(
+            project="grpo_lab", dir=str(where), mode="offline", config=config.to_dict(), reinit="create_new"
+        )
 
     def log(self, scalars: dict, step: int) -> None:
         self.run.log(scalars, step=step)
@@ -78,24 +85,28 @@ class WandB:
 
 class Trackio:
     package = "trackio"
-    dir_set: Optional[Path] = None   # the TRACKIO_DIR grpo_lab set in this process (None: the user's, or not set)
+    dir_set: Optional[Path] = None  # the TRACKIO_DIR grpo_lab set in this process (None: the user's, or not set)
 
     def __init__(self, config, where: Path):
         wanted = (where / "trackio").resolve()
         if "TRACKIO_DIR" not in os.environ:
-            os.environ["TRACKIO_DIR"] = str(wanted)   # why before import: trackio reads it once, at import
+            os.environ["TRACKIO_DIR"] = str(wanted)  # why before import: trackio reads it once, at import
             Trackio.dir_set = wanted
         import trackio
         import trackio.utils
 
         self.dir = Path(trackio.utils.TRACKIO_DIR)
         if Trackio.dir_set is not None and self.dir != wanted:
-            warnings.warn(f"run.report_to: trackio writes to {self.dir}, not {wanted}: it reads TRACKIO_DIR once per "
-                          "process; set TRACKIO_DIR before the first Lab, or use a new process", stacklevel=2)
+            warnings.warn(
+                f"run.report_to: trackio writes to {self.dir}, not {wanted}: it reads TRACKIO_DIR once per "
+                "process; set TRACKIO_DIR before the first Lab, or use a new process",
+                stacklevel=2,
+            )
         self.trackio = trackio
         # why no auto_log: grpo_lab's sampler already reads memory per phase; trackio's would be a second thread
-        self.run = trackio.init(project="grpo_lab", config=config.to_dict(), embed=False,
-                                auto_log_cpu=False, auto_log_gpu=False)
+        self.run = trackio.init(
+            project="grpo_lab", config=config.to_dict(), embed=False, auto_log_cpu=False, auto_log_gpu=False
+        )
 
     def log(self, scalars: dict, step: int) -> None:
         self.run.log(scalars, step=step)
@@ -103,7 +114,7 @@ class Trackio:
     def close(self) -> None:
         self.run.finish()
         if self.trackio.context_vars.current_run.get() is self.run:
-            self.trackio.context_vars.current_run.set(None)   # why: else trackio's atexit finishes it a second time
+            self.trackio.context_vars.current_run.set(None)  # why: else trackio's atexit finishes it a second time
 
 
 TRACKERS = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": WandB}
@@ -127,14 +138,14 @@ class Trackers:
         for name, tracker in self.open.items():
             try:
                 tracker.log(scalars, result.step)
-            except Exception as err:   # why warn, not raise: the step is applied and in history; training goes on
+            except Exception as err:  # why warn, not raise: the step is applied and in history; training goes on
                 _warn(f"{name} did not take step {result.step}", err, "the step itself finished")
 
     def close(self) -> None:
         for name, tracker in self.open.items():
             try:
                 tracker.close()
-            except Exception as err:   # why warn: closing the Lab must still release the models and the other trackers
+            except Exception as err:  # why warn: closing the Lab must still release the models and the other trackers
                 _warn(f"{name} did not close", err, "its files may miss the last steps")
         self.open = {}
 

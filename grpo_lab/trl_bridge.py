@@ -15,6 +15,7 @@
   (generate, rewards, logprobs, loss, backward, optimizer).
 Everything it changes on the trainer is restored on exit, except an undone DataParallel wrap.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from .errors import LabError
 from .checks.guard import WRAPPERS
+from .errors import LabError
 from .memory import LeakDetector, MemorySampler, format_table
 from .memory.timeline import Timeline
 
@@ -67,12 +68,14 @@ class MemoryWatch(TrainerCallback):
 
     def marked(self, name: str, fn, when=lambda: True):
         """Wrap a trainer method so that its outermost call is phase `name`."""
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if self.timeline.open is not None or not when():
                 return fn(*args, **kwargs)
             with self.timeline.phase(name, self.step):
                 return fn(*args, **kwargs)
+
         return wrapper
 
     def table(self, step: Optional[int] = None) -> str:
@@ -96,13 +99,18 @@ def place_reference(trainer) -> Optional[tuple]:
     restore = (ref, ref_device, ref.training, {n: p.requires_grad for n, p in ref.named_parameters()})
     if ref_device != policy_device:
         if ref_device.type == "meta":
-            raise LabError(f"reference model: it is on the meta device (no weights were loaded), the policy on "
-                           f"{policy_device}; load it with real weights, or use beta=0 / a PEFT policy (adapter-disabled reference)")
+            raise LabError(
+                f"reference model: it is on the meta device (no weights were loaded), the policy on "
+                f"{policy_device}; load it with real weights, or use beta=0 / a PEFT policy (adapter-disabled "
+                "reference)"
+            )
         try:
-            ref.to(policy_device)   # why (P5): its log-probs are consumed next to the policy's
+            ref.to(policy_device)  # why (P5): its log-probs are consumed next to the policy's
         except (RuntimeError, ValueError) as err:
-            raise LabError(f"reference model: cannot move it from {ref_device} to the policy's {policy_device} "
-                           f"({str(err).splitlines()[0]}); load it on {policy_device}") from None
+            raise LabError(
+                f"reference model: cannot move it from {ref_device} to the policy's {policy_device} "
+                f"({str(err).splitlines()[0]}); load it on {policy_device}"
+            ) from None
     ref.eval()
     ref.requires_grad_(False)
     return restore
@@ -112,7 +120,7 @@ def _restore_reference(saved) -> None:
     if saved is None:
         return
     ref, device, training, grads = saved
-    ref.to(device)   # why: hand the GPU memory back as it was before the block
+    ref.to(device)  # why: hand the GPU memory back as it was before the block
     ref.train(training)
     for name, p in ref.named_parameters():
         p.requires_grad_(grads[name])
@@ -124,9 +132,9 @@ def prepare_trainer(trainer, sample_hz: float = 20.0, host_threshold: float = 0.
     args = trainer.args
     saved_n_gpu = args._n_gpu if hasattr(args, "_n_gpu") else None
     if isinstance(trainer.model_wrapped, WRAPPERS):
-        trainer.model_wrapped = trainer.model        # undo a wrap that already happened
+        trainer.model_wrapped = trainer.model  # undo a wrap that already happened
     if saved_n_gpu is not None and saved_n_gpu > 1:
-        args._n_gpu = 1                              # why: Trainer wraps in DataParallel when n_gpu > 1 (P1)
+        args._n_gpu = 1  # why: Trainer wraps in DataParallel when n_gpu > 1 (P1)
     saved_ref = place_reference(trainer)
 
     device = _device_of(trainer.model)
@@ -136,7 +144,8 @@ def prepare_trainer(trainer, sample_hz: float = 20.0, host_threshold: float = 0.
         "_generate": watch.marked("generate", trainer._generate),
         "_calculate_rewards": watch.marked("rewards", trainer._calculate_rewards),
         "_get_per_token_logps_and_entropies": watch.marked(
-            "logprobs", trainer._get_per_token_logps_and_entropies, when=lambda: not torch.is_grad_enabled()),
+            "logprobs", trainer._get_per_token_logps_and_entropies, when=lambda: not torch.is_grad_enabled()
+        ),
         "compute_loss": watch.marked("loss", trainer.compute_loss),
     }
     accelerator_backward = trainer.accelerator.backward
@@ -152,7 +161,7 @@ def prepare_trainer(trainer, sample_hz: float = 20.0, host_threshold: float = 0.
         trainer.remove_callback(watch)
         trainer.accelerator.backward = accelerator_backward
         for name in patched:
-            trainer.__dict__.pop(name, None)         # back to the class's methods
+            trainer.__dict__.pop(name, None)  # back to the class's methods
         if saved_n_gpu is not None:
             args._n_gpu = saved_n_gpu
-        _restore_reference(saved_ref)                # (an undone DataParallel wrap is not put back: it is the bug)
+        _restore_reference(saved_ref)  # (an undone DataParallel wrap is not put back: it is the bug)

@@ -1,4 +1,5 @@
 """Shared fixtures: one tiny local checkpoint per session, and configs pointing at it."""
+
 from __future__ import annotations
 
 import os
@@ -57,6 +58,7 @@ def loaded_lab(tiny_config):
 
     def make(**sections):
         return Lab(tiny_config(**sections)).load()
+
     return make
 
 

@@ -1,5 +1,6 @@
 """A static HTML page (a report, a compare page) opened in Debian's Chromium through Playwright, screenshot
 kept under .artifacts/<folder>/ (override with GRPO_LAB_ARTIFACTS); importable as `html_pages` (tests/ on the path)."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,9 @@ import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("GRPO_LAB_ARTIFACTS", Path(__file__).resolve().parents[1] / ".artifacts"))
-needs_chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                    reason="Debian chromium not installed (scripts/install.sh installs it as root)")
+needs_chromium = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)"
+)
 
 
 @contextmanager

@@ -4,6 +4,7 @@ user path a directory/file mix-up, a path under a file, an unwritable place, a f
 UTF-8/JSON/a notebook. Each must print exactly one `grpo-lab: error:` line naming the field or flag,
 exit 2, and leave no run directory -- and fail before any model is loaded (a guard makes loading one
 fail the test), so the whole file runs in seconds."""
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,16 @@ import pytest
 import yaml
 
 from grpo_lab import cli
-from grpo_lab.config.schema import LabConfig
 from grpo_lab.config.loading import load_config
+from grpo_lab.config.schema import LabConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "notebooks" / "01_quickstart.ipynb"
-UNWRITABLE = Path("/proc/grpo-lab-no-such-dir")   # even root cannot create anything here
+UNWRITABLE = Path("/proc/grpo-lab-no-such-dir")  # even root cannot create anything here
 
 
 # --- the schema, leaf by leaf -------------------------------------------------------------------
+
 
 def schema_leaves() -> dict[str, dict]:
     """'section.field' -> its JSON schema, for every leaf of LabConfig."""
@@ -63,8 +65,13 @@ def out_of_range(v: dict) -> list[str]:
     return [str(x) for x in values]
 
 
-WRONG_TYPE = {"integer": ["abc", "1.5"], "number": ["abc"], "boolean": ["maybe"], "string": ["[a, b]"],
-              "array": ["abc"]}
+WRONG_TYPE = {
+    "integer": ["abc", "1.5"],
+    "number": ["abc"],
+    "boolean": ["maybe"],
+    "string": ["[a, b]"],
+    "array": ["abc"],
+}
 
 
 def cases() -> list[tuple[str, str, str]]:
@@ -94,7 +101,7 @@ def cases() -> list[tuple[str, str, str]]:
 # refused everywhere (data.system_prompt and run.output_dir included: null says "none"/"default", and
 # the widget editor turns an empty box into null), and run.seed is bounded to [0, 2**32) because
 # torch.manual_seed raises past 64 bits.
-NULL_MEANS_DEFAULT = {   # null is the documented "automatic" value of these fields
+NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fields
     "placement.generator": "the learner's device (colocated)",
     "placement.gpu_memory_gib": "read the device",
     "placement.host_memory_gib": "this machine's RAM",
@@ -131,13 +138,16 @@ def test_the_allow_list_matches_the_schema():
     assert set(NULL_MEANS_DEFAULT) == {f for f, leaf in leaves.items() if nullable(leaf)}
     assert set(ALLOWED) <= set(ALL_CASES)
     kinds = {(f, k) for f, k, _ in ALL_CASES}
-    for field, leaf in leaves.items():   # every leaf is exercised with every kind that applies to its type
+    for field, leaf in leaves.items():  # every leaf is exercised with every kind that applies to its type
         types = {v.get("type") for v in variants(leaf)}
         assert {(field, "wrong type"), (field, "null")} <= kinds, field
         assert "number" not in types or (field, "non-finite") in kinds, field
         assert not types & {"string", "array"} or (field, "empty") in kinds, field
-        bounded = any(k in v for v in variants(leaf) for k in ("minimum", "exclusiveMinimum", "maximum",
-                                                                "exclusiveMaximum", "enum", "const"))
+        bounded = any(
+            k in v
+            for v in variants(leaf)
+            for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "enum", "const")
+        )
         assert not bounded or (field, "out of range") in kinds, field
 
 
@@ -148,6 +158,7 @@ def test_allowed_values_are_accepted(base_config, case):
 
 
 # --- the CLI, in-process -------------------------------------------------------------------------
+
 
 @pytest.fixture
 def base_config(tiny_model, tmp_path):
@@ -168,6 +179,7 @@ def base_config(tiny_model, tmp_path):
 @pytest.fixture(autouse=True)
 def no_model_loading(monkeypatch):
     """Loading a model means the bad value got through every check: fail the test instead."""
+
     def refuse(self, *args, **kwargs):
         raise AssertionError("the value passed every check and a model started loading")
 
@@ -195,24 +207,28 @@ def test_bad_config_value_is_one_line_exit_2(capsys, base_config, tmp_path, case
     assert not out.exists()
 
 
-@pytest.mark.parametrize("override, field", [
-    ("grpo.prompts_per_step=9", "grpo.prompts_per_step"),   # more distinct prompts than data.num_prompts (8)
-    ("run.seed=4294967296", "run.seed"),                     # torch.manual_seed overflows past 64 bits; kept to 32
-    ("lora.target_modules=all", "lora.target_modules"),
-    ("lora.target_modules=['']", "lora.target_modules"),
-    ("data.rewards=['']", "data.rewards"),
-    ("placement.generator=['']", "placement.generator"),
-    ("placement.generator=[cpu, cpu]", "placement.generator"),   # hf samples with the learner: no devices of its own
-    ("data.rewards=[no_such_module:f]", "data.rewards"),
-    ("data.rewards=[math:pi]", "data.rewards"),                  # not callable
-    ("data.rewards=[os:getcwd]", "data.rewards"),                # callable, but not with the reward arguments
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("grpo.prompts_per_step=9", "grpo.prompts_per_step"),  # more distinct prompts than data.num_prompts (8)
+        ("run.seed=4294967296", "run.seed"),  # torch.manual_seed overflows past 64 bits; kept to 32
+        ("lora.target_modules=all", "lora.target_modules"),
+        ("lora.target_modules=['']", "lora.target_modules"),
+        ("data.rewards=['']", "data.rewards"),
+        ("placement.generator=['']", "placement.generator"),
+        ("placement.generator=[cpu, cpu]", "placement.generator"),  # hf samples with the learner: no devices of its own
+        ("data.rewards=[no_such_module:f]", "data.rewards"),
+        ("data.rewards=[math:pi]", "data.rewards"),  # not callable
+        ("data.rewards=[os:getcwd]", "data.rewards"),  # callable, but not with the reward arguments
+    ],
+)
 def test_more_bad_values(capsys, base_config, tmp_path, override, field):
     refused(capsys, ["run", base_config, "--out", tmp_path / "run", "--set", override], field)
     assert not (tmp_path / "run").exists()
 
 
 # --- paths ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def a_file(tmp_path):
@@ -254,14 +270,31 @@ def test_bad_datasets(capsys, base_config, tmp_path):
     (data / "badmessages.jsonl").write_text('{"prompt": [1, 2], "answer": "1"}\n')
     (data / "emptyprompt.jsonl").write_text('{"prompt": " ", "answer": "1"}\n')
     (data / "blank.jsonl").write_text("\n\n")
-    (data / "one.jsonl").write_text('{"prompt": "1 + 1?", "answer": "2"}\n')   # prompts_per_step is 2
-    os.mkfifo(data / "fifo.jsonl")   # reading it would block forever
-    for name in ("", "missing.jsonl", "latin1.jsonl", "text.jsonl", "noprompt.jsonl", "intprompt.jsonl",
-                 "badmessages.jsonl", "emptyprompt.jsonl", "blank.jsonl", "fifo.jsonl"):
-        refused(capsys, ["run", base_config, "--out", tmp_path / "run", "--set", f"data.dataset={data / name}"],
-                "data.dataset")
-    refused(capsys, ["run", base_config, "--out", tmp_path / "run", "--set", f"data.dataset={data / 'one.jsonl'}"],
-            "grpo.prompts_per_step", "1 rows")
+    (data / "one.jsonl").write_text('{"prompt": "1 + 1?", "answer": "2"}\n')  # prompts_per_step is 2
+    os.mkfifo(data / "fifo.jsonl")  # reading it would block forever
+    for name in (
+        "",
+        "missing.jsonl",
+        "latin1.jsonl",
+        "text.jsonl",
+        "noprompt.jsonl",
+        "intprompt.jsonl",
+        "badmessages.jsonl",
+        "emptyprompt.jsonl",
+        "blank.jsonl",
+        "fifo.jsonl",
+    ):
+        refused(
+            capsys,
+            ["run", base_config, "--out", tmp_path / "run", "--set", f"data.dataset={data / name}"],
+            "data.dataset",
+        )
+    refused(
+        capsys,
+        ["run", base_config, "--out", tmp_path / "run", "--set", f"data.dataset={data / 'one.jsonl'}"],
+        "grpo.prompts_per_step",
+        "1 rows",
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -271,7 +304,7 @@ def test_tiny_path_that_is_a_file_under_a_file_or_unwritable(capsys, a_file):
     refused(capsys, ["tiny", a_file / "model"], "grpo-lab tiny PATH", "is a file")
     refused(capsys, ["tiny", UNWRITABLE / "model"], "grpo-lab tiny PATH", "cannot write")
     assert a_file.read_text() == "keep me\n" and not list(a_file.parent.glob(".a_file*"))
-    refused(capsys, ["tiny", a_file.parent], "tiny model", "other files")   # was: swapped away, files deleted
+    refused(capsys, ["tiny", a_file.parent], "tiny model", "other files")  # was: swapped away, files deleted
     assert a_file.read_text() == "keep me\n"
 
 
@@ -286,18 +319,28 @@ def test_bad_sweep_notebooks(capsys, tmp_path):
     (tmp_path / "adir.ipynb").mkdir()
     (tmp_path / "text.ipynb").write_text("not json\n")
     (tmp_path / "list.ipynb").write_text("[1, 2]\n")
-    (tmp_path / "cells.ipynb").write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {},
-                                                      "cells": [{"cell_type": "code"}]}))
+    (tmp_path / "cells.ipynb").write_text(
+        json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code"}]})
+    )
     (tmp_path / "latin1.ipynb").write_bytes('{"cells": "caf\xe9"}'.encode("latin-1"))
-    notebook(tmp_path / "nokernel.ipynb")   # valid, but papermill cannot tell its language
-    for name in ("missing.ipynb", "adir.ipynb", "text.ipynb", "list.ipynb", "cells.ipynb", "latin1.ipynb",
-                 "nokernel.ipynb"):
+    notebook(tmp_path / "nokernel.ipynb")  # valid, but papermill cannot tell its language
+    for name in (
+        "missing.ipynb",
+        "adir.ipynb",
+        "text.ipynb",
+        "list.ipynb",
+        "cells.ipynb",
+        "latin1.ipynb",
+        "nokernel.ipynb",
+    ):
         refused(capsys, ["sweep", tmp_path / name, "--grid", "steps=1,2", "--out", tmp_path / "s"], "sweep NOTEBOOK")
     assert not (tmp_path / "s").exists()
 
 
 def test_bad_sweep_out(capsys, tmp_path, a_file):
-    good = notebook(tmp_path / "good.ipynb", kernelspec={"name": "python3", "display_name": "Python 3", "language": "python"})
+    good = notebook(
+        tmp_path / "good.ipynb", kernelspec={"name": "python3", "display_name": "Python 3", "language": "python"}
+    )
     for out in (a_file, a_file / "s", UNWRITABLE / "s"):
         refused(capsys, ["sweep", good, "--grid", "steps=1,2", "--out", out], "--out")
     assert a_file.read_text() == "keep me\n"
@@ -305,21 +348,50 @@ def test_bad_sweep_out(capsys, tmp_path, a_file):
 
 def test_bad_model_checkpoints(capsys, base_config, tmp_path):
     """A config.json the planner reads before loading: not JSON, not an object, not UTF-8, wrong sizes."""
-    for name, content in [("notjson", b"not json"), ("list", b"[1]"), ("latin1", b"\xff\xfe"),
-                          ("sizes", json.dumps({"hidden_size": "abc", "num_attention_heads": 2, "intermediate_size": 4,
-                                                "num_hidden_layers": 1, "vocab_size": 10}).encode())]:
+    for name, content in [
+        ("notjson", b"not json"),
+        ("list", b"[1]"),
+        ("latin1", b"\xff\xfe"),
+        (
+            "sizes",
+            json.dumps(
+                {
+                    "hidden_size": "abc",
+                    "num_attention_heads": 2,
+                    "intermediate_size": 4,
+                    "num_hidden_layers": 1,
+                    "vocab_size": 10,
+                }
+            ).encode(),
+        ),
+    ]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_bytes(content)
-        refused(capsys, ["run", base_config, "--out", tmp_path / "run", "--set", f"model.name_or_path={tmp_path / name}"],
-                "model.name_or_path")
+        refused(
+            capsys,
+            ["run", base_config, "--out", tmp_path / "run", "--set", f"model.name_or_path={tmp_path / name}"],
+            "model.name_or_path",
+        )
         refused(capsys, ["plan", base_config, "--set", f"model.name_or_path={tmp_path / name}"], "model.name_or_path")
     assert not (tmp_path / "run").exists()
 
 
 def test_bad_generator_model_is_named_as_such(capsys, base_config, tmp_path, a_file):
     for path in (tmp_path / "missing", a_file):
-        refused(capsys, ["run", base_config, "--out", tmp_path / "run", "--set", "generator.backend=vllm",
-                         "--set", f"generator.model={path}"], "generator.model")
+        refused(
+            capsys,
+            [
+                "run",
+                base_config,
+                "--out",
+                tmp_path / "run",
+                "--set",
+                "generator.backend=vllm",
+                "--set",
+                f"generator.model={path}",
+            ],
+            "generator.model",
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -327,7 +399,7 @@ def test_checkpoint_transformers_cannot_read_is_one_labError(tiny_model, tmp_pat
     """An unknown model_type passes the planner (the sizes are fine) and fails in from_pretrained's config
     step, before any weight is read."""
     from grpo_lab import LabError
-    from grpo_lab.config.schema import ModelSection
+    from grpo_lab.config.sections import ModelSection
     from grpo_lab.models.learner import load_base
 
     config = json.loads((Path(tiny_model) / "config.json").read_text())
@@ -367,11 +439,27 @@ def test_diverged_sampling_is_one_line_naming_the_knobs():
 
 # --- a real process ------------------------------------------------------------------------------
 
+
 def test_lora_targets_that_match_nothing_name_the_valid_ones(base_config, tmp_path):
     """The one case that needs the model itself (PEFT matches names against the loaded modules)."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "run", str(base_config), "--out", str(out), "--quiet",
-                           "--set", "lora.target_modules=[qproj]"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_lab",
+            "run",
+            str(base_config),
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "lora.target_modules=[qproj]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("grpo-lab: error: lora.target_modules:"), proc.stderr

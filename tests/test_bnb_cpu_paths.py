@@ -8,12 +8,11 @@ forward of the learner (the HF rollout in eval mode, the adapter-disabled refere
 old log-probs are the training forward's own) must be followed by a training step that works and
 leaves no layer in the packed layout.
 """
+
 import math
 
 import pytest
 import torch
-
-from grpo_lab import Lab
 
 
 @pytest.fixture(params=[True, False], ids=["avx512bf16", "no-avx512bf16"])
@@ -56,7 +55,7 @@ def train_and_check(lab, rollout, rewards, logprobs):
     before = lora_state(lab)
     stats = lab.backward(rollout, lab.advantages(rewards), logprobs)
     grad_norm = lab.optimizer()
-    lab.sync()                                   # the step's last phase: the next rollout starts the next step
+    lab.sync()  # the step's last phase: the next rollout starts the next step
     assert math.isfinite(stats.loss) and math.isfinite(grad_norm) and grad_norm > 0
     after = lora_state(lab)
     assert any(not torch.equal(before[n], after[n]) for n in before), "the training step changed no LoRA weight"
@@ -72,7 +71,7 @@ def test_flag_reaches_the_layers(cpu_flag, loaded_lab):
 
 def test_hf_rollout_then_training_step(cpu_flag, loaded_lab):
     lab = loaded_lab(grpo={"beta": 0.0})
-    for _ in range(2):   # any number of eval/no-grad forwards, each followed by a training step
+    for _ in range(2):  # any number of eval/no-grad forwards, each followed by a training step
         rollout, rewards = varied_rollout(lab)
         assert_training_layout(lab.learner.model)
         train_and_check(lab, rollout, rewards, lab.logprobs(rollout))
@@ -81,7 +80,7 @@ def test_hf_rollout_then_training_step(cpu_flag, loaded_lab):
 def test_adapter_disabled_reference_then_training_step(cpu_flag, loaded_lab):
     lab = loaded_lab(grpo={"beta": 0.04}, reference={"strategy": "adapter-disabled"})
     rollout, rewards = varied_rollout(lab)
-    logprobs = lab.logprobs(rollout)          # the reference pass: no grad, adapter off
+    logprobs = lab.logprobs(rollout)  # the reference pass: no grad, adapter off
     assert logprobs.ref is not None
     train_and_check(lab, rollout, rewards, logprobs)
 
@@ -134,8 +133,26 @@ def test_run_on_a_cpu_without_avx512(capability, tiny_model, tmp_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
     assert seen.strip().lower() == capability, seen
-    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "run", "tiny-cpu", "--steps", "2", "--out", str(out), "--quiet",
-                           "--set", "grpo.num_iterations=2"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_lab",
+            "run",
+            "tiny-cpu",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "grpo.num_iterations=2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)

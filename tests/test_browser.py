@@ -1,6 +1,7 @@
 """The notebook as users run it: JupyterLab on localhost, Debian's Chromium driven by Playwright,
 01_quickstart run cell by cell from the Run menu. Asserts no cell errored and that the plotly
 memory plot and the config editor are on the page; saves a screenshot to .artifacts/browser/."""
+
 import json
 import os
 import secrets
@@ -18,11 +19,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("GRPO_LAB_ARTIFACTS", ROOT / ".artifacts")) / "browser"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)"
+    ),
+]
 
 
 def free_port() -> int:
@@ -41,11 +54,24 @@ def jupyter_server(tmp_path: Path, notebooks=("01_quickstart.ipynb",)):
         shutil.copy(ROOT / "notebooks" / name, tmp_path / "notebooks")
     port, token = free_port(), secrets.token_hex(16)
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}", "--allow-root",
-         # why: a workspace saved by an earlier session could reopen missing files behind modal dialogs
-         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "jupyter.log", "w"))
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={tmp_path}",
+            "--allow-root",
+            # why: a workspace saved by an earlier session could reopen missing files behind modal dialogs
+            f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+            f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "jupyter.log", "w"),
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
         try:
@@ -75,7 +101,7 @@ def run_all(page, url: str) -> None:
 
     page.goto(url)
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
-    try:   # a first-time JupyterLab asks which kernel to start: take the preselected Python 3, as a user would
+    try:  # a first-time JupyterLab asks which kernel to start: take the preselected Python 3, as a user would
         page.wait_for_selector(".jp-Dialog", timeout=10_000)
         if "Select Kernel" in page.locator(".jp-Dialog").first.inner_text():
             page.locator(".jp-Dialog .jp-mod-accept").first.click()
@@ -96,8 +122,8 @@ def test_quickstart_runs_in_a_real_browser(jupyter):
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         run_all(page, f"{url}/lab/tree/notebooks/01_quickstart.ipynb?reset&token={token}")
         deadline = time.time() + 600
-        while time.time() < deadline:   # nothing queued or running, something ran, kernel idle
-            if page.locator(".jp-Dialog").count():          # an unexpected dialog would block the run: record it
+        while time.time() < deadline:  # nothing queued or running, something ran, kernel idle
+            if page.locator(".jp-Dialog").count():  # an unexpected dialog would block the run: record it
                 page.screenshot(path=str(ARTIFACTS / "dialog.png"))
                 pytest.fail("JupyterLab showed a dialog: " + page.locator(".jp-Dialog").first.inner_text()[:300])
             prompts = [t.strip() for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]

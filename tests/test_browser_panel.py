@@ -4,20 +4,23 @@ two quick clicks on "one step", stop during one step, the live plot after idle t
 `lab.ui()` calls leaving one redraw thread. The kernel writes what the tests read (step index, config, threads,
 the controls' log) to state.json every 0.2 s from a thread of its own, which sends the kernel no messages.
 Screenshots go to .artifacts/browser/."""
+
 import json
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
-
-from pathlib import Path
-
 from test_browser import ARTIFACTS, CHROMIUM, FLAGS, jupyter_server, run_all
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)"
+    ),
+]
 
-SETUP = '''import json, threading, time
+SETUP = """import json, threading, time
 from pathlib import Path
 from grpo_lab import Lab
 lab = Lab("tiny-cpu", overrides=["grpo.num_generations=8", "memory.sample_hz=10", "run.steps=1"]).load()
@@ -36,10 +39,10 @@ def _dump():   # what the browser tests read; a thread of its own sends the kern
             Path("state.err").write_text(repr(err))
         time.sleep(0.2)
 
-threading.Thread(target=_dump, name="test-state", daemon=True).start()'''
+threading.Thread(target=_dump, name="test-state", daemon=True).start()"""
 UI = "panels.append(lab.ui())\npanels[-1]"
-IDLE_S = 300   # the issue's "5 minutes of idle time": wall time since the panels showed, less the lab's working time
-SHOWN = {}     # when the three panels were on screen
+IDLE_S = 300  # the issue's "5 minutes of idle time": wall time since the panels showed, less the lab's working time
+SHOWN = {}  # when the three panels were on screen
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +125,13 @@ def test_help_shows_under_every_kind_of_field(page):
     from grpo_lab.config.schema import LabConfig
 
     pg, _ = page
-    for section, name, kind in [("generator", "max_completion_length", "int"), ("generator", "temperature", "float"),
-                                ("generator", "chunk_size", "text"), ("grpo", "loss_type", "dropdown"),
-                                ("model", "gradient_checkpointing", "checkbox")]:
+    for section, name, kind in [
+        ("generator", "max_completion_length", "int"),
+        ("generator", "temperature", "float"),
+        ("generator", "chunk_size", "text"),
+        ("grpo", "loss_type", "dropdown"),
+        ("model", "gradient_checkpointing", "checkbox"),
+    ]:
         row = field(pg, section, name)
         assert row.is_visible(), (section, name)
         help_text = LabConfig.model_fields[section].annotation.model_fields[name].description[:40]
@@ -133,11 +140,15 @@ def test_help_shows_under_every_kind_of_field(page):
     pg.screenshot(path=str(ARTIFACTS / "panel_help.png"))
 
 
-@pytest.mark.parametrize("section, name, typed, backspaced, then, value", [
-    ("generator", "max_completion_length", "32", "3", "0", 30),
-    ("generator", "temperature", "0.75", "0.7", "", 0.7),
-    ("generator", "chunk_size", "4", "", "8", 8),
-], ids=["int", "float", "text"])
+@pytest.mark.parametrize(
+    "section, name, typed, backspaced, then, value",
+    [
+        ("generator", "max_completion_length", "32", "3", "0", 30),
+        ("generator", "temperature", "0.75", "0.7", "", 0.7),
+        ("generator", "chunk_size", "4", "", "8", 8),
+    ],
+    ids=["int", "float", "text"],
+)
 def test_typing_and_backspacing_in_each_kind_of_text_field(page, section, name, typed, backspaced, then, value):
     """Select all, type, backspace, type on, Enter: the config holds the value, the field shows it plainly, and no
     half-typed value was refused on the way."""
@@ -181,7 +192,7 @@ def test_two_quick_clicks_on_one_step_run_one_step(page):
     button.scroll_into_view_if_needed()
     click_twice(pg, button)
     wait_for(read_state, lambda s: s["history"] > before)
-    time.sleep(5)   # a second step, if one was started, would end by now
+    time.sleep(5)  # a second step, if one was started, would end by now
     assert read_state()["history"] == before + 1
     assert "a run is in progress" in read_state()["log"] or button.is_enabled()
 
@@ -194,7 +205,7 @@ def test_stop_during_one_step_stops_at_the_next_phase_boundary(page):
     state = wait_for(read_state, lambda s: "stopped before" in s["log"], timeout=60)
     assert state["history"] == before["history"] and state["next_phase"] != "rollout"
     assert "stop: the run stops at the next phase boundary" in state["log"]
-    panel(pg).locator("button", has_text="one step").click()   # finishes the step
+    panel(pg).locator("button", has_text="one step").click()  # finishes the step
     wait_for(read_state, lambda s: s["history"] == before["history"] + 1)
 
 
@@ -214,10 +225,12 @@ def test_the_live_plot_after_idle_time_and_ten_steps_names_every_phase(page):
     plot = pg.locator(".js-plotly-plot").last
     plot.scroll_into_view_if_needed()
     time.sleep(2)
-    figure = plot.evaluate("el => ({names: el.data.map(t => t.name), "
-                           "xs: el.data.flatMap(t => (t.x || []).filter(v => v !== null)), "
-                           "title: el.layout.title && el.layout.title.text, width: el.getBoundingClientRect().width, "
-                           "top: el.layout.margin && el.layout.margin.t})")
+    figure = plot.evaluate(
+        "el => ({names: el.data.map(t => t.name), "
+        "xs: el.data.flatMap(t => (t.x || []).filter(v => v !== null)), "
+        "title: el.layout.title && el.layout.title.text, width: el.getBoundingClientRect().width, "
+        "top: el.layout.margin && el.layout.margin.t})"
+    )
     pg.screenshot(path=str(ARTIFACTS / "panel_plot.png"), full_page=True)
     for phase in ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"):
         assert phase in figure["names"], (phase, figure["names"])
@@ -226,4 +239,4 @@ def test_the_live_plot_after_idle_time_and_ten_steps_names_every_phase(page):
     work = read_state()["work"]
     # every idle gap (between phases, between steps, the 5 minutes) counts at most 1 s: ~8 per step, ~14 steps so far
     assert span < work + 30, f"x axis spans {span:.0f} s for {work:.0f} s of work"
-    assert figure["width"] > 900, figure["width"]   # full width of the cell, not plotly's default 700 px
+    assert figure["width"] > 900, figure["width"]  # full width of the cell, not plotly's default 700 px

@@ -1,4 +1,5 @@
 """The CLI as a user runs it: the README's main command, metrics on disk, and bad input -> exit 2."""
+
 import json
 import os
 import subprocess
@@ -12,15 +13,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def grpo_lab(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "grpo_lab", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_lab", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
 
 
 def test_readme_run_command_finishes_and_writes_the_run(tmp_path):
     """`scripts/demo.sh` is the README's main command: install, build the tiny model, run."""
     out = tmp_path / "run"
-    proc = subprocess.run(["bash", "scripts/demo.sh", "--steps", "3", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        ["bash", "scripts/demo.sh", "--steps", "3", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"run directory: {out}" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -31,7 +43,7 @@ def test_readme_run_command_finishes_and_writes_the_run(tmp_path):
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["run"]["steps"] == 3 and resolved["run"]["output_dir"] == str(out)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
-    assert "step 2:" in proc.stderr   # one summary line per step
+    assert "step 2:" in proc.stderr  # one summary line per step
     # readable output: the per-phase memory table once, at the end; then the run directory and the report
     assert proc.stderr.count("peak of 3 steps, MiB") == 1 and proc.stderr.count("rollout ") == 1
     assert proc.stderr.rindex("peak of 3 steps") > proc.stderr.rindex("step 2:")
@@ -50,27 +62,42 @@ def test_verbose_prints_the_memory_table_after_every_step(tiny_model, tmp_path, 
 
 def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path):
     out = tmp_path / "run"
-    proc = grpo_lab("run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet",
-                    "--set", f"model.name_or_path={tiny_model}", "--set", "grpo.loss_type=grpo")
+    proc = grpo_lab(
+        "run",
+        "tiny-cpu",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+        "--set",
+        f"model.name_or_path={tiny_model}",
+        "--set",
+        "grpo.loss_type=grpo",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["loss_type"] == "grpo"
-    again = grpo_lab("run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet",
-                     "--set", f"model.name_or_path={tiny_model}")
+    again = grpo_lab(
+        "run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet", "--set", f"model.name_or_path={tiny_model}"
+    )
     assert again.returncode == 2 and "holds a finished run" in again.stderr and "--resume DIR" in again.stderr
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1   # untouched
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # untouched
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("grpo.bogus=1", "grpo.bogus"),
-    ("generator.chunk_size=0", "generator.chunk_size"),
-    ("generator.chunk_size=-2", "generator.chunk_size"),
-    ("grpo.beta=-0.5", "grpo.beta"),
-    ("grpo.num_generations=1", "grpo.num_generations"),
-    ("model.name_or_path=./no/such/model", "model.name_or_path"),
-    ("placement.learner=cuda:99", "placement.learner"),
-    ("reference.strategy=none", "reference.strategy"),   # tiny-cpu has beta 0.04
-    ("data.dataset=missing.jsonl", "data.dataset"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("grpo.bogus=1", "grpo.bogus"),
+        ("generator.chunk_size=0", "generator.chunk_size"),
+        ("generator.chunk_size=-2", "generator.chunk_size"),
+        ("grpo.beta=-0.5", "grpo.beta"),
+        ("grpo.num_generations=1", "grpo.num_generations"),
+        ("model.name_or_path=./no/such/model", "model.name_or_path"),
+        ("placement.learner=cuda:99", "placement.learner"),
+        ("reference.strategy=none", "reference.strategy"),  # tiny-cpu has beta 0.04
+        ("data.dataset=missing.jsonl", "data.dataset"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, tiny_model, override, expected):
     out = tmp_path / "run"
     sets = [] if override.startswith("model.") else ["--set", f"model.name_or_path={tiny_model}"]
@@ -95,7 +122,7 @@ def test_tiny_command_is_deterministic(tmp_path):
     for file in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
     (tmp_path / "a" / "model.safetensors").write_bytes(b"damaged")
-    assert grpo_lab("tiny", str(tmp_path / "a")).returncode == 0                 # present: left as it is
+    assert grpo_lab("tiny", str(tmp_path / "a")).returncode == 0  # present: left as it is
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == b"damaged"
-    assert grpo_lab("tiny", str(tmp_path / "a"), "--force").returncode == 0      # --force rebuilds it
+    assert grpo_lab("tiny", str(tmp_path / "a"), "--force").returncode == 0  # --force rebuilds it
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()

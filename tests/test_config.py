@@ -2,10 +2,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import ValidationError
 
-from grpo_lab.config.schema import LabConfig, apply_overrides
+from grpo_lab.config.fields import apply_overrides
 from grpo_lab.config.loading import load_config, save_config
+from grpo_lab.config.schema import LabConfig
 from grpo_lab.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +18,9 @@ def with_(section, **values):
     return cfg
 
 
-@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "config" / "presets").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "preset", sorted((ROOT / "grpo_lab" / "config" / "presets").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_every_preset_loads_and_round_trips(preset, tmp_path):
     cfg = load_config(preset)
     save_config(cfg, tmp_path / "c.yaml")
@@ -28,27 +30,30 @@ def test_every_preset_loads_and_round_trips(preset, tmp_path):
 def test_defaults_follow_trl_names_and_resolve_reference():
     cfg = load_config(BASE)
     assert cfg.grpo.num_generations == 8 and cfg.grpo.loss_type == "dapo" and cfg.grpo.beta == 0.0
-    assert cfg.reference.strategy is None and cfg.reference_strategy == "none"   # auto; beta 0: nothing needed
+    assert cfg.reference.strategy is None and cfg.reference_strategy == "none"  # auto; beta 0: nothing needed
     assert load_config(with_("grpo", beta=0.1)).reference_strategy == "adapter-disabled"
     assert cfg.epsilon_high == cfg.grpo.epsilon
 
 
-@pytest.mark.parametrize("data, field", [
-    (with_("grpo", bogus=1), "grpo.bogus"),
-    ({**BASE, "extra_section": {}}, "extra_section"),
-    (with_("generator", chunk_size=0), "generator.chunk_size"),
-    (with_("generator", chunk_size=-3), "generator.chunk_size"),
-    (with_("grpo", beta=-0.1), "grpo.beta"),
-    (with_("grpo", num_generations=1), "grpo.num_generations"),
-    (with_("grpo", loss_type="ppo"), "grpo.loss_type"),
-    (with_("generator", backend="nope"), "generator.backend"),
-    (with_("generator", temperature=-1), "generator.temperature"),
-    (with_("lora", r=0), "lora.r"),
-    (with_("placement", learner="gpu0"), "placement.learner"),
-    (with_("placement", generator=[]), "placement.generator"),
-    (with_("data", rewards=["nope"]), "data.rewards"),
-    ({"grpo": {}}, "model"),
-])
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        (with_("grpo", bogus=1), "grpo.bogus"),
+        ({**BASE, "extra_section": {}}, "extra_section"),
+        (with_("generator", chunk_size=0), "generator.chunk_size"),
+        (with_("generator", chunk_size=-3), "generator.chunk_size"),
+        (with_("grpo", beta=-0.1), "grpo.beta"),
+        (with_("grpo", num_generations=1), "grpo.num_generations"),
+        (with_("grpo", loss_type="ppo"), "grpo.loss_type"),
+        (with_("generator", backend="nope"), "generator.backend"),
+        (with_("generator", temperature=-1), "generator.temperature"),
+        (with_("lora", r=0), "lora.r"),
+        (with_("placement", learner="gpu0"), "placement.learner"),
+        (with_("placement", generator=[]), "placement.generator"),
+        (with_("data", rewards=["nope"]), "data.rewards"),
+        ({"grpo": {}}, "model"),
+    ],
+)
 def test_invalid_values_name_the_field(data, field):
     with pytest.raises(ConfigError) as err:
         load_config(data)
@@ -67,8 +72,9 @@ def test_reward_weights_must_match_rewards():
 
 
 def test_overrides_parse_yaml_values_and_reject_unknown_keys():
-    cfg = load_config(BASE, ["grpo.beta=0.04", "generator.chunk_size=3", "placement.generator=[1, 2]",
-                             "generator.chunk_size=null"])
+    cfg = load_config(
+        BASE, ["grpo.beta=0.04", "generator.chunk_size=3", "placement.generator=[1, 2]", "generator.chunk_size=null"]
+    )
     assert cfg.grpo.beta == 0.04 and cfg.generator.chunk_size is None
     assert cfg.placement.generator == ["cuda:1", "cuda:2"]
     with pytest.raises(ConfigError, match="grpo.nope"):
@@ -83,7 +89,7 @@ def test_assignment_is_validated():
     cfg = load_config(BASE)
     with pytest.raises(ConfigError, match=r"grpo\.micro_batch_size\b"):
         cfg.grpo.micro_batch_size = 0
-    assert cfg.grpo.micro_batch_size is None          # the refused value was not stored
+    assert cfg.grpo.micro_batch_size is None  # the refused value was not stored
     with pytest.raises(ConfigError, match=r"grpo\.beta"):
         cfg.grpo = {"beta": -1.0}
     assert cfg.grpo.beta == 0.0
@@ -117,7 +123,7 @@ def test_saved_yaml_is_plain_and_complete(tmp_path):
     save_config(load_config(BASE), tmp_path / "c.yaml")
     data = yaml.safe_load((tmp_path / "c.yaml").read_text())
     assert set(data) == set(LabConfig.model_fields)
-    assert data["reference"]["strategy"] is None   # auto stays auto in the saved file
+    assert data["reference"]["strategy"] is None  # auto stays auto in the saved file
 
 
 def test_bad_edits_through_update_and_configure_are_one_line_naming_the_field(tiny_config):
@@ -125,8 +131,11 @@ def test_bad_edits_through_update_and_configure_are_one_line_naming_the_field(ti
 
     cfg = load_config(BASE)
     before = cfg.to_dict()
-    for changes, named in (({"grpo.nope": 1}, "grpo.nope"), ({"nosection.beta": 1}, "nosection.beta"),
-                           ({"grpo.beta": 0.1, "grpo.nope": 1}, "grpo.nope")):
+    for changes, named in (
+        ({"grpo.nope": 1}, "grpo.nope"),
+        ({"nosection.beta": 1}, "nosection.beta"),
+        ({"grpo.beta": 0.1, "grpo.nope": 1}, "grpo.nope"),
+    ):
         with pytest.raises(ConfigError, match=rf"^{named}: unknown field") as err:
             cfg.update(changes)
         assert "\n" not in str(err.value)
@@ -135,11 +144,13 @@ def test_bad_edits_through_update_and_configure_are_one_line_naming_the_field(ti
     lab = Lab(tiny_config())
     with pytest.raises(ConfigError, match=r"^grpo: got 0\.1; pass a mapping of its fields"):
         lab.configure(grpo=0.1)
-    assert cfg.to_dict() == before                           # nothing applied, the valid beta of a bad batch included
+    assert cfg.to_dict() == before  # nothing applied, the valid beta of a bad batch included
     old_beta, old_chunk = lab.config.grpo.beta, lab.config.generator.chunk_size
     assert (old_beta, old_chunk) != (0.2, 2)
     assert lab.configure({"grpo.beta": 0.2}, generator={"chunk_size": 2}) == {
-        "grpo.beta": (old_beta, 0.2), "generator.chunk_size": (old_chunk, 2)}
+        "grpo.beta": (old_beta, 0.2),
+        "generator.chunk_size": (old_chunk, 2),
+    }
     assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 2
 
 
@@ -152,7 +163,9 @@ def test_trls_vllm_importance_sampling_spellings_are_aliases(trl_name):
     config = load_config("tiny-cpu", [f"grpo.vllm_{name}={str(value).lower() if isinstance(value, bool) else value}"])
     assert getattr(config.grpo, name) == value
     fresh = load_config("tiny-cpu")
-    assert fresh.update({f"grpo.vllm_{name}": value}) == {f"grpo.{name}": (getattr(load_config("tiny-cpu").grpo, name), value)}
+    assert fresh.update({f"grpo.vllm_{name}": value}) == {
+        f"grpo.{name}": (getattr(load_config("tiny-cpu").grpo, name), value)
+    }
     other = load_config("tiny-cpu")
     setattr(other.grpo, f"vllm_{name}", value)
     assert getattr(other.grpo, name) == value

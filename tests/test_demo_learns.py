@@ -7,6 +7,7 @@ same run with learning_rate 1e-9 (no learning, same sampling) gives +0.06 for se
 +0.24 over seeds 0-3, so a margin of 0.3 separates learning from sampling noise. (Measured after the
 hf backend stopped sampling with transformers' hidden top_k=50 default, 2026-11-22.)
 """
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ def test_tiny_cpu_preset_reward_rises_with_variance(tiny_model, tmp_path):
 # --- the main job: tiny-demo on the trained built-in model ------------------------------------------------------
 
 DEMO_SEEDS = range(5)
-DEMO_RISE = 0.2   # the issue's criterion: correctness (not length) mean of the last 3 steps >= first 3 + 0.2
+DEMO_RISE = 0.2  # the issue's criterion: correctness (not length) mean of the last 3 steps >= first 3 + 0.2
 
 
 def correctness_rise(out, *overrides):

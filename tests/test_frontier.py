@@ -1,10 +1,12 @@
 """The fit frontier (planner/frontier.py): every cell is plan() of its combination (fits, binding device, peak, phase,
 headroom), cells get heavier with length and group size, a combination the config refuses is a grey cell with its
-reason, the current point is marked; `grpo-lab plan --frontier` writes the page (its absolute path printed) and bad input
-is one line, exit 2, nothing written; the page read in headless Chromium (screenshot in .artifacts/frontier/)."""
+reason, the current point is marked; `grpo-lab plan --frontier` writes the page (its absolute path printed) and bad
+input is one line, exit 2, nothing written; the page read in headless Chromium (screenshot in .artifacts/frontier/)."""
+
 from __future__ import annotations
 
 import re
+
 import pytest
 from html_pages import needs_chromium, opened
 
@@ -12,13 +14,14 @@ from grpo_lab.cli import main
 from grpo_lab.config.loading import load_config
 from grpo_lab.errors import LabError
 from grpo_lab.planner import frontier, plan
-from grpo_lab.planner.frontier import FIELDS, parse_range, size
+from grpo_lab.planner.grid import FIELDS, parse_range
+from grpo_lab.planner.render import size
 
 PRESET = "qwen2.5-7b-nf4-24gb"
 # the 7B preset on its 24 GiB GPU, the whole batch in one backward pass and one generate call, so both the completion
 # length and the group size move the peak; the host given too, so nothing depends on this machine
 WHOLE = ["grpo.micro_batch_size=null", "generator.chunk_size=null", "placement.host_memory_gib=64"]
-LENGTHS, GENERATIONS = [64, 128, 256, 512, 768, 1024], [1, 2, 4, 8, 16]   # G 1: the config refuses it (needs >= 2)
+LENGTHS, GENERATIONS = [64, 128, 256, 512, 768, 1024], [1, 2, 4, 8, 16]  # G 1: the config refuses it (needs >= 2)
 
 
 def config():
@@ -73,14 +76,16 @@ def test_the_table_and_figure_mark_the_current_point_and_show_every_cell(front):
     assert text.splitlines()[0] == "Fit frontier: Qwen/Qwen2.5-7B-Instruct on cuda:0 24.00 GiB, host 64.00 GiB"
     assert "grpo.micro_batch_size whole batch *" in text and " 768*" in text and "\n    8*  " in text
     now = front.cell(768, 8, None)
-    assert not now.fits and f"current: length 768, G 8, micro-batch whole batch: does not fit, cuda:0 " \
-                              f"{now.fraction:.0%}" in text
+    assert (
+        not now.fits
+        and f"current: length 768, G 8, micro-batch whole batch: does not fit, cuda:0 {now.fraction:.0%}" in text
+    )
     assert "refused (12 cells, e.g. length 64, G 1, micro-batch 2): grpo.num_generations: got 1" in text
-    row = next(line for line in text.splitlines() if line.startswith("    16  "))   # the first block: micro-batch 2
+    row = next(line for line in text.splitlines() if line.startswith("    16  "))  # the first block: micro-batch 2
     assert row.split()[1:3] == ["ok", f"{front.cell(64, 16, 2).fraction:.0%}"]
     fig = front.figure()
     assert [t.name for t in fig.data] == ["refused", "micro-batch 2", "refused", "micro-batch whole batch"]
-    colour = fig.data[1]   # x the lengths, y the group sizes, z[row][column] that cell's fraction
+    colour = fig.data[1]  # x the lengths, y the group sizes, z[row][column] that cell's fraction
     assert (list(colour.x), list(colour.y)) == ([str(v) for v in LENGTHS], [str(v) for v in GENERATIONS])
     assert colour.z[4][0] == front.cell(64, 16, 2).fraction and colour.z[1][5] == front.cell(1024, 2, 2).fraction
     (shape,), annotation = fig.layout.shapes, fig.layout.annotations[-1]
@@ -92,8 +97,12 @@ def test_the_table_and_figure_mark_the_current_point_and_show_every_cell(front):
 def test_default_axes_add_the_configs_own_values():
     front = frontier(load_config(PRESET, ["placement.host_memory_gib=64"]))
     assert (front.lengths, front.generations, front.micro_batches) == (LENGTHS, [2, 4, 8, 16], [4])
-    long = frontier(load_config(PRESET, ["placement.host_memory_gib=64", "generator.max_completion_length=3000",
-                                         "grpo.num_generations=6"]), micro_batches="1:2")
+    long = frontier(
+        load_config(
+            PRESET, ["placement.host_memory_gib=64", "generator.max_completion_length=3000", "grpo.num_generations=6"]
+        ),
+        micro_batches="1:2",
+    )
     assert long.lengths == [64, 128, 256, 512, 1024, 2048, 3000] and long.generations == [2, 4, 6, 8, 16]
     assert long.micro_batches == [1, 2, 4] and long.current == (3000, 6, 4)
 
@@ -107,24 +116,49 @@ def test_what_is_wrong_for_every_cell_is_one_error_not_a_grey_grid():
         frontier(load_config(PRESET, ["placement.gpu_memory_gib=null"]))
 
 
-@pytest.mark.parametrize("text, values", [("64,128,64", [64, 128]), (" 256, 64 ", [64, 256]), ("64:1024", LENGTHS[:4] + [1024]),
-                                          ("48:400", [48, 96, 192, 384]), ("8:8", [8])])
+@pytest.mark.parametrize(
+    "text, values",
+    [
+        ("64,128,64", [64, 128]),
+        (" 256, 64 ", [64, 256]),
+        ("64:1024", LENGTHS[:4] + [1024]),
+        ("48:400", [48, 96, 192, 384]),
+        ("8:8", [8]),
+    ],
+)
 def test_parse_range(text, values):
     assert parse_range(text, "--lengths") == values
 
 
-@pytest.mark.parametrize("text, problem", [("", "empty"), ("  ", "empty"), ("1024:64", "inverted (1024 > 64)"),
-                                           ("0", "got 0"), ("64:0", "got 0"), ("-2", "got -2"), ("64,,128", "empty item"),
-                                           ("64:", "'' is not a whole number"), ("1.5", "not a whole number")])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("", "empty"),
+        ("  ", "empty"),
+        ("1024:64", "inverted (1024 > 64)"),
+        ("0", "got 0"),
+        ("64:0", "got 0"),
+        ("-2", "got -2"),
+        ("64,,128", "empty item"),
+        ("64:", "'' is not a whole number"),
+        ("1.5", "not a whole number"),
+    ],
+)
 def test_parse_range_refuses_in_one_line_naming_the_flag(text, problem):
     with pytest.raises(LabError) as err:
         parse_range(text, "--lengths")
     assert str(err.value).startswith("--lengths: ") and problem in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("kwargs, problem", [({"lengths": []}, "lengths: empty"), ({"generations": [4, 0]}, "generations: got 0"),
-                                             ({"micro_batches": "4:2"}, "micro_batches: '4:2' is inverted"),
-                                             ({"lengths": [True]}, "lengths: got True")])
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"lengths": []}, "lengths: empty"),
+        ({"generations": [4, 0]}, "generations: got 0"),
+        ({"micro_batches": "4:2"}, "micro_batches: '4:2' is inverted"),
+        ({"lengths": [True]}, "lengths: got True"),
+    ],
+)
 def test_frontier_refuses_bad_ranges_naming_the_argument(kwargs, problem):
     with pytest.raises(LabError, match=problem):
         frontier(config(), **kwargs)
@@ -137,35 +171,49 @@ def _one_line_error(capsys, argv) -> str:
     return err
 
 
-@pytest.mark.parametrize("args, problem", [
-    (["--frontier", "--lengths", ""], "--lengths: empty"),
-    (["--frontier", "--lengths", "1024:64"], "--lengths: '1024:64' is inverted"),
-    (["--frontier", "--generations", "0"], "--generations: got 0"),
-    (["--frontier", "--micro-batches", "2,x"], "--micro-batches: 'x' is not a whole number"),
-    (["--out", "page.html"], "--out: only with --frontier"),
-    (["--lengths", "64:256"], "--lengths: only with --frontier"),
-    (["--frontier", "--out", "."], "is a directory"),
-    (["--frontier", "--set", "grpo.beta=-1"], "grpo.beta"),
-])
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--frontier", "--lengths", ""], "--lengths: empty"),
+        (["--frontier", "--lengths", "1024:64"], "--lengths: '1024:64' is inverted"),
+        (["--frontier", "--generations", "0"], "--generations: got 0"),
+        (["--frontier", "--micro-batches", "2,x"], "--micro-batches: 'x' is not a whole number"),
+        (["--out", "page.html"], "--out: only with --frontier"),
+        (["--lengths", "64:256"], "--lengths: only with --frontier"),
+        (["--frontier", "--out", "."], "is a directory"),
+        (["--frontier", "--set", "grpo.beta=-1"], "grpo.beta"),
+    ],
+)
 def test_bad_frontier_input_is_one_line_exit_2_and_writes_nothing(args, problem, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert problem in _one_line_error(capsys, ["plan", PRESET, *args])
-    assert list(tmp_path.iterdir()) == []   # no page, no temporary file
+    assert list(tmp_path.iterdir()) == []  # no page, no temporary file
 
 
 def test_cli_frontier_prints_the_table_and_the_pages_absolute_path(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    argv = ["plan", PRESET, *[a for o in WHOLE for a in ("--set", o)], "--frontier", "--generations", "1:16",
-            "--micro-batches", "2"]
+    argv = [
+        "plan",
+        PRESET,
+        *[a for o in WHOLE for a in ("--set", o)],
+        "--frontier",
+        "--generations",
+        "1:16",
+        "--micro-batches",
+        "2",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out == str(frontier(config(), generations="1:16", micro_batches=[2])) + "\n" + \
-        f"frontier page: open {tmp_path / 'frontier.html'} in a browser (hover a cell for its binding device, peak, " \
+    assert (
+        out
+        == str(frontier(config(), generations="1:16", micro_batches=[2])) + "\n"
+        + f"frontier page: open {tmp_path / 'frontier.html'} in a browser (hover a cell for its binding device, peak, "
         "phase and headroom)\n"
-    assert main(["plan", PRESET, "--frontier", "--out", "sub/f.html"]) == 0   # a relative --out, its folder made
+    )
+    assert main(["plan", PRESET, "--frontier", "--out", "sub/f.html"]) == 0  # a relative --out, its folder made
     assert f"open {tmp_path / 'sub' / 'f.html'} in a browser" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["f.html", "frontier.html", "sub"]
-    assert main(["plan", PRESET]) == 0 and "frontier" not in capsys.readouterr().out   # the plain plan as before
+    assert main(["plan", PRESET]) == 0 and "frontier" not in capsys.readouterr().out  # the plain plan as before
 
 
 READ_PAGE = """() => {
@@ -185,13 +233,13 @@ HOVER = """([xaxis, yaxis, col, row]) => {
 @needs_chromium
 def test_the_page_in_chromium_agrees_with_plan_per_combination(front, tmp_path):
     path = front.to_html(tmp_path / "frontier.html")
-    assert path.is_absolute() and not re.search(r"<script[^>]*\bsrc=", path.read_text())   # plotly.js inlined: offline
+    assert path.is_absolute() and not re.search(r"<script[^>]*\bsrc=", path.read_text())  # plotly.js inlined: offline
     with opened(path, "frontier/frontier.png") as page:
         seen = page.evaluate(READ_PAGE)
         current = next(a for a in seen["annotations"] if "current" in a["text"])
         page.mouse.move(*page.evaluate(HOVER, ["xaxis2", "yaxis2", current["x"], current["y"]]))
         page.wait_for_selector(".hoverlayer .hovertext")
-        hovered = page.evaluate("() => document.querySelector('.hoverlayer .hovertext').textContent")   # (SVG)
+        hovered = page.evaluate("() => document.querySelector('.hoverlayer .hovertext').textContent")  # (SVG)
     assert "Qwen/Qwen2.5-7B-Instruct" in seen["title"] and "cuda:0 24.00 GiB" in seen["title"]
     assert seen["table"].strip() == str(front)
     traces = seen["traces"]
@@ -209,8 +257,12 @@ def test_the_page_in_chromium_agrees_with_plan_per_combination(front, tmp_path):
                 result, d = planned((length, g, micro))
                 assert refused["z"][i][j] is None and colour["z"][i][j] == pytest.approx(d.fraction)
                 verdict = "<b>fits</b>" if result.fits else "<b>does not fit</b>"
-                for part in (verdict, f"binding device: {d.device}", f"peak: {size(d.total)} during {d.peak_phase}",
-                             f"headroom: {size(d.capacity - d.total)}"):
+                for part in (
+                    verdict,
+                    f"binding device: {d.device}",
+                    f"peak: {size(d.total)} during {d.peak_phase}",
+                    f"headroom: {size(d.capacity - d.total)}",
+                ):
                     assert part in hover, (part, hover)
     # the current point: framed and named in the whole-batch grid (the second subplot), where plan() says it is
     assert (current["xref"], LENGTHS[current["x"]], GENERATIONS[current["y"]]) == ("x2", 768, 8)

@@ -1,5 +1,6 @@
 """The CUDA paths CPU CI cannot run (bench/gpu_smoke.py): on a GPU each is a `gpu` test here; on this CPU the smoke
 itself must exit 0 with every path skipped and the reason said."""
+
 from __future__ import annotations
 
 import pytest

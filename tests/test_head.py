@@ -1,5 +1,6 @@
 """The chunked log-prob head: exact against a naive log_softmax (values and gradients), and never more
 than one chunk of logits alive, forward or backward (watched op by op with a dispatch mode)."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,14 +33,14 @@ def test_values_and_gradients_equal_a_full_log_softmax(chunk, temperature):
     grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
     want = naive(hidden, weight, bias, targets, temperature)
     want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight, bias))
-    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)   # float32 accumulation inside
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)  # float32 accumulation inside
     for g, w in zip(grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)   # float32 softmax in backward
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)  # float32 softmax in backward
 
 
 def test_gradcheck_in_float64_without_bias():
     hidden, weight, _, targets = problem(m=6, h=4, v=9, bias=False)
-    f = lambda h, w: chunked_logprobs(h, w, None, targets, 0.9, 4).double()   # noqa: E731
+    f = lambda h, w: chunked_logprobs(h, w, None, targets, 0.9, 4).double()  # noqa: E731
     # why loose: the forward accumulates in float32 by design (as every head does); gradcheck probes with float64 steps
     assert torch.autograd.gradcheck(f, (hidden, weight), eps=1e-3, atol=1e-3, rtol=1e-3)
 
@@ -60,9 +61,11 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)}
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:   # not a view, not in place
+        inputs = {
+            a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)
+        }
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:  # not a view, not in place
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
 
@@ -71,16 +74,18 @@ class LargestTensor(TorchDispatchMode):
 def test_no_tensor_larger_than_one_chunk_of_logits_forward_or_backward(chunk):
     m, h, v = 512, 32, 8192
     hidden, weight, _, targets = problem(m=m, h=h, v=v, bias=False, dtype=torch.float32)
-    weight = weight.detach()   # a frozen LM head, as under LoRA
+    weight = weight.detach()  # a frozen LM head, as under LoRA
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+    ):
         with LargestTensor() as watch:
             out = chunked_logprobs(hidden, weight, None, targets, 1.0, chunk)
             out.sum().backward()
     one_chunk = chunk * v * 4
-    assert watch.largest == one_chunk, (watch.largest, one_chunk)   # a chunk's logits, and nothing bigger
-    assert sum(saved) <= (hidden.numel() + weight.numel()) * 4 + m * 16   # hidden, weight, targets, log Z: no logits
-    with LargestTensor() as control:   # the watcher does see a full [M, V]: the naive head's
+    assert watch.largest == one_chunk, (watch.largest, one_chunk)  # a chunk's logits, and nothing bigger
+    assert sum(saved) <= (hidden.numel() + weight.numel()) * 4 + m * 16  # hidden, weight, targets, log Z: no logits
+    with LargestTensor() as control:  # the watcher does see a full [M, V]: the naive head's
         torch.log_softmax(hidden.detach() @ weight.t(), dim=-1)
     assert control.largest == m * v * 4
 
@@ -96,7 +101,7 @@ def test_a_lora_on_lm_head_is_applied_and_trained_by_the_chunked_head():
     try:
         model = lab.learner.model
         head = model.get_base_model().lm_head
-        with torch.no_grad():   # B != 0: the adapter changes the logits (PEFT initialises B to 0)
+        with torch.no_grad():  # B != 0: the adapter changes the logits (PEFT initialises B to 0)
             head.lora_B["default"].weight.normal_(0, 0.5)
         rollout = lab.rollout()
         inputs = rollout_slice(rollout, slice(0, 4), lab.learner.device)
@@ -111,8 +116,16 @@ def test_a_lora_on_lm_head_is_applied_and_trained_by_the_chunked_head():
 
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention = torch.cat([prompt_mask, completion_mask], dim=1)
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-                       use_cache=False).logits[:, -completion_ids.shape[1] - 1:-1].float()
+        logits = (
+            model(
+                input_ids=ids,
+                attention_mask=attention,
+                position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                use_cache=False,
+            )
+            .logits[:, -completion_ids.shape[1] - 1 : -1]
+            .float()
+        )
         want = torch.log_softmax(logits, -1).gather(2, completion_ids.unsqueeze(2)).squeeze(2) * mask
         want_grads = torch.autograd.grad((want * upstream)[mask].sum(), list(params.values()), allow_unused=True)
 

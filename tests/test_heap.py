@@ -1,4 +1,5 @@
 """trim_host_heap returns a fragmented heap's free pages to the OS (glibc), as the CPU rollout relies on."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +8,7 @@ import statistics
 
 import pytest
 
-MiB = 1024 ** 2
+MiB = 1024**2
 
 
 # 100 KB blocks stay under glibc's 128 KB mmap threshold, so they come from the heap; a 20 KB block kept after each
@@ -63,11 +64,12 @@ def test_a_loaded_lab_keeps_the_heads_chunks_out_of_the_heap(tiny_config):
     from grpo_lab.planner.estimate import HEAP_HOLE_FACTOR
 
     def per_planned(memory):
-        passes = head_passes(32_000, 128, passes=5, lab_config=tiny_config(memory=memory),
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        passes = head_passes(
+            32_000, 128, passes=5, lab_config=tiny_config(memory=memory), env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         return [round(rss / 6, 3) for rss, _ in passes]
 
-    pinned, glibc = per_planned({"host_mmap_threshold_mib": 0.125}), per_planned({})   # 128 KiB; the default (null)
+    pinned, glibc = per_planned({"host_mmap_threshold_mib": 0.125}), per_planned({})  # 128 KiB; the default (null)
     # pinned: RSS is the live tensors, every chunk mapped on its own (6.1 B/element measured)
     assert max(pinned) < 1.15, f"RSS over the planned chunk, threshold pinned: {pinned}"
     # control: glibc's own threshold serves the chunks from its heap and keeps holes, how many varies pass to pass in

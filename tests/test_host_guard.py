@@ -1,5 +1,6 @@
 """The host-RAM guard's `used` is memory the kernel cannot reclaim, under a cgroup (v1, v2) and outside one:
 page cache from reading a file does not trip it."""
+
 import os
 
 import psutil
@@ -9,21 +10,27 @@ from grpo_lab.memory import MemorySampler
 from grpo_lab.memory.probes import HostProbe, cgroup_usage, cgroup_working_set
 from grpo_lab.memory.sampler import HostMemoryExceeded
 
-MiB, GiB = 1024 ** 2, 1024 ** 3
+MiB, GiB = 1024**2, 1024**3
 
 
 def fake_cgroup(root, version, limit, usage, inactive, active=100 * MiB):
     """A cgroup tree as the kernel lays it out: v2 flat, v1 under memory/ with hierarchical total_* stats."""
     if version == "v2":
-        files = {"memory.max": limit, "memory.current": usage,
-                 "memory.stat": f"anon 1000\nactive_file {active}\ninactive_file {inactive}\n"}
+        files = {
+            "memory.max": limit,
+            "memory.current": usage,
+            "memory.stat": f"anon 1000\nactive_file {active}\ninactive_file {inactive}\n",
+        }
     else:
         (root / "memory").mkdir(exist_ok=True)
-        files = {"memory/memory.limit_in_bytes": limit, "memory/memory.usage_in_bytes": usage,
-                 # the cgroup's own inactive_file differs from the hierarchy's: v1 must take total_inactive_file
-                 "memory/memory.stat": f"cache 5\nrss 7\ninactive_file 12288\nactive_file 4096\n"
-                                       f"total_cache {inactive + active}\ntotal_active_file {active}\n"
-                                       f"total_inactive_file {inactive}\n"}
+        files = {
+            "memory/memory.limit_in_bytes": limit,
+            "memory/memory.usage_in_bytes": usage,
+            # the cgroup's own inactive_file differs from the hierarchy's: v1 must take total_inactive_file
+            "memory/memory.stat": f"cache 5\nrss 7\ninactive_file 12288\nactive_file 4096\n"
+            f"total_cache {inactive + active}\ntotal_active_file {active}\n"
+            f"total_inactive_file {inactive}\n",
+        }
     for name, text in files.items():
         (root / name).write_text(f"{text}\n")
     return root
@@ -35,7 +42,7 @@ def test_under_a_cgroup_used_is_usage_minus_inactive_page_cache(tmp_path, versio
     reading = HostProbe(cgroup_root=tmp_path).read()
     assert reading["limit"] == 1 * GiB and reading["used"] == 300 * MiB
     assert cgroup_usage(tmp_path) == 900 * MiB and cgroup_working_set(tmp_path) == 300 * MiB
-    fake_cgroup(tmp_path, version, limit=1 * GiB, usage=500 * MiB, inactive=600 * MiB)   # stats read at another instant
+    fake_cgroup(tmp_path, version, limit=1 * GiB, usage=500 * MiB, inactive=600 * MiB)  # stats read at another instant
     assert HostProbe(cgroup_root=tmp_path).read()["used"] == 0
 
 
@@ -44,16 +51,16 @@ def test_an_unlimited_cgroup_is_the_host_total_minus_available(tmp_path):
     reading = HostProbe(cgroup_root=tmp_path).read()
     vm = psutil.virtual_memory()
     assert reading["limit"] == vm.total
-    assert abs(reading["used"] - (vm.total - vm.available)) < 256 * MiB   # read a moment apart
+    assert abs(reading["used"] - (vm.total - vm.available)) < 256 * MiB  # read a moment apart
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])
 def test_the_guard_ignores_page_cache_and_trips_on_the_working_set(tmp_path, version):
-    fake_cgroup(tmp_path, version, limit=1 * GiB, usage=900 * MiB, inactive=600 * MiB)   # 88% with cache, 29% without
+    fake_cgroup(tmp_path, version, limit=1 * GiB, usage=900 * MiB, inactive=600 * MiB)  # 88% with cache, 29% without
     sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.5)
-    sampler.probes[0] = HostProbe(cgroup_root=tmp_path)                                  # the limit is read here
+    sampler.probes[0] = HostProbe(cgroup_root=tmp_path)  # the limit is read here
     sampler.check_host(0, "rollout")
-    fake_cgroup(tmp_path, version, limit=1 * GiB, usage=900 * MiB, inactive=100 * MiB)   # 78% that cannot be dropped
+    fake_cgroup(tmp_path, version, limit=1 * GiB, usage=900 * MiB, inactive=100 * MiB)  # 78% that cannot be dropped
     with pytest.raises(HostMemoryExceeded, match=r"host RAM reached 78\.1% of 1\.0 GiB"):
         sampler.check_host(0, "logprobs")
 
@@ -76,11 +83,11 @@ def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT)
         try:
-            chunk = bytes(range(256)) * (256 * 1024)                          # 64 MiB
+            chunk = bytes(range(256)) * (256 * 1024)  # 64 MiB
             for _ in range(size // len(chunk)):
                 os.write(fd, chunk)
             os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # why: drop the written pages; the read refills them
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # why: drop the written pages; the read refills them
         finally:
             os.close(fd)
         if meminfo()["Shmem"] - shmem > size // 2:
@@ -95,13 +102,13 @@ def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
                 while f.read(64 * MiB):
                     pass
             sampler.read()
-            sampler.check_host(0, "after the read")                            # raises if any sample crossed
+            sampler.check_host(0, "after the read")  # raises if any sample crossed
         finally:
             sampler.stop()
         after = meminfo()
         used = [v for *_, device, metric, v in sampler.samples if metric == "used"]
         assert len(used) >= 2, "the sampler took no readings during the read"
-        assert after["Cached"] - info["Cached"] > 0.8 * size                   # the file is in the page cache
+        assert after["Cached"] - info["Cached"] > 0.8 * size  # the file is in the page cache
         # (not asserted: MemFree's drop, which other processes' frees blur by hundreds of MiB)
         assert max(used) - before["used"] < tolerance
         # (the machine's cgroup root is not asserted on: it moves with every process on the machine, both ways,

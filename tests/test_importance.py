@@ -5,22 +5,24 @@ TRL's `_generate_and_score_completions` is sent down its vLLM branch (see test_t
 by seeded noise: ratios land below, inside and above the bounds, and a few sampler log-probs are
 missing (NaN; vLLM sends None). TRL's old log-probs are its own forward; ours are grpo_lab's.
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_trl_parity import noisy_sampler, trl_trainer, vllm_importance_sampling
 
 from grpo_lab import Lab
 from grpo_lab.algo.importance import MODES, importance_weights
 from grpo_lab.algo.logprobs import rollout_logprobs
-from test_trl_parity import noisy_sampler, trl_trainer, vllm_importance_sampling
 
 BOUNDS = [(None, 3.0), (0.5, 3.0), (0.5, None), (None, None)]
 # mode, clip_min, clip_max, mask_truncated_completions. TRL (and grpo_lab's config) refuse a *_truncate mode
 # with no bound at all; the truncation mask changes only which tokens count, so once per mode is enough.
-CASES = ([(mode, lo, hi, False) for mode in MODES for lo, hi in BOUNDS if mode.endswith("_mask") or (lo, hi) != (None, None)]
-         + [(mode, 0.5, 3.0, True) for mode in MODES])
-NAN_AT = [(0, 0), (3, 1)]   # (row, token) where the sampler has no log-prob
+CASES = [
+    (mode, lo, hi, False) for mode in MODES for lo, hi in BOUNDS if mode.endswith("_mask") or (lo, hi) != (None, None)
+] + [(mode, 0.5, 3.0, True) for mode in MODES]
+NAN_AT = [(0, 0), (3, 1)]  # (row, token) where the sampler has no log-prob
 
 
 @pytest.fixture
@@ -28,12 +30,13 @@ def sampled(shared, tiny_config, tmp_path_factory):
     """One lab, rollout, noisy sampler and TRL trainer for the module (built on first use)."""
     if not shared:
         # max_completion_length 16: some completions end, most are truncated (asserted where it matters)
-        lab = Lab(tiny_config(grpo={"prompts_per_step": 8, "beta": 0.0})).load()   # 32 rows: several end, several not
+        lab = Lab(tiny_config(grpo={"prompts_per_step": 8, "beta": 0.0})).load()  # 32 rows: several end, several not
         rollout = lab.rollout()
         learner = rollout_logprobs(lab.learner.model.train(), rollout, lab.learner.device, None)
         shared.update(lab=lab, rollout=rollout, learner=learner, sampler=noisy_sampler(rollout, nan_at=NAN_AT))
-        shared["trainer"], shared["inputs"] = trl_trainer(lab, rollout, tmp_path_factory.mktemp("trl"),
-                                                          sampler_logprobs=shared["sampler"])
+        shared["trainer"], shared["inputs"] = trl_trainer(
+            lab, rollout, tmp_path_factory.mktemp("trl"), sampler_logprobs=shared["sampler"]
+        )
     return SimpleNamespace(**shared)
 
 
@@ -52,7 +55,7 @@ def test_importance_weights_match_trl(sampled, mode, clip_min, clip_max, mask_tr
     theirs = batch["importance_sampling_ratio"].cpu()
 
     mask = rollout.completion_mask.float()
-    if mask_truncated:   # TRL takes the ratio over the loss mask: a truncated completion gets none (ratio 1)
+    if mask_truncated:  # TRL takes the ratio over the loss mask: a truncated completion gets none (ratio 1)
         assert rollout.truncated.any() and (~rollout.truncated).any()
         mask = mask * (~rollout.truncated).float().unsqueeze(1)
     assert torch.equal(batch["completion_ids"].cpu(), rollout.completion_ids)

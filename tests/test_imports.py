@@ -2,6 +2,7 @@
 layers README's "Architecture" draws (but for the few listed with their reason), keeps the Ray driver out of the
 one-process path, and no module is over STYLE.md's ~400 lines. Read from the source (ast), so an import inside a
 function counts as much as one at the top."""
+
 from __future__ import annotations
 
 import ast
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "grpo_lab"
-MAX_LINES = 400   # STYLE.md: "files under ~400 lines"
-MAX_TOP_LEVEL = 15   # modules directly in grpo_lab/: the rest live in a package named for its concern
+MAX_LINES = 400  # STYLE.md: "files under ~400 lines"
+MAX_TOP_LEVEL = 15  # modules directly in grpo_lab/: the rest live in a package named for its concern
 
 # The layers, bottom to top (README "Architecture"): a module imports from its own layer and the layers below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -28,15 +29,28 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ui", ("grpo_lab.ui",)),
     ("local", ("grpo_lab.local",)),
     ("lab", ("grpo_lab.lab", "grpo_lab.executor", "grpo_lab.preflight", "grpo_lab.trackers")),
-    ("entry points", ("grpo_lab.cli", "grpo_lab.runner", "grpo_lab.sweep", "grpo_lab.comparison",
-                      "grpo_lab.trl_bridge", "grpo_lab.__main__", "grpo_lab")),
+    (
+        "entry points",
+        (
+            "grpo_lab.cli",
+            "grpo_lab.runner",
+            "grpo_lab.sweep",
+            "grpo_lab.comparison",
+            "grpo_lab.trl_bridge",
+            "grpo_lab.__main__",
+            "grpo_lab",
+        ),
+    ),
     ("ray driver", ("grpo_lab.cluster",)),
 ]
 # The imports that run upward, each with its reason (at most 5; a new one fails the test until it is listed here).
 UPWARD: dict[tuple[str, str], str] = {
-    ("grpo_lab.generation.vllm_engine", "grpo_lab.planner"):
-        "generator.gpu_memory_utilization: auto starts the engine with the share the plan prints (planner.engine_share)",
+    (
+        "grpo_lab.generation.vllm_engine",
+        "grpo_lab.planner",
+    ): "generator.gpu_memory_utilization: auto starts the engine with the share the plan prints (planner.engine_share)",
 }
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -80,8 +94,10 @@ def graph() -> dict[str, set[str]]:
     known = set(mods)
     edges = {m: imports_of(m, p, known) for m, p in mods.items()}
     # a package's __init__ imported for a submodule is not an edge to everything the package re-exports
-    return {m: {t for t in ts if not (mods[t].name == "__init__.py" and any(u.startswith(t + ".") for u in ts))}
-            for m, ts in edges.items()}
+    return {
+        m: {t for t in ts if not (mods[t].name == "__init__.py" and any(u.startswith(t + ".") for u in ts))}
+        for m, ts in edges.items()
+    }
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -135,8 +151,15 @@ def test_no_import_circles():
 
 def layer_of(module: str) -> int:
     """The index in LAYERS of the layer `module` belongs to (its longest matching prefix)."""
-    best = max(((len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-                if module == prefix or module.startswith(prefix + ".")), default=None)
+    best = max(
+        (
+            (len(prefix), i)
+            for i, (_, prefixes) in enumerate(LAYERS)
+            for prefix in prefixes
+            if module == prefix or module.startswith(prefix + ".")
+        ),
+        default=None,
+    )
     assert best is not None, f"{module} is in no layer of LAYERS; add its package there"
     return best[1]
 
@@ -153,20 +176,30 @@ def test_every_module_has_a_layer():
 
 def test_the_layer_check_finds_a_planted_upward_import():
     assert upward({"grpo_lab.algo.losses": {"grpo_lab.lab"}, "grpo_lab.lab": {"grpo_lab.algo.losses"}}) == {
-        ("grpo_lab.algo.losses", "grpo_lab.lab")}
+        ("grpo_lab.algo.losses", "grpo_lab.lab")
+    }
 
 
 def test_imports_run_downward_but_for_the_listed_few():
     found = upward(graph())
-    assert found == set(UPWARD), ("upward imports not listed: " + "; ".join(f"{a} -> {b}" for a, b in sorted(found - set(UPWARD)))
-                                  + " | listed but gone: " + "; ".join(f"{a} -> {b}" for a, b in sorted(set(UPWARD) - found)))
+    assert found == set(UPWARD), (
+        "upward imports not listed: "
+        + "; ".join(f"{a} -> {b}" for a, b in sorted(found - set(UPWARD)))
+        + " | listed but gone: "
+        + "; ".join(f"{a} -> {b}" for a, b in sorted(set(UPWARD) - found))
+    )
     assert len(UPWARD) <= 5 and all(UPWARD.values())
 
 
 def test_the_one_process_path_never_imports_the_ray_driver():
     """Only the Ray driver's own modules import grpo_lab.cluster (the Lab names its executor by import path)."""
-    bad = [(m, t) for m, ts in graph().items() if not m.startswith("grpo_lab.cluster")
-           for t in ts if t.startswith("grpo_lab.cluster")]
+    bad = [
+        (m, t)
+        for m, ts in graph().items()
+        if not m.startswith("grpo_lab.cluster")
+        for t in ts
+        if t.startswith("grpo_lab.cluster")
+    ]
     assert not bad, bad
 
 
@@ -178,8 +211,21 @@ def test_at_most_15_modules_sit_directly_in_the_package():
 def test_no_module_shadows_the_standard_library_or_a_dependency():
     import sys
 
-    taken = set(sys.stdlib_module_names) | {"torch", "transformers", "trl", "peft", "vllm", "ray", "accelerate",
-                                            "bitsandbytes", "pydantic", "plotly", "ipywidgets", "papermill", "yaml"}
+    taken = set(sys.stdlib_module_names) | {
+        "torch",
+        "transformers",
+        "trl",
+        "peft",
+        "vllm",
+        "ray",
+        "accelerate",
+        "bitsandbytes",
+        "pydantic",
+        "plotly",
+        "ipywidgets",
+        "papermill",
+        "yaml",
+    }
     bad = [p.relative_to(ROOT) for p in ROOT.rglob("*.py") if p.stem in taken]
     assert not bad, bad
 
@@ -189,7 +235,7 @@ def test_no_two_modules_share_a_name():
     from collections import Counter
 
     names = Counter(p.stem for p in ROOT.rglob("*.py") if p.stem != "__init__")
-    assert [n for n, k in names.items() if k > 1] == ["executor"]   # the contract and its two implementations
+    assert [n for n, k in names.items() if k > 1] == ["executor"]  # the contract and its two implementations
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,5 +1,6 @@
 """Atomic directory writes (the adapter, the built-in model) survive a crash at any point: leftovers of an
 interrupted write are recovered on the next write or load, never a reason for every later save to fail."""
+
 import os
 import shutil
 
@@ -11,6 +12,7 @@ from grpo_lab.files import atomic_write_dir, recover_dir
 def version(n):
     def write(tmp):
         (tmp / "adapter_model.safetensors").write_text(f"v{n}")
+
     return write
 
 
@@ -40,9 +42,9 @@ def test_a_crash_between_the_two_renames_leaves_the_last_complete_version(tmp_pa
 
 def test_unfinished_writes_are_cleaned_and_a_failed_write_keeps_the_previous_version(tmp_path):
     path = atomic_write_dir(tmp_path / "adapter", version(1))
-    (tmp_path / ".adapter.tmp-crashed").mkdir()                   # a write killed half-way
+    (tmp_path / ".adapter.tmp-crashed").mkdir()  # a write killed half-way
     (tmp_path / ".adapter.tmp-crashed" / "adapter_model.safetensors").write_text("half")
-    (tmp_path / ".adapter.lock").write_text("")                   # a lock file of the same prefix is not a leftover
+    (tmp_path / ".adapter.lock").write_text("")  # a lock file of the same prefix is not a leftover
 
     def failing(tmp):
         (tmp / "adapter_model.safetensors").write_text("partial")
@@ -65,6 +67,6 @@ def test_a_text_write_is_fsynced_file_and_directory_before_and_after_its_rename(
     path = atomic_write_text(tmp_path / "run.json", '{"status": "ok"}')
     assert path.read_text() == '{"status": "ok"}'
     rename = synced.index(("rename", str(path)))
-    before, after = synced[:rename], synced[rename + 1:]
-    assert any(p.startswith(str(tmp_path / ".run.json.")) for p in before), synced     # the temporary file's data
-    assert str(tmp_path) in after, synced                                              # then the directory entry
+    before, after = synced[:rename], synced[rename + 1 :]
+    assert any(p.startswith(str(tmp_path / ".run.json.")) for p in before), synced  # the temporary file's data
+    assert str(tmp_path) in after, synced  # then the directory entry

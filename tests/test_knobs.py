@@ -2,6 +2,7 @@
 in one line and change nothing; live and rebuild fields are edited after load and their effect is observed at the
 next phase that reads them. The field lists come from the schema, so a new field without a declared `when`, a
 rebuild without a REBUILDS entry or a live/rebuild field without an observation here fails a test."""
+
 import dataclasses
 import json
 import math
@@ -11,25 +12,25 @@ from typing import Literal, get_args, get_origin
 
 import pytest
 import torch
+from conftest import tiny_dict
 
 import grpo_lab.algo.grpo as step_module
 from grpo_lab import Lab
-from grpo_lab.config.schema import WHEN, LabConfig, field_when, leaf_fields
-from grpo_lab.config.loading import load_config
-from grpo_lab.errors import ConfigError, LabError
 from grpo_lab.algo.importance import importance_weights
 from grpo_lab.config.edits import REBUILDS
+from grpo_lab.config.fields import WHEN
+from grpo_lab.config.loading import load_config
+from grpo_lab.config.schema import LabConfig, field_when, leaf_fields
+from grpo_lab.errors import ConfigError, LabError
 from grpo_lab.memory.probes import MiB
 from grpo_lab.memory.sampler import HostMemoryExceeded
 from grpo_lab.models.reference import AdapterDisabledReference, CopyReference, NoReference
-
-from conftest import tiny_dict
 
 LOAD = [path for path, _, _ in leaf_fields() if field_when(path) == "load"]
 REBUILD = [path for path, _, _ in leaf_fields() if field_when(path) == "rebuild"]
 LIVE_OR_REBUILD = {path for path, _, _ in leaf_fields() if field_when(path) in ("live", "rebuild")}
 
-OBSERVED: set[str] = set()   # fields whose effect a test below observes (checked against the schema)
+OBSERVED: set[str] = set()  # fields whose effect a test below observes (checked against the schema)
 
 
 def observes(*paths):
@@ -57,7 +58,7 @@ def shared_lab(tiny_model):
 def lab(shared_lab, tiny_model):
     """The shared Lab; afterwards the test's updates are undone and the config is put back (rebuilds included)."""
     yield shared_lab
-    shared_lab.rollback()   # why: drop a half-done step's updates, so the next test's rollout can restart the step
+    shared_lab.rollback()  # why: drop a half-done step's updates, so the next test's rollout can restart the step
     shared_lab.config = tiny(tiny_model)
 
 
@@ -82,6 +83,7 @@ def groups_identical(rollout) -> bool:
 
 # --- every field declares when it takes effect -------------------------------------------------------------
 
+
 def schema_whens() -> dict:
     """'section.field' -> its declared when, read from the JSON schema (what the widget editor is built from)."""
     schema = LabConfig.model_json_schema()
@@ -97,7 +99,7 @@ def test_every_leaf_field_declares_when_it_takes_effect():
     whens = schema_whens()
     assert set(whens) == {path for path, _, _ in leaf_fields()}
     assert [path for path, when in whens.items() if when not in WHEN] == []
-    for section, info in LabConfig.model_fields.items():   # the pydantic fields, as field_when reads them
+    for section, info in LabConfig.model_fields.items():  # the pydantic fields, as field_when reads them
         for name, field in info.annotation.model_fields.items():
             assert (field.json_schema_extra or {}).get("when") == whens[f"{section}.{name}"], f"{section}.{name}"
 
@@ -126,8 +128,11 @@ EDITS = {
     "placement.gpu_memory_gib": {"placement.gpu_memory_gib": 40.0},
     "placement.host_memory_gib": {"placement.host_memory_gib": 64.0},
     "placement.ray_address": {"placement.ray_address": "127.0.0.1:6379", "placement.learner_procs": 2},
-    "generator.gpu_memory_utilization": {"generator.gpu_memory_utilization": 0.3, "generator.backend": "vllm",
-                                         "placement.generator": ["cuda:0"]},   # a share is of a GPU's memory
+    "generator.gpu_memory_utilization": {
+        "generator.gpu_memory_utilization": 0.3,
+        "generator.backend": "vllm",
+        "placement.generator": ["cuda:0"],
+    },  # a share is of a GPU's memory
     "generator.model": {"generator.model": "Qwen/Qwen2.5-0.5B-Instruct-AWQ", "generator.backend": "vllm"},
     "generator.quantization": {"generator.quantization": "awq", "generator.backend": "vllm"},
     "generator.sleep_mode": {"generator.sleep_mode": True, "generator.backend": "vllm"},
@@ -177,14 +182,14 @@ def test_load_time_field_is_refused_after_load(shared_lab, path):
     lab = shared_lab
     edit = load_time_edit(lab.config, path)
     before = lab.config.to_dict()
-    assert load_config(before).update(edit).keys() == edit.keys()   # valid, and a change, on an unloaded copy
+    assert load_config(before).update(edit).keys() == edit.keys()  # valid, and a change, on an unloaded copy
     section = path.partition(".")[0]
     with pytest.raises(LabError) as err:
         if len(edit) == 1:
             setattr(getattr(lab.config, section), path.partition(".")[2], edit[path])
-        elif {p.partition(".")[0] for p in edit} == {section}:   # fields valid only together: assign the section
+        elif {p.partition(".")[0] for p in edit} == {section}:  # fields valid only together: assign the section
             setattr(lab.config, section, {**before[section], **{p.partition(".")[2]: v for p, v in edit.items()}})
-        else:   # valid only with another section's field: the notebook's way to edit several at once
+        else:  # valid only with another section's field: the notebook's way to edit several at once
             lab.configure(edit)
     assert_refused(err, *edit)
     assert lab.config.to_dict() == before
@@ -234,6 +239,7 @@ def test_a_copy_of_the_loaded_config_with_a_load_time_change_is_refused(shared_l
 
 # --- invalid edits and mixed edits change nothing -------------------------------------------------------------
 
+
 def test_an_invalid_value_is_one_config_error_and_changes_nothing(lab):
     before, reference = lab.config.to_dict(), lab.reference
     with pytest.raises(ConfigError) as err:
@@ -248,7 +254,7 @@ def test_a_cross_field_violation_is_one_config_error_and_changes_nothing(lab):
     before, reference = lab.config.to_dict(), lab.reference
     assert isinstance(reference, AdapterDisabledReference)
     with pytest.raises(ConfigError) as err:
-        lab.config.reference.strategy = "none"   # 'none' needs beta 0
+        lab.config.reference.strategy = "none"  # 'none' needs beta 0
     message = str(err.value)
     assert "reference.strategy" in message and "\n" not in message
     assert lab.config.to_dict() == before and lab.reference is reference
@@ -258,23 +264,24 @@ def test_configure_is_all_or_nothing_when_one_field_is_load_time(lab):
     before, reference = lab.config.to_dict(), lab.reference
     assert isinstance(reference, NoReference)
     with pytest.raises(LabError) as err:
-        lab.configure({"grpo.beta": 0.04, "lora.r": 9})   # a rebuild field first, then a load-time one
+        lab.configure({"grpo.beta": 0.04, "lora.r": 9})  # a rebuild field first, then a load-time one
     assert_refused(err, "lora.r")
     with pytest.raises(LabError) as err:
         lab.configure(grpo={"learning_rate": 5e-3}, model={"dtype": "bfloat16"})
     assert_refused(err, "model.dtype")
-    assert lab.config.to_dict() == before and lab.reference is reference   # beta not applied, nothing rebuilt
+    assert lab.config.to_dict() == before and lab.reference is reference  # beta not applied, nothing rebuilt
 
 
 def test_a_rebuild_that_fails_puts_the_old_value_back(lab, tmp_path):
     before, prompts = lab.config.to_dict(), lab.prompts
     with pytest.raises(LabError) as err:
-        lab.config.data.dataset = str(tmp_path / "missing.jsonl")   # valid for the schema; the rebuild cannot load it
+        lab.config.data.dataset = str(tmp_path / "missing.jsonl")  # valid for the schema; the rebuild cannot load it
     assert "data.dataset" in str(err.value)
     assert lab.config.to_dict() == before and lab.prompts is prompts
 
 
 # --- live and rebuild fields: the effect at the next phase -----------------------------------------------------
+
 
 def test_every_live_and_rebuild_field_has_an_observation():
     assert OBSERVED == LIVE_OR_REBUILD
@@ -287,15 +294,15 @@ def test_temperature_samples_and_scores_the_next_rollout_at_the_new_temperature(
     assert rollout.temperature == 0.7
     mask = rollout.completion_mask.bool()
     fresh = Lab(tiny(tiny_model, generator={"temperature": 0.7}, grpo={"beta": 0.04})).load()
-    try:   # the reference is the base model (adapter off) in both Labs, whatever the shared Lab has trained
+    try:  # the reference is the base model (adapter off) in both Labs, whatever the shared Lab has trained
         fresh_ref = fresh.reference.logprobs(fresh.learner, rollout, fresh.config)
     finally:
         fresh.close()
     assert torch.allclose(logprobs.ref[mask], fresh_ref[mask], atol=1e-5)
     at_one = lab.reference.logprobs(lab.learner, dataclasses.replace(rollout, temperature=1.0), lab.config)
-    assert not torch.allclose(logprobs.ref[mask], at_one[mask], atol=1e-3)   # the old temperature would show
-    lab.backward(rollout, advantages, logprobs)   # the first backward's own log-probs are the learner's at 0.7...
-    assert torch.allclose(lab.current.old_logprobs[mask], rollout.sampler_logprobs[mask], atol=1e-3)   # ...as sampled
+    assert not torch.allclose(logprobs.ref[mask], at_one[mask], atol=1e-3)  # the old temperature would show
+    lab.backward(rollout, advantages, logprobs)  # the first backward's own log-probs are the learner's at 0.7...
+    assert torch.allclose(lab.current.old_logprobs[mask], rollout.sampler_logprobs[mask], atol=1e-3)  # ...as sampled
 
 
 @observes("generator.gather_for_generation")
@@ -303,8 +310,11 @@ def test_gather_for_generation_is_refused_in_one_process(lab):
     """A knob that cannot act says no: one process has nothing to gather. On a sharded Lab it acts at the next rollout:
     tests/test_sharded.py::test_gather_on_and_off_... observes it (every rank's whole-model gathers counted: one for a
     gathered rollout, none for a layer-by-layer one; it fails when the setting is ignored), notebook 06 times them."""
-    with pytest.raises(LabError, match=r"generator.gather_for_generation: false means generating through a sharded "
-                                       r"learner.*placement.learner_procs: 1"):
+    with pytest.raises(
+        LabError,
+        match=r"generator.gather_for_generation: false means generating through a sharded "
+        r"learner.*placement.learner_procs: 1",
+    ):
         lab.configure({"generator.gather_for_generation": False})
     assert lab.config.generator.gather_for_generation is True
 
@@ -314,8 +324,8 @@ def test_top_k_one_samples_greedily(lab):
     lab.config.generator.top_k = 1
     rollout = lab.rollout()
     mask = rollout.completion_mask.bool()
-    assert groups_identical(rollout)                                    # at temperature 1 they would differ
-    assert rollout.sampler_logprobs[mask].abs().max() < 1e-6            # one token left: probability 1
+    assert groups_identical(rollout)  # at temperature 1 they would differ
+    assert rollout.sampler_logprobs[mask].abs().max() < 1e-6  # one token left: probability 1
 
 
 @observes("generator.top_p")
@@ -330,7 +340,7 @@ def test_a_tiny_top_p_samples_greedily(lab):
 @observes("generator.max_prompt_length")
 def test_max_prompt_length_truncates_the_next_rollouts_prompts(lab):
     lab.configure({"generator.max_prompt_length": 8, "generator.max_completion_length": 2})
-    assert lab.rollout().prompt_ids.shape[1] == 8   # the chat-templated prompts are ~80 tokens
+    assert lab.rollout().prompt_ids.shape[1] == 8  # the chat-templated prompts are ~80 tokens
 
 
 @observes("generator.max_completion_length")
@@ -343,7 +353,7 @@ def test_max_completion_length_bounds_the_next_rollout(lab):
 @observes("generator.chunk_size")
 def test_chunk_size_splits_the_next_rollout_into_generate_calls(lab):
     lab.configure({"generator.chunk_size": 3, "generator.max_completion_length": 2})
-    assert lab.rollout().generate_calls == 3   # 8 sequences in chunks of 3
+    assert lab.rollout().generate_calls == 3  # 8 sequences in chunks of 3
 
 
 @observes("grpo.num_generations", "grpo.prompts_per_step")
@@ -377,18 +387,18 @@ def test_reference_strategy_copy_runs_the_reference_pass_on_a_copy(lab):
         assert lab.reference.model is not lab.learner.model
         copy_handle = lab.reference.model.model.register_forward_hook(lambda *_: copy_calls.append(1))
         rollout = lab.rollout()
-        learner_calls.clear()                  # generation ran on the learner; the reference pass must not
+        learner_calls.clear()  # generation ran on the learner; the reference pass must not
         assert lab.logprobs(rollout).ref.shape == rollout.completion_ids.shape
         copy_handle.remove()
     finally:
         handle.remove()
-    assert copy_calls and not learner_calls   # adapter-disabled would run on the learner
+    assert copy_calls and not learner_calls  # adapter-disabled would run on the learner
 
 
 @observes("grpo.loss_type")
 def test_loss_type_changes_the_normalisation_of_the_next_backward(lab):
     rollout, advantages, logprobs = walk_to_backward(lab)
-    rollout.completion_mask[0, 3:] = 0   # one completion stops after 3 tokens, so tokens != sequences x length
+    rollout.completion_mask[0, 3:] = 0  # one completion stops after 3 tokens, so tokens != sequences x length
     dapo = lab.backward(rollout, advantages, logprobs)
     lab.config.grpo.loss_type = "dr_grpo"
     dr_grpo = lab.backward(rollout, advantages, logprobs)
@@ -402,27 +412,28 @@ def test_epsilon_and_epsilon_high_bound_the_next_backwards_clipping(lab):
     lab.configure({"grpo.num_iterations": 2, "grpo.learning_rate": 5e-2})
     rollout, advantages, logprobs = walk_to_backward(lab)
     lab.backward(rollout, advantages, logprobs)
-    lab.optimizer()   # the policy moves: the second iteration's ratios leave 1
+    lab.optimizer()  # the policy moves: the second iteration's ratios leave 1
 
     def clip_fraction(epsilon, epsilon_high):
         lab.configure({"grpo.epsilon": epsilon, "grpo.epsilon_high": epsilon_high})
         return lab.backward(rollout, advantages, logprobs).clip_fraction
 
-    both = clip_fraction(0.01, None)      # epsilon_high null = epsilon
+    both = clip_fraction(0.01, None)  # epsilon_high null = epsilon
     low = clip_fraction(0.01, 100.0)
     high = clip_fraction(100.0, 0.01)
     assert clip_fraction(100.0, None) == 0.0
     assert both > 0 and low > 0 and high > 0
-    assert both == pytest.approx(low + high)   # the two sides clip disjoint tokens
+    assert both == pytest.approx(low + high)  # the two sides clip disjoint tokens
 
 
 @observes("grpo.importance_sampling_level")
 def test_importance_sampling_level_changes_the_next_backwards_ratio(lab):
-    """GSPO: one ratio per completion (its tokens' mean log-ratio) instead of one per token, read at the next backward."""
+    """GSPO: one ratio per completion (its tokens' mean log-ratio) instead of one per token, read at the next
+    backward."""
     lab.configure({"grpo.num_iterations": 2, "grpo.learning_rate": 5e-2, "grpo.epsilon": 0.01})
     rollout, advantages, logprobs = walk_to_backward(lab)
     lab.backward(rollout, advantages, logprobs)
-    lab.optimizer()   # the policy moves: the second iteration's ratios leave 1
+    lab.optimizer()  # the policy moves: the second iteration's ratios leave 1
 
     def second(level):
         lab.config.grpo.importance_sampling_level = level
@@ -437,17 +448,21 @@ def test_importance_sampling_level_changes_the_next_backwards_ratio(lab):
 def test_scale_rewards_changes_the_next_advantages(lab):
     rollout = lab.rollout()
     rewards = lab.rewards(rollout)
-    rewards.total.copy_(torch.arange(len(rollout), dtype=torch.float32) ** 2)   # spread within and across groups
+    rewards.total.copy_(torch.arange(len(rollout), dtype=torch.float32) ** 2)  # spread within and across groups
     grouped = rewards.total.view(-1, rollout.num_generations)
     centred = rewards.total - grouped.mean(1).repeat_interleave(rollout.num_generations)
-    expected = {"none": centred,
-                "group": centred / (grouped.std(1).repeat_interleave(rollout.num_generations) + 1e-4),
-                "batch": centred / (rewards.total.std() + 1e-4)}
+    expected = {
+        "none": centred,
+        "group": centred / (grouped.std(1).repeat_interleave(rollout.num_generations) + 1e-4),
+        "batch": centred / (rewards.total.std() + 1e-4),
+    }
     assert lab.config.grpo.scale_rewards == "group"
     for mode in ("group", "none", "batch"):
         lab.config.grpo.scale_rewards = mode
         assert torch.allclose(lab.advantages(rewards).values, expected[mode], atol=1e-5), mode
-    assert not torch.allclose(expected["none"], expected["group"]) and not torch.allclose(expected["group"], expected["batch"])
+    assert not torch.allclose(expected["none"], expected["group"]) and not torch.allclose(
+        expected["group"], expected["batch"]
+    )
 
 
 def one_update(lab, rollout, advantages, logprobs) -> dict:
@@ -462,13 +477,13 @@ def test_learning_rate_scales_the_next_update(lab):
     rollout, advantages, logprobs = walk_to_backward(lab)
     before = lora_state(lab)
     small = one_update(lab, rollout, advantages, logprobs)
-    lab.rollback()   # the same weights and AdamW state again; the step goes on from backward
+    lab.rollback()  # the same weights and AdamW state again; the step goes on from backward
     lab.config.grpo.learning_rate = 4e-3
     large = one_update(lab, rollout, advantages, logprobs)
     assert lab.learner.optimizer.param_groups[0]["lr"] == 4e-3
     moved = [n for n in before if not torch.equal(before[n], small[n])]
     assert moved
-    for n in moved:   # AdamW's update is linear in lr for the same gradient and state
+    for n in moved:  # AdamW's update is linear in lr for the same gradient and state
         assert torch.allclose(large[n] - before[n], 4 * (small[n] - before[n]), rtol=1e-3, atol=1e-7), n
     assert lab.sync().learning_rate == 4e-3
 
@@ -478,7 +493,7 @@ def test_kl_bias_correction_changes_the_next_backwards_gradient_not_its_value(la
     lab.configure({"grpo.beta": 0.5, "grpo.learning_rate": 5e-2})
     rollout, advantages, logprobs = walk_to_backward(lab)
     one_update(lab, rollout, advantages, logprobs)
-    lab.sync()                                  # the policy now differs from the reference: the KL has a gradient
+    lab.sync()  # the policy now differs from the reference: the KL has a gradient
     rollout, advantages, logprobs = walk_to_backward(lab)
 
     def backward(corrected):
@@ -489,8 +504,8 @@ def test_kl_bias_correction_changes_the_next_backwards_gradient_not_its_value(la
         return stats, grads
 
     (on, on_grads), (off, off_grads) = backward(True), backward(False)
-    assert on.kl > 0 and on.loss == pytest.approx(off.loss, rel=1e-6)    # on-policy the ratio is 1: same value...
-    assert any(not torch.allclose(on_grads[n], off_grads[n], rtol=1e-4, atol=1e-8) for n in on_grads)   # ...not gradient
+    assert on.kl > 0 and on.loss == pytest.approx(off.loss, rel=1e-6)  # on-policy the ratio is 1: same value...
+    assert any(not torch.allclose(on_grads[n], off_grads[n], rtol=1e-4, atol=1e-8) for n in on_grads)  # ...not gradient
 
 
 @observes("grpo.weight_decay")
@@ -503,7 +518,7 @@ def test_weight_decay_shrinks_the_weights_at_the_next_update(lab):
     decayed = one_update(lab, rollout, advantages, logprobs)
     lr = lab.config.grpo.learning_rate
     assert any(before[n].abs().sum() > 0 for n in before)
-    for n in before:   # decoupled decay: p * (1 - lr * wd) before the same Adam step
+    for n in before:  # decoupled decay: p * (1 - lr * wd) before the same Adam step
         assert torch.allclose(decayed[n] - plain[n], -lr * 10.0 * before[n], atol=1e-6), n
 
 
@@ -512,7 +527,7 @@ def test_max_grad_norm_clips_the_next_update(lab):
     rollout, advantages, logprobs = walk_to_backward(lab)
     applied = []
 
-    def record(optimizer, args, kwargs):   # the gradient norm AdamW is given, after clipping
+    def record(optimizer, args, kwargs):  # the gradient norm AdamW is given, after clipping
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         applied.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
 
@@ -536,14 +551,16 @@ def test_micro_batch_size_splits_the_next_backward_into_forward_passes(lab, monk
     rollout, advantages, logprobs = walk_to_backward(lab)
     calls = []
     real = step_module.completion_logprobs
-    monkeypatch.setattr(step_module, "completion_logprobs", lambda model, *t: calls.append(len(t[0])) or real(model, *t))
+    monkeypatch.setattr(
+        step_module, "completion_logprobs", lambda model, *t: calls.append(len(t[0])) or real(model, *t)
+    )
     whole = lab.backward(rollout, advantages, logprobs)
     assert calls == [8]
     calls.clear()
     lab.config.grpo.micro_batch_size = 3
     parts = lab.backward(rollout, advantages, logprobs)
     assert calls == [3, 3, 2]
-    assert parts.loss == pytest.approx(whole.loss, abs=1e-5)   # the objective does not change
+    assert parts.loss == pytest.approx(whole.loss, abs=1e-5)  # the objective does not change
 
 
 @observes("grpo.num_iterations")
@@ -567,12 +584,18 @@ def test_mask_truncated_completions_drops_them_from_the_next_backward(lab):
 # field -> (the config of the first backward, the edit before the second); token_truncate so that clip bounds show
 IS_CASES = {
     "grpo.importance_sampling_correction": ({}, {"grpo.importance_sampling_correction": False}),
-    "grpo.importance_sampling_mode": ({"grpo.importance_sampling_mode": "token_truncate"},
-                                      {"grpo.importance_sampling_mode": "sequence_truncate"}),
-    "grpo.importance_sampling_clip_max": ({"grpo.importance_sampling_mode": "token_truncate"},
-                                          {"grpo.importance_sampling_clip_max": 1.5}),
-    "grpo.importance_sampling_clip_min": ({"grpo.importance_sampling_mode": "token_truncate"},
-                                          {"grpo.importance_sampling_clip_min": 0.5}),
+    "grpo.importance_sampling_mode": (
+        {"grpo.importance_sampling_mode": "token_truncate"},
+        {"grpo.importance_sampling_mode": "sequence_truncate"},
+    ),
+    "grpo.importance_sampling_clip_max": (
+        {"grpo.importance_sampling_mode": "token_truncate"},
+        {"grpo.importance_sampling_clip_max": 1.5},
+    ),
+    "grpo.importance_sampling_clip_min": (
+        {"grpo.importance_sampling_mode": "token_truncate"},
+        {"grpo.importance_sampling_clip_min": 0.5},
+    ),
 }
 
 
@@ -580,20 +603,28 @@ def expected_weights(config, old_logprobs, rollout):
     g = config.grpo
     if not g.importance_sampling_correction:
         return None
-    return importance_weights(old_logprobs, rollout.sampler_logprobs, rollout.completion_mask.float(),
-                              g.importance_sampling_mode, g.importance_sampling_clip_min, g.importance_sampling_clip_max)
+    return importance_weights(
+        old_logprobs,
+        rollout.sampler_logprobs,
+        rollout.completion_mask.float(),
+        g.importance_sampling_mode,
+        g.importance_sampling_clip_min,
+        g.importance_sampling_clip_max,
+    )
 
 
 @observes(*IS_CASES)
 @pytest.mark.parametrize("path", list(IS_CASES))
 def test_importance_sampling_knobs_change_the_next_backwards_weights(lab, monkeypatch, path):
     # why the patch: hf samples with the learner itself, so IS never applies to it; let the config's flag decide
-    monkeypatch.setattr(step_module, "applies_importance_sampling", lambda config: config.grpo.importance_sampling_correction)
+    monkeypatch.setattr(
+        step_module, "applies_importance_sampling", lambda config: config.grpo.importance_sampling_correction
+    )
     first, edit = IS_CASES[path]
     lab.configure(first)
     rollout, advantages, logprobs = walk_to_backward(lab)
     noise = torch.randn(rollout.sampler_logprobs.shape, generator=torch.Generator().manual_seed(0))
-    rollout.sampler_logprobs += noise * rollout.completion_mask   # a sampler that is not the learner: ratios ~ e^N(0,1)
+    rollout.sampler_logprobs += noise * rollout.completion_mask  # a sampler that is not the learner: ratios ~ e^N(0,1)
     before = lab.backward(rollout, advantages, logprobs)
     weights_before = lab.current.is_weights
     assert torch.allclose(weights_before, expected_weights(lab.config, lab.current.old_logprobs, rollout))
@@ -621,13 +652,13 @@ def test_reward_weights_weigh_the_next_rewards(lab):
     weighted = lab.rewards(rollout)
     expected = (weighted.per_function.nan_to_num() * torch.tensor([1.0, 1.0, 3.0])).sum(1)
     assert torch.allclose(weighted.total, expected)
-    assert not torch.allclose(weighted.total, plain.total)   # the length reward is non-zero
+    assert not torch.allclose(weighted.total, plain.total)  # the length reward is non-zero
 
 
 @observes("data.rewards")
 def test_rewards_rebuild_the_reward_functions(lab):
     lab.config.data.rewards = ["length"]
-    assert len(lab.reward_funcs) == 1   # at once
+    assert len(lab.reward_funcs) == 1  # at once
     lab.config.generator.max_completion_length = 2
     rewards = lab.rewards(lab.rollout())
     assert rewards.names == ["length"] and rewards.per_function.shape[1] == 1
@@ -636,10 +667,11 @@ def test_rewards_rebuild_the_reward_functions(lab):
 @observes("data.dataset")
 def test_dataset_rebuilds_the_prompts_of_the_next_rollout(lab, tmp_path):
     path = tmp_path / "knobs.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"KNOBS question {i}: 2 + {i}?", "answer": str(2 + i)}) + "\n"
-                            for i in range(3)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"KNOBS question {i}: 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(3))
+    )
     lab.configure({"data.dataset": str(path), "generator.max_completion_length": 1})
-    assert len(lab.prompts.rows) == 3   # at once
+    assert len(lab.prompts.rows) == 3  # at once
     rollout = lab.rollout()
     assert all("KNOBS question" in p for p in rollout.batch.prompts)
 
@@ -649,7 +681,7 @@ def test_num_prompts_rebuilds_the_arithmetic_set(lab):
     lab.configure({"data.num_prompts": 2, "generator.max_completion_length": 1})
     assert len(lab.prompts.rows) == 2
     questions = {row["prompt"] for row in lab.prompts.rows}
-    for _ in range(2):   # every batch is drawn from the two rows
+    for _ in range(2):  # every batch is drawn from the two rows
         prompts = lab.rollout().batch.prompts
         assert {q for q in questions for p in prompts if q in p} == questions
 
@@ -676,7 +708,7 @@ def test_sample_hz_stops_and_restarts_the_sampler_thread(lab):
     assert sampler.hz == 0
     taken = sampler.total
     time.sleep(0.3)
-    assert sampler.total == taken   # no thread: readings only at phase boundaries
+    assert sampler.total == taken  # no thread: readings only at phase boundaries
     lab.config.memory.sample_hz = 50
     assert sampler.hz == 50 and wait_for(lambda: sampler.total > taken)
 
@@ -697,19 +729,19 @@ def leak_flags(lab, growth_mib: float, steps: int) -> list:
 
 @observes("memory.leak_window", "memory.leak_min_growth_mib")
 def test_leak_window_and_min_growth_retune_the_leak_detector(lab):
-    assert leak_flags(lab, 5.0, 3) == []                     # window 5: three steps are not enough
+    assert leak_flags(lab, 5.0, 3) == []  # window 5: three steps are not enough
     lab.config.memory.leak_window = 2
     assert lab.leaks.window == 2 and leak_flags(lab, 5.0, 3)  # window 2: three steps rising are a leak
-    assert leak_flags(lab, 2.0, 3) == []                     # 2 MiB/step is below 4 MiB/step
+    assert leak_flags(lab, 2.0, 3) == []  # 2 MiB/step is below 4 MiB/step
     lab.config.memory.leak_min_growth_mib = 1.0
     assert lab.leaks.min_growth == 1 * MiB and leak_flags(lab, 2.0, 3)
 
 
 @observes("run.steps")
 def test_run_steps_is_how_many_steps_run_takes(lab):
-    lab.config.run.steps = 1   # from 3
+    lab.config.run.steps = 1  # from 3
     lab.config.generator.max_completion_length = 2
-    lab.rollout()              # start a fresh step (an earlier test may have left one half done)
+    lab.rollout()  # start a fresh step (an earlier test may have left one half done)
     done = len(lab.history)
     assert len(lab.run()) == 1 and len(lab.history) == done + 1
 
@@ -719,24 +751,24 @@ def test_the_runner_reads_save_every_of_the_labs_config_each_step(lab, monkeypat
     import grpo_lab.runner as runner
 
     lab.config.generator.max_completion_length = 2
-    lab.rollout()   # a fresh step for the runner's first lab.step()
+    lab.rollout()  # a fresh step for the runner's first lab.step()
     saves, real_step = [], lab.step
 
     def step_then_edit():
         result = real_step()
-        lab.config.run.save_every = 1   # an edit while the run goes on (as a cell or a callback would make it)
+        lab.config.run.save_every = 1  # an edit while the run goes on (as a cell or a callback would make it)
         return result
 
-    monkeypatch.setattr(runner, "Lab", lambda config: SimpleNamespace(load=lambda: lab))   # the loaded shared Lab
-    monkeypatch.setattr(runner, "write_report", lambda *a, **k: None)   # why: the report is not the subject
+    monkeypatch.setattr(runner, "Lab", lambda config: SimpleNamespace(load=lambda: lab))  # the loaded shared Lab
+    monkeypatch.setattr(runner, "write_report", lambda *a, **k: None)  # why: the report is not the subject
     monkeypatch.setattr(lab, "step", step_then_edit)
     monkeypatch.setattr(lab, "save_checkpoint", lambda path: saves.append(len(lab.history)))
     monkeypatch.setattr(lab, "close", lambda: None)
-    lab.config.run.save_every = 0   # only at the end, until the edit above
+    lab.config.run.save_every = 0  # only at the end, until the edit above
     config = load_config(lab.config.to_dict())
     done = len(lab.history)
     runner.run(config, steps=2, out=str(tmp_path / "run"), progress=False, force=True)
-    assert [n - done for n in saves] == [1, 2]   # after step 0 once save_every is 1, and at the end
+    assert [n - done for n in saves] == [1, 2]  # after step 0 once save_every is 1, and at the end
 
 
 @observes("grpo.logprob_chunk_size", "grpo.logprob_head")
@@ -758,10 +790,10 @@ def test_the_log_prob_head_knobs_reach_the_next_scoring_pass(lab, monkeypatch):
     lab.config.grpo.logprob_chunk_size = 3
     lab.step()
     assert seen and set(seen) == {3}
-    lab.config.grpo.logprob_chunk_size = 17   # live: the next phase that scores uses it
+    lab.config.grpo.logprob_chunk_size = 17  # live: the next phase that scores uses it
     lab.config.grpo.logprob_head = "trl"
     lab.step()
-    assert set(seen) == {3} and trl_rows   # no pass of this step went through the chunked kernel
+    assert set(seen) == {3} and trl_rows  # no pass of this step went through the chunked kernel
     lab.config.grpo.logprob_head = "chunked"
     lab.step()
     assert seen[-1] == 17

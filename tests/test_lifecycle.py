@@ -1,15 +1,15 @@
 """One step lifecycle: a phase walk and `step()` are the same step; a step ends when its sync ends; phases out
 of order are refused in one line; a failure in any phase leaves the LoRA weights and AdamW state bit-identical
 to before that step (not before an earlier one), and the failed attempt's timings and memory rows stay apart."""
+
 import math
 
 import pytest
-import torch
+from test_numerics import assert_same_state, train_state
 
 import grpo_lab.algo.grpo as step_module
 from grpo_lab import Lab, LabError
 from grpo_lab.algo.phases import PHASE_NAMES
-from test_numerics import assert_same_state, train_state
 
 # num_iterations 2: every step has two backward/optimizer pairs, so a failure can come after an applied update
 SECTIONS = dict(grpo={"beta": 0.04, "num_iterations": 2, "learning_rate": 5e-3}, lora={"lora_dropout": 0.1})
@@ -32,7 +32,7 @@ def walk(lab):
 
 
 def test_phase_walk_and_step_are_the_same_step(tiny_config):
-    stepped = Lab(tiny_config(**SECTIONS)).load()   # one after the other: each load seeds the global RNG
+    stepped = Lab(tiny_config(**SECTIONS)).load()  # one after the other: each load seeds the global RNG
     by_step = [stepped.step() for _ in range(2)]
     walked = Lab(tiny_config(**SECTIONS)).load()
     by_walk = [walk(walked) for _ in range(2)]
@@ -68,10 +68,13 @@ def fail_on_call(monkeypatch, phase, when):
     monkeypatch.setattr(step_module, phase, failing)
 
 
-CASES = [(p, 1) for p in PHASE_NAMES] + [("backward", 2), ("optimizer", 2)]   # call 2: the second iteration, one update applied
+CASES = [(p, 1) for p in PHASE_NAMES] + [
+    ("backward", 2),
+    ("optimizer", 2),
+]  # call 2: the second iteration, one update applied
 
 
-@pytest.mark.slow   # 19 steps (~40 s on 2 cores)
+@pytest.mark.slow  # 19 steps (~40 s on 2 cores)
 def test_a_failure_in_any_phase_leaves_the_step_as_it_was_and_the_retry_is_clean(loaded_lab, monkeypatch):
     """Step 0 is a phase walk; then each step k fails once in CASES[k-1]'s phase and is retried. Weights and
     AdamW state after the failure are those after step k-1 (not before an earlier step), bit for bit, and
@@ -88,13 +91,13 @@ def test_a_failure_in_any_phase_leaves_the_step_as_it_was_and_the_retry_is_clean
         assert all(p.grad is None for p in lab.learner.model.parameters()), phase
         assert lab.step_index == k and len(lab.history) == k and lab.current.updates == 0, phase
 
-        result = lab.step()                             # the retry goes on from the failed phase
+        result = lab.step()  # the retry goes on from the failed phase
         assert (result.step, result.attempts, result.iterations, lab.step_index) == (k, 2, 2, k + 1), phase
         assert math.isfinite(result.loss)
         assert phase in {r["phase"] for r in lab.memory.rows_for(k, failed_attempts=True)}
         kept = lab.memory.rows_for(k)
         rows_per_call = len({(r["device"], r["metric"]) for r in kept if r["phase"] == "rollout"})
-        for p in PHASE_NAMES:                           # the retry's rows only: each phase as often as in a clean step
+        for p in PHASE_NAMES:  # the retry's rows only: each phase as often as in a clean step
             expected = rows_per_call * (2 if p in ("backward", "optimizer") else 1)
             assert sum(r["phase"] == p for r in kept) == expected, (phase, p)
         timed = [r for r in lab.timeline.records if r.step == k]
@@ -132,20 +135,21 @@ def test_phases_out_of_order_are_refused_in_one_line(loaded_lab):
     lab.logprobs(new)
     with pytest.raises(LabError, match=r"^logprobs: this is an earlier logprobs, not the one step 1 produced"):
         lab.backward(new, adv, old_lp)
-    assert lab.step().step == 1                     # refusals left the step usable
+    assert lab.step().step == 1  # refusals left the step usable
 
 
 def test_a_restarted_rollout_files_the_first_as_a_failed_attempt(loaded_lab):
     lab = loaded_lab()
     first = lab.rollout()
     lab.rewards(first)
-    second = lab.rollout()                          # no update yet: the user may start the step over
+    second = lab.rollout()  # no update yet: the user may start the step over
     with pytest.raises(LabError, match="not the one step 0 produced"):
         lab.rewards(first)
     lab.advantages(lab.rewards(second))
     result = lab.step()
-    assert result.attempts == 2 and sum(r["phase"] == "rollout" for r in lab.memory.rows_for(0)) == \
-        sum(r["phase"] == "sync" for r in lab.memory.rows_for(0))
+    assert result.attempts == 2 and sum(r["phase"] == "rollout" for r in lab.memory.rows_for(0)) == sum(
+        r["phase"] == "sync" for r in lab.memory.rows_for(0)
+    )
     assert {r["phase"] for r in lab.memory.rows_for(0, failed_attempts=True)} == {"rollout", "rewards"}
 
 
@@ -181,9 +185,9 @@ def test_the_rollback_snapshot_is_taken_inside_the_optimizer_phase(loaded_lab, m
     assert lab.current.snapshot is None
     lab.backward(rollout, lab.current.advantages, lab.current.logprobs)
     lab.optimizer()
-    assert lab.current.snapshot is not None         # the step's snapshot, while the step is open...
+    assert lab.current.snapshot is not None  # the step's snapshot, while the step is open...
     lab.sync()
-    assert lab.current.snapshot is None             # ...dropped when it ends
+    assert lab.current.snapshot is None  # ...dropped when it ends
 
 
 def test_a_profiler_trace_of_one_step_names_every_phase(loaded_lab, tmp_path):

@@ -1,4 +1,5 @@
 """The memory observatory on CPU: per-phase tables, run reports, host-RAM guard, OOM rollback, leaks."""
+
 import csv
 import json
 import sys
@@ -8,10 +9,10 @@ import pytest
 import torch
 
 from grpo_lab import Lab
+from grpo_lab.algo.phases import PHASE_NAMES as PHASES
 from grpo_lab.memory import LeakDetector, MemorySampler
 from grpo_lab.memory.oom import OutOfMemory
 from grpo_lab.memory.probes import HostProbe, MiB
-from grpo_lab.algo.phases import PHASE_NAMES as PHASES
 from grpo_lab.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,11 @@ def test_three_step_run_writes_csv_report_and_phase_tables(tiny_config, tmp_path
         table = json.loads(line)["memory"]
         assert {r["phase"] for r in table} == set(PHASES)
         for r in table:
-            assert r["device"] == "host" and r["peak"] >= max(r["start"], r["end"]) - 1 and r["delta"] == r["end"] - r["start"]
+            assert (
+                r["device"] == "host"
+                and r["peak"] >= max(r["start"], r["end"]) - 1
+                and r["delta"] == r["end"] - r["start"]
+            )
 
 
 def test_sampler_thread_samples_at_its_rate_and_zero_means_boundaries_only():
@@ -40,7 +45,7 @@ def test_sampler_thread_samples_at_its_rate_and_zero_means_boundaries_only():
     sampler = MemorySampler(["cpu"], hz=50, host_threshold=1.0).start()
     time.sleep(0.5)
     sampler.stop()
-    assert sampler.total >= 3 * 10          # 3 host metrics x at least 10 of the ~25 ticks
+    assert sampler.total >= 3 * 10  # 3 host metrics x at least 10 of the ~25 ticks
     idle = MemorySampler(["cpu"], hz=0, host_threshold=1.0).start()
     time.sleep(0.2)
     assert idle.total == 0 and idle._thread is None
@@ -68,16 +73,17 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
 
     In-process with the host probe's used/limit replaced (10% before, 99% after the update), so the trip does
     not depend on what else runs on this machine."""
+    from safetensors.torch import load_file
+
     import grpo_lab.algo.grpo as step_module
     from grpo_lab.cli import main
-    from safetensors.torch import load_file
 
     host_full = {"on": False}
     real_read = HostProbe.read
 
     def fake_read(self):
-        reading = real_read(self)                               # real rss; used/limit chosen by the test
-        limit = 64 * 1024 ** 3
+        reading = real_read(self)  # real rss; used/limit chosen by the test
+        limit = 64 * 1024**3
         return {**reading, "used": (0.99 if host_full["on"] else 0.10) * limit, "limit": limit}
 
     monkeypatch.setattr(HostProbe, "read", fake_read)
@@ -87,20 +93,34 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
 
     def update(learner, config):
         seen["updates"] = seen.get("updates", 0) + 1
-        if seen["updates"] == 3:                                # step 2's update (num_iterations 1)
+        if seen["updates"] == 3:  # step 2's update (num_iterations 1)
             seen["learner"] = learner
             seen["lora"], seen["optimizer"] = lora_of(learner), optimizer_of(learner)
             seen["adapter"] = (out / "checkpoint" / "adapter" / "adapter_model.safetensors").read_bytes()
         norm = real_update(learner, config)
         if seen["updates"] == 3:
             seen["lora_updated"] = lora_of(learner)
-            host_full["on"] = True                              # as if the update had taken the host's RAM
+            host_full["on"] = True  # as if the update had taken the host's RAM
         return norm
 
     monkeypatch.setattr(step_module, "optimizer", update)
-    code = main(["run", "tiny-cpu", "--out", str(out), "--steps", "5", "--quiet",
-                 "--set", f"model.name_or_path={tiny_model}", "--set", "run.save_every=1",
-                 "--set", "memory.host_threshold=0.5"])
+    code = main(
+        [
+            "run",
+            "tiny-cpu",
+            "--out",
+            str(out),
+            "--steps",
+            "5",
+            "--quiet",
+            "--set",
+            f"model.name_or_path={tiny_model}",
+            "--set",
+            "run.save_every=1",
+            "--set",
+            "memory.host_threshold=0.5",
+        ]
+    )
     stderr = capsys.readouterr().err
     assert code == 2, stderr[-2000:]
     error = [line for line in stderr.splitlines() if line.startswith("grpo-lab: error:")]
@@ -108,17 +128,18 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
     assert error[0] == (
         "grpo-lab: error: host RAM reached 99.0% of 64.0 GiB (memory.host_threshold=0.5); stopped before phase "
         "'sync' of step 2, the step's updates were rolled back; in host RAM: the learner (placement.learner=cpu); "
-        "free host memory, move state off the host, or raise memory.host_threshold with care")
+        "free host memory, move state off the host, or raise memory.host_threshold with care"
+    )
     assert "Traceback" not in stderr and seen["updates"] == 3
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
-    learner = seen["learner"]                                   # rolled back: step 2's update is undone
+    learner = seen["learner"]  # rolled back: step 2's update is undone
     assert any(not torch.equal(seen["lora"][k], v) for k, v in seen["lora_updated"].items())
     assert_same_tensors(seen["lora"], lora_of(learner))
     assert_same_tensors(seen["optimizer"], optimizer_of(learner))
     assert all(p.grad is None for p in learner.trainable_parameters().values())
 
-    adapter = out / "checkpoint" / "adapter" / "adapter_model.safetensors"     # the checkpoint of step 1, untouched
+    adapter = out / "checkpoint" / "adapter" / "adapter_model.safetensors"  # the checkpoint of step 1, untouched
     assert adapter.read_bytes() == seen["adapter"]
     assert_same_tensors(seen["lora"], load_file(adapter))
     assert (out / "report.html").is_file() and (out / "memory.csv").is_file()
@@ -144,11 +165,11 @@ def test_oom_in_backward_leaves_state_bit_identical_and_a_smaller_micro_batch_wo
     import grpo_lab.algo.grpo as step_module
 
     lab = loaded_lab(grpo={"beta": 0.04, "micro_batch_size": 4})
-    lab.step()                                  # optimizer state exists now
+    lab.step()  # optimizer state exists now
     before = state_of(lab)
     real = step_module.completion_logprobs
 
-    def tight_memory(model, prompt_ids, *args):   # as if more than 2 sequences per forward did not fit
+    def tight_memory(model, prompt_ids, *args):  # as if more than 2 sequences per forward did not fit
         if prompt_ids.shape[0] > 2 and torch.is_grad_enabled():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; fake)")
         return real(model, prompt_ids, *args)
@@ -157,9 +178,11 @@ def test_oom_in_backward_leaves_state_bit_identical_and_a_smaller_micro_batch_wo
     with pytest.raises(OutOfMemory) as err:
         lab.step()
     message = str(err.value)
-    assert "phase 'backward'" in message and "cuda:0" in message and "micro_batch_size" in message and "\n" not in message
-    assert "no update had been applied" in message and "rolled back" not in message   # nothing was, so it says so
-    assert err.value.__cause__ is None and err.value.__suppress_context__   # no frames of the failed phase kept
+    assert (
+        "phase 'backward'" in message and "cuda:0" in message and "micro_batch_size" in message and "\n" not in message
+    )
+    assert "no update had been applied" in message and "rolled back" not in message  # nothing was, so it says so
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # no frames of the failed phase kept
     assert_same_state(before, state_of(lab))
     assert all(p.grad is None for p in lab.learner.trainable_parameters().values())
     assert len(lab.history) == 1 and lab.step_index == 1
@@ -176,8 +199,8 @@ def test_host_oom_inside_the_optimizer_update_is_rolled_back(loaded_lab, monkeyp
     real_step = lab.learner.optimizer.step
 
     def update_then_fail(*a, **k):
-        real_step(*a, **k)                       # the weights and moments have changed...
-        raise MemoryError()                      # ...when the host runs out
+        real_step(*a, **k)  # the weights and moments have changed...
+        raise MemoryError()  # ...when the host runs out
 
     monkeypatch.setattr(lab.learner.optimizer, "step", update_then_fail)
     with pytest.raises(OutOfMemory, match="phase 'optimizer'.* on host.*the step's updates were rolled back"):
@@ -228,19 +251,19 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     plot = lab.memory_plot(refresh_s=0.05)
     lab.step()
     time.sleep(0.3)
-    assert plot.refreshes >= 2                                   # the renderer thread ran during/after the step
+    assert plot.refreshes >= 2  # the renderer thread ran during/after the step
     plot.refresh()
     lines = [t for t in plot.fig.data if t.legendgroup != "phases"]
     names = {trace.name for trace in lines}
     assert {"host rss", "host used"} <= names and all(len(t.x) > 3 for t in lines)
     legend = [t.name for t in plot.fig.data if t.legendgroup == "phases"]
-    assert {"rollout", "backward", "optimizer"} <= set(legend)    # every band's colour named, at any zoom
+    assert {"rollout", "backward", "optimizer"} <= set(legend)  # every band's colour named, at any zoom
     shapes = plot.fig.layout.shapes
-    assert sum(s.type == "rect" for s in shapes) == 7             # one band per phase of the step
+    assert sum(s.type == "rect" for s in shapes) == 7  # one band per phase of the step
     limits = [a.text for a in plot.fig.layout.annotations] + [plot.fig.layout.title.text]
-    assert any("threshold" in text for text in limits)            # drawn, or named in the title when off scale
+    assert any("threshold" in text for text in limits)  # drawn, or named in the title when off scale
     labels = {a.text for a in plot.fig.layout.annotations}
-    assert {"rollout", "step 0"} <= labels                        # bands are named where they are wide enough
+    assert {"rollout", "step 0"} <= labels  # bands are named where they are wide enough
     lab.close()
     assert plot._thread is None
 
@@ -262,14 +285,19 @@ def test_the_live_plot_squeezes_idle_time_so_ten_steps_after_five_idle_minutes_s
     clock = work_clock(marks, now=t)
     assert clock(0.0) == 0.0 and clock(300.0) == pytest.approx(IDLE_KEEP_S)
     widths = [clock(b) - clock(a) for _, _, a, b in marks]
-    assert widths == pytest.approx([b - a for _, _, a, b in marks])          # a phase keeps its own width
+    assert widths == pytest.approx([b - a for _, _, a, b in marks])  # a phase keeps its own width
     span = clock(t)
-    assert span == pytest.approx(10 * 2.0 + 11 * IDLE_KEEP_S)                 # work plus one squeezed gap per idle
-    assert all(clock(x) <= clock(y) for x, y in zip(range(0, 600), range(1, 601)))   # monotonic: lines never fold
+    assert span == pytest.approx(10 * 2.0 + 11 * IDLE_KEEP_S)  # work plus one squeezed gap per idle
+    assert all(clock(x) <= clock(y) for x, y in zip(range(0, 600), range(1, 601)))  # monotonic: lines never fold
     # the live plot draws on that clock: its bands are as wide as their phases, its lines span work, not wall time
     samples = [(i * 0.5, 0, None, "host", "rss", 100 * MiB) for i in range(int(t * 2))]
-    sampler = SimpleNamespace(samples_since=lambda index: samples[index:], marks=marks, probes=[None],
-                              host_threshold=0.95, latest=lambda device: {"limit": 64 * 1024 * MiB})
+    sampler = SimpleNamespace(
+        samples_since=lambda index: samples[index:],
+        marks=marks,
+        probes=[None],
+        host_threshold=0.95,
+        latest=lambda device: {"limit": 64 * 1024 * MiB},
+    )
     plot = LivePlot(sampler, max_points=5000)
     plot.refresh()
     line = next(tr for tr in plot.fig.data if tr.name == "host rss")
@@ -316,16 +344,23 @@ def test_live_plot_history_stays_bounded_keeps_the_peak_and_takes_two_threads():
 
     from grpo_lab.ui.live import LivePlot
 
-    stream = [(i * 0.01, 0, "rollout", "host", "rss", (5000.0 if i == 123_457 else 100.0 + i % 7) * MiB)
-              for i in range(200_000)]
+    stream = [
+        (i * 0.01, 0, "rollout", "host", "rss", (5000.0 if i == 123_457 else 100.0 + i % 7) * MiB)
+        for i in range(200_000)
+    ]
     fed = {"n": 0}
 
-    def samples_since(index):   # the sampler hands out what arrived since; here 1000 readings per call
+    def samples_since(index):  # the sampler hands out what arrived since; here 1000 readings per call
         fed["n"] = min(fed["n"] + 1000, len(stream))
-        return stream[index:fed["n"]]
+        return stream[index : fed["n"]]
 
-    sampler = SimpleNamespace(samples_since=samples_since, marks=[], probes=[None], host_threshold=0.95,
-                              latest=lambda device: {"limit": 64 * 1024 * MiB})
+    sampler = SimpleNamespace(
+        samples_since=samples_since,
+        marks=[],
+        probes=[None],
+        host_threshold=0.95,
+        latest=lambda device: {"limit": 64 * 1024 * MiB},
+    )
     plot = LivePlot(sampler, max_points=300)
     errors = []
 
@@ -333,7 +368,7 @@ def test_live_plot_history_stays_bounded_keeps_the_peak_and_takes_two_threads():
         try:
             for _ in range(100):
                 plot.refresh()
-        except Exception as err:   # noqa: BLE001 - collected for the assertion below
+        except Exception as err:  # noqa: BLE001 - collected for the assertion below
             errors.append(err)
 
     threads = [threading.Thread(target=refresher) for _ in range(2)]
@@ -341,11 +376,11 @@ def test_live_plot_history_stays_bounded_keeps_the_peak_and_takes_two_threads():
         t.start()
     for t in threads:
         t.join()
-    assert not errors and plot._index == len(stream)         # every reading ingested exactly once
+    assert not errors and plot._index == len(stream)  # every reading ingested exactly once
     series = plot._series[("host", "rss")]
     assert 300 <= len(series.xs) <= 600 and series.xs == sorted(series.xs)
-    assert series.xs[0] < 0.02 * 200_000 * 0.01 and series.xs[-1] > 0.98 * 200_000 * 0.01   # the whole run in view
-    assert max(series.ys) == 5000.0                            # the spike survives every halving
+    assert series.xs[0] < 0.02 * 200_000 * 0.01 and series.xs[-1] > 0.98 * 200_000 * 0.01  # the whole run in view
+    assert max(series.ys) == 5000.0  # the spike survives every halving
     drawn = plot.fig.data[0]
     assert max(drawn.y) == 5000.0 and len(drawn.x) == len(series.xs)
 
@@ -366,12 +401,14 @@ def test_a_phase_that_runs_out_of_memory_gets_its_own_snapshot_name():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_an_oom_with_cuda_snapshots_on_writes_the_failing_phases_snapshot_and_the_retry_its_own(tiny_config, tmp_path,
-                                                                                                monkeypatch):
+def test_an_oom_with_cuda_snapshots_on_writes_the_failing_phases_snapshot_and_the_retry_its_own(
+    tiny_config, tmp_path, monkeypatch
+):
     import grpo_lab.algo.grpo as step_module
 
-    lab = Lab(tiny_config(placement={"learner": "cuda:0"}, memory={"cuda_snapshots": True},
-                          run={"output_dir": str(tmp_path)})).load()
+    lab = Lab(
+        tiny_config(placement={"learner": "cuda:0"}, memory={"cuda_snapshots": True}, run={"output_dir": str(tmp_path)})
+    ).load()
     real = step_module.completion_logprobs
 
     def full(*args):
@@ -398,7 +435,7 @@ def test_gpu_spill_during_logprobs_shows_in_that_phase_and_device(tiny_config):
     held = []
 
     def spilling(*args, **kwargs):
-        held.append(torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0"))   # what a DataParallel replica does
+        held.append(torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0"))  # what a DataParallel replica does
         return real(*args, **kwargs)
 
     lab.reference.logprobs = spilling
@@ -422,7 +459,9 @@ def test_a_failed_load_stops_the_sampler_and_frees_what_it_loaded(tiny_config, m
 
     before = len(samplers())
     lab = Lab(tiny_config(grpo={"beta": 0.04}))
-    monkeypatch.setattr(reference, "build_reference", lambda config: (_ for _ in ()).throw(RuntimeError("no reference")))
+    monkeypatch.setattr(
+        reference, "build_reference", lambda config: (_ for _ in ()).throw(RuntimeError("no reference"))
+    )
     with pytest.raises(RuntimeError, match="no reference"):
         lab.load()
     assert len(samplers()) == before and lab.learner is None and lab.memory is None and not lab.timeline.listeners
@@ -445,10 +484,15 @@ def test_gpu_ledger_from_a_recorded_cuda_sample_stream():
     from grpo_lab.memory.oom import as_lab_error
     from grpo_lab.memory.probes import gpu_ledger
 
-    assert gpu_ledger(6 * MiB, 10 * MiB, 30 * MiB) == {"allocated": 6 * MiB, "reserved": 10 * MiB, "cached": 4 * MiB,
-                                                       "device_used": 30 * MiB, "not_torch": 20 * MiB}
+    assert gpu_ledger(6 * MiB, 10 * MiB, 30 * MiB) == {
+        "allocated": 6 * MiB,
+        "reserved": 10 * MiB,
+        "cached": 4 * MiB,
+        "device_used": 30 * MiB,
+        "not_torch": 20 * MiB,
+    }
     assert gpu_ledger(6 * MiB, 10 * MiB, None) == {"allocated": 6 * MiB, "reserved": 10 * MiB, "cached": 4 * MiB}
-    recorded = [(1000, 2000, 9000), (5000, 6000, 13000), (3000, 6000, 13000)]   # MiB: allocated, reserved, NVML used
+    recorded = [(1000, 2000, 9000), (5000, 6000, 13000), (3000, 6000, 13000)]  # MiB: allocated, reserved, NVML used
 
     class RecordedCuda:
         device = "cuda:0"
@@ -468,7 +512,7 @@ def test_gpu_ledger_from_a_recorded_cuda_sample_stream():
     sampler.phase_ended(SimpleNamespace(step=0, phase="rollout"), None)
     rows = {r["metric"]: r for r in sampler.phase_rows if r["device"] == "cuda:0"}
     assert rows["not_torch"]["start"] == 7000 * MiB and rows["not_torch"]["peak"] == 7000 * MiB
-    assert rows["cached"]["start"] == 1000 * MiB and rows["cached"]["peak"] == 3000 * MiB   # the cache grew
+    assert rows["cached"]["start"] == 1000 * MiB and rows["cached"]["peak"] == 3000 * MiB  # the cache grew
     assert rows["allocated"]["peak"] == 5000 * MiB
     error = as_lab_error(torch.cuda.OutOfMemoryError("CUDA out of memory."), "backward", 0, "cuda:0", sampler)
     assert "not_torch 7000 MiB" in str(error) and "cached 3000 MiB" in str(error)
@@ -481,14 +525,14 @@ def test_an_in_process_engine_is_a_ledger_layer_of_its_own_awake_and_asleep():
     from grpo_lab.memory.figures import LEDGER
     from grpo_lab.memory.probes import gpu_ledger
 
-    learner, cache, engine, other = 3000 * MiB, 500 * MiB, 9000 * MiB, 700 * MiB   # other: CUDA context, NCCL...
+    learner, cache, engine, other = 3000 * MiB, 500 * MiB, 9000 * MiB, 700 * MiB  # other: CUDA context, NCCL...
     awake = gpu_ledger(learner + engine, learner + engine + cache, learner + engine + cache + other, engine, engine)
     asleep = gpu_ledger(learner + engine, learner + engine + cache, learner + cache + other, engine, 0.0)
     for ledger, used in ((awake, learner + engine + cache + other), (asleep, learner + cache + other)):
         assert ledger["allocated"] == learner and ledger["cached"] == cache and ledger["not_torch"] == other
         assert sum(ledger[m] for m in LEDGER) == used
     assert awake["engine"] == engine and asleep["engine"] == 0
-    assert "engine" not in gpu_ledger(learner, learner + cache, learner + cache + other)   # no engine here: no layer
+    assert "engine" not in gpu_ledger(learner, learner + cache, learner + cache + other)  # no engine here: no layer
 
 
 def test_the_live_plot_redraws_only_when_samples_arrive_and_one_lab_keeps_one_redraw_thread(loaded_lab):
@@ -497,7 +541,7 @@ def test_the_live_plot_redraws_only_when_samples_arrive_and_one_lab_keeps_one_re
     import threading
     import time
 
-    lab = loaded_lab(memory={"sample_hz": 0})   # no background samples: only phase boundaries take readings
+    lab = loaded_lab(memory={"sample_hz": 0})  # no background samples: only phase boundaries take readings
     try:
         plots = [lab.ui().plot for _ in range(3)]
         alive = [t for t in threading.enumerate() if t.name == "grpo-lab-plot" and t.is_alive()]
@@ -505,13 +549,13 @@ def test_the_live_plot_redraws_only_when_samples_arrive_and_one_lab_keeps_one_re
         plot = plots[-1]
         plot.refresh()
         idle = plot.refreshes
-        time.sleep(1.2)                        # ~2 of its 0.5 s ticks with nothing new
+        time.sleep(1.2)  # ~2 of its 0.5 s ticks with nothing new
         assert plot.refreshes == idle
         lab.step()
         deadline = time.monotonic() + 5
         while plot.refreshes == idle and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert plot.refreshes > idle            # new readings (and phase bands) are drawn
+        assert plot.refreshes > idle  # new readings (and phase bands) are drawn
     finally:
         lab.close()
 
@@ -529,10 +573,10 @@ def test_an_idle_plot_redraws_at_most_every_two_seconds_while_the_sampler_sample
         plot = lab.ui().plot
         plot.refresh()
         drawn = plot.refreshes
-        time.sleep(3.2)                         # 6 ticks of 0.5 s, all with new samples
+        time.sleep(3.2)  # 6 ticks of 0.5 s, all with new samples
         assert plot.refreshes - drawn <= 3.2 / IDLE_REFRESH_S + 1, plot.refreshes - drawn
         lab.rollout()
-        deadline = time.monotonic() + 1.5       # a phase ended: drawn at the next tick, not 2 s later
+        deadline = time.monotonic() + 1.5  # a phase ended: drawn at the next tick, not 2 s later
         before = plot.refreshes
         while plot.refreshes == before and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -1,4 +1,5 @@
 """Every notebook runs under papermill with its tiny parameters (real papermill, real kernel)."""
+
 import re
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
-OWN_TEST = {"06_sharded_learner.ipynb"}   # run once, by its own test below (slow: two sharded Labs, ~70 s on 2 cores)
+OWN_TEST = {"06_sharded_learner.ipynb"}  # run once, by its own test below (slow: two sharded Labs, ~70 s on 2 cores)
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
@@ -20,15 +21,18 @@ def test_notebook_is_stripped_and_has_a_parameters_cell(notebook):
 def run_notebook(notebook, out, cwd, parameters):
     import papermill as pm
 
-    pm.execute_notebook(str(notebook), str(out), cwd=str(cwd), parameters=parameters, kernel_name="python3",
-                        progress_bar=False)
+    pm.execute_notebook(
+        str(notebook), str(out), cwd=str(cwd), parameters=parameters, kernel_name="python3", progress_bar=False
+    )
     nb = nbformat.read(out, as_version=4)
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
     return nb
 
 
 def printed(nb) -> str:
-    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    return "".join(
+        o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream"
+    )
 
 
 @pytest.mark.parametrize("notebook", [nb for nb in NOTEBOOKS if nb.name not in OWN_TEST], ids=lambda p: p.name)
@@ -46,11 +50,11 @@ def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path)
     # the knob cell's edits did what its comments say: 8 sequences in calls of 4, the new lr and temperature
     assert "generate calls 2, learning rate 0.0003, temperature 0.7" in text, text[-2000:]
     assert "refused: lora.r: fixed when the Lab loads" in text
-    assert "step 0:" in text and "| next: 1 rollout" in text     # the walk's sync ended step 0 by itself
+    assert "step 0:" in text and "| next: 1 rollout" in text  # the walk's sync ended step 0 by itself
     # the built-in model's completion reads as a worked answer (random weights printed ' 6\x7f\ufffdui\ufffdFay')
     assert re.search(r"'\d+ [-+*] \d+ = -?\d+\. <answer>", text), text[:3000]
     if where == "elsewhere":
-        assert list(cwd.iterdir()) == []   # nothing written into the user's working directory
+        assert list(cwd.iterdir()) == []  # nothing written into the user's working directory
 
 
 @pytest.mark.slow
@@ -62,7 +66,7 @@ def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
     text = printed(nb)
     facts = json.loads(text.split("facts: ", 1)[1].splitlines()[0])
     assert "RankExecutor ['rank0/cpu', 'rank1/cpu']" in text
-    assert "rank0/host" in text and "rank1/host" in text            # every rank's rows in the memory table
+    assert "rank0/host" in text and "rank1/host" in text  # every rank's rows in the memory table
     # P3: greedy completions do not depend on gathering; a failed generation leaves every rank's layout as it was
     assert facts["greedy_completions_identical"] is True
     for gather in ("true", "false"):

@@ -1,5 +1,6 @@
 """Numerics guard: a non-finite loss, gradient norm or updated weight refuses the step (one line naming the
 phase and the value, rolled back) instead of writing NaN into the LoRA weights and AdamW's moments."""
+
 import copy
 import math
 
@@ -48,8 +49,8 @@ def test_injected_non_finite_gradient_is_refused_with_state_unchanged(stepped_la
         lab.optimizer()
     assert "\n" not in str(err.value)
     assert_same_state(lab, before)
-    assert all(p.grad is None for p in lab.learner.model.parameters())   # the bad gradients are gone
-    assert math.isfinite(lab.step().grad_norm)                           # and the lab goes on
+    assert all(p.grad is None for p in lab.learner.model.parameters())  # the bad gradients are gone
+    assert math.isfinite(lab.step().grad_norm)  # and the lab goes on
 
 
 def test_non_finite_loss_is_refused_before_backward(stepped_lab):
@@ -69,7 +70,7 @@ def test_update_to_non_finite_weights_is_rolled_back(stepped_lab):
     before = train_state(lab)
     optimizer, real_step = lab.learner.optimizer, lab.learner.optimizer.step
 
-    def overflowing_step(*args, **kwargs):   # an update that overflows (e.g. fp16 moments): finite grads, inf weights
+    def overflowing_step(*args, **kwargs):  # an update that overflows (e.g. fp16 moments): finite grads, inf weights
         real_step(*args, **kwargs)
         with torch.no_grad():
             next(p for p in lab.learner.model.parameters() if p.requires_grad).view(-1)[0] = math.inf
@@ -129,10 +130,10 @@ def test_diverged_weights_stop_the_rollout_with_one_line():
         line = str(err.value)
         assert "\n" not in line and "grpo.learning_rate" in line, line
         assert lab.current.rollout is None and lab.step_index == 0 and lab.next_phase() == "rollout"
-        assert all(torch.equal(p, diverged[n]) for n, p in params.items())   # the failed phase changed nothing
+        assert all(torch.equal(p, diverged[n]) for n, p in params.items())  # the failed phase changed nothing
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(sane[name])
-        assert lab.step().attempts == 2   # the refused rollout is filed as a failed attempt of the same step
+        assert lab.step().attempts == 2  # the refused rollout is filed as a failed attempt of the same step
     finally:
         lab.close()

@@ -1,4 +1,5 @@
 """The pre-flight planner, placement, the DataParallel guard and optimizer offload."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from grpo_lab import Lab, LabError, load_config
-from grpo_lab.errors import ConfigError
 from grpo_lab.checks.guard import check_learner
+from grpo_lab.errors import ConfigError
 from grpo_lab.planner import load_shape, plan
 from grpo_lab.planner.estimate import base_weight_bytes, generator_weight_bytes
 
@@ -17,15 +18,18 @@ P1 = ROOT / "grpo_lab" / "config" / "presets" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
 
 
 def grpo_lab_cli(*args):
-    return subprocess.run([sys.executable, "-m", "grpo_lab", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_lab", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize("preset", sorted((ROOT / "grpo_lab" / "config" / "presets").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "preset", sorted((ROOT / "grpo_lab" / "config" / "presets").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_every_preset_loads_plans_and_says_what_it_is_for(preset, tiny_model):
     header = preset.read_text().splitlines()[:3]
     assert all(line.startswith("#") for line in header) and "grpo-lab" in "".join(preset.read_text().splitlines()[:6])
-    cfg = load_config(preset.stem)   # by name
+    cfg = load_config(preset.stem)  # by name
     result = plan(cfg)
     assert result.devices and all(d.total > 0 for d in result.devices.values())
     assert result.fits, str(result)
@@ -36,9 +40,9 @@ def test_p1_plan_on_a_machine_without_gpus_shows_the_spill():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "cuda:0   learner" in out and "cuda:1   generator (vllm" in out
-    spill = [l for l in out.splitlines() if l.strip().startswith("cuda:1:")]
-    assert spill and "does not fit" in spill[0]                       # learner replica on the generator GPU
-    assert out.strip().endswith("verdict: fits")                      # the guarded plan
+    spill = [line for line in out.splitlines() if line.strip().startswith("cuda:1:")]
+    assert spill and "does not fit" in spill[0]  # learner replica on the generator GPU
+    assert out.strip().endswith("verdict: fits")  # the guarded plan
 
 
 def test_planned_lora_and_weights_match_the_loaded_model(loaded_lab, tiny_model):
@@ -49,13 +53,15 @@ def test_planned_lora_and_weights_match_the_loaded_model(loaded_lab, tiny_model)
     planned, _ = base_weight_bytes(shape, lab.config.model)
     base = lab.learner.model.get_base_model()
     storages = {t.data_ptr(): t.numel() * t.element_size() for n, t in base.state_dict().items() if "lora_" not in n}
-    actual = sum(storages.values())   # by storage: the tied embedding / LM head counts once; quant state included
+    actual = sum(storages.values())  # by storage: the tied embedding / LM head counts once; quant state included
     assert abs(planned - actual) / actual < 0.10, (planned, actual)
 
 
 def test_plan_suggests_the_knob_that_makes_it_fit():
-    cfg = load_config(ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml",
-                      ["grpo.micro_batch_size=32", "model.gradient_checkpointing=false"])
+    cfg = load_config(
+        ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml",
+        ["grpo.micro_batch_size=32", "model.gradient_checkpointing=false"],
+    )
     result = plan(cfg)
     assert not result.fits and [d.device for d in result.failing()] == ["cuda:0"]
     assert any(f.startswith("grpo.micro_batch_size") for f in result.fixes)
@@ -78,15 +84,20 @@ def test_vllm_sleep_level_1_plans_the_generator_weights_in_host_ram(generator):
     rollouts: the host plan grows by exactly the generator's weights as planned for its GPUs. On the GPUs the
     engine's share splits: its working memory stays in every phase, its weights and KV cache only in the rollout."""
     preset = ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
-    common = ["generator.backend=vllm", "generator.gpu_memory_utilization=0.4", "placement.gpu_memory_gib=80",
-              "placement.host_memory_gib=64", f"placement.generator={generator}"]
+    common = [
+        "generator.backend=vllm",
+        "generator.gpu_memory_utilization=0.4",
+        "placement.gpu_memory_gib=80",
+        "placement.host_memory_gib=64",
+        f"placement.generator={generator}",
+    ]
     awake = plan(load_config(preset, common + ["generator.sleep_mode=false"]))
     asleep = plan(load_config(preset, common + ["generator.sleep_mode=true"]))
     weights = generator_weight_bytes(asleep.shape, asleep.config)
-    added = asleep.devices["host"].items[len(awake.devices["host"].items):]
-    assert asleep.devices["host"].items[:len(awake.devices["host"].items)] == awake.devices["host"].items
+    added = asleep.devices["host"].items[len(awake.devices["host"].items) :]
+    assert asleep.devices["host"].items[: len(awake.devices["host"].items)] == awake.devices["host"].items
     assert [(i.what, i.bytes) for i in added] == [("generator weights (asleep, sleep level 1)", weights)]
-    assert asleep.devices["host"].total - awake.devices["host"].total == weights > 10 * 1024 ** 3   # 7B, bf16
+    assert asleep.devices["host"].total - awake.devices["host"].total == weights > 10 * 1024**3  # 7B, bf16
     gpus = [d for d in awake.devices if d != "host"]
     assert gpus == generator
     for d in gpus:
@@ -95,25 +106,37 @@ def test_vllm_sleep_level_1_plans_the_generator_weights_in_host_ram(generator):
         kept = next(i for i in gpu.items if "asleep" in i.what)
         woken = next(i for i in gpu.items if "awake" in i.what)
         assert share.phase is None and kept.phase is None and woken.phase == "rollout"
-        assert kept.bytes + woken.bytes == pytest.approx(share.bytes) and share.bytes > 0.3 * 80 * 1024 ** 3
+        assert kept.bytes + woken.bytes == pytest.approx(share.bytes) and share.bytes > 0.3 * 80 * 1024**3
         assert gpu.phase_peak("rollout") == pytest.approx(whole.phase_peak("rollout"))
         for phase in ("logprobs", "backward"):
             if any(i.phase == phase for i in whole.items):
                 assert gpu.phase_peak(phase) == pytest.approx(whole.phase_peak(phase) - woken.bytes)
 
 
-
 def test_vllm_on_its_own_gpu_does_not_sleep_so_plans_nothing_in_host_ram():
-    common = ["generator.backend=vllm", "placement.gpu_memory_gib=80", "placement.host_memory_gib=64",
-              "placement.generator=[cuda:1]"]
+    common = [
+        "generator.backend=vllm",
+        "placement.gpu_memory_gib=80",
+        "placement.host_memory_gib=64",
+        "placement.generator=[cuda:1]",
+    ]
     preset = ROOT / "grpo_lab" / "config" / "presets" / "qwen2.5-7b-nf4-24gb.yaml"
     awake, asleep = (plan(load_config(preset, common + [f"generator.sleep_mode={on}"])) for on in ("false", "true"))
     assert asleep.devices["host"].items == awake.devices["host"].items
 
 
 def test_runner_refuses_a_plan_that_does_not_fit_unless_forced(tiny_model, tmp_path):
-    args = ["run", "tiny-cpu", "--steps", "1", "--quiet", "--set", f"model.name_or_path={tiny_model}",
-            "--set", "placement.host_memory_gib=0.5"]
+    args = [
+        "run",
+        "tiny-cpu",
+        "--steps",
+        "1",
+        "--quiet",
+        "--set",
+        f"model.name_or_path={tiny_model}",
+        "--set",
+        "placement.host_memory_gib=0.5",
+    ]
     proc = grpo_lab_cli(*args, "--out", str(tmp_path / "a"))
     assert proc.returncode == 2 and "memory plan: does not fit on host" in proc.stderr and "--force" in proc.stderr
     assert not (tmp_path / "a").exists()
@@ -133,7 +156,7 @@ def test_bad_placements_are_refused_before_loading(tiny_config):
         load_config(tiny_config(placement={"learner": "cuda:0"}, generator={"backend": "vllm"}))
     with pytest.raises(ConfigError, match="placement.optimizer_offload"):
         lab.place(optimizer_offload=True)
-    assert lab.learner is None and lab.config.placement.learner == "cpu"   # nothing changed, nothing loaded
+    assert lab.learner is None and lab.config.placement.learner == "cpu"  # nothing changed, nothing loaded
     assert "learner" in repr(lab.placement) and "colocated" in repr(lab.placement)
     lab.place(reference="cpu")
     assert lab.config.reference.strategy == "copy" and "reference (frozen copy)" in repr(lab.placement)
@@ -170,7 +193,7 @@ def test_host_adamw_equals_adamw_and_survives_rollback_state():
 
     def update(params, opt):
         opt.zero_grad()
-        sum((torch.sin(p) * p ** 2).sum() for p in params).backward()
+        sum((torch.sin(p) * p**2).sum() for p in params).backward()
         opt.step()
 
     def same(xs, ys):
@@ -181,17 +204,17 @@ def test_host_adamw_equals_adamw_and_survives_rollback_state():
         update(b, host)
     assert same(a, b)
 
-    saved = copy.deepcopy(host.state_dict())            # a real snapshot: state_dict() shares the moment tensors
+    saved = copy.deepcopy(host.state_dict())  # a real snapshot: state_dict() shares the moment tensors
     saved_params = [p.detach().clone() for p in b]
-    update(b, host)                                     # the extra step the reference `plain` never takes
+    update(b, host)  # the extra step the reference `plain` never takes
     after = host.state_dict()
     assert not any(torch.equal(s, m) for s, m in zip(saved["master"], after["master"]))
-    for i in range(len(b)):                             # the snapshot really is the state before the extra step
+    for i in range(len(b)):  # the snapshot really is the state before the extra step
         old, new = saved["inner"]["state"][i], after["inner"]["state"][i]
         assert int(old["step"]) == 3 and int(new["step"]) == 4
         assert not torch.equal(old["exp_avg"], new["exp_avg"]) and not torch.equal(old["exp_avg_sq"], new["exp_avg_sq"])
 
-    with torch.no_grad():                               # what rollback does: the weights, then the optimizer
+    with torch.no_grad():  # what rollback does: the weights, then the optimizer
         for p, s in zip(b, saved_params):
             p.copy_(s)
     host.load_state_dict(copy.deepcopy(saved))
@@ -201,7 +224,7 @@ def test_host_adamw_equals_adamw_and_survives_rollback_state():
         assert set(restored) == set(reference)
         assert all(torch.equal(restored[k], reference[k]) for k in reference), i
 
-    for _ in range(2):                                  # and updates from there are bit-identical to the reference's
+    for _ in range(2):  # and updates from there are bit-identical to the reference's
         update(a, plain)
         update(b, host)
         assert same(a, b) and same(host.master, a)
@@ -226,7 +249,7 @@ def test_a_devices_peak_is_its_resident_items_plus_its_heaviest_phase():
     d.add("activations", 40, phase="backward")
     d.add("head", 5, phase="backward")
     assert d.resident == 100 and d.phase_peak("rollout") == 150 and d.phase_peak("backward") == 145
-    assert d.peak_phase == "rollout" and d.total == 150   # phases never overlap: not 100 + 95
+    assert d.peak_phase == "rollout" and d.total == 150  # phases never overlap: not 100 + 95
     rendered = _device_block(d)
     assert any(line.strip().startswith("during rollout:") for line in rendered)
     assert rendered[-1].strip().startswith("peak (during rollout)")
@@ -234,6 +257,7 @@ def test_a_devices_peak_is_its_resident_items_plus_its_heaviest_phase():
 
 def test_the_chunked_log_prob_head_is_planned_one_chunk_at_a_time():
     """One chunk of float32 logits plus its bf16 matmul output, in backward; not [B, L, vocab]."""
+
     def head(*overrides):
         cfg = load_config("logits-heavy-cpu", list(overrides))
         host = plan(cfg).devices["host"]
@@ -243,21 +267,25 @@ def test_the_chunked_log_prob_head_is_planned_one_chunk_at_a_time():
     big, big_items = head("grpo.logprob_chunk_size=512")
     vocab = load_shape(load_config("logits-heavy-cpu").model.name_or_path).vocab
     assert vocab == 151936
-    assert big_items[("log-prob head", "backward")] - items[("log-prob head", "backward")] == (512 - 128) * vocab * (4 + 2)
+    assert big_items[("log-prob head", "backward")] - items[("log-prob head", "backward")] == (512 - 128) * vocab * (
+        4 + 2
+    )
     full_logits = 8 * 256 * vocab * 4
     assert items[("log-prob head", "backward")] < full_logits / 10
-    assert small.peak_phase == "backward" and ("log-prob head", "logprobs") not in items   # beta 0: no reference pass
+    assert small.peak_phase == "backward" and ("log-prob head", "logprobs") not in items  # beta 0: no reference pass
     _, with_ref = head("grpo.beta=0.04")
     assert with_ref[("log-prob head", "logprobs")] == items[("log-prob head", "backward")]
-    _, trl = head("grpo.logprob_head=trl")   # TRL's kernel on the CPU: its torch fallback's tiles
+    _, trl = head("grpo.logprob_head=trl")  # TRL's kernel on the CPU: its torch fallback's tiles
     assert trl[("log-prob head", "backward")] > 8 * 2048 * 32768 * 2
 
 
 def test_a_reference_copy_on_another_device_is_planned_with_that_devices_head():
     """TRL's head holds more tiles on the CPU (torch fallback) than on CUDA (Triton): a reference copy on the CPU
     beside a GPU learner gets the CPU's figure for its log-prob pass, the learner's backward keeps CUDA's."""
-    cfg = load_config("qwen2.5-7b-nf4-24gb", ["grpo.logprob_head=trl", "grpo.beta=0.04", "reference.strategy=copy",
-                                              "reference.device=cpu"])
+    cfg = load_config(
+        "qwen2.5-7b-nf4-24gb",
+        ["grpo.logprob_head=trl", "grpo.beta=0.04", "reference.strategy=copy", "reference.device=cpu"],
+    )
     result = plan(cfg)
     heads = {(d, i.phase): i.bytes for d, dev in result.devices.items() for i in dev.items if i.what == "log-prob head"}
     # by hand, from the preset and Qwen2.5-7B's config (hidden 3584, vocabulary 152,064), not from the planner:
@@ -276,8 +304,13 @@ def test_parameter_counts_are_printed_in_the_unit_that_fits():
     """The tiny model's plan said '(0.00B params, nf4), LoRA r=8 (0.0M)'."""
     from grpo_lab.planner.render import count
 
-    assert [count(n) for n in (7_615_616_512, 40_370_176, 344_704, 32_768, 512)] == \
-        ["7.62B", "40.4M", "344.7K", "32.8K", "512"]
+    assert [count(n) for n in (7_615_616_512, 40_370_176, 344_704, 32_768, 512)] == [
+        "7.62B",
+        "40.4M",
+        "344.7K",
+        "32.8K",
+        "512",
+    ]
     line = str(plan(load_config("tiny-cpu"))).splitlines()[0]
     assert "0.00B" not in line and "(0.0M)" not in line and "K params" in line
 
@@ -290,19 +323,21 @@ def test_glibcs_own_mmap_threshold_widens_only_the_cpu_heads_chunks_under_its_ce
     """memory.host_mmap_threshold_mib: null leaves the head's chunks in glibc's heap below 32 MiB, whose holes stay
     resident (19 B/element measured, 6 planned); a pinned threshold, or chunks above the ceiling, plan 6."""
     head = ("log-prob head", "backward")
-    for vocab, widened in (("builtin:qwen2-32k", True), ("builtin:qwen2-152k", False)):   # 16 MiB / 74 MiB chunks
-        pinned = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}", "memory.host_mmap_threshold_mib=0.125")[head]
-        own = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}")[head]   # the default: null
+    for vocab, widened in (("builtin:qwen2-32k", True), ("builtin:qwen2-152k", False)):  # 16 MiB / 74 MiB chunks
+        pinned = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}", "memory.host_mmap_threshold_mib=0.125")[
+            head
+        ]
+        own = _host_items("logits-heavy-cpu", f"model.name_or_path={vocab}")[head]  # the default: null
         rows = 128 * load_shape(vocab).vocab
         assert own - pinned == (pytest.approx((19 / 6 - 1) * rows * 6) if widened else 0), vocab
 
 
 def test_a_cpu_learner_in_16_bit_plans_onednns_caches_and_a_float32_one_does_not():
     caches = ("oneDNN kernel caches (CPU, 16-bit compute)", None)
-    assert caches in _host_items("logits-heavy-cpu")                       # bf16 compute on the CPU
-    assert caches not in _host_items("tiny-cpu")                           # float32
+    assert caches in _host_items("logits-heavy-cpu")  # bf16 compute on the CPU
+    assert caches not in _host_items("tiny-cpu")  # float32
     gpu = plan(load_config("qwen2.5-7b-nf4-24gb")).devices
-    assert all(caches[0] not in {i.what for i in d.items} for d in gpu.values())   # a GPU learner: cuBLAS, not oneDNN
+    assert all(caches[0] not in {i.what for i in d.items} for d in gpu.values())  # a GPU learner: cuBLAS, not oneDNN
 
 
 def test_vllm_on_the_cpu_plans_the_kv_cache_it_reserves_at_start():
@@ -311,23 +346,27 @@ def test_vllm_on_the_cpu_plans_the_kv_cache_it_reserves_at_start():
     one = _host_items("tiny-cpu", "generator.backend=vllm")
     three = _host_items("tiny-cpu", "generator.backend=vllm", "generator.cpu_kv_cache_gib=3")
     kv = ("generator KV cache (reserved)", None)
-    assert one[kv] == 2 ** 30 and three[kv] == 3 * 2 ** 30
+    assert one[kv] == 2**30 and three[kv] == 3 * 2**30
     assert ("vLLM engine and modules (CPU)", None) in one
-    assert ("generation KV cache", "rollout") not in one   # the hf backend's own, shape-sized cache is not planned too
+    assert ("generation KV cache", "rollout") not in one  # the hf backend's own, shape-sized cache is not planned too
 
 
 def test_the_heads_note_names_heap_holes_exactly_where_the_plan_widens_for_them():
     """One rule decides both: a chunk larger than the rows it scores is only as big as those rows (512-token chunks
     over 2 x 16 completion tokens hold 32 rows x 32k = 4 MiB, in the heap), so the note and the bytes must agree."""
     vocab = "model.name_or_path=builtin:qwen2-32k"
-    cases = {("grpo.logprob_chunk_size=512", "generator.max_completion_length=16", "grpo.num_generations=2"): True,
-             ("grpo.logprob_chunk_size=512",): False,     # 512 x 32k x 4 = 62.5 MiB: over glibc's ceiling, mapped
-             ("grpo.logprob_chunk_size=128",): True}
+    cases = {
+        ("grpo.logprob_chunk_size=512", "generator.max_completion_length=16", "grpo.num_generations=2"): True,
+        ("grpo.logprob_chunk_size=512",): False,  # 512 x 32k x 4 = 62.5 MiB: over glibc's ceiling, mapped
+        ("grpo.logprob_chunk_size=128",): True,
+    }
     for overrides, in_heap in cases.items():
         pinned = plan(load_config("logits-heavy-cpu", [vocab, *overrides, "memory.host_mmap_threshold_mib=0.125"]))
         own = plan(load_config("logits-heavy-cpu", [vocab, *overrides]))
-        head = {p: next(i for i in d.devices["host"].items if i.what == "log-prob head" and i.phase == "backward")
-                for p, d in (("pinned", pinned), ("own", own))}
+        head = {
+            p: next(i for i in d.devices["host"].items if i.what == "log-prob head" and i.phase == "backward")
+            for p, d in (("pinned", pinned), ("own", own))
+        }
         assert (head["own"].bytes > head["pinned"].bytes) is in_heap, overrides
         assert ("heap holes" in head["own"].note) is in_heap, (overrides, head["own"].note)
         assert "heap holes" not in head["pinned"].note
@@ -341,4 +380,4 @@ def test_a_cpu_learner_at_glibcs_own_threshold_is_told_what_the_plan_leaves_out(
     assert "1.19x" in default.caveats[0] and "0.125" in default.caveats[0]
     assert "note: " + default.caveats[0] in str(default).splitlines()
     assert plan(load_config("tiny-cpu", ["memory.host_mmap_threshold_mib=0.125"])).caveats == []
-    assert plan(load_config("qwen2.5-7b-nf4-24gb")).caveats == []   # a GPU learner's tensors never touch glibc's heap
+    assert plan(load_config("qwen2.5-7b-nf4-24gb")).caveats == []  # a GPU learner's tensors never touch glibc's heap

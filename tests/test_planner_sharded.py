@@ -1,18 +1,18 @@
 """The planner for a learner sharded with FSDP2 (placement.learner_procs > 1): per-rank arithmetic on Qwen2.5-7B's
 real shape (bundled config.json; nothing is loaded), checked against the one-process plan and the shape itself."""
+
 import pytest
 
 from grpo_lab import load_config
-from grpo_lab.planner import load_shape, plan
+from grpo_lab.planner import plan
 from grpo_lab.planner.estimate import HOST_BASELINE, PHASES
 
-GiB = 1024 ** 3
-PRESET = "qwen2.5-7b-nf4-24gb"   # Qwen2.5-7B-Instruct, nf4 + double quant, bf16 embeddings, LoRA r 16 all-linear
+GiB = 1024**3
+PRESET = "qwen2.5-7b-nf4-24gb"  # Qwen2.5-7B-Instruct, nf4 + double quant, bf16 embeddings, LoRA r 16 all-linear
 
 
 def sharded(procs: int, *overrides: str):
-    return plan(load_config(PRESET, [f"placement.learner_procs={procs}", "placement.host_memory_gib=256",
-                                     *overrides]))
+    return plan(load_config(PRESET, [f"placement.learner_procs={procs}", "placement.host_memory_gib=256", *overrides]))
 
 
 def items(device) -> dict:
@@ -43,7 +43,8 @@ def test_each_rank_holds_1_over_n_of_the_weights_and_optimizer_but_all_of_the_qu
     for name, rank in split.ranks.items():
         per_rank = items(rank)
         assert per_rank[(f"base weights (1/{procs} shard)", None)] == pytest.approx(
-            (single[("base weights", None)] - quant_state) / procs, rel=1e-12)
+            (single[("base weights", None)] - quant_state) / procs, rel=1e-12
+        )
         assert per_rank[("4-bit quant state (whole on every rank)", None)] == pytest.approx(quant_state, rel=1e-12)
         for what in ("LoRA weights", "LoRA gradients"):
             assert per_rank[(f"{what} (1/{procs})", None)] == single[(what, None)] / procs
@@ -74,14 +75,16 @@ def test_gather_for_generation_costs_the_whole_model_minus_the_layers_in_flight(
     layer, root = units(shape)
     whole = shape.layers * layer + root
     one = items(plan(load_config(PRESET)).devices["cuda:0"])
-    assert whole == pytest.approx(one[("base weights", None)] - shape.linear_params * (8 / 64 + 32 / 16384) / 8
-                                  + one[("LoRA weights", None)], rel=1e-12)   # the same bytes, counted two ways
+    assert whole == pytest.approx(
+        one[("base weights", None)] - shape.linear_params * (8 / 64 + 32 / 16384) / 8 + one[("LoRA weights", None)],
+        rel=1e-12,
+    )  # the same bytes, counted two ways
     for name in gathered.ranks:
         a, b = gathered.ranks[name], layered.ranks[name]
         assert items(a)[("generation gather: whole model", "rollout")] == pytest.approx(whole, rel=1e-12)
         assert items(b)[("generation gather: layer by layer", "rollout")] == pytest.approx(root + 2 * layer, rel=1e-12)
         assert a.phase_peak("rollout") - b.phase_peak("rollout") == pytest.approx(whole - root - 2 * layer, rel=1e-12)
-        assert a.phase_peak("rollout") - b.phase_peak("rollout") > 2.5 * GiB   # most of a 7B nf4 model
+        assert a.phase_peak("rollout") - b.phase_peak("rollout") > 2.5 * GiB  # most of a 7B nf4 model
         assert all(a.phase_peak(p) == b.phase_peak(p) for p in PHASES if p != "rollout")
         # the rollout runs the whole batch on every rank: its KV cache is the one-process plan's, not 1/N of it
         assert items(a)[("generation KV cache", "rollout")] == one[("generation KV cache", "rollout")]
@@ -95,8 +98,9 @@ def test_a_plan_that_fits_only_without_the_gather_says_so_and_more_ranks_are_off
     assert sharded(2, *common, "generator.gather_for_generation=false").fits
     tight = sharded(2, "generator.chunk_size=32", "placement.gpu_memory_gib=8", "generator.gather_for_generation=false")
     assert not tight.fits and "placement.learner_procs: 4" in tight.fixes
-    assert sharded(4, "generator.chunk_size=32", "placement.gpu_memory_gib=8",
-                   "generator.gather_for_generation=false").fits
+    assert sharded(
+        4, "generator.chunk_size=32", "placement.gpu_memory_gib=8", "generator.gather_for_generation=false"
+    ).fits
 
 
 @pytest.mark.parametrize("procs", [2, 4])
@@ -108,7 +112,7 @@ def test_cpu_ranks_share_host_ram_each_with_its_own_runtime(procs):
     for rank in result.ranks.values():
         assert items(rank)[("Python, torch, libraries", None)] == baseline
     rank = result.ranks["host (rank 0)"]
-    for phase in PHASES:   # the driver's process plus every rank's, all in the same phase at once
+    for phase in PHASES:  # the driver's process plus every rank's, all in the same phase at once
         assert host.phase_peak(phase) == pytest.approx(baseline + procs * rank.phase_peak(phase), rel=1e-12)
     runtimes = sum(i.bytes for r in result.ranks.values() for i in r.items if i.what == "Python, torch, libraries")
     assert runtimes == procs * baseline
@@ -124,7 +128,7 @@ def test_the_table_names_every_rank_and_how_the_rollout_gathers():
     assert "learner sharded over 4 ranks" in text and "generator.gather_for_generation: true" in text
     for k in range(4):
         assert f"cuda:{k}   learner rank {k} of 4 (FSDP2)" in text
-        assert f"  rank {k} process" in text   # its host process
+        assert f"  rank {k} process" in text  # its host process
     assert text.count("generation gather: whole model") == 4
     layered = str(sharded(4, "generator.gather_for_generation=false"))
     assert layered.count("generation gather: layer by layer") == 4 and "gather_for_generation: false" in layered
@@ -132,9 +136,9 @@ def test_the_table_names_every_rank_and_how_the_rollout_gathers():
     cpu = str(sharded(4, "placement.learner=cpu"))
     assert "host (rank 0) learner rank 0 of 4 (FSDP2)" in cpu
     assert "host (rank 1), host (rank 2), host (rank 3): the same as rank 0" in cpu
-    host_block = cpu[cpu.index("\nhost     "):]
+    host_block = cpu[cpu.index("\nhost     ") :]
     for k in range(4):
-        assert f"\n  rank {k}  " in host_block and f"\n    rank {k}  " in host_block   # resident, and each phase
+        assert f"\n  rank {k}  " in host_block and f"\n    rank {k}  " in host_block  # resident, and each phase
     assert "driver process" in host_block and host_block.rstrip().endswith("verdict: fits")
 
 
@@ -142,7 +146,9 @@ def test_a_vllm_engine_for_the_ranks_is_planned_on_its_own_gpu_and_the_ranks_gat
     """generator.backend: vllm with a sharded learner: one engine, in the driver, on GPUs of its own; the same engine
     items as one process's split generator, and no rollout gather or KV cache on any rank."""
     engine = ["generator.backend=vllm", "placement.generator=[2]"]
-    one = plan(load_config(PRESET, ["placement.host_memory_gib=256", "generator.backend=vllm", "placement.generator=[1]"]))
+    one = plan(
+        load_config(PRESET, ["placement.host_memory_gib=256", "generator.backend=vllm", "placement.generator=[1]"])
+    )
     split = sharded(2, *engine)
     assert list(split.devices) == ["cuda:0", "cuda:1", "host", "cuda:2"] and list(split.ranks) == ["cuda:0", "cuda:1"]
     assert items(split.devices["cuda:2"]) == items(one.devices["cuda:1"])
@@ -163,6 +169,6 @@ def test_the_load_phase_is_a_rank_s_shards_and_one_layer_never_the_whole_model()
     whole = shape.layers * layer + root
     for rank in result.ranks.values():
         load = rank.phase_peak("load")
-        assert load - rank.resident == pytest.approx(layer + 27648 * 5120 * 2, rel=1e-12)   # + the float down_proj
+        assert load - rank.resident == pytest.approx(layer + 27648 * 5120 * 2, rel=1e-12)  # + the float down_proj
         assert load < rank.resident + whole / 8 and load / GiB == pytest.approx(11.18, abs=0.01)
         assert rank.peak_phase != "load"

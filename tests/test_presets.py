@@ -1,4 +1,5 @@
 """Presets by name, anywhere a config path is accepted; the built-in tiny model in the user cache."""
+
 import os
 from pathlib import Path
 
@@ -12,8 +13,12 @@ from grpo_lab.config.presets import preset_names
 def test_presets_command_lists_every_preset_with_its_description(capsys):
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == preset_names() == ["logits-heavy-cpu", "p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu", "tiny-demo"]
-    assert all(len(line.split(None, 1)[1]) > 20 for line in lines)      # a real one-line description each
+    assert (
+        [line.split()[0] for line in lines]
+        == preset_names()
+        == ["logits-heavy-cpu", "p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu", "tiny-demo"]
+    )
+    assert all(len(line.split(None, 1)[1]) > 20 for line in lines)  # a real one-line description each
 
 
 def test_unknown_preset_is_one_line_listing_the_names(capsys, tmp_path):
@@ -38,7 +43,7 @@ def test_plan_by_name(capsys):
 
 
 def test_lab_by_name_uses_the_builtin_model_from_the_user_cache(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)            # the working directory plays no part
+    monkeypatch.chdir(tmp_path)  # the working directory plays no part
     lab = Lab("tiny-cpu", overrides=["memory.sample_hz=0"]).load()
     assert lab.config.model.name_or_path == "builtin:tiny-qwen2"
     assert Path(os.environ["GRPO_LAB_CACHE"]) in Path(tiny_model).parents
@@ -50,9 +55,12 @@ def test_builtin_model_is_built_on_first_use_where_the_cache_says(tmp_path, monk
     from grpo_lab.models.source import resolve_model_path
 
     monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "cache"))
-    path = Path(resolve_model_path("builtin:tiny-random"))   # (the random one: the trained one takes ~1 min to build)
+    path = Path(resolve_model_path("builtin:tiny-random"))  # (the random one: the trained one takes ~1 min to build)
     assert path.parent == tmp_path / "cache" and (path / "config.json").is_file()
-    assert sorted(p.name for p in path.parent.iterdir()) == [".tiny-random-v1.lock", "tiny-random-v1"]   # no temporary directory left
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        ".tiny-random-v1.lock",
+        "tiny-random-v1",
+    ]  # no temporary directory left
     with pytest.raises(LabError, match="unknown built-in model"):
         resolve_model_path("builtin:huge")
 
@@ -77,13 +85,15 @@ def test_a_broken_torchvision_is_one_line_naming_the_fix(monkeypatch, capsys, tm
     monkeypatch.delitem(sys.modules, "torchvision", raising=False)
     assert main(["run", "tiny-cpu", "--out", str(tmp_path / "run")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "torchvision" in err[0] and "pip uninstall -y torchvision torchaudio torchcodec" in err[0], err
+    assert (
+        len(err) == 1 and "torchvision" in err[0] and "pip uninstall -y torchvision torchaudio torchcodec" in err[0]
+    ), err
     assert not (tmp_path / "run").exists()
 
 
 def test_tiny_without_a_path_builds_the_builtin_model_in_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GRPO_LAB_CACHE", str(tmp_path / "cache"))
-    assert main(["tiny", "--model", "tiny-random"]) == 0   # (the default, tiny-qwen2, trains for ~1 min)
+    assert main(["tiny", "--model", "tiny-random"]) == 0  # (the default, tiny-qwen2, trains for ~1 min)
     built = tmp_path / "cache" / "tiny-random-v1"
     assert capsys.readouterr().out.strip() == f"tiny model: {built}" and (built / "config.json").is_file()
     (tmp_path / "file").write_text("")

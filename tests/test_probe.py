@@ -1,5 +1,6 @@
 """The worst-case probe: one step at the largest shapes (longest prompt, full-length completions, full micro-batches)
 that leaves the Lab bit-identical, and catches before step 0 what an ordinary run meets at step 5."""
+
 import json
 import os
 import subprocess
@@ -9,11 +10,11 @@ import pytest
 import torch
 
 from grpo_lab import Lab
-from grpo_lab.cli import main
 from grpo_lab.algo.prompts import PromptSource
+from grpo_lab.cli import main
 from grpo_lab.errors import LabError
 
-MiB = 1024 ** 2
+MiB = 1024**2
 
 
 def same(a, b, path="") -> None:
@@ -39,13 +40,15 @@ def lengths_seen():
     def spy(prompts, completion_ids, **kwargs):
         seen.append((list(prompts), [len(c) for c in completion_ids]))
         return [0.0] * len(prompts)
+
     return spy, seen
 
 
 def test_the_probe_runs_the_worst_case_and_leaves_nothing_behind(tiny_config):
     spy, seen = lengths_seen()
-    lab = Lab(tiny_config(generator={"max_completion_length": 24, "max_prompt_length": 128}),
-              reward_funcs=["format", spy]).load()
+    lab = Lab(
+        tiny_config(generator={"max_completion_length": 24, "max_prompt_length": 128}), reward_funcs=["format", spy]
+    ).load()
     try:
         lab.step()
         state, rng, data = lab.inspect(), torch.get_rng_state(), lab.prompts.state_dict()
@@ -55,7 +58,7 @@ def test_the_probe_runs_the_worst_case_and_leaves_nothing_behind(tiny_config):
         prompts, lengths = seen[-1]
         longest = lab.prompts.batch_of([lab.prompts.longest(128)[0]]).prompts[0]
         assert prompts == [longest] * 8 and lengths == [24] * 8
-        assert min(seen[0][1]) < 24   # (an ordinary step ends some completions earlier: the probe forced it)
+        assert min(seen[0][1]) < 24  # (an ordinary step ends some completions earlier: the probe forced it)
         # nothing kept: LoRA and AdamW bit-identical, RNG, data position, step index, history, the memory views
         after = lab.inspect()
         same(after[0]["lora"], state[0]["lora"])
@@ -68,8 +71,9 @@ def test_the_probe_runs_the_worst_case_and_leaves_nothing_behind(tiny_config):
         text = str(report)
         assert "planned MiB" in text and "backward" in text and text.endswith("verdict: fits")
         # and the run goes on as if no probe had run: the next step equals a twin Lab's
-        twin = Lab(tiny_config(generator={"max_completion_length": 24, "max_prompt_length": 128}),
-                   reward_funcs=["format", spy]).load()
+        twin = Lab(
+            tiny_config(generator={"max_completion_length": 24, "max_prompt_length": 128}), reward_funcs=["format", spy]
+        ).load()
         try:
             twin.step()
             assert lab.step().loss == twin.step().loss
@@ -96,8 +100,11 @@ def long_prompt_at(step: int, n: int, seed: int, words: int) -> list[dict]:
     """n short arithmetic rows and one long one, placed where the lab's seeded order serves it at `step` (one prompt
     per step): PromptSource shuffles indices, so the same source over index rows says where that is."""
     order = PromptSource([{"prompt": str(i)} for i in range(n)], None, None, seed)
-    at = int(order.next_batch(1).prompts[0]) if step == 0 else [int(order.next_batch(1).prompts[0])
-                                                               for _ in range(step + 1)][-1]
+    at = (
+        int(order.next_batch(1).prompts[0])
+        if step == 0
+        else [int(order.next_batch(1).prompts[0]) for _ in range(step + 1)][-1]
+    )
     rows = [{"prompt": f"what is {i} plus 1?", "answer": str(i + 1)} for i in range(n)]
     rows[at] = {"prompt": "add these: " + " ".join(str(i % 10) for i in range(words)), "answer": "0"}
     return rows
@@ -109,26 +116,48 @@ def test_the_probe_catches_at_load_the_prompt_an_ordinary_run_meets_at_step_5(tm
     steps and the long one use: `run.probe_first` refuses at load naming the phase; without it the run stops at 5."""
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in long_prompt_at(5, 10, 0, 900)))
-    sets = [f"model.name_or_path={tiny_model}", f"data.dataset={data}", "data.system_prompt=null",
-            "generator.max_prompt_length=990", "generator.max_completion_length=24", "grpo.prompts_per_step=1",
-            "grpo.num_generations=64", "grpo.micro_batch_size=64", "grpo.beta=0", "model.gradient_checkpointing=false",
-            "run.save_every=0"]
+    sets = [
+        f"model.name_or_path={tiny_model}",
+        f"data.dataset={data}",
+        "data.system_prompt=null",
+        "generator.max_prompt_length=990",
+        "generator.max_completion_length=24",
+        "grpo.prompts_per_step=1",
+        "grpo.num_generations=64",
+        "grpo.micro_batch_size=64",
+        "grpo.beta=0",
+        "model.gradient_checkpointing=false",
+        "run.save_every=0",
+    ]
     # what the short steps use and what the long one does, on this machine now; each part in a process of its own
     # (why: the guard reads the machine's used RAM, and an earlier Lab's freed heap in this process would count)
-    measured = json.loads(subprocess.run([sys.executable, "-c", MEASURE, json.dumps(sets)], check=True,
-                                         capture_output=True, text=True, env=ENV).stdout.splitlines()[-1])
+    measured = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", MEASURE, json.dumps(sets)], check=True, capture_output=True, text=True, env=ENV
+        ).stdout.splitlines()[-1]
+    )
     short, long, limit = measured["short"], measured["long"], measured["limit"]
-    assert long - short > 800 * MiB, (long / MiB, short / MiB)   # the scenario's premise: the long step is heavier
+    assert long - short > 800 * MiB, (long / MiB, short / MiB)  # the scenario's premise: the long step is heavier
     threshold = f"memory.host_threshold={(short + long) / 2 / limit:.6f}"
     args = [a for s in sets + [threshold] for a in ("--set", s)]
 
-    probed = cli("run", "tiny-cpu", *args, "--set", "run.probe_first=true", "--out", str(tmp_path / "probed"),
-                 "--steps", "8", "--quiet")
+    probed = cli(
+        "run",
+        "tiny-cpu",
+        *args,
+        "--set",
+        "run.probe_first=true",
+        "--out",
+        str(tmp_path / "probed"),
+        "--steps",
+        "8",
+        "--quiet",
+    )
     line = probed.stderr.strip().splitlines()[-1]
     assert probed.returncode == 2, probed.stderr[-3000:]
     assert line.startswith("grpo-lab: error: run.probe_first: the worst-case step") and "does not fit" in line
     assert "phase backward" in line or "phase rollout" in line, line
-    assert "worst-case probe" in probed.stdout and not (tmp_path / "probed").exists()   # refused before any file
+    assert "worst-case probe" in probed.stdout and not (tmp_path / "probed").exists()  # refused before any file
 
     plain = cli("run", "tiny-cpu", *args, "--out", str(tmp_path / "plain"), "--steps", "8", "--quiet")
     line = plain.stderr.strip().splitlines()[-1]

@@ -1,8 +1,9 @@
-"""The sharded learner's ranks on Ray (grpo_lab/cluster/ray_cluster.py, cluster/ranks.py): where they run, what a dead rank
-costs, what is left when the driver dies, and the one-line refusals before any actor starts. The pure parts
-(addresses, bundles, resources, the GPUs a local Ray is given, which device a rank is) are tested with made-up
-clusters and device lists; the rest on real Ray, loopback only (conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
+"""The sharded learner's ranks on Ray (grpo_lab/cluster/ray_cluster.py, cluster/ranks.py): where they run, what a dead
+rank costs, what is left when the driver dies, and the one-line refusals before any actor starts. The pure parts
+(addresses, bundles, resources, the GPUs a local Ray is given, which device a rank is) are tested with made-up clusters
+and device lists; the rest on real Ray, loopback only (conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,15 +20,16 @@ import pytest
 import torch
 
 from grpo_lab import Lab, cli
-from grpo_lab.errors import LabError
-from grpo_lab.runtime import Runtime
 from grpo_lab.checks.world import parse_address
 from grpo_lab.cluster.ray_cluster import bundles, check_resources, local_gpu_env, start_local
+from grpo_lab.errors import LabError
+from grpo_lab.runtime import Runtime
 
 SHARDED = ["placement.learner_procs=2"]
 
 
 # --- pure: addresses, bundles, resources, devices ------------------------------------------------------------
+
 
 def test_an_address_is_host_and_port_and_anything_else_says_what_to_give():
     assert parse_address("10.0.0.5:6379") == ("10.0.0.5", 6379)
@@ -42,24 +44,34 @@ def test_a_rank_bundle_is_a_gpu_with_a_cpu_or_its_share_of_cpus():
     assert bundles("cpu", 3, threads=2) == [{"CPU": 2}] * 3
 
 
-@pytest.mark.parametrize("wanted, total, words", [
-    (bundles("cuda:0", 4, 1), {"CPU": 64, "GPU": 2}, "4 ranks need 4 GPU(s) (1 each), but the cluster has 2; use at most 2"),
-    (bundles("cpu", 3, 2), {"CPU": 4}, "3 ranks need 6 CPU(s) (2 each), but the cluster has 4; use at most 2"),
-])
+@pytest.mark.parametrize(
+    "wanted, total, words",
+    [
+        (
+            bundles("cuda:0", 4, 1),
+            {"CPU": 64, "GPU": 2},
+            "4 ranks need 4 GPU(s) (1 each), but the cluster has 2; use at most 2",
+        ),
+        (bundles("cpu", 3, 2), {"CPU": 4}, "3 ranks need 6 CPU(s) (2 each), but the cluster has 4; use at most 2"),
+    ],
+)
 def test_more_ranks_than_the_cluster_holds_is_one_line(wanted, total, words):
     with pytest.raises(LabError, match="placement.learner_procs: ") as err:
         check_resources(wanted, total, "the cluster")
     assert words in str(err.value) and "\n" not in str(err.value)
-    check_resources(wanted[:1], total, "the cluster")   # one rank fits
+    check_resources(wanted[:1], total, "the cluster")  # one rank fits
 
 
-@pytest.mark.parametrize("devices, visible, expected", [
-    (["cuda:0", "cuda:1"], None, "0,1"),
-    (["cuda:1", "cuda:2"], None, "1,2"),
-    (["cuda:0", "cuda:1"], "2,3", "2,3"),            # this process's cuda:0 is the machine's GPU 2
-    (["cuda:1"], "GPU-aaaa,GPU-bbbb", "GPU-bbbb"),   # named by UUID
-    (["cpu", "cpu"], "0", None),
-])
+@pytest.mark.parametrize(
+    "devices, visible, expected",
+    [
+        (["cuda:0", "cuda:1"], None, "0,1"),
+        (["cuda:1", "cuda:2"], None, "1,2"),
+        (["cuda:0", "cuda:1"], "2,3", "2,3"),  # this process's cuda:0 is the machine's GPU 2
+        (["cuda:1"], "GPU-aaaa,GPU-bbbb", "GPU-bbbb"),  # named by UUID
+        (["cpu", "cpu"], "0", None),
+    ],
+)
 def test_a_local_ray_is_given_exactly_the_ranks_gpus_as_the_machine_names_them(devices, visible, expected):
     assert local_gpu_env(devices, visible) == expected
 
@@ -69,8 +81,8 @@ def test_a_rank_on_a_gpu_ray_gave_it_is_its_cuda_0_and_its_rng_is_that_gpu_alone
         me = Runtime(rank, 3, is_rank=True, own_gpu=True)
         assert me.device_of("cuda:2") == "cuda:0"
         assert me.device_of("cpu") == "cpu"
-    assert Runtime(1, 2, is_rank=True).device_of("cuda:2") == "cuda:3"   # a rank that sees every GPU
-    assert Runtime(0, 1).device_of("cuda:2") == "cuda:2"                  # the driver
+    assert Runtime(1, 2, is_rank=True).device_of("cuda:2") == "cuda:3"  # a rank that sees every GPU
+    assert Runtime(0, 1).device_of("cuda:2") == "cuda:2"  # the driver
 
 
 def test_the_driver_fetches_the_model_once_before_any_rank_starts(tiny_model, monkeypatch, tmp_path):
@@ -82,7 +94,7 @@ def test_the_driver_fetches_the_model_once_before_any_rank_starts(tiny_model, mo
     monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo: calls.append(repo) or str(tmp_path))
     assert fetch_once("Qwen/Qwen2.5-0.5B", local=True) == str(tmp_path) and calls == ["Qwen/Qwen2.5-0.5B"]
     assert fetch_once("Qwen/Qwen2.5-0.5B", local=False) == "Qwen/Qwen2.5-0.5B" and len(calls) == 2
-    assert fetch_once("builtin:tiny-random", local=True) == tiny_model   # a built-in: built where the cache says
+    assert fetch_once("builtin:tiny-random", local=True) == tiny_model  # a built-in: built where the cache says
     assert fetch_once("builtin:tiny-random", local=False) == "builtin:tiny-random"
     assert fetch_once(tiny_model, local=True) == tiny_model and len(calls) == 2
 
@@ -98,15 +110,15 @@ def test_a_ray_a_lab_started_stops_only_when_the_last_lab_on_it_closes():
     first = Cluster(None, "cpu", ["cpu", "cpu"], cpus=2)
     second = Cluster(None, "cpu", ["cpu", "cpu"], cpus=2)
     first.close()
-    first.close()   # twice: counted once
+    first.close()  # twice: counted once
     assert ray.is_initialized()
     second.close()
     assert not ray.is_initialized()
-    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")   # the notebook's own
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")  # the notebook's own
     try:
         mine = Cluster(None, "cpu", ["cpu"], cpus=1)
         mine.close()
-        assert ray.is_initialized()   # a Ray the notebook started is the notebook's to stop
+        assert ray.is_initialized()  # a Ray the notebook started is the notebook's to stop
     finally:
         ray.shutdown()
 
@@ -115,17 +127,18 @@ def test_closing_after_the_notebook_shut_ray_down_is_clean(tiny_model):
     """ray.shutdown() in a cell ends the rank actors with Ray; lab.close() afterwards must not fail on them."""
     import ray
 
-    from grpo_lab.config.loading import load_config
     from grpo_lab.cluster.ranks import Ranks
+    from grpo_lab.config.loading import load_config
 
     ray.shutdown()
     ranks = Ranks(load_config("tiny-cpu", SHARDED).to_dict(), 2, memory=None)
-    ranks.actors, ranks.pids = [object(), object()], [1, 2]   # handles of a Ray that is gone
+    ranks.actors, ranks.pids = [object(), object()], [1, 2]  # handles of a Ray that is gone
     ranks.close()
     assert ranks.actors == [] and ranks.pids == []
 
 
 # --- bad input: one line, exit 2, before any actor starts ----------------------------------------------------
+
 
 def refused(capsys, *sets) -> tuple[str, float]:
     argv = ["run", "tiny-cpu", "--steps", "1", "--out", "/tmp/grpo-lab-never-written"]
@@ -157,7 +170,7 @@ def _free_port() -> int:
 def test_an_unreachable_ray_address_is_one_line_within_ten_seconds(capsys, no_actors):
     import ray
 
-    ray.shutdown()   # why: a process already connected to a Ray uses that one
+    ray.shutdown()  # why: a process already connected to a Ray uses that one
     port = _free_port()
     line, seconds = refused(capsys, *SHARDED, f"placement.ray_address=127.0.0.1:{port}")
     assert f"placement.ray_address: no Ray cluster answers at 127.0.0.1:{port}" in line and "ray start --head" in line
@@ -176,12 +189,13 @@ def test_a_ray_address_without_ranks_is_refused(capsys, no_actors):
 
 
 def test_ray_not_installed_is_one_line_naming_the_extra(capsys, no_actors, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` raises ImportError
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     line, _ = refused(capsys, *SHARDED)
     assert "Ray is not installed" in line and "pip install 'grpo-lab[ray]'" in line
 
 
 # --- a 2-node cluster on this machine ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def two_nodes():
@@ -191,7 +205,7 @@ def two_nodes():
     from ray.cluster_utils import Cluster
 
     ray.shutdown()
-    for attempt in range(2):   # why twice: Ray gives a node 30 s to register, which a busy 2-core machine can miss
+    for attempt in range(2):  # why twice: Ray gives a node 30 s to register, which a busy 2-core machine can miss
         cluster = Cluster()
         try:
             cluster.add_node(num_cpus=1, include_dashboard=False)
@@ -233,13 +247,19 @@ def uninterrupted():
 
 
 def same_result(a, b) -> bool:
-    return (a.rewards == b.rewards and a.loss == b.loss and a.grad_norm == b.grad_norm
-            and a.completion_length_mean == b.completion_length_mean)
+    return (
+        a.rewards == b.rewards
+        and a.loss == b.loss
+        and a.grad_norm == b.grad_norm
+        and a.completion_length_mean == b.completion_length_mean
+    )
 
 
 def same_shards(a: list[dict], b: list[dict]) -> bool:
-    return all(x["lora"].keys() == y["lora"].keys() and all(torch.equal(x["lora"][n], y["lora"][n]) for n in x["lora"])
-               for x, y in zip(a, b))
+    return all(
+        x["lora"].keys() == y["lora"].keys() and all(torch.equal(x["lora"][n], y["lora"][n]) for n in x["lora"])
+        for x, y in zip(a, b)
+    )
 
 
 TWO_NODES = """
@@ -262,12 +282,17 @@ def test_two_ranks_on_two_nodes_equal_two_ranks_on_one(two_nodes, uninterrupted)
     """In a process of its own: Ray cancels every actor of a cluster a process joins after running a Ray of its
     own (as this test process did), which the Lab refuses in one line (below)."""
     results, _ = uninterrupted
-    out = subprocess.run([sys.executable, "-c", TWO_NODES.replace("ADDRESS", two_nodes.address)], capture_output=True,
-                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1400)
+    out = subprocess.run(
+        [sys.executable, "-c", TWO_NODES.replace("ADDRESS", two_nodes.address)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=1400,
+    )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, out.stdout[-2000:] + out.stderr[-3000:]
     got = json.loads(line.removeprefix("RESULT "))
-    assert len(set(got["nodes"])) == 2 and all(got["layout"])   # one rank per node, each holding its shards
+    assert len(set(got["nodes"])) == 2 and all(got["layout"])  # one rank per node, each holding its shards
     # bit for bit the run on one node (which tests/test_sharded.py holds to one process's within its tolerance);
     # step 2's loss and gradient norm are computed from the LoRA and AdamW state after step 1
     assert got["rewards"] == [r.rewards for r in results[:2]]
@@ -287,6 +312,7 @@ def test_joining_a_cluster_after_a_ray_of_its_own_is_one_line(capsys, no_actors,
 
 
 # --- a rank killed at any moment costs one line ---------------------------------------------------------------
+
 
 def _fails_in_one_line(capfd, call) -> str:
     with pytest.raises(LabError) as err:
@@ -330,13 +356,14 @@ def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_
         lines.append(_fails_in_one_line(capfd, lab.step))
         assert "failed on rank 0: its process died" in lines[-1]
         assert same_result(lab.step(), results[4])
-        assert same_shards(lab.inspect(), shards)   # LoRA and AdamW as if nothing had happened
+        assert same_shards(lab.inspect(), shards)  # LoRA and AdamW as if nothing had happened
     finally:
         lab.close()
     assert len(lines) == 5
 
 
 # --- the driver killed: nothing left behind -------------------------------------------------------------------
+
 
 def _rank_processes(of: int) -> set[int]:
     """The rank actors' processes under process `of` (a local Ray's workers are its raylet's children)."""
@@ -347,6 +374,7 @@ def _rank_processes(of: int) -> set[int]:
             return "ray::RankWorker" in " ".join(p.cmdline())
         except psutil.Error:
             return False
+
     return {p.pid for p in psutil.Process(of).children(recursive=True) if rank(p)}
 
 
@@ -358,6 +386,7 @@ def _alive(pids: set[int]) -> set[int]:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
+
     return {pid for pid in pids if alive(pid)}
 
 
@@ -369,6 +398,7 @@ def _ray_processes() -> set[int]:
             return any(w in " ".join(p.cmdline()) for w in ("ray::", "raylet", "gcs_server", "ray/dashboard"))
         except psutil.Error:
             return False
+
     return {p.pid for p in psutil.process_iter() if ray_own(p)}
 
 
@@ -377,12 +407,27 @@ def _ray_processes() -> set[int]:
 def test_a_killed_driver_leaves_no_rank_process(tmp_path):
     ray_before = _ray_processes()
     dirs = set(Path(tempfile.gettempdir()).glob("grpo-lab-ranks-*"))
-    driver = subprocess.Popen([sys.executable, "-m", "grpo_lab.cli", "run", "tiny-cpu", "--steps", "50", "--out",
-                               str(tmp_path / "run"), "--set", "placement.learner_procs=2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpo_lab.cli",
+            "run",
+            "tiny-cpu",
+            "--steps",
+            "50",
+            "--out",
+            str(tmp_path / "run"),
+            "--set",
+            "placement.learner_procs=2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
-        for line in driver.stdout:   # until the first step's line: the ranks are up and working
+        for line in driver.stdout:  # until the first step's line: the ranks are up and working
             if line.startswith("step 0:"):
                 break
         mine = _rank_processes(of=driver.pid)
@@ -393,7 +438,7 @@ def test_a_killed_driver_leaves_no_rank_process(tmp_path):
         while _alive(mine) and time.monotonic() < deadline:
             time.sleep(1)
         assert not _alive(mine)
-        assert not set(Path(tempfile.gettempdir()).glob("grpo-lab-ranks-*")) - dirs   # the pipe layer's; none now
+        assert not set(Path(tempfile.gettempdir()).glob("grpo-lab-ranks-*")) - dirs  # the pipe layer's; none now
     finally:
         driver.kill()
         # Ray's own agents of the driver's local Ray outlive it (Ray's behaviour, not a rank): do not leak them here

@@ -3,10 +3,10 @@ continues with `grpo-lab run --resume DIR`, and on the CPU with a fixed seed its
 uninterrupted run's. Kills are real: a subprocess runs the CLI and is SIGKILLed, either at a chosen
 point inside the checkpoint write (by wrapping os.replace / torch.save in the child) or at whatever
 moment a step has just finished."""
+
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -41,14 +41,18 @@ def straight(tmp_path_factory, user_cache, tiny_model):
 
 def killed_child(out: Path, prelude: str = "") -> subprocess.Popen:
     """`grpo-lab run` in a child process; `prelude` (Python run first in the child) may arrange its own SIGKILL."""
-    code = ("import os, signal, sys\n" + prelude + "\nfrom grpo_lab.cli import main\n"
-            f"sys.exit(main({['run', *RUN, '--steps', str(STEPS), '--out', str(out)]!r}))\n")
+    code = (
+        "import os, signal, sys\n" + prelude + "\nfrom grpo_lab.cli import main\n"
+        f"sys.exit(main({['run', *RUN, '--steps', str(STEPS), '--out', str(out)]!r}))\n"
+    )
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def resume_and_compare(out: Path, straight: list[dict], capsys) -> None:
     capsys.readouterr()
-    code = main(["run", *RUN, "--steps", str(STEPS), "--out", str(out)])   # a new run there is refused, pointing at --resume
+    code = main(
+        ["run", *RUN, "--steps", str(STEPS), "--out", str(out)]
+    )  # a new run there is refused, pointing at --resume
     err = capsys.readouterr().err
     assert code == 2 and "unfinished run" in err and "--resume DIR" in err, err
     assert main(["run", "--resume", str(out), "--quiet"]) == 0
@@ -72,7 +76,7 @@ os.replace = replace
     child = killed_child(out, prelude)
     child.communicate(timeout=300)
     assert child.returncode == -signal.SIGKILL
-    assert (out / ".checkpoint.old").is_dir() and not (out / "checkpoint").exists()   # the kill landed where meant
+    assert (out / ".checkpoint.old").is_dir() and not (out / "checkpoint").exists()  # the kill landed where meant
     resume_and_compare(out, straight, capsys)
 
 
@@ -83,7 +87,8 @@ import torch
 real, calls = torch.save, []
 def save(obj, f, *a, **k):
     calls.append(f)
-    if str(f).endswith("trainer_state.pt") and len(calls) == 3:   # third checkpoint: its adapter is written, its state not
+    # third checkpoint: its adapter is written, its state not
+    if str(f).endswith("trainer_state.pt") and len(calls) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(obj, f, *a, **k)
 torch.save = save
@@ -106,7 +111,7 @@ def test_killed_at_an_arbitrary_moment_resumes_to_the_same_metrics(tmp_path, str
         if metrics.exists() and metrics.read_text().count("\n") >= 2:
             break
         time.sleep(0.01)
-    child.send_signal(signal.SIGKILL)   # wherever it is: between steps, inside step 2, or inside a checkpoint write
+    child.send_signal(signal.SIGKILL)  # wherever it is: between steps, inside step 2, or inside a checkpoint write
     child.communicate(timeout=60)
     assert child.returncode == -signal.SIGKILL, "the run finished before the kill; the test did not interrupt it"
     resume_and_compare(out, straight, capsys)
@@ -120,7 +125,7 @@ def test_lab_checkpoint_continues_with_the_same_step_in_a_new_lab(loaded_lab, tm
         with pytest.raises(Exception, match=r"save_checkpoint\(\): step 1 is under way .*lab.step\(\)"):
             first.rollout()
             first.save_checkpoint(tmp_path / "ck")
-        first.step()   # finishes step 1 (the rollout above started it)
+        first.step()  # finishes step 1 (the rollout above started it)
         first.save_checkpoint(tmp_path / "ck")
         going_on = training([first.step().metrics()])
         weights = {n: p.detach().clone() for n, p in first.learner.trainable_parameters().items()}
@@ -142,14 +147,17 @@ def test_a_killed_run_is_reported_as_resumable_and_refuses_a_second_writer(tmp_p
 
     out = tmp_path / "run"
     assert main(["run", *RUN, "--steps", "2", "--out", str(out)]) == 0
-    (out / "run.json").write_text('{"status": "running", "steps": 2}')   # what a SIGKILLed runner leaves
+    (out / "run.json").write_text('{"status": "running", "steps": 2}')  # what a SIGKILLed runner leaves
     capsys.readouterr()
     assert main(["run", *RUN, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "holds an unfinished run (2 of 2 steps done, checkpoint at step 2); resume it with `grpo-lab run --resume DIR`" in err
-    with RunLock(out, "test"):   # a live run holds the directory: neither a new run nor a resume may write there
-        writing = out / ".checkpoint.tmp-live"   # the live run is half-way through its next checkpoint
+    assert (
+        "holds an unfinished run (2 of 2 steps done, checkpoint at step 2); resume it with `grpo-lab run --resume DIR`"
+        in err
+    )
+    with RunLock(out, "test"):  # a live run holds the directory: neither a new run nor a resume may write there
+        writing = out / ".checkpoint.tmp-live"  # the live run is half-way through its next checkpoint
         writing.mkdir()
         assert main(["run", *RUN, "--out", str(out)]) == 2
         assert "in use by another grpo-lab run" in capsys.readouterr().err
@@ -160,30 +168,39 @@ def test_a_killed_run_is_reported_as_resumable_and_refuses_a_second_writer(tmp_p
 
 def test_resume_keeps_earlier_memory_rows_and_cuts_a_torn_metrics_line(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["run", *RUN, "--steps", "2", "--out", str(out)]) == 0   # a checkpoint at step 2...
-    with open(out / "metrics.jsonl", "a") as f:   # ...and a line cut short by a kill inside step 2, after it
+    assert main(["run", *RUN, "--steps", "2", "--out", str(out)]) == 0  # a checkpoint at step 2...
+    with open(out / "metrics.jsonl", "a") as f:  # ...and a line cut short by a kill inside step 2, after it
         f.write('{"step": 2, "reward_me')
     (out / "run.json").write_text('{"status": "running", "steps": 3}')
     before = (out / "memory.csv").read_text().splitlines()
     assert main(["run", "--resume", str(out), "--steps", "3", "--quiet"]) == 0
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
     rows = (out / "memory.csv").read_text().splitlines()
-    assert rows[:len(before)] == before   # steps 0-1's samples kept as they were
+    assert rows[: len(before)] == before  # steps 0-1's samples kept as they were
     earlier = [float(r.split(",")[0]) for r in before[1:]]
-    resumed = [float(r.split(",")[0]) for r in rows[len(before):]]
-    steps = {int(r.split(",")[1]) for r in rows[len(before):]}
+    resumed = [float(r.split(",")[0]) for r in rows[len(before) :]]
+    steps = {int(r.split(",")[1]) for r in rows[len(before) :]}
     # the resumed process's time goes on after the earlier rows (samples within a process may interleave)
     assert resumed and min(resumed) >= max(earlier) and steps == {2}
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["run", "--resume", "{tmp}/nothing"], "--resume: '{tmp}/nothing' holds no grpo_lab run"),
-    (["run", "--resume", "{run}", "--out", "{tmp}/x"], "--out: a resumed run stays in its own directory"),
-    (["run", "--resume", "{run}", "--steps", "5", "--set", "lora.r=4"], "--resume: lora.r is 8 in the run and 4 here"),
-    (["run", "tiny-cpu", "--resume", "{run}", "--steps", "5", "--set", "model.load_in_4bit=false"], "--resume: model.load_in_4bit"),
-    (["run", "--resume", "{run}"], "--resume: '{run}' finished all its 1 steps; pass --steps N with N > 1"),
-    (["run"], "give a config (a preset name or a YAML file, e.g. tiny-cpu) or --resume DIR"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["run", "--resume", "{tmp}/nothing"], "--resume: '{tmp}/nothing' holds no grpo_lab run"),
+        (["run", "--resume", "{run}", "--out", "{tmp}/x"], "--out: a resumed run stays in its own directory"),
+        (
+            ["run", "--resume", "{run}", "--steps", "5", "--set", "lora.r=4"],
+            "--resume: lora.r is 8 in the run and 4 here",
+        ),
+        (
+            ["run", "tiny-cpu", "--resume", "{run}", "--steps", "5", "--set", "model.load_in_4bit=false"],
+            "--resume: model.load_in_4bit",
+        ),
+        (["run", "--resume", "{run}"], "--resume: '{run}' finished all its 1 steps; pass --steps N with N > 1"),
+        (["run"], "give a config (a preset name or a YAML file, e.g. tiny-cpu) or --resume DIR"),
+    ],
+)
 def test_bad_resumes_are_one_line_and_change_nothing(tmp_path, capsys, argv, says, finished_run):
     fill = {"tmp": str(tmp_path), "run": str(finished_run)}
     before = {p: p.stat().st_mtime_ns for p in finished_run.rglob("*")}

@@ -15,7 +15,7 @@ def test_extract_and_exact_answer():
     assert exact_answer([""] * 3, ["<answer>5</answer>", "5", "six"], answer=["5", "5", "6"]) == [1.0, 1.0, 0.0]
     with pytest.raises(LabError, match="answer"):
         exact_answer([""], ["x"])
-    chat = [[{"role": "assistant", "content": "<answer>5</answer>"}]]   # TRL's conversational format
+    chat = [[{"role": "assistant", "content": "<answer>5</answer>"}]]  # TRL's conversational format
     assert exact_answer([""], chat, answer=["5"]) == [1.0] and format_reward([""], chat) == [1.0]
 
 
@@ -55,6 +55,7 @@ def test_jsonl_loader_and_its_errors(tmp_path):
 def test_prompt_source_cycles_in_seeded_order():
     class Tok:
         chat_template = None
+
     rows = [{"prompt": str(i), "answer": str(i)} for i in range(5)]
     a = [PromptSource(rows, Tok(), None, seed=1).next_batch(7).answers for _ in range(2)]
     assert a[0] == a[1] and sorted(a[0][:5]) == ["0", "1", "2", "3", "4"]
@@ -83,7 +84,9 @@ def test_reward_with_wrong_length_is_a_clear_error(loaded_lab):
 
 def test_unscored_completions_get_zero_advantage(loaded_lab):
     lab = loaded_lab()
-    lab.reward_funcs = [lambda prompts, completions, **kw: [None if i == 0 else float(i) for i in range(len(completions))]]
+    lab.reward_funcs = [
+        lambda prompts, completions, **kw: [None if i == 0 else float(i) for i in range(len(completions))]
+    ]
     rewards = lab.rewards(lab.rollout())
     adv = lab.advantages(rewards)
     assert torch.isnan(rewards.total[0]) and adv.values[0] == 0 and torch.isfinite(adv.values).all()

@@ -5,10 +5,10 @@ bfloat16 matmul on the CPU cannot fold it and materialises the LM head broadcast
 ([n, hidden, vocab]: 311 MB for 8 sequences at 151,936 x 128), the rollout's largest transient by far.
 Watched with torch.profiler's memory events, which see allocations inside kernels too.
 """
+
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from grpo_lab import Lab, load_config
@@ -32,15 +32,25 @@ def largest_allocation(fn) -> int:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_rollout_allocates_nothing_larger_than_one_steps_logits(wide_vocab_model, dtype):
     n = 8
-    cfg = load_config("tiny-cpu", [f"model.name_or_path={wide_vocab_model}", f"model.dtype={dtype}",
-                                   f"model.bnb_4bit_compute_dtype={dtype}", "grpo.prompts_per_step=1",
-                                   f"grpo.num_generations={n}", "generator.max_completion_length=4"])
+    cfg = load_config(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={wide_vocab_model}",
+            f"model.dtype={dtype}",
+            f"model.bnb_4bit_compute_dtype={dtype}",
+            "grpo.prompts_per_step=1",
+            f"grpo.num_generations={n}",
+            "generator.max_completion_length=4",
+        ],
+    )
     lab = Lab(cfg).load()
     try:
-        lab.rollout()   # warm-up: one-off library allocations
+        lab.rollout()  # warm-up: one-off library allocations
         largest = largest_allocation(lab.rollout)
     finally:
         lab.close()
-    step_cdf = n * VOCAB * 8   # one decoding step's [n, vocab] CDF in float64 (the sampler's), the largest buffer
-    assert largest <= step_cdf * 1.05, f"largest rollout allocation {largest / 2**20:.1f} MiB > one step's " \
-                                       f"[n, vocab] float64 CDF {step_cdf / 2**20:.1f} MiB"
+    step_cdf = n * VOCAB * 8  # one decoding step's [n, vocab] CDF in float64 (the sampler's), the largest buffer
+    assert largest <= step_cdf * 1.05, (
+        f"largest rollout allocation {largest / 2**20:.1f} MiB > one step's "
+        f"[n, vocab] float64 CDF {step_cdf / 2**20:.1f} MiB"
+    )

@@ -1,6 +1,7 @@
 """The runtime: "which device am I, whose RNG, who decides" as pure functions of (rank, size, placement), tested with
 remapped device lists. A CPU has one device, one RNG and no streams, so these are the CUDA paths' only CPU test;
 bench/gpu_smoke.py runs the same paths on a GPU (the `gpu` tests below are what it runs)."""
+
 from __future__ import annotations
 
 import random
@@ -9,8 +10,7 @@ import pytest
 import torch
 
 from grpo_lab.config.loading import load_config
-from grpo_lab.runtime import (Runtime, capture_rng, nvml_handle, nvml_index, rank_rng, restore_rng, runtime,
-                              set_runtime)
+from grpo_lab.runtime import Runtime, capture_rng, nvml_handle, nvml_index, rank_rng, restore_rng, runtime, set_runtime
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -35,13 +35,14 @@ def gpu_config(learner="cuda:2", procs=2, **extra):
 
 # --- which device am I ---
 
+
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_rank_k_computes_on_cuda_n_plus_k(rank):
     config = gpu_config("cuda:2", procs=4)
     me = Runtime(rank, 4, is_rank=True)
     assert me.device(config) == f"cuda:{2 + rank}"
-    assert me.watched_devices(config) == [f"cuda:{2 + rank}"]      # its own GPU only: no context on the others'
-    assert me.cuda_indices(config) == [2 + rank]                    # whose RNG: its GPU's alone
+    assert me.watched_devices(config) == [f"cuda:{2 + rank}"]  # its own GPU only: no context on the others'
+    assert me.cuda_indices(config) == [2 + rank]  # whose RNG: its GPU's alone
 
 
 def test_the_driver_is_not_a_rank():
@@ -67,7 +68,7 @@ def test_a_rank_checks_its_learner_on_its_own_device(as_rank, monkeypatch):
     as_rank(1)
     ex.check_learner()
     assert checked == [["cuda:1"]]
-    assert ex.devices() == ["cuda:1"]   # what its sampler reads, and what its OOM lines name
+    assert ex.devices() == ["cuda:1"]  # what its sampler reads, and what its OOM lines name
 
 
 def test_an_oom_on_a_rank_names_the_ranks_device(as_rank):
@@ -86,16 +87,17 @@ def test_allocator_snapshots_go_to_one_folder_per_rank(as_rank, tmp_path):
     class Lab:
         config = gpu_config("cuda:0", procs=2, **{"memory.cuda_snapshots": "true", "run.output_dir": str(tmp_path)})
 
-    with pytest.warns(UserWarning, match="no CUDA device"):   # (this CPU: the listener is made, and says it is idle)
+    with pytest.warns(UserWarning, match="no CUDA device"):  # (this CPU: the listener is made, and says it is idle)
         folders = []
         for rank in (0, 1):
             as_rank(rank)
             folders.append(LocalExecutor(Lab()).listeners()[0].directory)
     assert folders == [tmp_path / "memory_snapshots" / "rank0", tmp_path / "memory_snapshots" / "rank1"]
-    assert Runtime().snapshot_dir(str(tmp_path)) == tmp_path / "memory_snapshots"   # one process: as before
+    assert Runtime().snapshot_dir(str(tmp_path)) == tmp_path / "memory_snapshots"  # one process: as before
 
 
 # --- NVML by UUID ---
+
 
 class FakeNVML:
     """NVML's view: physical devices in physical order, whatever CUDA_VISIBLE_DEVICES says."""
@@ -113,7 +115,7 @@ class FakeNVML:
         return ("handle", i)
 
     def nvmlDeviceGetUUID(self, handle):
-        return self.uuids[handle[1]].encode()   # older nvidia-ml-py returns bytes
+        return self.uuids[handle[1]].encode()  # older nvidia-ml-py returns bytes
 
 
 def test_nvml_handles_are_found_by_uuid_under_a_remapped_device_list():
@@ -131,6 +133,7 @@ def test_nvml_handles_are_found_by_uuid_under_a_remapped_device_list():
 
 # --- whose RNG ---
 
+
 def draws() -> list:
     return [torch.rand(3).tolist(), random.random()]
 
@@ -139,18 +142,18 @@ def test_each_rank_restores_its_own_rng_from_a_sharded_checkpoint():
     """Bug 3: the checkpoint saved rank 0's states and every rank restored them, so after --resume the ranks'
     streams differed from an uninterrupted run (rank 1 continued rank 0's, on the wrong GPU)."""
     states, expected = [], []
-    for rank in (0, 1):   # two ranks whose streams differ (e.g. their GPUs' generators advanced differently)
+    for rank in (0, 1):  # two ranks whose streams differ (e.g. their GPUs' generators advanced differently)
         torch.manual_seed(100 + rank)
         random.seed(100 + rank)
         states.append(capture_rng([]))
         expected.append(draws())
-    saved = {**states[0], "ranks": states}   # what save_full_checkpoint writes (rank 0's for one process too)
+    saved = {**states[0], "ranks": states}  # what save_full_checkpoint writes (rank 0's for one process too)
     for rank in (0, 1):
         restore_rng(rank_rng(saved, rank, 2))
         assert draws() == expected[rank]
-    restore_rng(rank_rng(saved, 0, 1))   # another number of ranks (here one process): rank 0's, equal by construction
+    restore_rng(rank_rng(saved, 0, 1))  # another number of ranks (here one process): rank 0's, equal by construction
     assert draws() == expected[0]
-    restore_rng(rank_rng(states[1], 0, 1))   # a one-process checkpoint: its one state
+    restore_rng(rank_rng(states[1], 0, 1))  # a one-process checkpoint: its one state
     assert draws() == expected[1]
 
 
@@ -185,6 +188,7 @@ def test_nvml_handle_by_uuid_on_this_gpu():
 
 # --- who decides ---
 
+
 def test_a_world_of_one_decides_alone():
     me = Runtime()
     assert me.agree(True) == [0] and me.agree(False) == []
@@ -204,4 +208,4 @@ def test_the_host_guard_runs_once_in_the_driver_never_on_a_rank(as_rank):
     with pytest.raises(HostMemoryExceeded):
         driver.check_host(0, "rollout")
     as_rank(1)
-    LocalExecutor(Lab()).memory_sampler().check_host(0, "rollout")   # a rank: no refusal of its own
+    LocalExecutor(Lab()).memory_sampler().check_host(0, "rollout")  # a rank: no refusal of its own

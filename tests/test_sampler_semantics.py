@@ -5,6 +5,7 @@ then top-k, then top-p, renormalised (vLLM's processed_logprobs; greedy decoding
 log-softmax). Both stop on the same EOS set: the tokenizer's eos_token_id and the checkpoint's
 generation_config eos_token_id (an int or a list); a completion includes its stop token.
 """
+
 import json
 import math
 import shutil
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from grpo_lab import Lab
-from grpo_lab.generation.base import GenerationRequest
 from grpo_lab.algo.containers import PromptBatch
+from grpo_lab.generation.base import GenerationRequest
 
 slow = pytest.mark.slow
 # Greedy, the tiny random model's next token depends mostly on the last one; prompts with different last tokens
@@ -26,9 +27,13 @@ PROMPTS = PromptBatch(TEXTS, [None] * len(TEXTS))
 
 def unquantized(model_path, backend="hf"):
     """A float32 config without 4-bit: the hf learner and the vllm engine then hold the same weights."""
-    return {"model": {"name_or_path": model_path, "dtype": "float32", "load_in_4bit": False},
-            "lora": {"r": 8, "lora_alpha": 16}, "generator": {"backend": backend, "max_completion_length": 16},
-            "grpo": {"num_generations": 2, "prompts_per_step": 4}, "data": {"rewards": ["length"]}}
+    return {
+        "model": {"name_or_path": model_path, "dtype": "float32", "load_in_4bit": False},
+        "lora": {"r": 8, "lora_alpha": 16},
+        "generator": {"backend": backend, "max_completion_length": 16},
+        "grpo": {"num_generations": 2, "prompts_per_step": 4},
+        "data": {"rewards": ["length"]},
+    }
 
 
 @torch.no_grad()
@@ -46,13 +51,13 @@ def expected_logprobs(model, rollout, temperature=0.0, top_k=0, top_p=1.0):
         k = int(rollout.completion_mask[i].sum())
         completion = rollout.completion_ids[i, :k]
         ids = torch.cat([prompt, completion]).unsqueeze(0).to(device)
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float().cpu() / (temperature or 1.0)  # [k, V]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().cpu() / (temperature or 1.0)  # [k, V]
         ranks[i, :k] = (logits > logits.gather(-1, completion[:, None])).sum(-1)
         if temperature and top_k:
             logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], -math.inf)
         if temperature and top_p < 1:
             probs, order = logits.softmax(-1).sort(-1, descending=True)
-            drop_sorted = probs.cumsum(-1) - probs >= top_p     # the more likely tokens already hold top_p
+            drop_sorted = probs.cumsum(-1) - probs >= top_p  # the more likely tokens already hold top_p
             logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), -math.inf)
         logprobs[i, :k] = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
     model.train(was_training)
@@ -68,8 +73,9 @@ def gap(rollout, expected):
 def check_stops(rollout, eos_ids, max_completion_length=16):
     """Every completion ends at its first token in `eos_ids` (included), or is truncated: none of them
     within max_completion_length tokens."""
-    for ids, n, truncated in zip(rollout.completion_ids.tolist(), rollout.completion_lengths.tolist(),
-                                 rollout.truncated.tolist()):
+    for ids, n, truncated in zip(
+        rollout.completion_ids.tolist(), rollout.completion_lengths.tolist(), rollout.truncated.tolist()
+    ):
         stops = [j for j, t in enumerate(ids[:n]) if t in eos_ids]
         assert stops == ([] if truncated else [n - 1]), (ids[:n], truncated, eos_ids)
         assert n == max_completion_length or not truncated
@@ -77,12 +83,13 @@ def check_stops(rollout, eos_ids, max_completion_length=16):
 
 # --- hf: what is recorded -----------------------------------------------------------------------------------
 
+
 def test_hf_greedy_records_the_temperature_1_log_softmax(loaded_lab):
     lab = loaded_lab(generator={"temperature": 0})
     rollout = lab.generator.generate(lab.prompts.next_batch(3), 2, GenerationRequest(16, temperature=0))
     expected, ranks = expected_logprobs(lab.learner.model, rollout)
     assert gap(rollout, expected) < 1e-4
-    assert not ranks[rollout.completion_mask.bool()].any()    # greedy: every token is its step's argmax
+    assert not ranks[rollout.completion_mask.bool()].any()  # greedy: every token is its step's argmax
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 2, 1.0), (1.0, 0, 0.5), (0.7, 3, 0.8)])
@@ -128,7 +135,7 @@ def test_hf_ignores_the_checkpoint_sampling_defaults(tiny_model, tmp_path):
     (path / "generation_config.json").write_text(json.dumps(config))
     plain, defaults = Lab(unquantized(tiny_model)).load(), Lab(unquantized(str(path))).load()
     greedy = [lab.generator.generate(PROMPTS, 1, GenerationRequest(16, temperature=0)) for lab in (plain, defaults)]
-    assert torch.equal(greedy[0].completion_ids, greedy[1].completion_ids)   # plain repeats tokens: no penalty applied
+    assert torch.equal(greedy[0].completion_ids, greedy[1].completion_ids)  # plain repeats tokens: no penalty applied
     torch.manual_seed(0)
     rollout = defaults.generator.generate(PROMPTS, 2, GenerationRequest(16, temperature=1.0))
     expected, ranks = expected_logprobs(defaults.learner.model, rollout, 1.0)
@@ -137,17 +144,18 @@ def test_hf_ignores_the_checkpoint_sampling_defaults(tiny_model, tmp_path):
 
 # --- the EOS set --------------------------------------------------------------------------------------------
 
+
 def test_eos_token_ids_is_the_union_of_tokenizer_and_generation_config(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
     from grpo_lab.generation.base import eos_token_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    assert eos_token_ids(tok, tiny_model) == [tok.eos_token_id]          # generation_config: the same single id
+    assert eos_token_ids(tok, tiny_model) == [tok.eos_token_id]  # generation_config: the same single id
     for listed, expected in (([7, tok.eos_token_id], [tok.eos_token_id, 7]), (9, [tok.eos_token_id, 9])):
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
         assert eos_token_ids(tok, str(tmp_path)) == expected
-    assert eos_token_ids(tok, str(tmp_path / "missing")) == [tok.eos_token_id]   # no generation_config.json
+    assert eos_token_ids(tok, str(tmp_path / "missing")) == [tok.eos_token_id]  # no generation_config.json
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +168,7 @@ def extra_eos(tiny_model, tmp_path_factory):
     lab.close()
     counts = {}
     for ids, n in zip(plain.completion_ids.tolist(), plain.completion_lengths.tolist()):
-        for t in ids[1:n - 1]:   # past the first token and before the end: the plain completion goes on after it
+        for t in ids[1 : n - 1]:  # past the first token and before the end: the plain completion goes on after it
             counts[t] = counts.get(t, 0) + 1
     extra = max((t for t in counts if t != eos), key=lambda t: counts[t])
     path = tmp_path_factory.mktemp("extra-eos") / "tiny"
@@ -182,7 +190,7 @@ def rollout_on_extra_eos(extra_eos, backend):
 def check_extra_eos_stop(extra_eos, rollout):
     check_stops(rollout, extra_eos.eos_ids)
     ends = [ids[n - 1] for ids, n in zip(rollout.completion_ids.tolist(), rollout.completion_lengths.tolist())]
-    assert extra_eos.extra in ends                                 # it did stop on the generation_config's extra id
+    assert extra_eos.extra in ends  # it did stop on the generation_config's extra id
     assert rollout.completion_lengths.sum() < extra_eos.plain.completion_lengths.sum()
 
 
@@ -200,6 +208,7 @@ def test_both_backends_stop_on_the_checkpoint_generation_config_eos_list(extra_e
 
 
 # --- hf and vllm side by side ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def both(tiny_model):
@@ -223,7 +232,7 @@ def test_greedy_hf_and_vllm_agree(both):
     assert torch.equal(hf.completion_ids, vllm.completion_ids)
     assert torch.equal(hf.completion_mask, vllm.completion_mask)
     assert torch.equal(hf.truncated, vllm.truncated)
-    assert hf.truncated.any() and not hf.truncated.all()           # both kinds of ending are compared
+    assert hf.truncated.any() and not hf.truncated.all()  # both kinds of ending are compared
     assert gap(hf, vllm.sampler_logprobs) < GREEDY_LOGPROB_TOLERANCE
 
 
@@ -249,7 +258,7 @@ def test_inverse_cdf_sampler_draws_from_the_softmax_and_never_a_filtered_token()
 
     torch.manual_seed(0)
     scores = torch.randn(1, 12) * 2
-    scores[0, [3, 7]] = float("-inf")                      # filtered by top-k/top-p
+    scores[0, [3, 7]] = float("-inf")  # filtered by top-k/top-p
     n = 200_000
     out = InverseCdfSampler()(None, scores.expand(n, -1).contiguous())
     assert (torch.isfinite(out).sum(dim=1) == 1).all() and (out.max(dim=1).values == 0).all()
@@ -259,6 +268,6 @@ def test_inverse_cdf_sampler_draws_from_the_softmax_and_never_a_filtered_token()
     keep = probs > 0
     expected = probs[keep] * n
     chi2 = ((drawn[keep].double() - expected) ** 2 / expected).sum().item()
-    assert chi2 < 27.88, chi2   # the chi-square distribution's 0.999 quantile at 9 degrees of freedom
+    assert chi2 < 27.88, chi2  # the chi-square distribution's 0.999 quantile at 9 degrees of freedom
     with pytest.raises(RuntimeError, match="probability tensor contains"):
         InverseCdfSampler()(None, torch.full((2, 5), float("nan")))

@@ -2,6 +2,7 @@
 
 Real parts throughout: each rank is a fresh Python process with its own 4-bit (nf4) LoRA learner sharded by
 torch's fully_shard, talking over gloo; the reference is one process of the same config and seed."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,9 @@ def same_state(a: dict, b: dict) -> bool:
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     return sa.keys() == sb.keys() and all(
         torch.equal(sa[i][k], sb[i][k]) if isinstance(sa[i][k], torch.Tensor) else sa[i][k] == sb[i][k]
-        for i in sa for k in sa[i])
+        for i in sa
+        for k in sa[i]
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +66,7 @@ def test_two_ranks_train_like_one_process(one_process):
         lab.close()
     assert len(shards) == 2 and all(s["layout"]["sharded"] and all(s["layout"]["sharded"]) for s in shards)
     for mine, theirs in zip(sharded, results):
-        assert mine.completion_length_mean == theirs.completion_length_mean   # the same completions were sampled
+        assert mine.completion_length_mean == theirs.completion_length_mean  # the same completions were sampled
         assert mine.reward_mean == theirs.reward_mean and mine.rewards == theirs.rewards
         assert mine.loss == pytest.approx(theirs.loss, **LOSS_TOL)
         assert mine.grad_norm == pytest.approx(theirs.grad_norm, **LOSS_TOL)
@@ -71,7 +74,7 @@ def test_two_ranks_train_like_one_process(one_process):
     assert merged.keys() == lora.keys()
     worst = max((merged[n] - lora[n]).abs().max().item() for n in lora)
     moved = max((lora[n] - 0).abs().max().item() for n in lora if "lora_B" in n)
-    assert moved > 1e-5          # the steps did change the weights (B starts at 0)
+    assert moved > 1e-5  # the steps did change the weights (B starts at 0)
     assert worst <= LORA_TOL, worst
     # every rank's memory is in the driver's sampler, per phase
     devices = {r["device"] for r in sharded[-1].memory}
@@ -86,9 +89,9 @@ def test_gather_on_and_off_sample_the_same_and_a_failed_generation_leaves_every_
         before = lab.inspect()
         gathered = lab.rollout().completions
         after_gathered = lab.inspect()
-        lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})   # greedy: chunks change nothing
+        lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})  # greedy: chunks change nothing
         streamed = lab.memory.streamed
-        sharded = lab.rollout().completions     # a rollout may be redone until the step's first update
+        sharded = lab.rollout().completions  # a rollout may be redone until the step's first update
         after_sharded = lab.inspect()
         assert gathered == sharded
         # the setting took effect: every rank gathered every unit whole for the first rollout, none for the second
@@ -100,16 +103,16 @@ def test_gather_on_and_off_sample_the_same_and_a_failed_generation_leaves_every_
         for gather in (True, False):
             lab.configure(generator={"gather_for_generation": gather})
             for rank in (0, 1):
-                lab.arm_fault(rank, "rollout", "runtime")   # raises at the third decoding step, inside generate
+                lab.arm_fault(rank, "rollout", "runtime")  # raises at the third decoding step, inside generate
             with pytest.raises(LabError, match="rollout failed on every rank: RuntimeError: injected failure"):
                 lab.rollout()
             after = lab.inspect()
             for b, a in zip(before, after):
-                assert a["layout"] == b["layout"]   # sharded, same reshard settings, mode and checkpointing
+                assert a["layout"] == b["layout"]  # sharded, same reshard settings, mode and checkpointing
                 assert same_state(a, b)
         assert all(before[0]["layout"]["sharded"]) and before[0]["layout"]["training"]
         result = lab.step()
-        assert result.step == 0 and result.attempts == 5   # every redone or failed rollout was filed as an attempt
+        assert result.step == 0 and result.attempts == 5  # every redone or failed rollout was filed as an attempt
     finally:
         lab.close()
 
@@ -122,13 +125,15 @@ def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_s
         lab.step()
         before = lab.inspect()
         lab.arm_fault(1, "backward", "oom")
-        with pytest.raises(LabError, match=r"backward failed on rank 1: .*out of memory.*every rank was restarted") as err:
+        with pytest.raises(
+            LabError, match=r"backward failed on rank 1: .*out of memory.*every rank was restarted"
+        ) as err:
             lab.step()
         assert "\n" not in str(err.value)
         after = lab.inspect()
         assert [a["step"] for a in after] == [1, 1]
         assert all(same_state(a, b) for a, b in zip(after, before))
-        again = lab.step()   # the step again, from the same RNG state and prompt order: the one-process step 1
+        again = lab.step()  # the step again, from the same RNG state and prompt order: the one-process step 1
         assert again.step == 1 and again.attempts == 2
         assert again.reward_mean == results[1].reward_mean
         assert again.loss == pytest.approx(results[1].loss, **LOSS_TOL)
@@ -152,19 +157,21 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
     try:
         before = lab.inspect()
         pids = list(lab.executor.ranks.pids)
-        lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})   # ~2 s of rollout
+        lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})  # ~2 s of rollout
         interrupt = threading.Timer(0.6, lambda: [os.kill(pid, signal.SIGINT) for pid in [*pids, os.getpid()]])
         interrupt.start()
         with pytest.raises(KeyboardInterrupt) as err:
             lab.rollout()
         interrupt.join()
         assert "every rank was stopped" in "".join(getattr(err.value, "__notes__", [])), err.value
-        assert not lab.executor.ranks.actors and lab.executor.ranks.down   # every rank stopped, started at the next command
-        after = lab.inspect()   # the next command starts the ranks again, each from its state at the step's start
+        assert (
+            not lab.executor.ranks.actors and lab.executor.ranks.down
+        )  # every rank stopped, started at the next command
+        after = lab.inspect()  # the next command starts the ranks again, each from its state at the step's start
         assert all(same_state(a, b) for a, b in zip(after, before)) and [a["step"] for a in after] == [0, 0]
         lab.configure(generator={"gather_for_generation": True, "chunk_size": None})
         again = lab.step()
-        assert again.step == 0 and again.attempts == 2   # the interrupted rollout is filed as an attempt
+        assert again.step == 0 and again.attempts == 2  # the interrupted rollout is filed as an attempt
         assert again.reward_mean == results[0].reward_mean
         assert again.loss == pytest.approx(results[0].loss, **LOSS_TOL)
     finally:
@@ -206,16 +213,16 @@ def test_a_vllm_engine_samples_for_every_rank_and_syncs_only_the_lora_tensors():
     try:
         assert type(lab.executor).__name__ == "RankExecutor" and lab.generator is not None
         sharded = [lab.step()]
-        with pytest.raises(LabError, match="this vLLM engine was started for"):   # the driver's engine checks live edits
+        with pytest.raises(LabError, match="this vLLM engine was started for"):  # the driver's engine checks live edits
             lab.configure(generator={"max_completion_length": 100000})
         with pytest.raises(LabError, match="arm_fault: a rollout fault goes into a rank's hf decoding"):
             lab.arm_fault(0, "rollout")
         lab.arm_fault(1, "backward", "oom")
         with pytest.raises(LabError, match="backward failed on rank 1: .*every rank was restarted"):
             lab.step()
-        sharded.append(lab.step())   # restarted ranks, the engine synced again: the step as if nothing had happened
+        sharded.append(lab.step())  # restarted ranks, the engine synced again: the step as if nothing had happened
         assert sharded[-1].attempts == 2
-        adapter = lab.generator.lora_request.lora_path   # what the engine samples the next rollout with
+        adapter = lab.generator.lora_request.lora_path  # what the engine samples the next rollout with
         with safe_open(f"{adapter}/adapter_model.safetensors", "pt") as f:
             sent = {k: f.get_tensor(k) for k in f.keys()}
         merged = whole(lab.inspect())
@@ -224,10 +231,10 @@ def test_a_vllm_engine_samples_for_every_rank_and_syncs_only_the_lora_tensors():
     for mine, theirs in zip(sharded, expected):
         assert mine.rewards == theirs.rewards and mine.completion_length_mean == theirs.completion_length_mean
         assert mine.loss == pytest.approx(theirs.loss, **LOSS_TOL)
-        assert mine.logprob_mismatch == pytest.approx(theirs.logprob_mismatch, rel=1e-4)   # the engine had the update
+        assert mine.logprob_mismatch == pytest.approx(theirs.logprob_mismatch, rel=1e-4)  # the engine had the update
     assert max((merged[n] - lora[n]).abs().max().item() for n in lora) <= LORA_TOL
-    assert sent and all("lora_" in k for k in sent)                             # LoRA tensors only...
-    assert sum(t.numel() for t in sent.values()) == sum(t.numel() for t in lora.values())   # ...all of them, whole
+    assert sent and all("lora_" in k for k in sent)  # LoRA tensors only...
+    assert sum(t.numel() for t in sent.values()) == sum(t.numel() for t in lora.values())  # ...all of them, whole
 
 
 @pytest.mark.slow
@@ -240,7 +247,7 @@ def test_the_reference_copy_is_sharded_like_the_policy_and_scores_as_the_base():
             placements = rank["placements"]
             assert rank["reference_placements"] == placements
             assert all(p == "(Shard(dim=0),)" for p in placements.values()), set(placements.values())
-        lab.step()                                # an update: the policy leaves the base
+        lab.step()  # an update: the policy leaves the base
         rollout = lab.rollout()
         lab.advantages(lab.rewards(rollout))
         copy = lab.logprobs(rollout).ref
@@ -249,7 +256,8 @@ def test_the_reference_copy_is_sharded_like_the_policy_and_scores_as_the_base():
         mask = rollout.completion_mask.bool()
         assert copy.shape == disabled.shape == rollout.completion_ids.shape
         assert (copy - disabled)[mask].abs().max().item() <= 1e-5
-        # the hf rollout sampled with the updated policy at temperature 1: its log-probs are the policy's, not the base's
+        # the hf rollout sampled with the updated policy at temperature 1: its log-probs are the
+        # policy's, not the base's
         assert (rollout.sampler_logprobs - copy)[mask].abs().max().item() > 1e-3
     finally:
         lab.close()
@@ -265,13 +273,15 @@ def test_a_reference_left_on_another_device_type_is_refused_in_one_line(tiny_mod
     with torch.device("meta"):
         naive = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
     policy_logps = torch.zeros(1, 3)
-    with pytest.raises((RuntimeError, NotImplementedError)):   # the P5 failure: its log-probs meet the policy's
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the P5 failure: its log-probs meet the policy's
         ref = naive(input_ids=torch.tensor([[1, 2, 3]])).logits.log_softmax(-1)[..., 0]
         (policy_logps - ref).cpu()
-    with pytest.raises(LabError, match=r"reference: model\.embed_tokens\.weight is on meta, the policy computes on cpu \(P5"):
+    with pytest.raises(
+        LabError, match=r"reference: model\.embed_tokens\.weight is on meta, the policy computes on cpu \(P5"
+    ):
         check_reference_devices(naive, torch.device("cpu"))
     plain = AutoModelForCausalLM.from_pretrained(tiny_model)
-    check_reference_devices(plain, torch.device("cpu"))   # a copy where the policy is passes
+    check_reference_devices(plain, torch.device("cpu"))  # a copy where the policy is passes
 
 
 def test_the_driver_keeps_the_boundary_states_of_the_last_two_step_starts_and_a_rank_restores_the_one_asked():
@@ -300,6 +310,7 @@ def test_the_driver_keeps_the_boundary_states_of_the_last_two_step_starts_and_a_
 
 
 # --- bad input: one line, exit 2, before any process starts ----------------------------------------
+
 
 @pytest.fixture
 def no_ranks(monkeypatch):
@@ -330,11 +341,13 @@ def test_more_cpu_ranks_than_cores_is_one_line(capsys, no_ranks, monkeypatch):
 def test_more_gpu_ranks_than_gpus_is_one_line(capsys, no_ranks, monkeypatch):
     from grpo_lab.config.loading import load_config
 
-    monkeypatch.setattr("grpo_lab.checks.world.check_engine", lambda learner: None)   # this CPU torch has no NCCL
-    monkeypatch.setattr("grpo_lab.checks.devices.cuda_device_count", lambda: 2)                # a machine with 2 GPUs
-    line = refused(capsys, "placement.learner=cuda:1", "placement.learner_procs=2")   # through the CLI: exit 2
-    assert ("placement.learner_procs: 2 ranks from cuda:1 need cuda:1..cuda:2, but this machine has 2 CUDA device(s); "
-            "use at most 1 ranks") in line
+    monkeypatch.setattr("grpo_lab.checks.world.check_engine", lambda learner: None)  # this CPU torch has no NCCL
+    monkeypatch.setattr("grpo_lab.checks.devices.cuda_device_count", lambda: 2)  # a machine with 2 GPUs
+    line = refused(capsys, "placement.learner=cuda:1", "placement.learner_procs=2")  # through the CLI: exit 2
+    assert (
+        "placement.learner_procs: 2 ranks from cuda:1 need cuda:1..cuda:2, but this machine has 2 CUDA device(s); "
+        "use at most 1 ranks"
+    ) in line
     from grpo_lab.checks.world import check_ranks
 
     check_ranks(load_config("tiny-cpu", ["placement.learner=cuda:0", "placement.learner_procs=2"]), cuda_count=2)
@@ -343,22 +356,36 @@ def test_more_gpu_ranks_than_gpus_is_one_line(capsys, no_ranks, monkeypatch):
 def test_a_sharding_engine_that_is_not_installed_is_one_line(capsys, no_ranks, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)   # import fails as on a torch without FSDP2
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # import fails as on a torch without FSDP2
     line = refused(capsys, "placement.learner_procs=2")
     assert "sharding needs FSDP2 (torch.distributed.fsdp.fully_shard" in line and "placement.learner_procs: 1" in line
 
 
-@pytest.mark.parametrize("sets, words", [
-    (["generator.backend=vllm", "placement.learner=cuda:0", "placement.learner_procs=2"],
-     "placement.generator: cuda:0 is a learner rank's GPU"),
-    (["generator.backend=vllm", "placement.learner=cuda:0", "placement.learner_procs=2", "placement.generator=[1]"],
-     "placement.generator: cuda:1 is a learner rank's GPU"),
-    (["generator.backend=vllm", "placement.learner_procs=2", "generator.sleep_mode=true"], "generator.sleep_mode"),
-    (["generator.backend=vllm", "placement.learner_procs=2", "generator.gather_for_generation=false"],
-     "the vLLM engine has weights of its own"),
-    (["placement.learner_procs=3"], "ranks need a batch they split evenly"),
-    (["placement.learner_procs=2", "reference.strategy=copy", "reference.device=cpu"], "reference.device"),
-])
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (
+            ["generator.backend=vllm", "placement.learner=cuda:0", "placement.learner_procs=2"],
+            "placement.generator: cuda:0 is a learner rank's GPU",
+        ),
+        (
+            [
+                "generator.backend=vllm",
+                "placement.learner=cuda:0",
+                "placement.learner_procs=2",
+                "placement.generator=[1]",
+            ],
+            "placement.generator: cuda:1 is a learner rank's GPU",
+        ),
+        (["generator.backend=vllm", "placement.learner_procs=2", "generator.sleep_mode=true"], "generator.sleep_mode"),
+        (
+            ["generator.backend=vllm", "placement.learner_procs=2", "generator.gather_for_generation=false"],
+            "the vLLM engine has weights of its own",
+        ),
+        (["placement.learner_procs=3"], "ranks need a batch they split evenly"),
+        (["placement.learner_procs=2", "reference.strategy=copy", "reference.device=cpu"], "reference.device"),
+    ],
+)
 def test_what_a_sharded_learner_cannot_do_is_one_line(capsys, no_ranks, sets, words):
     line = refused(capsys, *sets)
     assert words in line
@@ -388,14 +415,14 @@ def test_failures_on_ranks_are_decided_together_and_leave_no_rank_behind(one_pro
         line = str(err.value)
         assert "\n" not in line and "backward failed on every rank" in line, line
         assert "loss is non-finite on rank 1's rows at step 0; the step was refused" in line, line
-        assert lab.executor.ranks.pids == pids      # no rank restarted
-        first = lab.step()                                                        # the next try runs
-        for rank in (0, 1):   # bug 10: a logprobs fault reaches the reference pass
+        assert lab.executor.ranks.pids == pids  # no rank restarted
+        first = lab.step()  # the next try runs
+        for rank in (0, 1):  # bug 10: a logprobs fault reaches the reference pass
             lab.arm_fault(rank, "logprobs", "runtime")
         with pytest.raises(LabError, match="logprobs failed on every rank: RuntimeError: injected failure in logprobs"):
             lab.step()
         layouts = [s["layout"] for s in lab.inspect()]
-        for rank in (0, 1):   # bug 4: raised inside the first layer's forward, after FSDP's pre-forward hook
+        for rank in (0, 1):  # bug 4: raised inside the first layer's forward, after FSDP's pre-forward hook
             lab.arm_fault(rank, "backward", "runtime")
         with pytest.raises(LabError, match="backward failed on every rank: RuntimeError: injected failure in backward"):
             lab.step()

@@ -5,6 +5,7 @@ The tolerance: token ids, masks and completions are equal to one process's (ever
 padded to the whole batch's prompt width); sampler log-probs differ by float rounding only (a rank's forward runs
 another batch size: <= 1.2e-6 measured on tiny-cpu's float32, 0 on logits-heavy-cpu's bfloat16), so they are
 compared within SAMPLER_TOL."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ SAMPLER_TOL = 1e-5
 def test_shares_are_whole_groups_in_rank_order_and_uneven_counts_split():
     for n, size in [(4, 2), (3, 2), (1, 2), (7, 3), (2, 4)]:
         shares = [Runtime(k, size, is_rank=True).share(n) for k in range(size)]
-        assert [i for s in shares for i in range(s.start, s.stop)] == list(range(n))   # every group once, in order
+        assert [i for s in shares for i in range(s.start, s.stop)] == list(range(n))  # every group once, in order
         assert max(s.stop - s.start for s in shares) - min(s.stop - s.start for s in shares) <= 1
     assert Runtime().share(5) == slice(0, 5)
 
@@ -46,12 +47,12 @@ def test_a_row_samples_the_same_tokens_whatever_rows_are_beside_it(tiny_model):
     finally:
         lab.close()
     lengths = outs[0].prompt_mask.sum(1).tolist()
-    assert len(set(lengths)) > 1 and set(widths) == {max(lengths)}, (lengths, widths)   # every call the batch's width
+    assert len(set(lengths)) > 1 and set(widths) == {max(lengths)}, (lengths, widths)  # every call the batch's width
     for out in outs[1:]:
         assert torch.equal(out.completion_ids, outs[0].completion_ids) and out.completions == outs[0].completions
         assert (out.sampler_logprobs - outs[0].sampler_logprobs).abs().max().item() <= SAMPLER_TOL
     assert all(torch.equal(s, states[0]) for s in states)
-    assert len(set(outs[0].completions)) > 1   # sampled, not one string repeated
+    assert len(set(outs[0].completions)) > 1  # sampled, not one string repeated
 
 
 def test_a_checksum_mismatch_is_one_line_naming_the_rank(monkeypatch):
@@ -66,7 +67,7 @@ def test_a_checksum_mismatch_is_one_line_naming_the_rank(monkeypatch):
     assert "\n" not in line and line.startswith("rollout: rank 2 holds a rollout unlike the others'"), line
     assert "rank 2 bbbbbbbbbbbb" in line
     digests[:] = ["a" * 64] * 3
-    sample.agree_on(None)   # agreed: nothing raised
+    sample.agree_on(None)  # agreed: nothing raised
 
 
 def rows(lab) -> list[int]:
@@ -83,12 +84,22 @@ def same_rollout(mine, theirs) -> None:
 # each: the edits (on both Labs), then every rank's sequences sampled (a rank with no group samples one stand-in row,
 # so that the other's engine calls have a partner)
 CASES = [
-    ({}, [4, 4]),                                                                  # 2 groups of 4: one each, gathered
-    ({"generator": {"gather_for_generation": False, "chunk_size": 1}}, [4, 4]),    # through the shards, synced
-    ({"grpo": {"prompts_per_step": 3, "num_generations": 2},
-      "generator": {"gather_for_generation": False, "chunk_size": 3}}, [4, 2]),   # uneven: 2 groups and 1
-    ({"grpo": {"prompts_per_step": 1, "num_generations": 4},
-      "generator": {"gather_for_generation": True, "chunk_size": None}}, [4, 1]),  # 1 group: rank 1 has none
+    ({}, [4, 4]),  # 2 groups of 4: one each, gathered
+    ({"generator": {"gather_for_generation": False, "chunk_size": 1}}, [4, 4]),  # through the shards, synced
+    (
+        {
+            "grpo": {"prompts_per_step": 3, "num_generations": 2},
+            "generator": {"gather_for_generation": False, "chunk_size": 3},
+        },
+        [4, 2],
+    ),  # uneven: 2 groups and 1
+    (
+        {
+            "grpo": {"prompts_per_step": 1, "num_generations": 4},
+            "generator": {"gather_for_generation": True, "chunk_size": None},
+        },
+        [4, 1],
+    ),  # 1 group: rank 1 has none
 ]
 
 
@@ -97,9 +108,10 @@ def test_two_ranks_sample_once_what_one_process_samples(ray_local):
     one = Lab("tiny-cpu").load()
     try:
         expected = []
-        for edits, _ in CASES:   # gather_for_generation means nothing in one process (refused there)
-            one.configure(**{k: {f: v for f, v in fields.items() if f != "gather_for_generation"}
-                             for k, fields in edits.items()})
+        for edits, _ in CASES:  # gather_for_generation means nothing in one process (refused there)
+            one.configure(
+                **{k: {f: v for f, v in fields.items() if f != "gather_for_generation"} for k, fields in edits.items()}
+            )
             expected.append(one.rollout())
     finally:
         one.close()
@@ -109,16 +121,17 @@ def test_two_ranks_sample_once_what_one_process_samples(ray_local):
             lab.configure(**edits)
             before = rows(lab)
             mine = lab.rollout()
-            assert [a - b for a, b in zip(rows(lab), before)] == share, edits   # each rank sampled its share only
+            assert [a - b for a, b in zip(rows(lab), before)] == share, edits  # each rank sampled its share only
             same_rollout(mine, theirs)
-        lab.arm_fault(1, "rollout", "diverge")   # rank 1 hashes one token differently after the gather
+        lab.arm_fault(1, "rollout", "diverge")  # rank 1 hashes one token differently after the gather
         pids = list(lab.executor.ranks.pids)
         with pytest.raises(LabError) as err:
             lab.rollout()
         line = str(err.value)
-        assert "\n" not in line and line.startswith("rollout failed on every rank: rollout: rank 1 holds a "
-                                                    "rollout unlike the others' after the gather"), line
-        assert list(lab.executor.ranks.pids) == pids   # decided together: no rank restarted
-        assert len(lab.rollout()) == 4   # the next rollout is agreed again
+        assert "\n" not in line and line.startswith(
+            "rollout failed on every rank: rollout: rank 1 holds a rollout unlike the others' after the gather"
+        ), line
+        assert list(lab.executor.ranks.pids) == pids  # decided together: no rank restarted
+        assert len(lab.rollout()) == 4  # the next rollout is agreed again
     finally:
         lab.close()

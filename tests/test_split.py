@@ -1,6 +1,7 @@
 """generator.gpu_memory_utilization: auto, planner arithmetic on real GPU shapes (bundled config.json copies): the
 share it picks, what that leaves vLLM (KV tokens, full-length sequences), and the one-line refusal when no share
 fits. Planned on the stated capacities (placement.gpu_memory_gib), so these run on any machine."""
+
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,8 @@ from grpo_lab.cli import main
 from grpo_lab.errors import ConfigError, LabError
 from grpo_lab.planner import engine_share, plan
 from grpo_lab.planner.estimate import CUDA_CONTEXT, GiB, generator_weight_bytes
-from grpo_lab.planner.split import AUTO_MARGIN, engine_work_bytes, kv_token_bytes
 from grpo_lab.planner.placement import Placement
+from grpo_lab.planner.split import AUTO_MARGIN, engine_work_bytes, kv_token_bytes
 
 PRESETS = Path(__file__).resolve().parents[1] / "grpo_lab" / "config" / "presets"
 QWEN7B = PRESETS / "qwen2.5-7b-nf4-24gb.yaml"
@@ -34,7 +35,7 @@ def test_7b_colocated_on_24gb_with_sleep_mode_takes_the_largest_share_that_leave
     weights, work = generator_weight_bytes(p.shape, cfg), engine_work_bytes(p.shape, cfg, capacity)
     # independently: the learner's rollout-phase items (everything on the GPU but the engine's) plus share x GPU
     learner = sum(i.bytes for i in gpu.items if "engine" not in i.what and i.phase in (None, "rollout"))
-    room = (capacity * (1 - AUTO_MARGIN) - learner + CUDA_CONTEXT) / capacity   # (the asleep part is inside the share)
+    room = (capacity * (1 - AUTO_MARGIN) - learner + CUDA_CONTEXT) / capacity  # (the asleep part is inside the share)
     assert split.share == engine_share(cfg) == pytest.approx(int(room * 100) / 100) == 0.70
     assert gpu.phase_peak("rollout") <= capacity * (1 - AUTO_MARGIN) < gpu.phase_peak("rollout") + 0.01 * capacity
     assert all(gpu.phase_peak(ph) + 0 <= capacity * (1 - AUTO_MARGIN) for ph in ("logprobs", "backward"))
@@ -44,8 +45,10 @@ def test_7b_colocated_on_24gb_with_sleep_mode_takes_the_largest_share_that_leave
     text = str(p)
     assert "vLLM 0.70 (auto)" in text and "2,492 tokens = 2 sequences of 1024" in text
     # the number the plan printed is what a number would plan, and what lab.placement shows before load
-    assert plan(qwen7b("generator.sleep_mode=true", "generator.gpu_memory_utilization=0.7")).devices["cuda:0"].total \
+    assert (
+        plan(qwen7b("generator.sleep_mode=true", "generator.gpu_memory_utilization=0.7")).devices["cuda:0"].total
         == gpu.total
+    )
     assert "gpu_memory_utilization 0.70 (auto)" in repr(Placement(cfg))
 
 
@@ -63,7 +66,7 @@ def test_7b_colocated_on_24gb_awake_has_no_share_and_is_refused_naming_the_fix()
     assert "\n" not in line and line.startswith("generator.gpu_memory_utilization: auto: cuda:0: no share")
     assert "needs 0.70" in line and "generator.sleep_mode: true" in line
     with pytest.raises(LabError, match="auto: cuda:0: no share"):
-        Lab(cfg).load()   # refused in preflight: the 7B checkpoint is never looked for
+        Lab(cfg).load()  # refused in preflight: the 7B checkpoint is never looked for
     assert "no share fits" in repr(Placement(cfg))
 
 
@@ -80,7 +83,9 @@ def test_qwq32b_two_gpu_preset_auto_takes_90_percent_of_its_own_gpu():
     p = plan(cfg)
     split = p.devices["cuda:1"].split
     capacity = 40 * GiB
-    kv = 0.9 * capacity - CUDA_CONTEXT - generator_weight_bytes(p.shape, cfg) - engine_work_bytes(p.shape, cfg, capacity)
+    kv = (
+        0.9 * capacity - CUDA_CONTEXT - generator_weight_bytes(p.shape, cfg) - engine_work_bytes(p.shape, cfg, capacity)
+    )
     assert split.share == engine_share(cfg) == 0.9 and split.learner == 0
     assert split.kv_tokens == int(kv // kv_token_bytes(p.shape, cfg)) == 60186 and split.sequences == 23
     assert p.devices["cuda:0"].split is None and p.fits
@@ -90,8 +95,9 @@ def test_qwq32b_two_gpu_preset_auto_takes_90_percent_of_its_own_gpu():
 
 def test_qwq32b_tensor_parallel_over_the_learners_gpu_takes_one_share_bound_by_it():
     """vLLM over cuda:0 (the learner's) and cuda:1: one share for both GPUs, the learner's GPU decides it."""
-    cfg = load_config(QWQ, ["placement.generator=[0, 1]", "generator.gpu_memory_utilization=auto",
-                            "generator.sleep_mode=true"])
+    cfg = load_config(
+        QWQ, ["placement.generator=[0, 1]", "generator.gpu_memory_utilization=auto", "generator.sleep_mode=true"]
+    )
     p = plan(cfg)
     s0, s1 = p.devices["cuda:0"].split, p.devices["cuda:1"].split
     assert s0.share == s1.share == engine_share(cfg) < 0.9
@@ -99,15 +105,20 @@ def test_qwq32b_tensor_parallel_over_the_learners_gpu_takes_one_share_bound_by_i
     assert s1.kv_tokens == s0.kv_tokens > 0 and p.fits
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["placement.generator=[cpu]"], "generator.gpu_memory_utilization: auto is a share of a GPU"),
-    # a number was accepted and silently ignored: vLLM's CPU engine sizes its KV cache by generator.cpu_kv_cache_gib
-    (["placement.generator=[cpu]", "generator.gpu_memory_utilization=0.5"],
-     "generator.gpu_memory_utilization: 0.5 is a share of a GPU.*runs on the CPU.*cpu_kv_cache_gib"),
-    (["generator.backend=hf"], "backend 'hf' samples with the learner's own weights"),
-    (["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization"),
-    (["generator.gpu_memory_utilization=half"], "generator.gpu_memory_utilization"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["placement.generator=[cpu]"], "generator.gpu_memory_utilization: auto is a share of a GPU"),
+        # a number was accepted and silently ignored: vLLM's CPU engine sizes its KV cache by generator.cpu_kv_cache_gib
+        (
+            ["placement.generator=[cpu]", "generator.gpu_memory_utilization=0.5"],
+            "generator.gpu_memory_utilization: 0.5 is a share of a GPU.*runs on the CPU.*cpu_kv_cache_gib",
+        ),
+        (["generator.backend=hf"], "backend 'hf' samples with the learner's own weights"),
+        (["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization"),
+        (["generator.gpu_memory_utilization=half"], "generator.gpu_memory_utilization"),
+    ],
+)
 def test_bad_shares_are_refused_in_one_line(extra, message, capsys):
     with pytest.raises(ConfigError, match=message) as err:
         qwen7b(*extra)

@@ -1,4 +1,5 @@
 """The step's phases on the real 4-bit tiny model: weights, chunking invariance, determinism, references."""
+
 import math
 
 import pytest
@@ -24,6 +25,7 @@ def test_lora_parameters_are_the_only_trainable_ones(loaded_lab):
     trainable = [n for n, p in lab.learner.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     import bitsandbytes as bnb
+
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in lab.learner.model.modules())
 
 
@@ -41,9 +43,22 @@ def test_step_changes_lora_and_leaves_4bit_base_bit_identical(loaded_lab):
 def test_step_result_has_metrics_and_phase_times(loaded_lab):
     lab = loaded_lab(grpo={"beta": 0.04})
     metrics = lab.step().metrics()
-    for key in ("step", "reward_mean", "loss", "kl", "grad_norm", "clip_fraction", "completion_length_mean",
-                "seconds/rollout", "seconds/rewards", "seconds/advantages", "seconds/logprobs",
-                "seconds/backward", "seconds/optimizer", "seconds/sync"):
+    for key in (
+        "step",
+        "reward_mean",
+        "loss",
+        "kl",
+        "grad_norm",
+        "clip_fraction",
+        "completion_length_mean",
+        "seconds/rollout",
+        "seconds/rewards",
+        "seconds/advantages",
+        "seconds/logprobs",
+        "seconds/backward",
+        "seconds/optimizer",
+        "seconds/sync",
+    ):
         assert key in metrics, key
     assert metrics["kl"] is not None and lab.history[0].step == 0 and lab.step_index == 1
 
@@ -58,7 +73,7 @@ def test_phases_can_be_called_one_by_one(loaded_lab):
     assert rewards.per_function.shape == (n, 3) and rewards.names == ["exact_answer", "format", "length"]
     adv = lab.advantages(rewards)
     groups = adv.values.view(2, 4)
-    assert torch.allclose(groups.sum(1), torch.zeros(2), atol=1e-4)   # zero-mean within each group
+    assert torch.allclose(groups.sum(1), torch.zeros(2), atol=1e-4)  # zero-mean within each group
     lp = lab.logprobs(rollout)
     assert lab.current.old_logprobs is None and lp.ref.shape == rollout.completion_ids.shape
     stats = lab.backward(rollout, adv, lp)
@@ -73,12 +88,20 @@ def test_phases_can_be_called_one_by_one(loaded_lab):
     after = lora_state(lab)
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert moved and moved <= set(grads)
-    for n in before:                                   # AdamW's first update is 0 where the gradient is 0
+    for n in before:  # AdamW's first update is 0 where the gradient is 0
         if n in grads and not grads[n].any():
             assert n not in moved, n
     assert all(p.grad is None for p in params.values())
     lab.sync()
-    assert set(lab.timeline.seconds(0)) == {"rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"}
+    assert set(lab.timeline.seconds(0)) == {
+        "rollout",
+        "rewards",
+        "advantages",
+        "logprobs",
+        "backward",
+        "optimizer",
+        "sync",
+    }
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, None])
@@ -86,8 +109,9 @@ def test_chunked_generation_equals_unchunked_greedy(loaded_lab, chunk_size):
     lab = loaded_lab(generator={"temperature": 0})
     batch = lab.prompts.next_batch(3)
     whole = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=12, temperature=0))
-    parts = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=12, temperature=0,
-                                                               chunk_size=chunk_size))
+    parts = lab.generator.generate(
+        batch, 2, GenerationRequest(max_completion_length=12, temperature=0, chunk_size=chunk_size)
+    )
     assert torch.equal(whole.completion_ids, parts.completion_ids)
     assert torch.equal(whole.completion_mask, parts.completion_mask)
     assert torch.allclose(whole.sampler_logprobs, parts.sampler_logprobs, atol=1e-5)
@@ -106,8 +130,8 @@ def test_micro_batched_logprobs_and_gradients_equal_the_whole_batch(loaded_lab):
     whole_lp = lab.logprobs(rollout)
     whole = lab.backward(rollout, adv, whole_lp)
     whole_grads = {n: p.grad.clone() for n, p in lab.learner.model.named_parameters() if p.grad is not None}
-    lab.rollback()                         # drop those gradients; the step goes on from its logprobs
-    lab.config.grpo.micro_batch_size = 3   # does not divide 8; live: the next phases read it
+    lab.rollback()  # drop those gradients; the step goes on from its logprobs
+    lab.config.grpo.micro_batch_size = 3  # does not divide 8; live: the next phases read it
     part_lp = lab.logprobs(rollout)
     part = lab.backward(rollout, adv, part_lp)
     mask = rollout.completion_mask.bool()
@@ -124,6 +148,7 @@ def test_learner_logprobs_match_the_sampler(loaded_lab):
     lab = loaded_lab(generator={"temperature": 0.7})
     rollout = lab.rollout()
     from grpo_lab.algo.logprobs import rollout_logprobs
+
     learner = rollout_logprobs(lab.learner.model.eval(), rollout, lab.learner.device, None)
     mask = rollout.completion_mask.bool()
     assert torch.allclose(learner[mask], rollout.sampler_logprobs[mask], atol=1e-3)
@@ -133,8 +158,15 @@ def test_same_seed_same_metrics(tiny_config):
     def run():
         lab = Lab(tiny_config(grpo={"beta": 0.04})).load()
         timing_and_memory = ("step_seconds", "sync_seconds", "memory", "leaks")
-        return [{k: v for k, v in lab.step().metrics().items() if not k.startswith("seconds") and k not in timing_and_memory}
-                for _ in range(2)]
+        return [
+            {
+                k: v
+                for k, v in lab.step().metrics().items()
+                if not k.startswith("seconds") and k not in timing_and_memory
+            }
+            for _ in range(2)
+        ]
+
     assert run() == run()
 
 
@@ -144,7 +176,9 @@ def test_reference_copy_equals_adapter_disabled_before_training(tiny_config):
     copy = Lab(tiny_config(grpo={"beta": 0.1}, reference={"strategy": "copy", "device": "cpu"})).load()
     rollout = disabled.rollout()
     a = disabled.logprobs(rollout).ref
-    b = copy.reference.logprobs(copy.learner, rollout, copy.config)   # another Lab's rollout: through the reference itself
+    b = copy.reference.logprobs(
+        copy.learner, rollout, copy.config
+    )  # another Lab's rollout: through the reference itself
     mask = rollout.completion_mask.bool()
     assert torch.allclose(a[mask], b[mask], atol=1e-5)
     assert copy.reference.model is not copy.learner.model
@@ -162,11 +196,12 @@ def test_num_iterations_old_logprobs_are_the_first_iterations_own(loaded_lab, mo
     without LoRA dropout; the second against the same old log-probs, and it can clip."""
     import grpo_lab.algo.grpo as step_module
 
-    lab = loaded_lab(lora={"lora_dropout": lora_dropout},
-                     grpo={"num_iterations": 2, "learning_rate": 5e-2, "epsilon": 0.01})
+    lab = loaded_lab(
+        lora={"lora_dropout": lora_dropout}, grpo={"num_iterations": 2, "learning_rate": 5e-2, "epsilon": 0.01}
+    )
     rollout = lab.rollout()
     lab.logprobs(rollout)
-    assert lab.current.old_logprobs is None              # no pass of its own: the first backward records it
+    assert lab.current.old_logprobs is None  # no pass of its own: the first backward records it
 
     passes, stats, weights = [], [], [lora_state(lab)]
     real_loss = step_module.grpo_loss
@@ -181,30 +216,30 @@ def test_num_iterations_old_logprobs_are_the_first_iterations_own(loaded_lab, mo
     monkeypatch.setattr(lab, "optimizer", lambda: (real_update(), weights.append(lora_state(lab)))[0])
     result = lab.step()
 
-    assert len(stats) == 2 and len(weights) == 3 and len(passes) == 2   # whole batch: one micro-batch per pass
+    assert len(stats) == 2 and len(weights) == 3 and len(passes) == 2  # whole batch: one micro-batch per pass
     assert result.iterations == 2
-    for a, b in zip(weights, weights[1:]):             # each of the two updates moved the LoRA weights
+    for a, b in zip(weights, weights[1:]):  # each of the two updates moved the LoRA weights
         assert any(not torch.equal(a[n], b[n]) for n in a)
     assert {int(s["step"]) for s in lab.learner.optimizer.state.values()} == {2}
 
     (logps1, old1, mask), (logps2, old2, _) = passes
-    assert torch.equal(old1, old2)                      # both passes against the same old policy
-    assert torch.equal(logps1[mask], old1[mask])        # first pass: ratio exactly 1, dropout or not...
+    assert torch.equal(old1, old2)  # both passes against the same old policy
+    assert torch.equal(logps1[mask], old1[mask])  # first pass: ratio exactly 1, dropout or not...
     assert torch.equal(torch.exp(logps1 - old1)[mask], torch.ones(int(mask.sum())))
-    assert stats[0].clip_fraction == 0.0               # ...so nothing can be clipped (epsilon is 0.01)
-    assert not torch.equal(logps2[mask], old2[mask])    # second pass: the policy moved
+    assert stats[0].clip_fraction == 0.0  # ...so nothing can be clipped (epsilon is 0.01)
+    assert not torch.equal(logps2[mask], old2[mask])  # second pass: the policy moved
     assert stats[1].clip_fraction > 0.0 and result.clip_fraction == stats[1].clip_fraction
     assert math.isfinite(result.loss)
 
 
 def test_advantages_group_by_the_rollouts_group_size_not_the_config(loaded_lab):
     """An edit of grpo.num_generations between rollout and advantages must not regroup that rollout."""
-    lab = loaded_lab()                                    # G = 4, 2 prompts
+    lab = loaded_lab()  # G = 4, 2 prompts
     rollout = lab.rollout()
     rewards = lab.rewards(rollout)
     expected = lab.advantages(rewards).values.clone()
-    assert rewards.total.view(2, 4).std(dim=1).gt(0).any()   # groups with variance: a regrouping would show
-    lab.config.grpo.num_generations = 2                   # takes effect at the next rollout
+    assert rewards.total.view(2, 4).std(dim=1).gt(0).any()  # groups with variance: a regrouping would show
+    lab.config.grpo.num_generations = 2  # takes effect at the next rollout
     assert torch.equal(lab.advantages(rewards).values, expected)
     assert len(lab.rollout()) == 2 * 2
 

@@ -1,4 +1,5 @@
 """Papermill sweeps: a 2x2 grid on the tiny model, and bad input refused before anything runs."""
+
 import csv
 import subprocess
 import sys
@@ -16,15 +17,24 @@ QUICKSTART = ROOT / "notebooks" / "01_quickstart.ipynb"
 
 @pytest.mark.slow
 def test_two_by_two_sweep_summarises_peaks_per_device(tiny_model, tmp_path):
-    out = sweep(QUICKSTART, parse_grid(["micro_batch_size=2,4", "steps=1,2"]), tmp_path / "sweep",
-                fixed={"model_path": tiny_model})
+    out = sweep(
+        QUICKSTART,
+        parse_grid(["micro_batch_size=2,4", "steps=1,2"]),
+        tmp_path / "sweep",
+        fixed={"model_path": tiny_model},
+    )
     rows = list(csv.DictReader(open(out / "summary.csv")))
-    assert len(rows) == 4 and {(r["micro_batch_size"], r["steps"]) for r in rows} == {("2", "1"), ("2", "2"), ("4", "1"), ("4", "2")}
+    assert len(rows) == 4 and {(r["micro_batch_size"], r["steps"]) for r in rows} == {
+        ("2", "1"),
+        ("2", "2"),
+        ("4", "1"),
+        ("4", "2"),
+    }
     for r in rows:
         assert r["error"] == "" and float(r["peak_host_rss_mib"]) > 100 and (out / r["notebook"]).is_file()
     summary = (out / "summary.html").read_text()
     assert "Peak memory per device against micro_batch_size" in summary and "href='compare.html'" in summary
-    page = (out / "compare.html").read_text()   # every point, labelled by its parameters
+    page = (out / "compare.html").read_text()  # every point, labelled by its parameters
     assert all(f"micro_batch_size={m}, steps={s}" in page for m in (2, 4) for s in (1, 2))
     assert "parameters.micro_batch_size" in page
 
@@ -45,13 +55,27 @@ def test_bad_sweeps_are_refused_before_anything_runs(tmp_path):
 
 
 def test_sweep_cli_bad_key_exits_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "sweep", str(QUICKSTART), "--grid", "nope=1,2",
-                           "--out", str(tmp_path / "s")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_lab",
+            "sweep",
+            str(QUICKSTART),
+            "--grid",
+            "nope=1,2",
+            "--out",
+            str(tmp_path / "s"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "not parameters of 01_quickstart.ipynb" in proc.stderr
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.slow   # three real kernels, one of them killed (~20 s)
+@pytest.mark.slow  # three real kernels, one of them killed (~20 s)
 def test_a_grid_point_whose_kernel_dies_is_a_row_and_numbers_sort_as_numbers(tmp_path):
     """The kernel of point x=2 is SIGKILLed (as the OOM killer does): that point becomes a row with its error, the
     sweep goes on to x=10, and the summary plot's x axis runs 1, 2, 10 (not the strings '1', '10', '2')."""
@@ -62,13 +86,17 @@ def test_a_grid_point_whose_kernel_dies_is_a_row_and_numbers_sort_as_numbers(tmp
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     params = nbformat.v4.new_code_cell("x = 1\nresults_path = None")
     params.metadata["tags"] = ["parameters"]
-    nb.cells = [params, nbformat.v4.new_code_cell(
-        "import json, os, signal\n"
-        "if x == 2:\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "row = {'step': 0, 'reward_mean': 0.0, 'loss': 0.0, 'step_seconds': 0.1,\n"
-        "       'memory': [{'device': 'host', 'metric': 'rss', 'peak': x * 2**20}]}\n"
-        "open(results_path, 'w').write(json.dumps(row) + '\\n')")]
+    nb.cells = [
+        params,
+        nbformat.v4.new_code_cell(
+            "import json, os, signal\n"
+            "if x == 2:\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "row = {'step': 0, 'reward_mean': 0.0, 'loss': 0.0, 'step_seconds': 0.1,\n"
+            "       'memory': [{'device': 'host', 'metric': 'rss', 'peak': x * 2**20}]}\n"
+            "open(results_path, 'w').write(json.dumps(row) + '\\n')"
+        ),
+    ]
     nbformat.write(nb, tmp_path / "probe.ipynb")
     out = sweep(tmp_path / "probe.ipynb", {"x": [10, 2, 1]}, tmp_path / "sweep")
     rows = {r["x"]: r for r in csv.DictReader(open(out / "summary.csv"))}
@@ -77,6 +105,6 @@ def test_a_grid_point_whose_kernel_dies_is_a_row_and_numbers_sort_as_numbers(tmp
     assert float(rows["10"]["peak_host_rss_mib"]) == 10.0
     html = (out / "summary.html").read_text()
     xs = json.loads(re.search(r'"x":(\[[^\]]*\])', html).group(1))
-    assert xs == [1, 10], xs                      # numeric, in numeric order (x=2 has no peak: its kernel died)
-    page = (out / "compare.html").read_text()     # the dead point is compared too, with its error
+    assert xs == [1, 10], xs  # numeric, in numeric order (x=2 has no peak: its kernel died)
+    page = (out / "compare.html").read_text()  # the dead point is compared too, with its error
     assert "<td>x=2</td><td>failed after 0 steps: DeadKernelError" in page and "<td>x=10</td><td>finished</td>" in page

@@ -1,5 +1,6 @@
 """The built-in tiny model writes readable answers (issue 25): `builtin:tiny-qwen2` is trained on first use
 (grpo_lab/models/tiny_train.py) and its greedy completions read as worked solutions."""
+
 from __future__ import annotations
 
 import re
@@ -13,7 +14,7 @@ WORKED = re.compile(r"^\d+ [-+*] \d+ = -?\d+\. <answer>-?\d+( [a-z]+)?</answer>$
 def trained(user_cache):
     from grpo_lab.models.source import resolve_model_path
 
-    return resolve_model_path("builtin:tiny-qwen2")   # built once per session (~1 min), in the session's cache
+    return resolve_model_path("builtin:tiny-qwen2")  # built once per session (~1 min), in the session's cache
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,15 @@ def greedy(trained):
     tokenizer = AutoTokenizer.from_pretrained(trained)
     model = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
     rows = arithmetic_problems(48, 0)
-    batch = tokenizer([format_prompt(tokenizer, r["prompt"], SYSTEM_PROMPT) for r in rows], return_tensors="pt",
-                      padding=True, add_special_tokens=False)
+    batch = tokenizer(
+        [format_prompt(tokenizer, r["prompt"], SYSTEM_PROMPT) for r in rows],
+        return_tensors="pt",
+        padding=True,
+        add_special_tokens=False,
+    )
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=32, do_sample=False)
-    return rows, tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return rows, tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def test_greedy_completions_are_worked_answers_that_are_often_right(greedy):

@@ -1,5 +1,6 @@
 """run.report_to: a real run's metrics and per-phase peaks read back from TensorBoard's event files and
 from wandb's offline run, equal to metrics.jsonl; the names from recorded rows; bad input in one line."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,39 +11,113 @@ import sys
 import pytest
 
 from grpo_lab import LabError
+from grpo_lab.algo.containers import StepResult
+from grpo_lab.checks.installed import resolve_trackers as resolve
 from grpo_lab.cli import main
 from grpo_lab.memory.probes import MiB
-from grpo_lab.checks.installed import resolve_trackers as resolve
 from grpo_lab.trackers import step_scalars
-from grpo_lab.algo.containers import StepResult
 
 
 def recorded_step() -> StepResult:
-    rows = [{"step": 2, "phase": "backward", "device": "host", "metric": "rss", "start": 500 * MiB, "peak": 700 * MiB,
-             "end": 520 * MiB, "delta": 20 * MiB, "failed_attempt": None},
-            {"step": 2, "phase": "backward", "device": "host", "metric": "used", "start": 0, "peak": 9000 * MiB,
-             "end": 0, "delta": 0, "failed_attempt": None},
-            {"step": 2, "phase": "backward", "device": "host", "metric": "rss", "start": 0, "peak": 5000 * MiB,
-             "end": 0, "delta": 0, "failed_attempt": 1},                       # a failed attempt's: left out
-            {"step": 2, "phase": "rollout", "device": "host", "metric": "rss", "start": 400 * MiB, "peak": 650 * MiB,
-             "end": 500 * MiB, "delta": 100 * MiB, "failed_attempt": None},
-            {"step": 2, "phase": "rollout", "device": "cuda:0", "metric": "reserved", "start": 0, "peak": 30_000 * MiB,
-             "end": 0, "delta": 0, "failed_attempt": None},
-            {"step": 2, "phase": "rollout", "device": "cuda:0", "metric": "device_used", "start": 1000 * MiB,
-             "peak": 41_000 * MiB, "end": 40_000 * MiB, "delta": 39_000 * MiB, "failed_attempt": None}]
-    return StepResult(step=2, reward_mean=0.5, reward_std=0.1, advantage_std=1.0, loss=0.25, kl=None,
-                      clip_fraction=0.0, logprob_mismatch=0.0, logprob_kl=0.0, grad_norm=1.5, completion_length_mean=10.0, completion_length_min=3,
-                      completion_length_max=16, truncated_fraction=0.0, step_seconds=2.0, rewards={"format": 1.0},
-                      phase_seconds={"rollout": 1.5}, memory=rows)
+    rows = [
+        {
+            "step": 2,
+            "phase": "backward",
+            "device": "host",
+            "metric": "rss",
+            "start": 500 * MiB,
+            "peak": 700 * MiB,
+            "end": 520 * MiB,
+            "delta": 20 * MiB,
+            "failed_attempt": None,
+        },
+        {
+            "step": 2,
+            "phase": "backward",
+            "device": "host",
+            "metric": "used",
+            "start": 0,
+            "peak": 9000 * MiB,
+            "end": 0,
+            "delta": 0,
+            "failed_attempt": None,
+        },
+        {
+            "step": 2,
+            "phase": "backward",
+            "device": "host",
+            "metric": "rss",
+            "start": 0,
+            "peak": 5000 * MiB,
+            "end": 0,
+            "delta": 0,
+            "failed_attempt": 1,
+        },  # a failed attempt's: left out
+        {
+            "step": 2,
+            "phase": "rollout",
+            "device": "host",
+            "metric": "rss",
+            "start": 400 * MiB,
+            "peak": 650 * MiB,
+            "end": 500 * MiB,
+            "delta": 100 * MiB,
+            "failed_attempt": None,
+        },
+        {
+            "step": 2,
+            "phase": "rollout",
+            "device": "cuda:0",
+            "metric": "reserved",
+            "start": 0,
+            "peak": 30_000 * MiB,
+            "end": 0,
+            "delta": 0,
+            "failed_attempt": None,
+        },
+        {
+            "step": 2,
+            "phase": "rollout",
+            "device": "cuda:0",
+            "metric": "device_used",
+            "start": 1000 * MiB,
+            "peak": 41_000 * MiB,
+            "end": 40_000 * MiB,
+            "delta": 39_000 * MiB,
+            "failed_attempt": None,
+        },
+    ]
+    return StepResult(
+        step=2,
+        reward_mean=0.5,
+        reward_std=0.1,
+        advantage_std=1.0,
+        loss=0.25,
+        kl=None,
+        clip_fraction=0.0,
+        logprob_mismatch=0.0,
+        logprob_kl=0.0,
+        grad_norm=1.5,
+        completion_length_mean=10.0,
+        completion_length_min=3,
+        completion_length_max=16,
+        truncated_fraction=0.0,
+        step_seconds=2.0,
+        rewards={"format": 1.0},
+        phase_seconds={"rollout": 1.5},
+        memory=rows,
+    )
 
 
 def test_a_steps_scalars_have_grpo_labs_names_and_leave_failed_attempts_out():
     scalars = step_scalars(recorded_step())
-    assert scalars["train/reward_mean"] == 0.5 and scalars["train/loss"] == 0.25 and scalars["train/reward/format"] == 1.0
+    assert (
+        scalars["train/reward_mean"] == 0.5 and scalars["train/loss"] == 0.25 and scalars["train/reward/format"] == 1.0
+    )
     assert scalars["train/seconds/rollout"] == 1.5 and "train/kl" not in scalars and "train/step" not in scalars
     assert scalars["memory/host/backward/peak_mib"] == 700 and scalars["memory/host/backward/delta_mib"] == 20
     assert scalars["memory/host/rollout/peak_mib"] == 650 and scalars["memory/host/peak_mib"] == 700
-    assert scalars["memory/cuda:0/rollout/peak_mib"] == 41_000   # NVML's used: what runs out
+    assert scalars["memory/cuda:0/rollout/peak_mib"] == 41_000  # NVML's used: what runs out
     assert scalars["memory/cuda:0/peak_mib"] == 41_000
     assert not any("used" in k or "reserved" in k for k in scalars)
 
@@ -63,30 +138,34 @@ def _one_line(capsys, argv) -> str:
 def test_an_unknown_or_missing_tracker_is_one_line_naming_the_extra(tiny_model, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert "unknown tracker 'mlflow'; use some of ['tensorboard', 'trackio', 'wandb']" in _one_line(
-        capsys, ["run", "tiny-cpu", "--out", str(out), "--set", "run.report_to=[mlflow]"])
-    monkeypatch.setitem(sys.modules, "wandb", None)   # as if wandb were not installed (find_spec then says so)
+        capsys, ["run", "tiny-cpu", "--out", str(out), "--set", "run.report_to=[mlflow]"]
+    )
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if wandb were not installed (find_spec then says so)
     assert "'wandb' needs the wandb package; pip install 'grpo-lab[wandb]'" in _one_line(
-        capsys, ["run", "tiny-cpu", "--out", str(out), "--set", "run.report_to=wandb"])
+        capsys, ["run", "tiny-cpu", "--out", str(out), "--set", "run.report_to=wandb"]
+    )
     assert not out.exists()
 
 
 def test_all_with_no_tracker_installed_names_the_trackers_extra(monkeypatch):
     for package in ("tensorboard", "wandb", "trackio"):
-        monkeypatch.setitem(sys.modules, package, None)   # hidden: find_spec reports each missing
+        monkeypatch.setitem(sys.modules, package, None)  # hidden: find_spec reports each missing
     with pytest.raises(ValueError, match=r"'all', but no tracker is installed; pip install 'grpo-lab\[trackers\]'"):
         resolve("all")
 
 
-def test_a_tracker_that_fails_while_logging_is_a_warning_and_the_others_get_the_step(loaded_lab, tmp_path,
-                                                                                       monkeypatch):
+def test_a_tracker_that_fails_while_logging_is_a_warning_and_the_others_get_the_step(loaded_lab, tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    lab = loaded_lab(run={"report_to": ["wandb", "tensorboard"], "output_dir": str(tmp_path)},
-                     grpo={"prompts_per_step": 1})
+    lab = loaded_lab(
+        run={"report_to": ["wandb", "tensorboard"], "output_dir": str(tmp_path)}, grpo={"prompts_per_step": 1}
+    )
     try:
-        lab.trackers.open["wandb"].run.finish()   # wandb's own error follows: logging to a finished run
-        with pytest.warns(UserWarning, match=r"run.report_to: wandb did not take step 0 \(UsageError: Run .* is finished"):
+        lab.trackers.open["wandb"].run.finish()  # wandb's own error follows: logging to a finished run
+        with pytest.warns(
+            UserWarning, match=r"run.report_to: wandb did not take step 0 \(UsageError: Run .* is finished"
+        ):
             result = lab.step()
         assert lab.history == [result] and lab.step_index == 1
     finally:
@@ -109,8 +188,22 @@ def test_a_real_run_reports_to_tensorboard_and_offline_wandb(tiny_model, tmp_pat
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    assert main(["run", "tiny-cpu", "--steps", "2", "--quiet", "--out", str(out),
-                 "--set", "run.report_to=[tensorboard, wandb]"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "tiny-cpu",
+                "--steps",
+                "2",
+                "--quiet",
+                "--out",
+                str(out),
+                "--set",
+                "run.report_to=[tensorboard, wandb]",
+            ]
+        )
+        == 0
+    )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     expected = {m["step"]: step_scalars(StepResult.from_metrics(m)) for m in metrics}
     assert expected[1]["memory/host/backward/peak_mib"] > 100
@@ -119,7 +212,7 @@ def test_a_real_run_reports_to_tensorboard_and_offline_wandb(tiny_model, tmp_pat
     events.Reload()
     for tag in ("train/reward_mean", "train/loss", "memory/host/backward/peak_mib", "memory/host/peak_mib"):
         logged = {e.step: e.value for e in events.Scalars(tag)}
-        assert logged == pytest.approx({s: expected[s][tag] for s in (0, 1)}, rel=1e-6), tag   # float32 on disk
+        assert logged == pytest.approx({s: expected[s][tag] for s in (0, 1)}, rel=1e-6), tag  # float32 on disk
 
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
@@ -137,7 +230,9 @@ def test_a_real_run_reports_to_trackio(tiny_model, tmp_path):
         pytest.skip("trackio is not installed (grpo-lab[test-trackers] or [trackio] brings it)")
     first_in_process = "trackio" not in sys.modules and "TRACKIO_DIR" not in os.environ
     out = tmp_path / "run"
-    assert main(["run", "tiny-cpu", "--steps", "2", "--quiet", "--out", str(out), "--set", "run.report_to=trackio"]) == 0
+    assert (
+        main(["run", "tiny-cpu", "--steps", "2", "--quiet", "--out", str(out), "--set", "run.report_to=trackio"]) == 0
+    )
     from trackio.sqlite_storage import SQLiteStorage
 
     if first_in_process:
@@ -150,10 +245,24 @@ def test_a_real_run_reports_to_trackio(tiny_model, tmp_path):
     for step in (0, 1):
         for tag in ("train/reward_mean", "train/loss", "memory/host/backward/peak_mib", "memory/host/peak_mib"):
             assert logged[step][tag] == pytest.approx(expected[step][tag]), (step, tag)
-    if first_in_process:   # a second run in this process cannot move trackio's directory: it says where it goes
+    if first_in_process:  # a second run in this process cannot move trackio's directory: it says where it goes
         with pytest.warns(UserWarning, match="run.report_to: trackio writes to .*/run/trackio, not .*/other/trackio"):
-            assert main(["run", "tiny-cpu", "--steps", "1", "--quiet", "--out", str(tmp_path / "other"),
-                         "--set", "run.report_to=trackio"]) == 0
+            assert (
+                main(
+                    [
+                        "run",
+                        "tiny-cpu",
+                        "--steps",
+                        "1",
+                        "--quiet",
+                        "--out",
+                        str(tmp_path / "other"),
+                        "--set",
+                        "run.report_to=trackio",
+                    ]
+                )
+                == 0
+            )
 
 
 def wandb_history(path) -> dict[int, dict]:
@@ -168,12 +277,12 @@ def wandb_history(path) -> dict[int, dict]:
     assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
     while pos + 7 <= len(data):
         left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
-        if left < 7 or (kind, length) == (0, 0):   # block padding
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (kind, length) == (0, 0):  # block padding
             pos += left
             continue
-        parts, pos = parts + data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind in (1, 4):   # FULL or LAST: one whole record
+        parts, pos = parts + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # FULL or LAST: one whole record
             record = wandb_internal_pb2.Record.FromString(parts)
             parts = b""
             if record.WhichOneof("record_type") == "history":

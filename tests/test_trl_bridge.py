@@ -1,4 +1,5 @@
 """grpo_lab.trl_bridge on a real TRL GRPOTrainer (CPU): no DataParallel, reference placed, TRL's phases watched."""
+
 import pytest
 import torch
 
@@ -15,21 +16,36 @@ def trainer(tiny_model, tmp_path):
     from grpo_lab.algo.prompts import arithmetic_problems
     from grpo_lab.algo.rewards import format_reward, length_reward
 
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", bf16=False,
-                      per_device_train_batch_size=4, num_generations=4, max_completion_length=12, max_steps=2,
-                      beta=0.04, logging_steps=1, disable_tqdm=True)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=2,
+        beta=0.04,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_problems(16)]
-    return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model), args=args,
-                       reward_funcs=[format_reward, length_reward], train_dataset=Dataset.from_list(rows),
-                       processing_class=AutoTokenizer.from_pretrained(tiny_model))
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model),
+        args=args,
+        reward_funcs=[format_reward, length_reward],
+        train_dataset=Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model),
+    )
 
 
 def test_n_gpu_2_wraps_without_the_bridge_and_not_with_it(trainer):
     trainer.args._n_gpu = 2
-    assert isinstance(trainer._wrap_model(trainer.model), torch.nn.DataParallel)   # what P1 users hit
+    assert isinstance(trainer._wrap_model(trainer.model), torch.nn.DataParallel)  # what P1 users hit
     with prepare_trainer(trainer):
         assert trainer._wrap_model(trainer.model) is trainer.model
-    assert trainer.args._n_gpu == 2                                                  # restored on exit
+    assert trainer.args._n_gpu == 2  # restored on exit
 
 
 def test_already_wrapped_model_is_unwrapped(trainer):
@@ -43,7 +59,7 @@ def test_training_under_the_bridge_has_trls_phases_and_a_memory_table(trainer):
         trainer.train()
     assert {"generate", "rewards", "logprobs", "loss", "backward", "optimizer"} <= set(watch.phases())
     assert "generate" in watch.table(0) and watch.memory.total > 0
-    assert "_generate" not in trainer.__dict__                                       # methods restored
+    assert "_generate" not in trainer.__dict__  # methods restored
 
 
 def test_reference_model_is_put_in_eval_and_frozen_then_restored(trainer):

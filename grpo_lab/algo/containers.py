@@ -1,4 +1,5 @@
 """Typed containers passed between the phases of a step (shapes in comments; N = B*G)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -9,8 +10,8 @@ import torch
 
 @dataclass
 class PromptBatch:
-    prompts: list[str]                      # [B] prompt text, chat template applied
-    answers: list[Optional[str]]            # [B] reference answers (None when the dataset has none)
+    prompts: list[str]  # [B] prompt text, chat template applied
+    answers: list[Optional[str]]  # [B] reference answers (None when the dataset has none)
     extra: dict[str, list] = field(default_factory=dict)  # other dataset columns, [B] each
 
     def __len__(self) -> int:
@@ -21,19 +22,20 @@ class PromptBatch:
 class Rollout:
     """Completions of one step. Tensors stay on the CPU: they are small integer/float tables,
     and each phase moves only the micro-batch it is working on to its device."""
+
     batch: PromptBatch
     num_generations: int
-    prompt_ids: torch.Tensor         # [N, P] left-padded
-    prompt_mask: torch.Tensor        # [N, P]
-    completion_ids: torch.Tensor     # [N, L] right-padded
-    completion_mask: torch.Tensor    # [N, L] 1 up to and including EOS
-    sampler_logprobs: torch.Tensor   # [N, L] log-prob of each sampled token under the sampler (0 where masked)
-    truncated: torch.Tensor          # [N] bool: no EOS within max_completion_length
-    completions: list[str]           # [N] decoded completion text
-    temperature: float = 1.0         # sampled at (0 = greedy); the log-prob passes score at this temperature (greedy: 1)
-    max_completion_length: int = 0   # the limit it was sampled with (dr_grpo normalises by it)
-    step: int = -1                   # the Lab step it belongs to (set by the Lab)
-    generate_calls: int = 1          # engine calls it took (generator.chunk_size splits the batch)
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, L] right-padded
+    completion_mask: torch.Tensor  # [N, L] 1 up to and including EOS
+    sampler_logprobs: torch.Tensor  # [N, L] log-prob of each sampled token under the sampler (0 where masked)
+    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+    completions: list[str]  # [N] decoded completion text
+    temperature: float = 1.0  # sampled at (0 = greedy); the log-prob passes score at this temperature (greedy: 1)
+    max_completion_length: int = 0  # the limit it was sampled with (dr_grpo normalises by it)
+    step: int = -1  # the Lab step it belongs to (set by the Lab)
+    generate_calls: int = 1  # engine calls it took (generator.chunk_size splits the batch)
 
     @property
     def logprob_temperature(self) -> float:
@@ -44,7 +46,7 @@ class Rollout:
         return self.completion_ids.shape[0]
 
     @property
-    def completion_lengths(self) -> torch.Tensor:   # [N]
+    def completion_lengths(self) -> torch.Tensor:  # [N]
         return self.completion_mask.sum(-1)
 
     def repeated(self, values: list) -> list:
@@ -54,33 +56,33 @@ class Rollout:
 
 @dataclass
 class Rewards:
-    per_function: torch.Tensor       # [N, F]
-    names: list[str]                 # [F]
-    total: torch.Tensor              # [N] weighted sum over functions
-    num_generations: int             # G: the group size of the rollout they score (not the config's, which may change)
+    per_function: torch.Tensor  # [N, F]
+    names: list[str]  # [F]
+    total: torch.Tensor  # [N] weighted sum over functions
+    num_generations: int  # G: the group size of the rollout they score (not the config's, which may change)
 
 
 @dataclass
 class Advantages:
-    values: torch.Tensor             # [N]
-    group_mean: torch.Tensor         # [N] mean reward of each completion's group
-    group_std: torch.Tensor          # [N] std of each completion's group
+    values: torch.Tensor  # [N]
+    group_mean: torch.Tensor  # [N] mean reward of each completion's group
+    group_std: torch.Tensor  # [N] std of each completion's group
 
 
 @dataclass
 class LogProbs:
-    ref: Optional[torch.Tensor]      # [N, L] reference policy (None: beta was 0 at the logprobs phase)
+    ref: Optional[torch.Tensor]  # [N, L] reference policy (None: beta was 0 at the logprobs phase)
 
 
 @dataclass
 class LossStats:
     loss: float
-    kl: Optional[float]              # mean per-token KL to the reference (None when beta = 0)
-    clip_fraction: float             # fraction of completion tokens where the ratio was clipped
-    logprob_mismatch: float          # mean |learner - sampler| log-prob over completion tokens
-    logprob_kl: float                # KL(sampler || learner) per token (k3 estimate on the sampled tokens)
+    kl: Optional[float]  # mean per-token KL to the reference (None when beta = 0)
+    clip_fraction: float  # fraction of completion tokens where the ratio was clipped
+    logprob_mismatch: float  # mean |learner - sampler| log-prob over completion tokens
+    logprob_kl: float  # KL(sampler || learner) per token (k3 estimate on the sampled tokens)
     num_tokens: int
-    is_ratio_min: Optional[float] = None    # importance-sampling weights over the loss's tokens (None: not applied)
+    is_ratio_min: Optional[float] = None  # importance-sampling weights over the loss's tokens (None: not applied)
     is_ratio_mean: Optional[float] = None
     is_ratio_max: Optional[float] = None
 
@@ -89,9 +91,10 @@ class LossStats:
 class BackwardResult:
     """What a backward phase returns: its metrics, and the old log-probs and importance-sampling weights it used (the
     rollout's first backward records the old log-probs from its own forward; its later iterations are given them)."""
+
     stats: LossStats
-    old_logprobs: torch.Tensor             # [N, L] learner before the rollout's first update, detached, on the CPU
-    is_weights: Optional[torch.Tensor]     # [N, L] or [N, 1] importance-sampling weights (None: not applied)
+    old_logprobs: torch.Tensor  # [N, L] learner before the rollout's first update, detached, on the CPU
+    is_weights: Optional[torch.Tensor]  # [N, L] or [N, 1] importance-sampling weights (None: not applied)
 
 
 @dataclass
@@ -99,7 +102,7 @@ class StepResult:
     step: int
     reward_mean: float
     reward_std: float
-    rewards: dict[str, float]        # mean of each reward function
+    rewards: dict[str, float]  # mean of each reward function
     advantage_std: float
     loss: float
     kl: Optional[float]
@@ -113,17 +116,17 @@ class StepResult:
     truncated_fraction: float
     phase_seconds: dict[str, float]
     step_seconds: float
-    sync_seconds: float = 0.0                          # pushing the LoRA weights to the generator
-    generate_calls: int = 1                            # engine calls of the rollout (generator.chunk_size)
-    temperature: float = 1.0                           # the rollout was sampled at (0 = greedy)
-    learning_rate: float = 0.0                         # of the step's last update
-    iterations: int = 1                                # optimizer updates on this rollout
-    attempts: int = 1                                  # 1 + rolled-back attempts (their rows: memory.rows_for(step, failed_attempts=True))
+    sync_seconds: float = 0.0  # pushing the LoRA weights to the generator
+    generate_calls: int = 1  # engine calls of the rollout (generator.chunk_size)
+    temperature: float = 1.0  # the rollout was sampled at (0 = greedy)
+    learning_rate: float = 0.0  # of the step's last update
+    iterations: int = 1  # optimizer updates on this rollout
+    attempts: int = 1  # 1 + rolled-back attempts (their rows: memory.rows_for(step, failed_attempts=True))
     is_ratio_min: Optional[float] = None
     is_ratio_mean: Optional[float] = None
     is_ratio_max: Optional[float] = None
-    memory: list[dict] = field(default_factory=list)   # per phase x device x metric: start/peak/end/delta bytes
-    leaks: list[str] = field(default_factory=list)     # devices whose after-step memory keeps climbing
+    memory: list[dict] = field(default_factory=list)  # per phase x device x metric: start/peak/end/delta bytes
+    leaks: list[str] = field(default_factory=list)  # devices whose after-step memory keeps climbing
 
     def metrics(self) -> dict:
         """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list)."""
@@ -137,31 +140,42 @@ class StepResult:
         """Back from a metrics.jsonl line (a resumed run's report covers the steps before the resume too)."""
         known = {f.name for f in fields(cls)}
         out = {k: v for k, v in record.items() if k in known}
-        out["rewards"] = {k[len("reward/"):]: v for k, v in record.items() if k.startswith("reward/")}
-        out["phase_seconds"] = {k[len("seconds/"):]: v for k, v in record.items() if k.startswith("seconds/")}
+        out["rewards"] = {k[len("reward/") :]: v for k, v in record.items() if k.startswith("reward/")}
+        out["phase_seconds"] = {k[len("seconds/") :]: v for k, v in record.items() if k.startswith("seconds/")}
         return cls(**out)
 
     def summary(self) -> str:
         kl = "-" if self.kl is None else f"{self.kl:.4f}"
-        return (f"step {self.step}: reward {self.reward_mean:.3f}±{self.reward_std:.3f}  loss {self.loss:+.4f}  "
-                f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s")
+        return (
+            f"step {self.step}: reward {self.reward_mean:.3f}±{self.reward_std:.3f}  loss {self.loss:+.4f}  "
+            f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s"
+        )
 
 
 @dataclass
 class GenerationRequest:
     """Settings of one rollout, read from the live config at the rollout phase (the generator keeps
     no copy of them, so an edit between steps takes effect at the next rollout); temperature 0 = greedy."""
+
     max_completion_length: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_prompt_length: int = 256
-    chunk_size: Optional[int] = None     # sequences per engine call; None = all at once
-    gather_for_generation: bool = True   # a sharded hf learner: full weights for the rollout, or one layer at a time
-    full_length: bool = False            # the worst-case probe: stop tokens suppressed until max_completion_length
+    chunk_size: Optional[int] = None  # sequences per engine call; None = all at once
+    gather_for_generation: bool = True  # a sharded hf learner: full weights for the rollout, or one layer at a time
+    full_length: bool = False  # the worst-case probe: stop tokens suppressed until max_completion_length
 
     @classmethod
     def from_config(cls, config, full_length: bool = False) -> "GenerationRequest":
         gen = config.generator
-        return cls(gen.max_completion_length, gen.temperature, gen.top_p, gen.top_k, gen.max_prompt_length, gen.chunk_size,
-                   gen.gather_for_generation, full_length)
+        return cls(
+            gen.max_completion_length,
+            gen.temperature,
+            gen.top_p,
+            gen.top_k,
+            gen.max_prompt_length,
+            gen.chunk_size,
+            gen.gather_for_generation,
+            full_length,
+        )

@@ -7,6 +7,7 @@ Departs from TRL: micro-batching the log-prob/backward passes never changes the 
 iteration (`num_iterations`), with no gradient accumulation across rollouts; and old log-probs
 are the first iteration's own forward, detached (no extra pass; see `backward`).
 """
+
 from __future__ import annotations
 
 import math
@@ -14,17 +15,16 @@ from typing import Callable, Optional
 
 import torch
 
+from ..dist.fsdp import full, local
+from ..dist.recovery import agreed
 from ..errors import LabError, NonFinite
+from ..runtime import runtime
 from ..state.faults import poison
+from .containers import Advantages, BackwardResult, GenerationRequest, LogProbs, LossStats, Rewards, Rollout, StepResult
 from .importance import importance_weights
 from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice
 from .losses import BatchTotals, grpo_loss
 from .rewards import reward_name
-from ..dist.fsdp import full, local
-from ..dist.recovery import agreed
-from ..runtime import runtime
-from .containers import (Advantages, BackwardResult, GenerationRequest, LogProbs, LossStats, Rewards, Rollout,
-                         StepResult)
 
 
 def step(phases, num_iterations: int) -> StepResult:
@@ -36,7 +36,7 @@ def step(phases, num_iterations: int) -> StepResult:
     rewards = phases.rewards(rollout)
     advantages = phases.advantages(rewards)
     logprobs = phases.logprobs(rollout)
-    for _ in range(num_iterations):   # mu in the paper: updates per rollout, each from the same old log-probs
+    for _ in range(num_iterations):  # mu in the paper: updates per rollout, each from the same old log-probs
         phases.backward(rollout, advantages, logprobs)
         phases.optimizer()
     return phases.sync()
@@ -64,14 +64,20 @@ def rewards(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[li
         name = reward_name(fn)
         values = fn(prompts=prompts, completions=rollout.completions, completion_ids=completion_ids, **columns)
         if values is None or len(values) != n:
-            raise LabError(f"reward {name!r} returned {0 if values is None else len(values)} values for {n} completions; "
-                           "return one float (or None) per completion")
+            raise LabError(
+                f"reward {name!r} returned {0 if values is None else len(values)} values for {n} completions; "
+                "return one float (or None) per completion"
+            )
         table[:, j] = torch.tensor([math.nan if v is None else float(v) for v in values])
     w = torch.tensor(weights if weights is not None else [1.0] * len(reward_funcs))
     total = (table * w).nansum(dim=1)
-    total[torch.isnan(table).all(dim=1)] = math.nan   # why: no reward had an opinion; kept out of the baseline
-    return Rewards(per_function=table, names=[reward_name(f) for f in reward_funcs], total=total,
-                   num_generations=rollout.num_generations)
+    total[torch.isnan(table).all(dim=1)] = math.nan  # why: no reward had an opinion; kept out of the baseline
+    return Rewards(
+        per_function=table,
+        names=[reward_name(f) for f in reward_funcs],
+        total=total,
+        num_generations=rollout.num_generations,
+    )
 
 
 def advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
@@ -80,14 +86,14 @@ def advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
     from trl.trainer.utils import nanstd
 
     num_generations = rewards.num_generations
-    grouped = rewards.total.view(-1, num_generations)                              # [B, G]
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)          # [N]
-    group_std = nanstd(grouped, dim=1).repeat_interleave(num_generations)            # [N]
+    grouped = rewards.total.view(-1, num_generations)  # [B, G]
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)  # [N]
+    group_std = nanstd(grouped, dim=1).repeat_interleave(num_generations)  # [N]
     std = nanstd(rewards.total).expand_as(rewards.total) if scale_rewards == "batch" else group_std
     values = rewards.total - mean
     if scale_rewards != "none":
         values = values / (std + 1e-4)
-    values = torch.nan_to_num(values, nan=0.0)    # why: an unscored completion gets no push either way
+    values = torch.nan_to_num(values, nan=0.0)  # why: an unscored completion gets no push either way
     return Advantages(values=values, group_mean=mean, group_std=group_std)
 
 
@@ -111,8 +117,14 @@ def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
     return mask
 
 
-def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogProbs, config,
-             old_logprobs: Optional[torch.Tensor] = None) -> BackwardResult:
+def backward(
+    learner,
+    rollout: Rollout,
+    advantages: Advantages,
+    logprobs: LogProbs,
+    config,
+    old_logprobs: Optional[torch.Tensor] = None,
+) -> BackwardResult:
     """Forward with gradients and backward, one micro-batch at a time; gradients accumulate in the LoRA params.
 
     The rollout's first backward (no `old_logprobs` yet) is at the weights that sampled it: its own detached
@@ -120,8 +132,10 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     importance-sampling weights come from them; it returns them, for the rollout's later iterations."""
     grpo, device = config.grpo, learner.device
     if grpo.beta > 0 and logprobs.ref is None:
-        raise LabError(f"backward: grpo.beta is {grpo.beta} but this step's logprobs phase ran at beta 0, so there are "
-                       "no reference log-probs; run lab.logprobs(rollout) again (before the step's first update)")
+        raise LabError(
+            f"backward: grpo.beta is {grpo.beta} but this step's logprobs phase ran at beta 0, so there are "
+            "no reference log-probs; run lab.logprobs(rollout) again (before the step's first update)"
+        )
     first = old_logprobs is None
     is_on = applies_importance_sampling(config)
     mask_all = loss_mask(rollout, grpo.mask_truncated_completions)
@@ -134,40 +148,62 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
     learner.optimizer.zero_grad(set_to_none=True)
     olds, weights_all = [], []
     loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = mismatch_tokens = 0.0
-    ranks = runtime()   # a sharded learner's rank takes its rows; the totals above are the whole batch's
+    ranks = runtime()  # a sharded learner's rank takes its rows; the totals above are the whole batch's
     for rows in micro_batches(len(rollout), grpo.micro_batch_size, ranks.rows(len(rollout))):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
-        with agreed(model):   # a rank whose forward fails takes every rank out before any backward's reduce-scatter
+        with agreed(model):  # a rank whose forward fails takes every rank out before any backward's reduce-scatter
             logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
         sampler = rollout.sampler_logprobs[rows].to(device)
         old = logps.detach() if first else old_logprobs[rows].to(device)
         weights = None
-        if is_on:   # from the old log-probs, so every iteration of the rollout gets the same weights
+        if is_on:  # from the old log-probs, so every iteration of the rollout gets the same weights
             # over the loss mask, as TRL (mask_truncated_completions zeroes its completion mask first)
-            weights = importance_weights(old, sampler, mask, grpo.importance_sampling_mode,
-                                         grpo.importance_sampling_clip_min, grpo.importance_sampling_clip_max)
+            weights = importance_weights(
+                old,
+                sampler,
+                mask,
+                grpo.importance_sampling_mode,
+                grpo.importance_sampling_clip_min,
+                grpo.importance_sampling_clip_max,
+            )
             weights_all.append(weights.cpu())
-        if first:   # why on the CPU: [N, L] floats kept for the rollout's later iterations, beside the rollout
+        if first:  # why on the CPU: [N, L] floats kept for the rollout's later iterations, beside the rollout
             olds.append(old.cpu())
-        gap = old - sampler                                                  # log(learner / sampler) per token
-        seen = mask * torch.isfinite(gap)          # a sampler log-prob the engine did not return stays out of the metrics
+        gap = old - sampler  # log(learner / sampler) per token
+        seen = mask * torch.isfinite(gap)  # a sampler log-prob the engine did not return stays out of the metrics
         gap = torch.nan_to_num(gap, nan=0.0, posinf=0.0, neginf=0.0)
         loss, kl, clipped = grpo_loss(
-            logps, old, None if logprobs.ref is None else logprobs.ref[rows].to(device), advantages.values[rows].to(device),
-            mask, totals, grpo.loss_type, grpo.beta, grpo.epsilon, config.epsilon_high, sampling_weights=weights,
-            bias_correction_kl=grpo.use_bias_correction_kl, level=grpo.importance_sampling_level)
-        loss = poison(loss)   # lab.arm_fault(..., "backward", "nan")
+            logps,
+            old,
+            None if logprobs.ref is None else logprobs.ref[rows].to(device),
+            advantages.values[rows].to(device),
+            mask,
+            totals,
+            grpo.loss_type,
+            grpo.beta,
+            grpo.epsilon,
+            config.epsilon_high,
+            sampling_weights=weights,
+            bias_correction_kl=grpo.use_bias_correction_kl,
+            level=grpo.importance_sampling_level,
+        )
+        loss = poison(loss)  # lab.arm_fault(..., "backward", "nan")
         value = loss.item()
         # who decides: a non-finite loss on any rank's rows refuses the step on every rank, here, before any rank's
         # backward starts a reduce-scatter the refusing one would never join
         refused = ranks.agree(not math.isfinite(value))
         if refused:
-            learner.optimizer.zero_grad(set_to_none=True)  # why: earlier micro-batches' gradients belong to a refused step
+            learner.optimizer.zero_grad(
+                set_to_none=True
+            )  # why: earlier micro-batches' gradients belong to a refused step
             where = f" on rank {', '.join(map(str, refused))}'s rows" if ranks.sharded else ""
-            refusal = NonFinite("backward", f"loss is {'non-finite' if ranks.sharded else value}{where}",
-                                "check the rewards and advantages for inf/nan, or lower grpo.learning_rate / grpo.beta")
-            refusal.agreed = True   # every rank took this decision together
+            refusal = NonFinite(
+                "backward",
+                f"loss is {'non-finite' if ranks.sharded else value}{where}",
+                "check the rewards and advantages for inf/nan, or lower grpo.learning_rate / grpo.beta",
+            )
+            refusal.agreed = True  # every rank took this decision together
             raise refusal
         loss.backward()
         loss_sum += value
@@ -178,16 +214,22 @@ def backward(learner, rollout: Rollout, advantages: Advantages, logprobs: LogPro
         if kl is not None:
             kl_sum += (kl.detach() * mask).sum().item()
         del logps, loss, kl  # why: free this micro-batch's activations before the next forward
-    if first:   # why after the loop: a backward that failed part-way records nothing
+    if first:  # why after the loop: a backward that failed part-way records nothing
         old_logprobs = ranks.gather_rows(torch.cat(olds))
     is_weights = ranks.gather_rows(torch.cat(weights_all)) if is_on else None
     loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens = ranks.sum(
-        [loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens])   # the whole batch's
+        [loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens]
+    )  # the whole batch's
     tokens = max(totals.num_tokens, 1)
-    stats = LossStats(loss=loss_sum, kl=kl_sum / tokens if grpo.beta > 0 else None,
-                      clip_fraction=clipped_sum / tokens, logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
-                      logprob_kl=mismatch_kl_sum / max(mismatch_tokens, 1), num_tokens=totals.num_tokens,
-                      **ratio_stats(is_weights, mask_all))
+    stats = LossStats(
+        loss=loss_sum,
+        kl=kl_sum / tokens if grpo.beta > 0 else None,
+        clip_fraction=clipped_sum / tokens,
+        logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
+        logprob_kl=mismatch_kl_sum / max(mismatch_tokens, 1),
+        num_tokens=totals.num_tokens,
+        **ratio_stats(is_weights, mask_all),
+    )
     return BackwardResult(stats, old_logprobs, is_weights)
 
 
@@ -207,21 +249,29 @@ def optimizer(learner, config) -> float:
     refused before the update, non-finite weights after it (the Lab rolls the update back): NaN never
     reaches AdamW's moments or the adapter."""
     grpo = config.grpo
-    for group in learner.optimizer.param_groups:   # why here: an edit between steps takes effect at this update
+    for group in learner.optimizer.param_groups:  # why here: an edit between steps takes effect at this update
         group["lr"], group["weight_decay"] = grpo.learning_rate, grpo.weight_decay
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    grad_norm = full(torch.nn.utils.clip_grad_norm_(params, grpo.max_grad_norm)).item()   # a DTensor when sharded
+    grad_norm = full(torch.nn.utils.clip_grad_norm_(params, grpo.max_grad_norm)).item()  # a DTensor when sharded
     if not math.isfinite(grad_norm):
         learner.optimizer.zero_grad(set_to_none=True)  # why: these gradients must never be applied
-        raise NonFinite("optimizer", f"gradient norm is {grad_norm}", "lower grpo.learning_rate or check the "
-                        "rewards and advantages for inf/nan")
+        raise NonFinite(
+            "optimizer",
+            f"gradient norm is {grad_norm}",
+            "lower grpo.learning_rate or check the rewards and advantages for inf/nan",
+        )
     learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)  # why: gradients are not needed until the next backward
-    bad = int(torch.stack([~torch.isfinite(local(p)).all() for p in params]).sum().item())   # one sync for all LoRA tensors
-    bad = int(runtime().sum([bad])[0])   # a sharded rank checks its shards; every rank refuses together
+    bad = int(
+        torch.stack([~torch.isfinite(local(p)).all() for p in params]).sum().item()
+    )  # one sync for all LoRA tensors
+    bad = int(runtime().sum([bad])[0])  # a sharded rank checks its shards; every rank refuses together
     if bad:
-        raise NonFinite("optimizer", f"the update made {bad} of {len(params)} LoRA weights non-finite",
-                        "lower grpo.learning_rate (or grpo.max_grad_norm)")
+        raise NonFinite(
+            "optimizer",
+            f"the update made {bad} of {len(params)} LoRA weights non-finite",
+            "lower grpo.learning_rate (or grpo.max_grad_norm)",
+        )
     return grad_norm
 
 
@@ -230,8 +280,18 @@ def sync(generator, learner) -> None:
     generator.sync(learner)
 
 
-def summarize(step_index, rollout_: Rollout, rewards_: Rewards, advantages_: Advantages, stats: LossStats,
-              grad_norm: float, phase_seconds: dict, iterations: int, attempts: int, learning_rate: float) -> StepResult:
+def summarize(
+    step_index,
+    rollout_: Rollout,
+    rewards_: Rewards,
+    advantages_: Advantages,
+    stats: LossStats,
+    grad_norm: float,
+    phase_seconds: dict,
+    iterations: int,
+    attempts: int,
+    learning_rate: float,
+) -> StepResult:
     total = rewards_.total
     lengths = rollout_.completion_lengths.float()
     means = torch.nanmean(rewards_.per_function, dim=0).tolist()
@@ -241,13 +301,25 @@ def summarize(step_index, rollout_: Rollout, rewards_: Rewards, advantages_: Adv
         reward_std=total[~torch.isnan(total)].std().item() if (~torch.isnan(total)).sum() > 1 else 0.0,
         rewards=dict(zip(rewards_.names, means)),
         advantage_std=advantages_.values.std().item(),
-        loss=stats.loss, kl=stats.kl, clip_fraction=stats.clip_fraction,
-        logprob_mismatch=stats.logprob_mismatch, logprob_kl=stats.logprob_kl, grad_norm=grad_norm,
+        loss=stats.loss,
+        kl=stats.kl,
+        clip_fraction=stats.clip_fraction,
+        logprob_mismatch=stats.logprob_mismatch,
+        logprob_kl=stats.logprob_kl,
+        grad_norm=grad_norm,
         completion_length_mean=lengths.mean().item(),
-        completion_length_min=int(lengths.min().item()), completion_length_max=int(lengths.max().item()),
+        completion_length_min=int(lengths.min().item()),
+        completion_length_max=int(lengths.max().item()),
         truncated_fraction=rollout_.truncated.float().mean().item(),
-        phase_seconds=phase_seconds, step_seconds=sum(phase_seconds.values()), sync_seconds=phase_seconds.get("sync", 0.0),
-        iterations=iterations, attempts=attempts, generate_calls=rollout_.generate_calls,
-        temperature=rollout_.temperature, learning_rate=learning_rate,
-        is_ratio_min=stats.is_ratio_min, is_ratio_mean=stats.is_ratio_mean, is_ratio_max=stats.is_ratio_max,
+        phase_seconds=phase_seconds,
+        step_seconds=sum(phase_seconds.values()),
+        sync_seconds=phase_seconds.get("sync", 0.0),
+        iterations=iterations,
+        attempts=attempts,
+        generate_calls=rollout_.generate_calls,
+        temperature=rollout_.temperature,
+        learning_rate=learning_rate,
+        is_ratio_min=stats.is_ratio_min,
+        is_ratio_mean=stats.is_ratio_mean,
+        is_ratio_max=stats.is_ratio_max,
     )

@@ -8,6 +8,7 @@ The softmax of backward is done in place in that buffer. TRL's fused head (trl.k
 tiles [4096 positions x 32768 vocab] and, off Triton, scores every position (prompt included) with
 several tile-sized temporaries per fold: ~8.5 vocabulary tiles at once on the CPU (issue 12's measurement).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -31,10 +32,10 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
             logits = _logits(hidden[rows], weight, bias, temperature, low_rank, rows)  # [c, V] float32: the peak
             target = logits.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
             top = logits.amax(dim=1)
-            sum_exp = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1)                  # in place: no second [c, V]
+            sum_exp = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1)  # in place: no second [c, V]
             log_z[rows] = top + sum_exp.log()
             logprobs[rows] = target - log_z[rows]
-            del logits   # why: free this chunk before the next one's matmul allocates, else two chunks are alive
+            del logits  # why: free this chunk before the next one's matmul allocates, else two chunks are alive
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, lora_in, lora_b)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logprobs
@@ -69,23 +70,37 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
                 grad_in[rows] = (dz.to(lora_b.dtype) @ lora_b).to(lora_in.dtype)
             if need_b:
                 grad_b.addmm_(dz.t(), lora_in[rows].float())
-            del dz   # why: free this chunk before the next one's matmul allocates, else two chunks are alive
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None,
-                grad_in, None if grad_b is None else grad_b.to(lora_b.dtype))
+            del dz  # why: free this chunk before the next one's matmul allocates, else two chunks are alive
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+            grad_in,
+            None if grad_b is None else grad_b.to(lora_b.dtype),
+        )
 
 
 def _logits(hidden, weight, bias, temperature: float, low_rank=(None, None), rows=slice(None)) -> torch.Tensor:
     logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
     lora_in, lora_b = low_rank
-    if lora_in is not None:   # a LoRA on the head: this chunk's [c, r] @ [r, V], added in place
+    if lora_in is not None:  # a LoRA on the head: this chunk's [c, r] @ [r, V], added in place
         logits.addmm_(lora_in[rows].float(), lora_b.float().t())
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                     temperature: float, chunk: int, lora_in: Optional[torch.Tensor] = None,
-                     lora_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    lora_in: Optional[torch.Tensor] = None,
+    lora_b: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """[M, H] hidden states and [M] targets -> [M] float32 log-probs (`lora_in` [M, r], `lora_b` [V, r]: a LoRA on
     the head, see ChunkedSelectiveLogProbs.forward)."""
     return ChunkedSelectiveLogProbs.apply(hidden, weight, bias, targets, temperature, chunk, lora_in, lora_b)
@@ -96,5 +111,6 @@ def trl_logprobs(hidden, weight, bias, targets, temperature: float, chunk: int, 
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
-    return ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, _CHUNKED_LOGPROB_CHUNK_SIZE,
-                                        softcap, logit_scale, ())[0]
+    return ChunkedLogProbFunction.apply(
+        hidden, weight, bias, targets, temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, softcap, logit_scale, ()
+    )[0]

@@ -10,6 +10,7 @@ every update of the rollout (`num_iterations`) uses the same weights. Whether it
 backend's call: only a generator with its own weights (registry.OWN_WEIGHTS) samples from a policy that
 can differ from the learner's.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,12 +38,20 @@ MODES: dict[str, tuple[bool, Callable]] = {
 }
 
 
-def importance_weights(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, completion_mask: torch.Tensor,
-                       mode: str, clip_min: Optional[float], clip_max: Optional[float]) -> torch.Tensor:
+def importance_weights(
+    learner_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    mode: str,
+    clip_min: Optional[float],
+    clip_max: Optional[float],
+) -> torch.Tensor:
     """[N, L] (token_*) or [N, 1] (sequence_*) weights; `learner_logps` is the learner before this rollout's
     first update (detached), `sampler_logps` what the generator recorded, both [N, L]."""
     per_sequence, bound = MODES[mode]
-    diff = torch.nan_to_num((learner_logps - sampler_logps) * completion_mask, nan=0.0)   # a NaN sampler log-prob: no correction
+    diff = torch.nan_to_num(
+        (learner_logps - sampler_logps) * completion_mask, nan=0.0
+    )  # a NaN sampler log-prob: no correction
     if per_sequence:
         diff = diff.sum(dim=-1, keepdim=True)
     return bound(torch.exp(diff), clip_min, clip_max)

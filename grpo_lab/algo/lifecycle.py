@@ -6,6 +6,7 @@ its inputs are fixed once the first update is applied, and it takes `grpo.num_it
 backward+optimizer pairs before sync. The rollback snapshot belongs to the step: taken by its
 first optimizer phase, restored on a failure, dropped when the step ends.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,12 +26,12 @@ class StepState:
     stats: Any = None
     grad_norm: Optional[float] = None
     # what the rollout's first backward records from its own forward (grpo.backward), for its later iterations:
-    old_logprobs: Any = None         # [N, L] the learner's log-probs before the step's first update, detached
-    is_weights: Any = None           # [N, L] or [N, 1] the last backward's importance-sampling weights (None: off)
-    updates: int = 0                 # optimizer updates applied in this step
-    gradients: bool = False          # a backward's gradients wait for the optimizer phase
-    snapshot: Any = None             # rollback.TrainState: LoRA + optimizer state before the step's first update
-    attempts: int = 1                # 1 + rolled-back attempts
+    old_logprobs: Any = None  # [N, L] the learner's log-probs before the step's first update, detached
+    is_weights: Any = None  # [N, L] or [N, 1] the last backward's importance-sampling weights (None: off)
+    updates: int = 0  # optimizer updates applied in this step
+    gradients: bool = False  # a backward's gradients wait for the optimizer phase
+    snapshot: Any = None  # rollback.TrainState: LoRA + optimizer state before the step's first update
+    attempts: int = 1  # 1 + rolled-back attempts
 
     @property
     def started(self) -> bool:
@@ -46,39 +47,55 @@ def _same(step: StepState, name: str, given) -> None:
     """`given` (an input named after the phase that produced it) must be what this step's `name` phase returned."""
     expected = getattr(step, name)
     if expected is None and name == "rollout" and getattr(given, "step", step.index) != step.index:
-        raise LabError(f"rollout: this is step {given.step}'s rollout, and step {step.index} has none yet; "
-                       "run lab.rollout() to start it")
+        raise LabError(
+            f"rollout: this is step {given.step}'s rollout, and step {step.index} has none yet; "
+            "run lab.rollout() to start it"
+        )
     if expected is None:
-        raise LabError(f"step {step.index} has no {name} yet; run lab.{name}(...) first "
-                       f"(phases run in order: {', '.join(PHASE_NAMES)})")
+        raise LabError(
+            f"step {step.index} has no {name} yet; run lab.{name}(...) first "
+            f"(phases run in order: {', '.join(PHASE_NAMES)})"
+        )
     if given is not expected:
-        whose = f"step {given.step}'s" if name == "rollout" and getattr(given, "step", -1) != step.index else "an earlier"
-        raise LabError(f"{name}: this is {whose} {name}, not the one step {step.index} produced; pass the value "
-                       f"lab.{name}(...) returned in this step")
+        whose = (
+            f"step {given.step}'s" if name == "rollout" and getattr(given, "step", -1) != step.index else "an earlier"
+        )
+        raise LabError(
+            f"{name}: this is {whose} {name}, not the one step {step.index} produced; pass the value "
+            f"lab.{name}(...) returned in this step"
+        )
 
 
 def _inputs_fixed(step: StepState, phase: str) -> None:
     if step.updates or step.gradients:
         done = f"applied {step.updates} update(s)" if step.updates else "gradients waiting for lab.optimizer()"
-        raise LabError(f"{phase}: step {step.index} has {done}, so its inputs are fixed; "
-                       "finish it (lab.step() runs the rest), or undo it with lab.rollback() first")
+        raise LabError(
+            f"{phase}: step {step.index} has {done}, so its inputs are fixed; "
+            "finish it (lab.step() runs the rest), or undo it with lab.rollback() first"
+        )
 
 
 def check_order(step: StepState, phase: str, num_iterations: int, **inputs) -> None:
     """Refuse, in one line, a phase called out of order or with inputs that are not this step's."""
-    for name in BY_NAME[phase].inputs:   # the registry says what each phase takes from the step
+    for name in BY_NAME[phase].inputs:  # the registry says what each phase takes from the step
         _same(step, name, inputs[name])
-    if phase not in UPDATE_PHASES:   # the phases an update is computed from
+    if phase not in UPDATE_PHASES:  # the phases an update is computed from
         _inputs_fixed(step, phase)
     if phase == "backward" and step.updates >= num_iterations:
-        raise LabError(f"backward: step {step.index} has done its {step.updates} update(s) "
-                       f"(grpo.num_iterations = {num_iterations}); finish it with lab.sync()")
+        raise LabError(
+            f"backward: step {step.index} has done its {step.updates} update(s) "
+            f"(grpo.num_iterations = {num_iterations}); finish it with lab.sync()"
+        )
     if phase == "optimizer" and not step.gradients:
-        raise LabError(f"optimizer: step {step.index} has no gradients to apply; run lab.backward(rollout, "
-                       "advantages, logprobs) first")
+        raise LabError(
+            f"optimizer: step {step.index} has no gradients to apply; run lab.backward(rollout, "
+            "advantages, logprobs) first"
+        )
     if phase == "sync" and step.updates < num_iterations:
-        raise LabError(f"sync: step {step.index} has done {step.updates} of grpo.num_iterations = {num_iterations} "
-                       "update(s); run lab.backward(...) and lab.optimizer() until it has")
+        raise LabError(
+            f"sync: step {step.index} has done {step.updates} of grpo.num_iterations = {num_iterations} "
+            "update(s); run lab.backward(...) and lab.optimizer() until it has"
+        )
 
 
 class RestOfStep:

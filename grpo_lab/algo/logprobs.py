@@ -8,6 +8,7 @@ forward or backward (the logits peak is the largest transient of a GRPO step on 
 Departs from TRL in one detail: position ids follow the attention mask (as in `generate`),
 so a left-padded prompt is scored at the positions it was sampled at.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,15 +17,16 @@ from typing import Iterator, Optional
 
 import torch
 
-from .head import chunked_logprobs, trl_logprobs
 from .containers import Rollout
+from .head import chunked_logprobs, trl_logprobs
 
-HEADS = {"chunked": chunked_logprobs, "trl": trl_logprobs}   # grpo.logprob_head: name -> kernel
+HEADS = {"chunked": chunked_logprobs, "trl": trl_logprobs}  # grpo.logprob_head: name -> kernel
 
 
 @dataclass
 class HeadSettings:
     """How the next log-prob pass scores: the rollout's temperature, the chunk and the kernel (set per pass)."""
+
     temperature: float = 1.0
     chunk_size: int = 128
     kernel: str = "chunked"
@@ -37,7 +39,9 @@ def add_logprob_head(model, temperature: float = 1.0) -> None:
     softcap, scale = getattr(text, "final_logit_softcapping", None), getattr(text, "logit_scale", None)
     # why: the chunked kernel is a plain linear head; a model that caps or scales its logits is scored by TRL's,
     # which does both (Gemma 2, Cohere)
-    model._grpo_lab_scaling = (softcap, 1.0 if scale is None else scale) if softcap or scale not in (None, 1.0) else None
+    model._grpo_lab_scaling = (
+        (softcap, 1.0 if scale is None else scale) if softcap or scale not in (None, 1.0) else None
+    )
 
 
 def _base(model):
@@ -49,8 +53,9 @@ def _settings(model) -> HeadSettings:
     return _base(model)._grpo_lab_head
 
 
-def set_logprob_head(model, temperature: Optional[float] = None, chunk_size: Optional[int] = None,
-                     kernel: Optional[str] = None) -> None:
+def set_logprob_head(
+    model, temperature: Optional[float] = None, chunk_size: Optional[int] = None, kernel: Optional[str] = None
+) -> None:
     """Set what the next passes score with (None keeps a setting). Why temperature per rollout: log-probs
     must be taken at the temperature the rollout was sampled at, whatever generator.temperature says now."""
     head = _settings(model)
@@ -77,7 +82,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """Log-prob of every completion token under `model`: [n, L] (0 where completion_mask is 0). Inputs must be
     on the model's device."""
     base = _base(model)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                  # [n, P+L]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+L]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     mask = completion_mask.bool()
@@ -92,23 +97,26 @@ def score_completions(base, input_ids, attention, position_ids, completion_ids, 
     """The backbone over prompt + completion, then the head on the real completion tokens only: [tokens]."""
     head = base._grpo_lab_head
     width = completion_ids.shape[1]
-    backbone = getattr(base, base.base_model_prefix)   # the decoder without its LM head (PEFT's LoRA layers inside)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                      use_cache=False).last_hidden_state[:, -width - 1:-1]    # position t predicts token t + 1
+    backbone = getattr(base, base.base_model_prefix)  # the decoder without its LM head (PEFT's LoRA layers inside)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, -width - 1 : -1]  # position t predicts token t + 1
     lm_head = base.get_output_embeddings()
     # why compact rows: only real completion tokens reach the head (no prompt, no padding after EOS)
     hidden = hidden[mask]
     adapter = head_adapter(lm_head, hidden)
-    linear = getattr(lm_head, "base_layer", lm_head)   # a PEFT LoRA layer wraps the head's own Linear
+    linear = getattr(lm_head, "base_layer", lm_head)  # a PEFT LoRA layer wraps the head's own Linear
     rows = (hidden, linear.weight, linear.bias, completion_ids[mask], head.temperature, head.chunk_size)
     scaling = base._grpo_lab_scaling
     if adapter is not None:
         if scaling or head.kernel != "chunked":
             from ..errors import LabError
 
-            raise LabError("lora.target_modules: a LoRA on lm_head is applied by grpo_lab's chunked head only, not TRL's "
-                           "(grpo.logprob_head: trl, or a model that caps or scales its logits); drop lm_head from the "
-                           "targets or use grpo.logprob_head: chunked")
+            raise LabError(
+                "lora.target_modules: a LoRA on lm_head is applied by grpo_lab's chunked head only, not TRL's "
+                "(grpo.logprob_head: trl, or a model that caps or scales its logits); drop lm_head from the "
+                "targets or use grpo.logprob_head: chunked"
+            )
         return chunked_logprobs(*rows, *adapter)
     return trl_logprobs(*rows, *scaling) if scaling else HEADS[head.kernel](*rows)
 
@@ -117,7 +125,11 @@ def head_adapter(lm_head, hidden) -> Optional[tuple]:
     """A PEFT LoRA on the head, active now: (A(dropout(hidden)) x scaling [M, r], B [V, r]), as PEFT's forward adds
     it (with graph: A and B get their gradients); None for a plain head, or one whose adapter is disabled (the
     reference pass) or merged."""
-    if not hasattr(lm_head, "lora_A") or getattr(lm_head, "disable_adapters", False) or getattr(lm_head, "merged", False):
+    if (
+        not hasattr(lm_head, "lora_A")
+        or getattr(lm_head, "disable_adapters", False)
+        or getattr(lm_head, "merged", False)
+    ):
         return None
     active = [a for a in lm_head.active_adapters if a in lm_head.lora_A]
     if not active:
@@ -125,31 +137,36 @@ def head_adapter(lm_head, hidden) -> Optional[tuple]:
     if len(active) > 1 or lm_head.use_dora.get(active[0], False):
         from ..errors import LabError
 
-        raise LabError("lora.target_modules: the chunked head applies one plain LoRA adapter on lm_head (not DoRA, not "
-                       "several at once); drop lm_head from the targets")
+        raise LabError(
+            "lora.target_modules: the chunked head applies one plain LoRA adapter on lm_head (not DoRA, not "
+            "several at once); drop lm_head from the targets"
+        )
     name = active[0]
     a, b = lm_head.lora_A[name], lm_head.lora_B[name]
-    lora_in = a(lm_head.lora_dropout[name](hidden.to(a.weight.dtype))) * lm_head.scaling[name]   # [M, r]
+    lora_in = a(lm_head.lora_dropout[name](hidden.to(a.weight.dtype))) * lm_head.scaling[name]  # [M, r]
     return lora_in, b.weight
 
 
 def rollout_slice(rollout: Rollout, rows: slice, device) -> tuple[torch.Tensor, ...]:
     """One micro-batch's inputs on `device` (moved here, one micro-batch at a time)."""
-    return tuple(t[rows].to(device) for t in
-                 (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask))
+    return tuple(
+        t[rows].to(device)
+        for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    )
 
 
 @torch.no_grad()  # why: reference log-probs are constants of the loss, no graph is kept
-def rollout_logprobs(model, rollout: Rollout, device, micro_batch_size: Optional[int],
-                     out_device="cpu") -> torch.Tensor:
+def rollout_logprobs(
+    model, rollout: Rollout, device, micro_batch_size: Optional[int], out_device="cpu"
+) -> torch.Tensor:
     """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
     micro-batched: [N, L] on `out_device` (each rank of a sharded learner scores its own rows)."""
-    from ..runtime import runtime
     from ..dist.recovery import agreed
+    from ..runtime import runtime
 
     set_logprob_head(model, temperature=rollout.logprob_temperature)
     parts, ranks = [], runtime()
     for rows in micro_batches(len(rollout), micro_batch_size, ranks.rows(len(rollout))):
-        with agreed(model):   # a failure on any rank stops every rank's pass here, FSDP reset
+        with agreed(model):  # a failure on any rank stops every rank's pass here, FSDP reset
             parts.append(completion_logprobs(model, *rollout_slice(rollout, rows, device)).float().to(out_device))
-    return ranks.gather_rows(torch.cat(parts, dim=0))   # a sharded rank scores its rows; every rank gets them all
+    return ranks.gather_rows(torch.cat(parts, dim=0))  # a sharded rank scores its rows; every rank gets them all

@@ -4,6 +4,7 @@ Departure from TRL: a loss here is normalised over the whole step batch, so spli
 into micro-batches (to fit memory) never changes the objective or the gradient. TRL's `bnpo`
 normalises per micro-batch; here it equals `dapo` on one process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ import torch
 @dataclass(frozen=True)
 class BatchTotals:
     """Whole-batch figures every micro-batch normalises by."""
-    num_sequences: int            # B*G
-    num_tokens: int               # completion tokens in the loss mask, whole batch
+
+    num_sequences: int  # B*G
+    num_tokens: int  # completion tokens in the loss mask, whole batch
     max_completion_length: int
 
 
@@ -39,7 +41,7 @@ def clipped_surrogate(logps, old_logps, advantages, epsilon_low, epsilon_high, m
     level).  logps/old/mask: [N, L], advantages: [N]."""
     ratio = torch.exp(RATIO_LEVELS[level](logps, old_logps, mask))
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    adv = advantages.unsqueeze(1)                                      # [N, 1]
+    adv = advantages.unsqueeze(1)  # [N, 1]
     per_token = -torch.min(ratio * adv, clipped * adv)
     is_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
     return per_token, is_clipped, ratio
@@ -65,27 +67,38 @@ def _dr_grpo(per_token, mask, totals: BatchTotals):
 
 
 LOSSES: dict[str, Callable] = {
-    "grpo": _grpo,          # mean over tokens of each sequence, then over sequences
-    "bnpo": _token_mean,    # mean over all completion tokens of the batch
-    "dr_grpo": _dr_grpo,    # sum over tokens / (sequences x max_completion_length): no length bias
-    "dapo": _token_mean,    # mean over all completion tokens of the whole generation batch
+    "grpo": _grpo,  # mean over tokens of each sequence, then over sequences
+    "bnpo": _token_mean,  # mean over all completion tokens of the batch
+    "dr_grpo": _dr_grpo,  # sum over tokens / (sequences x max_completion_length): no length bias
+    "dapo": _token_mean,  # mean over all completion tokens of the whole generation batch
 }
 
 
-def grpo_loss(logps, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], advantages, mask,
-              totals: BatchTotals, loss_type: str, beta: float, epsilon_low: float, epsilon_high: float,
-              sampling_weights: Optional[torch.Tensor] = None, bias_correction_kl: bool = False,
-              level: str = "token"):
+def grpo_loss(
+    logps,
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    advantages,
+    mask,
+    totals: BatchTotals,
+    loss_type: str,
+    beta: float,
+    epsilon_low: float,
+    epsilon_high: float,
+    sampling_weights: Optional[torch.Tensor] = None,
+    bias_correction_kl: bool = False,
+    level: str = "token",
+):
     """The micro-batch's share of the step loss, plus per-token KL (as weighted in the loss) and clip flags
     (per sequence at the sequence level: [N, 1])."""
-    old = logps.detach() if old_logps is None else old_logps          # on-policy: ratio 1, gradient of r*A
+    old = logps.detach() if old_logps is None else old_logps  # on-policy: ratio 1, gradient of r*A
     per_token, is_clipped, ratio = clipped_surrogate(logps, old, advantages, epsilon_low, epsilon_high, mask, level)
     if sampling_weights is not None:
         per_token = per_token * sampling_weights
     kl = None
     if beta != 0.0:
         kl = kl_k3(logps, ref_logps)
-        if bias_correction_kl:   # TRL's default: ratio-weighted (differentiable, so it moves the gradient at ratio 1)
-            kl = kl * ratio      # at the ratio's level, as TRL (a sequence's ratio for every token of it)
+        if bias_correction_kl:  # TRL's default: ratio-weighted (differentiable, so it moves the gradient at ratio 1)
+            kl = kl * ratio  # at the ratio's level, as TRL (a sequence's ratio for every token of it)
         per_token = per_token + beta * kl
     return LOSSES[loss_type](per_token, mask, totals), kl, is_clipped

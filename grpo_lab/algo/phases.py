@@ -4,6 +4,7 @@ these names; the timeline, the memory tables, the report's colour bands, the pan
 
     rollout -> rewards -> advantages -> logprobs -> (backward -> optimizer) x num_iterations -> sync
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,20 +26,48 @@ def _has(field: str) -> Callable:
 
 
 PHASES: tuple[Phase, ...] = (
-    Phase("rollout", "#4c78a8", "sample num_generations completions for each of prompts_per_step prompts",
-          _has("rollout"), output="rollout"),
-    Phase("rewards", "#9ecae9", "score every completion with the reward functions", _has("rewards"), ("rollout",),
-          "rewards"),
-    Phase("advantages", "#f58518", "group-relative advantages from the rewards", _has("advantages"), ("rewards",),
-          "advantages"),
+    Phase(
+        "rollout",
+        "#4c78a8",
+        "sample num_generations completions for each of prompts_per_step prompts",
+        _has("rollout"),
+        output="rollout",
+    ),
+    Phase(
+        "rewards",
+        "#9ecae9",
+        "score every completion with the reward functions",
+        _has("rewards"),
+        ("rollout",),
+        "rewards",
+    ),
+    Phase(
+        "advantages",
+        "#f58518",
+        "group-relative advantages from the rewards",
+        _has("advantages"),
+        ("rewards",),
+        "advantages",
+    ),
     Phase("logprobs", "#72b7b2", "reference log-probs (when beta > 0)", _has("logprobs"), ("rollout",), "logprobs"),
-    Phase("backward", "#e45756", "loss and gradients, micro-batch by micro-batch (old log-probs on the first iteration)",
-          lambda step, iterations: step.gradients or step.updates >= iterations,
-          ("rollout", "advantages", "logprobs"), "stats"),
-    Phase("optimizer", "#54a24b", "clip and apply the update to the LoRA weights",
-          lambda step, iterations: not step.gradients and step.updates >= iterations, output="grad_norm"),
-    Phase("sync", "#b279a2", "push the LoRA weights to the generator; the step ends here",
-          lambda step, iterations: False),
+    Phase(
+        "backward",
+        "#e45756",
+        "loss and gradients, micro-batch by micro-batch (old log-probs on the first iteration)",
+        lambda step, iterations: step.gradients or step.updates >= iterations,
+        ("rollout", "advantages", "logprobs"),
+        "stats",
+    ),
+    Phase(
+        "optimizer",
+        "#54a24b",
+        "clip and apply the update to the LoRA weights",
+        lambda step, iterations: not step.gradients and step.updates >= iterations,
+        output="grad_norm",
+    ),
+    Phase(
+        "sync", "#b279a2", "push the LoRA weights to the generator; the step ends here", lambda step, iterations: False
+    ),
 )
 BY_NAME: dict[str, Phase] = {p.name: p for p in PHASES}
 PHASE_NAMES: tuple[str, ...] = tuple(BY_NAME)

@@ -1,4 +1,5 @@
 """Prompts: a built-in arithmetic set (no download) and a JSONL loader, served in a seeded order."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,21 @@ from .containers import PromptBatch
 
 # (prompt template, its operation, the operation's symbol in a worked solution, the answer's unit)
 _TEMPLATES = [
-    ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", lambda a, b: a + b, "+", "apples"),
+    (
+        "{name} has {a} apples and buys {b} more. How many apples does {name} have now?",
+        lambda a, b: a + b,
+        "+",
+        "apples",
+    ),
     ("{name} had {a} marbles and gave away {b}. How many marbles are left?", lambda a, b: a - b, "-", "marbles"),
     ("A box holds {a} rows of {b} eggs. How many eggs are in the box?", lambda a, b: a * b, "*", "eggs"),
     ("{name} reads {a} pages a day for {b} days. How many pages is that?", lambda a, b: a * b, "*", "pages"),
-    ("A train carries {a} people and {b} more get on. How many people are on the train?", lambda a, b: a + b, "+", "people"),
+    (
+        "A train carries {a} people and {b} more get on. How many people are on the train?",
+        lambda a, b: a + b,
+        "+",
+        "people",
+    ),
 ]
 _NAMES = ["Ann", "Bo", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana"]
 SYSTEM_PROMPT = "Solve the problem. Put only the final number inside <answer></answer>."
@@ -53,10 +64,15 @@ def load_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as err:
             raise LabError(f"data.dataset: {path}:{i} is not valid JSON ({err.msg})") from None
         if not isinstance(row, dict) or "prompt" not in row:
-            raise LabError(f"data.dataset: {path}:{i} has no 'prompt' field; each line needs {{\"prompt\": ..., \"answer\": ...}}")
+            raise LabError(
+                f'data.dataset: {path}:{i} has no \'prompt\' field; each line needs {{"prompt": ..., "answer": ...}}'
+            )
         if not is_prompt(row["prompt"]):
-            raise LabError(f"data.dataset: {path}:{i} 'prompt' is {type(row['prompt']).__name__} {str(row['prompt'])[:40]!r}; give "
-                           "non-empty text or a list of {\"role\": ..., \"content\": ...} messages")
+            raise LabError(
+                f"data.dataset: {path}:{i} 'prompt' is {type(row['prompt']).__name__} {str(row['prompt'])[:40]!r}; "
+                "give "
+                'non-empty text or a list of {"role": ..., "content": ...} messages'
+            )
         rows.append(row)
     if not rows:
         raise LabError(f"data.dataset: {path} has no rows")
@@ -67,8 +83,13 @@ def is_prompt(prompt) -> bool:
     """Non-empty text, or a non-empty list of chat messages with string 'role' and 'content'."""
     if isinstance(prompt, str):
         return bool(prompt.strip())
-    return isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+    )
 
 
 def load_rows(dataset: str, num_prompts: int, seed: int) -> list[dict]:
@@ -105,11 +126,13 @@ class PromptSource:
     def longest(self, max_prompt_length: int) -> tuple[dict, int]:
         """(the row whose formatted prompt has the most tokens, that count): at most max_prompt_length, as a rollout
         cuts longer prompts."""
+
         def tokens(row):
             text = format_prompt(self.tokenizer, row["prompt"], self.system_prompt)
             return min(len(self.tokenizer(text, add_special_tokens=False)["input_ids"]), max_prompt_length)
+
         counted = [(tokens(row), i) for i, row in enumerate(self.rows)]
-        count, index = max(counted, key=lambda c: c[0])   # (the first of equals, as max over the rows gave)
+        count, index = max(counted, key=lambda c: c[0])  # (the first of equals, as max over the rows gave)
         return self.rows[index], count
 
     def rewind(self) -> None:

@@ -2,6 +2,7 @@
 `f(prompts, completions, **kwargs) -> list[float]` (dataset columns such as `answer` and
 `completion_ids` arrive as keyword lists). Any user callable with that signature works too.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,7 +49,11 @@ def format_reward(prompts, completions, **kwargs) -> list[float]:
 
 def length_reward(prompts, completions, completion_ids=None, target_length: int = 16, **kwargs) -> list[float]:
     """1 - |len - target| / target, floored at -1: prefers completions near `target_length` tokens."""
-    lengths = [len(ids) for ids in completion_ids] if completion_ids is not None else [len(completion_text(c).split()) for c in completions]
+    lengths = (
+        [len(ids) for ids in completion_ids]
+        if completion_ids is not None
+        else [len(completion_text(c).split()) for c in completions]
+    )
     return [max(-1.0, 1.0 - abs(n - target_length) / target_length) for n in lengths]
 
 
@@ -85,12 +90,14 @@ def check_reward_signature(spec: str, fn: Callable) -> None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return   # no introspectable signature (some builtins): called as it is
+        return  # no introspectable signature (some builtins): called as it is
     try:
         signature.bind(prompts=[], completions=[], completion_ids=[], answer=[])
     except TypeError as err:
-        raise LabError(f"data.rewards: {spec!r} does not take the reward arguments ({err}); "
-                       "define it as f(prompts, completions, **kwargs)") from None
+        raise LabError(
+            f"data.rewards: {spec!r} does not take the reward arguments ({err}); "
+            "define it as f(prompts, completions, **kwargs)"
+        ) from None
 
 
 def reward_name(fn: Callable) -> str:

@@ -1,10 +1,12 @@
 """Checks that run before anything is loaded: the devices a config names exist here. Never creates a
 CUDA context (torch.cuda.device_count() reads NVML)."""
+
 from __future__ import annotations
 
 import os
 
 from ..errors import LabError
+
 
 def cuda_device_count() -> int:
     import torch
@@ -19,8 +21,10 @@ def check_device(device: str, field: str) -> None:
     count = cuda_device_count()
     if index >= count:
         have = "no CUDA devices" if count == 0 else f"CUDA devices 0..{count - 1}"
-        raise LabError(f"{field}: device {device!r} does not exist (this machine has {have}); "
-                       f"use 'cpu'{'' if count == 0 else ' or cuda:0..' + str(count - 1)}")
+        raise LabError(
+            f"{field}: device {device!r} does not exist (this machine has {have}); "
+            f"use 'cpu'{'' if count == 0 else ' or cuda:0..' + str(count - 1)}"
+        )
 
 
 def check_devices(config) -> None:
@@ -44,8 +48,13 @@ def ensure_on_device(model, device, field: str) -> None:
     import torch
 
     device = torch.device(device)
-    stray = {str(p.device) for p in model.parameters() if p.device.type != device.type
-             or (device.index is not None and p.device.index != device.index)}
+    stray = {
+        str(p.device)
+        for p in model.parameters()
+        if p.device.type != device.type or (device.index is not None and p.device.index != device.index)
+    }
     if stray:
-        raise LabError(f"{field}: model parameters are on {sorted(stray)}, not {device}; "
-                       "free memory on that device or choose another one")
+        raise LabError(
+            f"{field}: model parameters are on {sorted(stray)}, not {device}; "
+            "free memory on that device or choose another one"
+        )

@@ -2,6 +2,7 @@
 dataset and notebook files). Each problem is one `LabError` naming the flag or field, raised before
 anything is loaded or written: a directory that is a file, lies under a file or cannot be written;
 a file that is missing, a directory, unreadable or not UTF-8 text."""
+
 from __future__ import annotations
 
 import os
@@ -27,12 +28,15 @@ def check_output_dir(path: PathLike, what: str) -> Path:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         kind = "a broken link" if os.path.islink(ancestor) and not ancestor.exists() else "a file, not a directory"
-        raise LabError(f"{what}: cannot create {str(path)!r}: {str(ancestor)!r} is {kind}; "
-                       "choose a path that is not under a file")
+        raise LabError(
+            f"{what}: cannot create {str(path)!r}: {str(ancestor)!r} is {kind}; choose a path that is not under a file"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".grpo-lab-write-check-"))
     except OSError as err:
-        raise LabError(f"{what}: cannot write in {str(ancestor)!r} ({err.strerror}); choose a writable directory") from None
+        raise LabError(
+            f"{what}: cannot write in {str(ancestor)!r} ({err.strerror}); choose a writable directory"
+        ) from None
     return path
 
 
@@ -69,16 +73,21 @@ def read_notebook(path: PathLike, what: str):
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise LabError(f"{what}: {str(path)!r} is not JSON ({err.msg}, line {err.lineno}); give a Jupyter notebook (.ipynb)") from None
+        raise LabError(
+            f"{what}: {str(path)!r} is not JSON ({err.msg}, line {err.lineno}); give a Jupyter notebook (.ipynb)"
+        ) from None
     if not isinstance(data, dict) or "nbformat" not in data or not isinstance(data.get("cells"), list):
-        raise LabError(f"{what}: {str(path)!r} is JSON but not a Jupyter notebook (no 'nbformat' and 'cells'); "
-                       "give a Jupyter notebook (.ipynb)")
+        raise LabError(
+            f"{what}: {str(path)!r} is JSON but not a Jupyter notebook (no 'nbformat' and 'cells'); "
+            "give a Jupyter notebook (.ipynb)"
+        )
     try:
         nb = nbformat.reads(text, as_version=4)
         nbformat.validate(nb)
     except (ValueError, TypeError, KeyError, AttributeError, nbformat.ValidationError) as err:
         # why this many: nbformat's reader and converters raise each of them for malformed content
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise LabError(f"{what}: {str(path)!r} is not a valid notebook ({reason[:200]}); "
-                       "open and save it in Jupyter to repair it") from None
+        raise LabError(
+            f"{what}: {str(path)!r} is not a valid notebook ({reason[:200]}); open and save it in Jupyter to repair it"
+        ) from None
     return nb

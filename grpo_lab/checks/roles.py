@@ -1,63 +1,87 @@
 """The placement's cross-checks of LabConfig (who may sit where), raised as ValueError inside its validator so that
 pydantic reports them as one ConfigError line naming the field."""
+
 from __future__ import annotations
 
 from ..errors import LabError
 
-NEEDS_SHARE = "needs a memory share"   # (grpo-lab plan recognises this refusal and plans with auto instead)
+NEEDS_SHARE = "needs a memory share"  # (grpo-lab plan recognises this refusal and plans with auto instead)
 
 
 def check_roles(cfg) -> None:
-    """Who may sit where (LabConfig's cross-checks; `cfg` is the config being validated): refused with one line per problem."""
+    """Who may sit where (LabConfig's cross-checks; `cfg` is the config being validated): refused with one line per
+    problem."""
     place, gen = cfg.placement, cfg.generator
     own = gen.own_weights
     if place.learner_procs > 1:
         check_sharding(cfg)
     elif place.ray_address is not None:
-        raise ValueError(f"placement.ray_address: {place.ray_address!r} is where a sharded learner's ranks run, and "
-                         "this learner is one process (placement.learner_procs: 1); remove it or shard the learner")
+        raise ValueError(
+            f"placement.ray_address: {place.ray_address!r} is where a sharded learner's ranks run, and "
+            "this learner is one process (placement.learner_procs: 1); remove it or shard the learner"
+        )
     elif not gen.gather_for_generation:
-        raise ValueError("generator.gather_for_generation: false means generating through a sharded learner, and "
-                         "this one is one process (placement.learner_procs: 1) with its whole model in place; "
-                         "set it to true, or shard the learner")
+        raise ValueError(
+            "generator.gather_for_generation: false means generating through a sharded learner, and "
+            "this one is one process (placement.learner_procs: 1) with its whole model in place; "
+            "set it to true, or shard the learner"
+        )
     shared_gpu = [d for d in place.generator_devices() if d == place.learner and d.startswith("cuda")]
     if own and shared_gpu and gen.gpu_memory_utilization is None:
-        raise ValueError(f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
-                         f"learner (colocated) and {NEEDS_SHARE}: auto (grpo-lab plan prints the split it picks) "
-                         "or a number, e.g. 0.3; or place it on another GPU")
+        raise ValueError(
+            f"generator.gpu_memory_utilization: the {gen.backend} generator shares {shared_gpu[0]} with the "
+            f"learner (colocated) and {NEEDS_SHARE}: auto (grpo-lab plan prints the split it picks) "
+            "or a number, e.g. 0.3; or place it on another GPU"
+        )
     if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
-        raise ValueError(f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
-                         "learner's own weights; remove them or use a backend with its own weights")
-    if own and gen.gpu_memory_utilization is not None and \
-            not any(d.startswith("cuda") for d in place.generator_devices()):   # a knob that would do nothing says no
-        raise ValueError(f"generator.gpu_memory_utilization: {gen.gpu_memory_utilization} is a share of a GPU for the "
-                         f"{gen.backend} generator, and this generator runs on the CPU (no GPU to share); remove it "
-                         "(on the CPU the engine's KV cache is generator.cpu_kv_cache_gib) or place the generator on "
-                         "a GPU")
+        raise ValueError(
+            f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
+            "learner's own weights; remove them or use a backend with its own weights"
+        )
+    if (
+        own
+        and gen.gpu_memory_utilization is not None
+        and not any(d.startswith("cuda") for d in place.generator_devices())
+    ):  # a knob that would do nothing says no
+        raise ValueError(
+            f"generator.gpu_memory_utilization: {gen.gpu_memory_utilization} is a share of a GPU for the "
+            f"{gen.backend} generator, and this generator runs on the CPU (no GPU to share); remove it "
+            "(on the CPU the engine's KV cache is generator.cpu_kv_cache_gib) or place the generator on "
+            "a GPU"
+        )
     if place.optimizer_offload and place.learner == "cpu":
-        raise ValueError("placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
-                         "already; set it to false or place the learner on a GPU")
+        raise ValueError(
+            "placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
+            "already; set it to false or place the learner on a GPU"
+        )
 
 
 def check_sharding(cfg) -> None:
     """What a sharded learner cannot do, refused before anything starts (sharded.world checks devices and engine)."""
     procs, gen, g = cfg.placement.learner_procs, cfg.generator, cfg.grpo
-    if gen.backend != "hf":   # vllm: one engine in the driver's process, never on a rank's device
+    if gen.backend != "hf":  # vllm: one engine in the driver's process, never on a rank's device
         from .world import rank_devices
 
-        shared = sorted(set(rank_devices(cfg.placement.learner, procs)) & set(cfg.placement.generator_devices())
-                        - {"cpu"})
+        shared = sorted(
+            set(rank_devices(cfg.placement.learner, procs)) & set(cfg.placement.generator_devices()) - {"cpu"}
+        )
         if shared:
-            raise ValueError(f"placement.generator: {shared[0]} is a learner rank's GPU (placement.learner_procs: "
-                             f"{procs} from {cfg.placement.learner}); a sharded learner's vLLM engine needs GPUs of "
-                             "its own: list others, or use generator.backend: hf")
+            raise ValueError(
+                f"placement.generator: {shared[0]} is a learner rank's GPU (placement.learner_procs: "
+                f"{procs} from {cfg.placement.learner}); a sharded learner's vLLM engine needs GPUs of "
+                "its own: list others, or use generator.backend: hf"
+            )
         if gen.sleep_mode:
-            raise ValueError("generator.sleep_mode: a sharded learner's vLLM engine has devices of its own, so "
-                             "sleeping frees memory for nobody; set it to false")
+            raise ValueError(
+                "generator.sleep_mode: a sharded learner's vLLM engine has devices of its own, so "
+                "sleeping frees memory for nobody; set it to false"
+            )
         if not gen.gather_for_generation:
-            raise ValueError("generator.gather_for_generation: false chooses how the hf backend generates through "
-                             "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
-                             "set it to true")
+            raise ValueError(
+                "generator.gather_for_generation: false chooses how the hf backend generates through "
+                "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
+                "set it to true"
+            )
     if cfg.placement.ray_address not in (None, "auto"):
         from .world import parse_address
 
@@ -66,12 +90,18 @@ def check_sharding(cfg) -> None:
         except LabError as err:
             raise ValueError(str(err)) from None
     if cfg.reference.device is not None:
-        raise ValueError("reference.device: a sharded learner's reference copy is sharded like the policy, on every "
-                         "rank's own device (P5); remove reference.device")
+        raise ValueError(
+            "reference.device: a sharded learner's reference copy is sharded like the policy, on every "
+            "rank's own device (P5); remove reference.device"
+        )
     if cfg.placement.optimizer_offload:
-        raise ValueError("placement.optimizer_offload: a sharded learner (placement.learner_procs > 1) keeps a shard "
-                         "of AdamW's state per rank already; set it to false")
+        raise ValueError(
+            "placement.optimizer_offload: a sharded learner (placement.learner_procs > 1) keeps a shard "
+            "of AdamW's state per rank already; set it to false"
+        )
     batch = g.prompts_per_step * g.num_generations
     if batch % procs:
-        raise ValueError(f"placement.learner_procs: {procs} ranks need a batch they split evenly; grpo.prompts_per_step "
-                         f"x num_generations = {batch}; use a multiple of {procs}")
+        raise ValueError(
+            f"placement.learner_procs: {procs} ranks need a batch they split evenly; grpo.prompts_per_step "
+            f"x num_generations = {batch}; use a multiple of {procs}"
+        )

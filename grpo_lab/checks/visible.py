@@ -2,6 +2,7 @@
 torch, no CUDA). Placement devices ('cuda:1') are indices into what this process sees, i.e. into the
 user's CUDA_VISIBLE_DEVICES when exported; the engine gets the physical ids (or UUIDs) they stand for.
 """
+
 from __future__ import annotations
 
 import re
@@ -10,14 +11,14 @@ from typing import Optional
 
 from ..errors import LabError
 
-_ENTRY = re.compile(r"^(\d+|GPU-[\w-]+|MIG-[\w/-]+)$")   # what CUDA accepts in CUDA_VISIBLE_DEVICES
+_ENTRY = re.compile(r"^(\d+|GPU-[\w-]+|MIG-[\w/-]+)$")  # what CUDA accepts in CUDA_VISIBLE_DEVICES
 
 
 @dataclass(frozen=True)
 class EngineDevices:
-    cuda_visible_devices: Optional[str]   # the engine's CUDA_VISIBLE_DEVICES; None = none set (in-process)
-    own_process: bool                     # VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine runs in a process of its own
-    learner: str                          # the learner's torch device in this process (never remapped)
+    cuda_visible_devices: Optional[str]  # the engine's CUDA_VISIBLE_DEVICES; None = none set (in-process)
+    own_process: bool  # VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine runs in a process of its own
+    learner: str  # the learner's torch device in this process (never remapped)
 
 
 def visible_ids(user_cvd: Optional[str]) -> Optional[list[str]]:
@@ -40,8 +41,10 @@ def physical_id(device: str, field: str, visible: Optional[list[str]]) -> str:
         return str(index)
     if index >= len(visible):
         seen = "no GPU" if not visible else f"{len(visible)} GPU(s), cuda:0..cuda:{len(visible) - 1}"
-        raise LabError(f"{field}: {device!r} is beyond CUDA_VISIBLE_DEVICES={','.join(visible)!r}, which makes {seen} "
-                       f"visible here; use one of those, or export a CUDA_VISIBLE_DEVICES that lists the GPU")
+        raise LabError(
+            f"{field}: {device!r} is beyond CUDA_VISIBLE_DEVICES={','.join(visible)!r}, which makes {seen} "
+            f"visible here; use one of those, or export a CUDA_VISIBLE_DEVICES that lists the GPU"
+        )
     return visible[index]
 
 
@@ -61,12 +64,16 @@ def engine_devices(learner: str, generator: list[str], user_cvd: Optional[str]) 
         raise LabError(f"placement.generator: {twice!r} is listed twice; list each device once")
     if "cpu" in generator:
         if generator != ["cpu"]:
-            raise LabError(f"placement.generator: {generator} mixes 'cpu' with GPUs; one engine runs on the CPU or "
-                           "on GPUs, not both: give ['cpu'] or GPUs only")
+            raise LabError(
+                f"placement.generator: {generator} mixes 'cpu' with GPUs; one engine runs on the CPU or "
+                "on GPUs, not both: give ['cpu'] or GPUs only"
+            )
         return EngineDevices(None, own_process=False, learner=learner)
     physical = [physical_id(d, "placement.generator", visible) for d in generator]
     if len(set(physical)) != len(physical):
-        raise LabError(f"placement.generator: {generator} name the same GPU twice through CUDA_VISIBLE_DEVICES="
-                       f"{user_cvd!r}; list each GPU once (and each once in CUDA_VISIBLE_DEVICES)")
+        raise LabError(
+            f"placement.generator: {generator} name the same GPU twice through CUDA_VISIBLE_DEVICES="
+            f"{user_cvd!r}; list each GPU once (and each once in CUDA_VISIBLE_DEVICES)"
+        )
     in_process = generator == ["cuda:0"]
     return EngineDevices(None if in_process else ",".join(physical), own_process=not in_process, learner=learner)

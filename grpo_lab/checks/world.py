@@ -1,6 +1,7 @@
 """Checks of a sharded learner's world before any process starts (pure: they read the config and what is
 installed, and ask a Ray address whether it answers). Which rank this process is, and the collectives, are the
 runtime's (grpo_lab/runtime.py); starting the ranks is the Ray driver's (cluster/)."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,8 @@ import torch
 from ..errors import LabError
 from ..runtime import rank_devices
 
-CONNECT_S = 5           # an address that does not answer a TCP connect within this is unreachable
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
+CONNECT_S = 5  # an address that does not answer a TCP connect within this is unreachable
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
 
 
 def usable_cpus() -> int:
@@ -32,14 +33,18 @@ def check_engine(learner: str) -> None:
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError as err:
-        raise LabError(f"placement.learner_procs: sharding needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6), "
-                       f"which this torch {torch.__version__} does not have ({err}); install the locked torch "
-                       "(README 'Install') or set placement.learner_procs: 1") from None
+        raise LabError(
+            f"placement.learner_procs: sharding needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6), "
+            f"which this torch {torch.__version__} does not have ({err}); install the locked torch "
+            "(README 'Install') or set placement.learner_procs: 1"
+        ) from None
     backend = backend_for(learner)
     available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available}[backend]
     if not dist.is_available() or not available():
-        raise LabError(f"placement.learner_procs: ranks on {learner} talk over {backend}, which this torch "
-                       f"{torch.__version__} was built without; install a torch with it or set placement.learner_procs: 1")
+        raise LabError(
+            f"placement.learner_procs: ranks on {learner} talk over {backend}, which this torch "
+            f"{torch.__version__} was built without; install a torch with it or set placement.learner_procs: 1"
+        )
 
 
 def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = None) -> None:
@@ -49,15 +54,18 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
     if procs == 1:
         return
     check_engine(place.learner)
-    import_ray_for(place.ray_address)   # Ray installed, or one line naming the extra
+    import_ray_for(place.ray_address)  # Ray installed, or one line naming the extra
     if place.ray_address is not None:
-        check_reachable(place.ray_address)   # before anything loads: an unreachable address is one line in seconds
-        return   # the cluster's resources decide, checked when it is joined, before any rank starts (cluster/ray_cluster.py)
+        check_reachable(place.ray_address)  # before anything loads: an unreachable address is one line in seconds
+        # the cluster's resources decide, checked when it is joined, before any rank starts (cluster/ray_cluster.py)
+        return
     if place.learner == "cpu":
         cpus = usable_cpus() if cpus is None else cpus
         if procs > cpus:
-            raise LabError(f"placement.learner_procs: {procs} CPU ranks on {cpus} usable CPU core(s); every rank needs a "
-                           f"core of its own (gloo ranks that share one wait on each other); use at most {cpus}")
+            raise LabError(
+                f"placement.learner_procs: {procs} CPU ranks on {cpus} usable CPU core(s); every rank needs a "
+                f"core of its own (gloo ranks that share one wait on each other); use at most {cpus}"
+            )
         return
     if cuda_count is None:
         from .devices import cuda_device_count
@@ -66,9 +74,11 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
     devices = rank_devices(place.learner, procs)
     if int(devices[-1].split(":")[1]) >= cuda_count:
         first = int(place.learner.split(":")[1])
-        raise LabError(f"placement.learner_procs: {procs} ranks from {place.learner} need {devices[0]}..{devices[-1]}, "
-                       f"but this machine has {cuda_count} CUDA device(s); use at most {max(cuda_count - first, 0)} ranks "
-                       "from there, or another placement.learner")
+        raise LabError(
+            f"placement.learner_procs: {procs} ranks from {place.learner} need {devices[0]}..{devices[-1]}, "
+            f"but this machine has {cuda_count} CUDA device(s); use at most {max(cuda_count - first, 0)} ranks "
+            "from there, or another placement.learner"
+        )
 
 
 def import_ray():
@@ -76,15 +86,17 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise LabError("placement.learner_procs: a sharded learner's ranks run as Ray actors, and Ray is not installed; "
-                       "pip install 'grpo-lab[ray]' (or set placement.learner_procs: 1)") from None
+        raise LabError(
+            "placement.learner_procs: a sharded learner's ranks run as Ray actors, and Ray is not installed; "
+            "pip install 'grpo-lab[ray]' (or set placement.learner_procs: 1)"
+        ) from None
     return ray
 
 
 def import_ray_for(address: Optional[str]):
     """Ray, imported so that a local one (no address) binds loopback only."""
     if address is None and "ray" not in sys.modules:
-        os.environ.setdefault(LOOPBACK_ENV, "0")   # why: a Ray only this machine uses binds no public address
+        os.environ.setdefault(LOOPBACK_ENV, "0")  # why: a Ray only this machine uses binds no public address
     return import_ray()
 
 
@@ -92,9 +104,12 @@ def parse_address(address: str) -> tuple[str, int]:
     """'host:port' of a Ray cluster's head (its GCS), as `ray start --head` prints it."""
     host, sep, port = address.rpartition(":")
     if "/" in host or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LabError(f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
-                       "`ray start --head` prints; not a ray:// client address), 'auto' (the cluster this machine joined), or null (a local "
-                       "Ray)")
+        raise LabError(
+            f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
+            "`ray start --head` prints; not a ray:// client address), 'auto' (the cluster this machine joined), or "
+            "null (a local "
+            "Ray)"
+        )
     return host, int(port)
 
 
@@ -107,6 +122,8 @@ def check_reachable(address: str, timeout: float = CONNECT_S) -> None:
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except OSError as err:
-        raise LabError(f"placement.ray_address: no Ray cluster answers at {address} ({err.strerror or err}); start one "
-                       f"there with `ray start --head --port {port}`, or set placement.ray_address: null for a local "
-                       "Ray") from None
+        raise LabError(
+            f"placement.ray_address: no Ray cluster answers at {address} ({err.strerror or err}); start one "
+            f"there with `ray start --head --port {port}`, or set placement.ray_address: null for a local "
+            "Ray"
+        ) from None

@@ -1,14 +1,15 @@
 """`RankExecutor`: a Lab's phases over a sharded learner's ranks (placement.learner_procs > 1). The Lab keeps its API
 and lifecycle (phase methods, `step()`, config edits, history, memory views); each phase is one command to every
-rank (cluster/ranks.py: a Ray actor each), whose own Lab runs it on its shard (cluster/worker.py). Every rank computes the same rollout, rewards and
-advantages; log-probs and backward are each rank's rows, gathered; results come back from rank 0, and every rank's
-samples and per-phase rows join the driver's memory sampler under 'rank<k>/<device>'.
+rank (cluster/ranks.py: a Ray actor each), whose own Lab runs it on its shard (cluster/worker.py). Every rank computes
+the same rollout, rewards and advantages; log-probs and backward are each rank's rows, gathered; results come back from
+rank 0, and every rank's samples and per-phase rows join the driver's memory sampler under 'rank<k>/<device>'.
 
 A phase that fails on any rank fails on every rank at the same point (runtime.agree), and each undoes its share as
 one process would. A rank that cannot take part in that decision (killed, or blocked in a collective) gets every
 rank stopped and started again from its boundary state, the one it wrote when the step began, so the LoRA weights
 and AdamW state are bit for bit those before the step, and the step runs again from its rollout.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,23 +47,23 @@ class RankExecutor:
     """The phases on `placement.learner_procs` ranks (see the module docstring)."""
 
     name = "ranks"
-    reference = prompts = None   # each rank holds its own
-    on_cuda = False              # the driver computes nothing; each rank marks its own phases
+    reference = prompts = None  # each rank holds its own
+    on_cuda = False  # the driver computes nothing; each rank marks its own phases
 
     def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
         from ..algo.rewards import resolve_reward
 
         self.config = config
-        self.rewards_given = reward_funcs is not None   # refused at load: a rank cannot take this process's functions
+        self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
         self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or config.data.rewards)]
         self.step_index = step_index
         self.ranks: Optional[Ranks] = None
-        self.generator = None            # the ranks' one vLLM engine, in this process (cluster/remote.py), if any
+        self.generator = None  # the ranks' one vLLM engine, in this process (cluster/remote.py), if any
         self.generator_behind = False
-        self.adapter = None              # the ranks' LoRA as the engine syncs it (RankAdapter)
-        self.lost = False                # the ranks were stopped or restarted: they are (or start) at the step's start
-        self.sync_result = None          # rank 0's result of the step's sync
-        self.model_path = config.model.name_or_path   # where the ranks load it from (fetch_once)
+        self.adapter = None  # the ranks' LoRA as the engine syncs it (RankAdapter)
+        self.lost = False  # the ranks were stopped or restarted: they are (or start) at the step's start
+        self.sync_result = None  # rank 0's result of the step's sync
+        self.model_path = config.model.name_or_path  # where the ranks load it from (fetch_once)
 
     @property
     def loaded(self) -> bool:
@@ -70,7 +71,7 @@ class RankExecutor:
 
     @property
     def learner(self):
-        return self.ranks   # why: "loaded" means the ranks are up; each holds its shard of the learner
+        return self.ranks  # why: "loaded" means the ranks are up; each holds its shard of the learner
 
     @property
     def reference_strategy(self) -> str:
@@ -101,21 +102,24 @@ class RankExecutor:
         return RankMemory(["cpu", *engine_gpus], cfg.memory.sample_hz, cfg.memory.host_threshold)
 
     def listeners(self) -> list:
-        return []   # each rank writes its own allocator snapshots (runtime.snapshot_dir)
+        return []  # each rank writes its own allocator snapshots (runtime.snapshot_dir)
 
     # --- load and release ---
     def load(self, memory) -> None:
-        from ..local.executor import attach_engine
         from ..generation import backend_class
+        from ..local.executor import attach_engine
 
         cfg = self.config
         if self.rewards_given:
-            raise LabError("reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
-                           "from this one; name them in data.rewards ('module:function')")
+            raise LabError(
+                "reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
+                "from this one; name them in data.rewards ('module:function')"
+            )
         self.model_path = fetch_once(cfg.model.name_or_path, local=cfg.placement.ray_address is None)
-        self.ranks = Ranks(self.rank_config(), cfg.placement.learner_procs, memory, step=self.step_index,
-                           stopped=self.on_ranks_stopped).start()
-        if self.own_engine:   # the ranks' one engine, here: it starts with their adapter, gathered
+        self.ranks = Ranks(
+            self.rank_config(), cfg.placement.learner_procs, memory, step=self.step_index, stopped=self.on_ranks_stopped
+        ).start()
+        if self.own_engine:  # the ranks' one engine, here: it starts with their adapter, gathered
             try:
                 self.adapter = RankAdapter(self)
                 self.generator = backend_class(cfg.generator.backend)(self.adapter, cfg)
@@ -135,7 +139,7 @@ class RankExecutor:
     # --- edits: refused here as in one process; applied on every rank at its next command ---
     def check_live(self, config) -> None:
         if self.generator is not None:
-            self.generator.check_live(config)   # the driver's engine (the ranks' hf generators take every live edit)
+            self.generator.check_live(config)  # the driver's engine (the ranks' hf generators take every live edit)
 
     def build_reference(self) -> None:
         """Nothing here: each rank builds its own reference from the config it is sent with its next command."""
@@ -145,20 +149,20 @@ class RankExecutor:
 
     # --- the step ---
     def check_learner(self) -> None:
-        pass   # each rank's learner is checked by its own Lab, on its own device
+        pass  # each rank's learner is checked by its own Lab, on its own device
 
     def compute(self, name: str, state, *inputs):
         """Every rank runs the phase with its own inputs (the same as these: every rank holds the whole rollout, sampled
         once, generation/sample_once.py)."""
         if self.generator is not None and (name == "sync" or (name == "rollout" and self.generator_behind)):
-            self.generator.sync(self.adapter)   # the engine's LoRA from the ranks, before they end the step
+            self.generator.sync(self.adapter)  # the engine's LoRA from the ranks, before they end the step
             self.generator_behind = False
         out = self.ranks.call("phase", name, self.rank_config(), describe=name)
         if name == "optimizer" and state.snapshot is None:
-            state.snapshot = "on every rank"   # why: each rank took its own rollback snapshot
+            state.snapshot = "on every rank"  # why: each rank took its own rollback snapshot
         if name == "sync":
             self.sync_result = out
-        if name == "backward":   # each rank keeps the old log-probs its first backward recorded; the driver, the stats
+        if name == "backward":  # each rank keeps the old log-probs its first backward recorded; the driver, the stats
             return BackwardResult(out, None, None)
         return out
 
@@ -182,21 +186,23 @@ class RankExecutor:
         return lost
 
     def before_command(self) -> bool:
-        lost = self.take_lost()   # e.g. an interrupted lab.inspect(): the next command starts from the step
+        lost = self.take_lost()  # e.g. an interrupted lab.inspect(): the next command starts from the step
         self.ranks.up()
         return lost
 
     def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
         """None when every rank undid its own share (the Lab's default undo follows); else the ranks were stopped,
         and the Lab's step goes back to its start (the Lab does so on any answer but None)."""
-        self.generator_behind |= phase == "sync" and self.generator is not None   # the engine may hold an undone adapter
+        self.generator_behind |= phase == "sync" and self.generator is not None  # the engine may hold an undone adapter
         if not self.take_lost():
             return None
         if isinstance(err, RankFailure):
             return "every rank was restarted from the state before the step"
-        stopped = (f"{phase} was stopped on every rank (a rank cannot be interrupted alone: the others would wait "
-                   "for it); the next command starts them from their state when this step began, and lab.step() "
-                   "runs the step again from its rollout")
+        stopped = (
+            f"{phase} was stopped on every rank (a rank cannot be interrupted alone: the others would wait "
+            "for it); the next command starts them from their state when this step began, and lab.step() "
+            "runs the step again from its rollout"
+        )
         if isinstance(err, BaseException):
             err.add_note(f"every rank was stopped: {stopped}")
         return stopped
@@ -228,8 +234,10 @@ class RankExecutor:
         if not 0 <= rank < procs:
             raise LabError(f"arm_fault: rank {rank} does not exist; ranks are 0..{procs - 1}")
         if phase == "rollout" and self.own_engine:
-            raise LabError(f"arm_fault: a rollout fault goes into a rank's hf decoding; with generator.backend: "
-                           f"{self.config.generator.backend} the driver's engine samples; arm logprobs or backward")
+            raise LabError(
+                f"arm_fault: a rollout fault goes into a rank's hf decoding; with generator.backend: "
+                f"{self.config.generator.backend} the driver's engine samples; arm logprobs or backward"
+            )
         status, value = self.ranks.one(rank, "arm_fault", phase, error)
         if status != "ok":
             raise LabError(f"arm_fault failed on rank {rank}: {value}")

@@ -1,22 +1,24 @@
 """A sharded learner's ranks, as the driver runs them: one Ray actor per rank (worker.RankWorker), placed in one
-placement group (cluster/ray_cluster.py). A command is one actor call per rank; while it runs the driver polls each rank for its
-memory samples (the live plot) and its generator's questions (cluster/remote.py). Ray tells the driver when a rank's process
-dies, whatever the moment: every rank is then stopped and started again from its boundary state, which the driver
-holds (object refs: the states stay in Ray's object store, owned by this process, so they outlive a killed rank).
+placement group (cluster/ray_cluster.py). A command is one actor call per rank; while it runs the driver polls each rank
+for its memory samples (the live plot) and its generator's questions (cluster/remote.py). Ray tells the driver when a
+rank's process dies, whatever the moment: every rank is then stopped and started again from its boundary state, which
+the driver holds (object refs: the states stay in Ray's object store, owned by this process, so they outlive a killed
+rank).
 """
+
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from typing import Callable, Optional
 
+from ..checks.world import usable_cpus
 from ..errors import LabError
 from ..memory.sampler import MemorySampler
 from .remote import Answers
-from ..checks.world import usable_cpus
 
-START_TIMEOUT_S = 900   # loading a model on every rank
-STREAM_S = 0.5          # why: the live plot redraws every 0.5 s; a rank's samples are polled as often while it works
+START_TIMEOUT_S = 900  # loading a model on every rank
+STREAM_S = 0.5  # why: the live plot redraws every 0.5 s; a rank's samples are polled as often while it works
 # why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
 # them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU)
 MACHINE_WIDE = {("host", "used"), ("host", "limit")}
@@ -37,7 +39,7 @@ class RankMemory(MemorySampler):
     def __init__(self, devices: list[str], *args, **kwargs):
         super().__init__(devices, *args, **kwargs)
         self.rank_capacities: dict[str, float] = {}
-        self.streamed = 0   # polls that brought samples while a command ran
+        self.streamed = 0  # polls that brought samples while a command ran
         self.wall0 = time.time() - (time.perf_counter() - self.t0)
 
     def ingest(self, rank: int, delta: dict, live: bool = False) -> None:
@@ -45,41 +47,50 @@ class RankMemory(MemorySampler):
         if not delta:
             return
         self.streamed += live
-        shift = delta["wall0"] - self.wall0   # why wall clocks: ranks may be on other machines (own perf_counters)
+        shift = delta["wall0"] - self.wall0  # why wall clocks: ranks may be on other machines (own perf_counters)
         label = lambda device: f"rank{rank}/{device}"
         samples = [s for s in delta["samples"] if (s[3], s[4]) not in MACHINE_WIDE]
         with self._lock:
             for t, step, phase, device, metric, value in samples:
                 self.samples.append((t + shift, step, phase, label(device), metric, value))
             self.total += len(samples)
-            self.phase_rows.extend({**row, "device": label(row["device"])} for row in delta["rows"]
-                                   if (row["device"], row["metric"]) not in MACHINE_WIDE)
+            self.phase_rows.extend(
+                {**row, "device": label(row["device"])}
+                for row in delta["rows"]
+                if (row["device"], row["metric"]) not in MACHINE_WIDE
+            )
 
 
 class Ranks:
     """The rank actors. `step()` is the step the driver is at (the ranks start again from its boundary state);
     `stopped()` is called whenever the ranks lose the step's progress."""
 
-    def __init__(self, config: dict, size: int, memory: RankMemory, step: Callable[[], int] = lambda: 0,
-                 stopped: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        config: dict,
+        size: int,
+        memory: RankMemory,
+        step: Callable[[], int] = lambda: 0,
+        stopped: Callable[[], None] = lambda: None,
+    ):
         self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
-        self.down = False   # stopped by halt(): started again, from the driver's step, at the next command
+        self.down = False  # stopped by halt(): started again, from the driver's step, at the next command
         place = config["placement"]
         self.threads = max(1, usable_cpus() // size) if place["learner"] == "cpu" else 1
         self.cluster = self.group = None
         self.actors: list = []
         self.pids: list[int] = []
         self.nodes: list[str] = []
-        self.boundaries: dict[int, list] = {}   # step -> each rank's boundary state (object refs), the last two steps
-        self.answers = Answers(None)   # what the ranks may ask mid-command: the driver's vLLM engine, if any
+        self.boundaries: dict[int, list] = {}  # step -> each rank's boundary state (object refs), the last two steps
+        self.answers = Answers(None)  # what the ranks may ask mid-command: the driver's vLLM engine, if any
 
     def start(self, restore: Optional[int] = None) -> "Ranks":
         """Start every rank: loaded afresh, or (`restore`, a step index) from its state at that step's start."""
         try:
             return self._start(restore)
-        except BaseException:   # an interrupt or a failed rank: no actor may outlive the start
+        except BaseException:  # an interrupt or a failed rank: no actor may outlive the start
             if restore is None:
-                self.close()   # a first start: its placement group and a Ray it started go too
+                self.close()  # a first start: its placement group and a Ray it started go too
             else:
                 self.kill()
             raise
@@ -89,16 +100,19 @@ class Ranks:
         from .ray_cluster import Cluster, bundles
 
         if restore is not None and restore not in self.boundaries:
-            raise LabError(f"the ranks cannot start from step {restore}: no boundary state of it is held (held: "
-                           f"{sorted(self.boundaries)})")
+            raise LabError(
+                f"the ranks cannot start from step {restore}: no boundary state of it is held (held: "
+                f"{sorted(self.boundaries)})"
+            )
         states = self.boundaries[restore] if restore is not None else [None] * self.size
         place = self.config["placement"]
         ray = import_ray_for(place.get("ray_address"))
         if self.group is None:
             from ..runtime import rank_devices
 
-            self.cluster = Cluster(place.get("ray_address"), place["learner"],
-                                   rank_devices(place["learner"], self.size), usable_cpus())
+            self.cluster = Cluster(
+                place.get("ray_address"), place["learner"], rank_devices(place["learner"], self.size), usable_cpus()
+            )
             self.group = self.cluster.place(bundles(place["learner"], self.size, self.threads))
         self.actors = [self._actor(ray, rank) for rank in range(self.size)]
         try:
@@ -106,8 +120,10 @@ class Ranks:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
             why = died(err) if isinstance(err, ray.exceptions.RayActorError) else "not placed within the start timeout"
             raise LabError(f"rank 0 did not start: {why}") from None
-        calls = [a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
-                 for a, s in zip(self.actors, states)]
+        calls = [
+            a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
+            for a, s in zip(self.actors, states)
+        ]
         replies = self._collect({rank: c[0] for rank, c in enumerate(calls)}, START_TIMEOUT_S)
         failed = {rank: r for rank, r in replies.items() if r[0] != "ready"}
         if failed or len(replies) < self.size:
@@ -116,7 +132,7 @@ class Ranks:
         for rank, (_, info, delta) in replies.items():
             self.memory.ingest(rank, delta)
             self.memory.rank_capacities.update({f"rank{rank}/{d}": c for d, c in info["capacities"].items()})
-        self.pids = [replies[rank][1]["pid"] for rank in range(self.size)]    # each rank's process, on its node
+        self.pids = [replies[rank][1]["pid"] for rank in range(self.size)]  # each rank's process, on its node
         self.nodes = [replies[rank][1]["node"] for rank in range(self.size)]  # the Ray node id it runs on
         if restore is None:
             self._keep(replies[0][1]["step"], [c[1] for c in calls])
@@ -133,13 +149,17 @@ class Ranks:
         # made under one Ray connection is not reused under the next (a notebook's ray.shutdown(), another cluster)
         remote = ray.remote(concurrency_groups={"poll": 1})(RankWorker)
         return remote.options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, name=None,
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_restarts=0,
+            name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
         ).remote(rank, self.size)
 
     def _keep(self, step: int, states: list) -> None:
         """Hold the boundary states of `step`; the two latest steps are kept. Why two: the driver restarts from the
-        step *it* is at, which may be one behind the ranks (an interrupt after their sync, before its reply was read)."""
+        step *it* is at, which may be one behind the ranks (an interrupt after their sync, before its reply was
+        read)."""
         self.boundaries[step] = states
         for old in [s for s in self.boundaries if s < step - 1]:
             del self.boundaries[old]
@@ -157,14 +177,19 @@ class Ranks:
         blocked = any(r[0] == "error" and r[3]["blocked"] for r in replies.values())
         first = died[0] if died else min(errors) if errors else min(set(range(self.size)) - set(replies))
         what = errors.get(first, "did not answer")
-        if len(errors) == self.size and not died and not blocked:   # each undid its own work; their collectives agree
+        if len(errors) == self.size and not died and not blocked:  # each undid its own work; their collectives agree
             everywhere = len(set(errors.values())) == 1
-            raise RankFailure(f"{describe or command} failed on {'every rank' if everywhere else f'rank {first}'}: "
-                              f"{what}", restarted=False)
+            raise RankFailure(
+                f"{describe or command} failed on {'every rank' if everywhere else f'rank {first}'}: {what}",
+                restarted=False,
+            )
         self.restart()
-        raise RankFailure(f"{describe or command} failed on rank {first}: {what}; every rank was restarted from the "
-                          "state it had when this step began (LoRA, AdamW, RNG, prompt order); lab.step() runs the step "
-                          "again from its rollout", restarted=True)
+        raise RankFailure(
+            f"{describe or command} failed on rank {first}: {what}; every rank was restarted from the "
+            "state it had when this step began (LoRA, AdamW, RNG, prompt order); lab.step() runs the step "
+            "again from its rollout",
+            restarted=True,
+        )
 
     def each(self, command: str, *args) -> list:
         """Run `command` on every rank; each rank's (status, value)."""
@@ -226,7 +251,7 @@ class Ranks:
             try:
                 delta, questions = ray.get(ref)
             except RayActorError:
-                continue   # its command's reply says so next
+                continue  # its command's reply says so next
             self.memory.ingest(rank, delta, live=bool(delta and (delta["samples"] or delta["rows"])))
             for number, (method, args) in sorted(questions.items()):
                 if (rank, number) not in answered:
@@ -265,7 +290,7 @@ class Ranks:
         import sys
 
         ray = sys.modules.get("ray")
-        if self.actors and ray is not None and ray.is_initialized():   # (a notebook's ray.shutdown() ended them)
+        if self.actors and ray is not None and ray.is_initialized():  # (a notebook's ray.shutdown() ended them)
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
         self.actors, self.pids = [], []
@@ -277,7 +302,7 @@ class Ranks:
         if self.actors and ray is not None and ray.is_initialized():
             try:
                 ray.get([a.close.remote() for a in self.actors], timeout=60)
-            except Exception:   # why so broad: a rank that cannot close cleanly is killed below all the same
+            except Exception:  # why so broad: a rank that cannot close cleanly is killed below all the same
                 pass
         self.kill()
         self.boundaries.clear()

@@ -6,6 +6,7 @@ Before any actor starts, the cluster's resources must be enough for the ranks (R
 are checked earlier, by checks/world.py). The pure parts (bundles, resource arithmetic, the GPUs a local Ray is given)
 are tested with made-up clusters (tests/test_ray.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from typing import Optional
 from ..checks.world import check_reachable, import_ray_for, parse_address
 from ..errors import LabError
 
-PLACE_S = 60            # a placement group that is not ready within this cannot be placed (resources taken by others)
+PLACE_S = 60  # a placement group that is not ready within this cannot be placed (resources taken by others)
 
 
 def bundles(learner: str, procs: int, threads: int) -> list[dict]:
@@ -31,9 +32,11 @@ def check_resources(wanted: list[dict], total: dict, where: str) -> None:
         have = int(total.get(resource, 0))
         if need > have:
             per = wanted[0].get(resource, 0)
-            raise LabError(f"placement.learner_procs: {len(wanted)} ranks need {need:g} {resource}(s) ({per:g} each), but "
-                           f"{where} has {have}; use at most {have // per if per else 0} ranks, or add nodes to the "
-                           "cluster (README 'Beyond one machine')")
+            raise LabError(
+                f"placement.learner_procs: {len(wanted)} ranks need {need:g} {resource}(s) ({per:g} each), but "
+                f"{where} has {have}; use at most {have // per if per else 0} ranks, or add nodes to the "
+                "cluster (README 'Beyond one machine')"
+            )
 
 
 def local_gpu_env(devices: list[str], visible: Optional[str]) -> Optional[str]:
@@ -47,7 +50,11 @@ def local_gpu_env(devices: list[str], visible: Optional[str]) -> Optional[str]:
     return ",".join(names[i] if names else str(i) for i in cuda)
 
 
-_STARTED = {"by_a_lab": False, "users": 0, "local_before": False}   # a Ray a Lab started is stopped when the last Lab using it closes
+_STARTED = {
+    "by_a_lab": False,
+    "users": 0,
+    "local_before": False,
+}  # a Ray a Lab started is stopped when the last Lab using it closes
 
 
 class Cluster:
@@ -62,11 +69,13 @@ class Cluster:
         _STARTED["users"] += 1
 
     def _join(self, ray, address: Optional[str], devices: list[str], cpus: int) -> None:
-        if ray.is_initialized():   # the notebook's own ray.init(): use it as it is, if it is the one asked for
+        if ray.is_initialized():  # the notebook's own ray.init(): use it as it is, if it is the one asked for
             joined = ray.get_runtime_context().gcs_address
             if address not in (None, "auto") and not same_address(address, joined):
-                raise LabError(f"placement.ray_address: {address}, but this process is connected to the Ray at "
-                               f"{joined}; set placement.ray_address: {joined} (or null), or ray.shutdown() first")
+                raise LabError(
+                    f"placement.ray_address: {address}, but this process is connected to the Ray at "
+                    f"{joined}; set placement.ray_address: {joined} (or null), or ray.shutdown() first"
+                )
             return
         if address is not None:
             check_reachable(address)
@@ -75,7 +84,7 @@ class Cluster:
             return
         gpus = local_gpu_env(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        try:   # why: Ray hands out the GPUs its raylet saw at start; it must see exactly the ranks' ones
+        try:  # why: Ray hands out the GPUs its raylet saw at start; it must see exactly the ranks' ones
             if gpus is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = gpus
             start_local(cpus, len(gpus.split(",")) if gpus else 0)
@@ -97,16 +106,20 @@ class Cluster:
 
         check_resources(wanted, ray.cluster_resources(), self.where)
         if self.after_local:
-            raise LabError(f"placement.ray_address: this process already ran a Ray of its own, and Ray cancels every "
-                           f"actor of a cluster joined after one (ray {ray.__version__}); restart the kernel (or use a "
-                           f"new process) to join {self.address}")
-        group = placement_group(wanted, strategy="PACK")   # why PACK: ranks on as few machines as fit (NCCL in-node)
+            raise LabError(
+                f"placement.ray_address: this process already ran a Ray of its own, and Ray cancels every "
+                f"actor of a cluster joined after one (ray {ray.__version__}); restart the kernel (or use a "
+                f"new process) to join {self.address}"
+            )
+        group = placement_group(wanted, strategy="PACK")  # why PACK: ranks on as few machines as fit (NCCL in-node)
         if not _ready(group, PLACE_S):
             remove_placement_group(group)
             free = ray.available_resources()
-            raise LabError(f"placement.learner_procs: {self.where} could not place {len(wanted)} ranks of {wanted[0]} "
-                           f"within {PLACE_S} s (free now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}); other "
-                           "jobs hold its resources")
+            raise LabError(
+                f"placement.learner_procs: {self.where} could not place {len(wanted)} ranks of {wanted[0]} "
+                f"within {PLACE_S} s (free now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}); other "
+                "jobs hold its resources"
+            )
         return group
 
     def close(self) -> None:
@@ -114,7 +127,7 @@ class Cluster:
             return
         self.closed = True
         _STARTED["users"] -= 1
-        if _STARTED["by_a_lab"] and _STARTED["users"] <= 0:   # why not before: another Lab's ranks still run on it
+        if _STARTED["by_a_lab"] and _STARTED["users"] <= 0:  # why not before: another Lab's ranks still run on it
             import ray
 
             ray.shutdown()
@@ -138,12 +151,14 @@ def start_local(cpus: int, gpus: int = 0, tries: int = 2) -> None:
             ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level="ERROR")
             _STARTED["local_before"] = True
             return
-        except Exception as err:   # why so broad: Ray raises a bare Exception for a node that timed out
+        except Exception as err:  # why so broad: Ray raises a bare Exception for a node that timed out
             ray.shutdown()
             if "timed out during startup" not in str(err) or attempt == tries - 1:
-                raise LabError(f"placement.learner_procs: a local Ray for the ranks did not start ({str(err).splitlines()[0]}); "
-                               "this machine may be too busy; try again, or start one with `ray start --head` and set "
-                               "placement.ray_address") from None
+                raise LabError(
+                    f"placement.learner_procs: a local Ray for the ranks did not start ({str(err).splitlines()[0]}); "
+                    "this machine may be too busy; try again, or start one with `ray start --head` and set "
+                    "placement.ray_address"
+                ) from None
 
 
 def _ready(group, timeout: float) -> bool:

@@ -6,6 +6,7 @@ A rank's rollout is the one-process code (prompts, seeds from the rank's RNG, ch
 sampling is a question to the driver (`ask`), answered once per chunk for every rank alike. The LoRA sync is the
 driver's: after a step it gathers the LoRA tensors from the ranks (never the base) and loads them into the engine.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -38,14 +39,14 @@ class RemoteVLLM(Generator):
         super().__init__(learner.tokenizer, resolve_model_path(config.model.name_or_path))
 
     def generate(self, batch, num_generations, request):
-        self._seeds = draw_seeds(len(batch) * num_generations)   # as VLLMGenerator: the same RNG, the same samples
+        self._seeds = draw_seeds(len(batch) * num_generations)  # as VLLMGenerator: the same RNG, the same samples
         return super().generate(batch, num_generations, request)
 
     def generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
         return ask("sample", prompt_ids, [next(self._seeds) for _ in prompt_ids], request)
 
     def sync(self, learner) -> None:
-        pass   # the driver's: it gathers the adapter from every rank once their sync phase is done
+        pass  # the driver's: it gathers the adapter from every rank once their sync phase is done
 
 
 class Answers:
@@ -65,7 +66,7 @@ class Answers:
             return reply
         try:
             reply = ("ok", getattr(self.service, method)(*args))
-        except Exception as err:   # why so broad: the rank must get an answer; the error comes back as its failure
+        except Exception as err:  # why so broad: the rank must get an answer; the error comes back as its failure
             from .wire import one_line
 
             reply = ("error", one_line(err))

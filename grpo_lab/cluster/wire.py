@@ -1,6 +1,7 @@
-"""What a sharded learner's ranks send their driver besides results: one-line errors, and the memory samples a
-rank took since its last reply. Shared by both sides (cluster/ranks.py, cluster/worker.py), so neither imports the other.
+"""What a sharded learner's ranks send their driver besides results: one-line errors, and the memory samples a rank took
+since its last reply. Shared by both sides (cluster/ranks.py, cluster/worker.py), so neither imports the other.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,7 +24,7 @@ def memory_since(sampler, sent: dict) -> dict:
     if sampler is None:
         return {}
     samples = sampler.samples_since(sent["samples"])
-    rows = [dict(r) for r in sampler.phase_rows[sent["rows"]:]]
+    rows = [dict(r) for r in sampler.phase_rows[sent["rows"] :]]
     sent["samples"], sent["rows"] = sampler.total, len(sampler.phase_rows)
     wall0 = time.time() - (time.perf_counter() - sampler.t0)
     return {"wall0": wall0, "samples": samples, "rows": rows}

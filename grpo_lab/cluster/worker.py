@@ -1,5 +1,5 @@
-"""A rank of a sharded learner: the body of a Ray actor (cluster/ranks.py wraps it). It joins the process group, loads a Lab
-of its own (the learner sharded by FSDP2, the same code as one process), and runs the driver's commands one at a
+"""A rank of a sharded learner: the body of a Ray actor (cluster/ranks.py wraps it). It joins the process group, loads a
+Lab of its own (the learner sharded by FSDP2, the same code as one process), and runs the driver's commands one at a
 time: a phase, a rollback, a checkpoint. Every reply carries the memory samples and per-phase rows it took since the
 last one; while a command runs, the driver polls the rank (`poll`, on a thread of its own) for the samples so far and
 for any question its generator asks (cluster/remote.py).
@@ -10,6 +10,7 @@ phase leaves the others blocked in a collective, where they can only be killed; 
 afresh from those states. Why the object store, not files: the driver owns them, so they outlive a killed rank and
 go with the driver; nothing is left on any machine's disk.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,8 +23,8 @@ import torch
 
 from .wire import memory_since, one_line
 
-PER_RANK = {"inspect"}   # commands whose answer differs by rank
-TIMEOUT_S = 600   # a collective that waits longer than this fails (gloo's default, 30 min, looks like a hang)
+PER_RANK = {"inspect"}  # commands whose answer differs by rank
+TIMEOUT_S = 600  # a collective that waits longer than this fails (gloo's default, 30 min, looks like a hang)
 
 
 class RankWorker:
@@ -33,8 +34,8 @@ class RankWorker:
         self.rank, self.size = rank, size
         self.lab = None
         self.sent = {"samples": 0, "rows": 0}
-        self.lock = threading.Lock()   # the memory cursor: read by the command thread and the poll thread
-        self.questions: dict[int, tuple] = {}   # asked by this rank's generator, not yet answered (cluster/remote.py)
+        self.lock = threading.Lock()  # the memory cursor: read by the command thread and the poll thread
+        self.questions: dict[int, tuple] = {}  # asked by this rank's generator, not yet answered (cluster/remote.py)
         self.answers: dict[int, tuple] = {}
         self.answered = threading.Condition()
 
@@ -54,52 +55,61 @@ class RankWorker:
         """Join the group and load; `restore`: the boundary state this rank starts from (a restart), or None. Returns
         (the reply, the boundary state at load, or None after a restore)."""
         import torch.distributed as dist
-
         from transformers.utils import logging as hf_logging
 
+        from ..checks.world import backend_for
         from ..lab import Lab
         from ..runtime import Runtime, init_decisions, runtime, set_runtime
-        from ..checks.world import backend_for
 
-        hf_logging.disable_progress_bar()   # why: N ranks' loading bars would interleave on the driver's stderr
+        hf_logging.disable_progress_bar()  # why: N ranks' loading bars would interleave on the driver's stderr
         learner = config["placement"]["learner"]
-        torch.set_num_threads(threads)   # why: ranks on one machine's cores must not oversubscribe them (OpenMP)
+        torch.set_num_threads(threads)  # why: ranks on one machine's cores must not oversubscribe them (OpenMP)
         # why first: from here on, "which device am I" is this rank's; Ray gave it one GPU, its cuda:0
         set_runtime(Runtime(self.rank, self.size, is_rank=True, own_gpu=learner != "cpu"))
         device = runtime().device_of(learner)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         try:
-            dist.init_process_group(backend_for(learner), init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
-                                    world_size=self.size, timeout=timedelta(seconds=TIMEOUT_S))
-            init_decisions()   # the group every cross-rank decision is agreed on (runtime.agree)
+            dist.init_process_group(
+                backend_for(learner),
+                init_method=f"tcp://{master[0]}:{master[1]}",
+                rank=self.rank,
+                world_size=self.size,
+                timeout=timedelta(seconds=TIMEOUT_S),
+            )
+            init_decisions()  # the group every cross-rank decision is agreed on (runtime.agree)
             self.lab = Lab(config).load()
             if restore is not None:
                 restore_boundary(self.lab, restore)
             state = None if restore is not None else boundary_state(self.lab)
-        except BaseException as err:   # why so broad: the driver needs one line, not a remote traceback
+        except BaseException as err:  # why so broad: the driver needs one line, not a remote traceback
             return ("error", one_line(err), self.memory()), None
-        from ..memory.report import capacities_of
-
         import ray
 
-        info = {"capacities": capacities_of(self.lab.memory), "step": self.lab.step_index, "pid": os.getpid(),
-                "node": ray.get_runtime_context().get_node_id()}
+        from ..memory.report import capacities_of
+
+        info = {
+            "capacities": capacities_of(self.lab.memory),
+            "step": self.lab.step_index,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+        }
         return ("ready", info, self.memory()), state
 
     def run(self, command: str, args: tuple):
         """Run `command`; returns (status, value, memory, notes) and the boundary state it wrote (after sync), or
-        None. notes: {"boundary": the step that state starts, "blocked": whether the others are left in a collective}."""
+        None. notes: {"boundary": the step that state starts, "blocked": whether the others are left in a
+        collective}."""
         from .remote import serve_questions_on
 
         serve_questions_on(self)
         notes = {"boundary": None, "blocked": False}
         try:
             out, state = getattr(self, command)(*args)
-            mine = self.rank == 0 or command in PER_RANK   # why: the others' copies are equal; no need to ship them
+            mine = self.rank == 0 or command in PER_RANK  # why: the others' copies are equal; no need to ship them
             status, value = "ok", out if mine else None
             notes["boundary"] = None if state is None else self.lab.step_index
-        except BaseException as err:   # why so broad: the rank must answer, whatever happened
+        except BaseException as err:  # why so broad: the rank must answer, whatever happened
             status, value, state = "error", one_line(err), None
         from ..runtime import take_blocked
 
@@ -115,7 +125,7 @@ class RankWorker:
 
     def answer(self, number: int, reply: tuple) -> None:
         with self.answered:
-            if self.questions.pop(number, None) is not None:   # why: a late duplicate must not answer a later question
+            if self.questions.pop(number, None) is not None:  # why: a late duplicate must not answer a later question
                 self.answers[number] = reply
                 self.answered.notify_all()
 
@@ -145,7 +155,7 @@ class RankWorker:
 
         changes = config_changes(self.lab.config.to_dict(), config)
         if changes:
-            self.lab.config.update(changes)   # the driver's edits, checked and rebuilt here as in one process
+            self.lab.config.update(changes)  # the driver's edits, checked and rebuilt here as in one process
         inputs = [getattr(self.lab.current, field) for field in BY_NAME[name].inputs]
         out = getattr(self.lab, name)(*inputs)
         return out, boundary_state(self.lab) if name == "sync" else None
@@ -154,7 +164,7 @@ class RankWorker:
         return self.lab.rollback(), None
 
     def save_checkpoint(self, path: str):
-        return self.lab.save_checkpoint(path), None   # the rank's Lab gathers (runtime: a rank); rank 0 writes
+        return self.lab.save_checkpoint(path), None  # the rank's Lab gathers (runtime: a rank); rank 0 writes
 
     def restore_checkpoint(self, path: str):
         self.lab.restore_checkpoint(path)
@@ -182,14 +192,18 @@ def config_changes(mine: dict, theirs: dict) -> dict:
 
 def boundary_state(lab) -> bytes:
     """This rank's state between steps (its shards only: no collective)."""
-    from ..runtime import capture_rng, runtime
     from ..dist.fsdp import local, local_state
+    from ..runtime import capture_rng, runtime
 
     learner = lab.learner
-    rng = capture_rng(runtime().cuda_indices(lab.config))   # this rank's own streams (its GPU's, not every GPU's)
-    state = {"step": lab.step_index, "rng": rng, "data": lab.prompts.state_dict(),
-             "lora": {n: local(p).detach().cpu().clone() for n, p in learner.trainable_parameters().items()},
-             "optimizer": local_state(learner.optimizer.state_dict())}
+    rng = capture_rng(runtime().cuda_indices(lab.config))  # this rank's own streams (its GPU's, not every GPU's)
+    state = {
+        "step": lab.step_index,
+        "rng": rng,
+        "data": lab.prompts.state_dict(),
+        "lora": {n: local(p).detach().cpu().clone() for n, p in learner.trainable_parameters().items()},
+        "optimizer": local_state(learner.optimizer.state_dict()),
+    }
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
@@ -197,9 +211,9 @@ def boundary_state(lab) -> bytes:
 
 def restore_boundary(lab, data: bytes) -> None:
     """Put a rank's state at the start of a step back into a freshly loaded Lab (a restart)."""
-    from ..runtime import restore_rng
     from ..dist.fsdp import local
     from ..dist.gathered import load_optimizer_shards
+    from ..runtime import restore_rng
 
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     learner = lab.learner

@@ -8,17 +8,18 @@ Every way of editing (attribute assignment on lab.config, lab.configure, the wid
 assigning lab.config) reaches `LabConfig.update`, which calls this guard: `check` before any
 value changes (refusals), `apply` after (rebuilds; a failure puts the old values back).
 """
+
 from __future__ import annotations
 
 from typing import Callable
 
-from .schema import field_when
 from ..errors import LabError
+from .schema import field_when
 
 
 def rebuild_reference(loaded: "LoadedLabGuard") -> None:
     executor = loaded.executor
-    if executor.config.reference_strategy != executor.reference_strategy:   # why: 'copy' loads a model; only on a change
+    if executor.config.reference_strategy != executor.reference_strategy:  # why: 'copy' loads a model; only on a change
         executor.build_reference()
 
 
@@ -31,7 +32,7 @@ def rebuild_rewards(loaded: "LoadedLabGuard") -> None:
 def rebuild_leak_detector(loaded: "LoadedLabGuard") -> None:
     memory = loaded.executor.config.memory
     loaded.leaks.window = memory.leak_window
-    loaded.leaks.min_growth = memory.leak_min_growth_mib * 1024 ** 2
+    loaded.leaks.min_growth = memory.leak_min_growth_mib * 1024**2
 
 
 # (a sharded learner's driver rebuilds its memory views; its ranks their own parts, at their next command)
@@ -43,8 +44,9 @@ REBUILDS: dict[str, Callable] = {
     "data.system_prompt": lambda loaded: loaded.executor.build_prompts(),
     "data.rewards": rebuild_rewards,
     "memory.sample_hz": lambda loaded: loaded.memory.set_rate(loaded.executor.config.memory.sample_hz),
-    "memory.host_threshold": lambda loaded: setattr(loaded.memory, "host_threshold",
-                                                    loaded.executor.config.memory.host_threshold),
+    "memory.host_threshold": lambda loaded: setattr(
+        loaded.memory, "host_threshold", loaded.executor.config.memory.host_threshold
+    ),
     "memory.leak_window": rebuild_leak_detector,
     "memory.leak_min_growth_mib": rebuild_leak_detector,
 }
@@ -61,22 +63,28 @@ class LoadedLabGuard:
         """Load-time fields among `paths` are refused first: no other message can help an edit that never applies."""
         fixed = [path for path in paths if field_when(path) == "load"]
         if fixed:
-            raise LabError(f"{', '.join(fixed)}: fixed when the Lab loads (the models, placement or engine were built "
-                           "from it); make a new Lab with the new value: lab.close(); lab = Lab(config).load()")
+            raise LabError(
+                f"{', '.join(fixed)}: fixed when the Lab loads (the models, placement or engine were built "
+                "from it); make a new Lab with the new value: lab.close(); lab = Lab(config).load()"
+            )
 
     def check(self, config, new, changed: dict) -> None:
         self.refuse_fixed(changed)
         if "data.rewards" in changed and self.executor.rewards_given:
-            raise LabError("data.rewards: this Lab's reward functions were passed to Lab(reward_funcs=...); pass new "
-                           "ones to a new Lab, or edit data.reward_weights")
+            raise LabError(
+                "data.rewards: this Lab's reward functions were passed to Lab(reward_funcs=...); pass new "
+                "ones to a new Lab, or edit data.reward_weights"
+            )
         if "data.rewards" in changed:
             from ..algo.rewards import resolve_reward
 
             for name in new.data.rewards:
                 resolve_reward(name)
         if new.reference_strategy == "copy" and new.reference_device not in self.memory_devices:
-            raise LabError(f"reference.strategy: a copy on {new.reference_device} after load would sit on a device this "
-                           f"Lab does not watch ({', '.join(self.memory_devices)}); make a new Lab with it")
+            raise LabError(
+                f"reference.strategy: a copy on {new.reference_device} after load would sit on a device this "
+                f"Lab does not watch ({', '.join(self.memory_devices)}); make a new Lab with it"
+            )
         self.executor.check_live(new)
 
     def apply(self, config, changed: dict) -> None:

@@ -1,5 +1,6 @@
 """The config's building blocks: a field with its help text and when an edit takes effect (`knob`, WHEN), the
 section base every edit of which goes through the root's one update path, device names, and `--set` overrides."""
+
 from __future__ import annotations
 
 import re
@@ -41,8 +42,10 @@ def knob(when: str, default: Any = ..., **kwargs) -> Any:
 
 # TRL's spellings of fields grpo_lab names otherwise, accepted everywhere a field is named (YAML, --set, dicts,
 # lab.configure, attribute assignment); the config keeps and shows grpo_lab's name
-ALIASES = {f"grpo.vllm_importance_sampling_{k}": f"grpo.importance_sampling_{k}"
-           for k in ("correction", "mode", "clip_max", "clip_min")}
+ALIASES = {
+    f"grpo.vllm_importance_sampling_{k}": f"grpo.importance_sampling_{k}"
+    for k in ("correction", "mode", "clip_max", "clip_min")
+}
 
 
 def canonical(path: str) -> str:
@@ -68,18 +71,19 @@ class Section(BaseModel):
     # why allow_inf_nan=False: an .inf or .nan in any float (lists included) is refused, never trained with;
     # str_min_length=1: an empty string is never a value (null is, where a field allows it)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, str_min_length=1)
-    _root: Optional[Any] = PrivateAttr(None)   # the LabConfig this section belongs to (set by it)
+    _root: Optional[Any] = PrivateAttr(None)  # the LabConfig this section belongs to (set by it)
     _name: str = PrivateAttr("")
 
-    def __eq__(self, other: Any) -> bool:   # by value; the private links to the root would recurse
+    def __eq__(self, other: Any) -> bool:  # by value; the private links to the root would recurse
         return type(self) is type(other) and self.model_dump() == other.model_dump()
 
     __hash__ = None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # why: every edit goes through the root's update (whole-config checks, a loaded Lab's guard), never one field alone
+        # why: every edit goes through the root's update (whole-config checks, a loaded Lab's guard), never one
+        # field alone
         path = canonical(f"{self._name}.{name}")
-        if path != f"{self._name}.{name}" and self._root is not None:   # a TRL spelling
+        if path != f"{self._name}.{name}" and self._root is not None:  # a TRL spelling
             self._root.update({path: value})
         elif name in type(self).model_fields and self._root is not None:
             self._root.update({f"{self._name}.{name}": value})
@@ -101,7 +105,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+                raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:

@@ -1,5 +1,6 @@
 """Config in and out: a LabConfig from a YAML file, a preset name, a dict or another LabConfig (with `--set`
 overrides), and back to YAML, atomically."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +8,10 @@ from typing import Optional, Union
 
 import yaml
 
-from .schema import LabConfig, apply_overrides, parse_config
-from ..errors import ConfigError
 from ..checks.paths import read_text
+from ..errors import ConfigError
+from .fields import apply_overrides
+from .schema import LabConfig, parse_config
 
 
 def config_source(source: Union[str, Path]) -> Path:
@@ -22,8 +24,10 @@ def config_source(source: Union[str, Path]) -> Path:
     preset = preset_path(str(source))
     if preset is not None:
         return preset
-    raise ConfigError(f"config {str(source)!r} is neither a YAML file nor a preset; presets: {', '.join(preset_names())} "
-                      "(`grpo-lab presets` describes them)")
+    raise ConfigError(
+        f"config {str(source)!r} is neither a YAML file nor a preset; presets: {', '.join(preset_names())} "
+        "(`grpo-lab presets` describes them)"
+    )
 
 
 def load_config(source: Union[str, Path, dict, LabConfig], overrides: Optional[list[str]] = None) -> LabConfig:

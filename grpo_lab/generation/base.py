@@ -7,6 +7,7 @@ Chunking (P2): `chunk_size` sequences per engine call bound the generator's peak
 in order and content to one call (each sequence samples from its own seed: `row_seeds`), the
 sampler log-probs up to float rounding (another batch composition in the forward).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,8 @@ from ..algo.containers import GenerationRequest, PromptBatch, Rollout
 
 @dataclass
 class Sample:
-    completion_ids: list[int]   # up to and including EOS (or max_completion_length tokens)
-    logprobs: list[float]       # sampler log-prob of each completion token
+    completion_ids: list[int]  # up to and including EOS (or max_completion_length tokens)
+    logprobs: list[float]  # sampler log-prob of each completion token
     truncated: bool
 
 
@@ -29,18 +30,19 @@ def chunked(items: Sequence, chunk_size: Optional[int]) -> Iterator[Sequence]:
     """Consecutive chunks of `chunk_size` (ceil-divided: the last one may be partial); None = one chunk."""
     size = len(items) if not chunk_size else chunk_size
     for i in range(math.ceil(len(items) / max(size, 1))):
-        yield items[i * size:(i + 1) * size]
+        yield items[i * size : (i + 1) * size]
 
 
 def row_seeds(n: int) -> list[int]:
     """One seed per sequence, drawn from torch's (the lab's seeded) RNG in one call before any chunking: a row's samples
     depend on its seed alone, not on chunk_size nor on which rank samples it; the RNG advances by n draws whatever the
     completions' lengths (vllm.draw_seeds is the same draw)."""
-    return torch.randint(0, 2 ** 31 - 1, (n,)).tolist()
+    return torch.randint(0, 2**31 - 1, (n,)).tolist()
 
 
 def split(items: Sequence, pieces: int) -> list[Sequence]:
-    """`items` in `pieces` consecutive parts of near-equal size (the first len % pieces one longer; some may be empty)."""
+    """`items` in `pieces` consecutive parts of near-equal size (the first len % pieces one longer; some may be
+    empty)."""
     base, extra = divmod(len(items), pieces)
     bounds = [k * base + min(k, extra) for k in range(pieces + 1)]
     return [items[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -53,7 +55,7 @@ def eos_token_ids(tokenizer, checkpoint: str) -> list[int]:
 
     try:
         listed = GenerationConfig.from_pretrained(checkpoint).eos_token_id
-    except OSError:   # no generation_config.json: the tokenizer's EOS alone
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
         listed = None
     listed = [listed] if isinstance(listed, int) else list(listed or [])
     return [t for t in dict.fromkeys([tokenizer.eos_token_id, *listed]) if t is not None]
@@ -65,7 +67,7 @@ class Generator:
     def __init__(self, tokenizer, checkpoint: str):
         """`checkpoint`: the learner's checkpoint directory, whose generation_config completes the EOS set."""
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids(tokenizer, checkpoint)   # one stop set for every backend
+        self.eos_token_ids = eos_token_ids(tokenizer, checkpoint)  # one stop set for every backend
 
     # --- backends implement these ---
     def generate_chunk(self, prompt_ids: list[list[int]], request: GenerationRequest) -> list[Sample]:
@@ -85,11 +87,13 @@ class Generator:
     # --- shared ---
     def encode_prompts(self, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
         ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        return [p[-max_prompt_length:] for p in ids]   # truncate from the left, keep the question's end
+        return [p[-max_prompt_length:] for p in ids]  # truncate from the left, keep the question's end
 
     def prompt_rows(self, batch: PromptBatch, num_generations: int, request: GenerationRequest) -> list[list[int]]:
         """[N] token ids: each prompt repeated num_generations times (a group's rows are consecutive)."""
-        return [p for p in self.encode_prompts(batch.prompts, request.max_prompt_length) for _ in range(num_generations)]
+        return [
+            p for p in self.encode_prompts(batch.prompts, request.max_prompt_length) for _ in range(num_generations)
+        ]
 
     def generate(self, batch: PromptBatch, num_generations: int, request: GenerationRequest) -> Rollout:
         prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
@@ -112,19 +116,23 @@ class Generator:
         completion_mask = torch.zeros((n, c_len), dtype=torch.long)
         sampler_logprobs = torch.zeros((n, c_len), dtype=torch.float32)
         for i, (p, s) in enumerate(zip(prompt_ids, samples)):
-            prompt[i, p_len - len(p):] = torch.tensor(p)
-            prompt_mask[i, p_len - len(p):] = 1
+            prompt[i, p_len - len(p) :] = torch.tensor(p)
+            prompt_mask[i, p_len - len(p) :] = 1
             k = len(s.completion_ids)
             if k:
                 completion[i, :k] = torch.tensor(s.completion_ids)
                 completion_mask[i, :k] = 1
                 sampler_logprobs[i, :k] = torch.tensor(s.logprobs, dtype=torch.float32)
         return Rollout(
-            batch=batch, num_generations=num_generations,
-            prompt_ids=prompt, prompt_mask=prompt_mask,
-            completion_ids=completion, completion_mask=completion_mask,
+            batch=batch,
+            num_generations=num_generations,
+            prompt_ids=prompt,
+            prompt_mask=prompt_mask,
+            completion_ids=completion,
+            completion_mask=completion_mask,
             sampler_logprobs=sampler_logprobs,
             truncated=torch.tensor([s.truncated for s in samples]),
             completions=self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True),
-            temperature=request.temperature, max_completion_length=request.max_completion_length,
+            temperature=request.temperature,
+            max_completion_length=request.max_completion_length,
         )

@@ -4,17 +4,18 @@ Sampler log-probs are those of the distribution sampled from: logits / temperatu
 top-p, renormalised (greedy: log_softmax of the logits), as vLLM's processed_logprobs and TRL's
 importance-sampling correction use. It stops on `eos_token_ids`, the vllm backend's set too.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from ..dist.fsdp import generation
 from ..errors import LabError
 from ..memory.heap import trim_host_heap
-from ..runtime import runtime
-from ..dist.fsdp import generation
 from ..models.source import resolve_model_path
+from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
@@ -24,16 +25,18 @@ from .base import GenerationRequest, Generator, Sample, row_seeds
 # preset for ~5% of its time (every step: +15%; glibc's fixed mmap threshold instead: +20%)
 TRIM_EVERY = 32
 NEUTRAL = dict(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0)
-GENERATED_ROWS = [0]   # sequences this process's hf generator sampled (what inspect() reports: a rank's share)
+GENERATED_ROWS = [0]  # sequences this process's hf generator sampled (what inspect() reports: a rank's share)
 
 
 def check_hf_placement(config) -> None:
     """The hf backend samples with the learner itself, so it has no device of its own (checked in preflight too)."""
     devices = config.placement.generator_devices()
     if devices != [config.placement.learner]:
-        raise LabError(f"placement.generator: backend 'hf' samples with the learner itself on "
-                       f"{config.placement.learner}, not on {devices}; set placement.generator: null "
-                       "(a separate generator device needs a backend that holds its own weights)")
+        raise LabError(
+            f"placement.generator: backend 'hf' samples with the learner itself on "
+            f"{config.placement.learner}, not on {devices}; set placement.generator: null "
+            "(a separate generator device needs a backend that holds its own weights)"
+        )
 
 
 class HFGenerator(Generator):
@@ -48,7 +51,8 @@ class HFGenerator(Generator):
     def generate(self, batch, num_generations, request: GenerationRequest):
         """One seed per row (base.row_seeds) and every chunk left-padded to the whole batch's prompt width, so a row
         samples the same tokens in any chunk (the width alone changes the forward's rounding, enough to flip a bfloat16
-        sample). A sharded learner's ranks then sample once for all: each its share of the groups (generation/sample_once.py)."""
+        sample). A sharded learner's ranks then sample once for all: each its share of the groups
+        (generation/sample_once.py)."""
         seeds = row_seeds(len(batch) * num_generations)
         self._width = max(map(len, self.encode_prompts(batch.prompts, request.max_prompt_length)))
         try:
@@ -62,8 +66,8 @@ class HFGenerator(Generator):
         finally:
             self._seeds = self._width = None
 
-    _seeds = None   # the rows' seeds, consumed chunk by chunk in row order (set by generate)
-    _width = None   # the whole batch's prompt width (set by generate)
+    _seeds = None  # the rows' seeds, consumed chunk by chunk in row order (set by generate)
+    _width = None  # the whole batch's prompt width (set by generate)
 
     def sample_rows(self, prompt_ids: list[list[int]], seeds: list[int], request: GenerationRequest) -> list[Sample]:
         """Sample `prompt_ids` with `seeds[i]` for row i, inside `generate` (a sharded rank's share: sample_once.py)."""
@@ -88,32 +92,45 @@ class HFGenerator(Generator):
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         # why generate() picks greedily even when sampling: InverseCdfSampler draws the token and leaves it the only
         # finite score (torch.multinomial's CPU path spent 68% of a rollout at Qwen2.5's vocabulary on exponentials)
-        settings = GenerationConfig(max_new_tokens=request.max_completion_length, do_sample=False, **NEUTRAL,
-                                    min_new_tokens=request.max_completion_length if request.full_length else None,
-                                    eos_token_id=self.eos_token_ids, pad_token_id=tok.pad_token_id, use_cache=True)
+        settings = GenerationConfig(
+            max_new_tokens=request.max_completion_length,
+            do_sample=False,
+            **NEUTRAL,
+            min_new_tokens=request.max_completion_length if request.full_length else None,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=tok.pad_token_id,
+            use_cache=True,
+        )
         recorder = SampledLogprobs()
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
         contiguous = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(),))
-        try:   # eval mode (checkpointing off, so the KV cache is used); a sharded learner gathered or not (P3)
+        try:  # eval mode (checkpointing off, so the KV cache is used); a sharded learner gathered or not (P3)
             with generation(model, request.gather_for_generation):
-                sequences = model.generate(input_ids=input_ids.to(self.learner.device),
-                                           attention_mask=attention.to(self.learner.device), generation_config=settings,
-                                           synced_gpus=synced, logits_processor=LogitsProcessorList(
-                                               [*sampling_processors(request), recorder, *sampler(request, seeds),
-                                                *self._step_hooks()]))
+                sequences = model.generate(
+                    input_ids=input_ids.to(self.learner.device),
+                    attention_mask=attention.to(self.learner.device),
+                    generation_config=settings,
+                    synced_gpus=synced,
+                    logits_processor=LogitsProcessorList(
+                        [*sampling_processors(request), recorder, *sampler(request, seeds), *self._step_hooks()]
+                    ),
+                )
         except RuntimeError as err:
-            if "probability tensor contains" not in str(err):   # InverseCdfSampler on inf/nan probabilities
+            if "probability tensor contains" not in str(err):  # InverseCdfSampler on inf/nan probabilities
                 raise
-            raise LabError("rollout: the policy's next-token probabilities are inf/nan, so nothing can be sampled; "
-                           "the LoRA weights diverged (lower grpo.learning_rate or grpo.max_grad_norm) or the model "
-                           "overflows in model.dtype/bnb_4bit_compute_dtype (try float32)") from None
+            raise LabError(
+                "rollout: the policy's next-token probabilities are inf/nan, so nothing can be sampled; "
+                "the LoRA weights diverged (lower grpo.learning_rate or grpo.max_grad_norm) or the model "
+                "overflows in model.dtype/bnb_4bit_compute_dtype (try float32)"
+            ) from None
         finally:
             contiguous.remove()
         new_tokens = sequences[:, width:]
-        logprobs = recorder.finish(new_tokens).cpu()   # why: a Rollout lives on the CPU; the device keeps nothing of it
-        return [self._sample(row, lp, self.eos_token_ids)
-                for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())]
+        logprobs = recorder.finish(new_tokens).cpu()  # why: a Rollout lives on the CPU; the device keeps nothing of it
+        return [
+            self._sample(row, lp, self.eos_token_ids) for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())
+        ]
 
     def _step_hooks(self) -> list:
         """Per decoding step: a CPU learner's buffers live in the host heap, so trim its holes as they appear
@@ -156,16 +173,15 @@ class InverseCdfSampler:
     uniform draw (float64 cumulative sums: exact to double precision; a token of probability 0, i.e. filtered by
     top-k/top-p, is never drawn), then returns scores whose only finite entry is that token, so generate()'s
     greedy choice takes it. One uniform per sequence instead of torch.multinomial's vocabulary-sized exponential
-    draw: 21.7 ms of 32 per decoding step at 8 x 151,936 on the CPU (torch 2.13). Same distribution, another
-    random stream: tokens for a given seed differ from multinomial's.
-    Its two [sequences, vocab] buffers live for the whole rollout. Why: allocated afresh every decoding step they
-    fragmented a CPU learner's heap by 180-250 MB between two trims on logits-heavy-cpu.
+    draw (faster on the CPU). Same distribution, another random stream: tokens for a given seed differ from
+    multinomial's. Its two [sequences, vocab] buffers live for the whole rollout. Why: allocated afresh every decoding
+    step they fragment a CPU learner's heap (figures: docs/benchmarks.md, "The CPU rollout's heap").
     `seeds`: one CPU generator per row, so row i's t-th token uses the t-th uniform of its own stream whatever the
     rows beside it (a rank's share samples what one process samples); None: one draw over the batch from torch's RNG."""
 
     def __init__(self, seeds: Optional[list[int]] = None):
-        self.cdf: Optional[torch.Tensor] = None   # float64 [n, V]
-        self.out: Optional[torch.Tensor] = None   # the returned scores
+        self.cdf: Optional[torch.Tensor] = None  # float64 [n, V]
+        self.out: Optional[torch.Tensor] = None  # the returned scores
         self.rows = None if seeds is None else [torch.Generator().manual_seed(seed) for seed in seeds]
 
     def __call__(self, input_ids, scores):
@@ -178,10 +194,12 @@ class InverseCdfSampler:
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         if self.rows is None:
             u = torch.rand(total.shape, dtype=torch.float64, device=scores.device)
-        else:   # why on the CPU: a CPU generator's stream is the same on every device; n draws, one copy per step
-            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in self.rows]).to(scores.device)[:, None]
+        else:  # why on the CPU: a CPU generator's stream is the same on every device; n draws, one copy per step
+            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in self.rows]).to(scores.device)[
+                :, None
+            ]
         u = u * total
-        token = torch.searchsorted(self.cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)   # first cdf > u: p > 0
+        token = torch.searchsorted(self.cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)  # first cdf > u: p > 0
         return self.out.fill_(float("-inf")).scatter_(-1, token, 0.0)
 
 
@@ -194,7 +212,7 @@ class SampledLogprobs:
 
     def __init__(self):
         self.previous = None
-        self.columns: list[torch.Tensor] = []   # [n] per generated token
+        self.columns: list[torch.Tensor] = []  # [n] per generated token
 
     def __call__(self, input_ids, scores):
         if self.previous is not None:
@@ -206,7 +224,7 @@ class SampledLogprobs:
         """[n, T] log-probs of `new_tokens` (the last token's comes from the last stored step)."""
         if self.previous is not None and len(self.columns) < new_tokens.shape[1]:
             self.columns.append(self.previous.gather(-1, new_tokens[:, -1:].to(self.previous.device)).squeeze(-1))
-        self.previous = None   # why: drop the last [n, V] log-softmax as soon as it is used
+        self.previous = None  # why: drop the last [n, V] log-softmax as soon as it is used
         if not self.columns:
             return torch.zeros(new_tokens.shape, dtype=torch.float32)
         return torch.stack(self.columns, dim=1)

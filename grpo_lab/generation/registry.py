@@ -1,5 +1,6 @@
 """Generator backends by name. Values are import paths so that naming a backend in a
 config never imports it (vLLM is optional and heavy)."""
+
 from __future__ import annotations
 
 import importlib
@@ -39,5 +40,7 @@ def backend_class(name: str, on_rank: bool = False):
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as err:
-        raise LabError(f"generator.backend: {name!r} needs a package that is not installed ({err.name}); "
-                       "install grpo-lab[cpu] on CPU machines or grpo-lab[gpu] on CUDA machines") from None
+        raise LabError(
+            f"generator.backend: {name!r} needs a package that is not installed ({err.name}); "
+            "install grpo-lab[cpu] on CPU machines or grpo-lab[gpu] on CUDA machines"
+        ) from None

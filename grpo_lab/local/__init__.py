@@ -1,1 +1,2 @@
-"""Phases on this process's models: the one-process executor (also the executor inside each rank of a sharded learner)."""
+"""Phases on this process's models: the one-process executor (also the executor inside each rank of a sharded
+learner)."""

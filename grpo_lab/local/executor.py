@@ -2,18 +2,20 @@
 contract). It also runs inside each rank of a sharded learner, whose runtime says which rank it is; a sharded
 learner's driver uses `RankExecutor` (cluster/executor.py) instead.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable, Optional
 
 from ..algo import grpo as phase_functions
-from ..errors import LabError
 from ..checks.guard import check_learner
+from ..errors import LabError
 from ..runtime import runtime
 
+
 def _rollout(ex, state) -> object:
-    if ex.generator_behind:   # never sample from weights the learner no longer has
+    if ex.generator_behind:  # never sample from weights the learner no longer has
         phase_functions.sync(ex.generator, ex.learner)
         ex.generator_behind = False
     return phase_functions.rollout(ex.generator, ex.prompts, ex.config)
@@ -22,7 +24,7 @@ def _rollout(ex, state) -> object:
 def _optimizer(ex, state) -> float:
     from ..state.rollback import TrainState
 
-    if state.snapshot is None:   # the step's first update takes the rollback snapshot first
+    if state.snapshot is None:  # the step's first update takes the rollback snapshot first
         state.snapshot = TrainState(ex.learner)
     return phase_functions.optimizer(ex.learner, ex.config)
 
@@ -35,12 +37,14 @@ def _sync(ex, state) -> None:
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
-    "rewards": lambda ex, state, rollout: phase_functions.rewards(rollout, ex.reward_funcs,
-                                                                  ex.config.data.reward_weights),
+    "rewards": lambda ex, state, rollout: phase_functions.rewards(
+        rollout, ex.reward_funcs, ex.config.data.reward_weights
+    ),
     "advantages": lambda ex, state, rewards: phase_functions.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: phase_functions.logprobs(ex.learner, ex.reference, rollout, ex.config),
     "backward": lambda ex, state, rollout, advantages, logprobs: phase_functions.backward(
-        ex.learner, rollout, advantages, logprobs, ex.config, state.old_logprobs),
+        ex.learner, rollout, advantages, logprobs, ex.config, state.old_logprobs
+    ),
     "optimizer": _optimizer,
     "sync": _sync,
 }
@@ -73,8 +77,8 @@ class LocalExecutor:
         self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or config.data.rewards)]
         self.step_index = step_index
         self.learner = self.generator = self.reference = self.prompts = None
-        self.reference_strategy: Optional[str] = None   # the strategy the reference was built with
-        self.generator_behind = False   # a failed sync may have left the engine on weights the learner undid
+        self.reference_strategy: Optional[str] = None  # the strategy the reference was built with
+        self.generator_behind = False  # a failed sync may have left the engine on weights the learner undid
 
     @property
     def loaded(self) -> bool:
@@ -90,8 +94,13 @@ class LocalExecutor:
 
         cfg = self.config
         # why the driver only: one host, one guard; a rank stopping on its own would leave the others in a collective
-        return MemorySampler(self.devices(), cfg.memory.sample_hz, cfg.memory.host_threshold,
-                             describe_offload=self.describe_offload, guard_host=runtime().is_driver)
+        return MemorySampler(
+            self.devices(),
+            cfg.memory.sample_hz,
+            cfg.memory.host_threshold,
+            describe_offload=self.describe_offload,
+            guard_host=runtime().is_driver,
+        )
 
     def listeners(self) -> list:
         """Extra timeline listeners: allocator snapshots, one folder per rank."""
@@ -178,7 +187,7 @@ class LocalExecutor:
         for model in (getattr(self.learner, "model", None), getattr(self.reference, "model", None)):
             if model is not None:
                 reset_after_failure(model)
-        self.generator_behind |= phase == "sync"   # why: the engine may hold the adapter the rollback undoes
+        self.generator_behind |= phase == "sync"  # why: the engine may hold the adapter the rollback undoes
         return None
 
     def rollback(self, state) -> None:
@@ -188,46 +197,67 @@ class LocalExecutor:
             self.learner.optimizer.zero_grad(set_to_none=True)  # why: partial gradients of a failed backward
 
     def result(self, state, seconds: dict):
-        return phase_functions.summarize(state.index, state.rollout, state.rewards, state.advantages, state.stats,
-                                         state.grad_norm, seconds, state.updates, state.attempts,
-                                         self.learner.optimizer.param_groups[0]["lr"])
+        return phase_functions.summarize(
+            state.index,
+            state.rollout,
+            state.rewards,
+            state.advantages,
+            state.stats,
+            state.grad_norm,
+            seconds,
+            state.updates,
+            state.attempts,
+            self.learner.optimizer.param_groups[0]["lr"],
+        )
 
     # --- state in and out ---
     def inspect(self) -> list[dict]:
         """This process's LoRA and AdamW state and step (one entry: rank 0 of a world of one)."""
-        from ..generation.hf import GENERATED_ROWS
         from ..dist.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
+        from ..generation.hf import GENERATED_ROWS
 
         learner, copy = self.learner, getattr(self.reference, "model", None)
-        return [{"rank": runtime().rank, "step": self.step_index(), "layout": layout(learner.model),
-                 "whole_gathers": WHOLE_GATHERS[0], "generated_rows": GENERATED_ROWS[0],
-                 "placements": base_placements(learner.model),
-                 "reference_placements": None if copy is None else base_placements(copy),
-                 "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
-                 "optimizer": local_state(learner.optimizer.state_dict())}]
+        return [
+            {
+                "rank": runtime().rank,
+                "step": self.step_index(),
+                "layout": layout(learner.model),
+                "whole_gathers": WHOLE_GATHERS[0],
+                "generated_rows": GENERATED_ROWS[0],
+                "placements": base_placements(learner.model),
+                "reference_placements": None if copy is None else base_placements(copy),
+                "lora": {n: local(p).detach().clone() for n, p in learner.trainable_parameters().items()},
+                "optimizer": local_state(learner.optimizer.state_dict()),
+            }
+        ]
 
     def arm_fault(self, rank: int, phase: str, error: str) -> None:
         from ..state import faults
 
-
         if rank != runtime().rank:
             raise LabError(f"arm_fault: rank {rank} does not exist; this Lab is one process (rank 0)")
         if error == "kill" and not runtime().is_rank:
-            raise LabError("arm_fault: error 'kill' kills a sharded learner's rank process; this Lab is one process, "
-                           "which it would kill with your kernel; use oom or runtime")
+            raise LabError(
+                "arm_fault: error 'kill' kills a sharded learner's rank process; this Lab is one process, "
+                "which it would kill with your kernel; use oom or runtime"
+            )
         if error == "diverge" and not runtime().sharded:
-            raise LabError("arm_fault: 'diverge' alters the rollout checksum a sharded learner's ranks agree on; this "
-                           "Lab is one process (set placement.learner_procs: 2)")
+            raise LabError(
+                "arm_fault: 'diverge' alters the rollout checksum a sharded learner's ranks agree on; this "
+                "Lab is one process (set placement.learner_procs: 2)"
+            )
         if phase == "rollout" and self.config.generator.own_weights:
-            raise LabError(f"arm_fault: a rollout fault goes into hf decoding; generator.backend: "
-                           f"{self.config.generator.backend} samples in its engine; arm logprobs or backward")
+            raise LabError(
+                f"arm_fault: a rollout fault goes into hf decoding; generator.backend: "
+                f"{self.config.generator.backend} samples in its engine; arm logprobs or backward"
+            )
         faults.arm(phase, error)
         for model in (self.learner.model, getattr(self.reference, "model", None)):
             if model is not None:
                 faults.watch_forward(model)
 
     def save_adapter(self, path) -> Path:
-        if runtime().is_rank:   # every rank gathers its LoRA shards; rank 0 writes the one-process format
+        if runtime().is_rank:  # every rank gathers its LoRA shards; rank 0 writes the one-process format
             from ..dist.gathered import save_full_adapter
 
             save_full_adapter(self.learner, path)
@@ -237,7 +267,7 @@ class LocalExecutor:
         return save_adapter(self.learner, path)
 
     def save_checkpoint(self, path) -> Path:
-        if runtime().is_rank:   # every rank gathers its shards and RNG states; rank 0 writes
+        if runtime().is_rank:  # every rank gathers its shards and RNG states; rank 0 writes
             from ..dist.gathered import save_full_checkpoint
 
             save_full_checkpoint(self.learner, self.prompts, self.config, self.step_index(), path)
@@ -247,7 +277,7 @@ class LocalExecutor:
         return save_checkpoint(self.learner, self.prompts, self.config, self.step_index(), path)
 
     def restore_checkpoint(self, checkpoint) -> None:
-        if runtime().is_rank:   # this rank's shard of every tensor, its own RNG states
+        if runtime().is_rank:  # this rank's shard of every tensor, its own RNG states
             from ..dist.gathered import restore_full_checkpoint
 
             restore_full_checkpoint(self.learner, self.prompts, checkpoint.path)
@@ -255,5 +285,5 @@ class LocalExecutor:
             from ..state.checkpoint import restore_checkpoint
 
             restore_checkpoint(self.learner, self.prompts, self.config, checkpoint)
-        phase_functions.sync(self.generator, self.learner)   # why: the engine must sample from the restored weights
+        phase_functions.sync(self.generator, self.learner)  # why: the engine must sample from the restored weights
         self.generator_behind = False

@@ -1,15 +1,25 @@
 """The report's figures: the memory timeline (labelled phase bands, step separators, limits that do not
 stretch the axis), a phase x step heatmap of each device's peak above the phase's start, and reward/loss."""
+
 from __future__ import annotations
 
 from ..algo.phases import COLOURS, PHASE_NAMES
 from .probes import MiB, is_host
 
-HOST_LINES = ("rss", "used")                      # the process's RSS, the machine's used RAM
-LEDGER = ("allocated", "cached", "engine", "not_torch")     # a GPU's memory, stacked: sums to NVML's used (probes.gpu_ledger)
-LEDGER_NAMES = {"allocated": "torch allocated", "cached": "torch cache (reserved - allocated)",
-                "engine": "vLLM engine (in this process)", "not_torch": "not torch (NVML used - the rest)"}
-FAR = 1.5            # a limit above FAR x the data's maximum is named in a corner instead of drawn
+HOST_LINES = ("rss", "used")  # the process's RSS, the machine's used RAM
+LEDGER = (
+    "allocated",
+    "cached",
+    "engine",
+    "not_torch",
+)  # a GPU's memory, stacked: sums to NVML's used (probes.gpu_ledger)
+LEDGER_NAMES = {
+    "allocated": "torch allocated",
+    "cached": "torch cache (reserved - allocated)",
+    "engine": "vLLM engine (in this process)",
+    "not_torch": "not torch (NVML used - the rest)",
+}
+FAR = 1.5  # a limit above FAR x the data's maximum is named in a corner instead of drawn
 MIN_LABELLED = 0.02  # a phase band narrower than this share of the run gets no label (they would overlap)
 
 
@@ -22,7 +32,8 @@ def primary_metric(device: str, metrics) -> str:
 
 
 def primary_rows(rows) -> list:
-    """The rows (dicts with device and metric) of each device's primary metric, chosen from the metrics its rows have."""
+    """The rows (dicts with device and metric) of each device's primary metric, chosen from the metrics its rows
+    have."""
     metrics_of: dict[str, set] = {}
     for r in rows:
         metrics_of.setdefault(r["device"], set()).add(r["metric"])
@@ -35,7 +46,8 @@ def drawn(device: str, metric: str) -> bool:
 
 
 def trace_style(device: str, metric: str) -> dict:
-    """A GPU's ledger is a stack per device (what sits on top of torch's reserved is not torch's); host lines are lines."""
+    """A GPU's ledger is a stack per device (what sits on top of torch's reserved is not torch's); host lines are
+    lines."""
     if is_host(device):
         return dict(name=f"{device} {metric}", mode="lines")
     return dict(name=f"{device} {LEDGER_NAMES[metric]}", mode="lines", stackgroup=device, line=dict(width=0.5))
@@ -47,16 +59,38 @@ def band_labels(marks) -> list[dict]:
     out, seen = [], set()
     for step, phase, start, end in marks:
         if span and (end - start) / span >= MIN_LABELLED:
-            out.append(dict(x=(start + end) / 2, y=1.0, yref="paper", text=phase, showarrow=False, textangle=-90,
-                            yanchor="top", font=dict(size=10), name="band-label"))
+            out.append(
+                dict(
+                    x=(start + end) / 2,
+                    y=1.0,
+                    yref="paper",
+                    text=phase,
+                    showarrow=False,
+                    textangle=-90,
+                    yanchor="top",
+                    font=dict(size=10),
+                    name="band-label",
+                )
+            )
         if step not in seen:
             seen.add(step)
-            out.append(dict(x=start, y=0, yref="paper", text=f"step {step}", showarrow=False, xanchor="left",
-                            yanchor="bottom", font=dict(size=10, color="#444"), name="step-label"))
+            out.append(
+                dict(
+                    x=start,
+                    y=0,
+                    yref="paper",
+                    text=f"step {step}",
+                    showarrow=False,
+                    xanchor="left",
+                    yanchor="bottom",
+                    font=dict(size=10, color="#444"),
+                    name="step-label",
+                )
+            )
     return out
 
 
-IDLE_KEEP_S = 1.0   # an idle span between phases longer than this is drawn this wide (the live plot's x axis)
+IDLE_KEEP_S = 1.0  # an idle span between phases longer than this is drawn this wide (the live plot's x axis)
 
 
 def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
@@ -82,14 +116,25 @@ def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
             else:
                 break
         return t - saved
+
     return x
 
 
 def phase_legend(phases) -> list[dict]:
     """One legend entry per phase colour (the bands are shapes, which plotly's legend does not list)."""
-    return [dict(x=[None], y=[None], mode="markers", name=phase, legendgroup="phases", showlegend=True,
-                 marker=dict(symbol="square", size=12, color=COLOURS.get(phase, "#cccccc"), opacity=0.35),
-                 hoverinfo="skip") for phase in phases]
+    return [
+        dict(
+            x=[None],
+            y=[None],
+            mode="markers",
+            name=phase,
+            legendgroup="phases",
+            showlegend=True,
+            marker=dict(symbol="square", size=12, color=COLOURS.get(phase, "#cccccc"), opacity=0.35),
+            hoverinfo="skip",
+        )
+        for phase in phases
+    ]
 
 
 def step_separators(marks) -> list[dict]:
@@ -97,8 +142,10 @@ def step_separators(marks) -> list[dict]:
     firsts = {}
     for step, _, start, _ in marks:
         firsts.setdefault(step, start)
-    return [dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
-                 line=dict(dash="dot", color="#666", width=1)) for x in firsts.values()]
+    return [
+        dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1, line=dict(dash="dot", color="#666", width=1))
+        for x in firsts.values()
+    ]
 
 
 def timeline_figure(samples, marks, limits: dict | None = None):
@@ -113,7 +160,7 @@ def timeline_figure(samples, marks, limits: dict | None = None):
             ys.append(value / MiB)
     fig = go.Figure()
     for (device, metric), (xs, ys) in sorted(series.items(), key=lambda kv: trace_order(*kv[0])):
-        kind = go.Scattergl if is_host(device) else go.Scatter   # why: WebGL traces cannot stack
+        kind = go.Scattergl if is_host(device) else go.Scatter  # why: WebGL traces cannot stack
         fig.add_trace(kind(x=xs, y=ys, **trace_style(device, metric)))
     top = stack_top(series)
     for _, phase, start, end in marks:
@@ -129,13 +176,28 @@ def timeline_figure(samples, marks, limits: dict | None = None):
             top = max(top, mib)
         else:
             far.append(f"{name}: {mib:,.0f} MiB")
-    if far:   # why: drawn, a 24 GB limit would flatten a 1 GB run along the bottom
-        fig.add_annotation(x=1, y=1, xref="paper", yref="paper", xanchor="right", yanchor="bottom", showarrow=False,
-                           text="off the scale: " + "; ".join(far), font=dict(size=10), name="far-limits")
+    if far:  # why: drawn, a 24 GB limit would flatten a 1 GB run along the bottom
+        fig.add_annotation(
+            x=1,
+            y=1,
+            xref="paper",
+            yref="paper",
+            xanchor="right",
+            yanchor="bottom",
+            showarrow=False,
+            text="off the scale: " + "; ".join(far),
+            font=dict(size=10),
+            name="far-limits",
+        )
     fig.update_yaxes(range=[0, top * 1.08])
-    fig.update_layout(title="Memory timeline (MiB): phases shaded and labelled, steps separated", xaxis_title="seconds",
-                      yaxis_title="MiB", height=460, margin=dict(t=70, l=50, r=20, b=40),
-                      legend=dict(orientation="h", y=-0.2))
+    fig.update_layout(
+        title="Memory timeline (MiB): phases shaded and labelled, steps separated",
+        xaxis_title="seconds",
+        yaxis_title="MiB",
+        height=460,
+        margin=dict(t=70, l=50, r=20, b=40),
+        legend=dict(orientation="h", y=-0.2),
+    )
     return fig
 
 
@@ -159,17 +221,33 @@ def heatmap_figure(rows, device: str):
 
     mine = [r for r in rows if r["device"] == device]
     metric = primary_metric(device, {r["metric"] for r in mine})
-    cells = {(r["phase"], r["step"]): (r["peak"] - r["start"]) / MiB for r in mine
-             if r["metric"] == metric and not r.get("failed_attempt")}
+    cells = {
+        (r["phase"], r["step"]): (r["peak"] - r["start"]) / MiB
+        for r in mine
+        if r["metric"] == metric and not r.get("failed_attempt")
+    }
     steps = sorted({s for _, s in cells})
     phases = [p for p in PHASE_NAMES if any((p, s) in cells for s in steps)]
     z = [[cells.get((p, s)) for s in steps] for p in phases]
-    fig = go.Figure(go.Heatmap(z=z, x=steps, y=phases, colorscale="Reds", colorbar=dict(title="MiB"),
-                               text=[[f"{v:.0f}" if v is not None else "" for v in row] for row in z],
-                               texttemplate="%{text}", hovertemplate="step %{x}, %{y}: +%{z:.1f} MiB<extra></extra>"))
-    fig.update_layout(title=f"{device}: {metric} peak above each phase's start (MiB)", xaxis_title="step",
-                      yaxis=dict(autorange="reversed"), height=130 + 38 * max(len(phases), 1),
-                      margin=dict(t=50, b=50, l=90, r=20))   # why fixed: plotly's default margins leave one row no room
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=steps,
+            y=phases,
+            colorscale="Reds",
+            colorbar=dict(title="MiB"),
+            text=[[f"{v:.0f}" if v is not None else "" for v in row] for row in z],
+            texttemplate="%{text}",
+            hovertemplate="step %{x}, %{y}: +%{z:.1f} MiB<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=f"{device}: {metric} peak above each phase's start (MiB)",
+        xaxis_title="step",
+        yaxis=dict(autorange="reversed"),
+        height=130 + 38 * max(len(phases), 1),
+        margin=dict(t=50, b=50, l=90, r=20),
+    )  # why fixed: plotly's default margins leave one row no room
     fig.update_xaxes(type="category")
     return fig
 
@@ -183,5 +261,5 @@ def training_figure(history):
     fig.add_trace(go.Scatter(x=steps, y=[r.reward_mean for r in history], name="reward"), 1, 1)
     fig.add_trace(go.Scatter(x=steps, y=[r.loss for r in history], name="loss"), 1, 2)
     fig.update_layout(height=320, showlegend=False)
-    fig.update_xaxes(tickmode="linear", dtick=max(1, len(steps) // 10), title_text="step")   # whole steps only
+    fig.update_xaxes(tickmode="linear", dtick=max(1, len(steps) // 10), title_text="step")  # whole steps only
     return fig

@@ -1,6 +1,7 @@
 """Leak detection: a device whose after-step memory grows at (nearly) every step over a window
 of steps, by more than noise, is flagged ("memory creeping up every step" is a recurring GRPO
 report). One step of growth is warm-up; a steady climb is a leak."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -22,7 +23,7 @@ class LeakDetector:
         for device, value in end_of_step.items():
             series = self.history[device]
             series.append(value)
-            recent = series[-(self.window + 1):]
+            recent = series[-(self.window + 1) :]
             if len(recent) <= self.window:
                 continue
             steps = list(zip(recent, recent[1:]))

@@ -4,10 +4,12 @@ The original exception and its traceback are dropped on purpose: a traceback kee
 of the failed phase alive, and with them its tensors, so the memory would stay held in the
 notebook kernel after the error (the classic "OOM once, OOM forever" kernel).
 """
+
 from __future__ import annotations
 
 import gc
 import re
+from typing import Optional
 
 from ..errors import LabError
 from .probes import MiB
@@ -21,7 +23,8 @@ def is_oom(err: BaseException) -> bool:
     import torch
 
     return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or (
-        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+    )
 
 
 def oom_device(err: BaseException, default: str) -> str:
@@ -29,6 +32,21 @@ def oom_device(err: BaseException, default: str) -> str:
         return "host"
     found = re.search(r"GPU (\d+)", str(err))
     return f"cuda:{found.group(1)}" if found else default
+
+
+def phase_error(err: BaseException, phase: str, step: int, device: str, sampler, undone: str) -> Optional[LabError]:
+    """What a failed phase raises instead of `err`: a one-line OutOfMemory for an out-of-memory error; None for any
+    other (the Lab re-raises `err` itself, told the step, or what was undone, where its message names them)."""
+    from ..errors import NonFinite
+    from .sampler import HostMemoryExceeded
+
+    if isinstance(err, NonFinite):
+        err.step = step
+    elif isinstance(err, HostMemoryExceeded):
+        err.undone = undone
+    elif is_oom(err):
+        return as_lab_error(err, phase, step, device, sampler, undone)
+    return None
 
 
 def release_memory() -> None:
@@ -40,14 +58,26 @@ def release_memory() -> None:
         torch.cuda.empty_cache()  # why: after an OOM the cache holds the failed phase's blocks
 
 
-def as_lab_error(err: BaseException, phase: str, step: int, default_device: str, sampler=None,
-                 undone: str = "the step's updates were rolled back") -> OutOfMemory:
+def as_lab_error(
+    err: BaseException,
+    phase: str,
+    step: int,
+    default_device: str,
+    sampler=None,
+    undone: str = "the step's updates were rolled back",
+) -> OutOfMemory:
     device = oom_device(err, default_device)
     at = ""
     if sampler is not None:
         now = sampler.latest(device)
-        figures = [f"{k} {v / MiB:.0f} MiB" for k, v in now.items() if k in ("rss", "used", "limit", "allocated", "cached", "not_torch", "total")]
+        figures = [
+            f"{k} {v / MiB:.0f} MiB"
+            for k, v in now.items()
+            if k in ("rss", "used", "limit", "allocated", "cached", "not_torch", "total")
+        ]
         at = f" ({', '.join(figures)})" if figures else ""
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-    return OutOfMemory(f"out of memory in phase {phase!r} of step {step} on {device}{at}: {first}; "
-                       f"{undone}; lower grpo.micro_batch_size or generator.chunk_size and run it again")
+    return OutOfMemory(
+        f"out of memory in phase {phase!r} of step {step} on {device}{at}: {first}; "
+        f"{undone}; lower grpo.micro_batch_size or generator.chunk_size and run it again"
+    )

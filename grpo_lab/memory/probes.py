@@ -3,6 +3,7 @@ placed GPU (torch's allocator for this process, NVML for the whole device, which
 and other processes). Only the GPUs of the placement are ever touched, so no CUDA context is
 created on a device the user did not choose.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,21 +14,22 @@ import psutil
 
 from ..runtime import nvml_handle
 
-MiB = 1024 ** 2
+MiB = 1024**2
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # per cgroup version, relative to its root: the limit, the usage (which counts page cache), the stats, and the
 # stat of page cache the kernel drops before it kills anything (kubelet subtracts it for its "working set")
-CGROUP_FILES = (("memory.max", "memory.current", "memory.stat", "inactive_file"),               # v2
-                ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
-                 "total_inactive_file"))                                                        # v1, whole subtree
+CGROUP_FILES = (
+    ("memory.max", "memory.current", "memory.stat", "inactive_file"),  # v2
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_inactive_file"),
+)  # v1, whole subtree
 
 
 def _read_int(path: Path) -> Optional[int]:
     try:
         return int(path.read_text().strip())
-    except (OSError, ValueError):   # absent, or "max" (v2's unlimited)
+    except (OSError, ValueError):  # absent, or "max" (v2's unlimited)
         return None
 
 
@@ -59,7 +61,7 @@ def cgroup_working_set(root: Path = CGROUP_ROOT) -> Optional[int]:
         stats = dict(line.split() for line in (Path(root) / files[2]).read_text().splitlines() if line.strip())
         inactive = int(stats[files[3]])
     except (OSError, ValueError, KeyError):
-        inactive = 0   # no stats: the raw usage, an over-estimate, so the guard errs on the safe side
+        inactive = 0  # no stats: the raw usage, an over-estimate, so the guard errs on the safe side
     return None if usage is None else max(usage - inactive, 0)
 
 
@@ -72,6 +74,7 @@ class HostProbe:
     before it kills anything, so counting it would trip the guard on memory that is free for the asking.
     `limit` is the cgroup's limit, else the host's total. `cgroup_root`: where the cgroup tree is mounted.
     """
+
     device = "host"
 
     CHILDREN_REFRESH_S = 2.0
@@ -84,7 +87,8 @@ class HostProbe:
         self._children_at = float("-inf")
 
     def children(self) -> list:
-        """Child processes (vLLM workers...), re-listed every 2 s: listing scans /proc (~1.5 ms), reading RSS does not."""
+        """Child processes (vLLM workers...), re-listed every 2 s: listing scans /proc (~1.5 ms), reading RSS does
+        not."""
         now = time.monotonic()
         if now - self._children_at > self.CHILDREN_REFRESH_S:
             self._children, self._children_at = self.process.children(recursive=True), now
@@ -102,12 +106,17 @@ class HostProbe:
             used, limit = (rss if working_set is None else working_set), self.limit
         else:
             vm = psutil.virtual_memory()
-            used, limit = vm.total - vm.available, vm.total   # MemAvailable already counts reclaimable cache
+            used, limit = vm.total - vm.available, vm.total  # MemAvailable already counts reclaimable cache
         return {"rss": rss, "used": used, "limit": limit}
 
 
-def gpu_ledger(allocated: float, reserved: float, device_used: Optional[float], engine_books: float = 0.0,
-               engine_resident: float = 0.0) -> dict[str, float]:
+def gpu_ledger(
+    allocated: float,
+    reserved: float,
+    device_used: Optional[float],
+    engine_books: float = 0.0,
+    engine_resident: float = 0.0,
+) -> dict[str, float]:
     """Where a GPU's memory went, as layers that stack to NVML's used: torch's live tensors (`allocated`), torch's
     cache of freed blocks and fragmentation (`cached` = reserved - allocated), an in-process vLLM engine (`engine`)
     and everything that is not this process's torch allocator (`not_torch` = the rest of NVML's device-wide used:
@@ -138,8 +147,10 @@ class CudaProbe:
         self.index = int(device.split(":")[1])
         self.torch = torch
         self.total = torch.cuda.get_device_properties(self.index).total_memory
-        self.nvml = nvml_handle(self.index)   # by UUID: NVML's indices ignore CUDA_VISIBLE_DEVICES
-        self.engine = None   # () -> (books, resident) of an in-process vLLM engine on this GPU (MemorySampler.attach_engine)
+        self.nvml = nvml_handle(self.index)  # by UUID: NVML's indices ignore CUDA_VISIBLE_DEVICES
+        self.engine = (
+            None  # () -> (books, resident) of an in-process vLLM engine on this GPU (MemorySampler.attach_engine)
+        )
 
     def read(self) -> dict[str, float]:
         cuda = self.torch.cuda

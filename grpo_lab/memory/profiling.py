@@ -2,6 +2,7 @@
 traces, allocator snapshots' stacks) and, when the learner is on CUDA, an NVTX range (Nsight Systems), so a
 trace of a grpo_lab step shows GRPO phases by name: `grpo_lab.rollout`, `grpo_lab.backward`, ...
 Outside a profiler both cost a few microseconds per phase."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager

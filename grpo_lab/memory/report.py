@@ -1,6 +1,7 @@
 """Run reports: DIR/memory.csv (every sample, with step and phase) and a self-contained DIR/report.html
 (a summary of what peaked where and when, the memory timeline, a phase x step heatmap per device, reward
 and loss, the per-phase table; figures.py draws them)."""
+
 from __future__ import annotations
 
 import csv
@@ -19,10 +20,12 @@ class CsvStream:
     (`keep_before`: the step it resumes at) keeps the earlier steps' rows and goes on after their time."""
 
     def __init__(self, path: Path, sampler, keep_before: int | None = None):
-        self.path, self.sampler, self.index = Path(path), sampler, 0   # from the first sample: loading included
+        self.path, self.sampler, self.index = Path(path), sampler, 0  # from the first sample: loading included
         kept = _rows_before(self.path, keep_before) if keep_before else []
         self.offset = max((float(r[0]) for r in kept), default=0.0)
-        self.floor = keep_before or 0   # why: a resumed process's loading samples belong to its first step, not to step 0
+        self.floor = (
+            keep_before or 0
+        )  # why: a resumed process's loading samples belong to its first step, not to step 0
         buffer = io.StringIO()
         csv.writer(buffer).writerows([CSV_HEADER, *kept])
         atomic_write_text(self.path, buffer.getvalue())
@@ -31,8 +34,10 @@ class CsvStream:
         rows = self.sampler.samples_since(self.index)
         self.index += len(rows)
         with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerows((f"{t + self.offset:.4f}", max(step, self.floor), phase, dev, metric, int(v))
-                                    for t, step, phase, dev, metric, v in rows)
+            csv.writer(f).writerows(
+                (f"{t + self.offset:.4f}", max(step, self.floor), phase, dev, metric, int(v))
+                for t, step, phase, dev, metric, v in rows
+            )
 
 
 def _rows_before(path: Path, step: int) -> list[list[str]]:
@@ -50,7 +55,7 @@ def capacities_of(sampler) -> dict[str, float]:
     host = sampler.latest("host")
     out = {"host": host["limit"]} if host.get("limit") else {}
     out.update({probe.device: probe.total for probe in sampler.probes[1:]})
-    out.update(getattr(sampler, "rank_capacities", {}))   # a sharded Lab's ranks' devices (each rank measured its own)
+    out.update(getattr(sampler, "rank_capacities", {}))  # a sharded Lab's ranks' devices (each rank measured its own)
     return out
 
 
@@ -59,7 +64,7 @@ def host_limits(sampler) -> dict[str, float]:
     limits = {}
     for device, capacity in capacities_of(sampler).items():
         if is_host(device) and device != "host":
-            continue   # a rank's host is this machine's: its limit is drawn once
+            continue  # a rank's host is this machine's: its limit is drawn once
         if device == "host":
             limits["host limit"] = capacity / MiB
             limits[f"host threshold {sampler.host_threshold:.0%}"] = capacity * sampler.host_threshold / MiB
@@ -78,11 +83,28 @@ def device_summary(rows, capacities: dict[str, float]) -> list[dict]:
         if top is None:
             continue
         capacity = capacities.get(device)
-        ledger = {r["metric"]: r["peak"] for r in mine if r["metric"] in LEDGER   # a GPU's: where its peak phase's memory went
-                  and (r["step"], r["phase"]) == (top["step"], top["phase"])} if not is_host(device) else {}
-        out.append({"device": device, "metric": metric, "peak": top["peak"], "phase": top["phase"], "step": top["step"],
-                    "capacity": capacity, "headroom": None if capacity is None else capacity - top["peak"],
-                    "ledger": ledger})
+        ledger = (
+            {
+                r["metric"]: r["peak"]
+                for r in mine
+                if r["metric"] in LEDGER  # a GPU's: where its peak phase's memory went
+                and (r["step"], r["phase"]) == (top["step"], top["phase"])
+            }
+            if not is_host(device)
+            else {}
+        )
+        out.append(
+            {
+                "device": device,
+                "metric": metric,
+                "peak": top["peak"],
+                "phase": top["phase"],
+                "step": top["step"],
+                "capacity": capacity,
+                "headroom": None if capacity is None else capacity - top["peak"],
+                "ledger": ledger,
+            }
+        )
     return out
 
 
@@ -91,14 +113,20 @@ def _summary_html(summary: list[dict], leaks: list[str]) -> str:
 
     lines = []
     for d in summary:
-        cap = (f" of {d['capacity'] / MiB:,.0f} MiB ({d['peak'] / d['capacity']:.0%}; headroom "
-               f"{d['headroom'] / MiB:,.0f} MiB)" if d["capacity"] else "")
+        cap = (
+            f" of {d['capacity'] / MiB:,.0f} MiB ({d['peak'] / d['capacity']:.0%}; headroom "
+            f"{d['headroom'] / MiB:,.0f} MiB)"
+            if d["capacity"]
+            else ""
+        )
         went = "; ".join(f"{LEDGER_NAMES[m]} {d['ledger'][m] / MiB:,.0f}" for m in LEDGER if m in d.get("ledger", {}))
         went = f" <span class='ledger'>(peaks in that phase, MiB: {html.escape(went)})</span>" if went else ""
-        lines.append(f"<li class='peak'><b>{html.escape(d['device'])}</b>: peak {d['peak'] / MiB:,.0f} MiB "
-                     f"({html.escape(d['metric'])}){cap}, in phase <b>{html.escape(d['phase'])}</b> of step "
-                     f"<b>{d['step']}</b>{went}</li>")
-    verdict = (f"after-step memory kept rising on {', '.join(leaks)}" if leaks else "no device flagged")
+        lines.append(
+            f"<li class='peak'><b>{html.escape(d['device'])}</b>: peak {d['peak'] / MiB:,.0f} MiB "
+            f"({html.escape(d['metric'])}){cap}, in phase <b>{html.escape(d['phase'])}</b> of step "
+            f"<b>{d['step']}</b>{went}</li>"
+        )
+    verdict = f"after-step memory kept rising on {', '.join(leaks)}" if leaks else "no device flagged"
     lines.append(f"<li class='leaks'><b>Leak detector</b>: {html.escape(verdict)}</li>")
     return "<ul class='summary'>" + "".join(lines) + "</ul>"
 
@@ -109,7 +137,9 @@ def _table_html(rows) -> str:
     body = "".join(
         f"<tr><td>{r['phase']}</td><td>{r['device']}</td><td>{r['metric']}</td>"
         + "".join(f"<td style='text-align:right'>{r[k] / MiB:,.1f}</td>" for k in ("start", "peak", "end", "delta"))
-        + "</tr>" for r in rows)
+        + "</tr>"
+        for r in rows
+    )
     return f"<table class='phases' border='1' cellspacing='0' cellpadding='3'><tr>{head}</tr>{body}</table>"
 
 
@@ -118,8 +148,10 @@ def _unfinished_table(rows) -> str:
     if not rows:
         return ""
     step = rows[-1]["step"]
-    return (f"<h2>Per-phase memory, step {step}, which did not finish (MiB)</h2>"
-            f"{_table_html([r for r in rows if r['step'] == step])}")
+    return (
+        f"<h2>Per-phase memory, step {step}, which did not finish (MiB)</h2>"
+        f"{_table_html([r for r in rows if r['step'] == step])}"
+    )
 
 
 def write_report(path: Path, sampler, history, title: str = "grpo_lab run", config: dict | None = None) -> Path:
@@ -138,10 +170,19 @@ def write_report(path: Path, sampler, history, title: str = "grpo_lab run", conf
     parts = [pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
     leaks = sorted({d for r in history for d in r.leaks})
     summary = _summary_html(device_summary(rows, capacities_of(sampler)), leaks)
-    settings = (f"<details><summary>config</summary><pre>{html.escape(yaml.safe_dump(config, sort_keys=False))}"
-                "</pre></details>" if config else "")
-    last = (f"<h2>Per-phase memory, step {history[-1].step} (MiB)</h2>{_table_html(history[-1].memory)}"
-            if history else _unfinished_table(rows))
+    settings = (
+        f"<details><summary>config</summary><pre>{html.escape(yaml.safe_dump(config, sort_keys=False))}</pre></details>"
+        if config
+        else ""
+    )
+    last = (
+        f"<h2>Per-phase memory, step {history[-1].step} (MiB)</h2>{_table_html(history[-1].memory)}"
+        if history
+        else _unfinished_table(rows)
+    )
     body = f"<h1>{html.escape(title)}</h1>{summary}{settings}" + "".join(parts) + last
-    return atomic_write_text(path, f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-                                   f"</head><body style='font-family:sans-serif'>{body}</body></html>")
+    return atomic_write_text(
+        path,
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"</head><body style='font-family:sans-serif'>{body}</body></html>",
+    )

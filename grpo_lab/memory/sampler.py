@@ -7,6 +7,7 @@ Per phase and device it keeps start / peak / end / delta; on CUDA the peak is to
 runs at phase boundaries: if host used/limit crossed `host_threshold` at any sample since the
 last boundary, the next phase does not start (P4: stop before the OS or Ray kills the process).
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,10 @@ from ..errors import LabError
 from .probes import MiB, probes_for
 
 # metrics summarised per phase (the others are still sampled and written to memory.csv)
-SUMMARY_METRICS = {"host": ("rss", "used"),
-                   "cuda": ("allocated", "reserved", "cached", "engine", "device_used", "not_torch")}
+SUMMARY_METRICS = {
+    "host": ("rss", "used"),
+    "cuda": ("allocated", "reserved", "cached", "engine", "device_used", "not_torch"),
+}
 
 
 class HostMemoryExceeded(LabError):
@@ -35,17 +38,24 @@ class HostMemoryExceeded(LabError):
 
 
 class MemorySampler:
-    def __init__(self, devices: list[str], hz: float, host_threshold: float,
-                 describe_offload: Callable[[], str] = lambda: "", max_samples: int = 500_000, guard_host: bool = True):
+    def __init__(
+        self,
+        devices: list[str],
+        hz: float,
+        host_threshold: float,
+        describe_offload: Callable[[], str] = lambda: "",
+        max_samples: int = 500_000,
+        guard_host: bool = True,
+    ):
         self.probes = probes_for(devices)
         self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
-        self.guard_host = guard_host   # False on a sharded learner's rank: the driver guards the one host for all
-        self.samples: deque = deque(maxlen=max_samples)   # (t, step, phase, device, metric, bytes)
-        self.total = 0                                    # samples ever taken (survives the deque's bound)
+        self.guard_host = guard_host  # False on a sharded learner's rank: the driver guards the one host for all
+        self.samples: deque = deque(maxlen=max_samples)  # (t, step, phase, device, metric, bytes)
+        self.total = 0  # samples ever taken (survives the deque's bound)
         self.step, self.phase = 0, "idle"
-        self.phase_rows: list[dict] = []                  # per-phase summary rows, all steps
-        self.marks: list[tuple[int, str, float, float]] = []   # (step, phase, start, end) for plots
-        self._open: Optional[dict] = None                 # start reading and running peaks of the current phase
+        self.phase_rows: list[dict] = []  # per-phase summary rows, all steps
+        self.marks: list[tuple[int, str, float, float]] = []  # (step, phase, start, end) for plots
+        self._open: Optional[dict] = None  # start reading and running peaks of the current phase
         self._host_max_ratio = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -73,7 +83,7 @@ class MemorySampler:
             self._thread = None
 
     def _loop(self) -> None:
-        while self.hz > 0 and not self._stop.wait(1.0 / self.hz):   # why read hz each time: memory.sample_hz is editable
+        while self.hz > 0 and not self._stop.wait(1.0 / self.hz):  # why read hz each time: memory.sample_hz is editable
             self.read()
 
     def set_rate(self, hz: float) -> None:
@@ -113,7 +123,7 @@ class MemorySampler:
         self.check_host(step, phase)
         for probe in self.probes:
             if hasattr(probe, "reset_peak"):
-                probe.reset_peak()   # why: torch's peak then covers exactly this phase
+                probe.reset_peak()  # why: torch's peak then covers exactly this phase
         with self._lock:
             self.step, self.phase = step, phase
         start = self.read()
@@ -135,11 +145,20 @@ class MemorySampler:
             peak = opened["peak"][(device, metric)]
             if metric == "allocated":
                 peak = max(peak, end.get((device, "peak"), peak))
-            self.phase_rows.append({
-                "step": record.step, "phase": record.phase, "device": device, "metric": metric,
-                "start": start, "peak": peak, "end": end[(device, metric)], "delta": end[(device, metric)] - start,
-                "failed": error is not None, "failed_attempt": None,
-            })
+            self.phase_rows.append(
+                {
+                    "step": record.step,
+                    "phase": record.phase,
+                    "device": device,
+                    "metric": metric,
+                    "start": start,
+                    "peak": peak,
+                    "end": end[(device, metric)],
+                    "delta": end[(device, metric)] - start,
+                    "failed": error is not None,
+                    "failed_attempt": None,
+                }
+            )
 
     def check_host(self, step: int, phase: str) -> None:
         """Refuse to start `phase` when host RAM crossed the threshold since the last boundary."""
@@ -150,13 +169,14 @@ class MemorySampler:
             ratio = max(self._host_max_ratio, self.host_ratio(reading))
             self._host_max_ratio = 0.0
         if ratio > self.host_threshold:
-            limit = reading[("host", "limit")] / 1024 ** 3
+            limit = reading[("host", "limit")] / 1024**3
             offload = self.describe_offload()
             raise HostMemoryExceeded(
                 f"host RAM reached {ratio:.1%} of {limit:.1f} GiB (memory.host_threshold={self.host_threshold}); "
                 f"stopped before phase {phase!r} of step {step}",
                 f"{offload + '; ' if offload else ''}free host memory, move state off the host, "
-                "or raise memory.host_threshold with care")
+                "or raise memory.host_threshold with care",
+            )
 
     # --- views ---
     def retire(self, step: int, phases, attempt: int) -> None:
@@ -174,8 +194,11 @@ class MemorySampler:
         return rows
 
     def rows_for(self, step: int, failed_attempts: bool = False) -> list[dict]:
-        """The per-phase rows of `step`: of the attempt that completed it, or with `failed_attempts` of those rolled back."""
-        return [r for r in self.phase_rows if r["step"] == step and (r["failed_attempt"] is not None) == failed_attempts]
+        """The per-phase rows of `step`: of the attempt that completed it, or with `failed_attempts` of those rolled
+        back."""
+        return [
+            r for r in self.phase_rows if r["step"] == step and (r["failed_attempt"] is not None) == failed_attempts
+        ]
 
     def latest(self, device: str) -> dict[str, float]:
         return {metric: value for (dev, metric), value in self.read().items() if dev == device}
@@ -184,16 +207,18 @@ class MemorySampler:
         """Samples with absolute index >= `index` that are still held (for streaming to CSV)."""
         with self._lock:
             held_from = self.total - len(self.samples)
-            return list(self.samples)[max(index - held_from, 0):]
+            return list(self.samples)[max(index - held_from, 0) :]
 
 
 def format_table(rows: list[dict]) -> str:
     """The per-phase table of one step, in MiB: one line per phase x device x metric."""
-    w = max([9, *(len(r["device"]) + 1 for r in rows)])   # a sharded Lab's devices are longer: 'rank1/cuda:1'
+    w = max([9, *(len(r["device"]) + 1 for r in rows)])  # a sharded Lab's devices are longer: 'rank1/cuda:1'
     lines = [f"{'phase':<11}{'device':<{w}}{'metric':<12}{'start':>10}{'peak':>10}{'end':>10}{'delta':>10}"]
     for r in rows:
-        lines.append(f"{r['phase']:<11}{r['device']:<{w}}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
-                     f"{r['peak'] / MiB:>10.1f}{r['end'] / MiB:>10.1f}{r['delta'] / MiB:>+10.1f}")
+        lines.append(
+            f"{r['phase']:<11}{r['device']:<{w}}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
+            f"{r['peak'] / MiB:>10.1f}{r['end'] / MiB:>10.1f}{r['delta'] / MiB:>+10.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -216,6 +241,11 @@ def format_compact(rows: list[dict], title: str = "memory MiB") -> str:
     head = f"  {title:<12}" + "".join(f"{d + ' ' + m + ' peak (delta)':>28}" for d, m in keys)
     lines = [head]
     for phase, cells in by_phase.items():
-        lines.append(f"  {phase:<11} " + "".join(
-            f"{cells[k]['peak'] / MiB:>18.1f} ({cells[k]['delta'] / MiB:+7.1f})" if k in cells else " " * 28 for k in keys))
+        lines.append(
+            f"  {phase:<11} "
+            + "".join(
+                f"{cells[k]['peak'] / MiB:>18.1f} ({cells[k]['delta'] / MiB:+7.1f})" if k in cells else " " * 28
+                for k in keys
+            )
+        )
     return "\n".join(lines)

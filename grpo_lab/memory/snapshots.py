@@ -3,6 +3,7 @@
 `step{N}-{phase}-oom.pickle` (taken before the failed phase's tensors are freed, so it shows what filled
 the device), one that fails otherwise `-failed`, so the retry's snapshot does not overwrite it. A Timeline
 listener; off by default because recording stack traces for every allocation slows a step noticeably."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,8 +24,9 @@ class AllocatorSnapshots:
         self.enabled = torch.cuda.is_available() and any(d.startswith("cuda") for d in devices)
         self.directory = Path(directory)
         if not self.enabled:
-            warnings.warn("memory.cuda_snapshots: no CUDA device in the placement; allocator snapshots skipped",
-                          stacklevel=2)
+            warnings.warn(
+                "memory.cuda_snapshots: no CUDA device in the placement; allocator snapshots skipped", stacklevel=2
+            )
 
     def phase_started(self, step: int, phase: str) -> None:
         if self.enabled:
@@ -38,4 +40,6 @@ class AllocatorSnapshots:
 
             self.directory.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(self.directory / snapshot_name(record.step, record.phase, error)))
-            torch.cuda.memory._record_memory_history(enabled=None)  # why: recording costs time and memory between phases
+            torch.cuda.memory._record_memory_history(
+                enabled=None
+            )  # why: recording costs time and memory between phases

@@ -1,19 +1,21 @@
 """The timeline: every phase of a step runs inside `timeline.phase(name, step)`, which times it and
 tells listeners (the memory sampler, allocator snapshots) when it starts and ends. Phase names
 come from `phases.PHASES` (a Lab) or are TRL's own (the TRL bridge)."""
+
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+
 @dataclass
 class PhaseRecord:
     step: int
     phase: str
-    start: float   # time.perf_counter()
+    start: float  # time.perf_counter()
     end: float
-    failed_attempt: int | None = None   # set when the step was rolled back and this phase's work is redone
+    failed_attempt: int | None = None  # set when the step was rolled back and this phase's work is redone
 
     @property
     def seconds(self) -> float:
@@ -23,8 +25,8 @@ class PhaseRecord:
 class Timeline:
     def __init__(self):
         self.records: list[PhaseRecord] = []
-        self.listeners: list = []   # objects with phase_started(step, phase) / phase_ended(record, error)
-        self.open: tuple[int, str, float] | None = None   # (step, phase, start) of the running phase
+        self.listeners: list = []  # objects with phase_started(step, phase) / phase_ended(record, error)
+        self.open: tuple[int, str, float] | None = None  # (step, phase, start) of the running phase
 
     def begin(self, name: str, step: int) -> None:
         """Start a phase (for callers that cannot use `with`, such as trainer callbacks)."""

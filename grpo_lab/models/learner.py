@@ -2,6 +2,7 @@
 the LoRA parameters only. Departs from TRL/PEFT's `prepare_model_for_kbit_training`: it does
 not upcast every non-quantized weight to float32 (that doubles embedding memory on large vocabularies).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LabError
 from ..algo.logprobs import add_logprob_head, score_completions
+from ..errors import LabError
 from .offload import HostAdamW
 from .quant import pin_training_layout
 from .source import check_model_path, resolve_model_path
@@ -20,7 +21,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass
 class Learner:
-    model: torch.nn.Module        # PeftModel over the (4-bit) base
+    model: torch.nn.Module  # PeftModel over the (4-bit) base
     tokenizer: object
     device: torch.device
     optimizer: torch.optim.Optimizer
@@ -46,12 +47,15 @@ def quantization_config(model_cfg):
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise LabError("model.load_in_4bit needs bitsandbytes (a grpo-lab dependency): pip install bitsandbytes, "
-                       "or set model.load_in_4bit: false") from None
+        raise LabError(
+            "model.load_in_4bit needs bitsandbytes (a grpo-lab dependency): pip install bitsandbytes, "
+            "or set model.load_in_4bit: false"
+        ) from None
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model_cfg.bnb_4bit_quant_type,
         bnb_4bit_compute_dtype=_DTYPES[model_cfg.bnb_4bit_compute_dtype],
         bnb_4bit_use_double_quant=model_cfg.bnb_4bit_use_double_quant,
     )
@@ -71,13 +75,21 @@ def load_base(model_cfg, device: str):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
-        raise LabError(f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
-                       f"({str(err).splitlines()[0]}); give a local checkpoint directory") from None
-    except ValueError as err:   # why: transformers' ValueError for a config.json it cannot use (e.g. an unknown model_type)
-        raise LabError(f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
-                       f"({(str(err).strip().splitlines() or ['ValueError'])[0][:300]}); give a checkpoint transformers "
-                       "can load with AutoModelForCausalLM") from None
-    pin_training_layout(model)  # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
+        raise LabError(
+            f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
+            f"({str(err).splitlines()[0]}); give a local checkpoint directory"
+        ) from None
+    except (
+        ValueError
+    ) as err:  # why: transformers' ValueError for a config.json it cannot use (e.g. an unknown model_type)
+        raise LabError(
+            f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
+            f"({(str(err).strip().splitlines() or ['ValueError'])[0][:300]}); give a checkpoint transformers "
+            "can load with AutoModelForCausalLM"
+        ) from None
+    pin_training_layout(
+        model
+    )  # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
     model.requires_grad_(False)
     model.config.use_cache = False  # why: training forwards never reuse a KV cache; generate() turns it back on
     return model
@@ -91,11 +103,15 @@ def load_learner(config) -> Learner:
     else:
         model = add_lora(load_base(config.model, device), config)
         prepare_like_policy(model, device)
-    params = [p for p in model.parameters() if p.requires_grad]   # after sharding: FSDP2 replaced them with DTensors
+    params = [p for p in model.parameters() if p.requires_grad]  # after sharding: FSDP2 replaced them with DTensors
     adamw = HostAdamW if config.placement.optimizer_offload else torch.optim.AdamW
     optimizer = adamw(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
-    return Learner(model=model, tokenizer=load_tokenizer(resolve_model_path(config.model.name_or_path)),
-                   device=torch.device(device), optimizer=optimizer)
+    return Learner(
+        model=model,
+        tokenizer=load_tokenizer(resolve_model_path(config.model.name_or_path)),
+        device=torch.device(device),
+        optimizer=optimizer,
+    )
 
 
 def add_lora(base, config):
@@ -106,11 +122,17 @@ def add_lora(base, config):
     add_logprob_head(base)  # before PEFT wraps it, as TRL requires; each pass sets its rollout's temperature
     lora = config.lora
     try:
-        model = get_peft_model(base, LoraConfig(
-            r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-            target_modules=lora.target_modules, task_type="CAUSAL_LM",
-        ))
-    except ValueError as err:   # why: PEFT's ValueError for targets that match no module or an unsupported one
+        model = get_peft_model(
+            base,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.lora_alpha,
+                lora_dropout=lora.lora_dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
+    except ValueError as err:  # why: PEFT's ValueError for targets that match no module or an unsupported one
         raise lora_target_error(base, lora.target_modules, err) from None
     if config.model.gradient_checkpointing:
         # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
@@ -129,19 +151,20 @@ def load_sharded_base(model_cfg, device: str, wrap=None):
     from ..dist.meta_load import load_sharded
 
     path = Path(check_model_path(model_cfg.name_or_path))
-    if not path.is_dir():   # a hub id: its files from the hub cache (downloaded there if not yet)
+    if not path.is_dir():  # a hub id: its files from the hub cache (downloaded there if not yet)
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
 
     def prepare(base):
-        pin_training_layout(base)   # as load_base (set on the meta modules; the attribute is what counts)
+        pin_training_layout(base)  # as load_base (set on the meta modules; the attribute is what counts)
         base.requires_grad_(False)
         base.config.use_cache = False  # as load_base
         return wrap(base) if wrap is not None else base
 
-    return load_sharded(path, _DTYPES[model_cfg.dtype], quantization_config(model_cfg), torch.device(device),
-                        score_completions, prepare)
+    return load_sharded(
+        path, _DTYPES[model_cfg.dtype], quantization_config(model_cfg), torch.device(device), score_completions, prepare
+    )
 
 
 def runtime_is_rank() -> bool:
@@ -165,17 +188,24 @@ def prepare_like_policy(model, device: str) -> None:
     if runtime().is_rank:
         from ..dist.fsdp import is_sharded, shard
 
-        if not is_sharded(model):   # load_base on a rank shards as it loads
+        if not is_sharded(model):  # load_base on a rank shards as it loads
             shard(model, torch.device(device), score_completions)
 
 
 def lora_target_error(base: torch.nn.Module, targets, err: Exception) -> LabError:
     """lora.target_modules that PEFT refused, as one line listing the names it can adapt."""
-    names = sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules()
-                    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and name})
+    names = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in base.named_modules()
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and name
+        }
+    )
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return LabError(f"lora.target_modules: {targets!r} cannot be adapted ({reason[:200]}); "
-                    f"use 'all-linear' or names of this model's layers, e.g. {', '.join(names[:10])}")
+    return LabError(
+        f"lora.target_modules: {targets!r} cannot be adapted ({reason[:200]}); "
+        f"use 'all-linear' or names of this model's layers, e.g. {', '.join(names[:10])}"
+    )
 
 
 def save_adapter(learner: Learner, path: str | Path) -> Path:

@@ -1,6 +1,7 @@
 """Optimizer offload: AdamW whose fp32 master weights and two moments live in host RAM, as in
 DeepSpeed's CPU Adam (without its fused kernel). The GPU keeps only the LoRA weights and their
 gradients; each update copies gradients to the host, steps there, and copies weights back."""
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ class HostAdamW(torch.optim.Optimizer):
             m.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32)
         self.inner.step()
         for p, m in zip(self.device_params, self.master):
-            p.copy_(m.to(p.device, p.dtype, non_blocking=True))   # why: the device copy is what forward passes read
+            p.copy_(m.to(p.device, p.dtype, non_blocking=True))  # why: the device copy is what forward passes read
             m.grad = None  # why: the host copy of the gradient is used once
 
     def zero_grad(self, set_to_none: bool = True):

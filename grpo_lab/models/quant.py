@@ -9,6 +9,7 @@ never lets its 4-bit layers repack. The trade-off, measured in bench/bnb_cpu_lay
 (float32) faster on an AVX-512-BF16 CPU, but sampler and learner log-probs then differ by ~2e-2
 instead of ~2e-6, and restoring the training layout needs bnb's private inverse, which is lossy.
 """
+
 from __future__ import annotations
 
 import logging

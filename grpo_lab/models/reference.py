@@ -6,15 +6,16 @@ device). `copy` is a separate frozen model on a device of its own. Reference log
 come back on the CPU next to the rollout, so where the reference runs never meets where they
 are consumed (no device-mismatch errors deep inside torch).
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from ..checks.devices import ensure_on_device
-from ..algo.logprobs import add_logprob_head, configure_head, rollout_logprobs
 from ..algo.containers import Rollout
+from ..algo.logprobs import add_logprob_head, configure_head, rollout_logprobs
+from ..checks.devices import ensure_on_device
 
 
 class NoReference:
@@ -35,11 +36,11 @@ class CopyReference:
     """A frozen base model on `reference.device` (default: the learner's)."""
 
     def __init__(self, config):
-        from .learner import learner_device, load_base, prepare_like_policy
         from ..dist.fsdp import check_reference_devices
         from ..runtime import runtime
+        from .learner import learner_device, load_base, prepare_like_policy
 
-        sharded = runtime().is_rank   # a sharded learner's copy: on the rank's device, sharded the same way (P5)
+        sharded = runtime().is_rank  # a sharded learner's copy: on the rank's device, sharded the same way (P5)
         self.device = torch.device(learner_device(config) if sharded else config.reference_device)
         self.model = load_base(config.model, str(self.device))
         add_logprob_head(self.model)

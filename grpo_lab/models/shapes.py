@@ -1,5 +1,6 @@
 """Model shapes for planning, from a checkpoint's config.json (local directory) or, offline, from
 the config.json copies bundled in planner/models/ for models users plan before downloading."""
+
 from __future__ import annotations
 
 import json
@@ -31,23 +32,40 @@ class ModelShape:
         sizes = ("num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
         bad = [k for k in sizes if k in cfg and (type(cfg[k]) is not int or cfg[k] <= 0)]
         if bad:
-            raise LabError(f"{field}: its config.json has {bad[0]} = {cfg[bad[0]]!r}, not a positive "
-                           "integer; repair the checkpoint or point at another one")
+            raise LabError(
+                f"{field}: its config.json has {bad[0]} = {cfg[bad[0]]!r}, not a positive "
+                "integer; repair the checkpoint or point at another one"
+            )
         try:
             heads = cfg["num_attention_heads"]
-            return cls(hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
-                       heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
-                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
-                       tied=bool(cfg.get("tie_word_embeddings", False)))
+            return cls(
+                hidden=cfg["hidden_size"],
+                intermediate=cfg["intermediate_size"],
+                layers=cfg["num_hidden_layers"],
+                heads=heads,
+                kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                vocab=cfg["vocab_size"],
+                tied=bool(cfg.get("tie_word_embeddings", False)),
+            )
         except KeyError as err:
-            raise LabError(f"{field}: its config.json has no {err.args[0]!r}; the planner knows decoder-only "
-                           "transformers (Llama/Qwen/Mistral-style)") from None
+            raise LabError(
+                f"{field}: its config.json has no {err.args[0]!r}; the planner knows decoder-only "
+                "transformers (Llama/Qwen/Mistral-style)"
+            ) from None
 
     def linear_layers(self) -> list[tuple[str, int, int]]:
         """(name, in, out) of each linear layer of one decoder layer (the ones 4-bit quantization and LoRA touch)."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
-                ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+        return [
+            ("q_proj", h, q),
+            ("k_proj", h, kv),
+            ("v_proj", h, kv),
+            ("o_proj", q, h),
+            ("gate_proj", h, i),
+            ("up_proj", h, i),
+            ("down_proj", i, h),
+        ]
 
     @property
     def linear_params(self) -> int:
@@ -64,7 +82,11 @@ class ModelShape:
         return self.linear_params + self.embedding_params + norms
 
     def lora_params(self, r: int, targets) -> int:
-        chosen = self.linear_layers() if targets == "all-linear" else [l for l in self.linear_layers() if l[0] in targets]
+        chosen = (
+            self.linear_layers()
+            if targets == "all-linear"
+            else [layer for layer in self.linear_layers() if layer[0] in targets]
+        )
         return self.layers * sum(r * (a + b) for _, a, b in chosen)
 
 
@@ -79,11 +101,15 @@ def read_model_config(path: Path, field: str) -> dict:
     try:
         data = json.loads(read_text(path, field))
     except json.JSONDecodeError as err:
-        raise LabError(f"{field}: {str(path)!r} is not valid JSON ({err.msg}, line {err.lineno}); "
-                       "repair the checkpoint or point at another one") from None
+        raise LabError(
+            f"{field}: {str(path)!r} is not valid JSON ({err.msg}, line {err.lineno}); "
+            "repair the checkpoint or point at another one"
+        ) from None
     if not isinstance(data, dict):
-        raise LabError(f"{field}: {str(path)!r} holds a JSON {type(data).__name__}, not a model config object; "
-                       "repair the checkpoint or point at another one")
+        raise LabError(
+            f"{field}: {str(path)!r} holds a JSON {type(data).__name__}, not a model config object; "
+            "repair the checkpoint or point at another one"
+        )
     return data
 
 
@@ -98,5 +124,7 @@ def load_shape(name_or_path: str, field: str = "model.name_or_path") -> ModelSha
         if path.is_file():
             return ModelShape.from_config(read_model_config(path, field), field)
     known = sorted(p.stem.replace("--", "/") for p in BUNDLED.glob("*.json"))
-    raise LabError(f"{field}: no config.json at {name_or_path!r} and no bundled shape for it; "
-                   f"plan offline with one of {known} or point it at a checkpoint directory")
+    raise LabError(
+        f"{field}: no config.json at {name_or_path!r} and no bundled shape for it; "
+        f"plan offline with one of {known} or point it at a checkpoint directory"
+    )

@@ -1,6 +1,7 @@
 """Where a model's files come from: a checkpoint directory, a hub id, or a built-in tiny model (`builtin:NAME`, built
 into the user cache on first use by tiny.py). The learner, the generators, the planner and a sharded driver all
 resolve a model's name here."""
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,9 @@ def resolve_model_path(name_or_path: str) -> str:
 
     name = name_or_path.removeprefix(BUILTIN)
     if name not in BUILTINS:
-        raise LabError(f"model.name_or_path: unknown built-in model {name_or_path!r}; use one of "
-                       f"{[BUILTIN + n for n in BUILTINS]}")
+        raise LabError(
+            f"model.name_or_path: unknown built-in model {name_or_path!r}; use one of {[BUILTIN + n for n in BUILTINS]}"
+        )
     return str(ensure_tiny_model(builtin_path(name), **BUILTINS[name][1]))
 
 
@@ -32,11 +34,15 @@ def check_model_path(name_or_path: str) -> str:
     path = Path(name_or_path)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise LabError(f"model.name_or_path: {name_or_path!r} has no config.json; point it at a checkpoint directory")
+            raise LabError(
+                f"model.name_or_path: {name_or_path!r} has no config.json; point it at a checkpoint directory"
+            )
         return name_or_path
     if path.exists() or not _HUB_ID.match(name_or_path) or name_or_path.startswith("."):
-        raise LabError(f"model.name_or_path: {name_or_path!r} does not exist; build the tiny model with "
-                       f"`grpo-lab tiny {name_or_path}` or give a checkpoint directory")
+        raise LabError(
+            f"model.name_or_path: {name_or_path!r} does not exist; build the tiny model with "
+            f"`grpo-lab tiny {name_or_path}` or give a checkpoint directory"
+        )
     return name_or_path
 
 
@@ -45,7 +51,7 @@ def fetch_once(name_or_path: str, local: bool) -> str:
     a hub id downloaded (once, not once per rank, and outside the ranks' start timeout). Ranks on this machine then
     load the local copy; on a cluster (`local` false) a hub id stays one, fetched by each machine's ranks."""
     if name_or_path.startswith(BUILTIN):
-        return resolve_model_path(name_or_path) if local else name_or_path   # each machine builds the same one
+        return resolve_model_path(name_or_path) if local else name_or_path  # each machine builds the same one
     if Path(name_or_path).exists():
         return name_or_path
     from huggingface_hub import snapshot_download

@@ -3,6 +3,7 @@
 kernels (head_dim 64). `builtin:tiny-qwen2` is briefly trained on the arithmetic set (models/tiny_train.py), so its
 completions read as answers; `builtin:tiny-random` and the large-vocabulary ones keep random weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,14 +17,16 @@ TINY = "tiny-qwen2"
 # name -> (builder version, build_tiny_model arguments); why the version is in the cache name: a changed
 # builder must not reuse an old checkpoint
 BUILTINS: dict[str, tuple[int, dict]] = {
-    # trained ~1 min on worked solutions when first built (models/tiny_train.py); 3 layers got more sums right than 2 in it
+    # trained ~1 min on worked solutions when first built (models/tiny_train.py); 3 layers got more sums right
+    # than 2 in it
     TINY: (2, {"vocab_size": 768, "num_layers": 3, "eos_probability": None, "train_steps": 700}),
     # random weights, EOS reachable at ~10% a token: the test suite's model (varied lengths, near-flat logits)
     "tiny-random": (1, {}),
     # Qwen2.5's vocabulary (151,936) on the tiny body: the logits dominate memory as in every real model.
     # No EOS boost: completions run to max_completion_length, the length the planner plans for.
     "qwen2-152k": (1, {"vocab_size": 151936, "eos_probability": None, "max_positions": 4096}),
-    # a Llama/Mistral-size vocabulary (32,000) on the tiny body: the planner's grid's other end (bench/planner_accuracy.py)
+    # a Llama/Mistral-size vocabulary (32,000) on the tiny body: the planner's grid's other end
+    # (bench/planner_accuracy.py)
     "qwen2-32k": (1, {"vocab_size": 32000, "eos_probability": None, "max_positions": 4096}),
 }
 
@@ -42,28 +45,48 @@ def _train_tokenizer(vocab_size: int, seed: int, worked: bool = False):
     corpus = [f"{r['prompt']} {r.get('solution', '')} <answer>{r['answer']}</answer>" for r in rows]
     corpus += [SYSTEM_PROMPT, "system user assistant"]
     tok = Tokenizer(models.BPE())
-    if worked:   # why: transformers rebuilds a qwen2 checkpoint's tokenizer with Qwen2's own split (digits one by
+    if worked:  # why: transformers rebuilds a qwen2 checkpoint's tokenizer with Qwen2's own split (digits one by
         # one) at load, so the trained model must learn on the same tokens as it is later given
         from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
-                                   padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
 
 
-def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
-                     vocab_size: int = 384, eos_probability: Optional[float] = 0.1, max_positions: int = 1024,
-                     train_steps: int = 0) -> Path:
+def build_tiny_model(
+    path: Union[str, Path],
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 384,
+    eos_probability: Optional[float] = 0.1,
+    max_positions: int = 1024,
+    train_steps: int = 0,
+) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
     same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
     model vocabulary larger than the tokenizer's (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids
@@ -72,17 +95,25 @@ def build_tiny_model(path: Union[str, Path], seed: int = 0, hidden_size: int = 1
 
     from ..checks.installed import check_torchvision
 
-    check_torchvision()   # why first: transformers' model classes import it
+    check_torchvision()  # why first: transformers' model classes import it
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
     # why 384 untrained: all the tiny corpus has merges for; a trained model's corpus adds the worked solutions
     tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
     config = Qwen2Config(
-        vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=1,
-        head_dim=64, max_position_embeddings=max_positions, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=max(vocab_size, len(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
     torch.manual_seed(seed)
@@ -114,10 +145,12 @@ def _make_eos_reachable(model, tokenizer, probability: float) -> None:
     torch.set_num_threads(1)  # why: a fixed reduction order, so the same seed writes the same bytes
     try:
         with torch.no_grad():
-            hidden = model.model(**ids).last_hidden_state[ids["attention_mask"].bool()].double()   # [T, H]
+            hidden = model.model(**ids).last_hidden_state[ids["attention_mask"].bool()].double()  # [T, H]
             target = math.log(probability * model.config.vocab_size / (1 - probability))  # other logits are ~0
             # least squares: the EOS row whose logit is `target` at every observed position
-            row = torch.linalg.lstsq(hidden, torch.full((hidden.shape[0], 1), target, dtype=torch.float64)).solution[:, 0]
+            row = torch.linalg.lstsq(hidden, torch.full((hidden.shape[0], 1), target, dtype=torch.float64)).solution[
+                :, 0
+            ]
             model.lm_head.weight[tokenizer.eos_token_id] = row.float()
     finally:
         torch.set_num_threads(threads)
@@ -135,18 +168,22 @@ def ensure_tiny_model(path: Union[str, Path], seed: int = 0, **shape) -> Path:
         return path
     # why: the atomic swap below replaces whatever is at `path`; never a user's file or directory
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise LabError(f"tiny model: {str(path)!r} is {'a file' if not path.is_dir() else 'a directory with other files'} "
-                       "and no checkpoint; give a new or empty directory")
+        raise LabError(
+            f"tiny model: {str(path)!r} is {'a file' if not path.is_dir() else 'a directory with other files'} "
+            "and no checkpoint; give a new or empty directory"
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.parent / f".{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)   # why: a notebook kernel and a CLI run may both build it first
-            recover_dir(path)                  # a build or swap a crash interrupted
+            fcntl.flock(lock, fcntl.LOCK_EX)  # why: a notebook kernel and a CLI run may both build it first
+            recover_dir(path)  # a build or swap a crash interrupted
             if not (path / "config.json").is_file():
                 atomic_write_dir(path, lambda tmp: build_tiny_model(tmp, seed, **shape))
     except OSError as err:
-        raise LabError(f"tiny model: cannot write {str(path)!r} ({err.strerror}); choose a writable directory"
-                       + (" or set GRPO_LAB_CACHE" if path.parent == cache_dir() else "")) from None
+        raise LabError(
+            f"tiny model: cannot write {str(path)!r} ({err.strerror}); choose a writable directory"
+            + (" or set GRPO_LAB_CACHE" if path.parent == cache_dir() else "")
+        ) from None
     return path
 
 

@@ -8,16 +8,17 @@ those 0 and `format` 0.5, so a sampled completion is right about 6% of the time 
 is right about 40% of the time. Dropping the unit is one decision shared by every
 prompt, which a few LoRA updates can learn; the sums themselves barely improve in 25 steps.
 """
+
 from __future__ import annotations
 
 from ..algo.prompts import SYSTEM_PROMPT, arithmetic_problems, format_prompt
 
-STEPS = 700         # ~55 s on 2 CPU cores for the 3-layer built-in; 600 steps left fewer sums right (~0.3 sampled)
+STEPS = 700  # ~55 s on 2 CPU cores for the 3-layer built-in; 600 steps left fewer sums right (~0.3 sampled)
 BATCH = 32
 LEARNING_RATE = 3e-3
 WARMUP = 30
-WITH_UNIT = 0.85    # the share of answers written with their unit ("<answer>120 eggs</answer>"): see above
-DATA_SEED = 1000    # why apart from the run seeds: the training rows are not the demo's prompt order
+WITH_UNIT = 0.85  # the share of answers written with their unit ("<answer>120 eggs</answer>"): see above
+DATA_SEED = 1000  # why apart from the run seeds: the training rows are not the demo's prompt order
 
 
 def worked_examples(tokenizer, n: int, seed: int):
@@ -29,8 +30,12 @@ def worked_examples(tokenizer, n: int, seed: int):
 
     rows = arithmetic_problems(n, seed, worked=True)
     units = random.Random(seed)
-    targets = [f"{r['solution']} <answer>{r['answer']} {r['unit']}</answer>" if units.random() < WITH_UNIT
-               else f"{r['solution']} <answer>{r['answer']}</answer>" for r in rows]
+    targets = [
+        f"{r['solution']} <answer>{r['answer']} {r['unit']}</answer>"
+        if units.random() < WITH_UNIT
+        else f"{r['solution']} <answer>{r['answer']}</answer>"
+        for r in rows
+    ]
     texts = [format_prompt(tokenizer, r["prompt"], SYSTEM_PROMPT) for r in rows]
     prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
     answers = tokenizer([t + tokenizer.eos_token for t in targets], add_special_tokens=False)["input_ids"]
@@ -39,9 +44,9 @@ def worked_examples(tokenizer, n: int, seed: int):
     mask = torch.zeros((n, width), dtype=torch.long)
     labels = torch.full((n, width), -100)
     for i, (p, a) in enumerate(zip(prompts, answers)):
-        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, :len(p) + len(a)] = 1
-        labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, : len(p) + len(a)] = 1
+        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
     return ids, mask, labels
 
 
@@ -54,12 +59,13 @@ def train_on_arithmetic(model, tokenizer, steps: int = STEPS, seed: int = 0) -> 
     ids, mask, labels = worked_examples(tokenizer, steps * BATCH, DATA_SEED + seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     model.train()
     loss = torch.tensor(float("nan"))
     for step in range(steps):
         batch = slice(step * BATCH, (step + 1) * BATCH)
-        width = int(mask[batch].sum(1).max())   # why: the batch's own width, not the longest row of all
+        width = int(mask[batch].sum(1).max())  # why: the batch's own width, not the longest row of all
         hidden = model.model(input_ids=ids[batch, :width], attention_mask=mask[batch, :width]).last_hidden_state
         # why only the answer's positions through the head: the prompt's logits would be computed and thrown away
         scored = labels[batch, 1:width] != -100

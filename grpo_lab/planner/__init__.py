@@ -1,6 +1,7 @@
 """Pre-flight memory planner: per-device estimates from config.json before any weight is loaded."""
+
+from ..models.shapes import ModelShape, load_shape
 from .frontier import Frontier, frontier
 from .plan import Plan, engine_share, plan
-from ..models.shapes import ModelShape, load_shape
 
 __all__ = ["Plan", "engine_share", "plan", "Frontier", "frontier", "ModelShape", "load_shape"]

@@ -5,6 +5,7 @@ backward); a device's peak is its resident total plus its heaviest phase.
 
 Units are bytes. A learner on the CPU lives in host RAM, so "cpu" is planned as "host".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,10 +13,10 @@ from typing import Optional
 
 from ..models.shapes import ModelShape
 
-GiB = 1024 ** 3
+GiB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GENERATOR_BITS = {None: None, "awq": 4.25, "gptq": 4.25, "compressed-tensors": 4.25, "fp8": 8.0}
-CUDA_CONTEXT = 0.5 * GiB         # CUDA context + cuBLAS workspace per GPU a process touches
+CUDA_CONTEXT = 0.5 * GiB  # CUDA context + cuBLAS workspace per GPU a process touches
 # Python and the libraries, with the one-off state a process gains in its first step: 474 MiB after importing
 # torch, transformers, peft, bitsandbytes, trl and grpo_lab (CPU build of torch 2.13), plus 105-128 MiB the first
 # step adds for good (lazily imported generation code, thread pools, oneDNN caches; tiny-cpu and logits-heavy-cpu,
@@ -28,24 +29,26 @@ HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
 # A CPU learner computing in bf16/fp16 runs its matmuls through oneDNN, whose per-shape primitives and scratchpad stay
 # in the process once made. Which kernels it picks is not a function of the shapes planned here, so this is measured,
 # not modelled: 24-63 MiB at rest over bench/planner_accuracy.py's grid against the float32 baseline above.
-ONEDNN_CPU_CACHES = 48 * 1024 ** 2
+ONEDNN_CPU_CACHES = 48 * 1024**2
 # glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) serves blocks under 32 MiB from its heap once it
 # has risen, and their holes stay resident: the head's chunks held up to 19 bytes of RSS per element where the tensors
 # are 6 (bench/head_heap.py). Planned as that factor on such chunks; a pinned threshold needs none.
-HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 19 / 6, 32 * 1024 ** 2
+HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 19 / 6, 32 * 1024**2
 # The holes the plan cannot model at that threshold (the rollout's, the layers' activations): they come and go from
 # run to run, so they are said, not planned; measured by bench/planner_accuracy.py's grid at null (docs/benchmarks.md)
-HEAP_HOLES_CAVEAT = ("host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) leaves heap holes this "
-                     "plan widens only for the log-prob head; a CPU learner's phases measured up to 1.19x their plan "
-                     "(the peak up to 1.10x), with one-off spikes to 1.58x. 0.125 holds them within 1.1, at 1.2-2.5x "
-                     "the CPU step time")
+HEAP_HOLES_CAVEAT = (
+    "host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) leaves heap holes this "
+    "plan widens only for the log-prob head; a CPU learner's phases measured up to 1.19x their plan "
+    "(the peak up to 1.10x), with one-off spikes to 1.58x. 0.125 holds them within 1.1, at 1.2-2.5x "
+    "the CPU step time"
+)
 # vLLM on the CPU, in this process: its modules and engine state beside its weights and the KV cache it reserves
 # (generator.cpu_kv_cache_gib, touched at start), measured at rest by bench/planner_accuracy.py's vllm points.
-VLLM_CPU_ENGINE = 272 * 1024 ** 2
+VLLM_CPU_ENGINE = 272 * 1024**2
 # the phases with transients worth planning (phases.PHASES order); "load" only in a sharded plan, where every rank
 # loads the whole model before fully_shard keeps its 1/N
 PHASES = ("load", "rollout", "logprobs", "backward")
-VLLM_SPLIT_SHARE = 0.9           # vLLM's default gpu_memory_utilization on a GPU of its own
+VLLM_SPLIT_SHARE = 0.9  # vLLM's default gpu_memory_utilization on a GPU of its own
 
 
 @dataclass
@@ -53,7 +56,7 @@ class Item:
     what: str
     bytes: float
     note: str = ""
-    phase: Optional[str] = None   # None: resident for the whole step; else alive only during that phase
+    phase: Optional[str] = None  # None: resident for the whole step; else alive only during that phase
 
 
 @dataclass
@@ -62,7 +65,7 @@ class DevicePlan:
     capacity: float
     roles: list[str] = field(default_factory=list)
     items: list[Item] = field(default_factory=list)
-    split: Optional[object] = None   # a GPU a vLLM engine takes a share of: its split.Split
+    split: Optional[object] = None  # a GPU a vLLM engine takes a share of: its split.Split
 
     def add(self, what: str, nbytes: float, note: str = "", phase: Optional[str] = None) -> None:
         if nbytes:
@@ -112,7 +115,10 @@ def base_weight_bytes(shape: ModelShape, model_cfg) -> tuple[float, str]:
     dense = (shape.embedding_params + (2 * shape.layers + 1) * shape.hidden) * e
     if model_cfg.load_in_4bit:
         bits = nf4_bits(model_cfg.bnb_4bit_use_double_quant)
-        return shape.linear_params * bits / 8 + dense, f"{model_cfg.bnb_4bit_quant_type} {bits:.2f} bit + embeddings {model_cfg.dtype}"
+        return (
+            shape.linear_params * bits / 8 + dense,
+            f"{model_cfg.bnb_4bit_quant_type} {bits:.2f} bit + embeddings {model_cfg.dtype}",
+        )
     return shape.linear_params * e + dense, model_cfg.dtype
 
 
@@ -120,7 +126,9 @@ def base_weight_split(shape: ModelShape, model_cfg) -> tuple[float, float]:
     """The base weights as FSDP2 holds them: (what it shards on dim 0: 4-bit codes and the dense weights, what every
     rank keeps whole: bitsandbytes' quant state, which lives on the module outside the parameters; docs/fsdp2.md)."""
     total, _ = base_weight_bytes(shape, model_cfg)
-    quant_state = shape.linear_params * (nf4_bits(model_cfg.bnb_4bit_use_double_quant) - 4) / 8 if model_cfg.load_in_4bit else 0
+    quant_state = (
+        shape.linear_params * (nf4_bits(model_cfg.bnb_4bit_use_double_quant) - 4) / 8 if model_cfg.load_in_4bit else 0
+    )
     return total - quant_state, quant_state
 
 
@@ -151,18 +159,24 @@ def trl_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: boo
     return HEAD_TILES["cpu" if on_cpu else "cuda"] * tile + rows * (shape.hidden * 4 + 8 * 4)
 
 
-HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes}   # grpo.logprob_head -> its planned transient
+HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes}  # grpo.logprob_head -> its planned transient
 
 
 def head_in_heap(cfg, shape: ModelShape, rows: int, on_cpu: bool) -> bool:
     """The chunked head's float32 chunk (as many rows as it scores, at most a chunk) lands in glibc's heap: on the CPU,
     with glibc's own threshold (null), under its 32 MiB ceiling."""
     chunk_logits = min(cfg.grpo.logprob_chunk_size, rows) * shape.vocab * 4
-    return on_cpu and cfg.grpo.logprob_head == "chunked" and cfg.memory.host_mmap_threshold_mib is None \
+    return (
+        on_cpu
+        and cfg.grpo.logprob_head == "chunked"
+        and cfg.memory.host_mmap_threshold_mib is None
         and chunk_logits < HEAP_MMAP_CEILING
+    )
 
 
-def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: Optional[int] = None) -> dict[str, float]:
+def activation_bytes(
+    shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: Optional[int] = None
+) -> dict[str, float]:
     """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU; `micro_batch`: rows
     per pass, default grpo.micro_batch_size or the whole batch)."""
     grpo, gen = cfg.grpo, cfg.generator
@@ -171,22 +185,29 @@ def activation_bytes(shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: 
     length = gen.max_prompt_length + gen.max_completion_length
     tokens = n * length
     h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, cfg.lora.r
-    per_layer = (7 * h + 3 * kv + 4 * i) * e + 7 * r * 4      # saved for backward, per token and layer
+    per_layer = (7 * h + 3 * kv + 4 * i) * e + 7 * r * 4  # saved for backward, per token and layer
     if cfg.model.gradient_checkpointing:
-        stored = shape.layers * h * e * tokens + 2 * per_layer * tokens   # layer inputs + one layer recomputed
+        stored = shape.layers * h * e * tokens + 2 * per_layer * tokens  # layer inputs + one layer recomputed
     else:
         stored = shape.layers * per_layer * tokens + per_layer * tokens
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
     in_heap = head_in_heap(cfg, shape, rows, on_cpu)
-    if in_heap:   # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
+    if in_heap:  # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if cfg.model.load_in_4bit else 0
     # no grad (reference log-probs): one layer's intermediates at a time and the last hidden states
     forward = per_layer * tokens + h * e * tokens
-    return {"activations": stored, "log-prob head": head, "4-bit dequant buffer": dequant,
-            "forward activations": forward, "micro_batch": n, "tokens": tokens, "head in heap": in_heap}
+    return {
+        "activations": stored,
+        "log-prob head": head,
+        "4-bit dequant buffer": dequant,
+        "forward activations": forward,
+        "micro_batch": n,
+        "tokens": tokens,
+        "head in heap": in_heap,
+    }
 
 
 def generation_step_bytes(shape: ModelShape, cfg, sequences: int) -> float:

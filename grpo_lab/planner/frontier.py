@@ -1,6 +1,7 @@
 """The fit frontier: the memory plan over a grid of completion length x num_generations x micro-batch, before anything
 runs. Each cell is `plan()` of the config with those three overrides (nothing is loaded); the grid is a text table, a
 plotly heatmap per micro-batch and a self-contained HTML page. TRL has no such view: its trainer finds out by OOM."""
+
 from __future__ import annotations
 
 import html
@@ -9,32 +10,30 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..errors import LabError
-from .estimate import GiB
 from ..models.shapes import ModelShape, load_shape
+from .grid import FIELDS, Point, grid, micro_label, micro_order
+from .render import size
 
-Point = tuple[int, int, Optional[int]]   # (max_completion_length, num_generations, micro_batch_size; None = whole batch)
-FIELDS = ("generator.max_completion_length", "grpo.num_generations", "grpo.micro_batch_size")
-RANGE_HELP = "a comma list (e.g. 64,128,256) or LO:HI, the doublings from LO up to HI (e.g. 64:1024)"
 # colour = the binding device's fraction on one scale broken at 90% and 100%: the verdict (green fits, fading to yellow
 # near the edge; amber tight; red does not fit) and how close to the edge, in one glance; a discrete fits/tight/no
 # scale would hide that 85% and 20% are not the same "fits"
-ZMAX = 2.0   # the colour saturates at twice the capacity; the cell label and hover give the real fraction
+ZMAX = 2.0  # the colour saturates at twice the capacity; the cell label and hover give the real fraction
 COLOURS = [[0.0, "#1a9850"], [0.45, "#d9ef8b"], [0.45, "#fdb863"], [0.5, "#f08a24"], [0.5, "#d73027"], [1.0, "#67001f"]]
 REFUSED_GREY = "#d9d9d9"
 
 
 @dataclass(frozen=True)
 class Cell:
-    length: int                      # generator.max_completion_length
-    generations: int                 # grpo.num_generations
-    micro_batch: Optional[int]       # grpo.micro_batch_size (None: the whole batch in one pass)
-    fits: bool = False               # plan.fits: every device fits
-    device: str = ""                 # the binding device: the highest fraction of its capacity
-    peak: float = 0.0                # its planned peak, bytes
-    phase: Optional[str] = None      # the phase of that peak (DevicePlan.peak_phase; None: resident only)
-    headroom: float = 0.0            # its capacity - peak, bytes (negative: it does not fit)
-    fraction: float = 0.0            # peak / capacity
-    refused: Optional[str] = None    # the config's one-line refusal of this combination; the rest is then empty
+    length: int  # generator.max_completion_length
+    generations: int  # grpo.num_generations
+    micro_batch: Optional[int]  # grpo.micro_batch_size (None: the whole batch in one pass)
+    fits: bool = False  # plan.fits: every device fits
+    device: str = ""  # the binding device: the highest fraction of its capacity
+    peak: float = 0.0  # its planned peak, bytes
+    phase: Optional[str] = None  # the phase of that peak (DevicePlan.peak_phase; None: resident only)
+    headroom: float = 0.0  # its capacity - peak, bytes (negative: it does not fit)
+    fraction: float = 0.0  # peak / capacity
+    refused: Optional[str] = None  # the config's one-line refusal of this combination; the rest is then empty
 
     @property
     def point(self) -> Point:
@@ -45,22 +44,26 @@ class Cell:
         return "-" if self.refused else f"{'ok' if self.fits else 'NO'} {self.fraction:.0%}"
 
     def hover(self) -> str:
-        where = (f"completion length {self.length}, num_generations {self.generations}, "
-                 f"micro-batch {micro_label(self.micro_batch)}")
+        where = (
+            f"completion length {self.length}, num_generations {self.generations}, "
+            f"micro-batch {micro_label(self.micro_batch)}"
+        )
         if self.refused:
             return f"{where}<br><b>refused</b>: {html.escape(self.refused)}"
         verdict = "fits" if self.fits else "does not fit"
         during = f" during {self.phase}" if self.phase else " (resident)"
-        return (f"{where}<br><b>{verdict}</b> ({self.fraction:.0%} of {self.device})<br>binding device: {self.device}"
-                f"<br>peak: {size(self.peak)}{during}<br>headroom: {size(self.headroom)}")
+        return (
+            f"{where}<br><b>{verdict}</b> ({self.fraction:.0%} of {self.device})<br>binding device: {self.device}"
+            f"<br>peak: {size(self.peak)}{during}<br>headroom: {size(self.headroom)}"
+        )
 
 
 @dataclass
 class Frontier:
-    config: object                   # the LabConfig the grid varies
-    cells: list[Cell]                # one per (length, generations, micro-batch), in that sort order
-    current: Point                   # the config's own point (always in the grid)
-    capacities: dict[str, float]     # the devices of the config's own plan and their capacities, bytes
+    config: object  # the LabConfig the grid varies
+    cells: list[Cell]  # one per (length, generations, micro-batch), in that sort order
+    current: Point  # the config's own point (always in the grid)
+    capacities: dict[str, float]  # the devices of the config's own plan and their capacities, bytes
 
     @property
     def lengths(self) -> list[int]:
@@ -98,13 +101,15 @@ class Frontier:
     def to_html(self, path: Union[str, Path], what: str = "path") -> Path:
         """Write a self-contained page (plotly.js inlined: no CDN, machines may be offline) atomically; returns its
         absolute path. `what` names the argument in errors (the CLI: --out)."""
-        from ..files import atomic_write_text
         from ..checks.paths import check_output_dir
+        from ..files import atomic_write_text
 
         path = Path(path).absolute()
         if path.is_dir():
-            raise LabError(f"{what}: {str(path)!r} is a directory; give the path of the HTML file to write, "
-                           f"e.g. {path / 'frontier.html'}")
+            raise LabError(
+                f"{what}: {str(path)!r} is a directory; give the path of the HTML file to write, "
+                f"e.g. {path / 'frontier.html'}"
+            )
         check_output_dir(path.parent, what)
         return atomic_write_text(path, page(self))
 
@@ -112,85 +117,10 @@ class Frontier:
         from IPython import get_ipython
         from IPython.display import display
 
-        if getattr(get_ipython(), "kernel", None) is None:   # a terminal IPython: the table (plotly would open a browser)
+        if getattr(get_ipython(), "kernel", None) is None:  # a terminal IPython: the table (plotly opens a browser)
             print(self)
             return
-        display(self.figure())   # plotly's own renderer: offline in Jupyter, one copy of plotly.js per notebook
-
-
-def micro_label(micro: Optional[int]) -> str:
-    return "whole batch" if micro is None else str(micro)
-
-
-def micro_order(micro: Optional[int]) -> float:
-    return float("inf") if micro is None else micro   # the whole batch is the largest pass
-
-
-def size(nbytes: float) -> str:
-    sign, n = ("-" if nbytes < 0 else ""), abs(nbytes)
-    return f"{sign}{n / GiB:.2f} GiB" if n >= GiB else f"{sign}{n / 1024 ** 2:.1f} MiB"
-
-
-def _positive(raw, name: str) -> int:
-    if isinstance(raw, bool):   # why: int(True) is 1, and a stray flag is not a length
-        raise LabError(f"{name}: got {raw}; give whole numbers, not true/false")
-    text = str(raw).strip()
-    try:
-        value = int(text)
-    except ValueError:
-        raise LabError(f"{name}: {text!r} is not a whole number; give {RANGE_HELP}") from None
-    if value <= 0:
-        raise LabError(f"{name}: got {text}; every value must be a whole number of 1 or more")
-    return value
-
-
-def parse_range(text: str, name: str) -> list[int]:
-    """`64,128,256` or `LO:HI` (LO, 2 LO, 4 LO, ... up to HI inclusive) as sorted values without repeats; bad input is
-    one LabError naming `name` (the flag or argument)."""
-    text = (text or "").strip()
-    if not text:
-        raise LabError(f"{name}: empty; give {RANGE_HELP}")
-    if ":" in text:
-        lo_text, _, hi_text = text.partition(":")
-        lo, hi = _positive(lo_text, name), _positive(hi_text, name)
-        if lo > hi:
-            raise LabError(f"{name}: {text!r} is inverted ({lo} > {hi}); give LO:HI with LO <= HI, e.g. {hi}:{lo}")
-        values = []
-        while lo <= hi:
-            values.append(lo)
-            lo *= 2
-        return values
-    parts = [part.strip() for part in text.split(",")]
-    if "" in parts:
-        raise LabError(f"{name}: {text!r} has an empty item; give {RANGE_HELP}")
-    return sorted({_positive(part, name) for part in parts})
-
-
-def _values(given, name: str, default: list) -> list:
-    """A range argument as a list of positive ints: a range string, a sequence, or None for `default`."""
-    if given is None:
-        return default
-    if isinstance(given, str):
-        return parse_range(given, name)
-    if isinstance(given, int):
-        given = [given]
-    values = list(given)
-    if not values:
-        raise LabError(f"{name}: empty; give at least one value, e.g. [64, 128] or '64:1024'")
-    return sorted({_positive(v, name) for v in values})
-
-
-def grid(cfg, lengths=None, generations=None, micro_batches=None) -> tuple[list[int], list[int], list[Optional[int]]]:
-    """The three axes, sorted, without repeats, each with the config's own value in it (so the current point is a
-    cell). Defaults: lengths the powers of two from 64 up to max(1024, current); generations 2, 4, 8, 16; micro-batches
-    the current one alone."""
-    length, gens, micro = cfg.generator.max_completion_length, cfg.grpo.num_generations, cfg.grpo.micro_batch_size
-    top = max(1024, length)
-    powers = [2 ** k for k in range(6, top.bit_length()) if 2 ** k <= top]
-    lengths = sorted({*_values(lengths, "lengths", powers), length})
-    generations = sorted({*_values(generations, "generations", [2, 4, 8, 16]), gens})
-    micros = sorted({*_values(micro_batches, "micro_batches", []), micro}, key=micro_order)
-    return lengths, generations, micros
+        display(self.figure())  # plotly's own renderer: offline in Jupyter, one copy of plotly.js per notebook
 
 
 def evaluate(cfg, point: Point, shape: ModelShape) -> Cell:
@@ -199,13 +129,20 @@ def evaluate(cfg, point: Point, shape: ModelShape) -> Cell:
     from .plan import plan
 
     overrides = [f"{f}={'null' if v is None else v}" for f, v in zip(FIELDS, point)]
-    try:   # why catch: a combination the config refuses is a grey cell with its reason, not the end of the frontier
+    try:  # why catch: a combination the config refuses is a grey cell with its reason, not the end of the frontier
         result = plan(load_config(cfg, overrides), shape)
     except LabError as err:
         return Cell(*point, refused=str(err).splitlines()[0])
     binding = max(result.devices.values(), key=lambda d: d.fraction)
-    return Cell(*point, fits=result.fits, device=binding.device, peak=binding.total, phase=binding.peak_phase,
-                headroom=binding.capacity - binding.total, fraction=binding.fraction)
+    return Cell(
+        *point,
+        fits=result.fits,
+        device=binding.device,
+        peak=binding.total,
+        phase=binding.peak_phase,
+        headroom=binding.capacity - binding.total,
+        fraction=binding.fraction,
+    )
 
 
 def frontier(cfg, lengths=None, generations=None, micro_batches=None, shape: Optional[ModelShape] = None) -> Frontier:
@@ -221,8 +158,7 @@ def frontier(cfg, lengths=None, generations=None, micro_batches=None, shape: Opt
     # why plan the config itself first: what is wrong for every cell (a GPU not here without placement.gpu_memory_gib)
     # is one error, not a grid of grey cells
     own = plan(cfg, shape)
-    cells = [evaluate(cfg, (length, gens, micro), shape)
-             for micro in axes[2] for gens in axes[1] for length in axes[0]]
+    cells = [evaluate(cfg, (length, gens, micro), shape) for micro in axes[2] for gens in axes[1] for length in axes[0]]
     current = (cfg.generator.max_completion_length, cfg.grpo.num_generations, cfg.grpo.micro_batch_size)
     return Frontier(cfg, cells, current, {name: d.capacity for name, d in own.devices.items()})
 
@@ -230,27 +166,38 @@ def frontier(cfg, lengths=None, generations=None, micro_batches=None, shape: Opt
 def render_table(front: Frontier) -> str:
     """Rows num_generations, columns completion length, one block per micro-batch; * marks the current point."""
     length, gens, micro = front.current
-    lines = [front.title(), "cell: the binding device's planned peak / capacity (ok: fits, NO: does not fit, "
-             "-: the config refuses it); * the config's own point", ""]
+    lines = [
+        front.title(),
+        "cell: the binding device's planned peak / capacity (ok: fits, NO: does not fit, "
+        "-: the config refuses it); * the config's own point",
+        "",
+    ]
     width = max(9, *(len(c.short()) + 2 for c in front.cells))
     refusals: dict[str, list[str]] = {}
     for m in front.micro_batches:
         lines.append(f"grpo.micro_batch_size {micro_label(m)}{' *' if m == micro else ''}")
-        header = "".join(f"{str(l) + ('*' if l == length else ''):>{width}}" for l in front.lengths)
+        header = "".join(f"{str(n) + ('*' if n == length else ''):>{width}}" for n in front.lengths)
         lines.append(f"{'G':>6}  {header}    <- generator.max_completion_length")
         for g in front.generations:
-            row = [front.cell(l, g, m) for l in front.lengths]
+            row = [front.cell(n, g, m) for n in front.lengths]
             lines.append(f"{str(g) + ('*' if g == gens else ''):>6}  " + "".join(f"{c.short():>{width}}" for c in row))
             for c in row:
                 if c.refused:
-                    refusals.setdefault(c.refused, []).append(f"length {c.length}, G {c.generations}, micro-batch {micro_label(m)}")
+                    refusals.setdefault(c.refused, []).append(
+                        f"length {c.length}, G {c.generations}, micro-batch {micro_label(m)}"
+                    )
         lines.append("")
     now = front.cell(*front.current)
-    lines.append(f"current: length {length}, G {gens}, micro-batch {micro_label(micro)}: " + (
-        f"refused: {now.refused}" if now.refused else
-        f"{'fits' if now.fits else 'does not fit'}, {now.device} {now.fraction:.0%} "
-        f"(peak {size(now.peak)}{f' during {now.phase}' if now.phase else ''}, headroom {size(now.headroom)})"))
-    for reason, points in refusals.items():   # one line per reason: a refused axis value refuses a whole row
+    lines.append(
+        f"current: length {length}, G {gens}, micro-batch {micro_label(micro)}: "
+        + (
+            f"refused: {now.refused}"
+            if now.refused
+            else f"{'fits' if now.fits else 'does not fit'}, {now.device} {now.fraction:.0%} "
+            f"(peak {size(now.peak)}{f' during {now.phase}' if now.phase else ''}, headroom {size(now.headroom)})"
+        )
+    )
+    for reason, points in refusals.items():  # one line per reason: a refused axis value refuses a whole row
         lines.append(f"refused ({len(points)} cell{'s' * (len(points) > 1)}, e.g. {points[0]}): {reason}")
     return "\n".join(lines)
 
@@ -259,43 +206,78 @@ def _micro_traces(front: Frontier, micro: Optional[int], colour_bar: bool) -> li
     """The grey refused cells under the coloured ones (null z is a transparent gap), one grid each."""
     import plotly.graph_objects as go
 
-    x, y = [str(l) for l in front.lengths], [str(g) for g in front.generations]
-    rows = [[front.cell(l, g, micro) for l in front.lengths] for g in front.generations]
+    x, y = [str(n) for n in front.lengths], [str(g) for g in front.generations]
+    rows = [[front.cell(n, g, micro) for n in front.lengths] for g in front.generations]
     hover = [[c.hover() for c in row] for row in rows]
-    refused = go.Heatmap(x=x, y=y, z=[[0 if c.refused else None for c in row] for row in rows], name="refused",
-                         colorscale=[[0, REFUSED_GREY], [1, REFUSED_GREY]], showscale=False, hoverongaps=False,
-                         text=hover, hovertemplate="%{text}<extra></extra>", xgap=2, ygap=2)
-    colour = go.Heatmap(x=x, y=y, z=[[None if c.refused else c.fraction for c in row] for row in rows],
-                        name=f"micro-batch {micro_label(micro)}", zmin=0, zmax=ZMAX, colorscale=COLOURS,
-                        hoverongaps=False, text=hover, hovertemplate="%{text}<extra></extra>",
-                        texttemplate="%{z:.0%}", xgap=2, ygap=2, showscale=colour_bar,
-                        colorbar=dict(title="peak / capacity", tickvals=[0, 0.5, 0.9, 1.0, 1.5, 2.0],
-                                      ticktext=["0%", "50%", "90% tight", "100%", "150%", ">= 200%"]))
+    refused = go.Heatmap(
+        x=x,
+        y=y,
+        z=[[0 if c.refused else None for c in row] for row in rows],
+        name="refused",
+        colorscale=[[0, REFUSED_GREY], [1, REFUSED_GREY]],
+        showscale=False,
+        hoverongaps=False,
+        text=hover,
+        hovertemplate="%{text}<extra></extra>",
+        xgap=2,
+        ygap=2,
+    )
+    colour = go.Heatmap(
+        x=x,
+        y=y,
+        z=[[None if c.refused else c.fraction for c in row] for row in rows],
+        name=f"micro-batch {micro_label(micro)}",
+        zmin=0,
+        zmax=ZMAX,
+        colorscale=COLOURS,
+        hoverongaps=False,
+        text=hover,
+        hovertemplate="%{text}<extra></extra>",
+        texttemplate="%{z:.0%}",
+        xgap=2,
+        ygap=2,
+        showscale=colour_bar,
+        colorbar=dict(
+            title="peak / capacity",
+            tickvals=[0, 0.5, 0.9, 1.0, 1.5, 2.0],
+            ticktext=["0%", "50%", "90% tight", "100%", "150%", ">= 200%"],
+        ),
+    )
     return [refused, colour]
 
 
 def build_figure(front: Frontier):
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     micros = front.micro_batches
     cols = min(len(micros), 3)
     nrows = -(-len(micros) // cols)
     titles = [f"grpo.micro_batch_size: {micro_label(m)}" for m in micros]
-    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=titles, horizontal_spacing=0.06,
-                        vertical_spacing=0.12 if nrows > 1 else 0.0)
+    fig = make_subplots(
+        rows=nrows,
+        cols=cols,
+        subplot_titles=titles,
+        horizontal_spacing=0.06,
+        vertical_spacing=0.12 if nrows > 1 else 0.0,
+    )
     for i, micro in enumerate(micros):
         row, col = i // cols + 1, i % cols + 1
-        for trace in _micro_traces(front, micro, colour_bar=i == 0):   # one colour bar: every grid shares the scale
+        for trace in _micro_traces(front, micro, colour_bar=i == 0):  # one colour bar: every grid shares the scale
             fig.add_trace(trace, row=row, col=col)
         fig.update_xaxes(type="category", title_text="generator.max_completion_length", row=row, col=col)
         fig.update_yaxes(type="category", title_text="grpo.num_generations" if col == 1 else None, row=row, col=col)
         if micro == front.current[2]:
             _mark_current(fig, front, i + 1)
-    fig.update_layout(title=dict(text=f"{html.escape(front.title())}<br><sup>colour: the binding device's planned "
-                                 "peak / capacity (green fits, amber tight: under 10% margin, red does not fit; grey: "
-                                 "the config refuses it); hover a cell for its device, peak, phase and headroom</sup>"),
-                      height=360 * nrows + 140, template="plotly_white", margin=dict(t=110))
+    fig.update_layout(
+        title=dict(
+            text=f"{html.escape(front.title())}<br><sup>colour: the binding device's planned "
+            "peak / capacity (green fits, amber tight: under 10% margin, red does not fit; grey: "
+            "the config refuses it); hover a cell for its device, peak, phase and headroom</sup>"
+        ),
+        height=360 * nrows + 140,
+        template="plotly_white",
+        margin=dict(t=110),
+    )
     return fig
 
 
@@ -305,17 +287,37 @@ def _mark_current(fig, front: Frontier, subplot: int) -> None:
     # why indices, not the category names: plotly.js reads a number-like name ("768") in a shape or annotation as a
     # coordinate, and stretches the axis to it
     x, y = front.lengths.index(front.current[0]), front.generations.index(front.current[1])
-    fig.add_shape(type="rect", x0=x - 0.5, x1=x + 0.5, y0=y - 0.5, y1=y + 0.5, xref=f"x{suffix}", yref=f"y{suffix}",
-                  line=dict(color="black", width=3), name="current")
-    fig.add_annotation(x=x, y=y, xref=f"x{suffix}", yref=f"y{suffix}", text="<b>current</b>", showarrow=False,
-                       bgcolor="rgba(255, 255, 255, 0.85)", yshift=14, name="current")   # readable on dark red too
+    fig.add_shape(
+        type="rect",
+        x0=x - 0.5,
+        x1=x + 0.5,
+        y0=y - 0.5,
+        y1=y + 0.5,
+        xref=f"x{suffix}",
+        yref=f"y{suffix}",
+        line=dict(color="black", width=3),
+        name="current",
+    )
+    fig.add_annotation(
+        x=x,
+        y=y,
+        xref=f"x{suffix}",
+        yref=f"y{suffix}",
+        text="<b>current</b>",
+        showarrow=False,
+        bgcolor="rgba(255, 255, 255, 0.85)",
+        yshift=14,
+        name="current",
+    )  # readable on dark red too
 
 
 def page(front: Frontier) -> str:
-    body = front.figure().to_html(include_plotlyjs=True, full_html=False)   # why inline: no CDN on offline machines
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>grpo_lab fit frontier</title></head>"
-            f"<body style='font-family:sans-serif'>{body}<pre id='frontier-table'>{html.escape(str(front))}</pre>"
-            "</body></html>")
+    body = front.figure().to_html(include_plotlyjs=True, full_html=False)  # why inline: no CDN on offline machines
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>grpo_lab fit frontier</title></head>"
+        f"<body style='font-family:sans-serif'>{body}<pre id='frontier-table'>{html.escape(str(front))}</pre>"
+        "</body></html>"
+    )
 
 
-__all__ = ["Cell", "Frontier", "frontier", "parse_range"]
+__all__ = ["Cell", "Frontier", "frontier"]

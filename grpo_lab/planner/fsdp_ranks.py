@@ -7,12 +7,24 @@ float copy of the linear weight being quantized (a "load" phase).
 
 CUDA ranks have a device each; CPU ranks share host RAM, so there the host is the sum of every rank's process.
 """
+
 from __future__ import annotations
 
-from .estimate import (CUDA_CONTEXT, DTYPE_BYTES, HOST_BASELINE, PHASES, DevicePlan, activation_bytes,
-                       base_weight_bytes, base_weight_split, generation_step_bytes, kv_cache_bytes, unit_bytes)
-from .parts import _home, add_engine, capacity_of, head_note
 from ..models.shapes import ModelShape
+from .estimate import (
+    CUDA_CONTEXT,
+    DTYPE_BYTES,
+    HOST_BASELINE,
+    PHASES,
+    DevicePlan,
+    activation_bytes,
+    base_weight_bytes,
+    base_weight_split,
+    generation_step_bytes,
+    kv_cache_bytes,
+    unit_bytes,
+)
+from .parts import _home, add_engine, capacity_of, head_note
 
 # why 2: the layer computing and the next one, which FSDP2 all-gathers ahead of it (backward prefetch; on CUDA the
 # all-gather stream also runs ahead in forward)
@@ -34,10 +46,12 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
     host = DevicePlan("host", capacity_of("host", cfg))
     if on_cpu:
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
-    host.add("driver process (ShardedLab)", HOST_BASELINE["cpu" if on_cpu else "cuda"],
-             "the notebook or grpo-lab run: drives the ranks" + (
-                 f", runs their {cfg.generator.backend} engine (below)" if cfg.generator.own_weights
-                 else ", holds no model"))
+    host.add(
+        "driver process (ShardedLab)",
+        HOST_BASELINE["cpu" if on_cpu else "cuda"],
+        "the notebook or grpo-lab run: drives the ranks"
+        + (f", runs their {cfg.generator.backend} engine (below)" if cfg.generator.own_weights else ", holds no model"),
+    )
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
     ranks, micro = {}, 0
     for k, device in enumerate(rank_devices(place.learner, procs)):
@@ -46,21 +60,26 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
         rank.roles.append(f"learner rank {k} of {procs} (FSDP2)")
         micro = fill_rank(rank, cfg, shape, on_cpu)
         ranks[name] = rank
-        if on_cpu:   # why the sum: every rank is its own process in the same host RAM, all in the same phase at once
+        if on_cpu:  # why the sum: every rank is its own process in the same host RAM, all in the same phase at once
             host.add(f"rank {k}", rank.resident, "its process: runtime, shards, rollback copy (rank block above)")
             for phase in PHASES:
                 host.add(f"rank {k}", rank.phase_peak(phase) - rank.resident, phase=phase)
         else:
             rollback = lora * 12 / procs
-            host.add(f"rank {k} process", HOST_BASELINE["cuda"] + rollback,
-                     f"Python, torch, libraries + step rollback copy of its shard ({rollback / 1024 ** 2:.1f} MiB)")
+            host.add(
+                f"rank {k} process",
+                HOST_BASELINE["cuda"] + rollback,
+                f"Python, torch, libraries + step rollback copy of its shard ({rollback / 1024**2:.1f} MiB)",
+            )
     devices = {"host": host} if on_cpu else {**ranks, "host": host}
-    if cfg.generator.own_weights:   # one engine for every rank, in the driver (on its own GPUs, or the host)
+    if cfg.generator.own_weights:  # one engine for every rank, in the driver (on its own GPUs, or the host)
         for d in dict.fromkeys(_home(d) for d in place.generator_devices()):
             if d not in devices:
                 devices[d] = DevicePlan(d, capacity_of(d, cfg))
                 devices[d].add("CUDA context + workspace", CUDA_CONTEXT)
-        add_engine(devices, cfg, shape, cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations)
+        add_engine(
+            devices, cfg, shape, cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+        )
     return devices, ranks, micro
 
 
@@ -77,7 +96,9 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
     else:
         rank.add("CUDA context + workspace", CUDA_CONTEXT)
     rank.add(f"base weights (1/{procs} shard)", sharded / procs, fmt)
-    rank.add("4-bit quant state (whole on every rank)", whole, "kept on the module, outside the parameters FSDP2 shards")
+    rank.add(
+        "4-bit quant state (whole on every rank)", whole, "kept on the module, outside the parameters FSDP2 shards"
+    )
     rank.add(f"LoRA weights (1/{procs})", lora * 4 / procs, f"{lora / 1e6:.1f}M params in all, fp32")
     rank.add(f"LoRA gradients (1/{procs})", lora * 4 / procs, "fp32, reduce-scattered")
     rank.add(f"AdamW moments (1/{procs})", lora * 8 / procs, "2 x fp32")
@@ -88,10 +109,14 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
     # why: a rank materialises one decoder layer at a time (dist/meta_load.py), quantizing each weight from a float copy
     # in model.dtype, and fully_shards it before the next; the root is read as its rows only. So beyond the resident
     # shards: one layer whole and its largest weight in float (AdamW and gradients, not there yet: pessimistic)
-    rank.add("one layer whole before fully_shard", layer + load_float_bytes(shape, cfg),
-             f"read and quantized layer by layer, then 1/{procs} kept; + its largest weight as read", phase="load")
+    rank.add(
+        "one layer whole before fully_shard",
+        layer + load_float_bytes(shape, cfg),
+        f"read and quantized layer by layer, then 1/{procs} kept; + its largest weight as read",
+        phase="load",
+    )
 
-    if gen.own_weights:   # the rank's rollout is the driver engine's answer: no weights gathered for it
+    if gen.own_weights:  # the rank's rollout is the driver engine's answer: no weights gathered for it
         rank.roles.append(f"rollout sampled by the driver's {gen.backend} engine")
     else:
         fill_hf_rollout(rank, cfg, shape, layer, root)
@@ -100,16 +125,28 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
     act = activation_bytes(shape, cfg, on_cpu=on_cpu, micro_batch=min(grpo.micro_batch_size or rows, rows))
     gather_note = f"root + {LAYERS_IN_FLIGHT} layers whole at a time"
     shape_note = f"micro-batch {act['micro_batch']} of its {rows} rows x {act['tokens'] // act['micro_batch']} tokens"
-    if grpo.beta > 0:   # the reference pass: the policy with its adapter off, or the sharded copy, gathered the same way
+    if grpo.beta > 0:  # the reference pass: the policy with its adapter off, or the sharded copy, gathered the same way
         rank.add("layer gather", root + LAYERS_IN_FLIGHT * layer, gather_note, phase="logprobs")
-        rank.add("reference forward (no grad)", act["forward activations"], f"{shape_note}, one layer at a time",
-                 phase="logprobs")
-        rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu, act["head in heap"]), phase="logprobs")
+        rank.add(
+            "reference forward (no grad)",
+            act["forward activations"],
+            f"{shape_note}, one layer at a time",
+            phase="logprobs",
+        )
+        rank.add(
+            "log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu, act["head in heap"]), phase="logprobs"
+        )
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
-    rank.add("layer gather", root + LAYERS_IN_FLIGHT * layer + lora * 4 / shape.layers,
-             f"{gather_note}, + a layer's LoRA gradient before reduce-scatter", phase="backward")
+    rank.add(
+        "layer gather",
+        root + LAYERS_IN_FLIGHT * layer + lora * 4 / shape.layers,
+        f"{gather_note}, + a layer's LoRA gradient before reduce-scatter",
+        phase="backward",
+    )
     rank.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    rank.add("log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu, act["head in heap"]), phase="backward")
+    rank.add(
+        "log-prob head", act["log-prob head"], head_note(cfg, shape, on_cpu, act["head in heap"]), phase="backward"
+    )
     rank.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
     return act["micro_batch"]
 
@@ -127,14 +164,30 @@ def fill_hf_rollout(rank: DevicePlan, cfg, shape: ModelShape, layer: float, root
     gen, grpo = cfg.generator, cfg.grpo
     rank.roles.append("generator (hf, the whole rollout on every rank)")
     if gen.gather_for_generation:
-        rank.add("generation gather: whole model", shape.layers * layer + root,
-                 "generator.gather_for_generation: true; every layer and the root, for the whole rollout", phase="rollout")
+        rank.add(
+            "generation gather: whole model",
+            shape.layers * layer + root,
+            "generator.gather_for_generation: true; every layer and the root, for the whole rollout",
+            phase="rollout",
+        )
     else:
-        rank.add("generation gather: layer by layer", root + LAYERS_IN_FLIGHT * layer,
-                 f"generator.gather_for_generation: false; root + {LAYERS_IN_FLIGHT} layers whole at a time, at every "
-                 "decoding step (slow)", phase="rollout")
+        rank.add(
+            "generation gather: layer by layer",
+            root + LAYERS_IN_FLIGHT * layer,
+            f"generator.gather_for_generation: false; root + {LAYERS_IN_FLIGHT} layers whole at a time, at every "
+            "decoding step (slow)",
+            phase="rollout",
+        )
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
-    rank.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences),
-             f"{sequences} sequences per call, the same on every rank", phase="rollout")
-    rank.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
-             "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF", phase="rollout")
+    rank.add(
+        "generation KV cache",
+        kv_cache_bytes(shape, cfg, sequences),
+        f"{sequences} sequences per call, the same on every rank",
+        phase="rollout",
+    )
+    rank.add(
+        "generation logits step",
+        generation_step_bytes(shape, cfg, sequences),
+        "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF",
+        phase="rollout",
+    )

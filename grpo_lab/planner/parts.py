@@ -1,12 +1,21 @@
 """Plan parts that the one-process plan (plan.py) and the sharded one (sharded.py) both build from."""
+
 from __future__ import annotations
 
 from ..errors import LabError
 from ..generation.registry import sleeps
-from .estimate import (CUDA_CONTEXT, FUSED_HEAD_TILE, VLLM_CPU_ENGINE, VLLM_SPLIT_SHARE, DevicePlan,
-                       GiB, generator_weight_bytes, kv_cache_bytes)
-from .split import Split, auto_share, engine_work_bytes, kv_token_bytes, largest_share
 from ..models.shapes import ModelShape
+from .estimate import (
+    CUDA_CONTEXT,
+    FUSED_HEAD_TILE,
+    VLLM_CPU_ENGINE,
+    VLLM_SPLIT_SHARE,
+    DevicePlan,
+    GiB,
+    generator_weight_bytes,
+    kv_cache_bytes,
+)
+from .split import Split, auto_share, engine_work_bytes, kv_token_bytes, largest_share
 
 
 def _home(device: str) -> str:
@@ -29,16 +38,20 @@ def capacity_of(device: str, cfg) -> float:
         import torch
 
         return torch.cuda.get_device_properties(index).total_memory
-    raise LabError(f"placement.gpu_memory_gib: {device} is not on this machine; give the capacity (GiB) of the GPUs "
-                   "you plan for, e.g. --set placement.gpu_memory_gib=40")
+    raise LabError(
+        f"placement.gpu_memory_gib: {device} is not on this machine; give the capacity (GiB) of the GPUs "
+        "you plan for, e.g. --set placement.gpu_memory_gib=40"
+    )
 
 
 def head_note(cfg, shape: ModelShape, on_cpu: bool, in_heap: bool) -> str:
     """`in_heap`: activation_bytes' "head in heap", the one rule that also widened the head's bytes."""
     if cfg.grpo.logprob_head == "chunked":
         holes = "; with glibc's heap holes (memory.host_mmap_threshold_mib: null)" if in_heap else ""
-        return (f"chunks of {cfg.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
-                f"backward; no [B, L, vocab] logits{holes}")
+        return (
+            f"chunks of {cfg.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
+            f"backward; no [B, L, vocab] logits{holes}"
+        )
     tiles = f"tiles of {FUSED_HEAD_TILE[0]} tokens x {FUSED_HEAD_TILE[1]} vocab"
     return f"TRL's fused head, {tiles}" + (" (CPU: torch fallback, several tiles alive)" if on_cpu else "")
 
@@ -56,29 +69,46 @@ def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences
     share = auto_share([v[0] for v in largest.values()]) if auto else gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
     for d in gens:
         d.roles.append(f"generator ({gen.backend}, TP {tp})")
-        if d.device == "host":   # why resident: vLLM reserves and touches its CPU KV cache at start, whatever it uses
+        if d.device == "host":  # why resident: vLLM reserves and touches its CPU KV cache at start, whatever it uses
             d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
-            d.add("generator KV cache (reserved)", gen.cpu_kv_cache_gib * GiB,
-                  f"generator.cpu_kv_cache_gib; {sequences} sequences use "
-                  f"{kv_cache_bytes(shape, cfg, sequences) / tp / 2 ** 20:.1f} MiB of it")
+            d.add(
+                "generator KV cache (reserved)",
+                gen.cpu_kv_cache_gib * GiB,
+                f"generator.cpu_kv_cache_gib; {sequences} sequences use "
+                f"{kv_cache_bytes(shape, cfg, sequences) / tp / 2**20:.1f} MiB of it",
+            )
             d.add("vLLM engine and modules (CPU)", VLLM_CPU_ENGINE, "measured, not modelled")
             continue
         biggest, peak, phase = largest[d.device]
         beside = any(r.startswith("learner") for r in d.roles)
-        d.split = Split(d.device, d.capacity, share, auto, per_device, work[d.device], kv_token_bytes(shape, cfg, tp),
-                        gen.max_prompt_length + gen.max_completion_length, peak if beside else 0.0, phase, asleep,
-                        biggest)
+        d.split = Split(
+            d.device,
+            d.capacity,
+            share,
+            auto,
+            per_device,
+            work[d.device],
+            kv_token_bytes(shape, cfg, tp),
+            gen.max_prompt_length + gen.max_completion_length,
+            peak if beside else 0.0,
+            phase,
+            asleep,
+            biggest,
+        )
         # why at least the minimum: below it vLLM does not start, and the plan shows what it would take
         taken = max(share or 0.0, d.split.minimum)
         engine = taken * d.capacity - CUDA_CONTEXT
         note = f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache"
         name = f"{gen.backend} engine share ({taken:.0%}{', auto' if auto else ''})"
-        if asleep:   # why: sleep(level=1) frees the weights and KV cache between rollouts; its working memory stays
+        if asleep:  # why: sleep(level=1) frees the weights and KV cache between rollouts; its working memory stays
             d.add(f"{gen.backend} engine asleep: working memory", work[d.device], "CUDA graphs, buffers; kept asleep")
             d.add(f"{name}, awake", engine - work[d.device], note, phase="rollout")
         else:
             d.add(name, engine, note)
     if asleep:
         # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
-        devices["host"].add("generator weights (asleep, sleep level 1)", generator_weight_bytes(shape, cfg),
-                            f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned")
+        devices["host"].add(
+            "generator weights (asleep, sleep level 1)",
+            generator_weight_bytes(shape, cfg),
+            f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned",
+        )

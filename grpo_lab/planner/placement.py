@@ -1,8 +1,8 @@
 """`lab.placement`: who sits where, printed as the device plan."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
 
 if TYPE_CHECKING:
     from ..config.schema import LabConfig
@@ -31,7 +31,9 @@ class Placement:
     def roles(self) -> dict[str, list[str]]:
         cfg, place = self.config, self.config.placement
         out: dict[str, list[str]] = {}
-        learner = "learner (4-bit base + LoRA" + (", AdamW state in host RAM)" if place.optimizer_offload else " + AdamW)")
+        learner = "learner (4-bit base + LoRA" + (
+            ", AdamW state in host RAM)" if place.optimizer_offload else " + AdamW)"
+        )
         out.setdefault(place.learner, []).append(learner)
         engine = cfg.generator.own_weights and any(d != "cpu" for d in place.generator_devices())
         for device in place.generator_devices():
@@ -57,8 +59,8 @@ class Placement:
 
 def place(lab, learner=None, generator=None, reference=None, optimizer_offload=None) -> Placement:
     """`lab.place(...)`: the Lab's config with these devices, validated at once, before load."""
-    from ..config.loading import load_config
     from ..checks.devices import check_devices
+    from ..config.loading import load_config
     from ..errors import LabError
 
     if lab.learner is not None:

@@ -1,4 +1,5 @@
 """Assemble the per-device plan, the DataParallel what-if (P1), and the knobs that make a plan fit."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,12 +7,22 @@ from typing import Optional
 
 from ..errors import LabError
 from ..generation.registry import colocated_on_gpu
-from .estimate import (CUDA_CONTEXT, HEAP_HOLES_CAVEAT, HOST_BASELINE, ONEDNN_CPU_CACHES, VLLM_SPLIT_SHARE, DevicePlan, activation_bytes,
-                       base_weight_bytes, compute_bytes,
-                       generation_step_bytes, kv_cache_bytes)
+from ..models.shapes import ModelShape, load_shape
+from .estimate import (
+    CUDA_CONTEXT,
+    HEAP_HOLES_CAVEAT,
+    HOST_BASELINE,
+    ONEDNN_CPU_CACHES,
+    VLLM_SPLIT_SHARE,
+    DevicePlan,
+    activation_bytes,
+    base_weight_bytes,
+    compute_bytes,
+    generation_step_bytes,
+    kv_cache_bytes,
+)
 from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
 from .render import count
-from ..models.shapes import ModelShape, load_shape
 
 
 @dataclass
@@ -20,7 +31,7 @@ class Plan:
     shape: ModelShape
     devices: dict[str, DevicePlan]
     micro_batch: int
-    dataparallel: Optional[dict[str, DevicePlan]] = None   # the same run if the learner were wrapped (P1)
+    dataparallel: Optional[dict[str, DevicePlan]] = None  # the same run if the learner were wrapped (P1)
     fixes: list[str] = field(default_factory=list)
     # a sharded learner's ranks (placement.learner_procs > 1): CUDA, the rank devices (also in `devices`); CPU, each
     # rank's share of host RAM (devices["host"] is their sum, what the fit is checked against)
@@ -64,9 +75,12 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
 
     lrn = devices[learner]
     lrn.roles.append("learner")
-    if learner == "host" and compute_bytes(cfg) == 2:   # why: oneDNN's kernel caches (estimate.ONEDNN_CPU_CACHES)
-        lrn.add("oneDNN kernel caches (CPU, 16-bit compute)", ONEDNN_CPU_CACHES, "per-shape primitives, scratchpad; "
-                "measured, not modelled")
+    if learner == "host" and compute_bytes(cfg) == 2:  # why: oneDNN's kernel caches (estimate.ONEDNN_CPU_CACHES)
+        lrn.add(
+            "oneDNN kernel caches (CPU, 16-bit compute)",
+            ONEDNN_CPU_CACHES,
+            "per-shape primitives, scratchpad; measured, not modelled",
+        )
     weights, fmt = base_weight_bytes(shape, cfg.model)
     lrn.add("base weights", weights, fmt)
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
@@ -82,30 +96,53 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
     shape_note = f"micro-batch {act['micro_batch']} x {act['tokens'] // act['micro_batch']} tokens"
     lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    lrn.add("log-prob head", act["log-prob head"], head_note(cfg, shape, learner == "host", act["head in heap"]), phase="backward")
+    lrn.add(
+        "log-prob head",
+        act["log-prob head"],
+        head_note(cfg, shape, learner == "host", act["head in heap"]),
+        phase="backward",
+    )
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
 
     if cfg.reference_strategy == "copy":
         ref = devices[_home(cfg.reference_device)]
         ref.roles.append("reference copy")
         ref.add("reference weights", weights, fmt)
-    if cfg.grpo.beta > 0:   # why: the logprobs phase runs only for reference log-probs, without a graph
+    if cfg.grpo.beta > 0:  # why: the logprobs phase runs only for reference log-probs, without a graph
         ref = devices[_home(cfg.reference_device)] if cfg.reference_strategy == "copy" else lrn
-        ref_act = act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")   # its own kernel path
-        ref.add("reference forward (no grad)", ref_act["forward activations"], f"{shape_note}, one layer at a time",
-                phase="logprobs")
-        ref.add("log-prob head", ref_act["log-prob head"], head_note(cfg, shape, ref.device == "host", ref_act["head in heap"]),
-                phase="logprobs")
+        ref_act = (
+            act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")
+        )  # its own kernel path
+        ref.add(
+            "reference forward (no grad)",
+            ref_act["forward activations"],
+            f"{shape_note}, one layer at a time",
+            phase="logprobs",
+        )
+        ref.add(
+            "log-prob head",
+            ref_act["log-prob head"],
+            head_note(cfg, shape, ref.device == "host", ref_act["head in heap"]),
+            phase="logprobs",
+        )
 
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     if gen.own_weights:
         add_engine(devices, cfg, shape, sequences)
     else:
         lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
-        lrn.add("generation KV cache", kv_cache_bytes(shape, cfg, sequences), f"{sequences} sequences per call",
-                phase="rollout")
-        lrn.add("generation logits step", generation_step_bytes(shape, cfg, sequences),
-                "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF", phase="rollout")
+        lrn.add(
+            "generation KV cache",
+            kv_cache_bytes(shape, cfg, sequences),
+            f"{sequences} sequences per call",
+            phase="rollout",
+        )
+        lrn.add(
+            "generation logits step",
+            generation_step_bytes(shape, cfg, sequences),
+            "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF",
+            phase="rollout",
+        )
     return devices, act["micro_batch"]
 
 
@@ -127,8 +164,12 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
             wrapped.roles.append("DataParallel replica")
             wrapped.add("learner replica: base weights", weights, fmt)
             wrapped.add("learner replica: LoRA weights", lora * 4)
-            wrapped.add("scattered activations", act["activations"] / len(gpus), f"1/{len(gpus)} of the micro-batch",
-                        phase="backward")
+            wrapped.add(
+                "scattered activations",
+                act["activations"] / len(gpus),
+                f"1/{len(gpus)} of the micro-batch",
+                phase="backward",
+            )
             wrapped.add("log-prob head", act["log-prob head"] / len(gpus), phase="backward")
         out[name] = wrapped
     return out
@@ -137,7 +178,7 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
 def build(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks."""
     if cfg.placement.learner_procs > 1:
-        from .fsdp_ranks import build_sharded   # why here: sharded.py builds on this module's helpers
+        from .fsdp_ranks import build_sharded  # why here: sharded.py builds on this module's helpers
 
         return build_sharded(cfg, shape)
     devices, micro = build_devices(cfg, shape)
@@ -148,7 +189,7 @@ def sharding_fixes(cfg) -> list[tuple[str, list[str]]]:
     """A sharded learner's own knobs: generate layer by layer, then more ranks (fewest first: the first that fits
     is the one shown), each dividing the batch."""
     out = []
-    if cfg.generator.gather_for_generation and not cfg.generator.own_weights:   # (vllm gathers nothing)
+    if cfg.generator.gather_for_generation and not cfg.generator.own_weights:  # (vllm gathers nothing)
         out.append(("generator.gather_for_generation: false", ["generator.gather_for_generation=false"]))
     batch = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
     procs = cfg.placement.learner_procs * 2
@@ -195,12 +236,12 @@ def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
     what_if = None if ranks else dataparallel_what_if(cfg, shape, devices)
     result = Plan(cfg, shape, devices, micro, what_if, ranks=ranks)
     if not result.fits:
-        fixed = set()   # knobs with a fix already: each knob's values come best first, so the first that fits is shown
+        fixed = set()  # knobs with a fix already: each knob's values come best first, so the first that fits is shown
         for description, overrides in candidate_fixes(cfg):
             knob = description.split(":")[0]
             if knob in fixed:
                 continue
-            try:   # a change the config refuses, or more ranks than GPUs here without placement.gpu_memory_gib
+            try:  # a change the config refuses, or more ranks than GPUs here without placement.gpu_memory_gib
                 trial = load_config(cfg, overrides)
                 fits = all(d.fits for d in build(trial, shape)[0].values())
             except LabError:
@@ -209,7 +250,6 @@ def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
                 result.fixes.append(description)
                 fixed.add(knob)
     return result
-
 
 
 def engine_share(cfg) -> float:
@@ -222,8 +262,10 @@ def engine_share(cfg) -> float:
     splits = [d.split for d in result.devices.values() if d.split is not None]
     bad = [s for s in splits if not s.feasible]
     if bad:
-        fixes = "; ".join(result.fixes) or ("none of grpo_lab's knobs: a bigger GPU, a quantized generator.model, "
-                                            "or shorter sequences")
-        raise LabError(f"generator.gpu_memory_utilization: auto: {bad[0].describe()}; each of these alone would fit: "
-                       f"{fixes}")
+        fixes = "; ".join(result.fixes) or (
+            "none of grpo_lab's knobs: a bigger GPU, a quantized generator.model, or shorter sequences"
+        )
+        raise LabError(
+            f"generator.gpu_memory_utilization: auto: {bad[0].describe()}; each of these alone would fit: {fixes}"
+        )
     return splits[0].share

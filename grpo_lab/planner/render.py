@@ -1,11 +1,12 @@
 """The plan as a table (CLI and notebook)."""
+
 from __future__ import annotations
 
 from .estimate import PHASES, GiB
 
 
 def size(nbytes: float) -> str:
-    return f"{nbytes / GiB:>8.2f} GiB" if nbytes >= GiB else f"{nbytes / 1024 ** 2:>8.1f} MiB"
+    return f"{nbytes / GiB:>8.2f} GiB" if nbytes >= GiB else f"{nbytes / 1024**2:>8.1f} MiB"
 
 
 def _item(what: str, nbytes: float, note: str = "", indent: int = 2) -> str:
@@ -33,8 +34,11 @@ def _sharding(plan) -> list[str]:
     cfg = plan.config
     procs, gather = cfg.placement.learner_procs, cfg.generator.gather_for_generation
     how = "the whole model gathered on every rank" if gather else "one layer gathered at a time (slow)"
-    lines = [f"learner sharded over {procs} ranks (FSDP2, 1/{procs} of every parameter and of AdamW's state each); "
-             f"rollout on every rank with {how} (generator.gather_for_generation: {str(gather).lower()})", ""]
+    lines = [
+        f"learner sharded over {procs} ranks (FSDP2, 1/{procs} of every parameter and of AdamW's state each); "
+        f"rollout on every rank with {how} (generator.gather_for_generation: {str(gather).lower()})",
+        "",
+    ]
     shares = [d for name, d in plan.ranks.items() if name not in plan.devices]
     if shares:
         lines += _device_block(shares[0], shared=f"one of {procs} processes in host RAM: the host block adds them up")
@@ -48,20 +52,29 @@ def render(plan) -> str:
     cfg, shape = plan.config, plan.shape
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
     quant = cfg.model.bnb_4bit_quant_type if cfg.model.load_in_4bit else cfg.model.dtype
-    lines = [f"memory plan: {cfg.model.name_or_path} ({count(shape.total_params)} params, {quant}), "
-             f"LoRA r={cfg.lora.r} ({count(lora)}), generator {cfg.generator.backend}, "
-             f"micro-batch {plan.micro_batch}, reference {cfg.reference_strategy}", ""]
+    lines = [
+        f"memory plan: {cfg.model.name_or_path} ({count(shape.total_params)} params, {quant}), "
+        f"LoRA r={cfg.lora.r} ({count(lora)}), generator {cfg.generator.backend}, "
+        f"micro-batch {plan.micro_batch}, reference {cfg.reference_strategy}",
+        "",
+    ]
     if plan.ranks:
         lines += _sharding(plan)
     for d in plan.devices.values():
         lines += _device_block(d) + [""]
     if plan.dataparallel:
         gpus = ", ".join(plan.dataparallel)
-        lines.append(f"what if the learner were wrapped in DataParallel over {gpus} "
-                     "(HF Trainer does this when it sees more than one GPU; P1):")
+        lines.append(
+            f"what if the learner were wrapped in DataParallel over {gpus} "
+            "(HF Trainer does this when it sees more than one GPU; P1):"
+        )
         for name, d in plan.dataparallel.items():
-            lines.append(f"  {name}: {d.total / GiB:.2f} of {d.capacity / GiB:.2f} GiB ({d.fraction:.0%}) -> {d.verdict}")
-        lines.append("  grpo_lab never wraps the learner, and its guard refuses a wrapped one (grpo_lab.trl_bridge for TRL).")
+            lines.append(
+                f"  {name}: {d.total / GiB:.2f} of {d.capacity / GiB:.2f} GiB ({d.fraction:.0%}) -> {d.verdict}"
+            )
+        lines.append(
+            "  grpo_lab never wraps the learner, and its guard refuses a wrapped one (grpo_lab.trl_bridge for TRL)."
+        )
         lines.append("")
     splits = [d.split for d in plan.devices.values() if d.split is not None]
     if splits:
@@ -71,8 +84,14 @@ def render(plan) -> str:
     verdict = "fits" if plan.fits else "does not fit on " + ", ".join(d.device for d in plan.failing())
     lines.append(f"verdict: {verdict}")
     if not plan.fits:
-        lines.append("each of these alone would make it fit: " + ("; ".join(plan.fixes) if plan.fixes else
-                     "none of grpo_lab's knobs; use a bigger device, a smaller model or shorter sequences"))
+        lines.append(
+            "each of these alone would make it fit: "
+            + (
+                "; ".join(plan.fixes)
+                if plan.fixes
+                else "none of grpo_lab's knobs; use a bigger device, a smaller model or shorter sequences"
+            )
+        )
     return "\n".join(lines)
 
 

@@ -5,19 +5,20 @@ peak room (`generator.gpu_memory_utilization: auto`).
 vLLM's share is a budget of share x GPU for its weights, working memory and KV cache; the KV cache is what is left
 after the other two, and vLLM refuses to start when it cannot hold one sequence of max_model_len tokens.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .estimate import CUDA_CONTEXT, DTYPE_BYTES, VLLM_SPLIT_SHARE, GiB
 from ..models.shapes import ModelShape
+from .estimate import CUDA_CONTEXT, DTYPE_BYTES, VLLM_SPLIT_SHARE, GiB
 
 # why 5%: auto leaves this much of the GPU to nobody: the caching allocator's fragmentation and the planner's own
 # error (bench/planner_accuracy.py) must not push a planned fit over the edge
 AUTO_MARGIN = 0.05
-ENGINE_GRAPHS = 0.5 * GiB   # CUDA graphs of the decode batch sizes vLLM captures (not measured: no GPU lent so far)
+ENGINE_GRAPHS = 0.5 * GiB  # CUDA graphs of the decode batch sizes vLLM captures (not measured: no GPU lent so far)
 
 
 def vllm_defaults(capacity: float) -> tuple[int, int]:
@@ -45,18 +46,19 @@ def kv_token_bytes(shape: ModelShape, cfg, tp: int = 1) -> float:
 @dataclass
 class Split:
     """The split of one GPU: vLLM's share (None: auto found none), what it holds, and what the learner needs."""
+
     device: str
     capacity: float
     share: Optional[float]
     auto: bool
-    weights: float            # vLLM's weights on this GPU (its tensor-parallel shard)
-    work: float               # its working memory (engine_work_bytes)
-    token_bytes: float        # one KV token on this GPU
-    sequence: int             # max_prompt_length + max_completion_length: vLLM's max_model_len
-    learner: float            # the learner's planned peak beside the awake engine on this GPU (0 on a GPU of its own)
+    weights: float  # vLLM's weights on this GPU (its tensor-parallel shard)
+    work: float  # its working memory (engine_work_bytes)
+    token_bytes: float  # one KV token on this GPU
+    sequence: int  # max_prompt_length + max_completion_length: vLLM's max_model_len
+    learner: float  # the learner's planned peak beside the awake engine on this GPU (0 on a GPU of its own)
     learner_phase: Optional[str]
     sleeps: bool
-    largest: float            # the largest share the learner leaves (before rounding and the 0.9 cap)
+    largest: float  # the largest share the learner leaves (before rounding and the 0.9 cap)
 
     @property
     def minimum(self) -> float:
@@ -82,19 +84,30 @@ class Split:
     def describe(self) -> str:
         """The split in one line, as the plan prints it."""
         who = "auto" if self.auto else "set"
-        beside = (f"; beside the learner's {self.learner / GiB:.2f} GiB peak ({self.learner_phase}"
-                  f"{', vLLM asleep then' if self.sleeps and self.learner_phase != 'rollout' else ''})"
-                  if self.learner else "")
+        beside = (
+            f"; beside the learner's {self.learner / GiB:.2f} GiB peak ({self.learner_phase}"
+            f"{', vLLM asleep then' if self.sleeps and self.learner_phase != 'rollout' else ''})"
+            if self.learner
+            else ""
+        )
         if not self.feasible:
-            left = (f"the learner's {self.learner / GiB:.2f} GiB peak ({self.learner_phase}) with "
-                    f"{AUTO_MARGIN:.0%} left free leaves {max(self.largest, 0):.2f}" if self.auto else f"it has {self.share}")
-            return (f"{self.device}: no share of its {self.capacity / GiB:.1f} GiB holds vLLM: it needs "
-                    f"{self.minimum:.2f} (weights {self.weights / GiB:.2f} GiB, working memory {self.work / GiB:.2f} GiB, "
-                    f"one {self.sequence}-token sequence), and {left}")
-        return (f"{self.device}: vLLM {self.share:.2f} ({who}) = {self.share * self.capacity / GiB:.2f} GiB: weights "
-                f"{self.weights / GiB:.2f}, working memory {self.work / GiB:.2f}, KV cache {self.kv_bytes / GiB:.2f} GiB "
-                f"= {self.kv_tokens:,} tokens = {self.sequences:,} sequences of {self.sequence}{beside}"
-                + (f"; {AUTO_MARGIN:.0%} of the GPU left free" if self.auto and self.learner else ""))
+            left = (
+                f"the learner's {self.learner / GiB:.2f} GiB peak ({self.learner_phase}) with "
+                f"{AUTO_MARGIN:.0%} left free leaves {max(self.largest, 0):.2f}"
+                if self.auto
+                else f"it has {self.share}"
+            )
+            return (
+                f"{self.device}: no share of its {self.capacity / GiB:.1f} GiB holds vLLM: it needs "
+                f"{self.minimum:.2f} (weights {self.weights / GiB:.2f} GiB, working memory {self.work / GiB:.2f} GiB, "
+                f"one {self.sequence}-token sequence), and {left}"
+            )
+        return (
+            f"{self.device}: vLLM {self.share:.2f} ({who}) = {self.share * self.capacity / GiB:.2f} GiB: weights "
+            f"{self.weights / GiB:.2f}, working memory {self.work / GiB:.2f}, KV cache {self.kv_bytes / GiB:.2f} GiB "
+            f"= {self.kv_tokens:,} tokens = {self.sequences:,} sequences of {self.sequence}{beside}"
+            + (f"; {AUTO_MARGIN:.0%} of the GPU left free" if self.auto and self.learner else "")
+        )
 
 
 def largest_share(device, capacity: float, work: float, sleeps: bool) -> tuple[float, float, Optional[str]]:
@@ -109,7 +122,7 @@ def largest_share(device, capacity: float, work: float, sleeps: bool) -> tuple[f
     else:
         phase, peak = "rollout", device.phase_peak("rollout")
         asleep = max((device.phase_peak(p) for p in phases if p != "rollout"), default=device.resident)
-        if asleep + work > capacity - margin:   # the learner's phases do not fit even beside a sleeping engine
+        if asleep + work > capacity - margin:  # the learner's phases do not fit even beside a sleeping engine
             return -1.0, asleep, max((p for p in phases if p != "rollout"), key=device.phase_peak, default=None)
     # why + CUDA_CONTEXT: the engine's share includes a CUDA context, which the device's plan holds once already
     return (capacity - margin - peak + CUDA_CONTEXT) / capacity, peak, phase

@@ -5,6 +5,7 @@ A checkpoint directory holds `adapter/` (the LoRA weights, written by PEFT, load
 index, what the data position belongs to). It is written with io.atomic_write_dir, so a process
 killed at any moment, also mid-write, leaves the previous complete checkpoint or the new one.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,16 @@ def data_key(config) -> dict:
     return {"dataset": config.data.dataset, "num_prompts": config.data.num_prompts, "seed": config.run.seed}
 
 
-def save_checkpoint(learner, prompts, config, step: int, path: Union[str, Path], lora: Optional[dict] = None,
-                    optimizer: Optional[dict] = None, rng: Optional[dict] = None) -> Path:
+def save_checkpoint(
+    learner,
+    prompts,
+    config,
+    step: int,
+    path: Union[str, Path],
+    lora: Optional[dict] = None,
+    optimizer: Optional[dict] = None,
+    rng: Optional[dict] = None,
+) -> Path:
     """Write a run's state between steps to `path`, atomically: `learner`'s LoRA and AdamW state, the RNG states,
     `prompts`' position, and `step`, the step that runs next (`lora`/`optimizer`: a sharded learner's, gathered
     whole, so one format serves every number of ranks; `rng`: with every rank's own states under 'ranks')."""
@@ -39,7 +48,7 @@ def save_checkpoint(learner, prompts, config, step: int, path: Union[str, Path],
     meta = {"format": FORMAT, "step": step, "data": data_key(config)}
 
     def write(tmp: Path) -> None:
-        learner.model.save_pretrained(tmp / ADAPTER, state_dict=lora)   # PEFT: the adapter tensors only, never the base
+        learner.model.save_pretrained(tmp / ADAPTER, state_dict=lora)  # PEFT: the adapter tensors only, never the base
         learner.tokenizer.save_pretrained(tmp / ADAPTER)
         torch.save(state, tmp / STATE)
         (tmp / META).write_text(json.dumps(meta, indent=1))
@@ -50,7 +59,7 @@ def save_checkpoint(learner, prompts, config, step: int, path: Union[str, Path],
 @dataclass
 class Checkpoint:
     path: Path
-    step: int      # steps finished before it was taken = the index of the step that runs next
+    step: int  # steps finished before it was taken = the index of the step that runs next
     data: dict
 
     def load_state(self) -> dict:
@@ -64,8 +73,10 @@ def read_checkpoint(path: Union[str, Path]) -> Checkpoint:
     path = recover_dir(Path(path))
     missing = [name for name in (META, STATE, f"{ADAPTER}/adapter_config.json") if not (path / name).exists()]
     if missing:
-        raise LabError(f"checkpoint {str(path)!r}: {', '.join(missing)} missing; it is not a grpo_lab checkpoint "
-                       "(written by lab.save_checkpoint or grpo-lab run)")
+        raise LabError(
+            f"checkpoint {str(path)!r}: {', '.join(missing)} missing; it is not a grpo_lab checkpoint "
+            "(written by lab.save_checkpoint or grpo-lab run)"
+        )
     meta = json.loads((path / META).read_text())
     if meta.get("format") != FORMAT:
         raise LabError(f"checkpoint {str(path)!r}: format {meta.get('format')!r}, this grpo_lab reads {FORMAT}")
@@ -84,18 +95,23 @@ def restore_checkpoint(learner, prompts, config, checkpoint: Checkpoint) -> None
     result = set_peft_model_state_dict(learner.model, weights)
     unexpected = [k for k in result.unexpected_keys if "lora_" in k]
     if unexpected or len(weights) != len(learner.trainable_parameters()):
-        raise LabError(f"checkpoint {str(checkpoint.path)!r}: its LoRA tensors do not match this model's "
-                       f"({len(weights)} saved, {len(learner.trainable_parameters())} here); resume with the run's own "
-                       "model and lora settings")
+        raise LabError(
+            f"checkpoint {str(checkpoint.path)!r}: its LoRA tensors do not match this model's "
+            f"({len(weights)} saved, {len(learner.trainable_parameters())} here); resume with the run's own "
+            "model and lora settings"
+        )
     state = checkpoint.load_state()
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.optimizer.zero_grad(set_to_none=True)
     if checkpoint.data == data_key(config):
         prompts.load_state_dict(state["data"])
-    else:   # why not refused: a Lab may change data.* between steps; the prompt order then starts afresh
+    else:  # why not refused: a Lab may change data.* between steps; the prompt order then starts afresh
         import warnings
 
-        warnings.warn("checkpoint: data settings differ from the checkpoint's; the prompt order starts from the "
-                      "beginning of the new data", stacklevel=3)
+        warnings.warn(
+            "checkpoint: data settings differ from the checkpoint's; the prompt order starts from the "
+            "beginning of the new data",
+            stacklevel=3,
+        )
     me = runtime()
     restore_rng(rank_rng(state["rng"], me.rank, me.size))

@@ -11,6 +11,7 @@ phase of this process and fires once, at a named point inside that phase's real 
 No mocks: the points are hooks the code calls or module hooks it registers, so a fault exercises exactly what a real
 failure there does (FSDP's iteration state mid-forward included).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 
 from ..errors import LabError
 
-ERRORS = ("oom", "runtime", "nan", "diverge", "kill")   # kill: SIGKILL of this process at the point (a rank's death)
+ERRORS = ("oom", "runtime", "nan", "diverge", "kill")  # kill: SIGKILL of this process at the point (a rank's death)
 POINTS = {"rollout": ("decode",), "logprobs": ("forward",), "backward": ("forward", "loss")}
 
 
@@ -28,7 +29,7 @@ POINTS = {"rollout": ("decode",), "logprobs": ("forward",), "backward": ("forwar
 class Fault:
     phase: str
     error: str
-    count: int = 0   # calls of its point seen so far in the armed phase
+    count: int = 0  # calls of its point seen so far in the armed phase
 
     @property
     def point(self) -> str:
@@ -36,7 +37,7 @@ class Fault:
 
 
 _ARMED: Optional[Fault] = None
-_PHASE: Optional[str] = None   # the phase this process runs now (set by the Lab around each phase)
+_PHASE: Optional[str] = None  # the phase this process runs now (set by the Lab around each phase)
 
 
 def check(phase: str, error: str) -> None:
@@ -45,10 +46,13 @@ def check(phase: str, error: str) -> None:
     if error not in ERRORS:
         raise LabError(f"arm_fault: error {error!r}; use one of {', '.join(ERRORS)}")
     if error == "nan" and phase != "backward":
-        raise LabError(f"arm_fault: error 'nan' poisons a loss, which only backward computes; arm it on backward, "
-                       f"not {phase}")
+        raise LabError(
+            f"arm_fault: error 'nan' poisons a loss, which only backward computes; arm it on backward, not {phase}"
+        )
     if error == "diverge" and phase != "rollout":
-        raise LabError(f"arm_fault: error 'diverge' alters a sharded rollout's checksum; arm it on rollout, not {phase}")
+        raise LabError(
+            f"arm_fault: error 'diverge' alters a sharded rollout's checksum; arm it on rollout, not {phase}"
+        )
 
 
 def arm(phase: str, error: str) -> None:

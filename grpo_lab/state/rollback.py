@@ -1,6 +1,7 @@
 """All-or-nothing steps. Only the optimizer step mutates the LoRA weights and the optimizer
 state, so a host copy of exactly those, taken just before the first update of a step, is enough
 to put a failed step back as it was (gradients are simply dropped)."""
+
 from __future__ import annotations
 
 import copy

@@ -5,6 +5,7 @@ resumable) or finished; and putting its files back to a checkpoint before a resu
 A process killed with SIGKILL cannot update it, so "running" with no lock held means killed. The
 lock is an flock on `.lock`, which the kernel releases when the process dies, however it dies.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -23,10 +24,10 @@ STATUS, LOCK, CHECKPOINT, METRICS, CONFIG = "run.json", ".lock", "checkpoint", "
 @dataclass
 class RunState:
     path: Path
-    status: str                 # "new", "finished", "unfinished"
-    steps: Optional[int]        # the run's target, when known
-    done: int                   # steps in metrics.jsonl
-    checkpoint: Optional[int]   # the step a resume starts at (None: no checkpoint)
+    status: str  # "new", "finished", "unfinished"
+    steps: Optional[int]  # the run's target, when known
+    done: int  # steps in metrics.jsonl
+    checkpoint: Optional[int]  # the step a resume starts at (None: no checkpoint)
 
     def describe(self) -> str:
         at = f"checkpoint at step {self.checkpoint}" if self.checkpoint is not None else "no checkpoint yet"
@@ -109,8 +110,10 @@ class RunLock:
         self.path.mkdir(parents=True, exist_ok=True)
         self.fd = _try_lock(self.path)
         if self.fd is None:
-            raise LabError(f"{self.field}: {str(self.path)!r} is in use by another grpo-lab run that is still going; "
-                           "wait for it, or choose another directory")
+            raise LabError(
+                f"{self.field}: {str(self.path)!r} is in use by another grpo-lab run that is still going; "
+                "wait for it, or choose another directory"
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -126,5 +129,5 @@ def is_locked(path: Path) -> bool:
     fd = _try_lock(Path(path))
     if fd is None:
         return True
-    os.close(fd)   # closing drops the lock this check took
+    os.close(fd)  # closing drops the lock this check took
     return False

@@ -1,4 +1,5 @@
 """Notebook widgets: the config editor, step controls and the panel that puts them beside the live plot."""
+
 from .controls import StepControls
 from .editor import ConfigEditor
 
@@ -12,7 +13,7 @@ class Panel:
         from .editor import _widgets
 
         w = _widgets()
-        self.editor = ConfigEditor(lab.config, loaded=lambda: lab.learner is not None)   # edits lab.config in place
+        self.editor = ConfigEditor(lab.config, loaded=lambda: lab.learner is not None)  # edits lab.config in place
         self.controls = StepControls(lab)
         self.plot = lab.memory_plot() if lab.memory is not None and lab.learner is not None else None
         parts = [w.HBox([self.editor.widget, self.controls.widget])]

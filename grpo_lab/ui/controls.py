@@ -3,6 +3,7 @@ stay live), stop at the next phase boundary, a progress bar of the current run a
 button that would start another is disabled (and refuses if clicked anyway) and a line says which phase of which step
 is running. Every error, out-of-memory included, lands in the log as one line; the last traceback is one click away;
 the log keeps to its box (newest line in view, long lines wrapped) and can be cleared; the Lab stays usable."""
+
 from __future__ import annotations
 
 import html
@@ -12,10 +13,12 @@ import traceback
 from ..errors import LabError
 from .editor import _widgets
 
-LOG_LINES = 500   # why bounded: a long run's log must not grow the notebook's memory (or the widget's state) forever
+LOG_LINES = 500  # why bounded: a long run's log must not grow the notebook's memory (or the widget's state) forever
 # column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box
-LOG_STYLE = ("height:220px;overflow:auto;display:flex;flex-direction:column-reverse;border:1px solid #ddd;"
-             "font-family:monospace;font-size:12px;padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere")
+LOG_STYLE = (
+    "height:220px;overflow:auto;display:flex;flex-direction:column-reverse;border:1px solid #ddd;"
+    "font-family:monospace;font-size:12px;padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere"
+)
 
 
 class _RunningLine:
@@ -41,9 +44,12 @@ class StepControls:
         self.step_button = w.Button(description="one step", tooltip="the rest of the current step")
         self.count = w.BoundedIntText(value=5, min=1, max=100_000, description="steps", layout=w.Layout(width="160px"))
         self.run_button = w.Button(description="run N", button_style="success")
-        self.stop_button = w.Button(description="stop", button_style="warning", tooltip="stop at the next phase boundary")
-        self.traceback_button = w.Button(description="traceback", tooltip="show the last error's full traceback",
-                                         layout=w.Layout(width="auto"))
+        self.stop_button = w.Button(
+            description="stop", button_style="warning", tooltip="stop at the next phase boundary"
+        )
+        self.traceback_button = w.Button(
+            description="traceback", tooltip="show the last error's full traceback", layout=w.Layout(width="auto")
+        )
         self.clear_button = w.Button(description="clear log", layout=w.Layout(width="auto"))
         self.last_traceback = ""
         self.status = w.HTML(value="")
@@ -57,11 +63,17 @@ class StepControls:
         self.traceback_button.on_click(lambda _: self._say(self.last_traceback or "no error yet"))
         self.clear_button.on_click(lambda _: self.clear())
         lab.timeline.listeners.append(_RunningLine(self.status))
-        self.widget = w.VBox([w.HBox([self.next_button, self.step_button]),
-                              w.HBox([self.count, self.run_button, self.stop_button]),
-                              self.status, self.progress, self.log,
-                              w.HBox([self.traceback_button, self.clear_button])],
-                             layout=w.Layout(width="440px", min_width="440px"))   # why fixed: long lines wrap, never squeeze
+        self.widget = w.VBox(
+            [
+                w.HBox([self.next_button, self.step_button]),
+                w.HBox([self.count, self.run_button, self.stop_button]),
+                self.status,
+                self.progress,
+                self.log,
+                w.HBox([self.traceback_button, self.clear_button]),
+            ],
+            layout=w.Layout(width="440px", min_width="440px"),
+        )  # why fixed: long lines wrap, never squeeze
         self.widget.add_class("grpo-lab-controls")
         self._render()
 
@@ -86,11 +98,14 @@ class StepControls:
         """Run fn; any exception becomes one log line (its traceback kept for the traceback button)."""
         try:
             return fn()
-        except Exception as err:   # why not only LabError: the panel must survive anything a phase raises
+        except Exception as err:  # why not only LabError: the panel must survive anything a phase raises
             self.last_traceback = traceback.format_exc()
             line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            self._say(f"error: {line}" if isinstance(err, LabError) else
-                      f"error: {type(err).__name__}: {line} (the traceback button shows where)")
+            self._say(
+                f"error: {line}"
+                if isinstance(err, LabError)
+                else f"error: {type(err).__name__}: {line} (the traceback button shows where)"
+            )
 
     # --- running ---
     def running(self) -> bool:
@@ -130,11 +145,13 @@ class StepControls:
         """The rest of the current step, a phase at a time (stop is honoured at each boundary); its result, or None."""
         try:
             if self.lab.executor.loaded:
-                self.lab.executor.check_learner()   # as lab.step(): a wrap in a cell is refused before the step
+                self.lab.executor.check_learner()  # as lab.step(): a wrap in a cell is refused before the step
             while True:
                 if self._stop.is_set():
-                    self._say(f"stopped before {self.lab.next_phase()} of step {self.lab.step_index}; "
-                              "'one step' (or lab.step()) finishes it")
+                    self._say(
+                        f"stopped before {self.lab.next_phase()} of step {self.lab.step_index}; "
+                        "'one step' (or lab.step()) finishes it"
+                    )
                     return None
                 phase, out = self.lab.run_next_phase()
                 if phase == "sync":
@@ -144,13 +161,14 @@ class StepControls:
             self.next_button.description = f"phase: {self.lab.next_phase()}"
 
     def run(self, steps: int) -> threading.Thread:
-        """Run `steps` steps in a worker thread ('one step' is a run of 1); `stop` ends it at the next phase boundary."""
+        """Run `steps` steps in a worker thread ('one step' is a run of 1); `stop` ends it at the next phase
+        boundary."""
         if self.running():
             self._say("a run is in progress; wait for it or press stop")
             return self.thread
         self._stop.clear()
-        self.progress.max, self.progress.value = steps, 0   # why here: the bar belongs to this run, not the last
-        self._set_running(True)   # why before the thread starts: a second click cannot slip in between
+        self.progress.max, self.progress.value = steps, 0  # why here: the bar belongs to this run, not the last
+        self._set_running(True)  # why before the thread starts: a second click cannot slip in between
 
         def work():
             try:

@@ -6,6 +6,7 @@ inline validation. Edits go through `LabConfig.update`, the path every edit take
 config (or a loaded Lab) refuses shows the one-line error under the tabs and changes nothing.
 Once the Lab is loaded, load-time fields are read-only.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +14,9 @@ from typing import Callable, Optional
 
 import yaml
 
-from ..config.schema import WHEN, LabConfig, field_when
+from ..config.fields import WHEN
 from ..config.loading import load_config, save_config
+from ..config.schema import LabConfig, field_when
 from ..errors import LabError
 
 
@@ -49,9 +51,8 @@ def field_widget(name: str, prop: dict, value):
     w = _widgets()
     when = prop.get("when", "live")
     kind, tip = prop.get("type"), f"{prop.get('description', '')} [{when}: {WHEN[when]}]"
-    common = dict(description=name, tooltip=tip, style={"description_width": "190px"},
-                  layout=w.Layout(width="460px"))
-    common["continuous_update"] = False   # why: a half-typed value ('4.', '') is refused; apply on Enter or blur
+    common = dict(description=name, tooltip=tip, style={"description_width": "190px"}, layout=w.Layout(width="460px"))
+    common["continuous_update"] = False  # why: a half-typed value ('4.', '') is refused; apply on Enter or blur
     if "enum" in prop:
         return w.Dropdown(options=prop["enum"], value=value, **_no_update(common)), lambda v: v
     if kind == "boolean":
@@ -63,11 +64,13 @@ def field_widget(name: str, prop: dict, value):
     if kind == "string":
         return w.Text(value=value, **common), str
     # optional values, unions and lists: YAML text, "" or "null" = null
-    return w.Text(value=as_text(value), placeholder="null", **common), lambda v: yaml.safe_load(v) if v.strip() else None
+    return w.Text(
+        value=as_text(value), placeholder="null", **common
+    ), lambda v: yaml.safe_load(v) if v.strip() else None
 
 
 def _no_update(common: dict) -> dict:
-    return {k: v for k, v in common.items() if k != "continuous_update"}   # (a choice applies at once)
+    return {k: v for k, v in common.items() if k != "continuous_update"}  # (a choice applies at once)
 
 
 def help_line(prop: dict):
@@ -77,24 +80,33 @@ def help_line(prop: dict):
     w = _widgets()
     when = prop.get("when", "live")
     text = html.escape(f"{prop.get('description', '')} [{when}: {WHEN[when]}]", quote=False)
-    return w.HTML(value=f"<div style='color:#666;font-size:11px;line-height:1.3;margin:-2px 0 6px 194px;"
-                        f"white-space:normal'>{text}</div>", layout=w.Layout(width="auto"))
+    return w.HTML(
+        value=f"<div style='color:#666;font-size:11px;line-height:1.3;margin:-2px 0 6px 194px;"
+        f"white-space:normal'>{text}</div>",
+        layout=w.Layout(width="auto"),
+    )
 
 
-LEGEND = ("<small>Edits apply to the Lab's config at once: <b>live</b> fields at the next phase that reads them, "
-          "<b>rebuild</b> fields rebuild their part now; <b>load-time</b> fields are read-only once the Lab is loaded "
-          "(make a new Lab to change them). Text fields apply on Enter or when they lose focus.</small>")
+LEGEND = (
+    "<small>Edits apply to the Lab's config at once: <b>live</b> fields at the next phase that reads them, "
+    "<b>rebuild</b> fields rebuild their part now; <b>load-time</b> fields are read-only once the Lab is loaded "
+    "(make a new Lab to change them). Text fields apply on Enter or when they lose focus.</small>"
+)
 
 
 class ConfigEditor:
-    def __init__(self, config: LabConfig, on_change: Optional[Callable[[LabConfig], None]] = None,
-                 loaded: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        config: LabConfig,
+        on_change: Optional[Callable[[LabConfig], None]] = None,
+        loaded: Callable[[], bool] = lambda: False,
+    ):
         """Edits `config` in place (a Lab's config: `lab.config`); `loaded()` says whether its Lab is loaded;
         `on_change(config)` is called after every applied edit."""
         w = _widgets()
         self.config, self.on_change, self.loaded = config, on_change, loaded
         self.inputs: dict[tuple[str, str], tuple] = {}
-        self.help: dict[tuple[str, str], object] = {}   # the line under each field: its help and when it applies
+        self.help: dict[tuple[str, str], object] = {}  # the line under each field: its help and when it applies
         self.message = w.HTML(value="")
         schema = LabConfig.model_json_schema()
         defs, data = schema["$defs"], config.to_dict()
@@ -132,6 +144,7 @@ class ConfigEditor:
         def handler(change):
             if not self._syncing:
                 self.set(section, name, change["new"])
+
         return handler
 
     def set(self, section: str, name: str, raw) -> bool:
@@ -143,7 +156,7 @@ class ConfigEditor:
             changed = self.config.update({path: parse(raw)})
         except (LabError, yaml.YAMLError, ValueError, TypeError) as err:
             self._error(err)
-            self.refresh()   # why: the input shows what the config holds, not the refused value
+            self.refresh()  # why: the input shows what the config holds, not the refused value
             return False
         when = field_when(path)
         self.message.value = f"{path}: {WHEN[when]}" if changed else ""

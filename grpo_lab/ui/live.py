@@ -9,16 +9,25 @@ keeps at most 2 x `max_points` points over the whole run, halving its resolution
 merging neighbours into their maximum (so a peak is never lost); refreshes from the renderer and
 from a cell are serialised by a lock.
 """
+
 from __future__ import annotations
 
 import threading
 import time
 from typing import Optional
 
-from ..memory.probes import MiB
 from ..algo.phases import COLOURS, PHASE_NAMES
-from ..memory.figures import (band_labels, drawn, phase_legend, stack_top, step_separators, trace_order, trace_style,
-                      work_clock)
+from ..memory.figures import (
+    band_labels,
+    drawn,
+    phase_legend,
+    stack_top,
+    step_separators,
+    trace_order,
+    trace_style,
+    work_clock,
+)
+from ..memory.probes import MiB
 from ..memory.report import host_limits
 
 
@@ -42,7 +51,7 @@ class Series:
         self.limit, self.stride = limit, 1
         self.xs: list[float] = []
         self.ys: list[float] = []
-        self._count, self._peak = 0, float("-inf")   # readings of the point being filled
+        self._count, self._peak = 0, float("-inf")  # readings of the point being filled
 
     def add(self, t: float, value: float) -> None:
         self._count, self._peak = self._count + 1, max(self._peak, value)
@@ -68,24 +77,31 @@ class LivePlot:
         go = _needs_notebook_extra()
         self.sampler, self.refresh_s, self.max_points, self.max_bands = sampler, refresh_s, max_points, max_bands
         self._series: dict[tuple[str, str], Series] = {}
-        self._index = 0            # next sampler sample to ingest
-        self._marks_drawn = -1     # phase bands are redrawn only when a phase has ended
+        self._index = 0  # next sampler sample to ingest
+        self._marks_drawn = -1  # phase bands are redrawn only when a phase has ended
         self._limits = host_limits(sampler)
         self._near: dict[str, float] = {}
-        self._clock = lambda t: t   # sample time -> x (figures.work_clock: idle squeezed)
-        self.fig = go.FigureWidget(layout=dict(
-            title=dict(text="Live memory (MiB)", x=0.01, xanchor="left", y=0.98, yanchor="top"),
-            xaxis_title="seconds of work (idle spans squeezed to 1 s)", yaxis_title="MiB", height=400, autosize=True,
-            # why t=80: the title sits below plotly's toolbar (modebar) instead of under it
-            margin=dict(t=80, l=50, r=20, b=40), legend=dict(orientation="h", y=-0.25)))
-        self.fig.layout.width = None   # full width of the cell
+        self._clock = lambda t: t  # sample time -> x (figures.work_clock: idle squeezed)
+        self.fig = go.FigureWidget(
+            layout=dict(
+                title=dict(text="Live memory (MiB)", x=0.01, xanchor="left", y=0.98, yanchor="top"),
+                xaxis_title="seconds of work (idle spans squeezed to 1 s)",
+                yaxis_title="MiB",
+                height=400,
+                autosize=True,
+                # why t=80: the title sits below plotly's toolbar (modebar) instead of under it
+                margin=dict(t=80, l=50, r=20, b=40),
+                legend=dict(orientation="h", y=-0.25),
+            )
+        )
+        self.fig.layout.width = None  # full width of the cell
         self._lines: dict[tuple[str, str], int] = {}
-        self._legend = False        # the phase colours' legend entries, added with the first band
+        self._legend = False  # the phase colours' legend entries, added with the first band
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()   # why: the renderer thread and a cell (display, Panel) both refresh
+        self._lock = threading.Lock()  # why: the renderer thread and a cell (display, Panel) both refresh
         self.refreshes = 0
-        self._drawn_at = float("-inf")   # monotonic time of the last redraw
+        self._drawn_at = float("-inf")  # monotonic time of the last redraw
         # a closed widget is never drawn again, so its renderer stops: closed in the kernel (fig.close() sets
         # the widget's comm to None) or by the frontend (a comm_close message, which only the comm hears)
         self.fig.observe(lambda change: self.stop() if change["new"] is None else None, names="comm")
@@ -102,7 +118,7 @@ class LivePlot:
         for t, _, _, device, metric, value in new:
             if drawn(device, metric):
                 self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
-        ordered = sorted(self._series, key=lambda key: trace_order(*key))   # why: a stack is drawn in trace order
+        ordered = sorted(self._series, key=lambda key: trace_order(*key))  # why: a stack is drawn in trace order
         now = max((line.xs[-1] for line in self._series.values() if line.xs), default=0.0)
         self._clock = work_clock(self.sampler.marks, now)
         return {key: ([self._clock(t) for t in self._series[key].xs], list(self._series[key].ys)) for key in ordered}
@@ -116,17 +132,53 @@ class LivePlot:
         return near
 
     def _shapes(self, marks) -> list[dict]:
-        bands = [dict(type="rect", xref="x", yref="paper", x0=start, x1=end, y0=0, y1=1, line_width=0,
-                      fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.12) for _, phase, start, end in marks]
-        lines = [dict(type="line", xref="paper", yref="y", x0=0, x1=1, y0=mib, y1=mib,
-                      line=dict(dash="dash", width=1, color="#888"), name=name)
-                 for name, mib in self._near.items()]
+        bands = [
+            dict(
+                type="rect",
+                xref="x",
+                yref="paper",
+                x0=start,
+                x1=end,
+                y0=0,
+                y1=1,
+                line_width=0,
+                fillcolor=COLOURS.get(phase, "#cccccc"),
+                opacity=0.12,
+            )
+            for _, phase, start, end in marks
+        ]
+        lines = [
+            dict(
+                type="line",
+                xref="paper",
+                yref="y",
+                x0=0,
+                x1=1,
+                y0=mib,
+                y1=mib,
+                line=dict(dash="dash", width=1, color="#888"),
+                name=name,
+            )
+            for name, mib in self._near.items()
+        ]
         return bands + step_separators(marks) + lines
 
     def _annotations(self, marks) -> list[dict]:
         """The drawn limit lines' names, then the phase and step labels."""
-        names = [dict(xref="paper", x=0, y=mib, yref="y", text=name, showarrow=False, xanchor="left",
-                      yanchor="bottom", font=dict(size=10)) for name, mib in self._near.items()]
+        names = [
+            dict(
+                xref="paper",
+                x=0,
+                y=mib,
+                yref="y",
+                text=name,
+                showarrow=False,
+                xanchor="left",
+                yanchor="bottom",
+                font=dict(size=10),
+            )
+            for name, mib in self._near.items()
+        ]
         return names + band_labels(marks)
 
     def refresh(self) -> None:
@@ -139,7 +191,7 @@ class LivePlot:
         if idle and self._lines and time.monotonic() - self._drawn_at < IDLE_REFRESH_S:
             return
         series = self._ingest()
-        if series is None:   # why: a redraw sends the whole figure to the browser; the kernel would show Busy for it
+        if series is None:  # why: a redraw sends the whole figure to the browser; the kernel would show Busy for it
             return
         with self.fig.batch_update():
             for key, (xs, ys) in series.items():
@@ -153,8 +205,10 @@ class LivePlot:
             if len(self.sampler.marks) != self._marks_drawn or near.keys() != self._near.keys():
                 # why only then: validating shapes is the costly part of a redraw
                 self._marks_drawn, self._near = len(self.sampler.marks), near
-                marks = [(step, phase, self._clock(a), self._clock(b))
-                         for step, phase, a, b in self.sampler.marks[-self.max_bands:]]
+                marks = [
+                    (step, phase, self._clock(a), self._clock(b))
+                    for step, phase, a, b in self.sampler.marks[-self.max_bands :]
+                ]
                 if marks and not self._legend:
                     self._legend = True
                     for entry in phase_legend(PHASE_NAMES):
@@ -165,7 +219,7 @@ class LivePlot:
         self._drawn_at = time.monotonic()
 
     def start(self) -> "LivePlot":
-        if self._thread is None and self.fig.comm is not None:   # a closed widget has nowhere to draw
+        if self._thread is None and self.fig.comm is not None:  # a closed widget has nowhere to draw
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="grpo-lab-plot", daemon=True)
             self._thread.start()

@@ -1,5 +1,7 @@
-"""What a Lab shows: the live memory plot, the panel, the per-phase memory table and the results a sweep collects.
-Read-only views over a Lab's history and memory sampler (lab.py keeps the state)."""
+"""What a Lab shows: the live memory plot, the panel, the per-phase memory table, the results a sweep collects, the
+placement and the plan, the devices watched, and each rank's state. Read-only views over a Lab's history, memory
+sampler and executor (lab.py keeps the state)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,13 +11,35 @@ from ..errors import LabError
 
 
 class LabViews:
+    def devices(self) -> list[str]:
+        """Every device the run uses, as the memory views name them (a sharded learner's: rank<k>/<device>)."""
+        return self.executor.devices()
+
+    @property
+    def placement(self):
+        from ..planner.placement import Placement
+
+        return Placement(self.config, self.executor.generator)
+
+    def plan(self):
+        """The per-device memory plan of the current config (nothing is loaded)."""
+        from ..planner import plan
+
+        return plan(self.config)
+
+    def inspect(self) -> list[dict]:
+        """Each rank's LoRA and AdamW state (its shards when sharded), step index and sharding layout: one entry per
+        rank, one in one process (for comparisons and tests)."""
+        self._require_loaded()
+        return self.executor.inspect()
+
     def memory_plot(self, refresh_s: float = 0.5):
         """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds when new samples arrived);
         display it in a cell. It replaces this Lab's earlier live plot (whose redraw thread stops)."""
         from .live import LivePlot
 
         self._require_loaded()
-        for old in self._plots:   # why: one live plot per Lab; a new one (a new lab.ui()) replaces the last one's thread
+        for old in self._plots:  # why: one live plot per Lab; a new one (a new lab.ui()) replaces the last one's thread
             old.stop()
         plot = LivePlot(self.memory, refresh_s=refresh_s).start()
         self._plots[:] = [plot]
@@ -40,8 +64,9 @@ class LabViews:
         from ..memory import format_table
 
         if step is None and not self.history:
-            raise LabError("lab.memory_table(): no step has finished yet; run lab.step() (or a phase walk up to its "
-                           "sync) first")
+            raise LabError(
+                "lab.memory_table(): no step has finished yet; run lab.step() (or a phase walk up to its sync) first"
+            )
         step = self.history[-1].step if step is None else step
         return format_table(self.memory.rows_for(step))
 
@@ -52,9 +77,14 @@ class LabViews:
         cfg, place = self.config, self.config.placement
         ranks = f" x {place.learner_procs} ranks" if place.learner_procs > 1 else ""
         generator = f"{cfg.generator.backend} on {', '.join(place.generator_devices())}"
-        rows = [("model", f"{cfg.model.name_or_path} ({'nf4' if cfg.model.load_in_4bit else cfg.model.dtype}), "
-                          f"LoRA r={cfg.lora.r}"),
-                ("placement", f"learner {place.learner}{ranks}, generator {generator}")]
+        rows = [
+            (
+                "model",
+                f"{cfg.model.name_or_path} ({'nf4' if cfg.model.load_in_4bit else cfg.model.dtype}), "
+                f"LoRA r={cfg.lora.r}",
+            ),
+            ("placement", f"learner {place.learner}{ranks}, generator {generator}"),
+        ]
         if not self.executor.loaded:
             return rows + [("state", "not loaded: lab.load()")]
         rows.append(("step", f"{self.step_index}, next phase {self.next_phase()}"))
@@ -75,6 +105,9 @@ class LabViews:
     def _repr_html_(self) -> str:
         import html
 
-        cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th><td style='text-align:left'>"
-                        f"{html.escape(v)}</td></tr>" for k, v in self._summary())
+        cells = "".join(
+            f"<tr><th style='text-align:left;padding-right:1em'>{k}</th><td style='text-align:left'>"
+            f"{html.escape(v)}</td></tr>"
+            for k, v in self._summary()
+        )
         return f"<b>grpo_lab Lab</b><table>{cells}</table>"

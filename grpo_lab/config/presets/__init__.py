@@ -2,6 +2,7 @@
 (`grpo-lab run tiny-cpu`, `Lab("tiny-cpu")`). Each YAML file's first comment line is
 `# NAME: what it is for`; `grpo-lab presets` lists them.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,0 +1,216 @@
+"""The config's sections for what a run loads and where: model, lora, placement, generator and reference (training.py
+has the others; schema.py joins them into the one LabConfig).
+ Knobs TRL also has keep TRL's names
+(`num_generations`, `beta`, `loss_type`, `epsilon`, `scale_rewards`, ...), so a TRL
+user feels at home. Unknown keys are errors; every field carries its own help text.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from ..generation.registry import BACKENDS, OWN_WEIGHTS
+from .fields import (
+    Section,
+    knob,
+    normalize_device,  # noqa: F401 (WHEN)
+)
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+Share = Annotated[float, Field(gt=0, le=1)]
+
+
+class ModelSection(Section):
+    name_or_path: str = knob(
+        "load", ..., description="Local checkpoint directory (or hub id) loaded with from_pretrained."
+    )
+    dtype: Dtype = knob(
+        "load", "bfloat16", description="Dtype of the weights that are not quantized (embeddings, norms, LoRA)."
+    )
+    load_in_4bit: bool = knob(
+        "load", True, description="Quantize the learner's base to 4-bit with bitsandbytes (QLoRA)."
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = knob(
+        "load", "nf4", description="4-bit data type; nf4 is the QLoRA default."
+    )
+    bnb_4bit_compute_dtype: Dtype = knob("load", "bfloat16", description="Dtype the 4-bit layers compute in.")
+    bnb_4bit_use_double_quant: bool = knob(
+        "load", True, description="Also quantize the quantization constants (~0.4 bit/param saved)."
+    )
+    gradient_checkpointing: bool = knob(
+        "load", True, description="Recompute activations in backward instead of storing them."
+    )
+
+
+class LoraSection(Section):
+    r: int = knob("load", 16, gt=0, description="LoRA rank.")
+    lora_alpha: int = knob("load", 32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
+    lora_dropout: float = knob("load", 0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = knob(
+        "load",
+        "all-linear",
+        description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.",
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _targets(cls, v):
+        if isinstance(v, (list, tuple)) and not v:
+            raise ValueError("empty list; name at least one module (e.g. [q_proj, v_proj]) or use 'all-linear'")
+        if v != "all-linear" and not isinstance(v, (list, tuple)):
+            raise ValueError(f"got {v!r}; use 'all-linear' or a list of module names, e.g. [q_proj, v_proj]")
+        return v
+
+
+class PlacementSection(Section):
+    learner: str = knob(
+        "load", "cpu", description="Device of the learner (policy + LoRA + optimizer): 'cpu' or 'cuda:N'."
+    )
+    generator: Optional[list[str]] = knob(
+        "load",
+        None,
+        description="Generator device(s); null = the learner's device (colocated). GPU indices or 'cuda:N'.",
+    )
+    optimizer_offload: bool = knob(
+        "load",
+        False,
+        description="Keep AdamW's fp32 master weights and moments in host RAM (frees 12 bytes per LoRA parameter on "
+        "the GPU).",
+    )
+    gpu_memory_gib: Optional[float] = knob(
+        "load",
+        None,
+        gt=0,
+        description="GPU capacity (GiB) the planner assumes for GPUs it cannot see (e.g. 40 for an A100-40GB); null = "
+        "read the device.",
+    )
+    host_memory_gib: Optional[float] = knob(
+        "load",
+        None,
+        gt=0,
+        description="Host RAM (GiB) the planner assumes; null = this machine's (or its cgroup limit).",
+    )
+    learner_procs: int = knob(
+        "load",
+        1,
+        ge=1,
+        le=64,
+        description="Processes the learner is sharded over with FSDP2 "
+        "(PyTorch's fully_shard), one device each: rank k on cuda:(N+k) for learner cuda:N (NCCL), or CPU processes "
+        "(gloo) for learner cpu; 1 = no sharding, one process.",
+    )
+    ray_address: Optional[str] = knob(
+        "load",
+        None,
+        description="Sharded learner: the Ray cluster its ranks run on, "
+        "'host:port' of its head (`ray start --head`) or 'auto'; null = a Ray on this machine, started by the Lab.",
+    )
+
+    @field_validator("learner", mode="before")
+    @classmethod
+    def _learner(cls, v):
+        return normalize_device(v)
+
+    @field_validator("generator", mode="before")
+    @classmethod
+    def _generator(cls, v):
+        if v is None:
+            return None
+        items = v if isinstance(v, (list, tuple)) else [v]
+        if not items:
+            raise ValueError("empty list; give at least one device or null for the learner's device")
+        return [normalize_device(d) for d in items]
+
+    def generator_devices(self) -> list[str]:
+        return self.generator or [self.learner]
+
+
+class GeneratorSection(Section):
+    backend: Literal[tuple(BACKENDS)] = knob(
+        "load",
+        "hf",
+        description="Generator backend: "
+        + ", ".join(BACKENDS)
+        + " (hf = transformers.generate with the learner itself).",
+    )
+    temperature: float = knob(
+        "live",
+        1.0,
+        ge=0.0,
+        description="Sampling temperature; 0 = greedy decoding. Read at the rollout; that rollout's log-probs are "
+        "taken at the temperature it was sampled at.",
+    )
+    top_p: float = knob("live", 1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = knob("live", 0, ge=0, description="Top-k sampling; 0 = off.")
+    max_prompt_length: int = knob(
+        "live", 256, gt=0, description="Prompts longer than this are truncated from the left."
+    )
+    max_completion_length: int = knob("live", 64, gt=0, description="Maximum new tokens per completion.")
+    chunk_size: Optional[int] = knob(
+        "live", None, gt=0, description="Sequences (prompts x completions) per generate call; null = all at once."
+    )
+    gpu_memory_utilization: Union[Literal["auto"], Share, None] = knob(
+        "load",
+        None,
+        description="Share of its GPU a "
+        "generator with its own weights (vllm) may take; required when it shares the learner's GPU: a number, or auto "
+        "= "
+        "the largest share that leaves the learner's planned peak room (grpo-lab plan prints it); null = 0.9 on a GPU "
+        "of its own.",
+    )
+    model: Optional[str] = knob(
+        "load",
+        None,
+        description="Checkpoint the generator loads (e.g. an int4 AWQ copy); null = the learner's base. Backends with "
+        "their own weights only.",
+    )
+    quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = knob(
+        "load",
+        None,
+        description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.",
+    )
+
+    @field_validator("gpu_memory_utilization", mode="before")
+    @classmethod
+    def _share(cls, v):  # why: one line for a bad share, not one per member of the union
+        if v is None or v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1):
+            return v
+        raise ValueError(f"got {v!r}; give a share of the GPU in (0, 1], or auto")
+
+    sleep_mode: bool = knob(
+        "load",
+        False,
+        description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner "
+        "(not on CPU).",
+    )
+    gather_for_generation: bool = knob(
+        "live",
+        True,
+        description="Sharded learner (placement.learner_procs > 1), "
+        "hf backend: gather the full weights on every rank for the rollout (fast; needs room for the whole model, the "
+        "planner says how much) or generate through the sharded model, one layer gathered at a time (slow; fits) (P3).",
+    )
+    cpu_kv_cache_gib: int = knob("load", 1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
+
+    @property
+    def own_weights(self) -> bool:
+        """Whether the backend holds its own copy of the weights (vllm), and so a memory share of its GPU and an adapter
+        to sync; hf samples with the learner itself."""
+        return self.backend in OWN_WEIGHTS
+
+
+class ReferenceSection(Section):
+    strategy: Optional[Literal["none", "adapter-disabled", "copy"]] = knob(
+        "rebuild",
+        None,
+        description="Reference policy: 'adapter-disabled' (no extra memory), 'copy' (frozen model), 'none' (beta must "
+        "be 0); null = auto.",
+    )
+    device: Optional[str] = knob("load", None, description="Device for strategy 'copy'; null = the learner's device.")
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v):
+        return None if v is None else normalize_device(v)

@@ -1,0 +1,214 @@
+"""The config's sections for how a run trains, reads its data and is watched: grpo (TRL's names), memory, data and
+run (schema.py joins them with the loaded parts' sections of sections.py into the one LabConfig).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import field_validator
+
+from ..algo.losses import LOSSES, RATIO_LEVELS
+from ..algo.prompts import SYSTEM_PROMPT
+from ..algo.rewards import REWARDS
+from .fields import Section, knob
+
+
+class GRPOSection(Section):
+    num_generations: int = knob(
+        "live", 8, ge=2, description="Completions per prompt (the group size G); needs >= 2 for an advantage."
+    )
+    prompts_per_step: int = knob(
+        "live", 4, ge=1, description="Distinct prompts per step; the batch is prompts_per_step x num_generations."
+    )
+    beta: float = knob(
+        "rebuild", 0.0, ge=0.0, description="KL coefficient to the reference policy; 0 = no reference needed."
+    )
+    loss_type: Literal[tuple(LOSSES)] = knob(
+        "live", "dapo", description="Loss normalisation: " + ", ".join(LOSSES) + "."
+    )
+    epsilon: float = knob("live", 0.2, gt=0.0, description="Lower clip range of the importance ratio.")
+    epsilon_high: Optional[float] = knob(
+        "live", None, gt=0.0, description="Upper clip range; null = epsilon (DAPO uses 0.28)."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = knob(
+        "live", "group", description="Divide advantages by the group's std, the batch's std, or not at all (Dr. GRPO)."
+    )
+    learning_rate: float = knob("live", 1e-5, gt=0.0, description="AdamW learning rate for the LoRA parameters.")
+    weight_decay: float = knob("live", 0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = knob("live", 1.0, gt=0.0, description="Gradient clipping norm.")
+    micro_batch_size: Optional[int] = knob(
+        "live", None, gt=0, description="Sequences per log-prob/backward forward pass; null = the whole batch at once."
+    )
+    logprob_chunk_size: int = knob(
+        "live",
+        128,
+        ge=1,
+        le=65536,
+        description="Completion tokens per chunk of the log-prob "
+        "head: at most this many rows of [tokens x vocab] logits exist at once, forward or backward.",
+    )
+    logprob_head: Literal["chunked", "trl"] = knob(
+        "live",
+        "chunked",
+        description="Log-prob head kernel: 'chunked' "
+        "(grpo_lab's, recomputes each chunk in backward) or 'trl' (TRL's fused head; Triton on CUDA).",
+    )
+    num_iterations: int = knob(
+        "live", 1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs."
+    )
+    use_bias_correction_kl: bool = knob(
+        "live",
+        True,
+        description="Multiply the KL term by the importance ratio "
+        "learner/old, so its gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's "
+        "use_bias_correction_kl, "
+        "on by default): changes the KL gradient whenever beta > 0, on-policy too.",
+    )
+    mask_truncated_completions: bool = knob(
+        "live", False, description="Exclude completions that hit max_completion_length from the loss."
+    )
+    importance_sampling_level: Literal[tuple(RATIO_LEVELS)] = knob(
+        "live",
+        "token",
+        description="Where the PPO ratio "
+        "learner/old is taken and clipped: 'token' (GRPO) or 'sequence' (GSPO: the mean of a completion's token "
+        "log-ratios, one ratio per completion; pair it with loss_type grpo, as the paper does) (TRL's name).",
+    )
+    importance_sampling_correction: bool = knob(
+        "live",
+        True,
+        description="Correct for a generator that samples from other weights than the learner's (backends with their "
+        "own "
+        "weights, e.g. vllm; hf samples with the learner itself, so it never applies): weight the loss by "
+        "learner/sampler "
+        "probability as importance_sampling_mode says (TRL's vllm_importance_sampling_correction).",
+    )
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = knob(
+        "live",
+        "sequence_mask",
+        description="token_* weigh each token by its own ratio, sequence_* each completion by the product "
+        "over its tokens; *_truncate clips the ratio to [clip_min, clip_max], *_mask zeroes ratios outside it (TRL's "
+        "vllm_importance_sampling_mode).",
+    )
+    importance_sampling_clip_max: Optional[float] = knob(
+        "live",
+        3.0,
+        gt=0,
+        description="Upper bound C_max of the importance-sampling ratio; null = none (TRL's "
+        "vllm_importance_sampling_clip_max).",
+    )
+    importance_sampling_clip_min: Optional[float] = knob(
+        "live",
+        None,
+        ge=0,
+        description="Lower bound C_min of the importance-sampling ratio; null = none (TRL's "
+        "vllm_importance_sampling_clip_min).",
+    )
+
+
+class MemorySection(Section):
+    sample_hz: float = knob(
+        "rebuild", 20.0, ge=0.0, le=1000.0, description="Memory sampler rate; 0 = only at phase starts and ends."
+    )
+    host_threshold: float = knob(
+        "rebuild",
+        0.95,
+        gt=0.0,
+        le=1.0,
+        description="Host RAM used/limit fraction at which the run stops between phases.",
+    )
+    leak_window: int = knob(
+        "rebuild", 5, ge=2, description="Steps over which steadily rising after-step memory is flagged as a leak."
+    )
+    leak_min_growth_mib: float = knob(
+        "rebuild", 4.0, gt=0.0, description="Mean growth per step (MiB) below which a rise is noise, not a leak."
+    )
+    host_mmap_threshold_mib: Optional[float] = knob(
+        "load",
+        None,
+        ge=0.125,
+        le=32.0,
+        description="Pin glibc's mmap "
+        "threshold at load (whole process): host blocks of this size (MiB) or more are mapped on their own and given "
+        "back when freed, so host RSS follows the live tensors, as planned, instead of keeping heap holes; 0.125 is "
+        "what the planner's CPU grid was measured with. Costs page faults: CPU steps 1.2-2.5x slower "
+        "(bench/mmap_threshold_step.py). null = glibc's own, which rises up to 32 MiB (the plan adds the head's "
+        "holes).",
+    )
+    cuda_snapshots: bool = knob(
+        "load", False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only."
+    )
+
+
+class DataSection(Section):
+    dataset: str = knob(
+        "rebuild",
+        "arithmetic",
+        description="'arithmetic' (built-in word problems) or a path to a JSONL file with 'prompt' and 'answer'.",
+    )
+    num_prompts: int = knob(
+        "rebuild",
+        512,
+        ge=1,
+        le=100_000,
+        description="Size of the built-in arithmetic set (made in memory at load; at most 100000).",
+    )
+    system_prompt: Optional[str] = knob(
+        "rebuild", SYSTEM_PROMPT, description="System message prepended to every prompt; null = none."
+    )
+    rewards: list[str] = knob(
+        "rebuild",
+        default_factory=lambda: ["exact_answer", "format"],
+        description="Reward functions: names from " + ", ".join(REWARDS) + ", or 'module:function'.",
+    )
+    reward_weights: Optional[list[float]] = knob(
+        "live", None, description="One weight per reward function; null = all 1."
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, v):
+        if not v:
+            raise ValueError("empty list; name at least one reward function")
+        for name in v:
+            if name not in REWARDS and ":" not in name:
+                raise ValueError(f"unknown reward {name!r}; use one of {sorted(REWARDS)} or 'module:function'")
+        return v
+
+
+class RunSection(Section):
+    steps: int = knob("live", 10, ge=1, description="GRPO steps to run.")
+    seed: int = knob(
+        "load", 0, ge=0, lt=2**32, description="Seed for data order, sampling and LoRA init (0 <= seed < 2**32)."
+    )
+    output_dir: Optional[str] = knob("load", None, description="Run directory; null = runs/<date-time>.")
+    save_every: int = knob(
+        "live",
+        1,
+        ge=0,
+        description="Checkpoint (adapter, optimizer, RNG states, data position) every N "
+        "steps and at the end; a killed run resumes from the last one (grpo-lab run --resume DIR); "
+        "0 = only at the end.",
+    )
+    probe_first: bool = knob(
+        "load",
+        False,
+        description="Probe the worst case at load (lab.probe(): longest prompt, "
+        "full-length completions, full micro-batches), print it beside the plan, and refuse to "
+        "start when it does not fit; nothing the probe changed is kept.",
+    )
+    report_to: list[str] = knob(
+        "load",
+        default_factory=list,
+        description="Trackers that get each step's metrics and "
+        "per-phase memory peaks (TRL's name): tensorboard, trackio, wandb (offline); 'all' = every "
+        "installed one; [] or 'none' = none. Each is an extra: pip install 'grpo-lab[NAME]'.",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v):
+        from ..checks.installed import resolve_trackers
+
+        return resolve_trackers(v)
