@@ -161,8 +161,13 @@ class Lab(LabViews):
 
     @property
     def current(self) -> StepState:
-        """What the current step's phases produced so far (read-only view for cells and widgets)."""
+        """What the current step's phases produced so far (a view for cells and widgets)."""
         return self._step
+
+    @current.setter
+    def current(self, state: StepState) -> None:
+        """Put back a step state set aside (the worst-case probe runs a step of its own in between)."""
+        self._step = state
 
     def next_phase(self) -> str:
         """The phase the current step runs next, by the lifecycle's rules."""
@@ -345,7 +350,7 @@ class Lab(LabViews):
         """Between steps, write what the next step depends on (LoRA adapter, optimizer state, RNG states,
         data position, step index) to `path`, atomically; `restore_checkpoint` (in this Lab or a new one
         with the same config) continues from there, with the same results as going on without a break."""
-        self._between_steps("lab.save_checkpoint()")
+        self.between_steps("lab.save_checkpoint()")
         return self.executor.save_checkpoint(path)
 
     def restore_checkpoint(self, path: Union[str, Path]) -> "Lab":
@@ -353,7 +358,7 @@ class Lab(LabViews):
         index replace this Lab's; the generator is synced to the restored weights."""
         from .state.checkpoint import read_checkpoint
 
-        self._between_steps("lab.restore_checkpoint()")
+        self.between_steps("lab.restore_checkpoint()")
         checkpoint = read_checkpoint(path)  # refused here, in one line, before any model (or rank) reads it
         self.executor.restore_checkpoint(checkpoint)
         self.resume_at(checkpoint.step)
@@ -363,7 +368,7 @@ class Lab(LabViews):
         """Continue at the start of `step` (a restored checkpoint or boundary state)."""
         self._step = StepState(index=step)
 
-    def _between_steps(self, what: str) -> None:
+    def between_steps(self, what: str) -> None:
         self._require_loaded()
         if self._step.started:
             raise LabError(

@@ -120,14 +120,14 @@ def check_probe(lab) -> None:
         )
     if not lab.executor.loaded:
         raise LabError("lab.probe(): the lab is not loaded; call lab.load() first (the probe runs on the real devices)")
-    lab._between_steps("lab.probe()")
+    lab.between_steps("lab.probe()")
 
 
 @contextmanager
 def _worst_case(lab):
     """The Lab as the probe runs it: worst-case prompts, no trackers, a leak detector of its own, step PROBE_STEP."""
     ex = lab.executor
-    saved = ex.prompts, lab.trackers, lab.leaks, lab._step, len(lab.history)
+    saved = ex.prompts, lab.trackers, lab.leaks, lab.current, len(lab.history)
     ex.prompts = WorstCasePrompts(ex.prompts, lab.config.generator.max_prompt_length)
     lab.trackers, lab.leaks = _NoTrackers(), copy.deepcopy(lab.leaks)
     lab.resume_at(PROBE_STEP)
@@ -136,7 +136,7 @@ def _worst_case(lab):
     finally:
         ex.prompts, lab.trackers, lab.leaks = saved[0], saved[1], saved[2]
         del lab.history[saved[4] :]
-        lab._step = saved[3]
+        lab.current = saved[3]
 
 
 def probe(lab) -> ProbeReport:
