@@ -178,7 +178,7 @@ class Lab(LabViews):
         """Check order, time and mark a phase; on any failure put the step back (see `_failed`); an
         out-of-memory error becomes a one-line LabError naming phase and device."""
         from .memory.heap import trim_host_heap
-        from .memory.oom import phase_error, release_memory
+        from .memory.oom import cuda_oom_count, phase_error, release_memory
         from .memory.profiling import phase_range
         from .runtime import RanksBlocked, runtime, settle
         from .state.faults import set_phase
@@ -192,6 +192,8 @@ class Lab(LabViews):
         try:
             check_order(self._step, name, self.config.grpo.num_iterations, **inputs)  # a refusal changes nothing
             trim_host_heap()  # why: a phase starts from live host memory, not the heap holes earlier phases left
+            device = runtime().device(self.config)  # this process's (a rank's own): an OOM line names it
+            ooms = cuda_oom_count(device)  # why: a CUDA OOM can reach Python as another error; the allocator counts it
             try:
                 set_phase(name)  # an armed fault (lab.arm_fault) fires only inside its phase
                 with self.timeline.phase(name, self.step_index), phase_range(name, self.executor.on_cuda):
@@ -204,8 +206,8 @@ class Lab(LabViews):
                     except RanksBlocked as blocked:  # they are stuck in a collective: the driver restarts every rank
                         err.add_note(str(blocked))
                 undone = self._failed(name)
-                # an OOM line names this process's device (a rank's own)
-                error = phase_error(err, name, self.step_index, runtime().device(self.config), self.memory, undone)
+                counted = cuda_oom_count(device) > ooms
+                error = phase_error(err, name, self.step_index, device, self.memory, undone, counted)
                 if error is None:
                     raise
                 err.__traceback__ = None
@@ -257,22 +259,13 @@ class Lab(LabViews):
         return out
 
     def rewards(self, rollout: Rollout) -> Rewards:
-        with self._phase("rewards", rollout=rollout):
-            out = self._compute("rewards", rollout)
-        self._step.rewards = out
-        return out
+        return self._kept("rewards", rollout=rollout)
 
     def advantages(self, rewards: Rewards) -> Advantages:
-        with self._phase("advantages", rewards=rewards):
-            out = self._compute("advantages", rewards)
-        self._step.advantages = out
-        return out
+        return self._kept("advantages", rewards=rewards)
 
     def logprobs(self, rollout: Rollout) -> LogProbs:
-        with self._phase("logprobs", rollout=rollout):
-            out = self._compute("logprobs", rollout)
-        self._step.logprobs = out
-        return out
+        return self._kept("logprobs", rollout=rollout)
 
     def backward(self, rollout: Rollout, advantages: Advantages, logprobs: LogProbs) -> LossStats:
         with self._phase("backward", rollout=rollout, advantages=advantages, logprobs=logprobs):
@@ -302,6 +295,13 @@ class Lab(LabViews):
     def _compute(self, name: str, *inputs):
         """A phase's work, by the executor: on this process's models, or on the ranks."""
         return self.executor.compute(name, self._step, *inputs)
+
+    def _kept(self, name: str, **inputs):
+        """Run phase `name` and keep what it returns in the step's state (the registry names the field)."""
+        with self._phase(name, **inputs):
+            out = self._compute(name, *inputs.values())
+        setattr(self._step, BY_NAME[name].output, out)
+        return out
 
     def _finish_step(self) -> StepResult:
         from .memory.leaks import end_of_step

@@ -27,6 +27,16 @@ def is_oom(err: BaseException) -> bool:
     )
 
 
+def cuda_oom_count(device: str) -> int:
+    """The OOMs torch's CUDA allocator counted on `device` in this process (memory_stats' num_ooms); 0 off CUDA. Why:
+    a CUDA OOM inside backward's engine can reach Python as another exception (a SystemError), but it is counted."""
+    import torch
+
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+
+
 def oom_device(err: BaseException, default: str) -> str:
     if isinstance(err, MemoryError):
         return "host"
@@ -34,9 +44,12 @@ def oom_device(err: BaseException, default: str) -> str:
     return f"cuda:{found.group(1)}" if found else default
 
 
-def phase_error(err: BaseException, phase: str, step: int, device: str, sampler, undone: str) -> Optional[LabError]:
-    """What a failed phase raises instead of `err`: a one-line OutOfMemory for an out-of-memory error; None for any
-    other (the Lab re-raises `err` itself, told the step, or what was undone, where its message names them)."""
+def phase_error(
+    err: BaseException, phase: str, step: int, device: str, sampler, undone: str, counted: bool = False
+) -> Optional[LabError]:
+    """What a failed phase raises instead of `err`: a one-line OutOfMemory for an out-of-memory error, or for any error
+    while torch's allocator `counted` an OOM (cuda_oom_count rose); None for any other (the Lab re-raises `err`
+    itself, told the step, or what was undone, where its message names them)."""
     from ..errors import NonFinite
     from .sampler import HostMemoryExceeded
 
@@ -44,7 +57,7 @@ def phase_error(err: BaseException, phase: str, step: int, device: str, sampler,
         err.step = step
     elif isinstance(err, HostMemoryExceeded):
         err.undone = undone
-    elif is_oom(err):
+    elif is_oom(err) or counted:
         return as_lab_error(err, phase, step, device, sampler, undone)
     return None
 
@@ -77,6 +90,8 @@ def as_lab_error(
         ]
         at = f" ({', '.join(figures)})" if figures else ""
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    if not is_oom(err):  # an OOM the allocator counted that reached Python as another error (phase_error)
+        first = f"CUDA out of memory (torch's allocator counted it; Python saw {type(err).__name__}: {first})"
     return OutOfMemory(
         f"out of memory in phase {phase!r} of step {step} on {device}{at}: {first}; "
         f"{undone}; lower grpo.micro_batch_size or generator.chunk_size and run it again"
