@@ -110,9 +110,8 @@ def load_base(storage: str):
     base = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, device_map={"": "cpu"}, quantization_config=quant
     )
-    pin_training_layout(
-        base
-    )  # why: as every grpo_lab learner; unpinned, bnb repacks on no-grad forwards (docs/fsdp2.md)
+    # why: as every grpo_lab learner; unpinned, bnb repacks on no-grad forwards (docs/fsdp2.md)
+    pin_training_layout(base)
     base.requires_grad_(False)
     base.config.use_cache = False
     return base

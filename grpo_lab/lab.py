@@ -143,9 +143,8 @@ class Lab(LabViews):
     def _require_loaded(self):
         if not self.executor.loaded:
             raise LabError("the lab is not loaded; call lab.load() first")
-        if (
-            self.executor.before_command()
-        ):  # e.g. a sharded learner's ranks were stopped: they start at the step's start
+        # e.g. a sharded learner's ranks were stopped: they start at the step's start
+        if self.executor.before_command():
             self._restart_step()
 
     def _restart_step(self) -> None:

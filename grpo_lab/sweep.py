@@ -107,9 +107,8 @@ def sweep(
             )
         except pm.PapermillExecutionError as err:
             row["error"] = f"{err.ename}: {err.evalue}"[:300]
-        except (
-            Exception
-        ) as err:  # why: a kernel killed mid-point (OOM killer: DeadKernelError) is a result, not the end
+        # why: a kernel killed mid-point (OOM killer: DeadKernelError) is a result, not the end
+        except Exception as err:
             row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
         metrics = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
         if metrics:

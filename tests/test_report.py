@@ -63,9 +63,8 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
         )  # SVG text: no innerText
         assert "rollout" in labels and "step 0" in labels and "step 1" in labels
         y_top = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].layout.yaxis.range[1]")
-        assert (
-            y_top < 2 * max(r["peak"] for r in rows if r["device"] == "host") / MiB
-        )  # the 24 GB limit is named, not drawn
+        # the 24 GB limit is named, not drawn
+        assert y_top < 2 * max(r["peak"] for r in rows if r["device"] == "host") / MiB
         assert any("off the scale" in t for t in labels)
         assert page.locator("table.phases tr").count() == 1 + sum(1 for r in rows if r["step"] == 1)
         assert page.locator(".js-plotly-plot").count() == 3  # timeline, host heatmap, reward/loss

@@ -50,9 +50,8 @@ def killed_child(out: Path, prelude: str = "") -> subprocess.Popen:
 
 def resume_and_compare(out: Path, straight: list[dict], capsys) -> None:
     capsys.readouterr()
-    code = main(
-        ["run", *RUN, "--steps", str(STEPS), "--out", str(out)]
-    )  # a new run there is refused, pointing at --resume
+    # a new run there is refused, pointing at --resume
+    code = main(["run", *RUN, "--steps", str(STEPS), "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "unfinished run" in err and "--resume DIR" in err, err
     assert main(["run", "--resume", str(out), "--quiet"]) == 0

@@ -164,9 +164,8 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
             lab.rollout()
         interrupt.join()
         assert "every rank was stopped" in "".join(getattr(err.value, "__notes__", [])), err.value
-        assert (
-            not lab.executor.ranks.actors and lab.executor.ranks.down
-        )  # every rank stopped, started at the next command
+        # every rank stopped, started at the next command
+        assert not lab.executor.ranks.actors and lab.executor.ranks.down
         after = lab.inspect()  # the next command starts the ranks again, each from its state at the step's start
         assert all(same_state(a, b) for a, b in zip(after, before)) and [a["step"] for a in after] == [0, 0]
         lab.configure(generator={"gather_for_generation": True, "chunk_size": None})

@@ -176,9 +176,8 @@ def test_reference_copy_equals_adapter_disabled_before_training(tiny_config):
     copy = Lab(tiny_config(grpo={"beta": 0.1}, reference={"strategy": "copy", "device": "cpu"})).load()
     rollout = disabled.rollout()
     a = disabled.logprobs(rollout).ref
-    b = copy.reference.logprobs(
-        copy.learner, rollout, copy.config
-    )  # another Lab's rollout: through the reference itself
+    # another Lab's rollout: through the reference itself
+    b = copy.reference.logprobs(copy.learner, rollout, copy.config)
     mask = rollout.completion_mask.bool()
     assert torch.allclose(a[mask], b[mask], atol=1e-5)
     assert copy.reference.model is not copy.learner.model

@@ -26,9 +26,8 @@ def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
     editor.inputs[("grpo", "beta")][0].value = 0.2
     editor.inputs[("generator", "chunk_size")][0].value = "3"
     assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 3
-    assert (
-        editor.message.value == "generator.chunk_size: read at the next phase that uses it"
-    )  # when it applies, no error
+    # when it applies, no error
+    assert editor.message.value == "generator.chunk_size: read at the next phase that uses it"
     editor.inputs[("generator", "chunk_size")][0].value = "null"
     assert lab.config.generator.chunk_size is None
 

@@ -194,9 +194,8 @@ def backward(
         # backward starts a reduce-scatter the refusing one would never join
         refused = ranks.agree(not math.isfinite(value))
         if refused:
-            learner.optimizer.zero_grad(
-                set_to_none=True
-            )  # why: earlier micro-batches' gradients belong to a refused step
+            # why: earlier micro-batches' gradients belong to a refused step
+            learner.optimizer.zero_grad(set_to_none=True)
             where = f" on rank {', '.join(map(str, refused))}'s rows" if ranks.sharded else ""
             refusal = NonFinite(
                 "backward",
@@ -262,9 +261,8 @@ def optimizer(learner, config) -> float:
         )
     learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)  # why: gradients are not needed until the next backward
-    bad = int(
-        torch.stack([~torch.isfinite(local(p)).all() for p in params]).sum().item()
-    )  # one sync for all LoRA tensors
+    # one sync for all LoRA tensors
+    bad = int(torch.stack([~torch.isfinite(local(p)).all() for p in params]).sum().item())
     bad = int(runtime().sum([bad])[0])  # a sharded rank checks its shards; every rank refuses together
     if bad:
         raise NonFinite(

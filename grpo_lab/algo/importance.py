@@ -49,9 +49,8 @@ def importance_weights(
     """[N, L] (token_*) or [N, 1] (sequence_*) weights; `learner_logps` is the learner before this rollout's
     first update (detached), `sampler_logps` what the generator recorded, both [N, L]."""
     per_sequence, bound = MODES[mode]
-    diff = torch.nan_to_num(
-        (learner_logps - sampler_logps) * completion_mask, nan=0.0
-    )  # a NaN sampler log-prob: no correction
+    # a NaN sampler log-prob: no correction
+    diff = torch.nan_to_num((learner_logps - sampler_logps) * completion_mask, nan=0.0)
     if per_sequence:
         diff = diff.sum(dim=-1, keepdim=True)
     return bound(torch.exp(diff), clip_min, clip_max)

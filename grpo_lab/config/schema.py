@@ -55,9 +55,8 @@ class LabConfig(Section):
                 raise ConfigError(f"{name}: got {value!r}; assign a {name} section (a mapping of its fields)")
             fields = type(self).model_fields[name].annotation.model_fields
             defaults = {k: f.get_default(call_default_factory=True) for k, f in fields.items() if not f.is_required()}
-            self.update(
-                {f"{name}.{k}": v for k, v in {**defaults, **data}.items()}
-            )  # the section replaced, as pydantic does
+            # the section replaced, as pydantic does
+            self.update({f"{name}.{k}": v for k, v in {**defaults, **data}.items()})
         else:
             super().__setattr__(name, value)
 

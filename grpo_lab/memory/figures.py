@@ -7,12 +7,8 @@ from ..algo.phases import COLOURS, PHASE_NAMES
 from .probes import MiB, is_host
 
 HOST_LINES = ("rss", "used")  # the process's RSS, the machine's used RAM
-LEDGER = (
-    "allocated",
-    "cached",
-    "engine",
-    "not_torch",
-)  # a GPU's memory, stacked: sums to NVML's used (probes.gpu_ledger)
+# a GPU's memory, stacked: sums to NVML's used (probes.gpu_ledger)
+LEDGER = ("allocated", "cached", "engine", "not_torch")
 LEDGER_NAMES = {
     "allocated": "torch allocated",
     "cached": "torch cache (reserved - allocated)",

@@ -23,9 +23,8 @@ class CsvStream:
         self.path, self.sampler, self.index = Path(path), sampler, 0  # from the first sample: loading included
         kept = _rows_before(self.path, keep_before) if keep_before else []
         self.offset = max((float(r[0]) for r in kept), default=0.0)
-        self.floor = (
-            keep_before or 0
-        )  # why: a resumed process's loading samples belong to its first step, not to step 0
+        # why: a resumed process's loading samples belong to its first step, not to step 0
+        self.floor = keep_before or 0
         buffer = io.StringIO()
         csv.writer(buffer).writerows([CSV_HEADER, *kept])
         atomic_write_text(self.path, buffer.getvalue())

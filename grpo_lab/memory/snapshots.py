@@ -40,6 +40,5 @@ class AllocatorSnapshots:
 
             self.directory.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(self.directory / snapshot_name(record.step, record.phase, error)))
-            torch.cuda.memory._record_memory_history(
-                enabled=None
-            )  # why: recording costs time and memory between phases
+            # why: recording costs time and memory between phases
+            torch.cuda.memory._record_memory_history(enabled=None)

@@ -79,17 +79,15 @@ def load_base(model_cfg, device: str):
             f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
             f"({str(err).splitlines()[0]}); give a local checkpoint directory"
         ) from None
-    except (
-        ValueError
-    ) as err:  # why: transformers' ValueError for a config.json it cannot use (e.g. an unknown model_type)
+    # why: transformers' ValueError for a config.json it cannot use (e.g. an unknown model_type)
+    except ValueError as err:
         raise LabError(
             f"model.name_or_path: cannot load {model_cfg.name_or_path!r} "
             f"({(str(err).strip().splitlines() or ['ValueError'])[0][:300]}); give a checkpoint transformers "
             "can load with AutoModelForCausalLM"
         ) from None
-    pin_training_layout(
-        model
-    )  # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
+    # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
+    pin_training_layout(model)
     model.requires_grad_(False)
     model.config.use_cache = False  # why: training forwards never reuse a KV cache; generate() turns it back on
     return model

@@ -110,9 +110,8 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         ref.add("reference weights", weights, fmt)
     if cfg.grpo.beta > 0:  # why: the logprobs phase runs only for reference log-probs, without a graph
         ref = devices[_home(cfg.reference_device)] if cfg.reference_strategy == "copy" else lrn
-        ref_act = (
-            act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")
-        )  # its own kernel path
+        # its own kernel path
+        ref_act = act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")
         ref.add(
             "reference forward (no grad)",
             ref_act["forward activations"],
