@@ -18,7 +18,7 @@ import time
 import warnings
 
 
-def trl_trainer(cfg, callback, steps, out_dir):
+def trl_trainer(cfg, callback, steps, out_dir, device: str = "cpu"):
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -37,7 +37,7 @@ def trl_trainer(cfg, callback, steps, out_dir):
     )
     args = GRPOConfig(
         output_dir=out_dir,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         report_to=[],
         save_strategy="no",
         logging_steps=10_000,
@@ -64,7 +64,7 @@ def trl_trainer(cfg, callback, steps, out_dir):
     )
     lora = cfg.lora
     return GRPOTrainer(
-        model=load_base(cfg.model, "cpu"),
+        model=load_base(cfg.model, device),
         args=args,
         train_dataset=dataset,
         processing_class=load_tokenizer(cfg.model.name_or_path),

@@ -28,6 +28,22 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # a Llama/Mistral-size vocabulary (32,000) on the tiny body: the planner's grid's other end
     # (bench/planner_accuracy.py)
     "qwen2-32k": (1, {"vocab_size": 32000, "eos_probability": None, "max_positions": 4096}),
+    # Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936), saved
+    # in bfloat16 (1 GB): the GPU check's model (bench/gpu_check.py), where memory and speed depend on shape alone
+    "qwen2.5-0.5b-random": (
+        1,
+        {
+            "vocab_size": 151936,
+            "hidden_size": 896,
+            "num_layers": 24,
+            "intermediate_size": 4864,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "eos_probability": None,
+            "max_positions": 4096,
+            "dtype": "bfloat16",
+        },
+    ),
 }
 
 CHAT_TEMPLATE = (
@@ -86,6 +102,10 @@ def build_tiny_model(
     eos_probability: Optional[float] = 0.1,
     max_positions: int = 1024,
     train_steps: int = 0,
+    intermediate_size: Optional[int] = None,
+    num_attention_heads: Optional[int] = None,
+    num_key_value_heads: int = 1,
+    dtype: str = "float32",
 ) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
     same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
@@ -104,20 +124,20 @@ def build_tiny_model(
     config = Qwen2Config(
         vocab_size=max(vocab_size, len(tokenizer)),
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // 64,
-        num_key_value_heads=1,
+        num_attention_heads=num_attention_heads or hidden_size // 64,
+        num_key_value_heads=num_key_value_heads,
         head_dim=64,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
+        dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
     if train_steps:

@@ -1,0 +1,326 @@
+"""The GPU check (issue 33): every GPU figure in one command, each part in a process of its own under its own timeout,
+printed and appended to OUT/gpu_check.jsonl as it comes (a part that times out loses only itself).
+
+    python -m bench.gpu_check --out $OUT       # a GPU machine: about 8 minutes on one H100, imports included
+    python -m bench.gpu_check --device cpu --model builtin:qwen2-152k --lengths 16 32 --steps 1 --warmup 0 \
+        --skip-smoke --out /tmp/check          # a dry run of the plumbing on the CPU (tests/test_gpu_check.py)
+
+On a bare GPU machine here, build the packages it lacks first (`../shared/gpu/site.sh`) and start the command with
+the `export PYTHONPATH=... GRPO_LAB_CACHE=... HF_HUB_OFFLINE=1` its header gives.
+
+Parts:
+1. smoke: bench/gpu_smoke.py's paths (learner on cuda:0, NVML by UUID, a real CUDA OOM rolled back, CUDA RNG, ...).
+2. side by side: grpo_lab and TRL 1.16's GRPOTrainer at each completion length (`--lengths`, 256 and 1,024), each
+   side in its own process (a length's processes run at once: peaks are per process; `--serial` one at a time), on
+   a random-weight model of Qwen2.5-0.5B's shape (vocabulary 151,936) in nf4 + LoRA r 8
+   on all linear layers, 1 prompt x 8 completions, beta 0, loss grpo, gradient checkpointing, the HF generator.
+   Figures: the peak allocated over the whole process (torch's max_memory_allocated, kept across the Lab's own
+   per-phase peak resets), seconds per step after `--warmup` steps, and the rollout's tokens per second.
+3. the plan: each grpo_lab process's per-phase allocated peaks beside `plan(cfg)`'s per-phase peak on the device.
+`--variant LABEL:KEY=VALUE,...` adds a grpo_lab run with those overrides (e.g. a rollout path to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1024**2
+PHASES = ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync")
+
+
+def base_overrides(model: str, device: str, length: int) -> list[str]:
+    """The side-by-side config (the module docstring), as --set overrides of the tiny-cpu preset."""
+    return [
+        f"model.name_or_path={model}",
+        "model.load_in_4bit=true",
+        "model.dtype=bfloat16",
+        "model.bnb_4bit_compute_dtype=bfloat16",
+        "model.gradient_checkpointing=true",
+        "lora.r=8",
+        "lora.lora_alpha=16",
+        f"placement.learner={device}",
+        "generator.backend=hf",
+        "generator.max_prompt_length=128",
+        f"generator.max_completion_length={length}",
+        "grpo.prompts_per_step=1",
+        "grpo.num_generations=8",
+        "grpo.micro_batch_size=8",
+        "grpo.beta=0.0",
+        "grpo.loss_type=grpo",
+        "memory.sample_hz=50",
+    ]
+
+
+class ProcessPeak:
+    """torch's allocated peak over the whole process: the Lab resets the peak at every phase (memory/probes.py), so
+    each reset first folds the peak so far into this one."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.device, self.peak, self.on_cuda = device, 0, device.startswith("cuda")
+        if not self.on_cuda:
+            import psutil
+
+            self.process = psutil.Process()
+            return
+        reset = torch.cuda.reset_peak_memory_stats
+
+        def folding_reset(dev=None):
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(dev))
+            reset(dev)
+
+        torch.cuda.reset_peak_memory_stats = folding_reset
+
+    def read(self) -> int:
+        """The peak so far: allocated on a GPU; on the CPU (a dry run), the process's peak RSS (Linux: ru_maxrss)."""
+        if self.on_cuda:
+            import torch
+
+            return max(self.peak, torch.cuda.max_memory_allocated(self.device))
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
+    from grpo_lab import Lab, load_config
+    from grpo_lab.planner import plan
+
+    cfg = load_config("tiny-cpu", overrides)
+    device = cfg.placement.learner
+    peak = ProcessPeak(device)
+    planned = plan(cfg).devices["host" if device == "cpu" else device]
+    metric = "rss" if device == "cpu" else "allocated"
+    lab = Lab(cfg).load()
+    seconds, rollout_tps, phases = [], [], {}
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        result = lab.step()
+        elapsed = time.perf_counter() - t0
+        if i < warmup:
+            continue
+        seconds.append(elapsed)
+        tokens = result.completion_length_mean * cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+        rollout_tps.append(tokens / max(result.phase_seconds.get("rollout", 0.0), 1e-9))
+        for row in result.memory:
+            if row["device"] == ("host" if device == "cpu" else device) and row["metric"] == metric:
+                phases[row["phase"]] = max(phases.get(row["phase"], 0), row["peak"])
+    lab.close()
+    return {
+        "seconds": seconds,
+        "peak": peak.read(),
+        "rollout_tokens_per_s": rollout_tps,
+        "phase_peaks": phases,
+        "planned": {p: planned.phase_peak(p) for p in PHASES},
+        "planned_total": planned.total,
+        "metric": metric,
+    }
+
+
+def trl_worker(overrides: list[str], steps: int, warmup: int) -> dict:
+    import tempfile
+
+    from transformers import TrainerCallback
+
+    from bench.step_vs_trl import trl_trainer
+    from grpo_lab import load_config
+    from grpo_lab.models.source import resolve_model_path
+
+    cfg = load_config("tiny-cpu", overrides)
+    cfg.update({"model.name_or_path": resolve_model_path(cfg.model.name_or_path)})
+    peak = ProcessPeak(cfg.placement.learner)
+    seconds, marks, lengths = [], {}, []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args_, state, control, **kwargs):
+            marks["t0"] = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            if state.global_step > warmup:
+                seconds.append(time.perf_counter() - marks["t0"])
+
+        def on_log(self, args_, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    generating = []  # seconds in TRL's generation, per call
+
+    def timed(generate):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = generate(*args, **kwargs)
+            generating.append(time.perf_counter() - t0)
+            return out
+
+        return run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trl_trainer(cfg, Timer(), warmup + steps, tmp, device=cfg.placement.learner)
+        trainer.args.logging_steps = 1
+        trainer._generate = timed(trainer._generate)  # why: TRL logs no generation time of its own
+        trainer.train()
+    batch = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+    tps = [length * batch / s for length, s in zip(lengths[warmup:], generating[warmup:]) if s > 0]
+    return {"seconds": seconds, "peak": peak.read(), "rollout_tokens_per_s": tps, "completion_length": lengths[-1:]}
+
+
+WORKERS = {"grpo_lab": grpo_lab_worker, "trl": trl_worker}
+
+
+def run_part(out: Path, part: dict, cmd: list[str], timeout: int) -> dict:
+    """One part in a process of its own; its record (the worker's JSON line, or why not) is printed and appended."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+            record = {**part, "failed": f"exit {proc.returncode}: {tail[:300]}", "stdout": proc.stdout[-2000:]}
+        else:
+            record = {**part, **json.loads(lines[-1])}
+    except subprocess.TimeoutExpired as err:
+        record = {**part, "failed": f"timed out after {timeout} s", "stdout": (err.stdout or b"")[-2000:].decode()}
+    record["process_seconds"] = round(time.perf_counter() - t0, 1)
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(describe(record), flush=True)
+    return record
+
+
+def describe(r: dict) -> str:
+    name = f"{r['part']}" + (f" {r['side']} L={r['length']}" if "side" in r else "")
+    if "failed" in r:
+        return f"{name:<34} FAILED {r['failed']} ({r['process_seconds']} s)"
+    if r["part"] == "smoke":
+        return f"{name:<34} {r['summary']} ({r['process_seconds']} s)"
+    secs = f"{statistics.median(r['seconds']):.2f} s/step" if r.get("seconds") else "no timed step"
+    return f"{name:<34} peak {r['peak'] / MiB:,.0f} MiB, {secs} ({r['process_seconds']} s)"
+
+
+def smoke(out: Path, timeout: int) -> dict:
+    """bench/gpu_smoke.py in a process of its own: its lines, printed and kept."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_smoke"], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
+        record = {"part": "smoke", "summary": f"exit {proc.returncode}", "lines": proc.stdout.splitlines()}
+        if proc.returncode and not proc.stdout.strip():
+            record["failed"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    except subprocess.TimeoutExpired:
+        record = {"part": "smoke", "failed": f"timed out after {timeout} s", "lines": []}
+    record["process_seconds"] = round(time.perf_counter() - t0, 1)
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(describe(record), flush=True)
+    for line in record["lines"]:
+        print("    " + line, flush=True)
+    return record
+
+
+def table(records: list[dict]) -> str:
+    """Markdown: each length's grpo_lab and TRL peaks and s/step, their ratio; then per-phase measured vs planned."""
+    rows = ["| length | side | peak (MiB) | s/step | rollout tok/s | peak / TRL |", "|---|---|---|---|---|---|"]
+    trl = {r["length"]: r for r in records if r.get("side") == "trl" and "failed" not in r}
+    for r in records:
+        if "side" not in r:
+            continue
+        if "failed" in r:
+            rows.append(f"| {r['length']} | {r['side']} | {r['failed']} | | | |")
+            continue
+        ratio = f"{r['peak'] / trl[r['length']]['peak']:.2f}" if r["length"] in trl else ""
+        secs = f"{statistics.median(r['seconds']):.2f}" if r["seconds"] else ""
+        tps = f"{statistics.median(r['rollout_tokens_per_s']):.0f}" if r.get("rollout_tokens_per_s") else ""
+        rows.append(f"| {r['length']} | {r['side']} | {r['peak'] / MiB:,.0f} | {secs} | {tps} | {ratio} |")
+    rows += [
+        "",
+        "| length | side | phase | measured (MiB) | planned (MiB) | measured / planned |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        for phase, measured in sorted(r.get("phase_peaks", {}).items(), key=lambda kv: PHASES.index(kv[0])):
+            planned = r["planned"].get(phase) or 0
+            ratio = f"{measured / planned:.2f}" if planned else ""
+            rows.append(
+                f"| {r['length']} | {r['side']} | {phase} | {measured / MiB:,.0f} | {planned / MiB:,.0f} | {ratio} |"
+            )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu_check")))
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=1, help="steps per process before the timed ones")
+    parser.add_argument("--timeout", type=int, default=170, help="seconds per side-by-side process")
+    parser.add_argument("--skip-smoke", action="store_true")
+    parser.add_argument("--sides", nargs="+", default=["grpo_lab", "trl"], choices=sorted(WORKERS))
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...")
+    parser.add_argument("--serial", dest="parallel", action="store_false", help="one side's process at a time")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](args.set, args.steps, args.warmup)), flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (a dry run)"
+    print(f"gpu_check: {card}; torch {torch.__version__}; results -> {out / 'gpu_check.jsonl'}", flush=True)
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write(json.dumps({"part": "machine", "card": card, "torch": torch.__version__, "time": time.time()}) + "\n")
+    from grpo_lab.models.source import resolve_model_path
+
+    t0 = time.perf_counter()
+    resolve_model_path(args.model)  # why here: built once, before any timed process, in GRPO_LAB_CACHE
+    print(f"model {args.model} ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+    records = [] if args.skip_smoke else [smoke(out, 240)]
+    runs = [(side, side, []) for side in args.sides]
+    for spec in args.variant:
+        label, _, sets = spec.partition(":")
+        runs.append((label, "grpo_lab", [s for s in sets.split(",") if s]))
+    for length in args.lengths:
+        # why at once: each side is a process of its own (torch's peaks are per process), HF decoding leaves the GPU
+        # mostly idle and the CPUs serve every process; one after another would not fit the check in 8 minutes
+        warmup = args.warmup if length <= 256 else 0  # why: a long rollout's one step is the budget
+        parts = []
+        for label, side, extra in runs:
+            overrides = base_overrides(args.model, args.device, length) + extra
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.gpu_check",
+                "--worker",
+                side,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(warmup),
+                *[a for o in overrides for a in ("--set", o)],
+            ]
+            parts.append(({"part": "side_by_side", "side": label, "length": length, "overrides": extra}, cmd))
+        with ThreadPoolExecutor(len(parts) if args.parallel else 1) as pool:
+            records += list(pool.map(lambda pc: run_part(out, pc[0], pc[1], args.timeout), parts))
+    summary = table(records)
+    (out / "gpu_check.md").write_text(f"{card}\n\n{summary}\n")
+    print(summary, flush=True)
+    return 1 if any("failed" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
