@@ -17,7 +17,9 @@ Parts:
    Figures: the peak allocated over the whole process (torch's max_memory_allocated, kept across the Lab's own
    per-phase peak resets), seconds per step after `--warmup` steps, and the rollout's tokens per second.
 3. the plan: each grpo_lab process's per-phase allocated peaks beside `plan(cfg)`'s per-phase peak on the device.
-`--variant LABEL:KEY=VALUE,...` adds a grpo_lab run with those overrides (e.g. a rollout path to compare).
+`--variant LABEL:KEY=VALUE,...` adds a grpo_lab run with those overrides; on a GPU, by default, the hf rollout's other
+decode paths (generator.hf_decode static and compiled: the first compiled rollout compiles, so at 1,024 tokens, with
+no warm-up step, its one step includes the compile).
 """
 
 from __future__ import annotations
@@ -291,6 +293,9 @@ def main() -> int:
     print(f"model {args.model} ready ({time.perf_counter() - t0:.0f} s)", flush=True)
     records = [] if args.skip_smoke else [smoke(out, 240)]
     runs = [(side, side, []) for side in args.sides]
+    if not args.variant and args.device.startswith("cuda") and "grpo_lab" in args.sides:
+        # the hf rollout's decode paths (generator.hf_decode), measured beside today's: issue 33's "choose and say why"
+        args.variant = ["static:generator.hf_decode=static", "compiled:generator.hf_decode=compiled"]
     for spec in args.variant:
         label, _, sets = spec.partition(":")
         runs.append((label, "grpo_lab", [s for s in sets.split(",") if s]))

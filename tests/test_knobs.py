@@ -356,6 +356,20 @@ def test_chunk_size_splits_the_next_rollout_into_generate_calls(lab):
     assert lab.rollout().generate_calls == 3  # 8 sequences in chunks of 3
 
 
+@observes("generator.hf_decode")
+def test_hf_decode_picks_the_next_rollouts_kv_cache(lab, monkeypatch):
+    """static: the next rollout preallocates transformers' StaticCache (tests/test_fast_rollout.py: same tokens)."""
+    from transformers import cache_utils
+
+    made, real = [], cache_utils.StaticCache.__init__
+    monkeypatch.setattr(
+        cache_utils.StaticCache, "__init__", lambda self, *a, **k: made.append(1) or real(self, *a, **k)
+    )
+    lab.configure({"generator.hf_decode": "static"})
+    lab.rollout()
+    assert made
+
+
 @observes("grpo.num_generations", "grpo.prompts_per_step")
 def test_group_size_and_prompts_per_step_shape_the_next_rollout(lab):
     lab.configure({"grpo.num_generations": 2, "grpo.prompts_per_step": 3, "generator.max_completion_length": 2})

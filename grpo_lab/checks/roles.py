@@ -33,6 +33,16 @@ def check_roles(cfg) -> None:
             f"learner (colocated) and {NEEDS_SHARE}: auto (grpo-lab plan prints the split it picks) "
             "or a number, e.g. 0.3; or place it on another GPU"
         )
+    if own and gen.hf_decode != "dynamic":
+        raise ValueError(
+            f"generator.hf_decode: backend {gen.backend!r} decodes in its own engine; hf_decode is the hf backend's "
+            "(set it to dynamic, or generator.backend: hf)"
+        )
+    if gen.hf_decode == "compiled" and not place.learner.startswith("cuda"):
+        raise ValueError(
+            f"generator.hf_decode: 'compiled' captures CUDA graphs, and the learner is on {place.learner}; use static "
+            "or dynamic there (compiled needs placement.learner on a GPU)"
+        )
     if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
         raise ValueError(
             f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "

@@ -193,6 +193,14 @@ class GeneratorSection(Section):
         "planner says how much) or generate through the sharded model, one layer gathered at a time (slow; fits) (P3).",
     )
     cpu_kv_cache_gib: int = knob("load", 1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
+    hf_decode: Literal["dynamic", "static", "compiled"] = knob(
+        "live",
+        "dynamic",
+        description="hf backend: how the rollout decodes. dynamic = transformers' growing KV cache; static = the cache "
+        "preallocated for the whole rollout (fixed shapes); compiled = static plus CUDA graphs over the 4-bit + LoRA "
+        "decode step (torch.compile, mode reduce-overhead; a GPU learner only; the first rollout compiles). Greedy "
+        "decoding gives the same tokens on every path; bench/gpu_check.py measures their speed.",
+    )
 
     @property
     def own_weights(self) -> bool:

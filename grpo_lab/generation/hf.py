@@ -7,7 +7,8 @@ importance-sampling correction use. It stops on `eos_token_ids`, the vllm backen
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Callable, Optional
 
 import torch
 
@@ -100,13 +101,14 @@ class HFGenerator(Generator):
             eos_token_id=self.eos_token_ids,
             pad_token_id=tok.pad_token_id,
             use_cache=True,
+            **DECODES[request.decode](),
         )
         recorder = SampledLogprobs()
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
         contiguous = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(),))
         try:  # eval mode (checkpointing off, so the KV cache is used); a sharded learner gathered or not (P3)
-            with generation(model, request.gather_for_generation):
+            with generation(model, request.gather_for_generation), compiled_decode(model, request.decode):
                 sequences = model.generate(
                     input_ids=input_ids.to(self.learner.device),
                     attention_mask=attention.to(self.learner.device),
@@ -145,6 +147,38 @@ class HFGenerator(Generator):
         """Cut at the first stop token (kept); after it generate() only pads. None within the row = truncated."""
         end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), None)
         return Sample(completion_ids=row[:end], logprobs=logprobs[:end], truncated=end is None)
+
+
+def _compile_config() -> dict:
+    from transformers.generation.configuration_utils import CompileConfig
+
+    # why not fullgraph: bitsandbytes' 4-bit matmul and PEFT's LoRA wrappers may break the graph; CUDA graphs still
+    # capture each piece (cudagraph trees)
+    return {"cache_implementation": "static", "compile_config": CompileConfig(fullgraph=False, mode="reduce-overhead")}
+
+
+# generator.hf_decode -> the GenerationConfig settings of that decode path
+DECODES: dict[str, Callable[[], dict]] = {
+    "dynamic": lambda: {},
+    # why disable_compile: a static cache alone, measured apart from CUDA graphs
+    "static": lambda: {"cache_implementation": "static", "disable_compile": True},
+    "compiled": _compile_config,
+}
+
+
+@contextmanager
+def compiled_decode(model, decode: str):
+    """transformers compiles the decode step only for models whose quantizer says it can (bitsandbytes' says no): for
+    `compiled`, the base model is let through for this generate() call alone (its compiled forward is cached)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if decode != "compiled":
+        yield
+        return
+    base._valid_auto_compile_criteria = lambda *args, **kwargs: True  # an instance attribute, removed below
+    try:
+        yield
+    finally:
+        del base._valid_auto_compile_criteria
 
 
 def sampling_processors(request: GenerationRequest) -> list:

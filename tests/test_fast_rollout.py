@@ -1,0 +1,81 @@
+"""generator.hf_decode: the hf rollout's decode path (issue 33, item 3). `static` preallocates the KV cache for the
+whole rollout (transformers' StaticCache: fixed shapes); `compiled` adds CUDA graphs over that decode step
+(torch.compile mode reduce-overhead), a GPU's only. With greedy decoding every path gives today's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_lab import ConfigError, Lab
+
+
+@pytest.fixture(scope="module")
+def lab(tiny_model):
+    lab = Lab(
+        {
+            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+            "generator": {"max_completion_length": 24, "temperature": 0.0},
+            "grpo": {"num_generations": 4, "prompts_per_step": 2},
+        }
+    ).load()
+    yield lab
+    lab.close()
+
+
+def test_the_static_cache_gives_the_plain_paths_greedy_tokens(lab, monkeypatch):
+    from transformers import cache_utils
+
+    made = []
+    real = cache_utils.StaticCache.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(type(self).__name__)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.StaticCache, "__init__", counted)
+    lab.configure({"generator.hf_decode": "dynamic"})
+    plain = lab.rollout()  # (a restart rewinds the step's prompts: every path samples the same ones)
+    assert not made
+    lab.configure({"generator.hf_decode": "static"})
+    static = lab.rollout()
+    assert made, "the static path made no StaticCache"
+    assert torch.equal(plain.completion_ids, static.completion_ids)
+    assert torch.equal(plain.completion_mask, static.completion_mask)
+    torch.testing.assert_close(plain.sampler_logprobs, static.sampler_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"generator.hf_decode": "compiled"}, "generator.hf_decode: 'compiled' captures CUDA graphs"),
+        ({"generator.backend": "vllm", "generator.hf_decode": "static"}, "generator.hf_decode: backend 'vllm'"),
+    ],
+)
+def test_a_decode_path_that_cannot_run_is_refused_in_one_line(tiny_config, changes, words):
+    from grpo_lab import load_config
+
+    cfg = load_config(tiny_config())
+    with pytest.raises(ConfigError) as err:
+        cfg.update(changes)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_plain_paths_greedy_tokens(tiny_model):
+    lab = Lab(
+        {
+            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+            "placement": {"learner": "cuda:0"},
+            "generator": {"max_completion_length": 24, "temperature": 0.0},
+            "grpo": {"num_generations": 4, "prompts_per_step": 2},
+        }
+    ).load()
+    try:
+        plain = lab.rollout()
+        lab.configure({"generator.hf_decode": "compiled"})
+        compiled = lab.rollout()
+        assert torch.equal(plain.completion_ids, compiled.completion_ids)
+    finally:
+        lab.close()
