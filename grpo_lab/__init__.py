@@ -8,8 +8,10 @@ from .algo.containers import Advantages, LogProbs, LossStats, PromptBatch, Rewar
 from .comparison import compare
 from .config.loading import load_config, save_config
 from .config.schema import LabConfig
-from .errors import ConfigError, LabError
+from .errors import ConfigError, LabError, one_line_in_cells
 from .lab import Lab
+
+one_line_in_cells()  # a refusal in a notebook cell is its one line (errors.py)
 
 __all__ = [
     "Lab",

@@ -6,6 +6,8 @@ the CLI prints it without a traceback and exits 2, a notebook shows it as one li
 
 from __future__ import annotations
 
+import sys
+
 
 class LabError(Exception):
     """A problem the user can fix; the message is one line naming the field and the fix."""
@@ -44,3 +46,27 @@ def format_validation_error(err) -> str:
             msg = f"got {e['input']!r}; {msg}"
         lines.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(lines)
+
+
+def one_line_in_cells(shell=None) -> bool:
+    """In an IPython kernel (Jupyter, papermill), a LabError shows as its one line, not a traceback; `%tb` prints the
+    whole traceback. Returns whether it was installed (False outside IPython)."""
+    if shell is None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return False
+        shell = get_ipython()
+    if shell is None:
+        return False
+
+    def show(shell, etype, value, tb, tb_offset=None):
+        # why: IPython's %tb prints sys.last_*, which its custom-exception path leaves unset
+        sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
+        if hasattr(sys, "last_exc"):
+            sys.last_exc = value
+        # IPython leaves the showing to the handler: _showtraceback is what its kernel publishes as the cell's error
+        shell._showtraceback(etype, value, [f"{etype.__name__}: {value}   (%tb shows the traceback)"])
+
+    shell.set_custom_exc((LabError,), show)
+    return True

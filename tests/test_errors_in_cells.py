@@ -1,0 +1,58 @@
+"""A LabError raised in a notebook cell shows as its one line, not a traceback (issue 34, item 6); `%tb` still prints
+the whole traceback; any other error keeps IPython's usual traceback. Run in a real IPython shell, in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("IPython")
+
+
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from grpo_lab.errors import one_line_in_cells
+
+    shell = InteractiveShell.instance()
+    shell.InteractiveTB.set_colors("nocolor")  # plain text to compare
+    assert one_line_in_cells(shell)
+    yield shell
+    shell.set_custom_exc((), None)
+
+
+CELL = """
+from grpo_lab import ConfigError
+def deep():
+    raise ConfigError("grpo.num_generations: got 1; give 2 or more (a group needs two completions)")
+deep()
+"""
+
+
+def test_a_lab_error_in_a_cell_is_one_line_and_tb_shows_the_rest(shell, capsys):
+    result = shell.run_cell(CELL)
+    out = capsys.readouterr()
+    shown = [line for line in (out.out + out.err).splitlines() if line.strip()]
+    assert shown == [
+        "ConfigError: grpo.num_generations: got 1; give 2 or more (a group needs two completions)   "
+        "(%tb shows the traceback)"
+    ]
+    assert result.error_in_exec is not None  # the cell still failed (papermill stops there)
+    shell.run_line_magic("tb", "")
+    out = capsys.readouterr()
+    assert "deep()" in out.out + out.err and "Traceback" in out.out + out.err
+
+
+def test_other_errors_keep_their_traceback(shell, capsys):
+    shell.run_cell("def deep():\n    raise ValueError('a bug')\ndeep()")
+    out = capsys.readouterr()
+    assert "deep()" in out.out + out.err and "ValueError: a bug" in out.out + out.err
+
+
+def test_outside_ipython_nothing_is_installed(monkeypatch):
+    import IPython
+
+    from grpo_lab.errors import one_line_in_cells
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+    assert one_line_in_cells() is False
