@@ -381,3 +381,20 @@ def test_a_cpu_learner_at_glibcs_own_threshold_is_told_what_the_plan_leaves_out(
     assert "note: " + default.caveats[0] in str(default).splitlines()
     assert plan(load_config("tiny-cpu", ["memory.host_mmap_threshold_mib=0.125"])).caveats == []
     assert plan(load_config("qwen2.5-7b-nf4-24gb")).caveats == []  # a GPU learner's tensors never touch glibc's heap
+
+
+def test_the_plan_in_a_notebook_scrolls_instead_of_wrapping_and_folds_its_notes():
+    """lab.plan() in a cell: one non-wrapping block (long lines scroll sideways), the heap-hole note folded away unless
+    the host is within 10% of its capacity (or over it), where it could change the verdict."""
+    from grpo_lab.planner import plan
+
+    cfg = load_config("tiny-cpu", ["memory.host_mmap_threshold_mib=null"])
+    result = plan(cfg)
+    assert result.caveats, "a CPU learner at glibc's own threshold has the heap-hole note"
+    page = result._repr_html_()
+    assert "white-space:pre;overflow-x:auto" in page and "<details>" in page and "note:" not in page
+    assert "note: " in str(result)  # the text form (CLI) keeps every note
+    result.devices["host"].capacity = result.devices["host"].total / 0.95  # the host at 95%: the note is at stake
+    assert "<details open>" in result._repr_html_()
+    quiet = plan(load_config("tiny-cpu", ["memory.host_mmap_threshold_mib=0.125"]))
+    assert not quiet.caveats and "<details" not in quiet._repr_html_()

@@ -7,6 +7,7 @@ moment a step has just finished."""
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from grpo_lab.cli import main
 
+HERE = Path(__file__).parent
 STEPS = 4
 RUN = ["tiny-cpu", "--quiet", "--set", "generator.max_completion_length=16", "--set", "run.save_every=1"]
 # what training computes; timings, memory readings and the leak verdict are of the machine, not the run
@@ -39,11 +41,12 @@ def straight(tmp_path_factory, user_cache, tiny_model):
     return training(read_metrics(out))
 
 
-def killed_child(out: Path, prelude: str = "") -> subprocess.Popen:
-    """`grpo-lab run` in a child process; `prelude` (Python run first in the child) may arrange its own SIGKILL."""
+def killed_child(out: Path, prelude: str = "", extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`grpo-lab run` (with `extra` arguments) in a child process; `prelude` (Python run first in the child) may
+    arrange its own SIGKILL."""
     code = (
         "import os, signal, sys\n" + prelude + "\nfrom grpo_lab.cli import main\n"
-        f"sys.exit(main({['run', *RUN, '--steps', str(STEPS), '--out', str(out)]!r}))\n"
+        f"sys.exit(main({['run', *RUN, *extra, '--steps', str(STEPS), '--out', str(out)]!r}))\n"
     )
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -113,6 +116,49 @@ def test_killed_at_an_arbitrary_moment_resumes_to_the_same_metrics(tmp_path, str
     child.send_signal(signal.SIGKILL)  # wherever it is: between steps, inside step 2, or inside a checkpoint write
     child.communicate(timeout=60)
     assert child.returncode == -signal.SIGKILL, "the run finished before the kill; the test did not interrupt it"
+    resume_and_compare(out, straight, capsys)
+
+
+# a user's reward drawing from Python's `random` (tests/random_reward.py), in a child whose `random` is seeded as a
+# user's script would seed it (grpo_lab seeds torch, not `random`)
+SEED = 1234
+RANDOM_REWARD = ("--set", "data.rewards=[random_reward:noisy]")
+SEEDED = f"sys.path.insert(0, {str(HERE)!r})\nimport random\nrandom.seed({SEED})\n"
+
+
+@pytest.mark.slow
+def test_killed_with_a_reward_drawing_from_random_resumes_to_the_same_metrics(
+    tmp_path, tiny_model, capsys, monkeypatch
+):
+    """The checkpoint holds Python's RNG state too: the resumed steps draw the rewards the uninterrupted run drew."""
+    monkeypatch.syspath_prepend(str(HERE))  # the in-process resume imports random_reward too
+    # the uninterrupted run, in a child like the killed one: both start from the same seeded `random`
+    whole = tmp_path / "straight"
+    child = killed_child(whole, SEEDED, RANDOM_REWARD)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err
+    straight = training(read_metrics(whole))
+    assert len({m["reward/noisy"] for m in straight}) == STEPS  # the reward did draw, anew each step
+    prelude = (
+        SEEDED
+        + """
+import random_reward
+real, calls = random_reward.noisy, []
+def noisy(*a, **k):
+    values = real(*a, **k)
+    calls.append(values)
+    if len(calls) == 3:   # inside step 2, after its reward drew: the checkpoint after step 1 is the one resumed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return values
+random_reward.noisy = noisy
+"""
+    )
+    out = tmp_path / "run"
+    child = killed_child(out, prelude, RANDOM_REWARD)
+    child.communicate(timeout=300)
+    assert child.returncode == -signal.SIGKILL
+    assert len(read_metrics(out)) == 2  # the kill landed inside step 2
+    random.seed(SEED)  # the resuming process seeded as the run was: without the checkpoint's state it redraws step 0's
     resume_and_compare(out, straight, capsys)
 
 

@@ -307,3 +307,12 @@ def test_one_step_disables_the_buttons_says_what_runs_and_stops_at_a_phase_bound
     assert log_text(controls) == "" and "grpo-lab-log" in controls.log.value
     controls._say("x" * 2000)  # long lines wrap inside the fixed-width box
     assert "pre-wrap" in controls.log.value and controls.widget.layout.width == "440px"
+
+
+def test_the_log_is_single_spaced_and_a_long_line_hangs_under_its_first_word(loaded_lab):
+    """JupyterLab's HTML widget sets a 28 px line height (its row height), which double-spaced the 12 px log; each
+    line is its own block, and a wrapped one's continuation is indented under it."""
+    controls = StepControls(loaded_lab())
+    controls._say("short\n" + "a long line " * 40)
+    html = controls.log.value
+    assert "line-height:1.35" in html and html.count("text-indent:-2em") == 2

@@ -60,6 +60,11 @@ class Plan:
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
 
+    def _repr_html_(self) -> str:
+        from .render import render_html
+
+        return render_html(self)
+
 
 def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     place, gen, grpo = cfg.placement, cfg.generator, cfg.grpo

@@ -48,7 +48,26 @@ def _sharding(plan) -> list[str]:
     return lines
 
 
-def render(plan) -> str:
+def render_html(plan) -> str:
+    """The plan in a notebook: one block that scrolls sideways instead of wrapping mid-word, its notes (what the plan
+    leaves out, e.g. glibc's heap holes) folded away unless the host is within 10% of its capacity or over it, where
+    they could change the verdict."""
+    import html
+
+    block = f"<pre style='white-space:pre;overflow-x:auto;margin:0'>{html.escape(render(plan, notes=False))}</pre>"
+    if not plan.caveats:
+        return f"<div class='grpo-lab-plan'>{block}</div>"
+    host = plan.devices.get("host")
+    at_stake = host is not None and host.fraction > 0.9
+    notes = "".join(f"<li>{html.escape(c)}</li>" for c in plan.caveats)
+    fold = (
+        f"<details{' open' if at_stake else ''}><summary>notes: what this plan leaves out ({len(plan.caveats)})"
+        f"</summary><ul style='margin:0'>{notes}</ul></details>"
+    )
+    return f"<div class='grpo-lab-plan'>{block}{fold}</div>"
+
+
+def render(plan, notes: bool = True) -> str:
     cfg, shape = plan.config, plan.shape
     lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
     quant = cfg.model.bnb_4bit_quant_type if cfg.model.load_in_4bit else cfg.model.dtype
@@ -80,7 +99,7 @@ def render(plan) -> str:
     if splits:
         lines.append(f"GPU split (generator.gpu_memory_utilization: {cfg.generator.gpu_memory_utilization or 'null'}):")
         lines += [f"  {s.describe()}" for s in splits] + [""]
-    lines += [f"note: {c}" for c in plan.caveats]
+    lines += [f"note: {c}" for c in plan.caveats] if notes else []
     verdict = "fits" if plan.fits else "does not fit on " + ", ".join(d.device for d in plan.failing())
     lines.append(f"verdict: {verdict}")
     if not plan.fits:

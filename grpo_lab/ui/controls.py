@@ -14,11 +14,13 @@ from ..errors import LabError
 from .editor import _widgets
 
 LOG_LINES = 500  # why bounded: a long run's log must not grow the notebook's memory (or the widget's state) forever
-# column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box
+# column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box;
+# line-height: the HTML widget's own is its 28 px row height, which double-spaced a 12 px log
 LOG_STYLE = (
     "height:220px;overflow:auto;display:flex;flex-direction:column-reverse;border:1px solid #ddd;"
-    "font-family:monospace;font-size:12px;padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere"
+    "font-family:monospace;font-size:12px;line-height:1.35;padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere"
 )
+LINE_STYLE = "padding-left:2em;text-indent:-2em"  # a wrapped line's continuation hangs under its first word
 
 
 class _RunningLine:
@@ -84,7 +86,9 @@ class StepControls:
         self._render()
 
     def _render(self) -> None:
-        body = html.escape("\n".join(self.lines), quote=False)
+        body = "".join(
+            f"<div style='{LINE_STYLE}'>{html.escape(line, quote=False) or '&nbsp;'}</div>" for line in self.lines
+        )
         self.log.value = f"<div class='grpo-lab-log' style='{LOG_STYLE}'><div>{body}</div></div>"
 
     def log_text(self) -> str:
