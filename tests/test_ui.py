@@ -41,12 +41,25 @@ def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
         ("placement", "learner", "gpu", "placement.learner"),
     ],
 )
-def test_invalid_edit_shows_a_message_and_leaves_the_config(tiny_config, section, name, bad, field):
+def test_invalid_edit_shows_its_reason_under_its_field_and_keeps_what_was_typed(tiny_config, section, name, bad, field):
+    """Issue 34: the reason sat under the tabs, 1,665 px from the field, and the field quietly reverted."""
     lab = Lab(tiny_config())
     editor = ConfigEditor(lab.config)
     before = lab.config.to_dict()
-    editor.inputs[(section, name)][0].value = bad
-    assert field in editor.message.value and lab.config.to_dict() == before
+    widget, error = editor.inputs[(section, name)][0], editor.errors[(section, name)]
+    widget.value = bad
+    assert error.reason.startswith(field) and error.widget.layout.display == "flex" and "\n" not in error.reason
+    assert f"not applied: {field} stays" in error.reason and lab.config.to_dict() == before
+    assert widget.value == bad and editor.message.value == ""  # what was typed stays in view
+    editor.inputs[("grpo", "learning_rate")][0].value = 0.002  # another field's edit refreshes the others...
+    assert widget.value == bad and lab.config.grpo.learning_rate == 0.002  # ...but not the one waiting
+    error.widget.children[1].click()  # revert
+    assert error.reason is None and error.widget.layout.display == "none"
+    assert (
+        widget.value == editor.inputs[(section, name)][0].value
+        and lab.config.to_dict()[section][name] == before[section][name]
+    )
+    assert str(widget.value) != str(bad)
 
 
 def test_editor_on_a_loaded_lab_edits_it_in_place_and_locks_load_time_fields(loaded_lab, tmp_path):
@@ -60,7 +73,7 @@ def test_editor_on_a_loaded_lab_edits_it_in_place_and_locks_load_time_fields(loa
     assert lab.config.generator.chunk_size == 4 and "next phase" in editor.message.value
     assert lab.rollout().generate_calls == 2  # 8 sequences, 4 per call: the edit took effect
     assert not editor.set("lora", "r", 32)  # what a disabled input cannot send, set() refuses
-    assert "lora.r: fixed when the Lab loads" in editor.message.value and lab.config.lora.r == 8
+    assert editor.errors[("lora", "r")].reason.startswith("lora.r: fixed when the Lab loads") and lab.config.lora.r == 8
     other = lab.config.to_dict()
     other["model"]["dtype"] = "bfloat16"
     other["grpo"]["beta"] = 0.5

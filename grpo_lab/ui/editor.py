@@ -1,10 +1,12 @@
 """The config editor: ipywidgets generated from LabConfig's JSON schema, one tab per section.
 
 Each field gets a typed input (checkbox, number, dropdown for choices, text for optional and
-list values, parsed as YAML), its help text and when a change takes effect as the tooltip, and
-inline validation. Edits go through `LabConfig.update`, the path every edit takes: a value the
-config (or a loaded Lab) refuses shows the one-line error under the tabs and changes nothing.
-Once the Lab is loaded, load-time fields are read-only.
+list values, parsed as YAML), its help text and when a change takes effect on a line under it,
+and inline validation. Edits go through `LabConfig.update`, the path every edit takes: a value the
+config (or a loaded Lab) refuses shows its one-line reason right under its field and changes
+nothing; the typed value stays in view until it is corrected or reverted. Labels and tabs are
+never cut (sized to the longest name, wrapping as a last resort). Once the Lab is loaded,
+load-time fields are read-only.
 """
 
 from __future__ import annotations
@@ -46,12 +48,27 @@ def as_text(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip()
 
 
-def field_widget(name: str, prop: dict, value):
+def label_width(names) -> str:
+    """The label column: the longest field name in `ch` (a digit's width, no narrower than the label font's average
+    letter) plus room, so no name is cut; CSS wraps a label as a last resort (EDITOR_CSS)."""
+    return f"{max(map(len, names)) + 2}ch"
+
+
+# why a style element: ipywidgets gives tabs a fixed width (titles cut to "placeme") and labels no wrapping
+EDITOR_CSS = """<style>
+.grpo-lab-editor .lm-TabBar-tab { min-width: max-content; flex: 0 0 auto; }
+.grpo-lab-editor .widget-label { white-space: normal; overflow-wrap: anywhere; height: auto; }
+.grpo-lab-editor .grpo-lab-field-error { color: #c00; font-size: 12px; line-height: 1.3; white-space: normal; }
+</style>"""
+
+
+def field_widget(name: str, prop: dict, value, label: str = "190px"):
     """The input for one schema property; returns (widget, parse) where parse(widget.value) -> config value."""
     w = _widgets()
     when = prop.get("when", "live")
     kind, tip = prop.get("type"), f"{prop.get('description', '')} [{when}: {WHEN[when]}]"
-    common = dict(description=name, tooltip=tip, style={"description_width": "190px"}, layout=w.Layout(width="460px"))
+    width = f"calc({label} + 270px)"
+    common = dict(description=name, tooltip=tip, style={"description_width": label}, layout=w.Layout(width=width))
     common["continuous_update"] = False  # why: a half-typed value ('4.', '') is refused; apply on Enter or blur
     if "enum" in prop:
         return w.Dropdown(options=prop["enum"], value=value, **_no_update(common)), lambda v: v
@@ -73,7 +90,7 @@ def _no_update(common: dict) -> dict:
     return {k: v for k, v in common.items() if k != "continuous_update"}  # (a choice applies at once)
 
 
-def help_line(prop: dict):
+def help_line(prop: dict, label: str = "190px"):
     """The field's help and when an edit takes effect, as a line under it (tooltips are unreliable in ipywidgets 8)."""
     import html
 
@@ -81,10 +98,31 @@ def help_line(prop: dict):
     when = prop.get("when", "live")
     text = html.escape(f"{prop.get('description', '')} [{when}: {WHEN[when]}]", quote=False)
     return w.HTML(
-        value=f"<div style='color:#666;font-size:11px;line-height:1.3;margin:-2px 0 6px 194px;"
+        value=f"<div style='color:#666;font-size:11px;line-height:1.3;margin:-2px 0 6px calc({label} + 4px);"
         f"white-space:normal'>{text}</div>",
         layout=w.Layout(width="auto"),
     )
+
+
+class FieldError:
+    """A refused value's one-line reason, right under its field, with a button that puts the config's value back;
+    hidden while the field holds what the config holds."""
+
+    def __init__(self, label: str, revert: Callable[[], None]):
+        w = _widgets()
+        self.text = w.HTML(value="")
+        self.text.add_class("grpo-lab-field-error")
+        button = w.Button(description="revert", layout=w.Layout(width="auto"), tooltip="show the config's value again")
+        button.on_click(lambda _: revert())
+        self.widget = w.HBox([self.text, button], layout=w.Layout(margin=f"0 0 4px calc({label} + 4px)"))
+        self.show(None)
+
+    def show(self, reason: Optional[str]) -> None:
+        import html
+
+        self.reason = reason
+        self.text.value = "" if reason is None else html.escape(reason, quote=False)
+        self.widget.layout.display = "none" if reason is None else "flex"
 
 
 LEGEND = (
@@ -107,19 +145,22 @@ class ConfigEditor:
         self.config, self.on_change, self.loaded = config, on_change, loaded
         self.inputs: dict[tuple[str, str], tuple] = {}
         self.help: dict[tuple[str, str], object] = {}  # the line under each field: its help and when it applies
+        self.errors: dict[tuple[str, str], FieldError] = {}  # a refused value's reason, under its field
         self.message = w.HTML(value="")
         schema = LabConfig.model_json_schema()
         defs, data = schema["$defs"], config.to_dict()
+        label = label_width(n for prop in schema["properties"].values() for n in _resolve(prop, defs)["properties"])
         tabs = []
         for section, prop in schema["properties"].items():
             fields = _resolve(prop, defs)["properties"]
             rows = []
             for name, fprop in fields.items():
-                widget, parse = field_widget(name, fprop, data[section][name])
+                widget, parse = field_widget(name, fprop, data[section][name], label)
                 widget.observe(self._changed(section, name), names="value")
                 self.inputs[(section, name)] = (widget, parse)
-                self.help[(section, name)] = help_line(fprop)
-                rows += [widget, self.help[(section, name)]]
+                self.errors[(section, name)] = FieldError(label, self._revert(section, name))
+                self.help[(section, name)] = help_line(fprop, label)
+                rows += [widget, self.errors[(section, name)].widget, self.help[(section, name)]]
             tabs.append(w.VBox(rows))
         self.tabs = w.Tab(children=tabs)
         for i, section in enumerate(schema["properties"]):
@@ -129,7 +170,8 @@ class ConfigEditor:
         load.on_click(lambda _: self.load(self.path.value))
         save.on_click(lambda _: self.save(self.path.value))
         self.legend = w.HTML(value=LEGEND)
-        self.widget = w.VBox([self.tabs, self.message, self.legend, w.HBox([self.path, load, save])])
+        style = w.HTML(value=EDITOR_CSS, layout=w.Layout(display="none"))
+        self.widget = w.VBox([style, self.tabs, self.message, self.legend, w.HBox([self.path, load, save])])
         self.widget.add_class("grpo-lab-editor")
         self._syncing = False
         self.lock_load_time()
@@ -148,16 +190,18 @@ class ConfigEditor:
         return handler
 
     def set(self, section: str, name: str, raw) -> bool:
-        """Apply one edit through the config's update (validated, guarded when loaded), else show why and put
-        the input back. Returns whether applied."""
+        """Apply one edit through the config's update (validated, guarded when loaded), else show why under the
+        field, keeping the typed value in view (the config keeps its own). Returns whether applied."""
         _, parse = self.inputs[(section, name)]
         path = f"{section}.{name}"
         try:
             changed = self.config.update({path: parse(raw)})
         except (LabError, yaml.YAMLError, ValueError, TypeError) as err:
-            self._error(err)
-            self.refresh()  # why: the input shows what the config holds, not the refused value
+            keeps = as_text(self.config.to_dict()[section][name])
+            self.errors[(section, name)].show(f"{str(err).strip()} (not applied: {path} stays {keeps})")
+            self.message.value = ""
             return False
+        self.errors[(section, name)].show(None)
         when = field_when(path)
         self.message.value = f"{path}: {WHEN[when]}" if changed else ""
         self.refresh()
@@ -170,13 +214,23 @@ class ConfigEditor:
 
         self.message.value = f"<span style='color:#c00'>{html.escape(str(err), quote=False)}</span>"
 
+    def _revert(self, section: str, name: str) -> Callable[[], None]:
+        def revert():
+            self.errors[(section, name)].show(None)
+            self.refresh()
+
+        return revert
+
     def refresh(self) -> None:
-        """Show the current config in every input (and lock load-time inputs if the Lab was loaded since)."""
+        """Show the current config in every input but one whose refused value waits to be corrected or reverted
+        (and lock load-time inputs if the Lab was loaded since)."""
         self.lock_load_time()
         data = self.config.to_dict()
         self._syncing = True
         try:
             for (section, name), (widget, _) in self.inputs.items():
+                if self.errors[(section, name)].reason is not None:
+                    continue
                 value = data[section][name]
                 if isinstance(widget.value, str) and not isinstance(value, str):
                     value = as_text(value)
