@@ -253,11 +253,11 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     time.sleep(0.3)
     assert plot.refreshes >= 2  # the renderer thread ran during/after the step
     plot.refresh()
-    lines = [t for t in plot.fig.data if t.legendgroup != "phases"]
+    lines = list(plot.fig.data)
     names = {trace.name for trace in lines}
     assert {"host rss", "host used"} <= names and all(len(t.x) > 3 for t in lines)
-    legend = [t.name for t in plot.fig.data if t.legendgroup == "phases"]
-    assert {"rollout", "backward", "optimizer"} <= set(legend)  # every band's colour named, at any zoom
+    key = next(a for a in plot.fig.layout.annotations if a.name == "phase-key")
+    assert all(phase in key.text for phase in PHASES)  # every band's colour named, in one row, at any zoom
     shapes = plot.fig.layout.shapes
     assert sum(s.type == "rect" for s in shapes) == 7  # one band per phase of the step
     limits = [a.text for a in plot.fig.layout.annotations] + [plot.fig.layout.title.text]
@@ -583,3 +583,67 @@ def test_an_idle_plot_redraws_at_most_every_two_seconds_while_the_sampler_sample
         assert plot.refreshes > before
     finally:
         lab.close()
+
+
+def fake_sampler(marks, samples, running=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        samples_since=lambda index: samples[index:],
+        marks=marks,
+        probes=[None],
+        host_threshold=0.95,
+        latest=lambda device: {"limit": 64 * 1024 * MiB},
+        running=lambda: running[0] if running else None,
+    )
+
+
+def test_the_running_phases_band_grows_and_its_time_is_not_squeezed_as_idle():
+    """Issue 34: during a 12 s rollout the x axis stayed put (the running phase counted as idle), then jumped."""
+    from grpo_lab.ui.live import LivePlot
+
+    marks = [(0, phase, 2.0 * i, 2.0 * i + 2.0) for i, phase in enumerate(PHASES)]  # step 0: 14 s
+    samples = [(i * 0.5, 0, None, "host", "rss", 100 * MiB) for i in range(29)]
+    running = [(1, "rollout", 14.0)]
+    plot = LivePlot(fake_sampler(marks, samples, running), max_points=5000)
+    widths = []
+    for end in (20.0, 26.0):  # the rollout 6 s in, then 12 s in
+        samples += [
+            (t / 2, 1, "rollout", "host", "rss", 100 * MiB)
+            for t in range(int(samples[-1][0] * 2) + 1, int(end * 2) + 1)
+        ]
+        plot.refresh()
+        band = plot.fig.layout.shapes[plot._running_band]
+        widths.append(band.x1 - band.x0)
+        assert max(plot.fig.data[0].x) == pytest.approx(end)  # no squeeze: the running time is work time
+    assert widths == pytest.approx([6.0, 12.0])
+
+
+def test_thirty_steps_keep_every_band_of_the_window_and_say_so():
+    """Issue 34: after about 9 steps the oldest bands and step markers vanished while the line stayed."""
+    from grpo_lab.memory.figures import MIN_STEP_GAP
+    from grpo_lab.ui.live import LivePlot
+
+    marks = [(s, phase, s * 7.0 + i, s * 7.0 + i + 1) for s in range(30) for i, phase in enumerate(PHASES)]
+    samples = [(i * 0.5, 0, None, "host", "rss", 100 * MiB) for i in range(30 * 7 * 2)]
+    plot = LivePlot(fake_sampler(marks, samples), max_points=5000, max_steps=10)
+    plot.refresh()
+    assert "last 10 of 30 steps" in plot.fig.layout.title.text
+    bands = [s for s in plot.fig.layout.shapes if s.type == "rect"]
+    assert len(bands) == 10 * len(PHASES)  # every band of the steps in view
+    lo, hi = plot.fig.layout.xaxis.range
+    assert lo == pytest.approx(20 * 7.0) and all(lo <= b.x0 and b.x1 <= hi + 1e-9 for b in bands)
+    starts = sorted(a.x for a in plot.fig.layout.annotations if str(a.text).startswith("step "))
+    assert all((b - a) / (hi - lo) >= MIN_STEP_GAP for a, b in zip(starts, starts[1:]))  # labels never overlap
+    few = LivePlot(fake_sampler(marks[:21], samples[:42]), max_points=5000, max_steps=10)
+    few.refresh()
+    assert "last" not in few.fig.layout.title.text and few.fig.layout.xaxis.range is None
+
+
+def test_a_replaced_plot_says_so_in_its_title(loaded_lab):
+    lab = loaded_lab()
+    first = lab.memory_plot()
+    second = lab.memory_plot()
+    assert "stopped: replaced by a newer plot" in first.fig.layout.title.text and first._thread is None
+    assert "stopped" not in second.fig.layout.title.text
+    lab.close()

@@ -17,6 +17,7 @@ LEDGER_NAMES = {
 }
 FAR = 1.5  # a limit above FAR x the data's maximum is named in a corner instead of drawn
 MIN_LABELLED = 0.02  # a phase band narrower than this share of the run gets no label (they would overlap)
+MIN_STEP_GAP = 0.07  # a step label nearer than this share of the view to the last one is left out ("step 4step 5")
 
 
 def primary_metric(device: str, metrics) -> str:
@@ -50,9 +51,10 @@ def trace_style(device: str, metric: str) -> dict:
 
 
 def band_labels(marks) -> list[dict]:
-    """Annotations naming each phase band wide enough to hold a label, and each step where it starts."""
+    """Annotations naming each phase band wide enough to hold a label, and each step where it starts, but for a step
+    that starts too close to the last labelled one (their labels would overlap)."""
     span = max((end for *_, end in marks), default=1.0) - min((start for _, _, start, _ in marks), default=0.0)
-    out, seen = [], set()
+    out, seen, last = [], set(), float("-inf")
     for step, phase, start, end in marks:
         if span and (end - start) / span >= MIN_LABELLED:
             out.append(
@@ -70,6 +72,9 @@ def band_labels(marks) -> list[dict]:
             )
         if step not in seen:
             seen.add(step)
+            if span and (start - last) / span < MIN_STEP_GAP:
+                continue
+            last = start
             out.append(
                 dict(
                     x=start,
@@ -116,21 +121,9 @@ def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
     return x
 
 
-def phase_legend(phases) -> list[dict]:
-    """One legend entry per phase colour (the bands are shapes, which plotly's legend does not list)."""
-    return [
-        dict(
-            x=[None],
-            y=[None],
-            mode="markers",
-            name=phase,
-            legendgroup="phases",
-            showlegend=True,
-            marker=dict(symbol="square", size=12, color=COLOURS.get(phase, "#cccccc"), opacity=0.35),
-            hoverinfo="skip",
-        )
-        for phase in phases
-    ]
+def phase_key(phases) -> str:
+    """The phases' colours as one line of text (a square in each colour, then its name), for a compact legend."""
+    return "  ".join(f"<span style='color:{COLOURS.get(p, '#cccccc')}'>&#9632;</span> {p}" for p in phases)
 
 
 def step_separators(marks) -> list[dict]:

@@ -130,6 +130,11 @@ class MemorySampler:
         with self._lock:
             self._open = {"start": start, "peak": dict(start), "t": time.perf_counter() - self.t0}
 
+    def running(self):
+        """(step, phase, start) of the phase under way (start: seconds since the sampler started), or None."""
+        with self._lock:
+            return None if self._open is None else (self.step, self.phase, self._open["t"])
+
     def phase_ended(self, record, error) -> None:
         end = self.read()
         with self._lock:

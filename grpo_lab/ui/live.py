@@ -2,6 +2,11 @@
 stacked (torch allocated, torch cache, not torch: figures.LEDGER), shaded phase bands, and dashed lines
 for each device's capacity and the host-RAM threshold.
 
+The running phase's band grows as it runs (its x is working time, not squeezed idle). The view shows the last
+`max_steps` steps (the title says so once there are more), every step's bands kept; phases are named in one row of
+coloured squares, the lines' legend is one row below, and a step label too close to the last one is left out.
+A plot replaced by a newer one (another `lab.memory_plot()` or `lab.ui()`) says so in its title and stops.
+
 A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
 sampler thread never touches the widget, and the kernel stays free to run cells while a step
 runs; it stops with Lab.close() or when the widget is closed. Its history is bounded (`Series`): each line
@@ -20,7 +25,7 @@ from ..algo.phases import COLOURS, PHASE_NAMES
 from ..memory.figures import (
     band_labels,
     drawn,
-    phase_legend,
+    phase_key,
     stack_top,
     step_separators,
     trace_order,
@@ -73,30 +78,32 @@ IDLE_REFRESH_S = 2.0
 
 
 class LivePlot:
-    def __init__(self, sampler, refresh_s: float = 0.5, max_points: int = 600, max_bands: int = 60):
+    def __init__(self, sampler, refresh_s: float = 0.5, max_points: int = 600, max_steps: int = 10):
         go = _needs_notebook_extra()
-        self.sampler, self.refresh_s, self.max_points, self.max_bands = sampler, refresh_s, max_points, max_bands
+        self.sampler, self.refresh_s, self.max_points, self.max_steps = sampler, refresh_s, max_points, max_steps
         self._series: dict[tuple[str, str], Series] = {}
         self._index = 0  # next sampler sample to ingest
         self._marks_drawn = -1  # phase bands are redrawn only when a phase has ended
         self._limits = host_limits(sampler)
         self._near: dict[str, float] = {}
         self._clock = lambda t: t  # sample time -> x (figures.work_clock: idle squeezed)
+        self._title = "Live memory (MiB)"  # what the title says besides the window and the off-scale limits
+        self._running_band: Optional[int] = None  # the index in layout.shapes of the running phase's band
         self.fig = go.FigureWidget(
             layout=dict(
-                title=dict(text="Live memory (MiB)", x=0.01, xanchor="left", y=0.98, yanchor="top"),
-                xaxis_title="seconds of work (idle spans squeezed to 1 s)",
+                title=dict(text=self._title, x=0.01, xanchor="left", y=0.98, yanchor="top", font=dict(size=14)),
+                xaxis_title=dict(text="seconds of work (idle spans squeezed to 1 s)", font=dict(size=11)),
                 yaxis_title="MiB",
                 height=400,
                 autosize=True,
-                # why t=80: the title sits below plotly's toolbar (modebar) instead of under it
-                margin=dict(t=80, l=50, r=20, b=40),
-                legend=dict(orientation="h", y=-0.25),
+                # why these margins: the plot area keeps 72% of the height; title and phase key above, legend below
+                margin=dict(t=44, l=50, r=20, b=68),
+                legend=dict(orientation="h", x=0, xanchor="left", y=-0.17, yanchor="top", font=dict(size=10)),
+                annotations=[self._key()],
             )
         )
         self.fig.layout.width = None  # full width of the cell
         self._lines: dict[tuple[str, str], int] = {}
-        self._legend = False  # the phase colours' legend entries, added with the first band
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()  # why: the renderer thread and a cell (display, Panel) both refresh
@@ -120,18 +127,52 @@ class LivePlot:
                 self._series.setdefault((device, metric), Series(2 * self.max_points)).add(t, value / MiB)
         ordered = sorted(self._series, key=lambda key: trace_order(*key))  # why: a stack is drawn in trace order
         now = max((line.xs[-1] for line in self._series.values() if line.xs), default=0.0)
-        self._clock = work_clock(self.sampler.marks, now)
+        running = self._running(now)
+        # why the running phase too: else its time counts as idle and is squeezed until it ends (the axis jumped)
+        self._clock = work_clock(self.sampler.marks + running, now)
         return {key: ([self._clock(t) for t in self._series[key].xs], list(self._series[key].ys)) for key in ordered}
 
-    def _limits_in_view(self, series) -> dict[str, float]:
+    def _running(self, now: float) -> list[tuple]:
+        """The phase under way as a mark that ends now (none between phases)."""
+        running = self.sampler.running() if hasattr(self.sampler, "running") else None
+        return [] if running is None else [(*running, max(now, running[2]))]
+
+    @staticmethod
+    def _key() -> dict:
+        """The phases' colours in one row, above the plot at its right."""
+        return dict(
+            xref="paper",
+            yref="paper",
+            x=1,
+            y=1.0,
+            xanchor="right",
+            yanchor="bottom",
+            showarrow=False,
+            text=phase_key(PHASE_NAMES),
+            font=dict(size=10),
+            name="phase-key",
+        )
+
+    def _window(self, marks) -> tuple[list, str]:
+        """The marks of the last `max_steps` steps, and what the title says about the window (nothing before it
+        leaves anything out)."""
+        steps = sorted({step for step, *_ in marks})
+        if len(steps) <= self.max_steps:
+            return marks, ""
+        kept = set(steps[-self.max_steps :])
+        return [m for m in marks if m[0] in kept], f"  ·  last {self.max_steps} of {len(steps)} steps"
+
+    def _limits_in_view(self, series, window: str = "") -> dict[str, float]:
         """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
         top = stack_top(series) if series else 0.0
         near = {name: mib for name, mib in self._limits.items() if mib <= 2 * top}
         far = [f"{name} {mib / 1024:.1f} GiB" for name, mib in self._limits.items() if name not in near]
-        self.fig.layout.title.text = "Live memory (MiB)" + (f"  ·  off scale: {', '.join(far)}" if far else "")
+        self.fig.layout.title.text = self._title + window + (f"  ·  off scale: {', '.join(far)}" if far else "")
         return near
 
-    def _shapes(self, marks) -> list[dict]:
+    def _shapes(self, marks, running) -> list[dict]:
+        """The finished phases' bands, the running phase's band (its index kept: it grows), step separators and
+        the drawn limits."""
         bands = [
             dict(
                 type="rect",
@@ -145,8 +186,9 @@ class LivePlot:
                 fillcolor=COLOURS.get(phase, "#cccccc"),
                 opacity=0.12,
             )
-            for _, phase, start, end in marks
+            for _, phase, start, end in marks + running
         ]
+        self._running_band = len(marks) if running else None
         lines = [
             dict(
                 type="line",
@@ -179,7 +221,7 @@ class LivePlot:
             )
             for name, mib in self._near.items()
         ]
-        return names + band_labels(marks)
+        return [self._key()] + names + band_labels(marks)
 
     def refresh(self) -> None:
         """Redraw from the sampler's buffer (called by the renderer thread, or by hand)."""
@@ -201,20 +243,21 @@ class LivePlot:
                 else:
                     trace = self.fig.data[self._lines[key]]
                     trace.x, trace.y = xs, ys
-            near = self._limits_in_view(series)
-            if len(self.sampler.marks) != self._marks_drawn or near.keys() != self._near.keys():
-                # why only then: validating shapes is the costly part of a redraw
+            now = max((xs[-1] for xs, _ in series.values() if xs), default=0.0)
+            running = [(s, p, self._clock(a), now) for s, p, a, _ in self._running(self._series_end())]
+            marks, window = self._window([(s, p, self._clock(a), self._clock(b)) for s, p, a, b in self.sampler.marks])
+            near = self._limits_in_view(series, window)
+            grown = running and self._running_band is not None and len(self.sampler.marks) == self._marks_drawn
+            if grown and near.keys() == self._near.keys():
+                # why one property: validating every shape is the costly part of a redraw; only this band moved
+                self.fig.layout.shapes[self._running_band].x1 = now
+            elif len(self.sampler.marks) != self._marks_drawn or near.keys() != self._near.keys() or running:
                 self._marks_drawn, self._near = len(self.sampler.marks), near
-                marks = [
-                    (step, phase, self._clock(a), self._clock(b))
-                    for step, phase, a, b in self.sampler.marks[-self.max_bands :]
-                ]
-                if marks and not self._legend:
-                    self._legend = True
-                    for entry in phase_legend(PHASE_NAMES):
-                        self.fig.add_scatter(**entry)
-                self.fig.layout.shapes = self._shapes(marks)
-                self.fig.layout.annotations = self._annotations(marks)
+                self.fig.layout.shapes = self._shapes(marks, running)
+                self.fig.layout.annotations = self._annotations(marks + running)
+            first = min((a for _, _, a, _ in marks + running), default=None)
+            last = max([now] + [b for *_, b in marks + running])
+            self.fig.layout.xaxis.range = [first, last] if window and first is not None else None
         self.refreshes += 1
         self._drawn_at = time.monotonic()
 
@@ -231,6 +274,16 @@ class LivePlot:
                 self.refresh()
             except Exception:  # a closed comm (kernel restarted, cell cleared) must not kill the thread loudly
                 pass
+
+    def _series_end(self) -> float:
+        return max((line.xs[-1] for line in self._series.values() if line.xs), default=0.0)
+
+    def retire(self, why: str) -> None:
+        """Stop redrawing, and say so in the title (a newer plot replaced this one)."""
+        self.stop()
+        with self._lock:
+            self._title = f"Live memory (MiB)  ·  stopped: {why}"
+            self.fig.layout.title.text = self._title
 
     def stop(self) -> None:
         """Stop the renderer (Lab.close(), or the widget was closed); idempotent, safe from any thread."""

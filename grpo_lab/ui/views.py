@@ -40,7 +40,7 @@ class LabViews:
 
         self._require_loaded()
         for old in self._plots:  # why: one live plot per Lab; a new one (a new lab.ui()) replaces the last one's thread
-            old.stop()
+            old.retire("replaced by a newer plot (lab.ui() or lab.memory_plot() ran again); this one no longer updates")
         plot = LivePlot(self.memory, refresh_s=refresh_s).start()
         self._plots[:] = [plot]
         return plot
