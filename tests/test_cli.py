@@ -126,3 +126,18 @@ def test_tiny_command_is_deterministic(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == b"damaged"
     assert grpo_lab("tiny", str(tmp_path / "a"), "--force").returncode == 0  # --force rebuilds it
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_building_a_built_in_model_shows_its_progress(tmp_path, capsys):
+    """Issue 34: the first load ran minutes showing nothing while the built-in model trained. The build shows a
+    progress bar (tqdm: a widget in a notebook, stderr here) naming what it does, with the time left."""
+    from grpo_lab.cli import main
+
+    assert main(["tiny", str(tmp_path / "m"), "--model", "tiny-random"]) == 0
+    err = capsys.readouterr().err
+    assert "building m (once; later loads read it)" in err and "100%" in err and "saving" in err
+    from grpo_lab.models.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "t", train_steps=3, label="a trained one")  # a trained build counts its steps
+    err = capsys.readouterr().err
+    assert "a trained one" in err and "training on the arithmetic set (3 steps)" in err and "6/6" in err

@@ -106,6 +106,7 @@ def build_tiny_model(
     num_attention_heads: Optional[int] = None,
     num_key_value_heads: int = 1,
     dtype: str = "float32",
+    label: Optional[str] = None,
 ) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
     same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
@@ -119,8 +120,12 @@ def build_tiny_model(
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
+    bar = _progress(label or f"building {path.name}", train_steps)
+    bar.set_postfix_str("training the tokenizer")
     # why 384 untrained: all the tiny corpus has merges for; a trained model's corpus adds the worked solutions
     tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
+    bar.update()
+    bar.set_postfix_str("initialising the weights")
     config = Qwen2Config(
         vocab_size=max(vocab_size, len(tokenizer)),
         hidden_size=hidden_size,
@@ -140,16 +145,30 @@ def build_tiny_model(
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
+    bar.update()
     if train_steps:
         from .tiny_train import train_on_arithmetic
 
-        train_on_arithmetic(model, tokenizer, train_steps, seed)
+        bar.set_postfix_str(f"training on the arithmetic set ({train_steps} steps)")
+        train_on_arithmetic(model, tokenizer, train_steps, seed, on_step=bar.update)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    bar.set_postfix_str("saving")
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    bar.update()
+    bar.set_postfix_str("done")
+    bar.close()
     return path
+
+
+def _progress(label: str, train_steps: int):
+    """A progress bar over the build's stages (tokenizer, weights, each training step, saving), with tqdm's estimate
+    of the time left: a widget in a notebook, a line on stderr in a terminal or a log."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=3 + train_steps, desc=label, unit="stage" if not train_steps else "step", leave=True)
 
 
 def _make_eos_reachable(model, tokenizer, probability: float) -> None:
@@ -198,7 +217,8 @@ def ensure_tiny_model(path: Union[str, Path], seed: int = 0, **shape) -> Path:
             fcntl.flock(lock, fcntl.LOCK_EX)  # why: a notebook kernel and a CLI run may both build it first
             recover_dir(path)  # a build or swap a crash interrupted
             if not (path / "config.json").is_file():
-                atomic_write_dir(path, lambda tmp: build_tiny_model(tmp, seed, **shape))
+                label = f"building {path.name} (once; later loads read it)"
+                atomic_write_dir(path, lambda tmp: build_tiny_model(tmp, seed, label=label, **shape))
     except OSError as err:
         raise LabError(
             f"tiny model: cannot write {str(path)!r} ({err.strerror}); choose a writable directory"

@@ -50,8 +50,9 @@ def worked_examples(tokenizer, n: int, seed: int):
     return ids, mask, labels
 
 
-def train_on_arithmetic(model, tokenizer, steps: int = STEPS, seed: int = 0) -> float:
-    """AdamW with warm-up and cosine decay over `steps` batches of BATCH; returns the last batch's loss."""
+def train_on_arithmetic(model, tokenizer, steps: int = STEPS, seed: int = 0, on_step=None) -> float:
+    """AdamW with warm-up and cosine decay over `steps` batches of BATCH; returns the last batch's loss. `on_step()`
+    is called after each step (the build's progress bar)."""
     import math
 
     import torch
@@ -75,5 +76,7 @@ def train_on_arithmetic(model, tokenizer, steps: int = STEPS, seed: int = 0) -> 
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step()
     model.eval()
     return float(loss.detach())
