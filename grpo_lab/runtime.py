@@ -232,7 +232,7 @@ def capture_rng(cuda: Optional[list[int]] = None) -> dict:
 
 def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    pass  # random.setstate(state["python"])
+    random.setstate(state["python"])
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
         if isinstance(cuda, list):  # a checkpoint written before states were keyed by device
