@@ -54,7 +54,9 @@ class Lab(LabViews):
     reference = property(lambda self: self.executor.reference)
     prompts = property(lambda self: self.executor.prompts)
     reference_strategy = property(lambda self: self.executor.reference_strategy)
-    reward_funcs = property(lambda self: self.executor.reward_funcs)
+    reward_funcs = property(
+        lambda self: self.executor.reward_funcs, lambda self, f: setattr(self.executor, "reward_funcs", f)
+    )
 
     # --- the config: one edit path (see config/edits.py) ---
     @property
