@@ -308,11 +308,16 @@ def plot_state(pg):
 
 
 def test_the_running_phases_band_grows_during_a_long_rollout_and_a_cells_step_is_refused_in_one_line(page):
+    """Issue 34: during a 12 s rollout the x axis stayed put, then jumped; a refused lab.step() was 41 lines."""
     pg, read_state = page
-    box = field(pg, "generator", "max_completion_length").locator("input").first
-    box.fill("512")
-    box.press("Enter")
-    wait_for(read_state, lambda s: s["config"]["generator"]["max_completion_length"] == 512, timeout=20)
+    # a long rollout: the trained tiny model ends its answers in ~20 tokens, so one sequence per generate call
+    # over 4 prompts x 8 completions (32 calls in a row)
+    settings = {("generator", "chunk_size"): ("1", 1, "null"), ("grpo", "prompts_per_step"): ("4", 4, "2")}
+    for (section, name), (typed, value, _) in settings.items():
+        box = field(pg, section, name).locator("input").first
+        box.fill(typed)
+        box.press("Enter")
+        wait_for(read_state, lambda s, sec=section, n=name, v=value: s["config"][sec][n] == v, timeout=20)
     before = read_state()["history"]
     panel(pg).locator("button", has_text="one step").click()
     wait_for(read_state, lambda s: s["running"][1:2] == ["rollout"], timeout=60)
@@ -337,9 +342,11 @@ def test_the_running_phases_band_grows_during_a_long_rollout_and_a_cells_step_is
     pg.screenshot(path=str(ARTIFACTS / "panel_refused_step.png"))
     assert "another phase of this Lab is running" in text and len(text.splitlines()) == 1, text
     wait_for(read_state, lambda s: s["history"] == before + 1, timeout=300)
-    box.fill("8")
-    box.press("Enter")
-    wait_for(read_state, lambda s: s["config"]["generator"]["max_completion_length"] == 8, timeout=20)
+    for (section, name), (_, _, back) in settings.items():
+        box = field(pg, section, name).locator("input").first
+        box.fill(back)
+        box.press("Enter")
+    wait_for(read_state, lambda s: s["config"]["grpo"]["prompts_per_step"] == 2, timeout=20)
 
 
 def test_thirty_steps_keep_every_band_of_the_window_a_compact_legend_and_apart_labels(page):

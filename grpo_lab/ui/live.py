@@ -94,11 +94,12 @@ class LivePlot:
                 title=dict(text=self._title, x=0.01, xanchor="left", y=0.98, yanchor="top", font=dict(size=14)),
                 xaxis_title=dict(text="seconds of work (idle spans squeezed to 1 s)", font=dict(size=11)),
                 yaxis_title="MiB",
-                height=400,
+                height=420,
                 autosize=True,
-                # why these margins: the plot area keeps 72% of the height; title and phase key above, legend below
-                margin=dict(t=44, l=50, r=20, b=68),
-                legend=dict(orientation="h", x=0, xanchor="left", y=-0.17, yanchor="top", font=dict(size=10)),
+                # why these margins: the plot area keeps over 70 % of the height; the title, the lines' legend (left)
+                # and the phase key (right) share the top margin, the x axis' title the bottom one
+                margin=dict(t=62, l=50, r=20, b=42),
+                legend=dict(orientation="h", x=0, xanchor="left", y=1.0, yanchor="bottom", font=dict(size=10)),
                 annotations=[self._key()],
             )
         )
