@@ -106,6 +106,8 @@ class RestOfStep:
         self.lab = lab
 
     def __getattr__(self, name: str):
+        if name not in BY_NAME:
+            raise AttributeError(name)
         phase, lab = BY_NAME[name], self.lab
 
         def run(*inputs):
