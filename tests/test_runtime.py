@@ -63,7 +63,7 @@ def test_a_rank_checks_its_learner_on_its_own_device(as_rank, monkeypatch):
     class Lab:
         config = gpu_config("cuda:0", procs=2)
 
-    ex = executor_module.LocalExecutor(Lab())
+    ex = executor_module.LocalExecutor(Lab.config, None, lambda: 0)
     ex.learner = type("Learner", (), {"model": None})()
     as_rank(1)
     ex.check_learner()
@@ -91,7 +91,7 @@ def test_allocator_snapshots_go_to_one_folder_per_rank(as_rank, tmp_path):
         folders = []
         for rank in (0, 1):
             as_rank(rank)
-            folders.append(LocalExecutor(Lab()).listeners()[0].directory)
+            folders.append(LocalExecutor(Lab.config, None, lambda: 0).listeners()[0].directory)
     assert folders == [tmp_path / "memory_snapshots" / "rank0", tmp_path / "memory_snapshots" / "rank1"]
     assert Runtime().snapshot_dir(str(tmp_path)) == tmp_path / "memory_snapshots"  # one process: as before
 
@@ -204,8 +204,9 @@ def test_the_host_guard_runs_once_in_the_driver_never_on_a_rank(as_rank):
     class Lab:
         config = load_config("tiny-cpu", ["memory.host_threshold=0.0001", "memory.sample_hz=0"])
 
-    driver = LocalExecutor(Lab()).memory_sampler()
+    driver = LocalExecutor(Lab.config, None, lambda: 0).memory_sampler()
     with pytest.raises(HostMemoryExceeded):
         driver.check_host(0, "rollout")
     as_rank(1)
-    LocalExecutor(Lab()).memory_sampler().check_host(0, "rollout")  # a rank: no refusal of its own
+    # a rank: no refusal of its own
+    LocalExecutor(Lab.config, None, lambda: 0).memory_sampler().check_host(0, "rollout")
