@@ -105,3 +105,8 @@ def reward_name(fn: Callable) -> str:
         if registered is fn:
             return name
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def reward_functions(given, config) -> list[Callable]:
+    """The run's reward functions: those passed to the Lab, else the ones data.rewards names (both executors')."""
+    return [resolve_reward(r) for r in (given or config.data.rewards)]

@@ -51,11 +51,11 @@ class RankExecutor:
     on_cuda = False  # the driver computes nothing; each rank marks its own phases
 
     def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
-        from ..algo.rewards import resolve_reward
+        from ..algo.rewards import reward_functions
 
         self.config = config
         self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
-        self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or config.data.rewards)]
+        self.reward_funcs = reward_functions(reward_funcs, config)
         self.step_index = step_index
         self.ranks: Optional[Ranks] = None
         self.generator = None  # the ranks' one vLLM engine, in this process (cluster/remote.py), if any

@@ -70,11 +70,11 @@ class LocalExecutor:
     name = "local"
 
     def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
-        from ..algo.rewards import resolve_reward
+        from ..algo.rewards import reward_functions
 
         self.config = config
         self.rewards_given = reward_funcs is not None
-        self.reward_funcs = [resolve_reward(r) for r in (reward_funcs or config.data.rewards)]
+        self.reward_funcs = reward_functions(reward_funcs, config)
         self.step_index = step_index
         self.learner = self.generator = self.reference = self.prompts = None
         self.reference_strategy: Optional[str] = None  # the strategy the reference was built with
