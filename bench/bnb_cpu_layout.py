@@ -45,7 +45,7 @@ if __name__ == "__main__" and "--threads" in sys.argv:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/bnb_cpu_layout.py` works too
-from bench.planner_accuracy import build_model  # noqa: E402
+from bench.shapes import build_model  # noqa: E402
 
 QS_FIELDS = ("absmax", "dtype", "nested", "offset", "state2")  # what the repack changes in a QuantState
 REPACK_MARKS = ("original_dtype", "original_nested", "original_qshape", "original_storage_type")

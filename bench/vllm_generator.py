@@ -83,7 +83,7 @@ def per_step(lab, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    from bench.planner_accuracy import build_model
+    from bench.shapes import build_model
     from grpo_lab.models.tiny import ensure_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -15,6 +15,8 @@ from grpo_lab import Lab
 from grpo_lab.errors import LabError
 from grpo_lab.runtime import Runtime
 
+pytestmark = pytest.mark.solo  # why: it starts Ray and two rank processes (scripts/test.sh runs it alone)
+
 SHARDED = ["placement.learner_procs=2"]
 SAMPLER_TOL = 1e-5
 
@@ -56,7 +58,7 @@ def test_a_row_samples_the_same_tokens_whatever_rows_are_beside_it(tiny_model):
 
 
 def test_a_checksum_mismatch_is_one_line_naming_the_rank(monkeypatch):
-    from grpo_lab.cluster import rollout as sample
+    from grpo_lab.generation import sample_once as sample
 
     digests = ["a" * 64, "a" * 64, "b" * 64]
     monkeypatch.setattr(sample, "runtime", lambda: type("R", (), {"gather_objects": lambda self, v: digests})())
