@@ -117,15 +117,29 @@ def test_missing_config_file_and_bad_steps(tmp_path):
 
 
 def test_tiny_command_is_deterministic(tmp_path):
+    """`grpo-lab tiny` twice writes the same bytes; a present model is left alone, --force rebuilds it. The CLI's
+    part runs on tiny-random (the trained default spends ~3 min per build on one thread, three builds made this the
+    suite's slowest test); the training's determinism is checked below on a 4-step trained build of the same shape."""
     for name in ("a", "b"):
-        assert grpo_lab("tiny", str(tmp_path / name)).returncode == 0
+        assert grpo_lab("tiny", str(tmp_path / name), "--model", "tiny-random").returncode == 0
     for file in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
     (tmp_path / "a" / "model.safetensors").write_bytes(b"damaged")
-    assert grpo_lab("tiny", str(tmp_path / "a")).returncode == 0  # present: left as it is
+    assert grpo_lab("tiny", str(tmp_path / "a"), "--model", "tiny-random").returncode == 0  # present: left as it is
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == b"damaged"
-    assert grpo_lab("tiny", str(tmp_path / "a"), "--force").returncode == 0  # --force rebuilds it
+    assert grpo_lab("tiny", str(tmp_path / "a"), "--model", "tiny-random", "--force").returncode == 0  # rebuilt
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_a_trained_build_is_deterministic(tmp_path):
+    """The built-in trained model's recipe (models.tiny.BUILTINS), cut to 4 training steps, twice: the same bytes."""
+    from grpo_lab.models.tiny import BUILTINS, TINY, build_tiny_model
+
+    recipe = {**BUILTINS[TINY][1], "train_steps": 4}
+    for name in ("a", "b"):
+        build_tiny_model(tmp_path / name, **recipe)
+    for file in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
 
 
 def test_building_a_built_in_model_shows_its_progress(tmp_path, capsys):
