@@ -24,6 +24,8 @@ from .comparison import RunRecord, compare
 from .errors import LabError
 from .memory.probes import MiB, is_host
 
+IOPUB_TIMEOUT_S = 300  # the longest a point's output may lag its cell's reply
+
 
 def notebook_parameters(notebook: Path) -> dict:
     from .checks.paths import read_notebook
@@ -104,6 +106,9 @@ def sweep(
                 parameters={**(fixed or {}), **point, "results_path": str(results)},
                 kernel_name=kernel_name,
                 progress_bar=False,
+                # why: papermill fails a cell whose output arrives over 4 s (nbclient's default) after its reply; a
+                # training cell's output lags that much on a busy machine, and a sweep's point is not wrong for it
+                iopub_timeout=IOPUB_TIMEOUT_S,
             )
         except pm.PapermillExecutionError as err:
             row["error"] = f"{err.ename}: {err.evalue}"[:300]

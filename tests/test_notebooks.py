@@ -21,8 +21,16 @@ def test_notebook_is_stripped_and_has_a_parameters_cell(notebook):
 def run_notebook(notebook, out, cwd, parameters):
     import papermill as pm
 
-    pm.execute_notebook(
-        str(notebook), str(out), cwd=str(cwd), parameters=parameters, kernel_name="python3", progress_bar=False
+    from grpo_lab.sweep import IOPUB_TIMEOUT_S
+
+    pm.execute_notebook(  # why the iopub timeout: as a sweep runs them (papermill's 4 s fails on a busy machine)
+        str(notebook),
+        str(out),
+        cwd=str(cwd),
+        parameters=parameters,
+        kernel_name="python3",
+        progress_bar=False,
+        iopub_timeout=IOPUB_TIMEOUT_S,
     )
     nb = nbformat.read(out, as_version=4)
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
