@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
-# The test suite: install (if needed), then pytest. Extra arguments go to pytest.
+# The test suite: install (if needed), then pytest.
+#   scripts/test.sh              the whole suite, in two passes (below)
+#   scripts/test.sh ARGS...      one plain pytest run with ARGS (e.g. -k parity, tests/test_step.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
 # why one OpenMP thread per process: the sharded tests run a driver and two rank processes on 2 cores, and torch's
 # spinning OpenMP threads then slow every process severalfold (measured: minutes instead of seconds per module)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest "$@"
+if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
+
+# The whole suite. Why two passes: with one thread per process a pytest process uses one core, so the tests that
+# run in one process (most of them) go two at a time (pytest-xdist, a worker per core; a module whose tests share a
+# module-scoped fixture stays on one worker: its xdist_group mark); the tests marked `solo` start processes of their
+# own (Ray clusters, sharded ranks) and run after, one at a time, with the machine to themselves.
+# Why one cache for both passes: each built-in model is built once per suite (tests/conftest.py's user_cache).
+GRPO_LAB_TEST_CACHE=$(mktemp -d -t grpo-lab-test-cache.XXXXXX)
+export GRPO_LAB_TEST_CACHE
+trap 'rm -rf "$GRPO_LAB_TEST_CACHE"' EXIT
+workers=${GRPO_LAB_TEST_WORKERS:-2}
+rc=0
+.venv/bin/python -m pytest -m "not solo" -n "$workers" --dist loadgroup || rc=$?
+.venv/bin/python -m pytest -m solo || rc=$((rc ? rc : $?))
+exit "$rc"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +17,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 @pytest.fixture(scope="session", autouse=True)
 def user_cache(tmp_path_factory):
     """A per-session GRPO_LAB_CACHE (inherited by every subprocess and notebook kernel), so tests never
-    touch the user's cache; the built-in models are built there once per session."""
-    path = tmp_path_factory.mktemp("user-cache")
+    touch the user's cache; the built-in models are built there once per session. scripts/test.sh names one for
+    all its pytest processes (GRPO_LAB_TEST_CACHE): why: each built-in model is then built once per suite, not once
+    per worker and pass (the trained one takes minutes on one thread; builds take a file lock, so two wait)."""
+    shared = os.environ.get("GRPO_LAB_TEST_CACHE")
+    path = Path(shared) if shared else tmp_path_factory.mktemp("user-cache")
     os.environ["GRPO_LAB_CACHE"] = str(path)
     return path
 

@@ -32,6 +32,8 @@ FLAGS = [
 
 pytestmark = [
     pytest.mark.slow,
+    # why solo: a live kernel, JupyterLab and Chromium with deadlines and timing checks (scripts/test.sh runs it alone)
+    pytest.mark.solo,
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)"
     ),

@@ -9,6 +9,8 @@ import torch
 
 from grpo_lab import ConfigError, Lab
 
+pytestmark = pytest.mark.xdist_group("fast_rollout")  # why: its tests share module-scoped state: one worker builds it
+
 
 @pytest.fixture(scope="module")
 def lab(tiny_model):

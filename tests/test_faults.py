@@ -9,6 +9,8 @@ import torch
 from grpo_lab import Lab, LabError
 from grpo_lab.errors import NonFinite
 
+pytestmark = pytest.mark.xdist_group("faults")  # why: its tests share module-scoped state: one worker builds it
+
 
 @pytest.fixture(scope="module")
 def lab():

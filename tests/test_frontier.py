@@ -17,6 +17,8 @@ from grpo_lab.planner import frontier, plan
 from grpo_lab.planner.grid import FIELDS, parse_range
 from grpo_lab.planner.render import size
 
+pytestmark = pytest.mark.xdist_group("frontier")  # why: its tests share module-scoped state: one worker builds it
+
 PRESET = "qwen2.5-7b-nf4-24gb"
 # the 7B preset on its 24 GiB GPU, the whole batch in one backward pass and one generate call, so both the completion
 # length and the group size move the peak; the host given too, so nothing depends on this machine

@@ -16,6 +16,8 @@ from grpo_lab import Lab
 from grpo_lab.algo.importance import MODES, importance_weights
 from grpo_lab.algo.logprobs import rollout_logprobs
 
+pytestmark = pytest.mark.xdist_group("importance")  # why: its tests share module-scoped state: one worker builds it
+
 BOUNDS = [(None, 3.0), (0.5, 3.0), (0.5, None), (None, None)]
 # mode, clip_min, clip_max, mask_truncated_completions. TRL (and grpo_lab's config) refuse a *_truncate mode
 # with no bound at all; the truncation mask changes only which tokens count, so once per mode is enough.

@@ -26,6 +26,8 @@ from grpo_lab.memory.probes import MiB
 from grpo_lab.memory.sampler import HostMemoryExceeded
 from grpo_lab.models.reference import AdapterDisabledReference, CopyReference, NoReference
 
+pytestmark = pytest.mark.xdist_group("knobs")  # why: its tests share module-scoped state: one worker builds it
+
 LOAD = [path for path, _, _ in leaf_fields() if field_when(path) == "load"]
 REBUILD = [path for path, _, _ in leaf_fields() if field_when(path) == "rebuild"]
 LIVE_OR_REBUILD = {path for path, _, _ in leaf_fields() if field_when(path) in ("live", "rebuild")}

@@ -25,6 +25,9 @@ from grpo_lab.cluster.ray_cluster import bundles, check_resources, local_gpu_env
 from grpo_lab.errors import LabError
 from grpo_lab.runtime import Runtime
 
+pytestmark = (
+    pytest.mark.solo
+)  # why: it starts Ray clusters and rank processes of its own (scripts/test.sh runs it alone)
 SHARDED = ["placement.learner_procs=2"]
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from grpo_lab.cli import main
 
+pytestmark = pytest.mark.xdist_group("resume")  # why: its tests share module-scoped runs: one worker makes them
 HERE = Path(__file__).parent
 STEPS = 4
 RUN = ["tiny-cpu", "--quiet", "--set", "generator.max_completion_length=16", "--set", "run.save_every=1"]

@@ -14,6 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 from grpo_lab import Lab, load_config
 from grpo_lab.models.tiny import build_tiny_model
 
+pytestmark = pytest.mark.xdist_group("rollout_memory")  # why: its tests share module-scoped state: one worker builds it
+
 VOCAB = 32768
 
 

@@ -18,6 +18,10 @@ from grpo_lab import Lab
 from grpo_lab.algo.containers import PromptBatch
 from grpo_lab.generation.base import GenerationRequest
 
+pytestmark = pytest.mark.xdist_group(
+    "sampler_semantics"
+)  # why: its tests share module-scoped state: one worker builds it
+
 slow = pytest.mark.slow
 # Greedy, the tiny random model's next token depends mostly on the last one; prompts with different last tokens
 # give both endings (EOS, or a repeated token up to the length limit), each argmax ahead of the next by > 0.1.

@@ -11,6 +11,8 @@ import torch
 from grpo_lab import Lab, cli
 from grpo_lab.errors import LabError
 
+pytestmark = pytest.mark.solo  # why: it starts Ray and two rank processes (scripts/test.sh runs it alone)
+
 SHARDED = ["placement.learner_procs=2"]
 # why these tolerances: the two ranks' gradients are summed by gloo in another order than one process sums the
 # whole batch (float32, ~1e-7 relative, docs/fsdp2.md); AdamW turns a gradient into an update of about

@@ -13,6 +13,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+pytestmark = pytest.mark.solo  # why: it starts Ray and two rank processes (scripts/test.sh runs it alone)
+
 N = 2
 
 

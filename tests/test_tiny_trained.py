@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("tiny_trained")  # why: its tests share module-scoped state: one worker builds it
+
 WORKED = re.compile(r"^\d+ [-+*] \d+ = -?\d+\. <answer>-?\d+( [a-z]+)?</answer>$")
 
 

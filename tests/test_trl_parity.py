@@ -18,6 +18,8 @@ import torch
 from grpo_lab import Lab
 from grpo_lab.algo.logprobs import rollout_logprobs, set_logprob_head
 
+pytestmark = pytest.mark.xdist_group("trl_parity")  # why: its tests share module-scoped state: one worker builds it
+
 
 def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
     """A GRPOTrainer on the lab's model whose `rollout_func` returns `rollout`'s completions and its sampler

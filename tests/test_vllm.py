@@ -20,7 +20,7 @@ from grpo_lab.generation.base import GenerationRequest
 from grpo_lab.memory.probes import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]  # why the group: its tests share one engine
 
 
 @pytest.fixture(scope="module")
