@@ -243,10 +243,11 @@ def test_no_file_is_over_400_lines(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES
 
 
-def _defined_names(path: Path) -> set[str]:
-    """What a module defines at its top level (functions, classes, assignments, imports), read from its source."""
+def _defined_names(body: list[ast.stmt]) -> set[str]:
+    """What a module's statements define at its top level (functions, classes, assignments, imports), read from its
+    source; a name bound on a branch (an `if` or a `try` around an import) counts."""
     names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -254,15 +255,10 @@ def _defined_names(path: Path) -> set[str]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-        elif isinstance(node, (ast.If, ast.Try)):  # e.g. a name defined on one branch of an import check
-            names.update(_defined_names_of(node))
+        elif isinstance(node, (ast.If, ast.Try)):
+            handlers = [s for h in getattr(node, "handlers", []) for s in h.body]
+            names |= _defined_names([*node.body, *node.orelse, *handlers, *getattr(node, "finalbody", [])])
     return names
-
-
-def _defined_names_of(block: ast.AST) -> set[str]:
-    return {n.name for n in ast.walk(block) if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
-        (a.asname or a.name).split(".")[0] for n in ast.walk(block) if isinstance(n, ast.ImportFrom) for a in n.names
-    }
 
 
 def _source_of(module: str):
@@ -289,7 +285,7 @@ def test_every_import_of_the_projects_own_code_in_tests_and_bench_resolves():
             if source is None:
                 broken.append(f"{path.name}:{node.lineno} {node.module}")
                 continue
-            defined = _defined_names(source)
+            defined = _defined_names(ast.parse(source.read_text()).body)
             for alias in node.names:
                 if alias.name not in defined and _source_of(f"{node.module}.{alias.name}") is None:
                     broken.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")

@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "notebooks" / "01_quickstart.ipynb"
 
 
+def probe_notebook():
+    """A python3 notebook whose only cell so far is the parameters cell (x, results_path): a sweep's smallest point."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell("x = 1\nresults_path = None")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params]
+    return nb
+
+
 @pytest.mark.slow
 def test_two_by_two_sweep_summarises_peaks_per_device(tiny_model, tmp_path):
     out = sweep(
@@ -82,12 +92,8 @@ def test_a_grid_point_whose_kernel_dies_is_a_row_and_numbers_sort_as_numbers(tmp
     import json
     import re
 
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell("x = 1\nresults_path = None")
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [
-        params,
+    nb = probe_notebook()
+    nb.cells += [
         nbformat.v4.new_code_cell(
             "import json, os, signal\n"
             "if x == 2:\n"
@@ -118,12 +124,8 @@ def test_a_point_whose_output_lags_its_cell_is_not_an_error(tmp_path):
     """papermill fails a cell whose output arrives more than 4 s after the cell's reply (nbclient's iopub_timeout,
     raised by papermill): on a busy machine the 2x2 sweep's points failed so ('CellTimeoutError ... after 4 seconds',
     CI and a fresh clone). A cell that prints 20,000 lines lags so on this machine; its point is a clean row."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell("x = 1\nresults_path = None")
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [
-        params,
+    nb = probe_notebook()
+    nb.cells += [
         nbformat.v4.new_code_cell("for i in range(20_000):\n    print(i, flush=True)"),
         nbformat.v4.new_code_cell(
             "import json\nrow = {'step': 0, 'reward_mean': 0.0, 'loss': 0.0, 'step_seconds': 0.1, 'memory': []}\n"
