@@ -104,7 +104,8 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     planned = plan(cfg).devices["host" if device == "cpu" else device]
     metric = "rss" if device == "cpu" else "allocated"
     lab = Lab(cfg).load()
-    seconds, rollout_tps, phases = [], [], {}
+    at_load = device_figures(device)  # why: the plan's resident lines (weights, context) against what loading took
+    seconds, rollout_tps, phases, every = [], [], {}, {}
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         result = lab.step()
@@ -115,8 +116,10 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
         tokens = result.completion_length_mean * cfg.grpo.prompts_per_step * cfg.grpo.num_generations
         rollout_tps.append(tokens / max(result.phase_seconds.get("rollout", 0.0), 1e-9))
         for row in result.memory:
-            if row["device"] == ("host" if device == "cpu" else device) and row["metric"] == metric:
-                phases[row["phase"]] = max(phases.get(row["phase"], 0), row["peak"])
+            if row["device"] == ("host" if device == "cpu" else device):
+                every.setdefault(row["metric"], {})
+                every[row["metric"]][row["phase"]] = max(every[row["metric"]].get(row["phase"], 0), row["peak"])
+        phases = every.get(metric, {})
     lab.close()
     return {
         "seconds": seconds,
@@ -125,8 +128,30 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
         "phase_peaks": phases,
         "planned": {p: planned.phase_peak(p) for p in PHASES},
         "planned_total": planned.total,
+        "planned_items": [(i.what, i.bytes, i.phase) for i in planned.items],
+        "at_load": at_load,
+        "phase_peaks_every_metric": every,
         "metric": metric,
     }
+
+
+def device_figures(device: str) -> dict:
+    """torch's allocated and reserved bytes on `device`, and NVML's used bytes for the whole GPU (the CUDA context and
+    every other process's memory included); {} off CUDA."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    from grpo_lab.runtime import nvml_handle
+
+    figures = {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
+    try:
+        import pynvml
+
+        figures["nvml_used"] = int(pynvml.nvmlDeviceGetMemoryInfo(nvml_handle(torch.device(device).index)).used)
+    except Exception as err:  # why so broad: a figure that cannot be read must not lose the others
+        figures["nvml_error"] = str(err)[:200]
+    return figures
 
 
 def trl_worker(overrides: list[str], steps: int, warmup: int) -> dict:
@@ -267,7 +292,9 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--steps", type=int, default=1, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=1, help="steps per process before the timed ones")
-    parser.add_argument("--timeout", type=int, default=170, help="seconds per side-by-side process")
+    parser.add_argument("--timeout", type=int, default=170, help="seconds per side-by-side process at <= 256 tokens")
+    parser.add_argument("--timeout-long", type=int, default=260, help="seconds per side-by-side process, longer")
+    parser.add_argument("--smoke-timeout", type=int, default=200, help="seconds for the smoke's paths")
     parser.add_argument("--skip-smoke", action="store_true")
     parser.add_argument("--sides", nargs="+", default=["grpo_lab", "trl"], choices=sorted(WORKERS))
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...")
@@ -291,11 +318,19 @@ def main() -> int:
     t0 = time.perf_counter()
     resolve_model_path(args.model)  # why here: built once, before any timed process, in GRPO_LAB_CACHE
     print(f"model {args.model} ready ({time.perf_counter() - t0:.0f} s)", flush=True)
-    records = [] if args.skip_smoke else [smoke(out, 240)]
+    # why the smoke beside the first length: its paths use the tiny model and little of the GPU, and the check must fit
+    # one device call
+    background = ThreadPoolExecutor(1)
+    smoke_done = None if args.skip_smoke else background.submit(smoke, out, args.smoke_timeout)
+    records = []
     runs = [(side, side, []) for side in args.sides]
     if not args.variant and args.device.startswith("cuda") and "grpo_lab" in args.sides:
         # the hf rollout's decode paths (generator.hf_decode), measured beside today's: issue 33's "choose and say why"
-        args.variant = ["static:generator.hf_decode=static", "compiled:generator.hf_decode=compiled"]
+        args.variant = [
+            "static:generator.hf_decode=static",
+            "compiled:generator.hf_decode=compiled",
+            "trl_head:grpo.logprob_head=trl",
+        ]
     for spec in args.variant:
         label, _, sets = spec.partition(":")
         runs.append((label, "grpo_lab", [s for s in sets.split(",") if s]))
@@ -320,7 +355,11 @@ def main() -> int:
             ]
             parts.append(({"part": "side_by_side", "side": label, "length": length, "overrides": extra}, cmd))
         with ThreadPoolExecutor(len(parts) if args.parallel else 1) as pool:
-            records += list(pool.map(lambda pc: run_part(out, pc[0], pc[1], args.timeout), parts))
+            timeout = args.timeout if length <= 256 else args.timeout_long
+            records += list(pool.map(lambda pc, t=timeout: run_part(out, pc[0], pc[1], t), parts))
+    if smoke_done is not None:
+        records.insert(0, smoke_done.result())
+    background.shutdown()
     summary = table(records)
     (out / "gpu_check.md").write_text(f"{card}\n\n{summary}\n")
     print(summary, flush=True)

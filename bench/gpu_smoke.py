@@ -93,9 +93,9 @@ def nvml_by_uuid() -> str:
     )
 
 
-def oom_rolled_back() -> str:
+def oom_rolled_back(snapshots: bool = True) -> str:
     """A real CUDA OOM in backward (the process capped by set_per_process_memory_fraction): one line, the LoRA and
-    AdamW state bit for bit as before the step, an -oom allocator snapshot, and the retry runs."""
+    AdamW state bit for bit as before the step, an -oom allocator snapshot (with `snapshots`), and the retry runs."""
     need_gpus()
     import torch
 
@@ -105,7 +105,7 @@ def oom_rolled_back() -> str:
     out = Path(tempfile.mkdtemp(prefix="grpo-lab-smoke-"))
     lab = Lab(
         tiny(
-            memory={"cuda_snapshots": True},
+            memory={"cuda_snapshots": snapshots},
             run={"output_dir": str(out)},
             grpo={"micro_batch_size": None, "logprob_chunk_size": 8192},
         )
@@ -126,12 +126,64 @@ def oom_rolled_back() -> str:
         after = lab.inspect()[0]
         assert "\n" not in line and "on cuda:0" in line, line
         assert all(torch.equal(before["lora"][n], after["lora"][n]) for n in before["lora"]), "LoRA changed"
-        snaps = sorted(p.name for p in (out / "memory_snapshots").glob("*-oom.pickle"))
-        assert snaps, "no -oom allocator snapshot"
+        snaps = sorted(p.name for p in (out / "memory_snapshots").glob("*-oom.pickle")) or ["no snapshot"]
+        assert snapshots == (snaps != ["no snapshot"]), f"snapshots {snapshots}, found {snaps}"
         lab.step()
         return f"{line[:90]}...; rolled back bit for bit; {snaps[0]}"
     finally:
         lab.close()
+
+
+# A real CUDA OOM in backward in plain torch (no grpo_lab): which exception reaches Python, with the allocator's
+# history on or off and the recompute checkpointed (reentrant or not) through a Python autograd Function, as
+# bitsandbytes' 4-bit matmul is. Issue 33: on an H100 the Lab's OOM in backward reached Python as a SystemError.
+RAW_OOM = r"""
+import sys, torch
+from torch.utils.checkpoint import checkpoint
+history, mode = sys.argv[1] == "on", sys.argv[2]
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(8)).cuda()
+x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+block = lambda h, layer: Square.apply(layer(h)) * 0.01
+if history:
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+h = x
+for layer in layers:
+    h = block(h, layer) if mode == "none" else checkpoint(block, h, layer, use_reentrant=mode == "reentrant")
+loss = h.float().pow(2).mean()
+torch.cuda.empty_cache()
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(0) + 4 * 2**20) / total, 0)
+try:
+    loss.backward()
+    print("no-OOM")
+except BaseException as err:
+    print(type(err).__name__, "num_ooms=%d" % torch.cuda.memory_stats(0).get("num_ooms", 0))
+"""
+
+
+def raw_backward_oom() -> str:
+    """Plain torch, one process per case: the exception a real CUDA OOM in backward reaches Python as."""
+    need_gpus()
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [(h, m) for h in ("off", "on") for m in ("none", "nonreentrant", "reentrant")]
+
+    def run(case):
+        out = subprocess.run([sys.executable, "-c", RAW_OOM, *case], capture_output=True, text=True, timeout=150)
+        said = out.stdout.strip().splitlines()[-1:] or (out.stderr.strip().splitlines()[-1:] or ["no output"])
+        return f"history {case[0]}/{case[1]}: {said[0][:80]}"
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return "; ".join(pool.map(run, cases))
 
 
 def rng_round_trip() -> str:
@@ -209,6 +261,8 @@ PATHS: dict[str, Callable[[], str]] = {
     "learner on cuda:0, HF generator": learner_on_cuda,
     "NVML by UUID, remapped devices": nvml_by_uuid,
     "real CUDA OOM rolled back + snapshot": oom_rolled_back,
+    "real CUDA OOM rolled back, no snapshots": lambda: oom_rolled_back(snapshots=False),
+    "raw torch OOM in backward (cause)": raw_backward_oom,
     "CUDA RNG round trip in a checkpoint": rng_round_trip,
     "2 NCCL ranks": nccl_ranks,
     "vLLM sleep/wake": vllm_sleep_wake,
