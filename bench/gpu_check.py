@@ -201,7 +201,51 @@ def trl_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     return {"seconds": seconds, "peak": peak.read(), "rollout_tokens_per_s": tps, "completion_length": lengths[-1:]}
 
 
-WORKERS = {"grpo_lab": grpo_lab_worker, "trl": trl_worker}
+def context_worker(overrides: list[str], steps: int, warmup: int) -> dict:
+    """The plan's GPU terms outside the model, alone on the GPU: NVML's used bytes before CUDA starts, after
+    (the context), torch's allocated bytes after a 16-bit and a float32 matmul (cuBLAS's workspaces come from torch's
+    allocator), and after a 4-bit matmul (bitsandbytes' dequantization)."""
+    import pynvml
+    import torch
+
+    from grpo_lab.runtime import nvml_handle
+
+    pynvml.nvmlInit()
+    first = pynvml.nvmlDeviceGetHandleByIndex(0)
+    used = lambda: int(pynvml.nvmlDeviceGetMemoryInfo(first).used)  # noqa: E731
+    figures = {"nvml_before": used()}
+    torch.cuda.init()
+    torch.empty(1, device="cuda:0")
+    figures["nvml_context"] = used()
+    figures["same_gpu"] = nvml_handle(0) is not None
+    a = torch.randn(1024, 1024, device="cuda:0", dtype=torch.bfloat16)
+    base = torch.cuda.memory_allocated(0)
+    (a @ a).sum().item()
+    figures["after_bf16_matmul"] = torch.cuda.memory_allocated(0) - base
+    b = a.float()
+    base = torch.cuda.memory_allocated(0)
+    (b @ b).sum().item()
+    figures["after_fp32_matmul"] = torch.cuda.memory_allocated(0) - base
+    x = torch.randn(2, 1024, 1024, device="cuda:0", dtype=torch.bfloat16, requires_grad=True)
+    (x @ a).float().sum().backward()  # a batched matmul and its backward: cuBLASLt's workspace, if it takes one
+    figures["after_backward"] = torch.cuda.memory_allocated(0) - base
+    try:
+        import bitsandbytes as bnb
+
+        layer = bnb.nn.Linear4bit(1024, 1024, compute_dtype=torch.bfloat16, quant_type="nf4").cuda()
+        base = torch.cuda.memory_allocated(0)
+        torch.cuda.reset_peak_memory_stats(0)
+        layer(torch.randn(64, 1024, device="cuda:0", dtype=torch.bfloat16)).sum().item()
+        figures["nf4_matmul_peak_over_base"] = torch.cuda.max_memory_allocated(0) - base
+    except Exception as err:  # why so broad: a figure that cannot be read must not lose the others
+        figures["nf4_error"] = str(err)[:200]
+    figures["nvml_end"] = used()
+    figures["reserved_end"] = torch.cuda.memory_reserved(0)
+    figures["allocated_end"] = torch.cuda.memory_allocated(0)
+    return figures
+
+
+WORKERS = {"grpo_lab": grpo_lab_worker, "trl": trl_worker, "context": context_worker}
 
 
 def run_part(out: Path, part: dict, cmd: list[str], timeout: int) -> dict:
@@ -228,6 +272,8 @@ def describe(r: dict) -> str:
     name = f"{r['part']}" + (f" {r['side']} L={r['length']}" if "side" in r else "")
     if "failed" in r:
         return f"{name:<34} FAILED {r['failed']} ({r['process_seconds']} s)"
+    if r["part"] == "context":
+        return f"{name:<34} measured ({r['process_seconds']} s)"
     if r["part"] == "smoke":
         return f"{name:<34} {r['summary']} ({r['process_seconds']} s)"
     secs = f"{statistics.median(r['seconds']):.2f} s/step" if r.get("seconds") else "no timed step"
@@ -298,6 +344,7 @@ def main() -> int:
     parser.add_argument("--skip-smoke", action="store_true")
     parser.add_argument("--sides", nargs="+", default=["grpo_lab", "trl"], choices=sorted(WORKERS))
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...")
+    parser.add_argument("--long-only", nargs="*", default=[], metavar="LABEL", help="runs only above 256 tokens")
     parser.add_argument("--serial", dest="parallel", action="store_false", help="one side's process at a time")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
@@ -318,6 +365,9 @@ def main() -> int:
     t0 = time.perf_counter()
     resolve_model_path(args.model)  # why here: built once, before any timed process, in GRPO_LAB_CACHE
     print(f"model {args.model} ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.device.startswith("cuda"):  # alone, before any other process holds the GPU: NVML's deltas are its own
+        cmd = [sys.executable, "-m", "bench.gpu_check", "--worker", "context"]
+        print(json.dumps(run_part(out, {"part": "context"}, cmd, 120)), flush=True)
     # why the smoke beside the first length: its paths use the tiny model and little of the GPU, and the check must fit
     # one device call
     background = ThreadPoolExecutor(1)
@@ -340,6 +390,8 @@ def main() -> int:
         warmup = args.warmup if length <= 256 else 0  # why: a long rollout's one step is the budget
         parts = []
         for label, side, extra in runs:
+            if label in args.long_only and length <= 256:
+                continue
             overrides = base_overrides(args.model, args.device, length) + extra
             cmd = [
                 sys.executable,

@@ -129,7 +129,7 @@ def oom_rolled_back(snapshots: bool = True) -> str:
         snaps = sorted(p.name for p in (out / "memory_snapshots").glob("*-oom.pickle")) or ["no snapshot"]
         assert snapshots == (snaps != ["no snapshot"]), f"snapshots {snapshots}, found {snaps}"
         lab.step()
-        return f"{line[:90]}...; rolled back bit for bit; {snaps[0]}"
+        return f"{line[:400]}; rolled back bit for bit; {snaps[0]}"
     finally:
         lab.close()
 

@@ -399,6 +399,25 @@ def test_a_phase_that_runs_out_of_memory_gets_its_own_snapshot_name():
     assert snapshot_name(0, "rollout", ValueError("bad reward")) == "step0-rollout-failed.pickle"
 
 
+def test_an_oom_the_allocator_counted_is_named_oom_whatever_python_saw(monkeypatch, tmp_path):
+    """On an H100 with snapshots on, an OOM in backward reached Python as a SystemError: the allocator's num_ooms
+    rose, so its snapshot is the -oom one (memory/oom.py classifies the error by the same count)."""
+    from grpo_lab.memory import snapshots
+
+    err = SystemError("<built-in method run_backward> returned NULL without setting an exception")
+    assert snapshots.snapshot_name(1, "backward", err) == "step1-backward-failed.pickle"
+    assert snapshots.snapshot_name(1, "backward", err, counted=True) == "step1-backward-oom.pickle"
+    written, counts = [], iter([4, 5])  # num_ooms at the phase's start, then at its end
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: written.append(Path(path).name))
+    monkeypatch.setattr(snapshots, "cuda_oom_count", lambda device: next(counts))
+    listener = snapshots.AllocatorSnapshots(tmp_path, ["cuda:0"])
+    listener.phase_started(1, "backward")
+    listener.phase_ended(type("Record", (), {"step": 1, "phase": "backward"}), err)
+    assert written == ["step1-backward-oom.pickle"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_an_oom_with_cuda_snapshots_on_writes_the_failing_phases_snapshot_and_the_retry_its_own(

@@ -11,6 +11,7 @@ so a left-padded prompt is scored at the positions it was sampled at.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Optional
@@ -32,9 +33,11 @@ class HeadSettings:
     kernel: str = "chunked"
 
 
-def add_logprob_head(model, temperature: float = 1.0) -> None:
-    """Give a (not yet PEFT-wrapped) causal LM its head settings; `completion_logprobs` reads them."""
+def add_logprob_head(model, temperature: float = 1.0, autocast: Optional[torch.dtype] = None) -> None:
+    """Give a (not yet PEFT-wrapped) causal LM its head settings; `completion_logprobs` reads them. `autocast`: the
+    dtype its forward passes run under torch.autocast at (models/learner.autocast_dtype), or None."""
     model._grpo_lab_head = HeadSettings(temperature)
+    model._grpo_lab_autocast = autocast
     text = model.config.get_text_config()
     softcap, scale = getattr(text, "final_logit_softcapping", None), getattr(text, "logit_scale", None)
     # why: the chunked kernel is a plain linear head; a model that caps or scales its logits is scored by TRL's,
@@ -47,6 +50,16 @@ def add_logprob_head(model, temperature: float = 1.0) -> None:
 def _base(model):
     """The causal LM under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def precision(model):
+    """The context the model's forward passes run in: torch.autocast at its `autocast` dtype (add_logprob_head), as
+    TRL's do under accelerate's mixed precision; a no-op for a model without one."""
+    base = _base(model)
+    dtype = getattr(base, "_grpo_lab_autocast", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(base.device.type, dtype=dtype)
 
 
 def _settings(model) -> HeadSettings:
@@ -98,9 +111,10 @@ def score_completions(base, input_ids, attention, position_ids, completion_ids, 
     head = base._grpo_lab_head
     width = completion_ids.shape[1]
     backbone = getattr(base, base.base_model_prefix)  # the decoder without its LM head (PEFT's LoRA layers inside)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
-    ).last_hidden_state[:, -width - 1 : -1]  # position t predicts token t + 1
+    with precision(base):  # why only the backbone: the head kernels pick their own dtypes (float32 logits)
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
+        ).last_hidden_state[:, -width - 1 : -1]  # position t predicts token t + 1
     lm_head = base.get_output_embeddings()
     # why compact rows: only real completion tokens reach the head (no prompt, no padding after EOS)
     hidden = hidden[mask]

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..algo.logprobs import precision
 from ..dist.fsdp import generation
 from ..errors import LabError
 from ..memory.heap import trim_host_heap
@@ -108,7 +109,11 @@ class HFGenerator(Generator):
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
         contiguous = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(),))
         try:  # eval mode (checkpointing off, so the KV cache is used); a sharded learner gathered or not (P3)
-            with generation(model, request.gather_for_generation), compiled_decode(model, request.decode):
+            with (
+                generation(model, request.gather_for_generation),
+                compiled_decode(model, request.decode),
+                precision(model),  # why: the rollout samples in the numerics the log-prob passes score in
+            ):
                 sequences = model.generate(
                     input_ids=input_ids.to(self.learner.device),
                     attention_mask=attention.to(self.learner.device),
