@@ -126,13 +126,40 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
         "peak": peak.read(),
         "rollout_tokens_per_s": rollout_tps,
         "phase_peaks": phases,
-        "planned": {p: planned.phase_peak(p) for p in PHASES},
+        "planned": planned_phases(planned, metric, first_step=warmup + steps == 1),
         "planned_total": planned.total,
         "planned_items": [(i.what, i.bytes, i.phase) for i in planned.items],
         "at_load": at_load,
         "phase_peaks_every_metric": every,
         "metric": metric,
     }
+
+
+# a Lab's first step has no AdamW moments before its optimizer phase and no gradients before its backward
+NOT_YET = {p: ("LoRA gradients", "AdamW moments") for p in ("rollout", "rewards", "advantages", "logprobs")}
+
+
+def planned_phases(device_plan, metric: str, first_step: bool) -> dict:
+    """Each phase's planned peak in `metric`'s terms: torch's allocated bytes leave out the CUDA context
+    (DevicePlan.allocated_peak); a run of one step is its first, so the lines it cannot hold yet are left out."""
+    peak = device_plan.allocated_peak if metric == "allocated" else device_plan.phase_peak
+    out = {}
+    for phase in PHASES:
+        missing = NOT_YET.get(phase, ()) if first_step else ()
+        out[phase] = peak(phase) - sum(i.bytes for i in device_plan.items if i.phase is None and i.what in missing)
+    return out
+
+
+def replan(record: dict, model: str, device: str, gpu_gib: float = 80.0) -> dict:
+    """A recorded run's per-phase plan from today's planner (the same overrides; the capacity given, so a machine
+    without the GPU plans for it): how a change to the plan's GPU terms reads against measured figures."""
+    from grpo_lab import load_config
+    from grpo_lab.planner import plan
+
+    overrides = base_overrides(model, device, record["length"]) + record.get("overrides", [])
+    cfg = load_config("tiny-cpu", overrides + [f"placement.gpu_memory_gib={gpu_gib}"])
+    first = len(record.get("seconds", [])) == 1 and record["length"] > 256  # the check's long runs: one step
+    return planned_phases(plan(cfg).devices[device], record.get("metric", "allocated"), first)
 
 
 def device_figures(device: str) -> dict:

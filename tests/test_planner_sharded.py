@@ -55,7 +55,7 @@ def test_each_rank_holds_1_over_n_of_the_weights_and_optimizer_but_all_of_the_qu
         assert per_rank[("one layer whole before fully_shard", "load")] == pytest.approx(layer + 18944 * 3584 * 2)
         assert rank.roles[0] == f"learner rank {int(name.split(':')[1])} of {procs} (FSDP2)"
     # what sharding buys: the resident weights and optimizer state shrink ~N-fold (the quant state aside)
-    resident = [i.bytes for i in split.ranks["cuda:0"].items if i.phase is None and "CUDA context" not in i.what]
+    resident = [i.bytes for i in split.ranks["cuda:0"].items if i.phase is None and not i.what.startswith("CUDA ")]
     before = sum(single[(w, None)] for w in ("base weights", "LoRA weights", "LoRA gradients", "AdamW moments"))
     assert sum(resident) == pytest.approx(before / procs + quant_state * (1 - 1 / procs), rel=1e-12)
 
@@ -96,10 +96,10 @@ def test_a_plan_that_fits_only_without_the_gather_says_so_and_more_ranks_are_off
     assert not gathered.fits and gathered.devices["cuda:0"].peak_phase == "rollout"
     assert gathered.fixes[0] == "generator.gather_for_generation: false"
     assert sharded(2, *common, "generator.gather_for_generation=false").fits
-    tight = sharded(2, "generator.chunk_size=32", "placement.gpu_memory_gib=8", "generator.gather_for_generation=false")
+    tight = sharded(2, "generator.chunk_size=32", "placement.gpu_memory_gib=7", "generator.gather_for_generation=false")
     assert not tight.fits and "placement.learner_procs: 4" in tight.fixes
     assert sharded(
-        4, "generator.chunk_size=32", "placement.gpu_memory_gib=8", "generator.gather_for_generation=false"
+        4, "generator.chunk_size=32", "placement.gpu_memory_gib=7", "generator.gather_for_generation=false"
     ).fits
 
 
@@ -170,5 +170,5 @@ def test_the_load_phase_is_a_rank_s_shards_and_one_layer_never_the_whole_model()
     for rank in result.ranks.values():
         load = rank.phase_peak("load")
         assert load - rank.resident == pytest.approx(layer + 27648 * 5120 * 2, rel=1e-12)  # + the float down_proj
-        assert load < rank.resident + whole / 8 and load / GiB == pytest.approx(11.18, abs=0.01)
+        assert load < rank.resident + whole / 8 and load / GiB == pytest.approx(11.24, abs=0.01)
         assert rank.peak_phase != "load"

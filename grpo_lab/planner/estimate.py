@@ -16,7 +16,18 @@ from ..models.shapes import ModelShape
 GiB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GENERATOR_BITS = {None: None, "awq": 4.25, "gptq": 4.25, "compressed-tensors": 4.25, "fp8": 8.0}
-CUDA_CONTEXT = 0.5 * GiB  # CUDA context + cuBLAS workspace per GPU a process touches
+MiB = 1024**2
+# Per GPU a process touches, measured on an H100 (torch 2.11, CUDA 13; bench/gpu_check.py's context probe and its
+# grpo_lab runs, docs/benchmarks.md): the CUDA context, which NVML sees and torch's allocator does not (525 MiB), and
+# what torch's allocator holds beyond the tensors planned here once a step has run (50 MiB: cuBLAS's workspace, 32 MiB
+# measured alone, and runtime buffers)
+CUDA_CONTEXT_ONLY, CUDA_WORKSPACE = 525 * MiB, 50 * MiB
+CUDA_CONTEXT = CUDA_CONTEXT_ONLY + CUDA_WORKSPACE  # what a process's use of a GPU costs beyond its tensors
+OUTSIDE_ALLOCATOR = ("CUDA context",)  # plan lines torch's allocated bytes never include
+# A checkpointed layer's backward on a GPU: its recomputed saved tensors plus their gradients peak at 1.4x the
+# per-layer bytes activation_bytes counts (H100, Qwen2.5-0.5B's shape, micro-batches of 8 at 256 and 1,024 tokens:
+# 1.40 and 1.35), where the CPU's heap holds 2x
+GPU_LAYER_RECOMPUTE = 1.4
 # Python and the libraries, with the one-off state a process gains in its first step: 474 MiB after importing
 # torch, transformers, peft, bitsandbytes, trl and grpo_lab (CPU build of torch 2.13), plus 105-128 MiB the first
 # step adds for good (lazily imported generation code, thread pools, oneDNN caches; tiny-cpu and logits-heavy-cpu,
@@ -48,7 +59,7 @@ HEAP_HOLES_CAVEAT = (
 VLLM_CPU_ENGINE = 272 * 1024**2
 # the phases with transients worth planning (phases.PHASES order); "load" only in a sharded plan, where every rank
 # loads the whole model before fully_shard keeps its 1/N
-PHASES = ("load", "rollout", "logprobs", "backward")
+PHASES = ("load", "rollout", "logprobs", "backward", "optimizer")
 VLLM_SPLIT_SHARE = 0.9  # vLLM's default gpu_memory_utilization on a GPU of its own
 
 
@@ -72,6 +83,11 @@ class DevicePlan:
         if nbytes:
             self.items.append(Item(what, nbytes, note, phase))
 
+    def add_cuda_runtime(self) -> None:
+        """A GPU's lines beyond its tensors (CUDA_CONTEXT_ONLY, CUDA_WORKSPACE)."""
+        self.add("CUDA context", CUDA_CONTEXT_ONLY, "measured: NVML, outside torch's allocator")
+        self.add("CUDA workspaces", CUDA_WORKSPACE, "measured: cuBLAS's and runtime buffers in torch's allocator")
+
     @property
     def resident(self) -> float:
         return sum(i.bytes for i in self.items if i.phase is None)
@@ -79,6 +95,12 @@ class DevicePlan:
     def phase_peak(self, phase: str) -> float:
         """Planned peak while `phase` runs: the resident items plus that phase's transients."""
         return self.resident + sum(i.bytes for i in self.items if i.phase == phase)
+
+    def allocated_peak(self, phase: str) -> float:
+        """phase_peak without the lines outside torch's allocator (the CUDA context): what torch's
+        max_memory_allocated is planned to read during `phase`."""
+        outside = sum(i.bytes for i in self.items if i.phase is None and i.what in OUTSIDE_ALLOCATOR)
+        return self.phase_peak(phase) - outside
 
     @property
     def peak_phase(self) -> Optional[str]:
@@ -187,13 +209,18 @@ def activation_bytes(
     tokens = n * length
     h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, cfg.lora.r
     per_layer = (7 * h + 3 * kv + 4 * i) * e + 7 * r * 4  # saved for backward, per token and layer
-    if cfg.model.gradient_checkpointing:
-        stored = shape.layers * h * e * tokens + 2 * per_layer * tokens  # layer inputs + one layer recomputed
-    else:
-        stored = shape.layers * per_layer * tokens + per_layer * tokens
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
+    if cfg.model.gradient_checkpointing and on_cpu:
+        stored = shape.layers * h * e * tokens + 2 * per_layer * tokens  # layer inputs + one layer recomputed
+    elif cfg.model.gradient_checkpointing:
+        # why the larger of the head and the layer, not both: on a GPU the head's buffers go back to the caching
+        # allocator before the layers' backward reuses them (the CPU's heap keeps them, so there both are planned)
+        layer = GPU_LAYER_RECOMPUTE * per_layer * tokens
+        stored = shape.layers * h * e * tokens + max(layer - head, 0.0)
+    else:
+        stored = shape.layers * per_layer * tokens + per_layer * tokens
     in_heap = head_in_heap(cfg, shape, rows, on_cpu)
     if in_heap:  # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from ..models.shapes import ModelShape
 from .estimate import (
-    CUDA_CONTEXT,
     DTYPE_BYTES,
     HOST_BASELINE,
     PHASES,
@@ -76,7 +75,7 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
         for d in dict.fromkeys(_home(d) for d in place.generator_devices()):
             if d not in devices:
                 devices[d] = DevicePlan(d, capacity_of(d, cfg))
-                devices[d].add("CUDA context + workspace", CUDA_CONTEXT)
+                devices[d].add_cuda_runtime()
         add_engine(
             devices, cfg, shape, cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
         )
@@ -94,7 +93,7 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
         rank.add("Python, torch, libraries", HOST_BASELINE["cpu"], "this rank's own process")
         rank.add("step rollback copy", lora * 12 / procs, "its shard of LoRA + AdamW state")
     else:
-        rank.add("CUDA context + workspace", CUDA_CONTEXT)
+        rank.add_cuda_runtime()
     rank.add(f"base weights (1/{procs} shard)", sharded / procs, fmt)
     rank.add(
         "4-bit quant state (whole on every rank)", whole, "kept on the module, outside the parameters FSDP2 shards"

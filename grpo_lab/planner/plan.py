@@ -9,7 +9,6 @@ from ..errors import LabError
 from ..generation.registry import colocated_on_gpu
 from ..models.shapes import ModelShape, load_shape
 from .estimate import (
-    CUDA_CONTEXT,
     HEAP_HOLES_CAVEAT,
     HOST_BASELINE,
     ONEDNN_CPU_CACHES,
@@ -74,7 +73,8 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         names.append(_home(cfg.reference_device))
     devices = {d: DevicePlan(d, capacity_of(d, cfg)) for d in dict.fromkeys(names)}
     for d in devices.values():
-        d.add("CUDA context + workspace", CUDA_CONTEXT if d.device != "host" else 0)
+        if d.device != "host":
+            d.add_cuda_runtime()
     build = "cuda" if any(d != "host" for d in devices) else "cpu"
     devices["host"].add("Python, torch, libraries", HOST_BASELINE[build], f"{build} build of torch")
 
@@ -96,6 +96,8 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
         host.add("AdamW master weights + moments (offloaded)", lora * 12, "fp32")
     else:
         lrn.add("AdamW moments", lora * 8, "2 x fp32")
+        if learner != "host":  # why: torch's AdamW on a GPU steps all tensors at once (foreach), with temporaries
+            lrn.add("AdamW step temporaries", lora * 8, "foreach: 2 x fp32, measured", phase="optimizer")
     host.add("step rollback copy", lora * 12, "LoRA + AdamW state, all-or-nothing steps")
     act = activation_bytes(shape, cfg, on_cpu=learner == "host")
     ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"

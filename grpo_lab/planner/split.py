@@ -102,10 +102,11 @@ class Split:
                 f"{self.minimum:.2f} (weights {self.weights / GiB:.2f} GiB, working memory {self.work / GiB:.2f} GiB, "
                 f"one {self.sequence}-token sequence), and {left}"
             )
+        plural = "s" if self.sequences != 1 else ""
         return (
             f"{self.device}: vLLM {self.share:.2f} ({who}) = {self.share * self.capacity / GiB:.2f} GiB: weights "
             f"{self.weights / GiB:.2f}, working memory {self.work / GiB:.2f}, KV cache {self.kv_bytes / GiB:.2f} GiB "
-            f"= {self.kv_tokens:,} tokens = {self.sequences:,} sequences of {self.sequence}{beside}"
+            f"= {self.kv_tokens:,} tokens = {self.sequences:,} sequence{plural} of {self.sequence}{beside}"
             + (f"; {AUTO_MARGIN:.0%} of the GPU left free" if self.auto and self.learner else "")
         )
 
