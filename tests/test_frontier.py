@@ -20,9 +20,15 @@ from grpo_lab.planner.render import size
 pytestmark = pytest.mark.xdist_group("frontier")  # why: its tests share module-scoped state: one worker builds it
 
 PRESET = "qwen2.5-7b-nf4-24gb"
-# the 7B preset on its 24 GiB GPU, the whole batch in one backward pass and one generate call, so both the completion
-# length and the group size move the peak; the host given too, so nothing depends on this machine
-WHOLE = ["grpo.micro_batch_size=null", "generator.chunk_size=null", "placement.host_memory_gib=64"]
+# the 7B preset on its 24 GiB GPU with 512-token prompts, the whole batch in one backward pass and one generate
+# call, so both the completion length and the group size move the peak; the host given too, so nothing depends on
+# this machine
+WHOLE = [
+    "grpo.micro_batch_size=null",
+    "generator.chunk_size=null",
+    "generator.max_prompt_length=512",
+    "placement.host_memory_gib=64",
+]
 LENGTHS, GENERATIONS = [64, 128, 256, 512, 768, 1024], [1, 2, 4, 8, 16]  # G 1: the config refuses it (needs >= 2)
 
 

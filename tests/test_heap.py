@@ -102,3 +102,30 @@ except ConfigError as err:
     line = out.stdout.strip()
     assert line.startswith("memory.host_mmap_threshold_mib: null") and "0.125 MiB" in line and "restart" in line, line
     assert "\n" not in line
+
+
+def test_a_cpu_learner_trims_before_each_layers_full_sequence_forward_only(monkeypatch, tiny_model):
+    """At glibc's own threshold (the default) a CPU learner trims the heap as each decoder layer starts a scoring or
+    recompute forward (a rollout's prefill too), never on a one-token decode step; a pinned threshold needs none."""
+    import torch
+
+    from grpo_lab import load_config
+    from grpo_lab.memory import heap
+    from grpo_lab.models.learner import decoder_layers, load_learner
+
+    trims = []
+    monkeypatch.setattr(heap, "trim_host_heap", lambda: trims.append(1) or True)
+    learner = load_learner(load_config("tiny-cpu", [f"model.name_or_path={tiny_model}"]))
+    layers = len(decoder_layers(learner.model))
+    ids = torch.randint(3, 200, (2, 9))
+    learner.model(input_ids=ids)  # a full-sequence forward: one trim per layer
+    assert len(trims) == layers
+    trims.clear()
+    learner.model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert len(trims) == layers  # the prefill's; none for the 4 decode steps after it
+    pinned = load_learner(
+        load_config("tiny-cpu", [f"model.name_or_path={tiny_model}", "memory.host_mmap_threshold_mib=1"])
+    )
+    trims.clear()
+    pinned.model(input_ids=ids)
+    assert trims == []

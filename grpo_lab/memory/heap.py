@@ -56,3 +56,18 @@ def pin_mmap_threshold(mib: float | None) -> bool:
         return False
     _pinned.append(mib)
     return True
+
+
+def trim_before_each_layer(layers) -> list:
+    """Trim the C heap as each of `layers` starts a full-sequence forward (a log-prob pass, backward's recompute, a
+    rollout's prefill; never a one-token decode step). Why: at glibc's own mmap threshold a pass's freed activations
+    stay resident as heap holes until the next trim, and a phase-start trim leaves one pass's worth of them (the
+    first steps of a 151,936-vocabulary run peaked 1.05-1.23x the plan); trimmed per layer, at most one layer's.
+    Returns the hook handles."""
+
+    def trim(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if hidden is not None and hidden.dim() >= 2 and hidden.shape[-2] > 1:
+            trim_host_heap()
+
+    return [layer.register_forward_pre_hook(trim, with_kwargs=True) for layer in layers]

@@ -12,6 +12,7 @@ import torch
 
 from ..algo.logprobs import add_logprob_head, score_completions
 from ..errors import LabError
+from ..memory.heap import trim_before_each_layer
 from .offload import HostAdamW
 from .quant import pin_training_layout
 from .source import check_model_path, resolve_model_path
@@ -101,6 +102,8 @@ def load_learner(config) -> Learner:
     else:
         model = add_lora(load_base(config.model, device), config)
         prepare_like_policy(model, device)
+    if device == "cpu" and config.memory.host_mmap_threshold_mib is None:  # why: heap.trim_before_each_layer
+        trim_before_each_layer(decoder_layers(model))
     params = [p for p in model.parameters() if p.requires_grad]  # after sharding: FSDP2 replaced them with DTensors
     adamw = HostAdamW if config.placement.optimizer_offload else torch.optim.AdamW
     optimizer = adamw(params, lr=config.grpo.learning_rate, weight_decay=config.grpo.weight_decay)
@@ -110,6 +113,12 @@ def load_learner(config) -> Learner:
         device=torch.device(device),
         optimizer=optimizer,
     )
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers of a (PEFT-wrapped) causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(getattr(base, base.base_model_prefix).layers)
 
 
 def add_lora(base, config):
