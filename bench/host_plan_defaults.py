@@ -39,14 +39,14 @@ CONFIGS = {
         "grpo.num_generations=4",
         "grpo.beta=0.04",
     ],
-    # 16-bit compute (the preset's is float32): bf16 weights and nf4 compute, 152k vocabulary, micro-batches of 4
-    "152k-bf16": [
-        "model.name_or_path=builtin:qwen2-152k",
+    # 16-bit compute (the preset's is float32): bf16 weights and nf4 computing in bf16, micro-batches of 4
+    "32k-bf16": [
+        "model.name_or_path=builtin:qwen2-32k",
         "model.dtype=bfloat16",
         "model.bnb_4bit_compute_dtype=bfloat16",
-        "generator.max_completion_length=192",
-        "grpo.prompts_per_step=2",
-        "grpo.num_generations=4",
+        "generator.max_completion_length=128",
+        "grpo.prompts_per_step=1",
+        "grpo.num_generations=8",
         "grpo.micro_batch_size=4",
     ],
 }

@@ -134,7 +134,7 @@ class MemorySection(Section):
         "back when freed, so host RSS follows the live tensors, as planned, instead of keeping heap holes; 0.125 is "
         "what the planner's CPU grid was measured with. Costs page faults: CPU steps 1.2-2.5x slower "
         "(bench/mmap_threshold_step.py). null = glibc's own, which rises up to 32 MiB (the plan adds the head's "
-        "holes).",
+        "holes; a CPU learner then trims the heap before each layer's full-sequence forward).",
     )
     cuda_snapshots: bool = knob(
         "load", False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only."
