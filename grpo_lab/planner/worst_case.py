@@ -162,7 +162,8 @@ def probe(lab) -> ProbeReport:
             lab.executor.restore_checkpoint(read_checkpoint(tmp))
     report = ProbeReport(rows, {}, {}, prompts.tokens, lab.config.generator.max_completion_length)
     for name, device in plan.devices.items():
-        report.planned[name] = {p: device.phase_peak(p) for p in ("rollout", "logprobs", "backward")}
+        # why allocated_peak: on a GPU the probe measures torch's allocated bytes, which never hold the CUDA context
+        report.planned[name] = {p: device.allocated_peak(p) for p in ("rollout", "logprobs", "backward")}
         report.capacity[name] = device.capacity
     # the host may hold its limit as the guard reads it (cgroup or machine) x memory.host_threshold: the guard's line
     report.capacity["host"] = lab.memory.latest("host")["limit"] * threshold
