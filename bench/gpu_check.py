@@ -1,7 +1,7 @@
 """The GPU check (issue 33): every GPU figure in one command, each part in a process of its own under its own timeout,
 printed and appended to OUT/gpu_check.jsonl as it comes (a part that times out loses only itself).
 
-    python -m bench.gpu_check --out $OUT       # a GPU machine: about 8 minutes on one H100, imports included
+    python -m bench.gpu_check --out $OUT       # a GPU machine: 374 s on one H100 (2026-11-26), imports included
     python -m bench.gpu_check --device cpu --model builtin:qwen2-152k --lengths 16 32 --steps 1 --warmup 0 \
         --skip-smoke --out /tmp/check          # a dry run of the plumbing on the CPU (tests/test_gpu_check.py)
 
