@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024**2
+LONG = 256  # completion lengths above this are "long": no warm-up step, --timeout-long, --long-only runs
 PHASES = ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync")
 
 
@@ -158,7 +159,7 @@ def replan(record: dict, model: str, device: str, gpu_gib: float = 80.0) -> dict
 
     overrides = base_overrides(model, device, record["length"]) + record.get("overrides", [])
     cfg = load_config("tiny-cpu", overrides + [f"placement.gpu_memory_gib={gpu_gib}"])
-    first = len(record.get("seconds", [])) == 1 and record["length"] > 256  # the check's long runs: one step
+    first = len(record.get("seconds", [])) == 1 and record["length"] > LONG  # a long run's one step is its first
     return planned_phases(plan(cfg).devices[device], record.get("metric", "allocated"), first)
 
 
@@ -414,10 +415,10 @@ def main() -> int:
     for length in args.lengths:
         # why at once: each side is a process of its own (torch's peaks are per process), HF decoding leaves the GPU
         # mostly idle and the CPUs serve every process; one after another would not fit the check in 8 minutes
-        warmup = args.warmup if length <= 256 else 0  # why: a long rollout's one step is the budget
+        warmup = args.warmup if length <= LONG else 0  # why: a long rollout's one step is the budget
         parts = []
         for label, side, extra in runs:
-            if label in args.long_only and length <= 256:
+            if label in args.long_only and length <= LONG:
                 continue
             overrides = base_overrides(args.model, args.device, length) + extra
             cmd = [
@@ -434,7 +435,7 @@ def main() -> int:
             ]
             parts.append(({"part": "side_by_side", "side": label, "length": length, "overrides": extra}, cmd))
         with ThreadPoolExecutor(len(parts) if args.parallel else 1) as pool:
-            timeout = args.timeout if length <= 256 else args.timeout_long
+            timeout = args.timeout if length <= LONG else args.timeout_long
             records += list(pool.map(lambda pc, t=timeout: run_part(out, pc[0], pc[1], t), parts))
     if smoke_done is not None:
         records.insert(0, smoke_done.result())

@@ -110,8 +110,9 @@ def test_a_cpu_learner_trims_before_each_layers_full_sequence_forward_only(monke
     import torch
 
     from grpo_lab import load_config
+    from grpo_lab.dist.fsdp import decoder_layers
     from grpo_lab.memory import heap
-    from grpo_lab.models.learner import decoder_layers, load_learner
+    from grpo_lab.models.learner import load_learner
 
     trims = []
     monkeypatch.setattr(heap, "trim_host_heap", lambda: trims.append(1) or True)

@@ -22,9 +22,10 @@ def _causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _layers(causal_lm) -> list:
-    backbone = getattr(causal_lm, causal_lm.base_model_prefix)
-    return list(backbone.layers)
+def decoder_layers(model) -> list:
+    """The decoder layers of a causal LM (or of the one under a PEFT wrapper)."""
+    lm = _causal_lm(model)
+    return list(getattr(lm, lm.base_model_prefix).layers)
 
 
 def shard(model, device: torch.device, score):
@@ -32,7 +33,7 @@ def shard(model, device: torch.device, score):
     the log-prob pass (algo/logprobs.score_completions), registered with FSDP as a forward of its own."""
     mesh = mesh_for(device)
     lm = _causal_lm(model)
-    for layer in _layers(lm):
+    for layer in decoder_layers(lm):
         shard_unit(layer, mesh)   # why per layer: one layer whole at a time
     shard_unit(lm, mesh)   # the root owns the embedding, final norm and LM head (tied or not)
     finish(lm, score)

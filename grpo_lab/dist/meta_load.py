@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..errors import LabError
-from .fsdp import finish, mesh_for, shard_unit
+from .fsdp import decoder_layers, finish, mesh_for, shard_unit
 
 
 READ_BYTES = 4 * 2 ** 20   # the most of a root parameter's rows read at once (its shard is filled block by block)
@@ -196,7 +196,7 @@ def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: to
         model = wrap(lm) if wrap is not None else lm
     checkpoint = Checkpoint(path)
     mesh = mesh_for(device)
-    layers = list(getattr(lm, lm.base_model_prefix).layers)
+    layers = decoder_layers(lm)
     for layer, entries in zip(layers, per_layer):
         materialise(entries, checkpoint, device)
         rng = replay_lora(layer, rng, getattr(model, "peft_config", {}))

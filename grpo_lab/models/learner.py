@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..algo.logprobs import add_logprob_head, score_completions
+from ..dist.fsdp import decoder_layers
 from ..errors import LabError
 from ..memory.heap import trim_before_each_layer
 from .offload import HostAdamW
@@ -113,12 +114,6 @@ def load_learner(config) -> Learner:
         device=torch.device(device),
         optimizer=optimizer,
     )
-
-
-def decoder_layers(model) -> list:
-    """The decoder layers of a (PEFT-wrapped) causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return list(getattr(base, base.base_model_prefix).layers)
 
 
 def add_lora(base, config):
