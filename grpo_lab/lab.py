@@ -1,7 +1,7 @@
 """`Lab`: the notebook's handle on a GRPO run. It holds the config, the step lifecycle, history, the timeline and
 the memory views; each phase of a step is a method a cell can call alone (named as in algo/phases.PHASES), and
 `step()` runs the rest of the current step through `algo.grpo.step`. The phases' work is its executor's
-(executor.py: this process's models, or a sharded learner's ranks). The headless runner, the widgets and papermill
+(execution/: this process's models, or a sharded learner's ranks). The headless runner, the widgets and papermill
 use the same calls. Config edits after load go through config/edits.py.
 """
 
@@ -22,7 +22,7 @@ from .config.edits import LoadedLabGuard
 from .config.loading import load_config
 from .config.schema import LabConfig
 from .errors import ConfigError, LabError
-from .executor import executor_for
+from .execution.contract import executor_for
 from .memory.timeline import Timeline
 from .preflight import preflight
 from .ui.views import LabViews
@@ -178,10 +178,10 @@ class Lab(LabViews):
     def _phase(self, name: str, **inputs):
         """Check order, time and mark a phase; on any failure put the step back (see `_failed`); an
         out-of-memory error becomes a one-line LabError naming phase and device."""
+        from .execution.runtime import RanksBlocked, runtime, settle
         from .memory.heap import trim_host_heap
         from .memory.oom import cuda_oom_count, phase_error, release_memory
         from .memory.profiling import phase_range
-        from .runtime import RanksBlocked, runtime, settle
         from .state.faults import set_phase
 
         self._require_loaded()

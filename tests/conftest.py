@@ -83,7 +83,7 @@ def ray_local(request):
     import ray
 
     if not ray.is_initialized():
-        from grpo_lab.cluster.ray_cluster import start_local
+        from grpo_lab.execution.sharded.ray_cluster import start_local
 
         start_local(cpus=2)
     return ray

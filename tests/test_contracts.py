@@ -12,7 +12,7 @@ from grpo_lab.algo import grpo
 from grpo_lab.algo.lifecycle import StepState, next_phase
 from grpo_lab.algo.phases import PHASE_NAMES
 from grpo_lab.config.loading import load_config
-from grpo_lab.executor import Executor
+from grpo_lab.execution.contract import Executor
 
 
 def contract_members() -> set[str]:
@@ -25,7 +25,7 @@ def test_both_executors_implement_the_contract(tiny_config, procs):
     the Protocol, and nothing but those is what the Lab calls (lab.py names no other executor attribute)."""
     import importlib
 
-    from grpo_lab.executor import EXECUTORS
+    from grpo_lab.execution.contract import EXECUTORS
 
     cfg = load_config(tiny_config(placement={"learner_procs": procs}))
     module, _, attr = EXECUTORS["local" if procs == 1 else "ranks"].partition(":")

@@ -1,5 +1,5 @@
-"""The sharded learner's ranks on Ray (grpo_lab/cluster/ray_cluster.py, cluster/ranks.py): where they run, what a dead
-rank costs, what is left when the driver dies, and the one-line refusals before any actor starts. The pure parts
+"""The sharded learner's ranks on Ray (grpo_lab/execution/sharded/ray_cluster.py, ranks.py): where they run, what a
+dead rank costs, what is left when the driver dies, and the one-line refusals before any actor starts. The pure parts
 (addresses, bundles, resources, the GPUs a local Ray is given, which device a rank is) are tested with made-up clusters
 and device lists; the rest on real Ray, loopback only (conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
 """
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from grpo_lab import Lab, cli
-from grpo_lab.checks.world import parse_address
-from grpo_lab.cluster.ray_cluster import bundles, check_resources, local_gpu_env, start_local
 from grpo_lab.errors import LabError
-from grpo_lab.runtime import Runtime
+from grpo_lab.execution.runtime import Runtime
+from grpo_lab.execution.sharded.precheck import parse_address
+from grpo_lab.execution.sharded.ray_cluster import bundles, check_resources, local_gpu_env, start_local
 
 pytestmark = (
     pytest.mark.solo
@@ -107,7 +107,7 @@ def test_a_ray_a_lab_started_stops_only_when_the_last_lab_on_it_closes():
     second's ranks, and closing both leaves no Ray running in the process."""
     import ray
 
-    from grpo_lab.cluster.ray_cluster import Cluster
+    from grpo_lab.execution.sharded.ray_cluster import Cluster
 
     ray.shutdown()
     first = Cluster(None, "cpu", ["cpu", "cpu"], cpus=2)
@@ -130,8 +130,8 @@ def test_closing_after_the_notebook_shut_ray_down_is_clean(tiny_model):
     """ray.shutdown() in a cell ends the rank actors with Ray; lab.close() afterwards must not fail on them."""
     import ray
 
-    from grpo_lab.cluster.ranks import Ranks
     from grpo_lab.config.loading import load_config
+    from grpo_lab.execution.sharded.ranks import Ranks
 
     ray.shutdown()
     ranks = Ranks(load_config("tiny-cpu", SHARDED).to_dict(), 2, memory=None)
@@ -161,7 +161,7 @@ def no_actors(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rank actor started")
 
-    monkeypatch.setattr("grpo_lab.cluster.ranks.Ranks._actor", refuse)
+    monkeypatch.setattr("grpo_lab.execution.sharded.ranks.Ranks._actor", refuse)
 
 
 def _free_port() -> int:
@@ -305,7 +305,7 @@ def test_two_ranks_on_two_nodes_equal_two_ranks_on_one(two_nodes, uninterrupted)
 def test_joining_a_cluster_after_a_ray_of_its_own_is_one_line(capsys, no_actors, two_nodes):
     import ray
 
-    from grpo_lab.cluster.ray_cluster import start_local
+    from grpo_lab.execution.sharded.ray_cluster import start_local
 
     if not ray.is_initialized():
         start_local(cpus=1)

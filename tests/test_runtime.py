@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from grpo_lab.config.loading import load_config
-from grpo_lab.runtime import Runtime, capture_rng, nvml_handle, nvml_index, rank_rng, restore_rng, runtime, set_runtime
+from grpo_lab.execution.runtime import (
+    Runtime,
+    capture_rng,
+    nvml_handle,
+    nvml_index,
+    rank_rng,
+    restore_rng,
+    runtime,
+    set_runtime,
+)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -55,7 +64,7 @@ def test_the_driver_is_not_a_rank():
 def test_a_rank_checks_its_learner_on_its_own_device(as_rank, monkeypatch):
     """Bug 1: every rank checked its parameters against placement.learner, so rank 1's own cuda:N+1 was 'outside the
     plan' and a sharded learner could not start on GPUs."""
-    from grpo_lab.local import executor as executor_module
+    from grpo_lab.execution import local as executor_module
 
     checked = []
     monkeypatch.setattr(executor_module, "check_learner", lambda model, planned: checked.append(planned))
@@ -82,7 +91,7 @@ def test_an_oom_on_a_rank_names_the_ranks_device(as_rank):
 
 def test_allocator_snapshots_go_to_one_folder_per_rank(as_rank, tmp_path):
     """Bug 8: every rank wrote step{N}-{phase}.pickle into the same run.output_dir."""
-    from grpo_lab.local.executor import LocalExecutor
+    from grpo_lab.execution.local import LocalExecutor
 
     class Lab:
         config = gpu_config("cuda:0", procs=2, **{"memory.cuda_snapshots": "true", "run.output_dir": str(tmp_path)})
@@ -198,7 +207,7 @@ def test_a_world_of_one_decides_alone():
 def test_the_host_guard_runs_once_in_the_driver_never_on_a_rank(as_rank):
     """Bug 5's second half: one rank's own host guard refused a phase on that rank alone while the others blocked in
     a collective. The host is one; the driver's guard stops every rank between phases."""
-    from grpo_lab.local.executor import LocalExecutor
+    from grpo_lab.execution.local import LocalExecutor
     from grpo_lab.memory.sampler import HostMemoryExceeded
 
     class Lab:

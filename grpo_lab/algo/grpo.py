@@ -15,10 +15,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..dist.fsdp import full, local
-from ..dist.recovery import agreed
 from ..errors import LabError, NonFinite
-from ..runtime import runtime
+from ..execution.runtime import runtime
+from ..execution.sharded.fsdp import full, local
+from ..execution.sharded.recovery import agreed
 from ..state.faults import poison
 from .containers import Advantages, BackwardResult, GenerationRequest, LogProbs, LossStats, Rewards, Rollout, StepResult
 from .importance import importance_weights

@@ -175,8 +175,8 @@ def rollout_logprobs(
 ) -> torch.Tensor:
     """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
     micro-batched: [N, L] on `out_device` (each rank of a sharded learner scores its own rows)."""
-    from ..dist.recovery import agreed
-    from ..runtime import runtime
+    from ..execution.runtime import runtime
+    from ..execution.sharded.recovery import agreed
 
     set_logprob_head(model, temperature=rollout.logprob_temperature)
     parts, ranks = [], runtime()

@@ -67,10 +67,11 @@ def check_roles(cfg) -> None:
 
 
 def check_sharding(cfg) -> None:
-    """What a sharded learner cannot do, refused before anything starts (sharded.world checks devices and engine)."""
+    """What a sharded learner cannot do, refused before anything starts (execution/sharded/precheck.py checks its
+    devices and engine)."""
     procs, gen, g = cfg.placement.learner_procs, cfg.generator, cfg.grpo
     if gen.backend != "hf":  # vllm: one engine in the driver's process, never on a rank's device
-        from .world import rank_devices
+        from ..execution.sharded.precheck import rank_devices
 
         shared = sorted(
             set(rank_devices(cfg.placement.learner, procs)) & set(cfg.placement.generator_devices()) - {"cpu"}
@@ -93,7 +94,7 @@ def check_sharding(cfg) -> None:
                 "set it to true"
             )
     if cfg.placement.ray_address not in (None, "auto"):
-        from .world import parse_address
+        from ..execution.sharded.precheck import parse_address
 
         try:
             parse_address(cfg.placement.ray_address)

@@ -13,11 +13,11 @@ from typing import Callable, Optional
 import torch
 
 from ..algo.logprobs import precision
-from ..dist.fsdp import generation
 from ..errors import LabError
+from ..execution.runtime import runtime
+from ..execution.sharded.fsdp import generation
 from ..memory.heap import trim_host_heap
 from ..models.source import resolve_model_path
-from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a

@@ -12,8 +12,8 @@ BACKENDS: dict[str, str] = {
     "vllm": "grpo_lab.generation.vllm_engine:VLLMGenerator",
 }
 
-# a sharded learner's rank asks the driver's engine instead (cluster/remote.py)
-RANK_BACKENDS: dict[str, str] = {"vllm": "grpo_lab.cluster.remote:RemoteVLLM"}
+# a sharded learner's rank asks the driver's engine instead (sharded/remote.py)
+RANK_BACKENDS: dict[str, str] = {"vllm": "grpo_lab.execution.sharded.remote:RemoteVLLM"}
 
 # backends that hold their own copy of the weights (and so a memory share of their GPU)
 OWN_WEIGHTS = {"vllm"}

@@ -6,7 +6,7 @@ Rows equal one process's because every row samples from its own seed (base.row_s
 is padded to the whole batch's prompt width (hf.py); what a rank's forward still changes is the batch size, which
 may round float32 log-probs differently (<= 1.2e-6 measured on the CPU; bfloat16 was bit-equal; a flipped token is
 possible in principle where a kernel's rounding depends on the batch size). tests/test_sharded_rollout.py states
-the tolerance. The vLLM path samples once already (one engine in the driver: cluster/remote.py).
+the tolerance. The vLLM path samples once already (one engine in the driver: sharded/remote.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 
 from ..algo.containers import Rollout
 from ..errors import LabError
-from ..runtime import runtime
+from ..execution.runtime import runtime
 from ..state.faults import diverge
 from .base import split
 

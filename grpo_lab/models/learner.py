@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from ..algo.logprobs import add_logprob_head, score_completions
-from ..dist.fsdp import decoder_layers
 from ..errors import LabError
+from ..execution.sharded.fsdp import decoder_layers
 from ..memory.heap import trim_before_each_layer
 from .offload import HostAdamW
 from .quant import pin_training_layout
@@ -65,7 +65,7 @@ def quantization_config(model_cfg):
 
 def load_base(model_cfg, device: str):
     """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen. On a sharded rank, already sharded
-    (loaded layer by layer: dist/meta_load.py); prepare_like_policy then leaves it as it is."""
+    (loaded layer by layer: sharded/meta_load.py); prepare_like_policy then leaves it as it is."""
     from transformers import AutoModelForCausalLM
 
     if runtime_is_rank():
@@ -144,14 +144,15 @@ def add_lora(base, config):
 
 
 def load_sharded_learner(config, device: str):
-    """A rank's learner, never whole on it (dist/meta_load.py): the same model as one process's, sharded with FSDP2."""
+    """A rank's learner, never whole on it (execution/sharded/meta_load.py): the same model as one process's, sharded
+    with FSDP2."""
     return load_sharded_base(config.model, device, lambda base: add_lora(base, config))
 
 
 def load_sharded_base(model_cfg, device: str, wrap=None):
     """load_base's model on a rank, built on meta and sharded layer by layer as it is read; `wrap` (PEFT) is applied
     on meta, before any weight is read."""
-    from ..dist.meta_load import load_sharded
+    from ..execution.sharded.meta_load import load_sharded
 
     path = Path(check_model_path(model_cfg.name_or_path))
     if not path.is_dir():  # a hub id: its files from the hub cache (downloaded there if not yet)
@@ -171,7 +172,7 @@ def load_sharded_base(model_cfg, device: str, wrap=None):
 
 
 def runtime_is_rank() -> bool:
-    from ..runtime import runtime
+    from ..execution.runtime import runtime
 
     return runtime().is_rank
 
@@ -189,7 +190,7 @@ def autocast_dtype(model_cfg, device: str):
 
 def learner_device(config) -> str:
     """This process's learner device (the runtime's answer: placement.learner, or a sharded rank's own)."""
-    from ..runtime import runtime
+    from ..execution.runtime import runtime
 
     return runtime().device(config)
 
@@ -197,10 +198,10 @@ def learner_device(config) -> str:
 def prepare_like_policy(model, device: str) -> None:
     """What every model the learner computes with goes through: on a sharded rank, FSDP2 over the ranks (P5: the
     reference copy too, so it lands where the policy is)."""
-    from ..runtime import runtime
+    from ..execution.runtime import runtime
 
     if runtime().is_rank:
-        from ..dist.fsdp import is_sharded, shard
+        from ..execution.sharded.fsdp import is_sharded, shard
 
         if not is_sharded(model):  # load_base on a rank shards as it loads
             shard(model, torch.device(device), score_completions)

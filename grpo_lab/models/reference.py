@@ -36,8 +36,8 @@ class CopyReference:
     """A frozen base model on `reference.device` (default: the learner's)."""
 
     def __init__(self, config):
-        from ..dist.fsdp import check_reference_devices
-        from ..runtime import runtime
+        from ..execution.runtime import runtime
+        from ..execution.sharded.fsdp import check_reference_devices
         from .learner import learner_device, load_base, prepare_like_policy
 
         sharded = runtime().is_rank  # a sharded learner's copy: on the rank's device, sharded the same way (P5)

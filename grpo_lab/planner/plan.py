@@ -184,7 +184,7 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
 def build(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks."""
     if cfg.placement.learner_procs > 1:
-        from .fsdp_ranks import build_sharded  # why here: sharded.py builds on this module's helpers
+        from .sharded import build_sharded  # why here: sharded.py builds on this module's helpers
 
         return build_sharded(cfg, shape)
     devices, micro = build_devices(cfg, shape)

@@ -1,5 +1,6 @@
 """Recovery of a sharded pass that failed: FSDP's state reset, and the failure agreed by every rank (so none is
 left inside a collective). The identity on an unsharded model and in a world of one."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ def reset_after_failure(model) -> None:
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     roots = [u for u in units if u._get_fsdp_state()._is_root]
     for root in roots:
-        root.reset_iter_state()   # on the root only, as torch documents
+        root.reset_iter_state()  # on the root only, as torch documents
     for unit in units:
         unit.reshard()
 
@@ -36,10 +37,10 @@ def agreed(*models) -> Iterator[None]:
         for model in models:
             reset_after_failure(model)
         try:
-            me.agree(True)   # the others learn it here and stop too
-        except RanksBlocked as blocked:   # they are blocked in a collective this pass left: the driver restarts all
+            me.agree(True)  # the others learn it here and stop too
+        except RanksBlocked as blocked:  # they are blocked in a collective this pass left: the driver restarts all
             err.add_note(str(blocked))
-        err.agreed = True    # why: the phase's own decision (runtime.settle) must not wait for the others again
+        err.agreed = True  # why: the phase's own decision (runtime.settle) must not wait for the others again
         raise
     failed = me.agree(False)
     if failed:

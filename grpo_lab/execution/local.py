@@ -1,6 +1,6 @@
-"""`LocalExecutor`: a Lab's phases on this process's learner, reference, generator and prompts (executor.py has the
+"""`LocalExecutor`: a Lab's phases on this process's learner, reference, generator and prompts (contract.py has the
 contract). It also runs inside each rank of a sharded learner, whose runtime says which rank it is; a sharded
-learner's driver uses `RankExecutor` (cluster/executor.py) instead.
+learner's driver uses `RankExecutor` (sharded/driver.py) instead.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from ..algo import grpo as phase_functions
 from ..checks.guard import check_learner
 from ..errors import LabError
-from ..runtime import runtime
+from .runtime import runtime
 
 
 def _rollout(ex, state) -> object:
@@ -182,7 +182,7 @@ class LocalExecutor:
     def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
         """After a failed phase: FSDP's iteration state reset on every model this process passes through (a failure
         mid-forward leaves it half-way); None = the Lab's default undo applies."""
-        from ..dist.recovery import reset_after_failure
+        from .sharded.recovery import reset_after_failure
 
         for model in (getattr(self.learner, "model", None), getattr(self.reference, "model", None)):
             if model is not None:
@@ -213,8 +213,8 @@ class LocalExecutor:
     # --- state in and out ---
     def inspect(self) -> list[dict]:
         """This process's LoRA and AdamW state and step (one entry: rank 0 of a world of one)."""
-        from ..dist.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
         from ..generation.hf import GENERATED_ROWS
+        from .sharded.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
 
         learner, copy = self.learner, getattr(self.reference, "model", None)
         return [
@@ -258,7 +258,7 @@ class LocalExecutor:
 
     def save_adapter(self, path) -> Path:
         if runtime().is_rank:  # every rank gathers its LoRA shards; rank 0 writes the one-process format
-            from ..dist.gathered import save_full_adapter
+            from .sharded.gathered import save_full_adapter
 
             save_full_adapter(self.learner, path)
             return Path(path)
@@ -268,7 +268,7 @@ class LocalExecutor:
 
     def save_checkpoint(self, path) -> Path:
         if runtime().is_rank:  # every rank gathers its shards and RNG states; rank 0 writes
-            from ..dist.gathered import save_full_checkpoint
+            from .sharded.gathered import save_full_checkpoint
 
             save_full_checkpoint(self.learner, self.prompts, self.config, self.step_index(), path)
             return Path(path)
@@ -278,7 +278,7 @@ class LocalExecutor:
 
     def restore_checkpoint(self, checkpoint) -> None:
         if runtime().is_rank:  # this rank's shard of every tensor, its own RNG states
-            from ..dist.gathered import restore_full_checkpoint
+            from .sharded.gathered import restore_full_checkpoint
 
             restore_full_checkpoint(self.learner, self.prompts, checkpoint.path)
         else:

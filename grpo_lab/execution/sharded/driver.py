@@ -1,6 +1,6 @@
 """`RankExecutor`: a Lab's phases over a sharded learner's ranks (placement.learner_procs > 1). The Lab keeps its API
 and lifecycle (phase methods, `step()`, config edits, history, memory views); each phase is one command to every
-rank (cluster/ranks.py: a Ray actor each), whose own Lab runs it on its shard (cluster/worker.py). Every rank computes
+rank (sharded/ranks.py: a Ray actor each), whose own Lab runs it on its shard (sharded/worker.py). Every rank computes
 the same rollout, rewards and advantages; log-probs and backward are each rank's rows, gathered; results come back from
 rank 0, and every rank's samples and per-phase rows join the driver's memory sampler under 'rank<k>/<device>'.
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..algo.containers import BackwardResult
-from ..errors import LabError
-from ..models.source import fetch_once
+from ...algo.containers import BackwardResult
+from ...errors import LabError
+from ...models.source import fetch_once
 from .ranks import RankFailure, RankMemory, Ranks
 
 
@@ -27,8 +27,8 @@ class RankAdapter:
     adapter that the engine loads."""
 
     def __init__(self, executor: "RankExecutor"):
-        from ..models.learner import load_tokenizer
-        from ..models.source import resolve_model_path
+        from ...models.learner import load_tokenizer
+        from ...models.source import resolve_model_path
 
         self.executor, self.model = executor, self
         self.tokenizer = load_tokenizer(resolve_model_path(executor.config.model.name_or_path))
@@ -51,14 +51,14 @@ class RankExecutor:
     on_cuda = False  # the driver computes nothing; each rank marks its own phases
 
     def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
-        from ..algo.rewards import reward_functions
+        from ...algo.rewards import reward_functions
 
         self.config = config
         self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
         self.reward_funcs = reward_functions(reward_funcs, config)
         self.step_index = step_index
         self.ranks: Optional[Ranks] = None
-        self.generator = None  # the ranks' one vLLM engine, in this process (cluster/remote.py), if any
+        self.generator = None  # the ranks' one vLLM engine, in this process (sharded/remote.py), if any
         self.generator_behind = False
         self.adapter = None  # the ranks' LoRA as the engine syncs it (RankAdapter)
         self.lost = False  # the ranks were stopped or restarted: they are (or start) at the step's start
@@ -79,7 +79,7 @@ class RankExecutor:
 
     @property
     def own_engine(self) -> bool:
-        """A generator with weights of its own (vLLM) runs in this process, for every rank (cluster/remote.py)."""
+        """A generator with weights of its own (vLLM) runs in this process, for every rank (sharded/remote.py)."""
 
         return self.config.generator.own_weights
 
@@ -106,8 +106,8 @@ class RankExecutor:
 
     # --- load and release ---
     def load(self, memory) -> None:
-        from ..generation import backend_class
-        from ..local.executor import attach_engine
+        from ...generation import backend_class
+        from ..local import attach_engine
 
         cfg = self.config
         if self.rewards_given:

@@ -1,6 +1,6 @@
 """The executor contract: where a Lab's phases run. The Lab keeps the config, the step lifecycle, history, the
 timeline and the views; its executor holds the models and does each phase's work. Two implement it:
-`local/executor.py` (this process's models; also inside each rank of a sharded learner) and `cluster/executor.py`
+`execution/local.py` (this process's models; also inside each rank of a sharded learner) and `sharded/driver.py`
 (a sharded learner's driver, which sends each phase to its Ray ranks). An executor is given what it needs (the
 config, the reward functions, the step index) and never the Lab. EXECUTORS names them by import path, so the
 one-process path never imports the Ray driver.
@@ -15,8 +15,8 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 from .runtime import runtime
 
 EXECUTORS: dict[str, str] = {
-    "local": "grpo_lab.local.executor:LocalExecutor",
-    "ranks": "grpo_lab.cluster.executor:RankExecutor",
+    "local": "grpo_lab.execution.local:LocalExecutor",
+    "ranks": "grpo_lab.execution.sharded.driver:RankExecutor",
 }
 
 

@@ -5,6 +5,7 @@ storage (FSDP2 shards each parameter on dim 0: no flat parameter, so no storage-
 mixed-precision policy. The reference copy is prepared by the same function (P5); the generation gather (P3) is
 a context manager that restores everything it changed in its `finally`.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -12,10 +13,10 @@ from typing import Iterator
 
 import torch
 
-from ..errors import LabError
+from ...errors import LabError
 
-SCORE = "grpo_lab_score"
-WHOLE_GATHERS = [0]   # rollouts this process generated with every FSDP unit gathered whole (gather_for_generation)   # the transformers model's method a log-prob pass runs through (registered with FSDP)
+SCORE = "grpo_lab_score"  # the transformers model's method a log-prob pass runs through (registered with FSDP)
+WHOLE_GATHERS = [0]  # rollouts this process generated with every FSDP unit gathered whole (gather_for_generation)
 
 
 def _causal_lm(model):
@@ -34,8 +35,8 @@ def shard(model, device: torch.device, score):
     mesh = mesh_for(device)
     lm = _causal_lm(model)
     for layer in decoder_layers(lm):
-        shard_unit(layer, mesh)   # why per layer: one layer whole at a time
-    shard_unit(lm, mesh)   # the root owns the embedding, final norm and LM head (tied or not)
+        shard_unit(layer, mesh)  # why per layer: one layer whole at a time
+    shard_unit(lm, mesh)  # the root owns the embedding, final norm and LM head (tied or not)
     finish(lm, score)
     return model
 
@@ -56,7 +57,7 @@ def shard_unit(module, mesh):
     # why a sum: each rank's loss is its rows' share of the whole batch's loss (normalised by the whole batch's
     # totals), so the whole batch's gradient is the sum over ranks, not FSDP's default mean
     unit.set_gradient_divide_factor(1.0)
-    unit.set_force_sum_reduction_for_comms(True)   # why: gloo has no PREMUL_SUM (the op a custom factor picks)
+    unit.set_force_sum_reduction_for_comms(True)  # why: gloo has no PREMUL_SUM (the op a custom factor picks)
     return unit
 
 
@@ -68,8 +69,9 @@ def finish(lm, score) -> None:
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     setattr(lm, SCORE, MethodType(score, lm))
-    register_fsdp_forward_method(lm, SCORE)   # why: a log-prob pass calls the backbone and the head, not forward()
-    lm._get_fsdp_state()._lazy_init()   # why now: the root's settings (no reshard after forward) are final before any pass
+    register_fsdp_forward_method(lm, SCORE)  # why: a log-prob pass calls the backbone and the head, not forward()
+    # why now: the root's settings (no reshard after forward) are final before any pass
+    lm._get_fsdp_state()._lazy_init()
 
 
 def fsdp_units(model) -> list:
@@ -110,8 +112,10 @@ def layout(model) -> dict:
         "training": model.training,
         "modules_training": sum(m.training for m in model.modules()),
         "gradient_checkpointing": [(on, func is not None) for on, func in _checkpointing(model).values()],
-        "reshard_after_forward": [(auto, tuple(info is not None for info in infos))
-                                  for auto, infos in map(_reshard_after_forward, fsdp_units(model))],
+        "reshard_after_forward": [
+            (auto, tuple(info is not None for info in infos))
+            for auto, infos in map(_reshard_after_forward, fsdp_units(model))
+        ],
         "sharded": [_params_sharded(u) for u in fsdp_units(model)],
         # a pass left open (an exception mid-forward, no reset): the next root pre-forward would skip its set-up
         "iteration_open": any(u._get_fsdp_state()._state_ctx.iter_forward_root is not None for u in fsdp_units(model)),
@@ -165,9 +169,11 @@ def generation(model, gather: bool) -> Iterator[None]:
     model.eval()
     try:
         if gather and units:
-            WHOLE_GATHERS[0] += 1   # what inspect() reports: which way this rank's rollouts ran
+            WHOLE_GATHERS[0] += 1  # what inspect() reports: which way this rank's rollouts ran
             for unit in units:
-                unit.set_reshard_after_forward(False, recurse=False)   # why: a forward would reshard after itself otherwise
+                unit.set_reshard_after_forward(
+                    False, recurse=False
+                )  # why: a forward would reshard after itself otherwise
                 unit.unshard()
         yield
     except BaseException:
@@ -181,7 +187,7 @@ def generation(model, gather: bool) -> Iterator[None]:
         for unit, saved in zip(units, reshard):
             unit.reshard()
             _set_reshard_after_forward(unit, saved)
-        for module, (on, func) in checkpointing.items():   # P3's later reports: checkpointing left off after an OOM
+        for module, (on, func) in checkpointing.items():  # P3's later reports: checkpointing left off after an OOM
             module.gradient_checkpointing = on
             if func is not None:
                 module._gradient_checkpointing_func = func
@@ -191,8 +197,11 @@ def generation(model, gather: bool) -> Iterator[None]:
 
 def _checkpointing(model) -> dict:
     """Every module's gradient-checkpointing switch and function, as transformers set them."""
-    return {m: (m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None))
-            for m in model.modules() if hasattr(m, "gradient_checkpointing")}
+    return {
+        m: (m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None))
+        for m in model.modules()
+        if hasattr(m, "gradient_checkpointing")
+    }
 
 
 def check_reference_devices(model, compute: torch.device, where: str = "reference") -> None:
@@ -203,6 +212,8 @@ def check_reference_devices(model, compute: torch.device, where: str = "referenc
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         device = t.to_local().device if isinstance(t, DTensor) else t.device
         if device.type != compute.type:
-            raise LabError(f"{where}: {name} is on {device.type}, the policy computes on {compute.type} (P5: a reference "
-                           "not prepared like the policy); use reference.strategy: adapter-disabled, or 'copy', which "
-                           "grpo_lab loads and shards like the policy")
+            raise LabError(
+                f"{where}: {name} is on {device.type}, the policy computes on {compute.type} (P5: a reference "
+                "not prepared like the policy); use reference.strategy: adapter-disabled, or 'copy', which "
+                "grpo_lab loads and shards like the policy"
+            )

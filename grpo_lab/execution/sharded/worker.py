@@ -1,8 +1,8 @@
-"""A rank of a sharded learner: the body of a Ray actor (cluster/ranks.py wraps it). It joins the process group, loads a
+"""A rank of a sharded learner: the body of a Ray actor (sharded/ranks.py wraps it). It joins the process group, loads a
 Lab of its own (the learner sharded by FSDP2, the same code as one process), and runs the driver's commands one at a
 time: a phase, a rollback, a checkpoint. Every reply carries the memory samples and per-phase rows it took since the
 last one; while a command runs, the driver polls the rank (`poll`, on a thread of its own) for the samples so far and
-for any question its generator asks (cluster/remote.py).
+for any question its generator asks (sharded/remote.py).
 
 At load and after every finished step the rank returns its *boundary state* (its LoRA and AdamW shards, RNG states,
 prompt order, step index) as bytes, which Ray keeps in its object store for the driver. Why: a rank that fails in a
@@ -35,7 +35,7 @@ class RankWorker:
         self.lab = None
         self.sent = {"samples": 0, "rows": 0}
         self.lock = threading.Lock()  # the memory cursor: read by the command thread and the poll thread
-        self.questions: dict[int, tuple] = {}  # asked by this rank's generator, not yet answered (cluster/remote.py)
+        self.questions: dict[int, tuple] = {}  # asked by this rank's generator, not yet answered (sharded/remote.py)
         self.answers: dict[int, tuple] = {}
         self.answered = threading.Condition()
 
@@ -57,9 +57,9 @@ class RankWorker:
         import torch.distributed as dist
         from transformers.utils import logging as hf_logging
 
-        from ..checks.world import backend_for
-        from ..lab import Lab
+        from ...lab import Lab
         from ..runtime import Runtime, init_decisions, runtime, set_runtime
+        from .precheck import backend_for
 
         hf_logging.disable_progress_bar()  # why: N ranks' loading bars would interleave on the driver's stderr
         learner = config["placement"]["learner"]
@@ -86,7 +86,7 @@ class RankWorker:
             return ("error", one_line(err), self.memory()), None
         import ray
 
-        from ..memory.report import capacities_of
+        from ...memory.report import capacities_of
 
         info = {
             "capacities": capacities_of(self.lab.memory),
@@ -130,7 +130,7 @@ class RankWorker:
                 self.answered.notify_all()
 
     def ask(self, number: int, question: tuple) -> tuple:
-        """Called by this rank's generator (cluster/remote.py): wait until the driver answers question `number`."""
+        """Called by this rank's generator (sharded/remote.py): wait until the driver answers question `number`."""
         with self.answered:
             self.questions[number] = question
             self.answered.wait_for(lambda: number in self.answers)
@@ -151,7 +151,7 @@ class RankWorker:
     # --- commands: each returns (result, boundary state or None) ---
     def phase(self, name: str, config: dict):
         """Run this step's phase `name` with this rank's own outputs of the phases before it."""
-        from ..algo.phases import BY_NAME
+        from ...algo.phases import BY_NAME
 
         changes = config_changes(self.lab.config.to_dict(), config)
         if changes:
@@ -192,8 +192,8 @@ def config_changes(mine: dict, theirs: dict) -> dict:
 
 def boundary_state(lab) -> bytes:
     """This rank's state between steps (its shards only: no collective)."""
-    from ..dist.fsdp import local, local_state
     from ..runtime import capture_rng, runtime
+    from .fsdp import local, local_state
 
     learner = lab.learner
     rng = capture_rng(runtime().cuda_indices(lab.config))  # this rank's own streams (its GPU's, not every GPU's)
@@ -211,9 +211,9 @@ def boundary_state(lab) -> bytes:
 
 def restore_boundary(lab, data: bytes) -> None:
     """Put a rank's state at the start of a step back into a freshly loaded Lab (a restart)."""
-    from ..dist.fsdp import local
-    from ..dist.gathered import load_optimizer_shards
     from ..runtime import restore_rng
+    from .fsdp import local
+    from .gathered import load_optimizer_shards
 
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     learner = lab.learner

@@ -8,6 +8,7 @@ on meta and each rank reads only its own rows of it (`safe_open(...).get_slice`)
 Departs from FSDP's "rank 0 loads, broadcasts" recipe: every rank reads the files itself (nothing whole crosses the
 wire), and quantizes each layer whole, because bitsandbytes' quant state (absmax, double-quant offset) is per tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,11 +18,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..errors import LabError
+from ...errors import LabError
 from .fsdp import decoder_layers, finish, mesh_for, shard_unit
 
-
-READ_BYTES = 4 * 2 ** 20   # the most of a root parameter's rows read at once (its shard is filled block by block)
+READ_BYTES = 4 * 2**20  # the most of a root parameter's rows read at once (its shard is filled block by block)
 
 
 class Checkpoint:
@@ -36,16 +36,20 @@ class Checkpoint:
         elif (path / "model.safetensors").exists():
             where = None
         else:
-            raise LabError(f"model.name_or_path: {path} has no model.safetensors (a sharded learner reads safetensors "
-                           "layer by layer); save the checkpoint with save_pretrained(safe_serialization=True)")
+            raise LabError(
+                f"model.name_or_path: {path} has no model.safetensors (a sharded learner reads safetensors "
+                "layer by layer); save the checkpoint with save_pretrained(safe_serialization=True)"
+            )
         files = sorted(set(where.values())) if where else ["model.safetensors"]
         self._files = {name: _open(safe_open, path / name) for name in files}
         self._where = where or {k: "model.safetensors" for k in self._files["model.safetensors"].keys()}
 
     def _file(self, key: str):
         if key not in self._where:
-            raise LabError(f"model.name_or_path: the checkpoint has no tensor {key!r}, which this model needs (a "
-                           "renamed or partial checkpoint); load it once with from_pretrained and save_pretrained it")
+            raise LabError(
+                f"model.name_or_path: the checkpoint has no tensor {key!r}, which this model needs (a "
+                "renamed or partial checkpoint); load it once with from_pretrained and save_pretrained it"
+            )
         return self._files[self._where[key]]
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -61,7 +65,7 @@ def _open(safe_open, file: Path):
     a view of the whole embedding's mapping)."""
     try:
         return safe_open(str(file), framework="pt", device="cpu", backend="pread")
-    except TypeError:   # a safetensors without the backend choice (< 0.7): mmap
+    except TypeError:  # a safetensors without the backend choice (< 0.7): mmap
         return safe_open(str(file), framework="pt", device="cpu")
 
 
@@ -90,21 +94,23 @@ def meta_model(path: Path, dtype: torch.dtype, quantization_config, device: torc
         if quantization_config is not None:
             from transformers.quantizers import AutoHfQuantizer
 
-            quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)   # quantized here
+            quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)  # quantized here
             quantizer.preprocess_model(model=lm, dtype=dtype, device_map={"": device})
-    lm.tie_weights()   # as from_pretrained's finalisation: a tied LM head is the embedding's parameter
+    lm.tie_weights()  # as from_pretrained's finalisation: a tied LM head is the embedding's parameter
     with torch.random.fork_rng(devices=[]):
-        for module in lm.modules():   # non-persistent buffers (rotary inv_freq): not in the files; computed as
-            if any(b.is_meta for b in module.buffers(recurse=False)):   # from_pretrained computes them
+        for module in lm.modules():  # non-persistent buffers (rotary inv_freq): not in the files; computed as
+            if any(b.is_meta for b in module.buffers(recurse=False)):  # from_pretrained computes them
                 if any(True for _ in module.parameters(recurse=False)):
-                    raise LabError(f"model: {type(module).__name__} holds weights and computed buffers; a sharded "
-                                   "learner cannot load it layer by layer yet (use placement.learner_procs: 1)")
+                    raise LabError(
+                        f"model: {type(module).__name__} holds weights and computed buffers; a sharded "
+                        "learner cannot load it layer by layer yet (use placement.learner_procs: 1)"
+                    )
                 module.to_empty(device=device, recurse=False)
                 lm._init_weights(module)
     if quantizer is not None:
         lm.hf_quantizer = quantizer
         quantizer.postprocess_model(lm)
-    try:   # as from_pretrained: the checkpoint's generation defaults
+    try:  # as from_pretrained: the checkpoint's generation defaults
         lm.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:
         pass
@@ -121,7 +127,7 @@ def _params_by_unit(lm) -> tuple[list[list[tuple]], list[tuple]]:
     seen: set[int] = set()
     for name, module in lm.named_modules():
         for attr, param in module.named_parameters(recurse=False):
-            if id(param) in seen:   # a tied LM head: the embedding's parameter, read once
+            if id(param) in seen:  # a tied LM head: the embedding's parameter, read once
                 continue
             seen.add(id(param))
             parts = name.split(".")
@@ -145,7 +151,7 @@ def materialise(entries: list[tuple], checkpoint: Checkpoint, device: torch.devi
             param = Params4bit(value, requires_grad=False, **empty.__dict__).to(device)
         else:
             param = torch.nn.Parameter(value, requires_grad=False)
-        del value   # why: a 4-bit weight keeps only its packed bytes; the float copy goes now
+        del value  # why: a 4-bit weight keeps only its packed bytes; the float copy goes now
         module._parameters[attr] = param
 
 
@@ -171,7 +177,7 @@ def _fill_root(root_entries: list[tuple], checkpoint: Checkpoint, device: torch.
 
     rank, size = dist.get_rank(), dist.get_world_size()
     for module, attr, key in root_entries:
-        module.to_empty(device=device, recurse=False)   # this rank's shard only (FSDP2 sharded it on meta)
+        module.to_empty(device=device, recurse=False)  # this rank's shard only (FSDP2 sharded it on meta)
         param = getattr(module, attr)
         local = param.to_local()
         start = min(rank * -(-param.shape[0] // size), param.shape[0])
@@ -183,8 +189,14 @@ def _fill_root(root_entries: list[tuple], checkpoint: Checkpoint, device: torch.
                 local[at:stop].copy_(checkpoint.rows(key, start + at, start + stop).to(local.dtype))
 
 
-def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: torch.device, score: Callable,
-                 wrap: Optional[Callable] = None):
+def load_sharded(
+    path: Path,
+    dtype: torch.dtype,
+    quantization_config,
+    device: torch.device,
+    score: Callable,
+    wrap: Optional[Callable] = None,
+):
     """The model sharded over the default process group, never whole on this rank. `wrap(lm)` adds what one process
     adds before sharding (the log-prob head, PEFT's LoRA, checkpointing) while everything is on meta; it returns the
     model to hand back (a PeftModel, or `lm`). Call with torch's RNG as one process has it right after from_pretrained
@@ -192,7 +204,7 @@ def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: to
     rng = torch.get_rng_state()
     lm = meta_model(path, dtype, quantization_config, device)
     per_layer, root = _params_by_unit(lm)
-    with torch.random.fork_rng(devices=[]):   # why: the meta pass's draws are thrown away; replay_lora redraws them
+    with torch.random.fork_rng(devices=[]):  # why: the meta pass's draws are thrown away; replay_lora redraws them
         model = wrap(lm) if wrap is not None else lm
     checkpoint = Checkpoint(path)
     mesh = mesh_for(device)
@@ -200,13 +212,15 @@ def load_sharded(path: Path, dtype: torch.dtype, quantization_config, device: to
     for layer, entries in zip(layers, per_layer):
         materialise(entries, checkpoint, device)
         rng = replay_lora(layer, rng, getattr(model, "peft_config", {}))
-        shard_unit(layer, mesh)   # why now: this rank keeps its 1/N of the layer; the whole layer is freed here
-    shard_unit(lm, mesh)          # the root on meta: nothing whole is ever made of the embedding or the LM head
+        shard_unit(layer, mesh)  # why now: this rank keeps its 1/N of the layer; the whole layer is freed here
+    shard_unit(lm, mesh)  # the root on meta: nothing whole is ever made of the embedding or the LM head
     _fill_root(root, checkpoint, device)
     left = [name for name, p in model.named_parameters() if p.device.type == "meta"]
-    if left:   # a LoRA target outside the decoder layers (e.g. the LM head): nothing here reads or draws it
-        raise LabError(f"lora.target_modules: {left[0]} is outside the decoder layers, which a sharded learner "
-                       "(placement.learner_procs > 1) loads layer by layer; target the decoder layers' linear layers")
-    finish(lm, score)   # the log-prob pass (fsdp.finish)
-    torch.set_rng_state(rng)      # where get_peft_model leaves one process's generator
+    if left:  # a LoRA target outside the decoder layers (e.g. the LM head): nothing here reads or draws it
+        raise LabError(
+            f"lora.target_modules: {left[0]} is outside the decoder layers, which a sharded learner "
+            "(placement.learner_procs > 1) loads layer by layer; target the decoder layers' linear layers"
+        )
+    finish(lm, score)  # the log-prob pass (fsdp.finish)
+    torch.set_rng_state(rng)  # where get_peft_model leaves one process's generator
     return model

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .errors import LabError
+from ..errors import LabError
 
 
 def rank_devices(learner: str, procs: int) -> list[str]:

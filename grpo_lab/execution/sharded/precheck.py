@@ -1,6 +1,6 @@
 """Checks of a sharded learner's world before any process starts (pure: they read the config and what is
 installed, and ask a Ray address whether it answers). Which rank this process is, and the collectives, are the
-runtime's (grpo_lab/runtime.py); starting the ranks is the Ray driver's (cluster/)."""
+runtime's (grpo_lab/execution/runtime.py); starting the ranks is the Ray driver's (execution/sharded/)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import LabError
+from ...errors import LabError
 from ..runtime import rank_devices
 
 CONNECT_S = 5  # an address that does not answer a TCP connect within this is unreachable
@@ -57,7 +57,7 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
     import_ray_for(place.ray_address)  # Ray installed, or one line naming the extra
     if place.ray_address is not None:
         check_reachable(place.ray_address)  # before anything loads: an unreachable address is one line in seconds
-        # the cluster's resources decide, checked when it is joined, before any rank starts (cluster/ray_cluster.py)
+        # the cluster's resources decide, checked when it is joined, before any rank starts (sharded/ray_cluster.py)
         return
     if place.learner == "cpu":
         cpus = usable_cpus() if cpus is None else cpus
@@ -68,7 +68,7 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
             )
         return
     if cuda_count is None:
-        from .devices import cuda_device_count
+        from ...checks.devices import cuda_device_count
 
         cuda_count = cuda_device_count()
     devices = rank_devices(place.learner, procs)

@@ -2,9 +2,9 @@
 and a placement group of one bundle per rank. Ray places and supervises the rank processes (an actor per rank):
 it spans machines, and it tells the driver when a rank's process dies, whatever the cause (docs/fsdp2.md, "Why Ray").
 
-Before any actor starts, the cluster's resources must be enough for the ranks (Ray installed and the address reachable
-are checked earlier, by checks/world.py). The pure parts (bundles, resource arithmetic, the GPUs a local Ray is given)
-are tested with made-up clusters (tests/test_ray.py).
+Before any actor starts, the cluster's resources must be enough for the ranks (Ray installed and the address
+reachable are checked earlier, by precheck.py). The pure parts (bundles, resource arithmetic, the GPUs a local Ray is
+given) are tested with made-up clusters (tests/test_ray.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import socket
 from typing import Optional
 
-from ..checks.world import check_reachable, import_ray_for, parse_address
-from ..errors import LabError
+from ...errors import LabError
+from .precheck import check_reachable, import_ray_for, parse_address
 
 PLACE_S = 60  # a placement group that is not ready within this cannot be placed (resources taken by others)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pickle
 
-from ..generation.base import GenerationRequest, Generator, Sample
-from ..generation.vllm_engine import draw_seeds
-from ..models.source import resolve_model_path
+from ...generation.base import GenerationRequest, Generator, Sample
+from ...generation.vllm_engine import draw_seeds
+from ...models.source import resolve_model_path
 
 _driver = {"rank": None, "asked": 0}
 

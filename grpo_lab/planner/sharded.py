@@ -2,7 +2,7 @@
 parameter and of AdamW's state, the root and the layers in flight gathered whole during a pass, the whole rollout
 on every rank (the model gathered whole with generator.gather_for_generation, else layer by layer), and 1/N of the
 batch rows in log-probs and backward. Departs from the one-process plan in two places: bitsandbytes' quant state
-is never sharded, and the load (dist/meta_load.py) holds, beside the rank's shards, one decoder layer whole and the
+is never sharded, and the load (sharded/meta_load.py) holds, beside the rank's shards, one decoder layer whole and the
 float copy of the linear weight being quantized (a "load" phase).
 
 CUDA ranks have a device each; CPU ranks share host RAM, so there the host is the sum of every rank's process.
@@ -38,7 +38,7 @@ def rank_name(learner: str, device: str, k: int) -> str:
 def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): every device's plan (CUDA: one per rank plus the host; CPU: the host, the sum
     of every rank's process) and every rank's own plan (CUDA: the rank's device; CPU: its share of host RAM)."""
-    from ..runtime import rank_devices
+    from ..execution.runtime import rank_devices
 
     place, procs = cfg.placement, cfg.placement.learner_procs
     on_cpu = place.learner == "cpu"
@@ -105,9 +105,10 @@ def fill_rank(rank: DevicePlan, cfg, shape: ModelShape, on_cpu: bool) -> int:
         rank.roles.append("reference copy (sharded like the policy)")
         rank.add(f"reference weights (1/{procs} shard)", sharded / procs, fmt)
         rank.add("reference quant state (whole on every rank)", whole)
-    # why: a rank materialises one decoder layer at a time (dist/meta_load.py), quantizing each weight from a float copy
-    # in model.dtype, and fully_shards it before the next; the root is read as its rows only. So beyond the resident
-    # shards: one layer whole and its largest weight in float (AdamW and gradients, not there yet: pessimistic)
+    # why: a rank materialises one decoder layer at a time (execution/sharded/meta_load.py), quantizing each weight
+    # from a float copy in model.dtype, and fully_shards it before the next; the root is read as its rows only. So
+    # beyond the resident shards: one layer whole and its largest weight in float (AdamW and gradients, not there yet:
+    # pessimistic)
     rank.add(
         "one layer whole before fully_shard",
         layer + load_float_bytes(shape, cfg),

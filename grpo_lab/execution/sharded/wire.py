@@ -1,5 +1,5 @@
 """What a sharded learner's ranks send their driver besides results: one-line errors, and the memory samples a rank took
-since its last reply. Shared by both sides (cluster/ranks.py, cluster/worker.py), so neither imports the other.
+since its last reply. Shared by both sides (sharded/ranks.py, sharded/worker.py), so neither imports the other.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import traceback
 
 
 def one_line(err: BaseException) -> str:
-    from ..errors import LabError
+    from ...errors import LabError
 
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     if isinstance(err, LabError):

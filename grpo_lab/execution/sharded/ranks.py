@@ -1,6 +1,6 @@
 """A sharded learner's ranks, as the driver runs them: one Ray actor per rank (worker.RankWorker), placed in one
-placement group (cluster/ray_cluster.py). A command is one actor call per rank; while it runs the driver polls each rank
-for its memory samples (the live plot) and its generator's questions (cluster/remote.py). Ray tells the driver when a
+placement group (sharded/ray_cluster.py). A command is one actor call per rank; while it runs the driver polls each rank
+for its memory samples (the live plot) and its generator's questions (sharded/remote.py). Ray tells the driver when a
 rank's process dies, whatever the moment: every rank is then stopped and started again from its boundary state, which
 the driver holds (object refs: the states stay in Ray's object store, owned by this process, so they outlive a killed
 rank).
@@ -12,9 +12,9 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Optional
 
-from ..checks.world import usable_cpus
-from ..errors import LabError
-from ..memory.sampler import MemorySampler
+from ...errors import LabError
+from ...memory.sampler import MemorySampler
+from .precheck import usable_cpus
 from .remote import Answers
 
 START_TIMEOUT_S = 900  # loading a model on every rank
@@ -96,7 +96,7 @@ class Ranks:
             raise
 
     def _start(self, restore: Optional[int]) -> "Ranks":
-        from ..checks.world import import_ray_for
+        from .precheck import import_ray_for
         from .ray_cluster import Cluster, bundles
 
         if restore is not None and restore not in self.boundaries:

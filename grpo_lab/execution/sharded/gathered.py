@@ -1,6 +1,7 @@
 """A sharded learner's LoRA and AdamW state in and out of the single-process formats: checkpoints and adapters are
 gathered whole (rank 0 writes exactly what one process writes, so a run can resume with another number of ranks),
 and a whole state is cut back into each rank's shards on restore."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,8 +40,9 @@ def load_optimizer_shards(learner, state: dict, whole: bool = False) -> None:
             return v
         if whole:
             return distribute_tensor(v.to(local(p).device), p.device_mesh, p.placements, src_data_rank=None)
-        return DTensor.from_local(v.to(local(p).device), p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
+        return DTensor.from_local(
+            v.to(local(p).device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
 
     learner.optimizer.load_state_dict(_map_state(state, params, to_param))
     learner.optimizer.zero_grad(set_to_none=True)
@@ -53,7 +55,7 @@ def full_lora(learner) -> dict:
 
 def save_full_checkpoint(learner, prompts, config, step: int, path) -> None:
     """Every rank gathers; rank 0 writes the single-process checkpoint format."""
-    from ..state.checkpoint import save_checkpoint
+    from ...state.checkpoint import save_checkpoint
     from ..runtime import capture_rng, runtime
 
     me = runtime()
@@ -61,17 +63,19 @@ def save_full_checkpoint(learner, prompts, config, step: int, path) -> None:
     # why every rank's: each rank's CUDA generator is its own GPU's; rank 0's restored on rank 1 samples elsewhere
     rngs = me.gather_objects(capture_rng(me.cuda_indices(config)))
     if me.rank == 0:
-        save_checkpoint(learner, prompts, config, step, path, lora=lora, optimizer=optimizer,
-                        rng={**rngs[0], "ranks": rngs})
-    _barrier()   # why: no rank reports done before the files exist
+        save_checkpoint(
+            learner, prompts, config, step, path, lora=lora, optimizer=optimizer, rng={**rngs[0], "ranks": rngs}
+        )
+    _barrier()  # why: no rank reports done before the files exist
 
 
 def save_full_adapter(learner, path) -> None:
-    from ..files import atomic_write_dir
+    from ...files import atomic_write_dir
     from ..runtime import runtime
 
     lora = full_lora(learner)
     if runtime().rank == 0:
+
         def write(tmp: Path):
             learner.model.save_pretrained(tmp, state_dict=lora)
             learner.tokenizer.save_pretrained(tmp)
@@ -86,17 +90,19 @@ def restore_full_checkpoint(learner, prompts, path) -> int:
     from peft.utils import load_peft_weights
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from ..state.checkpoint import read_checkpoint
-    from ..errors import LabError
+    from ...errors import LabError
+    from ...state.checkpoint import read_checkpoint
     from ..runtime import rank_rng, restore_rng, runtime
 
     checkpoint = read_checkpoint(path)
     weights = load_peft_weights(str(checkpoint.path / "adapter"), device="cpu")
     params = learner.trainable_parameters()
-    names = {n.replace(".default.", "."): n for n in params}   # PEFT saves without the adapter name
+    names = {n.replace(".default.", "."): n for n in params}  # PEFT saves without the adapter name
     if set(weights) != set(names):
-        raise LabError(f"checkpoint {str(checkpoint.path)!r}: its LoRA tensors do not match this model's ({len(weights)} "
-                       f"saved, {len(params)} here); resume with the run's own model and lora settings")
+        raise LabError(
+            f"checkpoint {str(checkpoint.path)!r}: its LoRA tensors do not match this model's ({len(weights)} "
+            f"saved, {len(params)} here); resume with the run's own model and lora settings"
+        )
     with torch.no_grad():
         for saved, name in names.items():
             p = params[name]
