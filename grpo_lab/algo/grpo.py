@@ -23,7 +23,8 @@ from ..state.faults import poison
 from .containers import Advantages, BackwardResult, GenerationRequest, LogProbs, LossStats, Rewards, Rollout, StepResult
 from .importance import importance_weights
 from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice
-from .losses import BatchTotals, grpo_loss
+from .loss_metrics import LossSums, learner_sampler_gap
+from .losses import BatchTotals, LossSettings, grpo_loss
 from .rewards import reward_name
 
 
@@ -131,13 +132,9 @@ def backward(
     log-probs are the old log-probs (ratio exactly 1, dropout included, as the forward is the same) and the
     importance-sampling weights come from them; it returns them, for the rollout's later iterations."""
     grpo, device = config.grpo, learner.device
-    if grpo.beta > 0 and logprobs.ref is None:
-        raise LabError(
-            f"backward: grpo.beta is {grpo.beta} but this step's logprobs phase ran at beta 0, so there are "
-            "no reference log-probs; run lab.logprobs(rollout) again (before the step's first update)"
-        )
-    first = old_logprobs is None
-    is_on = applies_importance_sampling(config)
+    require_reference(grpo.beta, logprobs)
+    first, is_on = old_logprobs is None, applies_importance_sampling(config)
+    settings = LossSettings.from_config(config)
     mask_all = loss_mask(rollout, grpo.mask_truncated_completions)
     totals = BatchTotals(len(rollout), int(mask_all.sum().item()), rollout.max_completion_length)
     model = learner.model
@@ -146,100 +143,75 @@ def backward(
     model.train()
     configure_head(model, config, rollout.logprob_temperature)
     learner.optimizer.zero_grad(set_to_none=True)
-    olds, weights_all = [], []
-    loss_sum = kl_sum = clipped_sum = mismatch_sum = mismatch_kl_sum = mismatch_tokens = 0.0
+    olds, weights_all, sums = [], [], LossSums()
     ranks = runtime()  # a sharded learner's rank takes its rows; the totals above are the whole batch's
     for rows in micro_batches(len(rollout), grpo.micro_batch_size, ranks.rows(len(rollout))):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
         with agreed(model):  # a rank whose forward fails takes every rank out before any backward's reduce-scatter
             logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
-        sampler = rollout.sampler_logprobs[rows].to(device)
         old = logps.detach() if first else old_logprobs[rows].to(device)
-        weights = None
-        if is_on:  # from the old log-probs, so every iteration of the rollout gets the same weights
-            # over the loss mask, as TRL (mask_truncated_completions zeroes its completion mask first)
-            weights = importance_weights(
-                old,
-                sampler,
-                mask,
-                grpo.importance_sampling_mode,
-                grpo.importance_sampling_clip_min,
-                grpo.importance_sampling_clip_max,
-            )
-            weights_all.append(weights.cpu())
-        if first:  # why on the CPU: [N, L] floats kept for the rollout's later iterations, beside the rollout
-            olds.append(old.cpu())
-        gap = old - sampler  # log(learner / sampler) per token
-        seen = mask * torch.isfinite(gap)  # a sampler log-prob the engine did not return stays out of the metrics
-        gap = torch.nan_to_num(gap, nan=0.0, posinf=0.0, neginf=0.0)
+        sampler = rollout.sampler_logprobs[rows].to(device)
+        gap, seen = learner_sampler_gap(old, sampler, mask)
+        # from the old log-probs, so every iteration of the rollout gets the same weights
+        weights = sampling_weights(old, sampler, mask, grpo) if is_on else None
+        ref = None if logprobs.ref is None else logprobs.ref[rows].to(device)
         loss, kl, clipped = grpo_loss(
-            logps,
-            old,
-            None if logprobs.ref is None else logprobs.ref[rows].to(device),
-            advantages.values[rows].to(device),
-            mask,
-            totals,
-            grpo.loss_type,
-            grpo.beta,
-            grpo.epsilon,
-            config.epsilon_high,
-            sampling_weights=weights,
-            bias_correction_kl=grpo.use_bias_correction_kl,
-            level=grpo.importance_sampling_level,
+            logps, old, ref, advantages.values[rows].to(device), mask, totals, settings, sampling_weights=weights
         )
         loss = poison(loss)  # lab.arm_fault(..., "backward", "nan")
         value = loss.item()
-        # who decides: a non-finite loss on any rank's rows refuses the step on every rank, here, before any rank's
-        # backward starts a reduce-scatter the refusing one would never join
-        refused = ranks.agree(not math.isfinite(value))
-        if refused:
-            # why: earlier micro-batches' gradients belong to a refused step
-            learner.optimizer.zero_grad(set_to_none=True)
-            where = f" on rank {', '.join(map(str, refused))}'s rows" if ranks.sharded else ""
-            refusal = NonFinite(
-                "backward",
-                f"loss is {'non-finite' if ranks.sharded else value}{where}",
-                "check the rewards and advantages for inf/nan, or lower grpo.learning_rate / grpo.beta",
-            )
-            refusal.agreed = True  # every rank took this decision together
-            raise refusal
+        refuse_non_finite(value, learner, ranks)  # before this rank's backward starts a reduce-scatter
         loss.backward()
-        loss_sum += value
-        mismatch_sum += (gap.abs() * seen).sum().item()
-        mismatch_kl_sum += ((torch.exp(gap) - gap - 1) * seen).sum().item()
-        mismatch_tokens += seen.sum().item()
-        clipped_sum += (clipped.float() * mask).sum().item()
-        if kl is not None:
-            kl_sum += (kl.detach() * mask).sum().item()
+        sums.add(value, kl, clipped, mask, gap, seen)
+        if first:  # why on the CPU: [N, L] floats kept for the rollout's later iterations, beside the rollout
+            olds.append(old.cpu())
+        if is_on:
+            weights_all.append(weights.cpu())
         del logps, loss, kl  # why: free this micro-batch's activations before the next forward
     if first:  # why after the loop: a backward that failed part-way records nothing
         old_logprobs = ranks.gather_rows(torch.cat(olds))
     is_weights = ranks.gather_rows(torch.cat(weights_all)) if is_on else None
-    loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens = ranks.sum(
-        [loss_sum, kl_sum, clipped_sum, mismatch_sum, mismatch_kl_sum, mismatch_tokens]
-    )  # the whole batch's
-    tokens = max(totals.num_tokens, 1)
-    stats = LossStats(
-        loss=loss_sum,
-        kl=kl_sum / tokens if grpo.beta > 0 else None,
-        clip_fraction=clipped_sum / tokens,
-        logprob_mismatch=mismatch_sum / max(mismatch_tokens, 1),
-        logprob_kl=mismatch_kl_sum / max(mismatch_tokens, 1),
-        num_tokens=totals.num_tokens,
-        **ratio_stats(is_weights, mask_all),
+    return BackwardResult(sums.stats(ranks, totals, grpo.beta, is_weights, mask_all), old_logprobs, is_weights)
+
+
+def sampling_weights(old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, grpo) -> torch.Tensor:
+    """Importance-sampling weights [N, L] (or [N, 1]) for a sampler that is not the learner, over the loss mask as
+    TRL (mask_truncated_completions zeroes its completion mask first)."""
+    return importance_weights(
+        old,
+        sampler,
+        mask,
+        grpo.importance_sampling_mode,
+        grpo.importance_sampling_clip_min,
+        grpo.importance_sampling_clip_max,
     )
-    return BackwardResult(stats, old_logprobs, is_weights)
 
 
-def ratio_stats(weights: Optional[torch.Tensor], loss_mask_: torch.Tensor) -> dict:
-    """Min/mean/max of the importance-sampling weights, as TRL logs them (token modes: over the loss's tokens)."""
-    if weights is None:
-        return {}
-    flat = weights.flatten() if weights.shape[1] == 1 else weights[loss_mask_.bool()]
-    if not flat.numel():
-        return {}
-    return {"is_ratio_min": flat.min().item(), "is_ratio_mean": flat.mean().item(), "is_ratio_max": flat.max().item()}
+def require_reference(beta: float, logprobs: LogProbs) -> None:
+    """A KL term needs this step's reference log-probs: refused when the logprobs phase ran at beta 0."""
+    if beta > 0 and logprobs.ref is None:
+        raise LabError(
+            f"backward: grpo.beta is {beta} but this step's logprobs phase ran at beta 0, so there are "
+            "no reference log-probs; run lab.logprobs(rollout) again (before the step's first update)"
+        )
+
+
+def refuse_non_finite(value: float, learner, ranks) -> None:
+    """Who decides: a non-finite loss on any rank's rows refuses the step on every rank, before any rank's backward
+    starts a reduce-scatter the refusing one would never join."""
+    refused = ranks.agree(not math.isfinite(value))
+    if not refused:
+        return
+    learner.optimizer.zero_grad(set_to_none=True)  # why: earlier micro-batches' gradients belong to a refused step
+    where = f" on rank {', '.join(map(str, refused))}'s rows" if ranks.sharded else ""
+    refusal = NonFinite(
+        "backward",
+        f"loss is {'non-finite' if ranks.sharded else value}{where}",
+        "check the rewards and advantages for inf/nan, or lower grpo.learning_rate / grpo.beta",
+    )
+    refusal.agreed = True  # every rank took this decision together
+    raise refusal
 
 
 def optimizer(learner, config) -> float:

@@ -74,6 +74,30 @@ LOSSES: dict[str, Callable] = {
 }
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The objective's settings, read from the config once per backward (TRL's names)."""
+
+    loss_type: str  # a key of LOSSES: how the per-token loss is normalised
+    beta: float  # the KL term's weight (0: no reference)
+    epsilon_low: float  # the ratio's clip below 1
+    epsilon_high: float  # the ratio's clip above 1
+    bias_correction_kl: bool = False  # the KL term weighted by the ratio, as TRL's default
+    level: str = "token"  # a key of RATIO_LEVELS: where the ratio is taken and clipped
+
+    @classmethod
+    def from_config(cls, config) -> "LossSettings":
+        grpo = config.grpo
+        return cls(
+            grpo.loss_type,
+            grpo.beta,
+            grpo.epsilon,
+            config.epsilon_high,
+            grpo.use_bias_correction_kl,
+            grpo.importance_sampling_level,
+        )
+
+
 def grpo_loss(
     logps,
     old_logps: Optional[torch.Tensor],
@@ -81,24 +105,22 @@ def grpo_loss(
     advantages,
     mask,
     totals: BatchTotals,
-    loss_type: str,
-    beta: float,
-    epsilon_low: float,
-    epsilon_high: float,
+    settings: LossSettings,
     sampling_weights: Optional[torch.Tensor] = None,
-    bias_correction_kl: bool = False,
-    level: str = "token",
 ):
     """The micro-batch's share of the step loss, plus per-token KL (as weighted in the loss) and clip flags
-    (per sequence at the sequence level: [N, 1])."""
+    (per sequence at the sequence level: [N, 1]). logps/old/ref/mask/sampling_weights: [N, L]; advantages: [N]."""
+    s = settings
     old = logps.detach() if old_logps is None else old_logps  # on-policy: ratio 1, gradient of r*A
-    per_token, is_clipped, ratio = clipped_surrogate(logps, old, advantages, epsilon_low, epsilon_high, mask, level)
+    per_token, is_clipped, ratio = clipped_surrogate(
+        logps, old, advantages, s.epsilon_low, s.epsilon_high, mask, s.level
+    )
     if sampling_weights is not None:
         per_token = per_token * sampling_weights
     kl = None
-    if beta != 0.0:
+    if s.beta != 0.0:
         kl = kl_k3(logps, ref_logps)
-        if bias_correction_kl:  # TRL's default: ratio-weighted (differentiable, so it moves the gradient at ratio 1)
+        if s.bias_correction_kl:  # TRL's default: ratio-weighted (differentiable, so it moves the gradient at ratio 1)
             kl = kl * ratio  # at the ratio's level, as TRL (a sequence's ratio for every token of it)
-        per_token = per_token + beta * kl
-    return LOSSES[loss_type](per_token, mask, totals), kl, is_clipped
+        per_token = per_token + s.beta * kl
+    return LOSSES[s.loss_type](per_token, mask, totals), kl, is_clipped

@@ -1,0 +1,1 @@
+"""GPU checks: every CUDA path and every GPU figure, each in one command."""

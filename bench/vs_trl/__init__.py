@@ -1,0 +1,1 @@
+"""Speed and memory against TRL's GRPOTrainer, side by side."""
