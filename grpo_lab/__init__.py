@@ -1,8 +1,7 @@
-"""grpo_lab: stepwise GRPO on 4-bit LoRA models, with the memory of every phase in view."""
+"""grpo_lab: stepwise GRPO on 4-bit LoRA models, with the memory of every phase in view.
 
-from .models.quant import quiet_bitsandbytes
-
-quiet_bitsandbytes()  # before anything imports bitsandbytes (README: CPU notes)
+Importing it changes nothing outside the package. A refusal in a notebook cell shows as its one line once a Lab is
+made in the kernel, or after `%load_ext grpo_lab` (errors.one_line_in_cells)."""
 
 from .algo.containers import Advantages, LogProbs, LossStats, PromptBatch, Rewards, Rollout, StepResult
 from .comparison import compare
@@ -11,7 +10,11 @@ from .config.schema import LabConfig
 from .errors import ConfigError, LabError, one_line_in_cells
 from .lab import Lab
 
-one_line_in_cells()  # a refusal in a notebook cell is its one line (errors.py)
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext grpo_lab`: a LabError in a cell shows as its one line (`%tb` prints the traceback)."""
+    one_line_in_cells(ipython)
+
 
 __all__ = [
     "Lab",

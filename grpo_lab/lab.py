@@ -21,9 +21,10 @@ from .algo.phases import BY_NAME, PHASE_NAMES, UPDATE_PHASES
 from .config.edits import LoadedLabGuard
 from .config.loading import load_config
 from .config.schema import LabConfig
-from .errors import ConfigError, LabError
+from .errors import ConfigError, LabError, one_line_in_cells
 from .execution.contract import executor_for
 from .memory.timeline import Timeline
+from .models.quant import quiet_bitsandbytes
 from .preflight import preflight
 from .ui.views import LabViews
 
@@ -35,6 +36,8 @@ class Lab(LabViews):
         reward_funcs: Optional[list[Callable]] = None,
         overrides: Optional[list[str]] = None,
     ):
+        one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
+        quiet_bitsandbytes()  # before a load imports bitsandbytes (README: CPU notes)
         self._config = load_config(config, overrides)
         self.memory = None
         self.memory_devices: list[str] = []  # the devices the sampler watches

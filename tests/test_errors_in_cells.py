@@ -56,3 +56,40 @@ def test_outside_ipython_nothing_is_installed(monkeypatch):
 
     monkeypatch.setattr(IPython, "get_ipython", lambda: None)
     assert one_line_in_cells() is False
+
+
+def test_importing_grpo_lab_changes_nothing_outside_the_package():
+    """Issue 41: `import grpo_lab` installed an IPython exception handler and a bitsandbytes logging filter. Now a
+    Lab made in the kernel installs the one-line errors (and `%load_ext grpo_lab`), and a 4-bit load the filter."""
+    import subprocess
+    import sys
+
+    code = """
+import logging
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+import grpo_lab
+assert shell.custom_exceptions == (), ("import", shell.custom_exceptions)
+assert not bnb.filters, ("import", bnb.filters)
+grpo_lab.Lab("tiny-cpu")
+assert shell.custom_exceptions == (grpo_lab.LabError,), ("Lab", shell.custom_exceptions)
+assert bnb.filters, "Lab"
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def test_load_ext_installs_the_one_line_errors():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from grpo_lab import LabError
+
+    shell = InteractiveShell.instance()
+    shell.set_custom_exc((), None)
+    try:
+        shell.run_line_magic("load_ext", "grpo_lab")
+        assert shell.custom_exceptions == (LabError,)
+    finally:
+        shell.set_custom_exc((), None)

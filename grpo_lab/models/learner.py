@@ -15,7 +15,7 @@ from ..errors import LabError
 from ..execution.sharded.fsdp import decoder_layers
 from ..memory.heap import trim_before_each_layer
 from .offload import HostAdamW
-from .quant import pin_training_layout
+from .quant import pin_training_layout, quiet_bitsandbytes
 from .source import check_model_path, resolve_model_path
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -46,6 +46,8 @@ def quantization_config(model_cfg):
     """The BitsAndBytesConfig of `model`'s 4-bit fields (None when not load_in_4bit)."""
     if not model_cfg.load_in_4bit:
         return None
+    # why before the import: every 4-bit load (a Lab's, a rank's, TRL's side of a comparison) comes through here
+    quiet_bitsandbytes()
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
