@@ -1,5 +1,5 @@
-"""A random-weight Qwen2 of a chosen shape for the benches (bench/bnb_cpu_layout.py, bench/vllm_generator.py), built by
-the project's own builder (models/tiny.py) with the tiny tokenizer."""
+"""A random-weight Qwen2 of a chosen shape for the benches (bench/probes/bnb_cpu_layout.py,
+bench/probes/vllm_generator.py), built by the project's own builder (models/tiny.py) with the tiny tokenizer."""
 
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def problem(token: str, doc: Path) -> str | None:
         return None
     if "/" not in token and token in NOT_REPO_FILES:
         return None
-    module, _, attribute = token.rpartition(".")  # `bench/step_vs_trl.trl_trainer`: an attribute of a module file
+    # `bench/vs_trl/step_vs_trl.trl_trainer`: an attribute of a module file
+    module, _, attribute = token.rpartition(".")
     if module and attribute.isidentifier() and not token.endswith(SUFFIXES):
         if any((base / f"{module}.py").exists() for base in bases):
             return None
@@ -166,7 +167,7 @@ def test_a_path_outside_or_missing_is_caught(text, bad):
         "`grpo_lab/config/presets/*.yaml`, `step{N}-{phase}.pickle`, `runs/<date-time>`, `train/<metric>`",
         '`grpo_lab.config.schema.field_when("grpo.beta")`, `reward/exact_answer`, `is_ratio_min/mean/max`',
         "`grpo-lab run --resume DIR`, `scripts/demo.sh --steps 3 --out /tmp/run`, `tensorboard/`",
-        "`report.html`, `config.json`, `bench/step_vs_trl.trl_trainer`, [memory_viz](https://pytorch.org/memory_viz)",
+        "`report.html`, `config.json`, `bench/vs_trl/step_vs_trl.trl_trainer`, [memory_viz](https://pytorch.org/memory_viz)",
         "[top](#the-two-commands), `pytorch.org/memory_viz`, [mail](mailto:a@b.c)",
         "```bash\ncat ../shared/PROBLEMS.md\n```",
     ],

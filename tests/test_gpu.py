@@ -1,4 +1,4 @@
-"""The CUDA paths CPU CI cannot run (bench/gpu_smoke.py): on a GPU each is a `gpu` test here; on this CPU the smoke
+"""The CUDA paths CPU CI cannot run (bench/gpu/gpu_smoke.py): on a GPU each is a `gpu` test here; on this CPU the smoke
 itself must exit 0 with every path skipped and the reason said."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import gpu_smoke
+from bench.gpu import gpu_smoke
 
 
 def test_the_smoke_on_a_cpu_skips_every_path_with_its_reason(capsys):

@@ -1,16 +1,20 @@
-"""bench/gpu_check.py's parts on the CPU, so the GPU check runs the first time a GPU is lent: the process-wide peak
+"""bench/gpu/gpu_check.py's parts on the CPU, so the GPU check runs the first time a GPU is lent: the process-wide peak
 survives the Lab's per-phase peak resets, the grpo_lab worker returns every figure the summary reads (per-phase
 peaks beside the plan), and the summary's ratios are each length's grpo_lab / TRL. (The whole check as a dry run:
-`python -m bench.gpu_check --device cpu ...`, its docstring.)"""
+`python -m bench.gpu.gpu_check --device cpu ...`, its docstring.) Without a GPU and without `--device cpu`, the
+check skips every part in a line and exits 0.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from bench import gpu_check
+from bench.gpu import gpu_check
 
 
 def test_the_process_peak_is_kept_across_the_labs_resets(monkeypatch):
@@ -24,6 +28,67 @@ def test_the_process_peak_is_kept_across_the_labs_resets(monkeypatch):
     assert peak.read() == 900
     allocator["peak"] = 1200
     assert peak.read() == 1200
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (
+            [],
+            ["context", "smoke"]
+            + [
+                f"side_by_side {label} L={length}"
+                for length in (256, 1024)
+                for label in ("grpo_lab", "trl", "static", "compiled", "trl_head")
+            ]
+            + ["plan"],
+        ),
+        (["--sides", "trl", "--skip-smoke", "--lengths", "64"], ["context", "side_by_side trl L=64"]),
+        (
+            ["--variant", "compiled:generator.hf_decode=compiled", "--long-only", "compiled"],  # lengths 256, 1024
+            ["context", "smoke"]
+            + ["side_by_side grpo_lab L=256", "side_by_side trl L=256"]
+            + ["side_by_side grpo_lab L=1024", "side_by_side trl L=1024", "side_by_side compiled L=1024", "plan"],
+        ),
+    ],
+)
+def test_without_a_gpu_each_part_is_skipped_in_a_line_and_the_check_exits_0(monkeypatch, capsys, tmp_path, argv, names):
+    """Issue 41: on a machine without a GPU, not asked for the CPU dry run, the check ran every part to a FAILED row
+    ("cuda:0 is not on this machine") and exited 1. Now: a line for the check, then one per part it would have run,
+    saying what it skipped and why; exit 0; no part run, nothing written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "run_part", lambda *a, **k: pytest.fail("a part ran"))
+    monkeypatch.setattr(gpu_check, "smoke", lambda *a, **k: pytest.fail("the smoke ran"))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--out", str(out), *argv])
+    assert gpu_check.main() == 0
+    head, *lines = capsys.readouterr().out.splitlines()
+    assert "cuda:0 asked, torch.cuda.is_available() is False" in head and "--device cpu" in head
+    assert [line.split(" skipped: ")[0].rstrip() for line in lines] == names
+    assert all(" skipped: " in line and line.endswith("(no GPU here)") for line in lines), lines
+    assert not out.exists()
+
+
+def test_the_cpu_dry_run_is_not_skipped(monkeypatch, tmp_path):
+    """`--device cpu` on a machine without a GPU still runs its parts (stubbed here), each as `python -m` of a module
+    that exists."""
+    import grpo_lab.models.source
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(grpo_lab.models.source, "resolve_model_path", lambda name: name)
+    ran = []
+
+    def run_part(out, part, cmd, timeout):
+        ran.append(cmd)
+        return {**part, "failed": "stub", "process_seconds": 0.0}
+
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    argv = ["gpu_check", "--device", "cpu", "--out", str(tmp_path), "--lengths", "16", "--skip-smoke"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert gpu_check.main() == 1  # every (stubbed) part failed
+    assert [cmd[cmd.index("--worker") + 1] for cmd in ran] == ["grpo_lab", "trl"]
+    assert all(cmd[1] == "-m" and importlib.util.find_spec(cmd[2]) is not None for cmd in ran)
+    assert (tmp_path / "gpu_check.md").is_file()
 
 
 def test_the_grpo_lab_worker_returns_what_the_summary_reads(tiny_model):
@@ -61,7 +126,7 @@ def test_the_summary_gives_each_lengths_ratio_to_trl():
 
 def test_the_planned_allocated_peak_leaves_out_the_context_and_a_first_steps_missing_state():
     """torch's allocated bytes never hold the CUDA context; a one-step run's phases before its backward hold no LoRA
-    gradients or AdamW moments yet (bench/gpu_check.planned_phases)."""
+    gradients or AdamW moments yet (bench/gpu/gpu_check.planned_phases)."""
     from grpo_lab.planner.estimate import DevicePlan
 
     mib = gpu_check.MiB

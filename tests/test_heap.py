@@ -60,7 +60,7 @@ def test_a_loaded_lab_keeps_the_heads_chunks_out_of_the_heap(tiny_config):
     at 1024 rows x a 32,000 vocabulary, 128 rows a chunk (16 MiB float32 + 8 MiB bf16 per chunk: under glibc's 32 MiB
     ceiling, so its rising threshold serves them from the heap): RSS's peak over each pass's start, per chunk element,
     against the 6 bytes the plan counts (float32 logits + the bf16 matmul output)."""
-    from bench.head_heap import head_passes
+    from bench.plan_accuracy.head_heap import head_passes
     from grpo_lab.planner.estimate import HEAP_HOLE_FACTOR
 
     def per_planned(memory):

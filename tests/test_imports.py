@@ -274,7 +274,7 @@ def test_every_import_of_the_projects_own_code_in_tests_and_bench_resolves():
     in bench/ that nothing runs at collection: tests/test_sharded_rollout.py imported grpo_lab.cluster.rollout (moved to
     generation/sample_once.py) and two bench scripts bench.planner_accuracy.build_model (gone). Read statically."""
     broken = []
-    for path in sorted([*(ROOT.parent / "tests").glob("*.py"), *(ROOT.parent / "bench").glob("*.py")]):
+    for path in sorted([*(ROOT.parent / "tests").glob("*.py"), *(ROOT.parent / "bench").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
                 continue

@@ -290,8 +290,8 @@ def test_a_reference_copy_on_another_device_is_planned_with_that_devices_head():
     heads = {(d, i.phase): i.bytes for d, dev in result.devices.items() for i in dev.items if i.what == "log-prob head"}
     # by hand, from the preset and Qwen2.5-7B's config (hidden 3584, vocabulary 152,064), not from the planner:
     # 4 rows x 768 completion tokens; TRL's tile is 4096 tokens x 32,768 vocab in bf16 (2 bytes), 2 tiles alive under
-    # Triton and 8.5 on the CPU's torch fallback (bench/fused_head_cpu.py); plus each row's float32 hidden gradient
-    # and 8 float32 statistics
+    # Triton and 8.5 on the CPU's torch fallback (bench/plan_accuracy/fused_head_cpu.py); plus each row's float32 hidden
+    # gradient and 8 float32 statistics
     assert result.micro_batch == 4 and cfg.generator.max_completion_length == 768
     rows = 4 * 768
     tile = min(rows, 4096) * 32768 * 2

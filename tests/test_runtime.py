@@ -1,6 +1,6 @@
 """The runtime: "which device am I, whose RNG, who decides" as pure functions of (rank, size, placement), tested with
 remapped device lists. A CPU has one device, one RNG and no streams, so these are the CUDA paths' only CPU test;
-bench/gpu_smoke.py runs the same paths on a GPU (the `gpu` tests below are what it runs)."""
+bench/gpu/gpu_smoke.py runs the same paths on a GPU (the `gpu` tests below are what it runs)."""
 
 from __future__ import annotations
 

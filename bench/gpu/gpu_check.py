@@ -1,15 +1,18 @@
 """The GPU check (issue 33): every GPU figure in one command, each part in a process of its own under its own timeout,
 printed and appended to OUT/gpu_check.jsonl as it comes (a part that times out loses only itself).
 
-    python -m bench.gpu_check --out $OUT       # a GPU machine: 374 s on one H100 (2026-11-26), imports included
-    python -m bench.gpu_check --device cpu --model builtin:qwen2-152k --lengths 16 32 --steps 1 --warmup 0 \
+    python -m bench.gpu.gpu_check --out $OUT       # a GPU machine: 374 s on one H100 (2026-11-26), imports included
+    python -m bench.gpu.gpu_check --device cpu --model builtin:qwen2-152k --lengths 16 32 --steps 1 --warmup 0 \
         --skip-smoke --out /tmp/check          # a dry run of the plumbing on the CPU (tests/test_gpu_check.py)
+
+On a machine without a GPU, and not asked for the CPU dry run (`--device cpu`), it runs nothing and writes nothing: one
+line per part, each saying it is skipped (no GPU here), and exit 0.
 
 On a bare GPU machine here, build the packages it lacks first (`../shared/gpu/site.sh`) and start the command with
 the `export PYTHONPATH=... GRPO_LAB_CACHE=... HF_HUB_OFFLINE=1` its header gives.
 
 Parts:
-1. smoke: bench/gpu_smoke.py's paths (learner on cuda:0, NVML by UUID, a real CUDA OOM rolled back, CUDA RNG, ...).
+1. smoke: bench/gpu/gpu_smoke.py's paths (learner on cuda:0, NVML by UUID, a real CUDA OOM rolled back, CUDA RNG, ...).
 2. side by side: grpo_lab and TRL 1.16's GRPOTrainer at each completion length (`--lengths`, 256 and 1,024), each
    side in its own process (a length's processes run at once: peaks are per process; `--serial` one at a time), on
    a random-weight model of Qwen2.5-0.5B's shape (vocabulary 151,936) in nf4 + LoRA r 8
@@ -34,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024**2
 LONG = 256  # completion lengths above this are "long": no warm-up step, --timeout-long, --long-only runs
 PHASES = ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync")
@@ -187,7 +190,7 @@ def trl_worker(overrides: list[str], steps: int, warmup: int) -> dict:
 
     from transformers import TrainerCallback
 
-    from bench.step_vs_trl import trl_trainer
+    from bench.vs_trl.step_vs_trl import trl_trainer
     from grpo_lab import load_config
     from grpo_lab.models.source import resolve_model_path
 
@@ -309,11 +312,11 @@ def describe(r: dict) -> str:
 
 
 def smoke(out: Path, timeout: int) -> dict:
-    """bench/gpu_smoke.py in a process of its own: its lines, printed and kept."""
+    """bench/gpu/gpu_smoke.py in a process of its own: its lines, printed and kept."""
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "bench.gpu_smoke"], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-m", "bench.gpu.gpu_smoke"], cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
         record = {"part": "smoke", "summary": f"exit {proc.returncode}", "lines": proc.stdout.splitlines()}
         if proc.returncode and not proc.stdout.strip():
@@ -358,6 +361,41 @@ def table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def side_by_side_runs(args) -> list[tuple[str, str, list[str]]]:
+    """(label, side, extra overrides) of each side-by-side process at a length: the sides, then the `--variant`s (on a
+    GPU, by default, the hf rollout's other decode paths)."""
+    runs = [(side, side, []) for side in args.sides]
+    if not args.variant and args.device.startswith("cuda") and "grpo_lab" in args.sides:
+        # the hf rollout's decode paths (generator.hf_decode), measured beside today's: issue 33's "choose and say why"
+        args.variant = [
+            "static:generator.hf_decode=static",
+            "compiled:generator.hf_decode=compiled",
+            "trl_head:grpo.logprob_head=trl",
+        ]
+    for spec in args.variant:
+        label, _, sets = spec.partition(":")
+        runs.append((label, "grpo_lab", [s for s in sets.split(",") if s]))
+    return runs
+
+
+def skipped_parts(args, runs: list[tuple[str, str, list[str]]]) -> list[str]:
+    """On a machine without a GPU (and no `--device cpu`): a line for the check, then one per part it would have run,
+    each saying what it skipped and why; nothing is run or written."""
+    parts = [("context", "the CUDA context's NVML and allocated bytes, alone on the GPU")]
+    if not args.skip_smoke:
+        parts.append(("smoke", "bench/gpu/gpu_smoke.py's CUDA paths"))
+    for length in args.lengths:
+        for label, side, _ in runs:
+            if not (label in args.long_only and length <= LONG):
+                parts.append((f"side_by_side {label} L={length}", f"{side}'s peak allocated, s/step, rollout tokens/s"))
+    if any(side == "grpo_lab" for _, side, _ in runs):
+        parts.append(("plan", "each grpo_lab process's per-phase allocated peaks beside plan(cfg)"))
+    head = f"gpu_check: {args.device} asked, torch.cuda.is_available() is False: nothing run, nothing written"
+    return [f"{head} (a dry run on the CPU: --device cpu)"] + [
+        f"{name:<34} skipped: {what} (no GPU here)" for name, what in parts
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results" / "gpu_check")))
@@ -380,10 +418,14 @@ def main() -> int:
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args.set, args.steps, args.warmup)), flush=True)
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    runs = side_by_side_runs(args)
     import torch
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("\n".join(skipped_parts(args, runs)), flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (a dry run)"
     print(f"gpu_check: {card}; torch {torch.__version__}; results -> {out / 'gpu_check.jsonl'}", flush=True)
     with open(out / "gpu_check.jsonl", "a") as f:
@@ -394,24 +436,13 @@ def main() -> int:
     resolve_model_path(args.model)  # why here: built once, before any timed process, in GRPO_LAB_CACHE
     print(f"model {args.model} ready ({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.device.startswith("cuda"):  # alone, before any other process holds the GPU: NVML's deltas are its own
-        cmd = [sys.executable, "-m", "bench.gpu_check", "--worker", "context"]
+        cmd = [sys.executable, "-m", "bench.gpu.gpu_check", "--worker", "context"]
         print(json.dumps(run_part(out, {"part": "context"}, cmd, 120)), flush=True)
     # why the smoke beside the first length: its paths use the tiny model and little of the GPU, and the check must fit
     # one device call
     background = ThreadPoolExecutor(1)
     smoke_done = None if args.skip_smoke else background.submit(smoke, out, args.smoke_timeout)
     records = []
-    runs = [(side, side, []) for side in args.sides]
-    if not args.variant and args.device.startswith("cuda") and "grpo_lab" in args.sides:
-        # the hf rollout's decode paths (generator.hf_decode), measured beside today's: issue 33's "choose and say why"
-        args.variant = [
-            "static:generator.hf_decode=static",
-            "compiled:generator.hf_decode=compiled",
-            "trl_head:grpo.logprob_head=trl",
-        ]
-    for spec in args.variant:
-        label, _, sets = spec.partition(":")
-        runs.append((label, "grpo_lab", [s for s in sets.split(",") if s]))
     for length in args.lengths:
         # why at once: each side is a process of its own (torch's peaks are per process), HF decoding leaves the GPU
         # mostly idle and the CPUs serve every process; one after another would not fit the check in 8 minutes
@@ -424,7 +455,7 @@ def main() -> int:
             cmd = [
                 sys.executable,
                 "-m",
-                "bench.gpu_check",
+                "bench.gpu.gpu_check",
                 "--worker",
                 side,
                 "--steps",

@@ -1,6 +1,6 @@
 """Every CUDA path CPU CI cannot run, in one command: one line per path (ok / failed / skipped, and why).
 
-    python -m bench.gpu_smoke           # exit 1 if a path failed; 0 if each is ok or skipped (a CPU: every one skipped)
+    python -m bench.gpu.gpu_smoke       # exit 1 if a path failed; 0 if each is ok or skipped (a CPU: every one skipped)
 
 Run it first on any machine with a GPU (README "CPU vs GPU"; docs/benchmarks.md keeps the last result). The paths:
 the learner on cuda:0 with the HF generator; NVML rows read by UUID under a remapped CUDA_VISIBLE_DEVICES; a real

@@ -5,7 +5,7 @@ ops that make tile-sized temporaries. This measures the RSS peak (sampled every 
 forward + backward of each, in tiles of the fused head, which is the factor the planner uses
 for a CPU learner (planner/estimate.py HEAD_TILES["cpu"]).
 
-    .venv/bin/python bench/fused_head_cpu.py
+    .venv/bin/python bench/plan_accuracy/fused_head_cpu.py
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 (the plan counts 6: float32 logits + the bf16 matmul output) and milliseconds per forward + backward, each setting
 in its own process, settings alternated round by round.
 
-    .venv/bin/python bench/head_heap.py                     # 32,000 and 151,936 vocabularies, chunks 32 and 128
-    .venv/bin/python bench/head_heap.py --vocab 32000 --chunks 128 --rounds 3
-    .venv/bin/python bench/head_heap.py --vocab 32000 --chunks 128 --rounds 10 --passes 5 --lab tiny-cpu   # after a Lab
+    .venv/bin/python bench/plan_accuracy/head_heap.py       # 32,000 and 151,936 vocabularies, chunks 32 and 128
+    .venv/bin/python bench/plan_accuracy/head_heap.py --vocab 32000 --chunks 128 --rounds 3
+    .venv/bin/python bench/plan_accuracy/head_heap.py --vocab 32000 --chunks 128 --rounds 10 --passes 5 --lab tiny-cpu
+        # after a Lab
 """
 
 from __future__ import annotations

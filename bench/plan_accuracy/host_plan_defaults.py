@@ -2,9 +2,9 @@ r"""The host plan at the defaults on configs it was not fitted on (issue 34, ite
 in a process of its own, its peak RSS (the kernel's ru_maxrss for that process) against the plan's host peak
 (`plan(cfg).devices["host"].total`), at every default setting but the config's own fields.
 
-    .venv/bin/python -m bench.host_plan_defaults                 # the three held-out configs, 3 steps, 2 runs each
-    .venv/bin/python -m bench.host_plan_defaults --compare       # and each without the per-layer heap trims
-    .venv/bin/python -m bench.host_plan_defaults --only 32k-beta --steps 2 --repeats 1
+    .venv/bin/python -m bench.plan_accuracy.host_plan_defaults       # the three held-out configs, 3 steps, 2 runs each
+    .venv/bin/python -m bench.plan_accuracy.host_plan_defaults --compare  # and each without the per-layer heap trims
+    .venv/bin/python -m bench.plan_accuracy.host_plan_defaults --only 32k-beta --steps 2 --repeats 1
 
 Prints one row per config and a markdown table (docs/benchmarks.md keeps the last one).
 """

@@ -2,8 +2,8 @@
 the peak RSS, pinned at 128 KiB and 1 MiB against glibc's own rising threshold (null, the default), each in its own
 process, alternated round by round.
 
-    .venv/bin/python bench/mmap_threshold_step.py             # logits-heavy-cpu at 32k (256 and 1024 tokens), tiny-demo
-    .venv/bin/python bench/mmap_threshold_step.py --rounds 3 --steps 6
+    .venv/bin/python bench/plan_accuracy/mmap_threshold_step.py  # logits-heavy-cpu at 32k (256, 1024 tokens), tiny-demo
+    .venv/bin/python bench/plan_accuracy/mmap_threshold_step.py --rounds 3 --steps 6
 """
 
 from __future__ import annotations

@@ -8,14 +8,15 @@ first step adds one-off state for good: lazily imported code and thread pools, w
 `plan(cfg).devices["host"].phase_peak(phase)` = resident items + that phase's transients; the total is the device's
 planned peak against the measured peak of the whole step.
 
-    .venv/bin/python bench/planner_accuracy.py                      # the grid, the reported and held-out configs
-    .venv/bin/python bench/planner_accuracy.py --vocab 32k --no-reported   # one vocabulary's grid points
-    .venv/bin/python bench/planner_accuracy.py --vocab 32k --set memory.host_mmap_threshold_mib=null   # the default
-    .venv/bin/python bench/planner_accuracy.py --vocab 152k --quick --no-reported \
+    .venv/bin/python bench/plan_accuracy/planner_accuracy.py               # the grid, the reported and held-out configs
+    .venv/bin/python bench/plan_accuracy/planner_accuracy.py --vocab 32k --no-reported   # one vocabulary's grid points
+    .venv/bin/python bench/plan_accuracy/planner_accuracy.py --vocab 32k \
+        --set memory.host_mmap_threshold_mib=null   # the default
+    .venv/bin/python bench/plan_accuracy/planner_accuracy.py --vocab 152k --quick --no-reported \
         --set memory.host_mmap_threshold_mib=null --trim-every 8
-    .venv/bin/python bench/planner_accuracy.py --worker tiny-cpu    # one config, one JSON line
-    python bench/planner_accuracy.py --device cuda:0                  # on a GPU: the learner there, torch's
-                                                                      # allocated peak per phase (reserved, NVML beside)
+    .venv/bin/python bench/plan_accuracy/planner_accuracy.py --worker tiny-cpu    # one config, one JSON line
+    python bench/plan_accuracy/planner_accuracy.py --device cuda:0          # on a GPU: the learner there, torch's
+        # allocated peak per phase (reserved, NVML beside)
 """
 
 from __future__ import annotations

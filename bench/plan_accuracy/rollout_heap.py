@@ -5,7 +5,7 @@ the rollout phase's RSS peak above its start and its absolute peak, the step's R
 swaps grpo_lab's trim_host_heap for a no-op in that process only (before every phase and every TRIM_EVERY decoding
 steps): what glibc's heap does on its own.
 
-    .venv/bin/python bench/rollout_heap.py
+    .venv/bin/python bench/plan_accuracy/rollout_heap.py
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ differ from the originals. B's timed restore therefore runs that inverse for the
 and puts back the constants saved before the repack (exact; checked bit for bit). bnb's full inverse
 is measured once at the end: its time, its weight error, and whether training still works after it.
 
-    .venv/bin/python bench/bnb_cpu_layout.py --threads 1
+    .venv/bin/python bench/probes/bnb_cpu_layout.py --threads 1
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ if __name__ == "__main__" and "--threads" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/bnb_cpu_layout.py` works too
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `python bench/probes/bnb_cpu_layout.py` works too
 from bench.shapes import build_model  # noqa: E402
 
 QS_FIELDS = ("absmax", "dtype", "nested", "offset", "state2")  # what the repack changes in a QuantState

@@ -7,7 +7,8 @@ half the batch per rank; it compares the LoRA gradients (FSDP2's reduce-scatter 
 batch's mean loss) with one process on the whole batch, and tries greedy generation two ways: through the sharded
 model (each layer gathered per forward), and after `unshard()` (full parameters for the whole generate).
 
-    GRPO_LAB_CACHE=/tmp/glc python -m bench.fsdp2_probe [STORAGE ...]     # a line per storage; JSON in bench/results/
+    GRPO_LAB_CACHE=/tmp/glc python -m bench.probes.fsdp2_probe [STORAGE ...]   # a line per storage; JSON in
+        # bench/results/
     GRPO_PROBE_MODEL=qwen2-152k ...    # Qwen2.5's 152k vocabulary on the tiny body: the embedding and head dominate
 """
 
@@ -24,31 +25,9 @@ STORAGES = tuple(sys.argv[1:]) or ("uint8", "bfloat16", "float32")
 
 
 def load(storage: str, seed: int = 0):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from bench.loaders import load_4bit_base, with_lora
 
-    from grpo_lab.models.source import resolve_model_path
-
-    path = resolve_model_path(f"builtin:{os.environ.get('GRPO_PROBE_MODEL', 'tiny-qwen2')}")
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-        bnb_4bit_quant_storage=getattr(torch, storage),
-    )
-    base = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, device_map={"": "cpu"}, quantization_config=quant
-    )
-    from grpo_lab.models.quant import pin_training_layout
-
-    pin_training_layout(base)  # as grpo_lab loads it: bnb's AVX-512-BF16 repack on no-grad forwards never happens
-    base.requires_grad_(False)
-    base.config.use_cache = False
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
-    return model
+    return with_lora(load_4bit_base(os.environ.get("GRPO_PROBE_MODEL", "tiny-qwen2"), storage), seed)
 
 
 def batch():
@@ -233,7 +212,7 @@ def main() -> None:
         },
         "rows": rows,
     }
-    results = Path(__file__).parent / "results"
+    results = Path(__file__).resolve().parents[1] / "results"
     if results.is_dir():
         (results / f"fsdp2_probe-{os.environ.get('GRPO_PROBE_MODEL', 'tiny-qwen2')}.json").write_text(
             json.dumps(report, indent=1)

@@ -1,11 +1,11 @@
 """FSDP2 (`fully_shard`) over grpo_lab's QLoRA learner, checked the way a sharded GRPO learner would use it (issue 14,
 P3, P5).
 
-Extends bench/fsdp2_probe.py. For each case (a `bnb_4bit_quant_storage`: uint8 default, bfloat16, float32; the FSDP
-root: the `PeftModel` or the transformers model under it; gradient checkpointing: non-reentrant as grpo_lab, reentrant,
-off) it loads the built-in tiny Qwen2 4-bit (nf4, double quant, float32 compute, layout pinned as grpo_lab does) with
-LoRA on all linear layers (A and B random, so every LoRA gradient is non-zero), in 2 gloo processes, one torch thread
-each, and checks: load (what the 4-bit parameter is), `fully_shard` per decoder layer then the root (no
+Extends bench/probes/fsdp2_probe.py. For each case (a `bnb_4bit_quant_storage`: uint8 default, bfloat16, float32; the
+FSDP root: the `PeftModel` or the transformers model under it; gradient checkpointing: non-reentrant as grpo_lab,
+reentrant, off) it loads the built-in tiny Qwen2 4-bit (nf4, double quant, float32 compute, layout pinned as grpo_lab
+does) with LoRA on all linear layers (A and B random, so every LoRA gradient is non-zero), in 2 gloo processes, one
+torch thread each, and checks: load (what the 4-bit parameter is), `fully_shard` per decoder layer then the root (no
 `mp_policy`), forward + backward of a GRPO-like loss (minus the sum of token log-probs) on each rank's half of the
 batch, the LoRA gradients against one process on the whole batch (FSDP2 averages over ranks: world x sharded grad
 == one-process grad), greedy generation through the sharded model and with every FSDP module unsharded, training
@@ -13,8 +13,8 @@ again after both, host RSS per rank, and P5's reference-model variants (adapter 
 unsharded copy, a deepcopy of the sharded policy, a copy left on another device type, a copy sharded like the policy,
 and a sharded reference run by one rank only).
 
-    GRPO_LAB_CACHE=/tmp/glc_fsdp .venv/bin/python -m bench.fsdp2_qlora_probe            # all cases (~3 min, 2 cores)
-    GRPO_LAB_CACHE=/tmp/glc_fsdp .venv/bin/python -m bench.fsdp2_qlora_probe uint8/inner/nonreentrant   # one case
+    GRPO_LAB_CACHE=/tmp/glc_fsdp .venv/bin/python -m bench.probes.fsdp2_qlora_probe      # all cases (~3 min, 2 cores)
+    GRPO_LAB_CACHE=/tmp/glc_fsdp .venv/bin/python -m bench.probes.fsdp2_qlora_probe uint8/inner/nonreentrant  # one case
     GRPO_PROBE_MODEL=qwen2-152k ...   # Qwen2.5's 152k vocabulary on the tiny body (memory: embedding and head dominate)
 
 Prints a table; writes bench/results/fsdp2_qlora_probe[-MODEL].json if bench/results/ exists. Each case's two ranks
@@ -92,42 +92,19 @@ class PeakRss:
 
 def load_base(storage: str):
     """The base as grpo_lab's learner.load_base builds it, with `bnb_4bit_quant_storage` set."""
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from grpo_lab.models.quant import pin_training_layout, quiet_bitsandbytes
-    from grpo_lab.models.source import resolve_model_path
+    from bench.loaders import load_4bit_base
+    from grpo_lab.models.quant import quiet_bitsandbytes
 
     quiet_bitsandbytes()
-    path = resolve_model_path(f"builtin:{MODEL}")  # ensure_tiny_model(builtin_path(MODEL)) with the model's shape
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-        bnb_4bit_quant_storage=getattr(torch, storage),
-    )
-    base = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, device_map={"": "cpu"}, quantization_config=quant
-    )
-    # why: as every grpo_lab learner; unpinned, bnb repacks on no-grad forwards (docs/fsdp2.md)
-    pin_training_layout(base)
-    base.requires_grad_(False)
-    base.config.use_cache = False
-    return base
+    return load_4bit_base(MODEL, storage)
 
 
 def load_policy(storage: str, gc: str):
-    import torch
-    from peft import LoraConfig, get_peft_model
+    from bench.loaders import with_lora
 
     base = load_base(storage)
-    torch.manual_seed(0)  # why: the same LoRA init in every process
     # why init_lora_weights=False: B random too, so the A gradients are not all zero and the comparison covers them
-    model = get_peft_model(
-        base,
-        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False),
-    )
+    model = with_lora(base, seed=0, init_lora_weights=False)  # why the seed: the same LoRA init in every process
     if gc != "off":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": gc == "reentrant"})
     model.train()  # why: checkpointing is only active in train mode; dropout is 0
@@ -520,7 +497,7 @@ def main() -> None:
         "python": sys.version.split()[0],
     }
     print(json.dumps(versions))
-    results = Path(__file__).parent / "results"
+    results = Path(__file__).resolve().parents[1] / "results"
     if results.is_dir():
         suffix = "" if MODEL == "tiny-qwen2" else f"-{MODEL}"
         report = {

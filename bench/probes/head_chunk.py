@@ -1,7 +1,7 @@
 """The log-prob head's chunk size: time and largest buffer of forward + backward against
 `grpo.logprob_chunk_size`, at Qwen2.5's vocabulary, chunk sizes interleaved round by round.
 
-    .venv/bin/python bench/head_chunk.py --tokens 2048 --hidden 128 --rounds 5
+    .venv/bin/python bench/probes/head_chunk.py --tokens 2048 --hidden 128 --rounds 5
 """
 
 from __future__ import annotations

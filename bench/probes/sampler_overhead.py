@@ -5,7 +5,7 @@ thread stalls while steps run in a worker thread with the sampler and plot runni
 Phase-boundary readings happen in every condition (they are the per-phase table); the
 conditions differ only in the background threads. Goal: sampler at 20 Hz <= 1% slower.
 
-    .venv/bin/python bench/sampler_overhead.py --rounds 40
+    .venv/bin/python bench/probes/sampler_overhead.py --rounds 40
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Both Labs are loaded side by side (4 rank processes; the idle Lab's ranks wait o
 alternate, so machine noise falls on both; each rollout is timed in the driver (command, sampling, gather, checksum,
 reply), medians reported. Both sample the same completions (checked).
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.sharded_rollout --rounds 5
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.probes.sharded_rollout --rounds 5
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 2. Per step on the tiny model and on a larger random-weight Qwen2: seconds to sync the LoRA
    adapter into the engine and seconds to generate the step's rollout.
 
-    .venv/bin/python bench/vllm_generator.py --rounds 15
+    .venv/bin/python bench/probes/vllm_generator.py --rounds 15
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Both sides get the same preset: model, nf4 + LoRA, num_generations, lengths, temperature, beta, loss and
 micro-batches (TRL's per_device_train_batch_size = grpo.micro_batch_size, gradient accumulation over the step batch;
-built by `bench.step_vs_trl.trl_trainer`), HF generation on the CPU.
+built by `bench.vs_trl.step_vs_trl.trl_trainer`), HF generation on the CPU.
 
 Every run is its own process (`--worker SIDE`), so peaks never mix. A worker starts a psutil RSS sampler (200 Hz)
 right after its imports, loads, runs `--warmup` + `--steps` steps and prints one JSON line on stdout: the wall time
@@ -19,9 +19,9 @@ The length sweep runs one step per (side, completion length) on logits-heavy-cpu
 all completion tokens at once, `log_softmax` over the whole vocabulary, `gather` of the targets, so all
 [tokens, vocab] float32 logits exist (and are kept for backward). Its peaks show what the chunked head saves.
 
-    .venv/bin/python -m bench.compare_trl                              # both presets (3 reps x 3 steps), then the sweep
-    .venv/bin/python -m bench.compare_trl --reps 1 --steps 2 --warmup 1 --lengths 64 128   # a quick look
-    .venv/bin/python -m bench.compare_trl --worker trl --config logits-heavy-cpu --steps 1 --warmup 0   # one worker
+    .venv/bin/python -m bench.vs_trl.compare_trl                       # both presets (3 reps x 3 steps), then the sweep
+    .venv/bin/python -m bench.vs_trl.compare_trl --reps 1 --steps 2 --warmup 1 --lengths 64 128   # a quick look
+    .venv/bin/python -m bench.vs_trl.compare_trl --worker trl --config logits-heavy-cpu --steps 1 --warmup 0  # a worker
 
 Writes `--out` (raw data and summary, default bench/results/compare_trl.json), bench/results/compare_trl_lengths.html
 (plotly, self-contained) and, screenshotted with the system Chromium (playwright),
@@ -43,7 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024**2
 SIDES = ("grpo_lab", "trl")
 SWEEP_PRESET = "logits-heavy-cpu"
@@ -119,7 +119,7 @@ def worker(side: str, preset: str, overrides: list[str], steps: int, warmup: int
 
         from transformers import TrainerCallback
 
-        from bench.step_vs_trl import trl_trainer
+        from bench.vs_trl.step_vs_trl import trl_trainer
         from grpo_lab.models.source import resolve_model_path
 
         cfg.update({"model.name_or_path": resolve_model_path(cfg.model.name_or_path)})
@@ -166,7 +166,7 @@ def spawn(side: str, preset: str, overrides: list[str], steps: int, warmup: int,
     cmd = [
         sys.executable,
         "-m",
-        "bench.compare_trl",
+        "bench.vs_trl.compare_trl",
         "--worker",
         side,
         "--config",

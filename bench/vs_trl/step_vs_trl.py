@@ -6,7 +6,7 @@ loss, the HF generator, on the CPU. TRL's micro-batching is set to match grpo_la
 A TrainerCallback times each TRL optimizer step and, right after it, runs and times one grpo_lab
 step, so both see the same machine state. Prints a markdown row for docs/benchmarks.md.
 
-    .venv/bin/python bench/step_vs_trl.py --steps 12 --warmup 2
+    .venv/bin/python bench/vs_trl/step_vs_trl.py --steps 12 --warmup 2
 """
 
 from __future__ import annotations

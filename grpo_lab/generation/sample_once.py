@@ -21,7 +21,7 @@ from ..execution.runtime import runtime
 from ..state.faults import diverge
 from .base import split
 
-REPLICATED = "GRPO_LAB_REPLICATED_ROLLOUT"  # bench/sharded_rollout.py only: every rank samples the whole batch
+REPLICATED = "GRPO_LAB_REPLICATED_ROLLOUT"  # bench/probes/sharded_rollout.py only: every rank samples the whole batch
 
 
 def replicated() -> bool:

@@ -4,7 +4,7 @@ bitsandbytes >= 0.48 repacks a `Linear4bit`'s nf4 weights into an AVX-512-BF16 i
 the first time the layer runs in eval mode without gradients on a CPU with that flag; a later
 training forward on the packed layout fails in autograd (`result += bias` on a leaf). A learner
 runs eval/no-grad forwards every step (HF rollout, old and reference log-probs), so grpo_lab
-never lets its 4-bit layers repack. The trade-off, measured in bench/bnb_cpu_layout.py
+never lets its 4-bit layers repack. The trade-off, measured in bench/probes/bnb_cpu_layout.py
 (docs/benchmarks.md): the packed bf16 kernel makes an HF rollout 1.3x (bf16 compute) to 2x
 (float32) faster on an AVX-512-BF16 CPU, but sampler and learner log-probs then differ by ~2e-2
 instead of ~2e-6, and restoring the training layout needs bnb's private inverse, which is lossy.

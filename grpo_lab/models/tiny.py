@@ -26,10 +26,10 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # No EOS boost: completions run to max_completion_length, the length the planner plans for.
     "qwen2-152k": (1, {"vocab_size": 151936, "eos_probability": None, "max_positions": 4096}),
     # a Llama/Mistral-size vocabulary (32,000) on the tiny body: the planner's grid's other end
-    # (bench/planner_accuracy.py)
+    # (bench/plan_accuracy/planner_accuracy.py)
     "qwen2-32k": (1, {"vocab_size": 32000, "eos_probability": None, "max_positions": 4096}),
     # Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936), saved
-    # in bfloat16 (1 GB): the GPU check's model (bench/gpu_check.py), where memory and speed depend on shape alone
+    # in bfloat16 (1 GB): the GPU check's model (bench/gpu/gpu_check.py), where memory and speed depend on shape alone
     "qwen2.5-0.5b-random": (
         1,
         {

@@ -17,7 +17,7 @@ GiB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GENERATOR_BITS = {None: None, "awq": 4.25, "gptq": 4.25, "compressed-tensors": 4.25, "fp8": 8.0}
 MiB = 1024**2
-# Per GPU a process touches, measured on an H100 (torch 2.11, CUDA 13; bench/gpu_check.py's context probe and its
+# Per GPU a process touches, measured on an H100 (torch 2.11, CUDA 13; bench/gpu/gpu_check.py's context probe and its
 # grpo_lab runs, docs/benchmarks.md): the CUDA context, which NVML sees and torch's allocator does not (525 MiB), and
 # what torch's allocator holds beyond the tensors planned here once a step has run (50 MiB: cuBLAS's workspace, 32 MiB
 # measured alone, and runtime buffers)
@@ -34,20 +34,22 @@ GPU_LAYER_RECOMPUTE = 1.4
 # RSS after a heap trim). A CUDA build maps its libraries and context into host memory too (not measured: 1 GiB).
 HOST_BASELINE = {"cpu": 0.58 * GiB, "cuda": 1.0 * GiB}
 FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
-# tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch
-# fallback on CPU makes temporaries of tile size (8.3 measured by bench/fused_head_cpu.py; 8.5 keeps a margin)
+# tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch fallback on
+# CPU makes temporaries of tile size (8.3 measured by bench/plan_accuracy/fused_head_cpu.py; 8.5 keeps a margin)
 HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
 # A CPU learner computing in bf16/fp16 runs its matmuls through oneDNN, whose per-shape primitives and scratchpad stay
 # in the process once made. Which kernels it picks is not a function of the shapes planned here, so this is measured,
-# not modelled: 24-63 MiB at rest over bench/planner_accuracy.py's grid against the float32 baseline above.
+# not modelled: 24-63 MiB at rest over bench/plan_accuracy/planner_accuracy.py's grid against the float32 baseline
+# above.
 ONEDNN_CPU_CACHES = 48 * 1024**2
-# glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) serves blocks under 32 MiB from its heap once it
-# has risen, and their holes stay resident: the head's chunks held 8-22 bytes of RSS per element where the tensors are 6
-# (bench/head_heap.py; tests/test_heap.py's passes after a loaded Lab read medians of 10.1 and 19.1). Planned as 22/6
-# on such chunks, the most a pass's median was seen to take; a pinned threshold needs none.
+# glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) serves blocks under 32 MiB from its heap once it has
+# risen, and their holes stay resident: the head's chunks held 8-22 bytes of RSS per element where the tensors are 6
+# (bench/plan_accuracy/head_heap.py; tests/test_heap.py's passes after a loaded Lab read medians of 10.1 and 19.1).
+# Planned as 22/6 on such chunks, the most a pass's median was seen to take; a pinned threshold needs none.
 HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 22 / 6, 32 * 1024**2
-# The holes the plan cannot model at that threshold (the rollout's, the layers' activations): they come and go from
-# run to run, so they are said, not planned; measured by bench/planner_accuracy.py's grid at null (docs/benchmarks.md)
+# The holes the plan cannot model at that threshold (the rollout's, the layers' activations): they come and go from run
+# to run, so they are said, not planned; measured by bench/plan_accuracy/planner_accuracy.py's grid at null
+# (docs/benchmarks.md)
 HEAP_HOLES_CAVEAT = (
     "host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) leaves heap holes this "
     "plan widens only for the log-prob head; a CPU learner's phases measured up to 1.19x their plan "
@@ -55,7 +57,8 @@ HEAP_HOLES_CAVEAT = (
     "the CPU step time"
 )
 # vLLM on the CPU, in this process: its modules and engine state beside its weights and the KV cache it reserves
-# (generator.cpu_kv_cache_gib, touched at start), measured at rest by bench/planner_accuracy.py's vllm points.
+# (generator.cpu_kv_cache_gib, touched at start), measured at rest by bench/plan_accuracy/planner_accuracy.py's vllm
+# points.
 VLLM_CPU_ENGINE = 272 * 1024**2
 # the phases with transients worth planning (phases.PHASES order); "load" only in a sharded plan, where every rank
 # loads the whole model before fully_shard keeps its 1/N

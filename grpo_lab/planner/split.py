@@ -16,7 +16,7 @@ from ..models.shapes import ModelShape
 from .estimate import CUDA_CONTEXT, DTYPE_BYTES, VLLM_SPLIT_SHARE, GiB
 
 # why 5%: auto leaves this much of the GPU to nobody: the caching allocator's fragmentation and the planner's own
-# error (bench/planner_accuracy.py) must not push a planned fit over the edge
+# error (bench/plan_accuracy/planner_accuracy.py) must not push a planned fit over the edge
 AUTO_MARGIN = 0.05
 ENGINE_GRAPHS = 0.5 * GiB  # CUDA graphs of the decode batch sizes vLLM captures (not measured: no GPU lent so far)
 
