@@ -34,10 +34,11 @@ WHEN = {
 }
 
 
-def knob(when: str, default: Any = ..., **kwargs) -> Any:
-    """A config field with its help text and when a change takes effect (one of WHEN)."""
+def knob(when: str, default: Any = ..., *, planned: bool = False, **kwargs) -> Any:
+    """A config field with its help text, when a change takes effect (one of WHEN), and whether the memory plan reads
+    it (`planned`: tests/test_planned_fields.py fails when a marked field moves no plan, or an unmarked one does)."""
     assert when in WHEN, when
-    return Field(default, json_schema_extra={"when": when}, **kwargs)
+    return Field(default, json_schema_extra={"when": when, "planned": planned}, **kwargs)
 
 
 # TRL's spellings of fields grpo_lab names otherwise, accepted everywhere a field is named (YAML, --set, dicts,

@@ -187,6 +187,13 @@ def field_when(path: str) -> str:
     return (info.json_schema_extra or {})["when"]
 
 
+def field_planned(path: str) -> bool:
+    """Whether the memory plan reads 'section.field' (declared with the field: knob(..., planned=True))."""
+    section, _, name = path.partition(".")
+    info = LabConfig.model_fields[section].annotation.model_fields[name]
+    return bool((info.json_schema_extra or {}).get("planned"))
+
+
 def parse_config(data: dict) -> LabConfig:
     """Validate a plain dict into a LabConfig; errors become one ConfigError naming the fields."""
     if not isinstance(data, dict):

@@ -24,33 +24,39 @@ Share = Annotated[float, Field(gt=0, le=1)]
 
 class ModelSection(Section):
     name_or_path: str = knob(
-        "load", ..., description="Local checkpoint directory (or hub id) loaded with from_pretrained."
+        "load", ..., planned=True, description="Local checkpoint directory (or hub id) loaded with from_pretrained."
     )
     dtype: Dtype = knob(
-        "load", "bfloat16", description="Dtype of the weights that are not quantized (embeddings, norms, LoRA)."
+        "load",
+        "bfloat16",
+        planned=True,
+        description="Dtype of the weights that are not quantized (embeddings, norms, LoRA).",
     )
     load_in_4bit: bool = knob(
-        "load", True, description="Quantize the learner's base to 4-bit with bitsandbytes (QLoRA)."
+        "load", True, planned=True, description="Quantize the learner's base to 4-bit with bitsandbytes (QLoRA)."
     )
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = knob(
-        "load", "nf4", description="4-bit data type; nf4 is the QLoRA default."
+        "load", "nf4", planned=True, description="4-bit data type; nf4 is the QLoRA default."
     )
-    bnb_4bit_compute_dtype: Dtype = knob("load", "bfloat16", description="Dtype the 4-bit layers compute in.")
+    bnb_4bit_compute_dtype: Dtype = knob(
+        "load", "bfloat16", planned=True, description="Dtype the 4-bit layers compute in."
+    )
     bnb_4bit_use_double_quant: bool = knob(
-        "load", True, description="Also quantize the quantization constants (~0.4 bit/param saved)."
+        "load", True, planned=True, description="Also quantize the quantization constants (~0.4 bit/param saved)."
     )
     gradient_checkpointing: bool = knob(
-        "load", True, description="Recompute activations in backward instead of storing them."
+        "load", True, planned=True, description="Recompute activations in backward instead of storing them."
     )
 
 
 class LoraSection(Section):
-    r: int = knob("load", 16, gt=0, description="LoRA rank.")
+    r: int = knob("load", 16, gt=0, planned=True, description="LoRA rank.")
     lora_alpha: int = knob("load", 32, gt=0, description="LoRA scaling numerator (scale = lora_alpha / r).")
     lora_dropout: float = knob("load", 0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: Union[Literal["all-linear"], list[str]] = knob(
         "load",
         "all-linear",
+        planned=True,
         description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.",
     )
 
@@ -66,16 +72,18 @@ class LoraSection(Section):
 
 class PlacementSection(Section):
     learner: str = knob(
-        "load", "cpu", description="Device of the learner (policy + LoRA + optimizer): 'cpu' or 'cuda:N'."
+        "load", "cpu", planned=True, description="Device of the learner (policy + LoRA + optimizer): 'cpu' or 'cuda:N'."
     )
     generator: Optional[list[str]] = knob(
         "load",
         None,
+        planned=True,
         description="Generator device(s); null = the learner's device (colocated). GPU indices or 'cuda:N'.",
     )
     optimizer_offload: bool = knob(
         "load",
         False,
+        planned=True,
         description="Keep AdamW's fp32 master weights and moments in host RAM (frees 12 bytes per LoRA parameter on "
         "the GPU).",
     )
@@ -83,6 +91,7 @@ class PlacementSection(Section):
         "load",
         None,
         gt=0,
+        planned=True,
         description="GPU capacity (GiB) the planner assumes for GPUs it cannot see (e.g. 40 for an A100-40GB); null = "
         "read the device.",
     )
@@ -90,6 +99,7 @@ class PlacementSection(Section):
         "load",
         None,
         gt=0,
+        planned=True,
         description="Host RAM (GiB) the planner assumes; null = this machine's (or its cgroup limit).",
     )
     learner_procs: int = knob(
@@ -97,6 +107,7 @@ class PlacementSection(Section):
         1,
         ge=1,
         le=64,
+        planned=True,
         description="Processes the learner is sharded over with FSDP2 "
         "(PyTorch's fully_shard), one device each: rank k on cuda:(N+k) for learner cuda:N (NCCL), or CPU processes "
         "(gloo) for learner cpu; 1 = no sharding, one process.",
@@ -131,6 +142,7 @@ class GeneratorSection(Section):
     backend: Literal[tuple(BACKENDS)] = knob(
         "load",
         "hf",
+        planned=True,
         description="Generator backend: "
         + ", ".join(BACKENDS)
         + " (hf = transformers.generate with the learner itself).",
@@ -145,15 +157,20 @@ class GeneratorSection(Section):
     top_p: float = knob("live", 1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = knob("live", 0, ge=0, description="Top-k sampling; 0 = off.")
     max_prompt_length: int = knob(
-        "live", 256, gt=0, description="Prompts longer than this are truncated from the left."
+        "live", 256, gt=0, planned=True, description="Prompts longer than this are truncated from the left."
     )
-    max_completion_length: int = knob("live", 64, gt=0, description="Maximum new tokens per completion.")
+    max_completion_length: int = knob("live", 64, gt=0, planned=True, description="Maximum new tokens per completion.")
     chunk_size: Optional[int] = knob(
-        "live", None, gt=0, description="Sequences (prompts x completions) per generate call; null = all at once."
+        "live",
+        None,
+        gt=0,
+        planned=True,
+        description="Sequences (prompts x completions) per generate call; null = all at once.",
     )
     gpu_memory_utilization: Union[Literal["auto"], Share, None] = knob(
         "load",
         None,
+        planned=True,
         description="Share of its GPU a "
         "generator with its own weights (vllm) may take; required when it shares the learner's GPU: a number, or auto "
         "= "
@@ -169,6 +186,7 @@ class GeneratorSection(Section):
     quantization: Optional[Literal["awq", "gptq", "compressed-tensors", "fp8"]] = knob(
         "load",
         None,
+        planned=True,
         description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.",
     )
 
@@ -182,24 +200,28 @@ class GeneratorSection(Section):
     sleep_mode: bool = knob(
         "load",
         False,
+        planned=True,
         description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner "
         "(not on CPU).",
     )
     gather_for_generation: bool = knob(
         "live",
         True,
+        planned=True,
         description="Sharded learner (placement.learner_procs > 1), "
         "hf backend: gather the full weights on every rank for the rollout (fast; needs room for the whole model, the "
         "planner says how much) or generate through the sharded model, one layer gathered at a time (slow; fits) (P3).",
     )
-    cpu_kv_cache_gib: int = knob("load", 1, ge=1, description="vllm on the CPU: host RAM (whole GiB) for its KV cache.")
+    cpu_kv_cache_gib: int = knob(
+        "load", 1, ge=1, planned=True, description="vllm on the CPU: host RAM (whole GiB) for its KV cache."
+    )
     hf_decode: Literal["dynamic", "static", "compiled"] = knob(
         "live",
         "dynamic",
         description="hf backend: how the rollout decodes. dynamic = transformers' growing KV cache; static = the cache "
         "preallocated for the whole rollout (fixed shapes); compiled = static plus CUDA graphs over the 4-bit + LoRA "
         "decode step (torch.compile, mode reduce-overhead; a GPU learner only; the first rollout compiles). Greedy "
-        "decoding gives the same tokens on every path; bench/gpu_check.py measures their speed.",
+        "decoding gives the same tokens on every path; bench/gpu/gpu_check.py measures their speed.",
     )
 
     @property
@@ -213,10 +235,13 @@ class ReferenceSection(Section):
     strategy: Optional[Literal["none", "adapter-disabled", "copy"]] = knob(
         "rebuild",
         None,
+        planned=True,
         description="Reference policy: 'adapter-disabled' (no extra memory), 'copy' (frozen model), 'none' (beta must "
         "be 0); null = auto.",
     )
-    device: Optional[str] = knob("load", None, description="Device for strategy 'copy'; null = the learner's device.")
+    device: Optional[str] = knob(
+        "load", None, planned=True, description="Device for strategy 'copy'; null = the learner's device."
+    )
 
     @field_validator("device", mode="before")
     @classmethod

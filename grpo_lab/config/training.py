@@ -16,13 +16,25 @@ from .fields import Section, knob
 
 class GRPOSection(Section):
     num_generations: int = knob(
-        "live", 8, ge=2, description="Completions per prompt (the group size G); needs >= 2 for an advantage."
+        "live",
+        8,
+        ge=2,
+        planned=True,
+        description="Completions per prompt (the group size G); needs >= 2 for an advantage.",
     )
     prompts_per_step: int = knob(
-        "live", 4, ge=1, description="Distinct prompts per step; the batch is prompts_per_step x num_generations."
+        "live",
+        4,
+        ge=1,
+        planned=True,
+        description="Distinct prompts per step; the batch is prompts_per_step x num_generations.",
     )
     beta: float = knob(
-        "rebuild", 0.0, ge=0.0, description="KL coefficient to the reference policy; 0 = no reference needed."
+        "rebuild",
+        0.0,
+        ge=0.0,
+        planned=True,
+        description="KL coefficient to the reference policy; 0 = no reference needed.",
     )
     loss_type: Literal[tuple(LOSSES)] = knob(
         "live", "dapo", description="Loss normalisation: " + ", ".join(LOSSES) + "."
@@ -38,19 +50,25 @@ class GRPOSection(Section):
     weight_decay: float = knob("live", 0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = knob("live", 1.0, gt=0.0, description="Gradient clipping norm.")
     micro_batch_size: Optional[int] = knob(
-        "live", None, gt=0, description="Sequences per log-prob/backward forward pass; null = the whole batch at once."
+        "live",
+        None,
+        gt=0,
+        planned=True,
+        description="Sequences per log-prob/backward forward pass; null = the whole batch at once.",
     )
     logprob_chunk_size: int = knob(
         "live",
         128,
         ge=1,
         le=65536,
+        planned=True,
         description="Completion tokens per chunk of the log-prob "
         "head: at most this many rows of [tokens x vocab] logits exist at once, forward or backward.",
     )
     logprob_head: Literal["chunked", "trl"] = knob(
         "live",
         "chunked",
+        planned=True,
         description="Log-prob head kernel: 'chunked' "
         "(grpo_lab's, recomputes each chunk in backward) or 'trl' (TRL's fused head; Triton on CUDA).",
     )
@@ -129,12 +147,13 @@ class MemorySection(Section):
         None,
         ge=0.125,
         le=32.0,
+        planned=True,
         description="Pin glibc's mmap "
         "threshold at load (whole process): host blocks of this size (MiB) or more are mapped on their own and given "
         "back when freed, so host RSS follows the live tensors, as planned, instead of keeping heap holes; 0.125 is "
         "what the planner's CPU grid was measured with. Costs page faults: CPU steps 1.2-2.5x slower "
-        "(bench/mmap_threshold_step.py). null = glibc's own, which rises up to 32 MiB (the plan adds the head's "
-        "holes; a CPU learner then trims the heap before each layer's full-sequence forward).",
+        "(bench/plan_accuracy/mmap_threshold_step.py). null = glibc's own, which rises up to 32 MiB (the plan adds "
+        "the head's holes; a CPU learner then trims the heap before each layer's full-sequence forward).",
     )
     cuda_snapshots: bool = knob(
         "load", False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only."
