@@ -1,4 +1,5 @@
-"""Plan parts that the one-process plan (plan.py) and the sharded one (sharded.py) both build from."""
+"""Plan parts that the one-process plan (plan.py), the sharded one (sharded.py) and the learner's items
+(learner_items.py) build from."""
 
 from __future__ import annotations
 

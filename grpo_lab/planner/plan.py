@@ -11,17 +11,14 @@ from ..models.shapes import ModelShape, load_shape
 from .estimate import (
     HEAP_HOLES_CAVEAT,
     HOST_BASELINE,
-    ONEDNN_CPU_CACHES,
     VLLM_SPLIT_SHARE,
     DevicePlan,
     activation_bytes,
     base_weight_bytes,
-    compute_bytes,
-    generation_step_bytes,
-    kv_cache_bytes,
 )
-from .parts import _home, add_engine, capacity_of, head_note  # noqa: F401 (capacity_of: public here too)
-from .render import count
+from .learner_items import add_learner
+from .parts import _home, add_engine, capacity_of
+from .sharded import build_sharded
 
 
 @dataclass
@@ -66,6 +63,7 @@ class Plan:
 
 
 def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
+    """(devices, micro-batch) of a one-process learner: its device, the generator's, a reference copy's, the host."""
     place, gen, grpo = cfg.placement, cfg.generator, cfg.grpo
     learner = _home(place.learner)
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
@@ -77,79 +75,12 @@ def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
             d.add_cuda_runtime()
     build = "cuda" if any(d != "host" for d in devices) else "cpu"
     devices["host"].add("Python, torch, libraries", HOST_BASELINE[build], f"{build} build of torch")
-
-    lrn = devices[learner]
-    lrn.roles.append("learner")
-    if learner == "host" and compute_bytes(cfg) == 2:  # why: oneDNN's kernel caches (estimate.ONEDNN_CPU_CACHES)
-        lrn.add(
-            "oneDNN kernel caches (CPU, 16-bit compute)",
-            ONEDNN_CPU_CACHES,
-            "per-shape primitives, scratchpad; measured, not modelled",
-        )
-    weights, fmt = base_weight_bytes(shape, cfg.model)
-    lrn.add("base weights", weights, fmt)
-    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
-    lrn.add("LoRA weights", lora * 4, f"{count(lora)} params, fp32")
-    lrn.add("LoRA gradients", lora * 4, "fp32")
-    host = devices["host"]
-    if place.optimizer_offload:
-        host.add("AdamW master weights + moments (offloaded)", lora * 12, "fp32")
-    else:
-        lrn.add("AdamW moments", lora * 8, "2 x fp32")
-        if learner != "host":  # why: torch's AdamW on a GPU steps all tensors at once (foreach), with temporaries
-            lrn.add("AdamW step temporaries", lora * 8, "foreach: 2 x fp32, measured", phase="optimizer")
-    host.add("step rollback copy", lora * 12, "LoRA + AdamW state, all-or-nothing steps")
-    act = activation_bytes(shape, cfg, on_cpu=learner == "host")
-    ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
-    shape_note = f"micro-batch {act['micro_batch']} x {act['tokens'] // act['micro_batch']} tokens"
-    lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    lrn.add(
-        "log-prob head",
-        act["log-prob head"],
-        head_note(cfg, shape, learner == "host", act["head in heap"]),
-        phase="backward",
-    )
-    lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
-
-    if cfg.reference_strategy == "copy":
-        ref = devices[_home(cfg.reference_device)]
-        ref.roles.append("reference copy")
-        ref.add("reference weights", weights, fmt)
-    if cfg.grpo.beta > 0:  # why: the logprobs phase runs only for reference log-probs, without a graph
-        ref = devices[_home(cfg.reference_device)] if cfg.reference_strategy == "copy" else lrn
-        # its own kernel path
-        ref_act = act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref.device == "host")
-        ref.add(
-            "reference forward (no grad)",
-            ref_act["forward activations"],
-            f"{shape_note}, one layer at a time",
-            phase="logprobs",
-        )
-        ref.add(
-            "log-prob head",
-            ref_act["log-prob head"],
-            head_note(cfg, shape, ref.device == "host", ref_act["head in heap"]),
-            phase="logprobs",
-        )
-
-    sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
+    devices[learner].roles.append("learner")
+    ref = devices[_home(cfg.reference_device)] if cfg.reference_strategy == "copy" else devices[learner]
+    micro = add_learner(devices[learner], devices["host"], ref, cfg, shape)
     if gen.own_weights:
-        add_engine(devices, cfg, shape, sequences)
-    else:
-        lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
-        lrn.add(
-            "generation KV cache",
-            kv_cache_bytes(shape, cfg, sequences),
-            f"{sequences} sequences per call",
-            phase="rollout",
-        )
-        lrn.add(
-            "generation logits step",
-            generation_step_bytes(shape, cfg, sequences),
-            "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF",
-            phase="rollout",
-        )
-    return devices, act["micro_batch"]
+        add_engine(devices, cfg, shape, gen.chunk_size or grpo.prompts_per_step * grpo.num_generations)
+    return devices, micro
 
 
 def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan]) -> Optional[dict[str, DevicePlan]]:
@@ -184,8 +115,6 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
 def build(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks."""
     if cfg.placement.learner_procs > 1:
-        from .sharded import build_sharded  # why here: sharded.py builds on this module's helpers
-
         return build_sharded(cfg, shape)
     devices, micro = build_devices(cfg, shape)
     return devices, {}, micro
