@@ -24,7 +24,6 @@ from .config.schema import LabConfig
 from .errors import ConfigError, LabError, one_line_in_cells
 from .execution.contract import executor_for
 from .memory.timeline import Timeline
-from .models.quant import quiet_bitsandbytes
 from .preflight import preflight
 from .ui.views import LabViews
 
@@ -37,7 +36,6 @@ class Lab(LabViews):
         overrides: Optional[list[str]] = None,
     ):
         one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
-        quiet_bitsandbytes()  # before a load imports bitsandbytes (README: CPU notes)
         self._config = load_config(config, overrides)
         self.memory = None
         self.memory_devices: list[str] = []  # the devices the sampler watches

@@ -60,7 +60,8 @@ def test_outside_ipython_nothing_is_installed(monkeypatch):
 
 def test_importing_grpo_lab_changes_nothing_outside_the_package():
     """Issue 41: `import grpo_lab` installed an IPython exception handler and a bitsandbytes logging filter. Now a
-    Lab made in the kernel installs the one-line errors (and `%load_ext grpo_lab`), and a 4-bit load the filter."""
+    Lab made in the kernel installs the one-line errors (and `%load_ext grpo_lab`), and every 4-bit load (its
+    quantization_config) the filter."""
     import subprocess
     import sys
 
@@ -72,9 +73,11 @@ bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
 import grpo_lab
 assert shell.custom_exceptions == (), ("import", shell.custom_exceptions)
 assert not bnb.filters, ("import", bnb.filters)
-grpo_lab.Lab("tiny-cpu")
+lab = grpo_lab.Lab("tiny-cpu")
 assert shell.custom_exceptions == (grpo_lab.LabError,), ("Lab", shell.custom_exceptions)
-assert bnb.filters, "Lab"
+from grpo_lab.models.learner import quantization_config
+assert lab.config.model.load_in_4bit and quantization_config(lab.config.model) is not None
+assert bnb.filters, "4-bit load"
 print("ok")
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
