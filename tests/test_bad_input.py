@@ -399,7 +399,7 @@ def test_checkpoint_transformers_cannot_read_is_one_labError(tiny_model, tmp_pat
     """An unknown model_type passes the planner (the sizes are fine) and fails in from_pretrained's config
     step, before any weight is read."""
     from grpo_lab import LabError
-    from grpo_lab.config.sections import ModelSection
+    from grpo_lab.config.models_and_devices import ModelSection
     from grpo_lab.models.learner import load_base
 
     config = json.loads((Path(tiny_model) / "config.json").read_text())

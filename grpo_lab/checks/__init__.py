@@ -1,3 +1,3 @@
-"""Checks that run before anything is loaded: devices, paths, what is installed, the DataParallel guard, which GPUs an
-engine sees, who may sit where, and a sharded world's ranks. Pure: they read the config and the machine, load
-nothing."""
+"""Checks of the config and the machine, each one line naming the field: devices, paths, what is installed, which GPUs
+an engine sees and who may sit where (before anything loads), and the DataParallel guard (on a loaded learner, before
+each step). A sharded learner's world is checked by execution/sharded/precheck.py."""

@@ -1,4 +1,4 @@
-"""Config edits on a loaded Lab. Every field declares when it takes effect (config.WHEN):
+"""Config edits on a loaded Lab. Every field declares when it takes effect (config/fields.py's WHEN):
 
 - live: read at the next phase that uses it (nothing to do here);
 - rebuild: the part that depends on it is rebuilt at once, by the function REBUILDS names;

@@ -1,5 +1,5 @@
 """The config's sections for how a run trains, reads its data and is watched: grpo (TRL's names), memory, data and
-run (schema.py joins them with the loaded parts' sections of sections.py into the one LabConfig).
+run (schema.py joins them with models_and_devices.py's sections into the one LabConfig).
 """
 
 from __future__ import annotations

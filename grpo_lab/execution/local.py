@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..algo import grpo as phase_functions
+from ..algo import grpo
 from ..checks.guard import check_learner
 from ..errors import LabError
 from .runtime import runtime
@@ -16,9 +16,9 @@ from .runtime import runtime
 
 def _rollout(ex, state) -> object:
     if ex.generator_behind:  # never sample from weights the learner no longer has
-        phase_functions.sync(ex.generator, ex.learner)
+        grpo.sync(ex.generator, ex.learner)
         ex.generator_behind = False
-    return phase_functions.rollout(ex.generator, ex.prompts, ex.config)
+    return grpo.rollout(ex.generator, ex.prompts, ex.config)
 
 
 def _optimizer(ex, state) -> float:
@@ -26,23 +26,23 @@ def _optimizer(ex, state) -> float:
 
     if state.snapshot is None:  # the step's first update takes the rollback snapshot first
         state.snapshot = TrainState(ex.learner)
-    return phase_functions.optimizer(ex.learner, ex.config)
+    return grpo.optimizer(ex.learner, ex.config)
 
 
 def _sync(ex, state) -> None:
-    phase_functions.sync(ex.generator, ex.learner)
+    grpo.sync(ex.generator, ex.learner)
     ex.generator_behind = False
 
 
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
-    "rewards": lambda ex, state, rollout: phase_functions.rewards(
+    "rewards": lambda ex, state, rollout: grpo.rewards(
         rollout, ex.reward_funcs, ex.config.data.reward_weights
     ),
-    "advantages": lambda ex, state, rewards: phase_functions.advantages(rewards, ex.config.grpo.scale_rewards),
-    "logprobs": lambda ex, state, rollout: phase_functions.logprobs(ex.learner, ex.reference, rollout, ex.config),
-    "backward": lambda ex, state, rollout, advantages, logprobs: phase_functions.backward(
+    "advantages": lambda ex, state, rewards: grpo.advantages(rewards, ex.config.grpo.scale_rewards),
+    "logprobs": lambda ex, state, rollout: grpo.logprobs(ex.learner, ex.reference, rollout, ex.config),
+    "backward": lambda ex, state, rollout, advantages, logprobs: grpo.backward(
         ex.learner, rollout, advantages, logprobs, ex.config, state.old_logprobs
     ),
     "optimizer": _optimizer,
@@ -197,7 +197,7 @@ class LocalExecutor:
             self.learner.optimizer.zero_grad(set_to_none=True)  # why: partial gradients of a failed backward
 
     def result(self, state, seconds: dict):
-        return phase_functions.summarize(
+        return grpo.summarize(
             state.index,
             state.rollout,
             state.rewards,
@@ -285,5 +285,5 @@ class LocalExecutor:
             from ..state.checkpoint import restore_checkpoint
 
             restore_checkpoint(self.learner, self.prompts, self.config, checkpoint)
-        phase_functions.sync(self.generator, self.learner)  # why: the engine must sample from the restored weights
+        grpo.sync(self.generator, self.learner)  # why: the engine must sample from the restored weights
         self.generator_behind = False

@@ -1,5 +1,5 @@
 """Model shapes for planning, from a checkpoint's config.json (local directory) or, offline, from
-the config.json copies bundled in planner/models/ for models users plan before downloading."""
+the config.json copies bundled in models/configs/ for models users plan before downloading."""
 
 from __future__ import annotations
 

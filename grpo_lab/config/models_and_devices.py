@@ -1,8 +1,7 @@
-"""The config's sections for what a run loads and where: model, lora, placement, generator and reference (training.py
-has the others; schema.py joins them into the one LabConfig).
- Knobs TRL also has keep TRL's names
-(`num_generations`, `beta`, `loss_type`, `epsilon`, `scale_rewards`, ...), so a TRL
-user feels at home. Unknown keys are errors; every field carries its own help text.
+"""The config's sections for the models a run loads and the devices they sit on: model, lora, placement, generator and
+reference (training.py has the other four; schema.py joins the nine into the one LabConfig). Knobs TRL also has keep
+TRL's names (`num_generations`, `beta`, `loss_type`, `epsilon`, `scale_rewards`, ...), so a TRL user feels at home.
+Unknown keys are errors; every field carries its own help text.
 """
 
 from __future__ import annotations
@@ -12,11 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, field_validator
 
 from ..generation.registry import BACKENDS, OWN_WEIGHTS
-from .fields import (
-    Section,
-    knob,
-    normalize_device,  # noqa: F401 (WHEN)
-)
+from .fields import Section, knob, normalize_device
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Share = Annotated[float, Field(gt=0, le=1)]
