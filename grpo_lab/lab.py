@@ -103,20 +103,22 @@ class Lab(LabViews):
         from .memory.heap import pin_mmap_threshold
         from .trackers import Trackers
 
-        cfg, executor = self.config, self.executor
-        preflight(cfg)
-        pin_mmap_threshold(cfg.memory.host_mmap_threshold_mib)  # why first: RSS holds live tensors (memory/heap.py)
+        config, executor = self.config, self.executor
+        preflight(config)
+        pin_mmap_threshold(config.memory.host_mmap_threshold_mib)  # why first: RSS holds live tensors (memory/heap.py)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
             self.memory_devices = executor.memory_watch()
             self.memory = executor.memory_sampler().start()
             self.timeline.listeners.append(self.memory)
-            self.leaks = LeakDetector(cfg.memory.leak_window, cfg.memory.leak_min_growth_mib * 1024**2)
+            self.leaks = LeakDetector(config.memory.leak_window, config.memory.leak_min_growth_mib * 1024**2)
             self.timeline.listeners.extend(executor.listeners())
         executor.load(self.memory)
-        self.trackers = Trackers(cfg)  # last: a load that fails earlier opens no tracker run
-        torch.manual_seed(cfg.run.seed)  # why here: sampling randomness starts from the seed, whatever loading consumed
-        cfg.attach_guard(LoadedLabGuard(executor, self.memory, self.leaks, self.memory_devices))
-        if cfg.run.probe_first:
+        self.trackers = Trackers(config)  # last: a load that fails earlier opens no tracker run
+        torch.manual_seed(
+            config.run.seed
+        )  # why here: sampling randomness starts from the seed, whatever loading consumed
+        config.attach_guard(LoadedLabGuard(executor, self.memory, self.leaks, self.memory_devices))
+        if config.run.probe_first:
             from .planner.worst_case import probe_at_load
 
             probe_at_load(self)  # a worst case that does not fit is refused here, and the load undone

@@ -8,13 +8,13 @@ from ..errors import LabError
 NEEDS_SHARE = "needs a memory share"  # (grpo-lab plan recognises this refusal and plans with auto instead)
 
 
-def check_roles(cfg) -> None:
-    """Who may sit where (LabConfig's cross-checks; `cfg` is the config being validated): refused with one line per
+def check_roles(config) -> None:
+    """Who may sit where (LabConfig's cross-checks; `config` is the config being validated): refused with one line per
     problem."""
-    place, gen = cfg.placement, cfg.generator
+    place, gen = config.placement, config.generator
     own = gen.own_weights
     if place.learner_procs > 1:
-        check_sharding(cfg)
+        check_sharding(config)
     elif place.ray_address is not None:
         raise ValueError(
             f"placement.ray_address: {place.ray_address!r} is where a sharded learner's ranks run, and "
@@ -66,20 +66,20 @@ def check_roles(cfg) -> None:
         )
 
 
-def check_sharding(cfg) -> None:
+def check_sharding(config) -> None:
     """What a sharded learner cannot do, refused before anything starts (execution/sharded/precheck.py checks its
     devices and engine)."""
-    procs, gen, g = cfg.placement.learner_procs, cfg.generator, cfg.grpo
+    procs, gen, g = config.placement.learner_procs, config.generator, config.grpo
     if gen.backend != "hf":  # vllm: one engine in the driver's process, never on a rank's device
         from ..execution.sharded.precheck import rank_devices
 
         shared = sorted(
-            set(rank_devices(cfg.placement.learner, procs)) & set(cfg.placement.generator_devices()) - {"cpu"}
+            set(rank_devices(config.placement.learner, procs)) & set(config.placement.generator_devices()) - {"cpu"}
         )
         if shared:
             raise ValueError(
                 f"placement.generator: {shared[0]} is a learner rank's GPU (placement.learner_procs: "
-                f"{procs} from {cfg.placement.learner}); a sharded learner's vLLM engine needs GPUs of "
+                f"{procs} from {config.placement.learner}); a sharded learner's vLLM engine needs GPUs of "
                 "its own: list others, or use generator.backend: hf"
             )
         if gen.sleep_mode:
@@ -93,19 +93,19 @@ def check_sharding(cfg) -> None:
                 "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
                 "set it to true"
             )
-    if cfg.placement.ray_address not in (None, "auto"):
+    if config.placement.ray_address not in (None, "auto"):
         from ..execution.sharded.precheck import parse_address
 
         try:
-            parse_address(cfg.placement.ray_address)
+            parse_address(config.placement.ray_address)
         except LabError as err:
             raise ValueError(str(err)) from None
-    if cfg.reference.device is not None:
+    if config.reference.device is not None:
         raise ValueError(
             "reference.device: a sharded learner's reference copy is sharded like the policy, on every "
             "rank's own device (P5); remove reference.device"
         )
-    if cfg.placement.optimizer_offload:
+    if config.placement.optimizer_offload:
         raise ValueError(
             "placement.optimizer_offload: a sharded learner (placement.learner_procs > 1) keeps a shard "
             "of AdamW's state per rank already; set it to false"

@@ -37,9 +37,7 @@ def _sync(ex, state) -> None:
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
-    "rewards": lambda ex, state, rollout: grpo.rewards(
-        rollout, ex.reward_funcs, ex.config.data.reward_weights
-    ),
+    "rewards": lambda ex, state, rollout: grpo.rewards(rollout, ex.reward_funcs, ex.config.data.reward_weights),
     "advantages": lambda ex, state, rewards: grpo.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: grpo.logprobs(ex.learner, ex.reference, rollout, ex.config),
     "backward": lambda ex, state, rollout, advantages, logprobs: grpo.backward(
@@ -92,31 +90,31 @@ class LocalExecutor:
     def memory_sampler(self):
         from ..memory import MemorySampler
 
-        cfg = self.config
+        config = self.config
         # why the driver only: one host, one guard; a rank stopping on its own would leave the others in a collective
         return MemorySampler(
             self.devices(),
-            cfg.memory.sample_hz,
-            cfg.memory.host_threshold,
+            config.memory.sample_hz,
+            config.memory.host_threshold,
             describe_offload=self.describe_offload,
             guard_host=runtime().is_driver,
         )
 
     def listeners(self) -> list:
         """Extra timeline listeners: allocator snapshots, one folder per rank."""
-        cfg = self.config
-        if not cfg.memory.cuda_snapshots:
+        config = self.config
+        if not config.memory.cuda_snapshots:
             return []
         from ..memory.snapshots import AllocatorSnapshots
 
-        return [AllocatorSnapshots(runtime().snapshot_dir(cfg.run.output_dir), self.devices())]
+        return [AllocatorSnapshots(runtime().snapshot_dir(config.run.output_dir), self.devices())]
 
     def describe_offload(self) -> str:
         """What of the run lives in host RAM, for the host-RAM guard's message."""
-        cfg, on_host = self.config, []
-        if cfg.placement.learner == "cpu":
+        config, on_host = self.config, []
+        if config.placement.learner == "cpu":
             on_host.append("the learner (placement.learner=cpu)")
-        if cfg.reference_strategy == "copy" and cfg.reference_device == "cpu":
+        if config.reference_strategy == "copy" and config.reference_device == "cpu":
             on_host.append("the reference copy (reference.device=cpu)")
         return "in host RAM: " + ", ".join(on_host) if on_host else ""
 
@@ -130,12 +128,12 @@ class LocalExecutor:
         from ..generation import backend_class
         from ..models.learner import load_learner
 
-        cfg = self.config
+        config = self.config
         warm_up()
-        self.learner = load_learner(cfg)
+        self.learner = load_learner(config)
         self.check_learner()
         self.build_reference()
-        self.generator = backend_class(cfg.generator.backend, on_rank=runtime().is_rank)(self.learner, cfg)
+        self.generator = backend_class(config.generator.backend, on_rank=runtime().is_rank)(self.learner, config)
         attach_engine(memory, self.generator)
         self.build_prompts()
 
@@ -150,9 +148,9 @@ class LocalExecutor:
         """The prompt source of data.* (at load, and when one of them changes)."""
         from ..algo.prompts import PromptSource, load_rows
 
-        cfg = self.config
-        rows = load_rows(cfg.data.dataset, cfg.data.num_prompts, cfg.run.seed)
-        self.prompts = PromptSource(rows, self.learner.tokenizer, cfg.data.system_prompt, cfg.run.seed)
+        config = self.config
+        rows = load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
+        self.prompts = PromptSource(rows, self.learner.tokenizer, config.data.system_prompt, config.run.seed)
 
     def release(self) -> None:
         if self.generator is not None:

@@ -24,29 +24,29 @@ class ModelShape:
     tied: bool
 
     @classmethod
-    def from_config(cls, cfg: dict, field: str = "model.name_or_path") -> "ModelShape":
+    def from_config(cls, hf_config: dict, field: str = "model.name_or_path") -> "ModelShape":
         """`field` is the config field the checkpoint came from, named in every error."""
-        cfg = cfg.get("text_config", cfg)
-        if not isinstance(cfg, dict):
+        hf_config = hf_config.get("text_config", hf_config)
+        if not isinstance(hf_config, dict):
             raise LabError(f"{field}: its config.json's text_config is not an object; repair the checkpoint")
         sizes = ("num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
-        bad = [k for k in sizes if k in cfg and (type(cfg[k]) is not int or cfg[k] <= 0)]
+        bad = [k for k in sizes if k in hf_config and (type(hf_config[k]) is not int or hf_config[k] <= 0)]
         if bad:
             raise LabError(
-                f"{field}: its config.json has {bad[0]} = {cfg[bad[0]]!r}, not a positive "
+                f"{field}: its config.json has {bad[0]} = {hf_config[bad[0]]!r}, not a positive "
                 "integer; repair the checkpoint or point at another one"
             )
         try:
-            heads = cfg["num_attention_heads"]
+            heads = hf_config["num_attention_heads"]
             return cls(
-                hidden=cfg["hidden_size"],
-                intermediate=cfg["intermediate_size"],
-                layers=cfg["num_hidden_layers"],
+                hidden=hf_config["hidden_size"],
+                intermediate=hf_config["intermediate_size"],
+                layers=hf_config["num_hidden_layers"],
                 heads=heads,
-                kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                vocab=cfg["vocab_size"],
-                tied=bool(cfg.get("tie_word_embeddings", False)),
+                kv_heads=hf_config.get("num_key_value_heads") or heads,
+                head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+                vocab=hf_config["vocab_size"],
+                tied=bool(hf_config.get("tie_word_embeddings", False)),
             )
         except KeyError as err:
             raise LabError(

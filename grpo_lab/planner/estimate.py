@@ -158,18 +158,18 @@ def base_weight_split(shape: ModelShape, model_cfg) -> tuple[float, float]:
     return total - quant_state, quant_state
 
 
-def unit_bytes(shape: ModelShape, cfg) -> tuple[float, float]:
+def unit_bytes(shape: ModelShape, config) -> tuple[float, float]:
     """(one decoder layer, the root) gathered whole: a layer's linear weights (4-bit codes or model.dtype), its two
     norms and its fp32 LoRA; the root's embedding, untied LM head and final norm. layers x layer + root is the
     sharded part of base_weight_split plus the LoRA weights: everything a whole-model gather brings back."""
-    e = DTYPE_BYTES[cfg.model.dtype]
-    linear = sum(a * b for _, a, b in shape.linear_layers()) * (0.5 if cfg.model.load_in_4bit else e)
-    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules) / shape.layers * 4
+    e = DTYPE_BYTES[config.model.dtype]
+    linear = sum(a * b for _, a, b in shape.linear_layers()) * (0.5 if config.model.load_in_4bit else e)
+    lora = shape.lora_params(config.lora.r, config.lora.target_modules) / shape.layers * 4
     return linear + 2 * shape.hidden * e + lora, (shape.embedding_params + shape.hidden) * e
 
 
-def compute_bytes(cfg) -> int:
-    return DTYPE_BYTES[cfg.model.bnb_4bit_compute_dtype if cfg.model.load_in_4bit else cfg.model.dtype]
+def compute_bytes(config) -> int:
+    return DTYPE_BYTES[config.model.bnb_4bit_compute_dtype if config.model.load_in_4bit else config.model.dtype]
 
 
 def chunked_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: bool) -> float:
@@ -188,46 +188,46 @@ def trl_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: boo
 HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes}  # grpo.logprob_head -> its planned transient
 
 
-def head_in_heap(cfg, shape: ModelShape, rows: int, on_cpu: bool) -> bool:
+def head_in_heap(config, shape: ModelShape, rows: int, on_cpu: bool) -> bool:
     """The chunked head's float32 chunk (as many rows as it scores, at most a chunk) lands in glibc's heap: on the CPU,
     with glibc's own threshold (null), under its 32 MiB ceiling."""
-    chunk_logits = min(cfg.grpo.logprob_chunk_size, rows) * shape.vocab * 4
+    chunk_logits = min(config.grpo.logprob_chunk_size, rows) * shape.vocab * 4
     return (
         on_cpu
-        and cfg.grpo.logprob_head == "chunked"
-        and cfg.memory.host_mmap_threshold_mib is None
+        and config.grpo.logprob_head == "chunked"
+        and config.memory.host_mmap_threshold_mib is None
         and chunk_logits < HEAP_MMAP_CEILING
     )
 
 
 def activation_bytes(
-    shape: ModelShape, cfg, on_cpu: bool = False, micro_batch: Optional[int] = None
+    shape: ModelShape, config, on_cpu: bool = False, micro_batch: Optional[int] = None
 ) -> dict[str, float]:
     """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU; `micro_batch`: rows
     per pass, default grpo.micro_batch_size or the whole batch)."""
-    grpo, gen = cfg.grpo, cfg.generator
-    e = compute_bytes(cfg)
+    grpo, gen = config.grpo, config.generator
+    e = compute_bytes(config)
     n = micro_batch or grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
     length = gen.max_prompt_length + gen.max_completion_length
     tokens = n * length
-    h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, cfg.lora.r
+    h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, config.lora.r
     per_layer = (7 * h + 3 * kv + 4 * i) * e + 7 * r * 4  # saved for backward, per token and layer
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
-    if cfg.model.gradient_checkpointing and on_cpu:
+    if config.model.gradient_checkpointing and on_cpu:
         stored = shape.layers * h * e * tokens + 2 * per_layer * tokens  # layer inputs + one layer recomputed
-    elif cfg.model.gradient_checkpointing:
+    elif config.model.gradient_checkpointing:
         # why the larger of the head and the layer, not both: on a GPU the head's buffers go back to the caching
         # allocator before the layers' backward reuses them (the CPU's heap keeps them, so there both are planned)
         layer = GPU_LAYER_RECOMPUTE * per_layer * tokens
         stored = shape.layers * h * e * tokens + max(layer - head, 0.0)
     else:
         stored = shape.layers * per_layer * tokens + per_layer * tokens
-    in_heap = head_in_heap(cfg, shape, rows, on_cpu)
+    in_heap = head_in_heap(config, shape, rows, on_cpu)
     if in_heap:  # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
-    dequant = max(a * b for _, a, b in shape.linear_layers()) * e if cfg.model.load_in_4bit else 0
+    dequant = max(a * b for _, a, b in shape.linear_layers()) * e if config.model.load_in_4bit else 0
     # no grad (reference log-probs): one layer's intermediates at a time and the last hidden states
     forward = per_layer * tokens + h * e * tokens
     return {
@@ -241,20 +241,20 @@ def activation_bytes(
     }
 
 
-def generation_step_bytes(shape: ModelShape, cfg, sequences: int) -> float:
+def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
     """One decoding step's [sequences, vocab] buffers: the compute-dtype logits, their float32 copy, the sampler
     log-softmax grpo_lab records, the sampling softmax and the sampler's float64 CDF and float32 scores."""
-    return sequences * shape.vocab * (compute_bytes(cfg) + 4 * 4 + 8)
+    return sequences * shape.vocab * (compute_bytes(config) + 4 * 4 + 8)
 
 
-def kv_cache_bytes(shape: ModelShape, cfg, sequences: int) -> float:
-    e = compute_bytes(cfg)
-    length = cfg.generator.max_prompt_length + cfg.generator.max_completion_length
+def kv_cache_bytes(shape: ModelShape, config, sequences: int) -> float:
+    e = compute_bytes(config)
+    length = config.generator.max_prompt_length + config.generator.max_completion_length
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * e * sequences * length
 
 
-def generator_weight_bytes(shape: ModelShape, cfg) -> float:
-    bits = GENERATOR_BITS[cfg.generator.quantization]
+def generator_weight_bytes(shape: ModelShape, config) -> float:
+    bits = GENERATOR_BITS[config.generator.quantization]
     if bits is None:
-        return shape.total_params * DTYPE_BYTES[cfg.model.dtype]
-    return shape.linear_params * bits / 8 + shape.embedding_params * DTYPE_BYTES[cfg.model.dtype]
+        return shape.total_params * DTYPE_BYTES[config.model.dtype]
+    return shape.linear_params * bits / 8 + shape.embedding_params * DTYPE_BYTES[config.model.dtype]

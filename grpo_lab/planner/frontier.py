@@ -123,14 +123,14 @@ class Frontier:
         display(self.figure())  # plotly's own renderer: offline in Jupyter, one copy of plotly.js per notebook
 
 
-def evaluate(cfg, point: Point, shape: ModelShape) -> Cell:
-    """One cell: plan() of `cfg` at `point`, or the config's refusal of it."""
+def evaluate(config, point: Point, shape: ModelShape) -> Cell:
+    """One cell: plan() of `config` at `point`, or the config's refusal of it."""
     from ..config.loading import load_config
     from .plan import plan
 
     overrides = [f"{f}={'null' if v is None else v}" for f, v in zip(FIELDS, point)]
     try:  # why catch: a combination the config refuses is a grey cell with its reason, not the end of the frontier
-        result = plan(load_config(cfg, overrides), shape)
+        result = plan(load_config(config, overrides), shape)
     except LabError as err:
         return Cell(*point, refused=str(err).splitlines()[0])
     binding = max(result.devices.values(), key=lambda d: d.fraction)
@@ -145,22 +145,26 @@ def evaluate(cfg, point: Point, shape: ModelShape) -> Cell:
     )
 
 
-def frontier(cfg, lengths=None, generations=None, micro_batches=None, shape: Optional[ModelShape] = None) -> Frontier:
-    """The plan of `cfg` (a LabConfig, preset name, YAML path or dict) over completion lengths x num_generations x
+def frontier(
+    config, lengths=None, generations=None, micro_batches=None, shape: Optional[ModelShape] = None
+) -> Frontier:
+    """The plan of `config` (a LabConfig, preset name, YAML path or dict) over completion lengths x num_generations x
     micro-batch sizes. Each range is a list of positive ints or a range string ("64,128" or "64:1024"); the config's
     own values are always added, so its point is marked. A combination the config refuses is a cell with `refused`."""
     from ..config.loading import load_config
     from .plan import plan
 
-    cfg = load_config(cfg)
-    axes = grid(cfg, lengths, generations, micro_batches)
-    shape = shape or load_shape(cfg.model.name_or_path)
+    config = load_config(config)
+    axes = grid(config, lengths, generations, micro_batches)
+    shape = shape or load_shape(config.model.name_or_path)
     # why plan the config itself first: what is wrong for every cell (a GPU not here without placement.gpu_memory_gib)
     # is one error, not a grid of grey cells
-    own = plan(cfg, shape)
-    cells = [evaluate(cfg, (length, gens, micro), shape) for micro in axes[2] for gens in axes[1] for length in axes[0]]
-    current = (cfg.generator.max_completion_length, cfg.grpo.num_generations, cfg.grpo.micro_batch_size)
-    return Frontier(cfg, cells, current, {name: d.capacity for name, d in own.devices.items()})
+    own = plan(config, shape)
+    cells = [
+        evaluate(config, (length, gens, micro), shape) for micro in axes[2] for gens in axes[1] for length in axes[0]
+    ]
+    current = (config.generator.max_completion_length, config.grpo.num_generations, config.grpo.micro_batch_size)
+    return Frontier(config, cells, current, {name: d.capacity for name, d in own.devices.items()})
 
 
 def render_table(front: Frontier) -> str:

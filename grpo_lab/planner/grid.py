@@ -69,11 +69,17 @@ def _values(given, name: str, default: list) -> list:
     return sorted({_positive(v, name) for v in values})
 
 
-def grid(cfg, lengths=None, generations=None, micro_batches=None) -> tuple[list[int], list[int], list[Optional[int]]]:
+def grid(
+    config, lengths=None, generations=None, micro_batches=None
+) -> tuple[list[int], list[int], list[Optional[int]]]:
     """The three axes, sorted, without repeats, each with the config's own value in it (so the current point is a
     cell). Defaults: lengths the powers of two from 64 up to max(1024, current); generations 2, 4, 8, 16; micro-batches
     the current one alone."""
-    length, gens, micro = cfg.generator.max_completion_length, cfg.grpo.num_generations, cfg.grpo.micro_batch_size
+    length, gens, micro = (
+        config.generator.max_completion_length,
+        config.grpo.num_generations,
+        config.grpo.micro_batch_size,
+    )
     top = max(1024, length)
     powers = [2**k for k in range(6, top.bit_length()) if 2**k <= top]
     lengths = sorted({*_values(lengths, "lengths", powers), length})

@@ -28,54 +28,54 @@ from .render import count
 LAYERS_IN_FLIGHT = 2
 
 
-def add_learner(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, cfg, shape: ModelShape, procs: int = 1) -> int:
+def add_learner(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape: ModelShape, procs: int = 1) -> int:
     """The learner's items on its device `lrn` (one process), or on one rank's (`procs` > 1): its state, its hf
     rollout, its log-prob and backward passes; the reference pass runs on `ref` (a copy's device, else `lrn`).
     Returns the micro-batch (rows per log-prob/backward pass)."""
-    on_cpu = cfg.placement.learner == "cpu"
-    add_state(lrn, host, ref, cfg, shape, procs, on_cpu)
+    on_cpu = config.placement.learner == "cpu"
+    add_state(lrn, host, ref, config, shape, procs, on_cpu)
     if procs > 1:
-        add_sharded_load(lrn, cfg, shape, procs)
+        add_sharded_load(lrn, config, shape, procs)
     if (
-        cfg.generator.own_weights
+        config.generator.own_weights
     ):  # its engine holds weights of its own (parts.add_engine), in this process or the driver
         if procs > 1:
-            lrn.roles.append(f"rollout sampled by the driver's {cfg.generator.backend} engine")
+            lrn.roles.append(f"rollout sampled by the driver's {config.generator.backend} engine")
     else:
-        add_hf_rollout(lrn, cfg, shape, procs)
-    return add_passes(lrn, ref, cfg, shape, procs, on_cpu)
+        add_hf_rollout(lrn, config, shape, procs)
+    return add_passes(lrn, ref, config, shape, procs, on_cpu)
 
 
-def add_base(dev: DevicePlan, cfg, shape: ModelShape, procs: int, label: str, quant_label: str) -> None:
+def add_base(dev: DevicePlan, config, shape: ModelShape, procs: int, label: str, quant_label: str) -> None:
     """A copy of the base model's weights: whole, or a rank's 1/procs shard plus the quant state (never sharded)."""
-    weights, fmt = base_weight_bytes(shape, cfg.model)
+    weights, fmt = base_weight_bytes(shape, config.model)
     if procs == 1:
         dev.add(label, weights, fmt)
         return
-    sharded, whole = base_weight_split(shape, cfg.model)
+    sharded, whole = base_weight_split(shape, config.model)
     dev.add(f"{label} (1/{procs} shard)", sharded / procs, fmt)
     dev.add(quant_label, whole, "kept on the module, outside the parameters FSDP2 shards")
 
 
-def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, cfg, shape: ModelShape, procs: int, on_cpu: bool):
+def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape: ModelShape, procs: int, on_cpu: bool):
     """What the learner holds for the whole step: weights, LoRA, gradients, AdamW, the rollback copy, a reference
     copy."""
-    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
     part = "" if procs == 1 else f" (1/{procs})"
     if procs > 1 and on_cpu:  # a CPU rank is a process of its own in host RAM
         lrn.add("Python, torch, libraries", HOST_BASELINE["cpu"], "this rank's own process")
     elif procs > 1:
         lrn.add_cuda_runtime()
-    if procs == 1 and on_cpu and compute_bytes(cfg) == 2:  # why: oneDNN's kernel caches (estimate.ONEDNN_CPU_CACHES)
+    if procs == 1 and on_cpu and compute_bytes(config) == 2:  # why: oneDNN's kernel caches (estimate.ONEDNN_CPU_CACHES)
         lrn.add(
             "oneDNN kernel caches (CPU, 16-bit compute)",
             ONEDNN_CPU_CACHES,
             "per-shape primitives, scratchpad; measured, not modelled",
         )
-    add_base(lrn, cfg, shape, procs, "base weights", "4-bit quant state (whole on every rank)")
+    add_base(lrn, config, shape, procs, "base weights", "4-bit quant state (whole on every rank)")
     lrn.add(f"LoRA weights{part}", lora * 4 / procs, f"{count(lora)} params{' in all' if procs > 1 else ''}, fp32")
     lrn.add(f"LoRA gradients{part}", lora * 4 / procs, "fp32" if procs == 1 else "fp32, reduce-scattered")
-    if cfg.placement.optimizer_offload:  # (one process only: the config refuses it for a sharded learner)
+    if config.placement.optimizer_offload:  # (one process only: the config refuses it for a sharded learner)
         host.add("AdamW master weights + moments (offloaded)", lora * 12, "fp32")
     else:
         lrn.add(f"AdamW moments{part}", lora * 8 / procs, "2 x fp32")
@@ -88,42 +88,42 @@ def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, cfg, shape: Mo
         host.add("step rollback copy", lora * 12, "LoRA + AdamW state, all-or-nothing steps")
     elif on_cpu:
         lrn.add("step rollback copy", lora * 12 / procs, "its shard of LoRA + AdamW state")
-    if cfg.reference_strategy == "copy":
+    if config.reference_strategy == "copy":
         ref.roles.append("reference copy" if procs == 1 else "reference copy (sharded like the policy)")
-        add_base(ref, cfg, shape, procs, "reference weights", "reference quant state (whole on every rank)")
+        add_base(ref, config, shape, procs, "reference weights", "reference quant state (whole on every rank)")
 
 
-def add_sharded_load(rank: DevicePlan, cfg, shape: ModelShape, procs: int) -> None:
+def add_sharded_load(rank: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """A rank's load: beyond its resident shards, one layer whole and its largest weight in float."""
-    layer, _ = unit_bytes(shape, cfg)
+    layer, _ = unit_bytes(shape, config)
     # why: a rank materialises one decoder layer at a time (execution/sharded/meta_load.py), quantizing each weight
     # from a float copy in model.dtype, and fully_shards it before the next; the root is read as its rows only (AdamW
     # and gradients, not there yet: pessimistic)
     rank.add(
         "one layer whole before fully_shard",
-        layer + load_float_bytes(shape, cfg),
+        layer + load_float_bytes(shape, config),
         f"read and quantized layer by layer, then 1/{procs} kept; + its largest weight as read",
         phase="load",
     )
 
 
-def load_float_bytes(shape: ModelShape, cfg) -> float:
+def load_float_bytes(shape: ModelShape, config) -> float:
     """The float copy of the largest linear weight a 4-bit load quantizes (none when the weights stay in model.dtype:
     the layer itself holds them)."""
-    if not cfg.model.load_in_4bit:
+    if not config.model.load_in_4bit:
         return 0.0
-    return max(a * b for _, a, b in shape.linear_layers()) * DTYPE_BYTES[cfg.model.dtype]
+    return max(a * b for _, a, b in shape.linear_layers()) * DTYPE_BYTES[config.model.dtype]
 
 
-def add_hf_rollout(lrn: DevicePlan, cfg, shape: ModelShape, procs: int) -> None:
+def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """The hf backend's rollout with the learner's own weights: the whole batch (on every rank), through the model
     gathered whole or layer by layer when sharded."""
-    gen, grpo = cfg.generator, cfg.grpo
+    gen, grpo = config.generator, config.grpo
     if procs == 1:
         lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
     else:
         lrn.roles.append("generator (hf, the whole rollout on every rank)")
-        layer, root = unit_bytes(shape, cfg)
+        layer, root = unit_bytes(shape, config)
         if gen.gather_for_generation:
             lrn.add(
                 "generation gather: whole model",
@@ -143,33 +143,33 @@ def add_hf_rollout(lrn: DevicePlan, cfg, shape: ModelShape, procs: int) -> None:
     every = ", the same on every rank" if procs > 1 else ""
     lrn.add(
         "generation KV cache",
-        kv_cache_bytes(shape, cfg, sequences),
+        kv_cache_bytes(shape, config, sequences),
         f"{sequences} sequences per call{every}",
         phase="rollout",
     )
     lrn.add(
         "generation logits step",
-        generation_step_bytes(shape, cfg, sequences),
+        generation_step_bytes(shape, config, sequences),
         "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF",
         phase="rollout",
     )
 
 
-def add_passes(lrn: DevicePlan, ref: DevicePlan, cfg, shape: ModelShape, procs: int, on_cpu: bool) -> int:
+def add_passes(lrn: DevicePlan, ref: DevicePlan, config, shape: ModelShape, procs: int, on_cpu: bool) -> int:
     """The reference pass (beta > 0) and backward over this process' rows, a micro-batch at a time, with the layers
     gathered whole when sharded. Returns the micro-batch."""
-    grpo, lora = cfg.grpo, shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    grpo, lora = config.grpo, shape.lora_params(config.lora.r, config.lora.target_modules)
     rows = grpo.prompts_per_step * grpo.num_generations // procs
-    act = activation_bytes(shape, cfg, on_cpu=on_cpu, micro_batch=min(grpo.micro_batch_size or rows, rows))
+    act = activation_bytes(shape, config, on_cpu=on_cpu, micro_batch=min(grpo.micro_batch_size or rows, rows))
     tokens = act["tokens"] // act["micro_batch"]
     of_rows = f" of its {rows} rows" if procs > 1 else ""
     shape_note = f"micro-batch {act['micro_batch']}{of_rows} x {tokens} tokens"
-    layer, root = unit_bytes(shape, cfg)
+    layer, root = unit_bytes(shape, config)
     gather_note = f"root + {LAYERS_IN_FLIGHT} layers whole at a time"
     if grpo.beta > 0:  # why: the logprobs phase runs only for reference log-probs, without a graph
         ref_on_cpu = ref.device == "host" if procs == 1 else on_cpu
         # its own kernel path when the copy is on another device
-        ref_act = act if ref is lrn else activation_bytes(shape, cfg, on_cpu=ref_on_cpu)
+        ref_act = act if ref is lrn else activation_bytes(shape, config, on_cpu=ref_on_cpu)
         if procs > 1:  # the policy with its adapter off, or the sharded copy, gathered the same way
             ref.add("layer gather", root + LAYERS_IN_FLIGHT * layer, gather_note, phase="logprobs")
         ref.add(
@@ -178,7 +178,7 @@ def add_passes(lrn: DevicePlan, ref: DevicePlan, cfg, shape: ModelShape, procs: 
             f"{shape_note}, one layer at a time",
             phase="logprobs",
         )
-        head = head_note(cfg, shape, ref_on_cpu, ref_act["head in heap"])
+        head = head_note(config, shape, ref_on_cpu, ref_act["head in heap"])
         ref.add("log-prob head", ref_act["log-prob head"], head, phase="logprobs")
     if procs > 1:
         lrn.add(
@@ -187,9 +187,9 @@ def add_passes(lrn: DevicePlan, ref: DevicePlan, cfg, shape: ModelShape, procs: 
             f"{gather_note}, + a layer's LoRA gradient before reduce-scatter",
             phase="backward",
         )
-    ckpt = "checkpointing on" if cfg.model.gradient_checkpointing else "checkpointing off"
+    ckpt = "checkpointing on" if config.model.gradient_checkpointing else "checkpointing off"
     lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    head = head_note(cfg, shape, on_cpu, act["head in heap"])
+    head = head_note(config, shape, on_cpu, act["head in heap"])
     lrn.add("log-prob head", act["log-prob head"], head, phase="backward")
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
     return act["micro_batch"]

@@ -23,15 +23,15 @@ def _home(device: str) -> str:
     return "host" if device == "cpu" else device
 
 
-def capacity_of(device: str, cfg) -> float:
+def capacity_of(device: str, config) -> float:
     if device == "host":
-        if cfg.placement.host_memory_gib:
-            return cfg.placement.host_memory_gib * GiB
+        if config.placement.host_memory_gib:
+            return config.placement.host_memory_gib * GiB
         from ..memory.probes import HostProbe
 
         return HostProbe().read()["limit"]
-    if cfg.placement.gpu_memory_gib:
-        return cfg.placement.gpu_memory_gib * GiB
+    if config.placement.gpu_memory_gib:
+        return config.placement.gpu_memory_gib * GiB
     from ..checks.devices import cuda_device_count
 
     index = int(device.split(":")[1])
@@ -45,38 +45,38 @@ def capacity_of(device: str, cfg) -> float:
     )
 
 
-def head_note(cfg, shape: ModelShape, on_cpu: bool, in_heap: bool) -> str:
+def head_note(config, shape: ModelShape, on_cpu: bool, in_heap: bool) -> str:
     """`in_heap`: activation_bytes' "head in heap", the one rule that also widened the head's bytes."""
-    if cfg.grpo.logprob_head == "chunked":
+    if config.grpo.logprob_head == "chunked":
         holes = "; with glibc's heap holes (memory.host_mmap_threshold_mib: null)" if in_heap else ""
         return (
-            f"chunks of {cfg.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
+            f"chunks of {config.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
             f"backward; no [B, L, vocab] logits{holes}"
         )
     tiles = f"tiles of {FUSED_HEAD_TILE[0]} tokens x {FUSED_HEAD_TILE[1]} vocab"
     return f"TRL's fused head, {tiles}" + (" (CPU: torch fallback, several tiles alive)" if on_cpu else "")
 
 
-def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences: int) -> None:
+def add_engine(devices: dict[str, DevicePlan], config, shape: ModelShape, sequences: int) -> None:
     """A generator with weights of its own (vLLM) on each of its devices: its weights and KV cache on the host, or its
     share of a GPU (one process's engine, or a sharded learner's, which lives in the driver), with the split it
     leaves (planner/split.py; `auto`: the largest share beside the learner). Call it after the learner's items."""
-    place, gen = cfg.placement, cfg.generator
+    place, gen = config.placement, config.generator
     gens = [devices[_home(d)] for d in place.generator_devices()]
-    tp, asleep, auto = len(gens), sleeps(cfg), gen.gpu_memory_utilization == "auto"
-    per_device = generator_weight_bytes(shape, cfg) / tp
-    work = {d.device: engine_work_bytes(shape, cfg, d.capacity, tp) for d in gens if d.device != "host"}
+    tp, asleep, auto = len(gens), sleeps(config), gen.gpu_memory_utilization == "auto"
+    per_device = generator_weight_bytes(shape, config) / tp
+    work = {d.device: engine_work_bytes(shape, config, d.capacity, tp) for d in gens if d.device != "host"}
     largest = {name: largest_share(devices[name], devices[name].capacity, w, asleep) for name, w in work.items()}
     share = auto_share([v[0] for v in largest.values()]) if auto else gen.gpu_memory_utilization or VLLM_SPLIT_SHARE
     for d in gens:
         d.roles.append(f"generator ({gen.backend}, TP {tp})")
         if d.device == "host":  # why resident: vLLM reserves and touches its CPU KV cache at start, whatever it uses
-            d.add("generator weights", per_device, gen.quantization or cfg.model.dtype)
+            d.add("generator weights", per_device, gen.quantization or config.model.dtype)
             d.add(
                 "generator KV cache (reserved)",
                 gen.cpu_kv_cache_gib * GiB,
                 f"generator.cpu_kv_cache_gib; {sequences} sequences use "
-                f"{kv_cache_bytes(shape, cfg, sequences) / tp / 2**20:.1f} MiB of it",
+                f"{kv_cache_bytes(shape, config, sequences) / tp / 2**20:.1f} MiB of it",
             )
             d.add("vLLM engine and modules (CPU)", VLLM_CPU_ENGINE, "measured, not modelled")
             continue
@@ -89,7 +89,7 @@ def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences
             auto,
             per_device,
             work[d.device],
-            kv_token_bytes(shape, cfg, tp),
+            kv_token_bytes(shape, config, tp),
             gen.max_prompt_length + gen.max_completion_length,
             peak if beside else 0.0,
             phase,
@@ -99,7 +99,7 @@ def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences
         # why at least the minimum: below it vLLM does not start, and the plan shows what it would take
         taken = max(share or 0.0, d.split.minimum)
         engine = taken * d.capacity - CUDA_CONTEXT
-        note = f"weights {per_device / GiB:.1f} GiB ({gen.quantization or cfg.model.dtype}); the rest KV cache"
+        note = f"weights {per_device / GiB:.1f} GiB ({gen.quantization or config.model.dtype}); the rest KV cache"
         name = f"{gen.backend} engine share ({taken:.0%}{', auto' if auto else ''})"
         if asleep:  # why: sleep(level=1) frees the weights and KV cache between rollouts; its working memory stays
             d.add(f"{gen.backend} engine asleep: working memory", work[d.device], "CUDA graphs, buffers; kept asleep")
@@ -110,6 +110,6 @@ def add_engine(devices: dict[str, DevicePlan], cfg, shape: ModelShape, sequences
         # why: sleep(level=1) copies every shard's weights to pinned host RAM between rollouts (KV cache dropped)
         devices["host"].add(
             "generator weights (asleep, sleep level 1)",
-            generator_weight_bytes(shape, cfg),
-            f"{gen.quantization or cfg.model.dtype}; vLLM offloads them between rollouts, pinned",
+            generator_weight_bytes(shape, config),
+            f"{gen.quantization or config.model.dtype}; vLLM offloads them between rollouts, pinned",
         )

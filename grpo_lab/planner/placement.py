@@ -29,20 +29,20 @@ class Placement:
         return f"gpu_memory_utilization {share:.2f}" + (" (auto)" if chosen == "auto" else "")
 
     def roles(self) -> dict[str, list[str]]:
-        cfg, place = self.config, self.config.placement
+        config, place = self.config, self.config.placement
         out: dict[str, list[str]] = {}
         learner = "learner (4-bit base + LoRA" + (
             ", AdamW state in host RAM)" if place.optimizer_offload else " + AdamW)"
         )
         out.setdefault(place.learner, []).append(learner)
-        engine = cfg.generator.own_weights and any(d != "cpu" for d in place.generator_devices())
+        engine = config.generator.own_weights and any(d != "cpu" for d in place.generator_devices())
         for device in place.generator_devices():
             shared = " colocated" if device == place.learner else ""
             share = f", {self.share()}" if engine and device != "cpu" else ""
-            out.setdefault(device, []).append(f"generator ({cfg.generator.backend}{shared}{share})")
-        if cfg.reference_strategy == "copy":
-            out.setdefault(cfg.reference_device, []).append("reference (frozen copy)")
-        elif cfg.reference_strategy == "adapter-disabled":
+            out.setdefault(device, []).append(f"generator ({config.generator.backend}{shared}{share})")
+        if config.reference_strategy == "copy":
+            out.setdefault(config.reference_device, []).append("reference (frozen copy)")
+        elif config.reference_strategy == "adapter-disabled":
             out[place.learner].append("reference (adapter disabled, no copy)")
         return out
 

@@ -36,8 +36,8 @@ class Plan:
     @property
     def caveats(self) -> list[str]:
         """What this plan is known to leave out, measured (render prints each as a note)."""
-        cfg = self.config
-        if cfg.placement.learner == "cpu" and cfg.memory.host_mmap_threshold_mib is None:
+        config = self.config
+        if config.placement.learner == "cpu" and config.memory.host_mmap_threshold_mib is None:
             return [HEAP_HOLES_CAVEAT]
         return []
 
@@ -62,37 +62,37 @@ class Plan:
         return render_html(self)
 
 
-def build_devices(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
+def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     """(devices, micro-batch) of a one-process learner: its device, the generator's, a reference copy's, the host."""
-    place, gen, grpo = cfg.placement, cfg.generator, cfg.grpo
+    place, gen, grpo = config.placement, config.generator, config.grpo
     learner = _home(place.learner)
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
-    if cfg.reference_strategy == "copy":
-        names.append(_home(cfg.reference_device))
-    devices = {d: DevicePlan(d, capacity_of(d, cfg)) for d in dict.fromkeys(names)}
+    if config.reference_strategy == "copy":
+        names.append(_home(config.reference_device))
+    devices = {d: DevicePlan(d, capacity_of(d, config)) for d in dict.fromkeys(names)}
     for d in devices.values():
         if d.device != "host":
             d.add_cuda_runtime()
     build = "cuda" if any(d != "host" for d in devices) else "cpu"
     devices["host"].add("Python, torch, libraries", HOST_BASELINE[build], f"{build} build of torch")
     devices[learner].roles.append("learner")
-    ref = devices[_home(cfg.reference_device)] if cfg.reference_strategy == "copy" else devices[learner]
-    micro = add_learner(devices[learner], devices["host"], ref, cfg, shape)
+    ref = devices[_home(config.reference_device)] if config.reference_strategy == "copy" else devices[learner]
+    micro = add_learner(devices[learner], devices["host"], ref, config, shape)
     if gen.own_weights:
-        add_engine(devices, cfg, shape, gen.chunk_size or grpo.prompts_per_step * grpo.num_generations)
+        add_engine(devices, config, shape, gen.chunk_size or grpo.prompts_per_step * grpo.num_generations)
     return devices, micro
 
 
-def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan]) -> Optional[dict[str, DevicePlan]]:
+def dataparallel_what_if(config, shape: ModelShape, devices: dict[str, DevicePlan]) -> Optional[dict[str, DevicePlan]]:
     """P1: HF Trainer wraps the learner in DataParallel when it sees more than one GPU; every GPU then
     gets a replica of the learner and a slice of the micro-batch, the generator's GPU included."""
     gpus = [d for d in devices if d != "host"]
-    learner = _home(cfg.placement.learner)
+    learner = _home(config.placement.learner)
     if len(gpus) < 2 or learner == "host":
         return None
-    weights, fmt = base_weight_bytes(shape, cfg.model)
-    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
-    act = activation_bytes(shape, cfg)
+    weights, fmt = base_weight_bytes(shape, config.model)
+    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    act = activation_bytes(shape, config)
     out = {}
     for name in gpus:
         d = devices[name]
@@ -112,22 +112,22 @@ def dataparallel_what_if(cfg, shape: ModelShape, devices: dict[str, DevicePlan])
     return out
 
 
-def build(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
+def build(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks."""
-    if cfg.placement.learner_procs > 1:
-        return build_sharded(cfg, shape)
-    devices, micro = build_devices(cfg, shape)
+    if config.placement.learner_procs > 1:
+        return build_sharded(config, shape)
+    devices, micro = build_devices(config, shape)
     return devices, {}, micro
 
 
-def sharding_fixes(cfg) -> list[tuple[str, list[str]]]:
+def sharding_fixes(config) -> list[tuple[str, list[str]]]:
     """A sharded learner's own knobs: generate layer by layer, then more ranks (fewest first: the first that fits
     is the one shown), each dividing the batch."""
     out = []
-    if cfg.generator.gather_for_generation and not cfg.generator.own_weights:  # (vllm gathers nothing)
+    if config.generator.gather_for_generation and not config.generator.own_weights:  # (vllm gathers nothing)
         out.append(("generator.gather_for_generation: false", ["generator.gather_for_generation=false"]))
-    batch = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
-    procs = cfg.placement.learner_procs * 2
+    batch = config.grpo.prompts_per_step * config.grpo.num_generations
+    procs = config.placement.learner_procs * 2
     while procs <= min(batch, 64):
         if batch % procs == 0:
             out.append((f"placement.learner_procs: {procs}", [f"placement.learner_procs={procs}"]))
@@ -135,49 +135,49 @@ def sharding_fixes(cfg) -> list[tuple[str, list[str]]]:
     return out
 
 
-def candidate_fixes(cfg) -> list[tuple[str, list[str]]]:
+def candidate_fixes(config) -> list[tuple[str, list[str]]]:
     """Config changes worth trying, as (description, overrides)."""
-    out = sharding_fixes(cfg) if cfg.placement.learner_procs > 1 else []
-    if not cfg.model.gradient_checkpointing:
+    out = sharding_fixes(config) if config.placement.learner_procs > 1 else []
+    if not config.model.gradient_checkpointing:
         out.append(("turn on gradient checkpointing", ["model.gradient_checkpointing=true"]))
-    micro = cfg.grpo.micro_batch_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+    micro = config.grpo.micro_batch_size or config.grpo.prompts_per_step * config.grpo.num_generations
     while micro > 1:
         micro //= 2
         out.append((f"grpo.micro_batch_size: {micro}", [f"grpo.micro_batch_size={micro}"]))
-    if not cfg.generator.own_weights:
-        seqs = cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+    if not config.generator.own_weights:
+        seqs = config.generator.chunk_size or config.grpo.prompts_per_step * config.grpo.num_generations
         while seqs > 1:
             seqs //= 2
             out.append((f"generator.chunk_size: {seqs}", [f"generator.chunk_size={seqs}"]))
-    if cfg.generator.own_weights and not cfg.generator.sleep_mode and colocated_on_gpu(cfg):
+    if config.generator.own_weights and not config.generator.sleep_mode and colocated_on_gpu(config):
         # asleep, the engine leaves the learner's phases its weights and KV cache
         out.append(("generator.sleep_mode: true", ["generator.sleep_mode=true"]))
-    if cfg.placement.learner != "cpu" and not cfg.placement.optimizer_offload:
+    if config.placement.learner != "cpu" and not config.placement.optimizer_offload:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
-    if cfg.reference_strategy == "copy":
+    if config.reference_strategy == "copy":
         out.append(("reference.strategy: adapter-disabled (no copy)", ["reference.strategy=adapter-disabled"]))
-    if cfg.model.dtype == "float32":
+    if config.model.dtype == "float32":
         out.append(("model.dtype: bfloat16", ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]))
     return out
 
 
-def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
-    """The memory plan of `cfg`: per device, the DataParallel what-if, and fixes when it does not fit."""
+def plan(config, shape: Optional[ModelShape] = None) -> Plan:
+    """The memory plan of `config`: per device, the DataParallel what-if, and fixes when it does not fit."""
     from ..config.loading import load_config
 
-    shape = shape or load_shape(cfg.model.name_or_path)
-    devices, ranks, micro = build(cfg, shape)
+    shape = shape or load_shape(config.model.name_or_path)
+    devices, ranks, micro = build(config, shape)
     # why no what-if for a sharded learner: FSDP2 is the chosen wrapping, and its ranks are planned above
-    what_if = None if ranks else dataparallel_what_if(cfg, shape, devices)
-    result = Plan(cfg, shape, devices, micro, what_if, ranks=ranks)
+    what_if = None if ranks else dataparallel_what_if(config, shape, devices)
+    result = Plan(config, shape, devices, micro, what_if, ranks=ranks)
     if not result.fits:
         fixed = set()  # knobs with a fix already: each knob's values come best first, so the first that fits is shown
-        for description, overrides in candidate_fixes(cfg):
+        for description, overrides in candidate_fixes(config):
             knob = description.split(":")[0]
             if knob in fixed:
                 continue
             try:  # a change the config refuses, or more ranks than GPUs here without placement.gpu_memory_gib
-                trial = load_config(cfg, overrides)
+                trial = load_config(config, overrides)
                 fits = all(d.fits for d in build(trial, shape)[0].values())
             except LabError:
                 continue
@@ -187,13 +187,13 @@ def plan(cfg, shape: Optional[ModelShape] = None) -> Plan:
     return result
 
 
-def engine_share(cfg) -> float:
+def engine_share(config) -> float:
     """The gpu_memory_utilization a vLLM engine on GPUs starts with: the number set, 0.9 when unset, or auto's share
     as the plan prints it (refused in one line, with the fixes that would fit, when no share leaves room)."""
-    share = cfg.generator.gpu_memory_utilization
+    share = config.generator.gpu_memory_utilization
     if share != "auto":
         return share or VLLM_SPLIT_SHARE
-    result = plan(cfg)
+    result = plan(config)
     splits = [d.split for d in result.devices.values() if d.split is not None]
     bad = [s for s in splits if not s.feasible]
     if bad:

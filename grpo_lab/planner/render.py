@@ -31,8 +31,8 @@ def _device_block(d, title_suffix: str = "", shared: str = "") -> list[str]:
 def _sharding(plan) -> list[str]:
     """A sharded learner's line under the header, and a CPU learner's rank blocks (rank 0 whole, the others named:
     every rank holds the same), which the host block then adds up."""
-    cfg = plan.config
-    procs, gather = cfg.placement.learner_procs, cfg.generator.gather_for_generation
+    config = plan.config
+    procs, gather = config.placement.learner_procs, config.generator.gather_for_generation
     how = "the whole model gathered on every rank" if gather else "one layer gathered at a time (slow)"
     lines = [
         f"learner sharded over {procs} ranks (FSDP2, 1/{procs} of every parameter and of AdamW's state each); "
@@ -68,13 +68,13 @@ def render_html(plan) -> str:
 
 
 def render(plan, notes: bool = True) -> str:
-    cfg, shape = plan.config, plan.shape
-    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
-    quant = cfg.model.bnb_4bit_quant_type if cfg.model.load_in_4bit else cfg.model.dtype
+    config, shape = plan.config, plan.shape
+    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    quant = config.model.bnb_4bit_quant_type if config.model.load_in_4bit else config.model.dtype
     lines = [
-        f"memory plan: {cfg.model.name_or_path} ({count(shape.total_params)} params, {quant}), "
-        f"LoRA r={cfg.lora.r} ({count(lora)}), generator {cfg.generator.backend}, "
-        f"micro-batch {plan.micro_batch}, reference {cfg.reference_strategy}",
+        f"memory plan: {config.model.name_or_path} ({count(shape.total_params)} params, {quant}), "
+        f"LoRA r={config.lora.r} ({count(lora)}), generator {config.generator.backend}, "
+        f"micro-batch {plan.micro_batch}, reference {config.reference_strategy}",
         "",
     ]
     if plan.ranks:
@@ -97,7 +97,9 @@ def render(plan, notes: bool = True) -> str:
         lines.append("")
     splits = [d.split for d in plan.devices.values() if d.split is not None]
     if splits:
-        lines.append(f"GPU split (generator.gpu_memory_utilization: {cfg.generator.gpu_memory_utilization or 'null'}):")
+        lines.append(
+            f"GPU split (generator.gpu_memory_utilization: {config.generator.gpu_memory_utilization or 'null'}):"
+        )
         lines += [f"  {s.describe()}" for s in splits] + [""]
     lines += [f"note: {c}" for c in plan.caveats] if notes else []
     verdict = "fits" if plan.fits else "does not fit on " + ", ".join(d.device for d in plan.failing())

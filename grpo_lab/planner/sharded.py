@@ -17,29 +17,33 @@ def rank_name(learner: str, device: str, k: int) -> str:
     return f"host (rank {k})" if learner == "cpu" else device
 
 
-def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
+def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): every device's plan (CUDA: one per rank plus the host; CPU: the host, the sum
     of every rank's process) and every rank's own plan (CUDA: the rank's device; CPU: its share of host RAM)."""
     from ..execution.runtime import rank_devices
 
-    place, procs = cfg.placement, cfg.placement.learner_procs
+    place, procs = config.placement, config.placement.learner_procs
     on_cpu = place.learner == "cpu"
-    host = DevicePlan("host", capacity_of("host", cfg))
+    host = DevicePlan("host", capacity_of("host", config))
     if on_cpu:
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
     host.add(
         "driver process (ShardedLab)",
         HOST_BASELINE["cpu" if on_cpu else "cuda"],
         "the notebook or grpo-lab run: drives the ranks"
-        + (f", runs their {cfg.generator.backend} engine (below)" if cfg.generator.own_weights else ", holds no model"),
+        + (
+            f", runs their {config.generator.backend} engine (below)"
+            if config.generator.own_weights
+            else ", holds no model"
+        ),
     )
-    lora = shape.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
     ranks, micro = {}, 0
     for k, device in enumerate(rank_devices(place.learner, procs)):
         name = rank_name(place.learner, device, k)
-        rank = DevicePlan(name, host.capacity if on_cpu else capacity_of(device, cfg))
+        rank = DevicePlan(name, host.capacity if on_cpu else capacity_of(device, config))
         rank.roles.append(f"learner rank {k} of {procs} (FSDP2)")
-        micro = add_learner(rank, host, rank, cfg, shape, procs)
+        micro = add_learner(rank, host, rank, config, shape, procs)
         ranks[name] = rank
         if on_cpu:  # why the sum: every rank is its own process in the same host RAM, all in the same phase at once
             host.add(f"rank {k}", rank.resident, "its process: runtime, shards, rollback copy (rank block above)")
@@ -53,12 +57,15 @@ def build_sharded(cfg, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[s
                 f"Python, torch, libraries + step rollback copy of its shard ({rollback / 1024**2:.1f} MiB)",
             )
     devices = {"host": host} if on_cpu else {**ranks, "host": host}
-    if cfg.generator.own_weights:  # one engine for every rank, in the driver (on its own GPUs, or the host)
+    if config.generator.own_weights:  # one engine for every rank, in the driver (on its own GPUs, or the host)
         for d in dict.fromkeys(_home(d) for d in place.generator_devices()):
             if d not in devices:
-                devices[d] = DevicePlan(d, capacity_of(d, cfg))
+                devices[d] = DevicePlan(d, capacity_of(d, config))
                 devices[d].add_cuda_runtime()
         add_engine(
-            devices, cfg, shape, cfg.generator.chunk_size or cfg.grpo.prompts_per_step * cfg.grpo.num_generations
+            devices,
+            config,
+            shape,
+            config.generator.chunk_size or config.grpo.prompts_per_step * config.grpo.num_generations,
         )
     return devices, ranks, micro

@@ -26,21 +26,21 @@ def vllm_defaults(capacity: float) -> tuple[int, int]:
     return (16384, 1024) if capacity >= 70 * GiB else (8192, 256)
 
 
-def engine_work_bytes(shape: ModelShape, cfg, capacity: float, tp: int = 1) -> float:
+def engine_work_bytes(shape: ModelShape, config, capacity: float, tp: int = 1) -> float:
     """vLLM's memory beside weights and KV cache, per GPU: its profiling forward of max_num_batched_tokens tokens (one
     layer's intermediates at a time, no graph; tensor parallel splits them), the sampler's float32 logits, log-probs
     and probabilities for max_num_seqs rows, and its CUDA graphs. This is also what it keeps asleep (sleep frees
     weights and KV cache only)."""
     tokens, seqs = vllm_defaults(capacity)
-    e = DTYPE_BYTES[cfg.model.dtype]
+    e = DTYPE_BYTES[config.model.dtype]
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     forward = tokens * (2 * shape.hidden + (q + 2 * kv + 3 * shape.intermediate) / tp) * e
     return forward + 3 * seqs * shape.vocab * 4 + ENGINE_GRAPHS
 
 
-def kv_token_bytes(shape: ModelShape, cfg, tp: int = 1) -> float:
+def kv_token_bytes(shape: ModelShape, config, tp: int = 1) -> float:
     """One token's K and V over every layer, per GPU (tensor parallel splits the KV heads)."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[cfg.model.dtype] / tp
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES[config.model.dtype] / tp
 
 
 @dataclass

@@ -74,14 +74,14 @@ class LabViews:
     def _summary(self) -> list[tuple[str, str]]:
         from ..memory.probes import MiB
 
-        cfg, place = self.config, self.config.placement
+        config, place = self.config, self.config.placement
         ranks = f" x {place.learner_procs} ranks" if place.learner_procs > 1 else ""
-        generator = f"{cfg.generator.backend} on {', '.join(place.generator_devices())}"
+        generator = f"{config.generator.backend} on {', '.join(place.generator_devices())}"
         rows = [
             (
                 "model",
-                f"{cfg.model.name_or_path} ({'nf4' if cfg.model.load_in_4bit else cfg.model.dtype}), "
-                f"LoRA r={cfg.lora.r}",
+                f"{config.model.name_or_path} ({'nf4' if config.model.load_in_4bit else config.model.dtype}), "
+                f"LoRA r={config.lora.r}",
             ),
             ("placement", f"learner {place.learner}{ranks}, generator {generator}"),
         ]

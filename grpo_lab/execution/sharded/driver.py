@@ -96,10 +96,10 @@ class RankExecutor:
         return [self.config.placement.learner]
 
     def memory_sampler(self):
-        cfg = self.config
-        engine_gpus = [d for d in cfg.placement.generator_devices() if d != "cpu"] if self.own_engine else []
+        config = self.config
+        engine_gpus = [d for d in config.placement.generator_devices() if d != "cpu"] if self.own_engine else []
         # the driver's own host (its guard is the run's one host guard) and its engine's GPUs; the ranks' arrive
-        return RankMemory(["cpu", *engine_gpus], cfg.memory.sample_hz, cfg.memory.host_threshold)
+        return RankMemory(["cpu", *engine_gpus], config.memory.sample_hz, config.memory.host_threshold)
 
     def listeners(self) -> list:
         return []  # each rank writes its own allocator snapshots (runtime.snapshot_dir)
@@ -109,20 +109,24 @@ class RankExecutor:
         from ...generation import backend_class
         from ..local import attach_engine
 
-        cfg = self.config
+        config = self.config
         if self.rewards_given:
             raise LabError(
                 "reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
                 "from this one; name them in data.rewards ('module:function')"
             )
-        self.model_path = fetch_once(cfg.model.name_or_path, local=cfg.placement.ray_address is None)
+        self.model_path = fetch_once(config.model.name_or_path, local=config.placement.ray_address is None)
         self.ranks = Ranks(
-            self.rank_config(), cfg.placement.learner_procs, memory, step=self.step_index, stopped=self.on_ranks_stopped
+            self.rank_config(),
+            config.placement.learner_procs,
+            memory,
+            step=self.step_index,
+            stopped=self.on_ranks_stopped,
         ).start()
         if self.own_engine:  # the ranks' one engine, here: it starts with their adapter, gathered
             try:
                 self.adapter = RankAdapter(self)
-                self.generator = backend_class(cfg.generator.backend)(self.adapter, cfg)
+                self.generator = backend_class(config.generator.backend)(self.adapter, config)
                 attach_engine(memory, self.generator)
             except BaseException:
                 self.ranks.close()
