@@ -143,9 +143,21 @@ def _tiny(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `grpo-lab` parser: one subcommand per adder below, in the order `grpo-lab --help` lists them."""
     parser = argparse.ArgumentParser(prog="grpo-lab", description="Stepwise GRPO on 4-bit LoRA models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_plan, _add_probe, _add_presets, _add_sweep, _add_compare, _add_tiny):
+        add(sub)
+    return parser
 
+
+def _add_set(p: argparse.ArgumentParser, text: str = "override a config value") -> None:
+    """--set KEY=VALUE (repeatable), the config overrides every config-taking subcommand has."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=text)
+
+
+def _add_run(sub) -> None:
+    """`grpo-lab run`: headless steps from a config, or --resume DIR."""
     p = sub.add_parser("run", help="run GRPO steps headless from a YAML config")
     p.add_argument(
         "config",
@@ -160,13 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="DIR", help="continue the run in DIR (killed, failed or finished) from its last checkpoint"
     )
     p.add_argument("--out", help="run directory (default: run.output_dir or runs/<date-time>)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set grpo.beta=0.04 (repeatable)",
-    )
+    _add_set(p, "override a config value, e.g. --set grpo.beta=0.04 (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--verbose",
@@ -176,9 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="run even when the memory plan says it does not fit")
     p.set_defaults(func=_run)
 
+
+def _add_plan(sub) -> None:
+    """`grpo-lab plan`: the memory plan, or with --frontier the plan over a grid of lengths and batch shapes."""
     p = sub.add_parser("plan", help="print the per-device memory plan of a config, before loading anything")
     p.add_argument("config", help="a preset name or a YAML file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    _add_set(p)
     p.add_argument(
         "--frontier",
         action="store_true",
@@ -199,24 +208,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="with --frontier: the HTML page to write (default: frontier.html)")
     p.set_defaults(func=_plan)
 
+
+def _add_probe(sub) -> None:
+    """`grpo-lab probe`: one worst-case step on the real devices."""
     p = sub.add_parser(
         "probe",
         help="load a config and run one worst-case step (longest prompt, full-length completions, "
         "full micro-batches) on the real devices; per-phase peaks beside the plan; exit 1 if it does not fit",
     )
     p.add_argument("config", help="a preset name or a YAML file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    _add_set(p)
     p.set_defaults(func=_probe)
 
+
+def _add_presets(sub) -> None:
+    """`grpo-lab presets`: the shipped configs."""
     p = sub.add_parser("presets", help="list the preset configs shipped with grpo_lab")
     p.set_defaults(func=_presets)
 
+
+def _add_sweep(sub) -> None:
+    """`grpo-lab sweep`: a notebook under papermill per grid point."""
     p = sub.add_parser("sweep", help="run a notebook under papermill for every point of a parameter grid")
     p.add_argument("notebook", help="notebook with a 'parameters' cell, e.g. notebooks/01_quickstart.ipynb")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a swept parameter (repeatable)")
     p.add_argument("--out", required=True, help="sweep directory")
     p.set_defaults(func=_sweep)
 
+
+def _add_compare(sub) -> None:
+    """`grpo-lab compare`: one page over several run directories."""
     p = sub.add_parser(
         "compare",
         help="one HTML page overlaying runs' per-phase memory peaks and reward/loss curves, "
@@ -226,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="compare.html", help="the HTML file to write (default: %(default)s)")
     p.set_defaults(func=_compare)
 
+
+def _add_tiny(sub) -> None:
+    """`grpo-lab tiny`: build a built-in tiny checkpoint."""
     from .models.tiny import BUILTINS, TINY
 
     p = sub.add_parser(
@@ -239,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if a checkpoint is there")
     p.set_defaults(func=_tiny)
-    return parser
 
 
 def main(argv=None) -> int:

@@ -114,9 +114,7 @@ class Lab(LabViews):
             self.timeline.listeners.extend(executor.listeners())
         executor.load(self.memory)
         self.trackers = Trackers(config)  # last: a load that fails earlier opens no tracker run
-        torch.manual_seed(
-            config.run.seed
-        )  # why here: sampling randomness starts from the seed, whatever loading consumed
+        torch.manual_seed(config.run.seed)  # why here: sampling starts from the seed, whatever loading consumed
         config.attach_guard(LoadedLabGuard(executor, self.memory, self.leaks, self.memory_devices))
         if config.run.probe_first:
             from .planner.worst_case import probe_at_load

@@ -78,9 +78,24 @@ def sweep(
     kernel_name: str = "python3",
 ) -> Path:
     """Run `notebook` for every point of `grid`; returns DIR with summary.csv and summary.html."""
-    import papermill as pm
+    import papermill  # noqa: F401  why first: without it (the notebook extra) nothing is checked or written
 
     notebook, out = Path(notebook).resolve(), Path(out)
+    check_sweep(notebook, grid, out, fixed)
+    check_output_dir(out, "--out").mkdir(parents=True, exist_ok=True)
+    rows, runs = [], []
+    for values in itertools.product(*grid.values()):
+        row, run = run_point(notebook, out, dict(zip(grid, values)), fixed, kernel_name)
+        rows.append(row)
+        runs.append(run)
+    if len(runs) > 1:  # why first: the summary links to it
+        compare(runs, out / "compare.html", title=f"grpo_lab sweep of {notebook.name}: compare the points")
+    write_summary(out, rows, list(grid), linked=len(runs) > 1)
+    return out
+
+
+def check_sweep(notebook: Path, grid: dict[str, list], out: Path, fixed: Optional[dict]) -> None:
+    """Refuse (LabError) a sweep whose grid, notebook or output directory cannot give a summary, before it runs."""
     if not grid or any(not values for values in grid.values()):
         raise LabError("sweep: the grid is empty; give --grid KEY=V1,V2 with at least one value")
     params = notebook_parameters(notebook)
@@ -91,50 +106,55 @@ def sweep(
         raise LabError(f"sweep: {notebook.name} has no 'results_path' parameter, so its metrics cannot be collected")
     if (out / "summary.csv").exists():
         raise LabError(f"--out: {str(out)!r} already holds a sweep; choose another directory")
-    check_output_dir(out, "--out").mkdir(parents=True, exist_ok=True)
-    rows, runs = [], []
-    for values in itertools.product(*grid.values()):
-        point = dict(zip(grid, values))
-        name = point_name(notebook.stem, point)
-        results = (out / f"{name}.jsonl").resolve()
-        row = {**point, "notebook": f"{name}.ipynb", "error": ""}
-        try:
-            pm.execute_notebook(
-                str(notebook),
-                str(out / f"{name}.ipynb"),
-                cwd=str(notebook.parent),
-                parameters={**(fixed or {}), **point, "results_path": str(results)},
-                kernel_name=kernel_name,
-                progress_bar=False,
-                # why: papermill fails a cell whose output arrives over 4 s (nbclient's default) after its reply; a
-                # training cell's output lags that much on a busy machine, and a sweep's point is not wrong for it
-                iopub_timeout=IOPUB_TIMEOUT_S,
-            )
-        except pm.PapermillExecutionError as err:
-            row["error"] = f"{err.ename}: {err.evalue}"[:300]
-        # why: a kernel killed mid-point (OOM killer: DeadKernelError) is a result, not the end
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
-        metrics = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
-        if metrics:
-            last = metrics[-1]
-            row.update({k: last[k] for k in ("step", "reward_mean", "loss", "step_seconds")})
-        row.update(peaks(metrics))
-        rows.append(row)
-        runs.append(
-            RunRecord(
-                name,
-                {"parameters": point},
-                metrics,
-                status="failed" if row["error"] else "finished",
-                error=row["error"],
-                label=", ".join(f"{k}={v}" for k, v in point.items()),
-            )
+
+
+def run_point(
+    notebook: Path, out: Path, point: dict, fixed: Optional[dict], kernel_name: str
+) -> tuple[dict, RunRecord]:
+    """Run the notebook at one grid point (DIR/<name>.ipynb): its summary row and its run for the compare page."""
+    name = point_name(notebook.stem, point)
+    results = (out / f"{name}.jsonl").resolve()
+    parameters = {**(fixed or {}), **point, "results_path": str(results)}
+    error = execute_point(notebook, out / f"{name}.ipynb", parameters, kernel_name)
+    row = {**point, "notebook": f"{name}.ipynb", "error": error}
+    metrics = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
+    if metrics:
+        last = metrics[-1]
+        row.update({k: last[k] for k in ("step", "reward_mean", "loss", "step_seconds")})
+    row.update(peaks(metrics))
+    run = RunRecord(
+        name,
+        {"parameters": point},
+        metrics,
+        status="failed" if row["error"] else "finished",
+        error=row["error"],
+        label=", ".join(f"{k}={v}" for k, v in point.items()),
+    )
+    return row, run
+
+
+def execute_point(notebook: Path, executed: Path, parameters: dict, kernel_name: str) -> str:
+    """Execute `notebook` under papermill into `executed`: "" or the error that stopped it (300 characters at most)."""
+    import papermill as pm
+
+    try:
+        pm.execute_notebook(
+            str(notebook),
+            str(executed),
+            cwd=str(notebook.parent),
+            parameters=parameters,
+            kernel_name=kernel_name,
+            progress_bar=False,
+            # why: papermill fails a cell whose output arrives over 4 s (nbclient's default) after its reply; a
+            # training cell's output lags that much on a busy machine, and a sweep's point is not wrong for it
+            iopub_timeout=IOPUB_TIMEOUT_S,
         )
-    if len(runs) > 1:  # why first: the summary links to it
-        compare(runs, out / "compare.html", title=f"grpo_lab sweep of {notebook.name}: compare the points")
-    write_summary(out, rows, list(grid), linked=len(runs) > 1)
-    return out
+    except pm.PapermillExecutionError as err:
+        return f"{err.ename}: {err.evalue}"[:300]
+    # why: a kernel killed mid-point (OOM killer: DeadKernelError) is a result, not the end
+    except Exception as err:
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+    return ""
 
 
 def write_summary(out: Path, rows: list[dict], keys: list[str], linked: bool = False) -> None:

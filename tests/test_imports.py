@@ -289,3 +289,31 @@ def test_every_import_of_the_projects_own_code_in_tests_and_bench_resolves():
                 if alias.name not in defined and _source_of(f"{node.module}.{alias.name}") is None:
                     broken.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
     assert not broken, broken
+
+
+MAX_FUNCTION_LINES = 60  # STYLE.md: "functions under ~60" lines
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`path:function lines` for each function or method in `path` over `limit` lines: from its `def` to its last line,
+    docstring included, decorators not."""
+    return [
+        f"{path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path.name}:{node.name} {lines}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (lines := node.end_lineno - node.lineno + 1) > limit
+    ]
+
+
+def test_the_function_length_check_counts_from_def_to_the_last_line(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text(
+        '@decorator\n@another\ndef f():\n    """Doc."""\n    return 1\n\n\nclass A:\n    def g(self):\n        pass\n'
+    )
+    assert long_functions(src, limit=2) == ["x.py:f 3"]  # the decorators' two lines are not counted
+    assert long_functions(src, limit=1) == ["x.py:f 3", "x.py:g 2"]  # a method counts as a function
+
+
+def test_no_function_is_over_60_lines():
+    over = [line for path in sorted(ROOT.rglob("*.py")) for line in long_functions(path)]
+    assert not over, f"over {MAX_FUNCTION_LINES} lines; split them: {over}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -96,11 +96,24 @@ class Generator:
         ]
 
     def generate(self, batch: PromptBatch, num_generations: int, request: GenerationRequest) -> Rollout:
+        return self.generate_in_chunks(
+            batch, num_generations, request, lambda prompt_ids, rows: self.generate_chunk(prompt_ids, request)
+        )
+
+    def generate_in_chunks(
+        self,
+        batch: PromptBatch,
+        num_generations: int,
+        request: GenerationRequest,
+        sample: Callable[[list[list[int]], range], list[Sample]],
+    ) -> Rollout:
+        """The rollout, `sample(prompt_ids, rows)` sampling each chunk: its prompts and their row numbers in the batch
+        (what a backend needs to give each row its own seed)."""
         prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
         samples: list[Sample] = []
         calls = 0
-        for chunk in chunked(prompt_ids, request.chunk_size):
-            samples.extend(self.generate_chunk(list(chunk), request))
+        for rows in chunked(range(len(prompt_ids)), request.chunk_size):
+            samples.extend(sample([prompt_ids[i] for i in rows], rows))
             calls += 1
         out = self.to_rollout(batch, num_generations, prompt_ids, samples, request)
         out.generate_calls = calls

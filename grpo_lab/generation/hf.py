@@ -56,54 +56,36 @@ class HFGenerator(Generator):
         sample). A sharded learner's ranks then sample once for all: each its share of the groups
         (generation/sample_once.py)."""
         seeds = row_seeds(len(batch) * num_generations)
-        self._width = max(map(len, self.encode_prompts(batch.prompts, request.max_prompt_length)))
-        try:
-            if runtime().sharded:
-                from .sample_once import replicated, sample_once
+        width = max(map(len, self.encode_prompts(batch.prompts, request.max_prompt_length)))
+        if runtime().sharded:
+            from .sample_once import replicated, sample_once
 
-                if not replicated():
-                    return sample_once(self, batch, num_generations, request, seeds)
-            self._seeds = iter(seeds)
-            return super().generate(batch, num_generations, request)
-        finally:
-            self._seeds = self._width = None
-
-    _seeds = None  # the rows' seeds, consumed chunk by chunk in row order (set by generate)
-    _width = None  # the whole batch's prompt width (set by generate)
-
-    def sample_rows(self, prompt_ids: list[list[int]], seeds: list[int], request: GenerationRequest) -> list[Sample]:
-        """Sample `prompt_ids` with `seeds[i]` for row i, inside `generate` (a sharded rank's share: sample_once.py)."""
-        self._seeds = iter(seeds)
-        try:
-            return self.generate_chunk(prompt_ids, request)
-        finally:
-            self._seeds = None
+            if not replicated():
+                return sample_once(self, batch, num_generations, request, seeds, width)
+        return self.generate_in_chunks(
+            batch,
+            num_generations,
+            request,
+            lambda prompt_ids, rows: self.generate_chunk(prompt_ids, request, seeds[rows.start : rows.stop], width),
+        )
 
     @torch.no_grad()  # why: a rollout needs no autograd graph
-    def generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
-        from transformers import GenerationConfig, LogitsProcessorList
+    def generate_chunk(
+        self, prompt_ids, request: GenerationRequest, seeds: Optional[list[int]] = None, width: int = 0
+    ) -> list[Sample]:
+        """Sample `prompt_ids`, row i with `seeds[i]` (None: seeds drawn here), left-padded to at least `width`."""
+        from transformers import LogitsProcessorList
 
         model, tok = self.learner.model, self.tokenizer
-        seeds = [next(self._seeds) for _ in prompt_ids] if self._seeds is not None else row_seeds(len(prompt_ids))
+        seeds = row_seeds(len(prompt_ids)) if seeds is None else seeds
         GENERATED_ROWS[0] += len(prompt_ids)
         # why synced through the shards: every forward all-gathers each layer, so a rank whose rows are done must go on
         # running forwards until every rank's are (transformers' synced_gpus); gathered whole, a forward gathers nothing
         synced = runtime().sharded and not request.gather_for_generation
-        width = max(self._width or 0, *map(len, prompt_ids))
+        width = max(width, *map(len, prompt_ids))
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        # why generate() picks greedily even when sampling: InverseCdfSampler draws the token and leaves it the only
-        # finite score (torch.multinomial's CPU path spent 68% of a rollout at Qwen2.5's vocabulary on exponentials)
-        settings = GenerationConfig(
-            max_new_tokens=request.max_completion_length,
-            do_sample=False,
-            **NEUTRAL,
-            min_new_tokens=request.max_completion_length if request.full_length else None,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=tok.pad_token_id,
-            use_cache=True,
-            **DECODES[request.decode](),
-        )
+        settings = self._settings(request)
         recorder = SampledLogprobs()
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
@@ -138,6 +120,23 @@ class HFGenerator(Generator):
         return [
             self._sample(row, lp, self.eos_token_ids) for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())
         ]
+
+    def _settings(self, request: GenerationRequest):
+        """The GenerationConfig of a rollout: every field set (NEUTRAL), stopping on this generator's EOS set."""
+        from transformers import GenerationConfig
+
+        # why generate() picks greedily even when sampling: InverseCdfSampler draws the token and leaves it the only
+        # finite score (torch.multinomial's CPU path spent 68% of a rollout at Qwen2.5's vocabulary on exponentials)
+        return GenerationConfig(
+            max_new_tokens=request.max_completion_length,
+            do_sample=False,
+            **NEUTRAL,
+            min_new_tokens=request.max_completion_length if request.full_length else None,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            use_cache=True,
+            **DECODES[request.decode](),
+        )
 
     def _step_hooks(self) -> list:
         """Per decoding step: a CPU learner's buffers live in the host heap, so trim its holes as they appear

@@ -29,11 +29,11 @@ def replicated() -> bool:
     return os.environ.get(REPLICATED) == "1"
 
 
-def sample_once(generator, batch, num_generations: int, request, seeds: list[int]) -> Rollout:
-    """This rank samples its share of the groups and gets every rank's; `generator.sample_rows` samples, with `seeds[i]`
-    for row i. Every rank makes the same number of engine calls (each one's `generation` context gathers
-    collectively, and through the shards every forward does): its rows in `calls` near-equal chunks, each within
-    chunk_size, and a rank with no rows samples a stand-in row, discarded."""
+def sample_once(generator, batch, num_generations: int, request, seeds: list[int], width: int) -> Rollout:
+    """This rank samples its share of the groups and gets every rank's; `generator.generate_chunk` samples, with
+    `seeds[i]` for row i, left-padded to the whole batch's prompt `width`. Every rank makes the same number of engine
+    calls (each one's `generation` context gathers collectively, and through the shards every forward does): its rows
+    in `calls` near-equal chunks, each within chunk_size, and a rank with no rows samples a stand-in row, discarded."""
     me, g = runtime(), num_generations
     prompt_ids = generator.prompt_rows(batch, g, request)  # [N], every rank alike
     shares = [me.share(len(batch), k) for k in range(me.size)]
@@ -43,9 +43,11 @@ def sample_once(generator, batch, num_generations: int, request, seeds: list[int
     samples, made = [], 0
     for part in split(rows[me.rank], calls):
         if not part:  # why: the others' engine calls need this rank's (a collective gather or a synced forward)
-            generator.sample_rows([prompt_ids[0]], [0], request)
+            generator.generate_chunk([prompt_ids[0]], request, [0], width)
             continue
-        samples.extend(generator.sample_rows([prompt_ids[i] for i in part], seeds[part.start : part.stop], request))
+        samples.extend(
+            generator.generate_chunk([prompt_ids[i] for i in part], request, seeds[part.start : part.stop], width)
+        )
         made += 1
     everyone = me.gather_objects((samples, made))  # why objects: each rank's rows are ragged lists until padded
     out = generator.to_rollout(batch, g, prompt_ids, [s for part, _ in everyone for s in part], request)

@@ -112,13 +112,9 @@ def build_tiny_model(
     same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
     model vocabulary larger than the tokenizer's (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids
     decode to nothing. `train_steps` > 0 trains it on the arithmetic set's worked solutions (models/tiny_train.py)."""
-    import torch
-
     from ..checks.installed import check_torchvision
 
     check_torchvision()  # why first: transformers' model classes import it
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     path = Path(path)
     bar = _progress(label or f"building {path.name}", train_steps)
     bar.set_postfix_str("training the tokenizer")
@@ -126,23 +122,18 @@ def build_tiny_model(
     tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
     bar.update()
     bar.set_postfix_str("initialising the weights")
-    config = Qwen2Config(
-        vocab_size=max(vocab_size, len(tokenizer)),
+    model = _random_qwen2(
+        tokenizer,
+        seed,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_attention_heads or hidden_size // 64,
+        num_layers=num_layers,
+        intermediate_size=intermediate_size,
+        num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
-        head_dim=64,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        max_positions=max_positions,
         dtype=dtype,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
     bar.update()
@@ -151,16 +142,56 @@ def build_tiny_model(
 
         bar.set_postfix_str(f"training on the arithmetic set ({train_steps} steps)")
         train_on_arithmetic(model, tokenizer, train_steps, seed, on_step=bar.update)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
     bar.set_postfix_str("saving")
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    _save(model, tokenizer, path)
     bar.update()
     bar.set_postfix_str("done")
     bar.close()
     return path
+
+
+def _random_qwen2(
+    tokenizer,
+    seed: int,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    intermediate_size: Optional[int],
+    num_attention_heads: Optional[int],
+    num_key_value_heads: int,
+    max_positions: int,
+    dtype: str,
+):
+    """A Qwen2 model of this shape with random weights from `seed`, stopping and padding as `tokenizer` does."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=max(vocab_size, len(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads or hidden_size // 64,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=64,  # why: vLLM's CPU kernels
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+
+
+def _save(model, tokenizer, path: Path) -> None:
+    """Write the model, with a generation config that stops and pads as the tokenizer does, and the tokenizer."""
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 def _progress(label: str, train_steps: int):
