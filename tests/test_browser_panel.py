@@ -9,6 +9,7 @@ a compact legend, replaced plots saying so, and a refused `lab.step()` printing 
 Screenshots go to .artifacts/browser/."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -38,14 +39,22 @@ def _dump():   # what the browser tests read; a thread of its own sends the kern
                      "threads": [t.name for t in threading.enumerate()], "config": lab.config.to_dict(),
                      "log": panels[-1].controls.log_text() if panels else "", "t": time.time(),
                      "running": list(lab.memory.running() or []), "marks": [m[0] for m in lab.memory.marks],
-                     "work": sum(r.seconds for r in lab.timeline.records)}
+                     "work": sum(r.seconds for r in lab.timeline.records),
+                     "panel_running": bool(panels) and panels[-1].controls.running()}
             Path("state.tmp").write_text(json.dumps(state))
             Path("state.tmp").replace("state.json")
         except Exception as err:
             Path("state.err").write_text(repr(err))
         time.sleep(0.2)
 
-threading.Thread(target=_dump, name="test-state", daemon=True).start()"""
+threading.Thread(target=_dump, name="test-state", daemon=True).start()
+
+def hold(prompts, completions, **kwargs):  # a step waits in its rewards phase while the test's file "hold" exists
+    while Path("hold").exists():
+        time.sleep(0.05)
+    return [0.0] * len(completions)
+
+lab.reward_funcs = list(lab.reward_funcs) + [hold]"""
 UI = "panels.append(lab.ui())\npanels[-1]"
 IDLE_S = 300  # the issue's "5 minutes of idle time": wall time since the panels showed, less the lab's working time
 SHOWN = {}  # when the three panels were on screen
@@ -70,6 +79,8 @@ def page(tmp_path_factory, tiny_model):
             except (OSError, ValueError):
                 time.sleep(0.1)
         raise AssertionError("the kernel wrote no state.json")
+
+    read_state.folder = state_file.parent
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:  # why around the setup too: a setup that fails must not leave JupyterLab and its kernel running
@@ -206,9 +217,9 @@ def test_two_quick_clicks_on_one_step_run_one_step(page):
     button = panel(pg).locator("button", has_text="one step")
     button.scroll_into_view_if_needed()
     click_twice(pg, button)
-    wait_for(read_state, lambda s: s["history"] > before)
-    time.sleep(5)  # a second step, if one was started, would end by now
-    assert read_state()["history"] == before + 1
+    # the panel's own state says its run is over: a second step, had a click started one, would have run by then
+    state = wait_for(read_state, lambda s: s["history"] > before and not s["panel_running"])
+    assert state["history"] == before + 1
     assert "a run is in progress" in read_state()["log"] or button.is_enabled()
 
 
@@ -239,7 +250,7 @@ def test_the_live_plot_after_idle_time_and_ten_steps_names_every_phase(page):
     assert idle() >= IDLE_S
     plot = pg.locator(".js-plotly-plot").last
     plot.scroll_into_view_if_needed()
-    time.sleep(2)
+    wait_drawn(pg, read_state)
     figure = plot.evaluate(
         "el => ({names: el.data.map(t => t.name), "
         "xs: el.data.flatMap(t => (t.x || []).filter(v => v !== null)), "
@@ -288,12 +299,14 @@ def test_an_invalid_value_shows_its_reason_right_under_its_field(page):
 
 
 def test_no_label_or_tab_is_cut(page):
+    from playwright.sync_api import expect
+
     pg, _ = page
     tabs = editor(pg).locator(".lm-TabBar-tab")
     cut = []
     for i in range(tabs.count()):
         tabs.nth(i).click()
-        time.sleep(0.2)
+        expect(tabs.nth(i)).to_have_class(re.compile(r"\blm-mod-current\b"))  # its page is the one shown
         cut += (
             tabs.nth(i)
             .locator(".lm-TabBar-tabLabel")
@@ -309,6 +322,19 @@ def test_no_label_or_tab_is_cut(page):
     assert not cut, cut
 
 
+def wait_drawn(pg, read_state) -> None:
+    """Until the live plot's title counts every step the kernel has marked (over its 10-step window), i.e. the redraw
+    has caught up with the last step: a wait on the plot's state, not on the clock."""
+    steps = len(set(read_state()["marks"]))
+    assert steps > 10, f"{steps} steps: the title counts them only past its 10-step window"
+    pg.wait_for_function(
+        "n => { const el = [...document.querySelectorAll('.js-plotly-plot')].pop();"
+        " return !!el && !!el.layout.title && el.layout.title.text.includes(`of ${n} steps`); }",
+        arg=steps,
+        timeout=60_000,
+    )
+
+
 def plot_state(pg):
     return pg.locator(".js-plotly-plot").last.evaluate(
         "el => ({rects: (el.layout.shapes || []).filter(s => s.type === 'rect').map(s => [s.x0, s.x1]), "
@@ -319,7 +345,11 @@ def plot_state(pg):
 
 
 def test_the_running_phases_band_grows_during_a_long_rollout_and_a_cells_step_is_refused_in_one_line(page):
-    """Issue 34: during a 12 s rollout the x axis stayed put, then jumped; a refused lab.step() was 41 lines."""
+    """Issue 34: during a 12 s rollout the x axis stayed put, then jumped; a refused lab.step() was 41 lines.
+    Issue 43: every read waits on state, never on the clock. The plot is read while the kernel says the rollout
+    runs, until its band is seen growing; the test fails only if the rollout ends first. The step is then held in
+    its rewards phase (the SETUP's `hold` reward waits while the file "hold" exists), so the cell's lab.step()
+    surely meets a running phase."""
     pg, read_state = page
     # a long rollout: the trained tiny model ends its answers in ~20 tokens, so one sequence per generate call
     # over 4 prompts x 8 completions (32 calls in a row)
@@ -330,29 +360,45 @@ def test_the_running_phases_band_grows_during_a_long_rollout_and_a_cells_step_is
         box.press("Enter")
         wait_for(read_state, lambda s, sec=section, n=name, v=value: s["config"][sec][n] == v, timeout=20)
     before = read_state()["history"]
-    panel(pg).locator("button", has_text="one step").click()
-    wait_for(read_state, lambda s: s["running"][1:2] == ["rollout"], timeout=60)
-    time.sleep(1.5)
-    first = plot_state(pg)
-    time.sleep(2.0)
-    second = plot_state(pg)
-    pg.screenshot(path=str(ARTIFACTS / "panel_running_band.png"))
-    grown = [(a, b) for a, b in zip(first["rects"], second["rects"]) if b[1] > a[1] + 0.5 and a[0] == b[0]]
-    assert grown, (first["rects"][-3:], second["rects"][-3:])
-    # a cell's lab.step() while the panel's rollout runs: refused, in one line
-    # (its prompt: a click on the cell's body would land on the panel's widgets)
-    pg.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt").first.click()
-    pg.keyboard.press("Escape")
-    pg.keyboard.press("b")  # a new cell below, as a user adds one
-    pg.keyboard.press("Enter")
-    pg.keyboard.type("lab.step()")
-    pg.keyboard.press("Shift+Enter")
-    # (by its text: Shift+Enter in the last cell adds an empty one below it)
-    output = pg.locator(".jp-CodeCell", has_text="lab.step()").last.locator(".jp-OutputArea-output")
-    output.first.wait_for(timeout=60_000)
-    text = output.first.inner_text().strip()
-    pg.screenshot(path=str(ARTIFACTS / "panel_refused_step.png"))
-    assert "another phase of this Lab is running" in text and len(text.splitlines()) == 1, text
+    hold = read_state.folder / "hold"  # the kernel's working folder
+    hold.touch()
+    try:
+        panel(pg).locator("button", has_text="one step").click()
+        step = wait_for(read_state, lambda s: s["running"][1:2] == ["rollout"], timeout=60)["running"][0]
+        in_rollout = lambda s: s["running"][:2] == [step, "rollout"]
+        first, grown, last = None, [], None
+        while not grown:
+            plot = plot_state(pg)
+            if not in_rollout(read_state()):  # a read counts only if the rollout still ran after it
+                break
+            first = first or plot
+            grown = [(a, b) for a, b in zip(first["rects"], plot["rects"]) if b[1] > a[1] + 0.5 and a[0] == b[0]]
+            last = plot
+            time.sleep(0.2)  # the pace of the reads, not a wait that decides anything
+        pg.screenshot(path=str(ARTIFACTS / "panel_running_band.png"))
+        assert grown, (
+            "the rollout ended and its band never grew",
+            first and first["rects"][-3:],
+            last and last["rects"][-3:],
+        )
+        # a cell's lab.step() while the panel's step runs (held in its rewards phase): refused, in one line
+        wait_for(read_state, lambda s: s["running"][:2] == [step, "rewards"], timeout=300)
+        # (its prompt: a click on the cell's body would land on the panel's widgets)
+        pg.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt").first.click()
+        pg.keyboard.press("Escape")
+        pg.keyboard.press("b")  # a new cell below, as a user adds one
+        pg.keyboard.press("Enter")
+        pg.keyboard.type("lab.step()")
+        pg.keyboard.press("Shift+Enter")
+        # (by its text: Shift+Enter in the last cell adds an empty one below it)
+        output = pg.locator(".jp-CodeCell", has_text="lab.step()").last.locator(".jp-OutputArea-output")
+        output.first.wait_for(timeout=60_000)
+        text = output.first.inner_text().strip()
+        pg.screenshot(path=str(ARTIFACTS / "panel_refused_step.png"))
+        assert "another phase of this Lab is running" in text and len(text.splitlines()) == 1, text
+        assert read_state()["running"][:2] == [step, "rewards"]  # the step was still held when the reply came
+    finally:
+        hold.unlink(missing_ok=True)
     wait_for(read_state, lambda s: s["history"] == before + 1, timeout=300)
     for (section, name), (_, _, back) in settings.items():
         box = field(pg, section, name).locator("input").first
@@ -369,11 +415,11 @@ def test_thirty_steps_keep_every_band_of_the_window_a_compact_legend_and_apart_l
     count.press("Enter")
     panel(pg).locator("button", has_text="run N").click()
     wait_for(read_state, lambda s: s["history"] == before + 30, timeout=600)
-    time.sleep(2)
+    total = before + 30
+    wait_drawn(pg, read_state)
     plot = plot_state(pg)
     pg.locator(".js-plotly-plot").last.scroll_into_view_if_needed()
     pg.screenshot(path=str(ARTIFACTS / "panel_thirty_steps.png"))
-    total = before + 30
     assert f"last 10 of {total} steps" in plot["title"], plot["title"]
     marks = read_state()["marks"]  # each finished phase's step (a retried step's failed attempt has bands too)
     in_view = [step for step in marks if step >= max(marks) - 9]
