@@ -11,8 +11,8 @@ from .errors import LabError
 
 def _run(args) -> int:
     from .config.loading import load_config
+    from .recovery.rundir import CONFIG
     from .runner import run
-    from .state.rundir import CONFIG
 
     if args.resume is not None and args.out is not None:
         raise LabError(f"--out: a resumed run stays in its own directory ({args.resume}); drop --out")

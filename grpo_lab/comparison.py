@@ -20,8 +20,8 @@ from .algo.phases import PHASE_NAMES
 from .errors import LabError
 from .files import atomic_write_text
 from .memory.figures import primary_rows
-from .memory.probes import MiB
-from .state.rundir import CONFIG, METRICS, complete_lines, read_status
+from .memory.readers import MiB
+from .recovery.rundir import CONFIG, METRICS, complete_lines, read_status
 
 IGNORED = {"run.output_dir"}  # why: differs between any two runs and says nothing about them
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")

@@ -183,7 +183,7 @@ class Lab(LabViews):
         from .memory.heap import trim_host_heap
         from .memory.oom import cuda_oom_count, phase_error, release_memory
         from .memory.profiling import phase_range
-        from .state.faults import set_phase
+        from .recovery.faults import set_phase
 
         self._require_loaded()
         if not self._busy.acquire(blocking=False):
@@ -358,7 +358,7 @@ class Lab(LabViews):
     def restore_checkpoint(self, path: Union[str, Path]) -> "Lab":
         """Continue from a checkpoint: its weights, optimizer state, RNG states, data position and step
         index replace this Lab's; the generator is synced to the restored weights."""
-        from .state.checkpoint import read_checkpoint
+        from .recovery.checkpoint import read_checkpoint
 
         self.between_steps("lab.restore_checkpoint()")
         checkpoint = read_checkpoint(path)  # refused here, in one line, before any model (or rank) reads it
@@ -387,9 +387,9 @@ class Lab(LabViews):
         return probe(self)
 
     def arm_fault(self, rank: int, phase: str, error: str = "oom") -> None:
-        """Make rank `rank`'s next `phase` fail once, inside it (state/faults.py: 'oom', 'runtime', or 'nan' for a
+        """Make rank `rank`'s next `phase` fail once, inside it (recovery/faults.py: 'oom', 'runtime', or 'nan' for a
         backward's loss): how a notebook shows recovery. One process is rank 0."""
-        from .state.faults import check
+        from .recovery.faults import check
 
         check(phase, error)
         self._require_loaded()

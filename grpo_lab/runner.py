@@ -21,7 +21,7 @@ from .files import append_jsonl
 from .lab import Lab, preflight
 from .memory import format_compact, peak_rows
 from .memory.report import CsvStream, write_report
-from .state.rundir import (
+from .recovery.rundir import (
     CHECKPOINT,
     CONFIG,
     METRICS,

@@ -22,7 +22,7 @@ import yaml
 from .checks.paths import check_output_dir
 from .comparison import RunRecord, compare
 from .errors import LabError
-from .memory.probes import MiB, is_host
+from .memory.readers import MiB, is_host
 
 IOPUB_TIMEOUT_S = 300  # the longest a point's output may lag its cell's reply
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from .memory.figures import primary_rows
-from .memory.probes import MiB
+from .memory.readers import MiB
 
 
 def step_scalars(result) -> dict[str, float]:

@@ -12,7 +12,7 @@ from html_pages import needs_chromium, opened
 
 from grpo_lab.cli import main
 from grpo_lab.comparison import RunRecord, config_differences, label_runs, load_run, phase_peaks
-from grpo_lab.memory.probes import MiB
+from grpo_lab.memory.readers import MiB
 
 
 def config(micro=4, out="a", beta=0.04):

@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 from grpo_lab.memory import MemorySampler
-from grpo_lab.memory.probes import HostProbe, cgroup_usage, cgroup_working_set
+from grpo_lab.memory.readers import HostReader, cgroup_usage, cgroup_working_set
 from grpo_lab.memory.sampler import HostMemoryExceeded
 
 MiB, GiB = 1024**2, 1024**3
@@ -39,16 +39,16 @@ def fake_cgroup(root, version, limit, usage, inactive, active=100 * MiB):
 @pytest.mark.parametrize("version", ["v2", "v1"])
 def test_under_a_cgroup_used_is_usage_minus_inactive_page_cache(tmp_path, version):
     fake_cgroup(tmp_path, version, limit=1 * GiB, usage=900 * MiB, inactive=600 * MiB)
-    reading = HostProbe(cgroup_root=tmp_path).read()
+    reading = HostReader(cgroup_root=tmp_path).read()
     assert reading["limit"] == 1 * GiB and reading["used"] == 300 * MiB
     assert cgroup_usage(tmp_path) == 900 * MiB and cgroup_working_set(tmp_path) == 300 * MiB
     fake_cgroup(tmp_path, version, limit=1 * GiB, usage=500 * MiB, inactive=600 * MiB)  # stats read at another instant
-    assert HostProbe(cgroup_root=tmp_path).read()["used"] == 0
+    assert HostReader(cgroup_root=tmp_path).read()["used"] == 0
 
 
 def test_an_unlimited_cgroup_is_the_host_total_minus_available(tmp_path):
     fake_cgroup(tmp_path, "v2", limit="max", usage=900 * MiB, inactive=600 * MiB)
-    reading = HostProbe(cgroup_root=tmp_path).read()
+    reading = HostReader(cgroup_root=tmp_path).read()
     vm = psutil.virtual_memory()
     assert reading["limit"] == vm.total
     assert abs(reading["used"] - (vm.total - vm.available)) < 256 * MiB  # read a moment apart
@@ -58,7 +58,7 @@ def test_an_unlimited_cgroup_is_the_host_total_minus_available(tmp_path):
 def test_the_guard_ignores_page_cache_and_trips_on_the_working_set(tmp_path, version):
     fake_cgroup(tmp_path, version, limit=1 * GiB, usage=900 * MiB, inactive=600 * MiB)  # 88% with cache, 29% without
     sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.5)
-    sampler.probes[0] = HostProbe(cgroup_root=tmp_path)  # the limit is read here
+    sampler.readers[0] = HostReader(cgroup_root=tmp_path)  # the limit is read here
     sampler.check_host(0, "rollout")
     fake_cgroup(tmp_path, version, limit=1 * GiB, usage=900 * MiB, inactive=100 * MiB)  # 78% that cannot be dropped
     with pytest.raises(HostMemoryExceeded, match=r"host RAM reached 78\.1% of 1\.0 GiB"):
@@ -93,7 +93,7 @@ def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
         if meminfo()["Shmem"] - shmem > size // 2:
             pytest.skip("tmp_path is on tmpfs: its pages are shared memory, which the kernel cannot drop")
 
-        probe = HostProbe()
+        probe = HostReader()
         before, info = probe.read(), meminfo()
         sampler = MemorySampler(["cpu"], hz=50, host_threshold=(before["used"] + tolerance) / before["limit"])
         sampler.start()

@@ -22,7 +22,7 @@ from grpo_lab.config.fields import WHEN
 from grpo_lab.config.loading import load_config
 from grpo_lab.config.schema import LabConfig, field_when, leaf_fields
 from grpo_lab.errors import ConfigError, LabError
-from grpo_lab.memory.probes import MiB
+from grpo_lab.memory.readers import MiB
 from grpo_lab.memory.sampler import HostMemoryExceeded
 from grpo_lab.models.reference import AdapterDisabledReference, CopyReference, NoReference
 

@@ -169,14 +169,16 @@ def test_a_restarted_rollout_samples_the_steps_own_prompts_again(loaded_lab):
 
 def test_the_rollback_snapshot_is_taken_inside_the_optimizer_phase(loaded_lab, monkeypatch):
     """A host MemoryError while copying the LoRA + AdamW state is that phase's one-line error, nothing applied."""
-    import grpo_lab.state.rollback as rollback
+    import grpo_lab.recovery.rollback as rollback
 
     lab = loaded_lab()
     lab.step()
     before = train_state(lab)
     rollout = lab.rollout()
     lab.backward(rollout, lab.advantages(lab.rewards(rollout)), lab.logprobs(rollout))
-    monkeypatch.setattr(rollback.TrainState, "__init__", lambda self, learner: (_ for _ in ()).throw(MemoryError()))
+    monkeypatch.setattr(
+        rollback.RollbackSnapshot, "__init__", lambda self, learner: (_ for _ in ()).throw(MemoryError())
+    )
     with pytest.raises(LabError, match=r"^out of memory in phase 'optimizer' of step 1 on host") as err:
         lab.optimizer()
     assert "\n" not in str(err.value)

@@ -12,7 +12,7 @@ from grpo_lab import Lab
 from grpo_lab.algo.phases import PHASE_NAMES as PHASES
 from grpo_lab.memory import LeakDetector, MemorySampler
 from grpo_lab.memory.oom import OutOfMemory
-from grpo_lab.memory.probes import HostProbe, MiB
+from grpo_lab.memory.readers import HostReader, MiB
 from grpo_lab.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,14 +79,14 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
     from grpo_lab.cli import main
 
     host_full = {"on": False}
-    real_read = HostProbe.read
+    real_read = HostReader.read
 
     def fake_read(self):
         reading = real_read(self)  # real rss; used/limit chosen by the test
         limit = 64 * 1024**3
         return {**reading, "used": (0.99 if host_full["on"] else 0.10) * limit, "limit": limit}
 
-    monkeypatch.setattr(HostProbe, "read", fake_read)
+    monkeypatch.setattr(HostReader, "read", fake_read)
     out = tmp_path / "run"
     seen = {}
     real_update = step_module.optimizer
@@ -294,7 +294,7 @@ def test_the_live_plot_squeezes_idle_time_so_ten_steps_after_five_idle_minutes_s
     sampler = SimpleNamespace(
         samples_since=lambda index: samples[index:],
         marks=marks,
-        probes=[None],
+        readers=[None],
         host_threshold=0.95,
         latest=lambda device: {"limit": 64 * 1024 * MiB},
     )
@@ -357,7 +357,7 @@ def test_live_plot_history_stays_bounded_keeps_the_peak_and_takes_two_threads():
     sampler = SimpleNamespace(
         samples_since=samples_since,
         marks=[],
-        probes=[None],
+        readers=[None],
         host_threshold=0.95,
         latest=lambda device: {"limit": 64 * 1024 * MiB},
     )
@@ -495,13 +495,13 @@ def test_a_failed_load_stops_the_sampler_and_frees_what_it_loaded(tiny_config, m
 
 
 def test_gpu_ledger_from_a_recorded_cuda_sample_stream():
-    """Where GPU memory went, from recorded CudaProbe readings (the CUDA path cannot run in CI): torch's live
+    """Where GPU memory went, from recorded CudaReader readings (the CUDA path cannot run in CI): torch's live
     tensors, its cache (reserved - allocated) and what is not torch's (NVML used - reserved: a vLLM engine,
     contexts, other processes), summarised per phase and named in an OOM's one line."""
     from types import SimpleNamespace
 
     from grpo_lab.memory.oom import as_lab_error
-    from grpo_lab.memory.probes import gpu_ledger
+    from grpo_lab.memory.readers import gpu_ledger
 
     assert gpu_ledger(6 * MiB, 10 * MiB, 30 * MiB) == {
         "allocated": 6 * MiB,
@@ -525,7 +525,7 @@ def test_gpu_ledger_from_a_recorded_cuda_sample_stream():
             return {**gpu_ledger(allocated, reserved, used), "peak": allocated, "total": 80_000 * MiB}
 
     sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.99)
-    sampler.probes.append(RecordedCuda())
+    sampler.readers.append(RecordedCuda())
     sampler.phase_started(0, "rollout")
     sampler.read()
     sampler.phase_ended(SimpleNamespace(step=0, phase="rollout"), None)
@@ -542,7 +542,7 @@ def test_an_in_process_engine_is_a_ledger_layer_of_its_own_awake_and_asleep():
     asleep it unmaps its memory behind torch's back, so torch's reserved exceeds NVML's used and 'not torch' would
     clamp to 0. With the engine's books and resident bytes the layers stack to NVML's used either way."""
     from grpo_lab.memory.figures import LEDGER
-    from grpo_lab.memory.probes import gpu_ledger
+    from grpo_lab.memory.readers import gpu_ledger
 
     learner, cache, engine, other = 3000 * MiB, 500 * MiB, 9000 * MiB, 700 * MiB  # other: CUDA context, NCCL...
     awake = gpu_ledger(learner + engine, learner + engine + cache, learner + engine + cache + other, engine, engine)
@@ -610,7 +610,7 @@ def fake_sampler(marks, samples, running=None):
     return SimpleNamespace(
         samples_since=lambda index: samples[index:],
         marks=marks,
-        probes=[None],
+        readers=[None],
         host_threshold=0.95,
         latest=lambda device: {"limit": 64 * 1024 * MiB},
         running=lambda: running[0] if running else None,

@@ -340,7 +340,7 @@ def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_
     ranks = lab.executor.ranks
     lines = []
     try:
-        # inside a phase: SIGKILL at a point of its real code (state/faults.py 'kill')
+        # inside a phase: SIGKILL at a point of its real code (recovery/faults.py 'kill')
         for step, (rank, phase) in enumerate([(1, "rollout"), (0, "logprobs"), (1, "backward")]):
             lab.arm_fault(rank, phase, "kill")
             lines.append(_fails_in_one_line(capfd, lab.step))

@@ -11,7 +11,7 @@ from html_pages import needs_chromium, opened
 
 from grpo_lab.cli import main
 from grpo_lab.memory.figures import timeline_figure
-from grpo_lab.memory.probes import MiB
+from grpo_lab.memory.readers import MiB
 from grpo_lab.memory.report import device_summary
 
 
@@ -75,11 +75,11 @@ RECORDED_GPU = [(1000, 2000, 9000), (5000, 6000, 13000), (3000, 6000, 13000)]  #
 
 def recorded_gpu_report(path):
     """A report from a recorded CUDA sample stream (the CUDA path cannot run in CI): a sampler whose GPU probe
-    replays CudaProbe readings through the same ledger arithmetic, over one rollout and one backward."""
+    replays CudaReader readings through the same ledger arithmetic, over one rollout and one backward."""
     from types import SimpleNamespace
 
     from grpo_lab.memory import MemorySampler
-    from grpo_lab.memory.probes import gpu_ledger
+    from grpo_lab.memory.readers import gpu_ledger
     from grpo_lab.memory.report import write_report
 
     class RecordedCuda:
@@ -91,7 +91,7 @@ def recorded_gpu_report(path):
             return {**gpu_ledger(allocated, reserved, used), "peak": allocated}
 
     sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.99)
-    sampler.probes.append(RecordedCuda())
+    sampler.readers.append(RecordedCuda())
     for phase in ("rollout", "backward"):
         sampler.phase_started(0, phase)
         sampler.read()

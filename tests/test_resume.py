@@ -189,7 +189,7 @@ def test_lab_checkpoint_continues_with_the_same_step_in_a_new_lab(loaded_lab, tm
 
 
 def test_a_killed_run_is_reported_as_resumable_and_refuses_a_second_writer(tmp_path, capsys, straight):
-    from grpo_lab.state.rundir import RunLock
+    from grpo_lab.recovery.rundir import RunLock
 
     out = tmp_path / "run"
     assert main(["run", *RUN, "--steps", "2", "--out", str(out)]) == 0

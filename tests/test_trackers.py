@@ -14,7 +14,7 @@ from grpo_lab import LabError
 from grpo_lab.algo.containers import StepResult
 from grpo_lab.checks.installed import resolve_trackers as resolve
 from grpo_lab.cli import main
-from grpo_lab.memory.probes import MiB
+from grpo_lab.memory.readers import MiB
 from grpo_lab.trackers import step_scalars
 
 

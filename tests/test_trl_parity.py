@@ -158,7 +158,7 @@ def varied(tiny_model, tmp_path_factory):
     rewards differ within groups; one TRL trainer on the same model, and TRL's own advantages per scale_rewards.
     Every case starts from the same LoRA and AdamW state (a snapshot put back)."""
     from grpo_lab.algo import grpo as phases
-    from grpo_lab.state.rollback import TrainState
+    from grpo_lab.recovery.rollback import RollbackSnapshot
 
     lab = Lab(
         {  # float32 throughout; not 4-bit: the loss's arithmetic is the same, and 48 cases stay within ~30 s
@@ -198,7 +198,7 @@ def varied(tiny_model, tmp_path_factory):
         ref=ref,
         trainer=trainer,
         batches=batches,
-        start=TrainState(lab.learner),
+        start=RollbackSnapshot(lab.learner),
     )
     lab.close()
 

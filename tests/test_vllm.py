@@ -17,7 +17,7 @@ import torch
 from grpo_lab import Lab, LabError, load_config
 from grpo_lab.algo.logprobs import rollout_logprobs
 from grpo_lab.generation.base import GenerationRequest
-from grpo_lab.memory.probes import MiB
+from grpo_lab.memory.readers import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]  # why the group: its tests share one engine

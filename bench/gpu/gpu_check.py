@@ -67,7 +67,7 @@ def base_overrides(model: str, device: str, length: int) -> list[str]:
 
 
 class ProcessPeak:
-    """torch's allocated peak over the whole process: the Lab resets the peak at every phase (memory/probes.py), so
+    """torch's allocated peak over the whole process: the Lab resets the peak at every phase (memory/readers.py), so
     each reset first folds the peak so far into this one."""
 
     def __init__(self, device: str):

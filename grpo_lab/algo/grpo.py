@@ -17,9 +17,9 @@ import torch
 
 from ..errors import LabError, NonFinite
 from ..execution.runtime import runtime
+from ..execution.sharded.failed_pass import agreed
 from ..execution.sharded.fsdp import full, local
-from ..execution.sharded.recovery import agreed
-from ..state.faults import poison
+from ..recovery.faults import poison
 from .containers import Advantages, BackwardResult, GenerationRequest, LogProbs, LossStats, Rewards, Rollout, StepResult
 from .importance import importance_weights
 from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice

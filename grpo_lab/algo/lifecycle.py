@@ -30,7 +30,9 @@ class StepState:
     is_weights: Any = None  # [N, L] or [N, 1] the last backward's importance-sampling weights (None: off)
     updates: int = 0  # optimizer updates applied in this step
     gradients: bool = False  # a backward's gradients wait for the optimizer phase
-    snapshot: Any = None  # rollback.TrainState: LoRA + optimizer state before the step's first update
+    # LoRA + optimizer state before the step's first update: a rollback.RollbackSnapshot (a sharded driver's:
+    # rollback.SnapshotsOnRanks)
+    snapshot: Any = None
     attempts: int = 1  # 1 + rolled-back attempts
 
     @property

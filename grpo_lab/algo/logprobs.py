@@ -176,7 +176,7 @@ def rollout_logprobs(
     """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
     micro-batched: [N, L] on `out_device` (each rank of a sharded learner scores its own rows)."""
     from ..execution.runtime import runtime
-    from ..execution.sharded.recovery import agreed
+    from ..execution.sharded.failed_pass import agreed
 
     set_logprob_head(model, temperature=rollout.logprob_temperature)
     parts, ranks = [], runtime()

@@ -22,10 +22,10 @@ def _rollout(ex, state) -> object:
 
 
 def _optimizer(ex, state) -> float:
-    from ..state.rollback import TrainState
+    from ..recovery.rollback import RollbackSnapshot
 
     if state.snapshot is None:  # the step's first update takes the rollback snapshot first
-        state.snapshot = TrainState(ex.learner)
+        state.snapshot = RollbackSnapshot(ex.learner)
     return grpo.optimizer(ex.learner, ex.config)
 
 
@@ -56,7 +56,7 @@ def warm_up() -> None:
 
 
 def attach_engine(memory, generator) -> None:
-    """An in-process engine's tensors get their own layer in its GPU's ledger (memory.probes.gpu_ledger)."""
+    """An in-process engine's tensors get their own layer in its GPU's ledger (memory.readers.gpu_ledger)."""
     device = getattr(generator, "engine_device", None)
     if memory is not None and device is not None:
         memory.attach_engine(device, generator.engine_share)
@@ -180,7 +180,7 @@ class LocalExecutor:
     def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
         """After a failed phase: FSDP's iteration state reset on every model this process passes through (a failure
         mid-forward leaves it half-way); None = the Lab's default undo applies."""
-        from .sharded.recovery import reset_after_failure
+        from .sharded.failed_pass import reset_after_failure
 
         for model in (getattr(self.learner, "model", None), getattr(self.reference, "model", None)):
             if model is not None:
@@ -230,7 +230,7 @@ class LocalExecutor:
         ]
 
     def arm_fault(self, rank: int, phase: str, error: str) -> None:
-        from ..state import faults
+        from ..recovery import faults
 
         if rank != runtime().rank:
             raise LabError(f"arm_fault: rank {rank} does not exist; this Lab is one process (rank 0)")
@@ -270,7 +270,7 @@ class LocalExecutor:
 
             save_full_checkpoint(self.learner, self.prompts, self.config, self.step_index(), path)
             return Path(path)
-        from ..state.checkpoint import save_checkpoint
+        from ..recovery.checkpoint import save_checkpoint
 
         return save_checkpoint(self.learner, self.prompts, self.config, self.step_index(), path)
 
@@ -280,7 +280,7 @@ class LocalExecutor:
 
             restore_full_checkpoint(self.learner, self.prompts, checkpoint.path)
         else:
-            from ..state.checkpoint import restore_checkpoint
+            from ..recovery.checkpoint import restore_checkpoint
 
             restore_checkpoint(self.learner, self.prompts, self.config, checkpoint)
         grpo.sync(self.generator, self.learner)  # why: the engine must sample from the restored weights

@@ -140,8 +140,8 @@ class HFGenerator(Generator):
 
     def _step_hooks(self) -> list:
         """Per decoding step: a CPU learner's buffers live in the host heap, so trim its holes as they appear
-        (heap.py); and an armed fault's point (state/faults.py)."""
-        from ..state.faults import armed
+        (heap.py); and an armed fault's point (recovery/faults.py)."""
+        from ..recovery.faults import armed
 
         trim = [TrimHeapEvery(TRIM_EVERY)] if self.learner.device.type == "cpu" else []
         return trim + ([decode_fault_point] if armed() else [])
@@ -282,8 +282,8 @@ class TrimHeapEvery:
 
 
 def decode_fault_point(input_ids, scores):
-    """lab.arm_fault's rollout point (state/faults.py): the third decoding step, on any device."""
-    from ..state.faults import fire
+    """lab.arm_fault's rollout point (recovery/faults.py): the third decoding step, on any device."""
+    from ..recovery.faults import fire
 
     fire("decode", nth=3)
     return scores

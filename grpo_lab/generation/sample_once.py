@@ -18,7 +18,7 @@ import os
 from ..algo.containers import Rollout
 from ..errors import LabError
 from ..execution.runtime import runtime
-from ..state.faults import diverge
+from ..recovery.faults import diverge
 from .base import split
 
 REPLICATED = "GRPO_LAB_REPLICATED_ROLLOUT"  # bench/probes/sharded_rollout.py only: every rank samples the whole batch

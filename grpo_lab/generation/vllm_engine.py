@@ -321,7 +321,7 @@ class VLLMGenerator(Generator):
 
     def engine_share(self) -> tuple[float, float]:
         """(bytes torch counts for this in-process engine, bytes it holds on its GPU now): the GPU ledger's engine
-        layer (memory.probes.gpu_ledger). Both 0 for an engine in a process of its own or on the CPU."""
+        layer (memory.readers.gpu_ledger). Both 0 for an engine in a process of its own or on the CPU."""
         return self._books, 0.0 if self.asleep else self._books
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The memory observatory: probes, the phase-aware sampler, leak detection, reports and plots."""
+"""The memory observatory: readers (host, each GPU), the phase-aware sampler, leak detection, reports and plots."""
 
 from .leaks import LeakDetector
 from .sampler import HostMemoryExceeded, MemorySampler, format_compact, format_table, peak_rows

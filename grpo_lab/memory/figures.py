@@ -4,10 +4,10 @@ stretch the axis), a phase x step heatmap of each device's peak above the phase'
 from __future__ import annotations
 
 from ..algo.phases import COLOURS, PHASE_NAMES
-from .probes import MiB, is_host
+from .readers import MiB, is_host
 
 HOST_LINES = ("rss", "used")  # the process's RSS, the machine's used RAM
-# a GPU's memory, stacked: sums to NVML's used (probes.gpu_ledger)
+# a GPU's memory, stacked: sums to NVML's used (readers.gpu_ledger)
 LEDGER = ("allocated", "cached", "engine", "not_torch")
 LEDGER_NAMES = {
     "allocated": "torch allocated",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .probes import MiB, is_host
+from .readers import MiB, is_host
 
 # the after-step figure watched on each kind of device
 WATCHED = {"host": "rss", "cuda": "allocated"}

@@ -12,7 +12,7 @@ import re
 from typing import Optional
 
 from ..errors import LabError
-from .probes import MiB
+from .readers import MiB
 
 
 class OutOfMemory(LabError):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..files import atomic_write_text
 from .figures import LEDGER, LEDGER_NAMES, heatmap_figure, primary_metric, timeline_figure, training_figure
-from .probes import MiB, is_host
+from .readers import MiB, is_host
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
 
@@ -53,7 +53,7 @@ def capacities_of(sampler) -> dict[str, float]:
     """Each sampled device's capacity (bytes): the host's limit (cgroup or RAM), each GPU's total."""
     host = sampler.latest("host")
     out = {"host": host["limit"]} if host.get("limit") else {}
-    out.update({probe.device: probe.total for probe in sampler.probes[1:]})
+    out.update({reader.device: reader.total for reader in sampler.readers[1:]})
     out.update(getattr(sampler, "rank_capacities", {}))  # a sharded Lab's ranks' devices (each rank measured its own)
     return out
 

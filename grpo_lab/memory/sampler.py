@@ -1,4 +1,4 @@
-"""The memory sampler: a background thread reads every probe at `memory.sample_hz`, and the
+"""The memory sampler: a background thread reads every device at `memory.sample_hz`, and the
 step's phase markers (it is a Timeline listener) take a reading at every phase start and end,
 so even a phase shorter than one sampling period has its start, peak and end.
 
@@ -16,7 +16,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from ..errors import LabError
-from .probes import MiB, probes_for
+from .readers import MiB, readers_for
 
 # metrics summarised per phase (the others are still sampled and written to memory.csv)
 SUMMARY_METRICS = {
@@ -47,7 +47,7 @@ class MemorySampler:
         max_samples: int = 500_000,
         guard_host: bool = True,
     ):
-        self.probes = probes_for(devices)
+        self.readers = readers_for(devices)
         self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
         self.guard_host = guard_host  # False on a sharded learner's rank: the driver guards the one host for all
         self.samples: deque = deque(maxlen=max_samples)  # (t, step, phase, device, metric, bytes)
@@ -64,9 +64,9 @@ class MemorySampler:
 
     def attach_engine(self, device: str, share: Callable[[], tuple[float, float]]) -> None:
         """An in-process vLLM engine on `device`: its (books, resident) bytes become the GPU ledger's own layer."""
-        for probe in self.probes:
-            if probe.device == device:
-                probe.engine = share
+        for reader in self.readers:
+            if reader.device == device:
+                reader.engine = share
 
     # --- the thread ---
     def start(self) -> "MemorySampler":
@@ -96,12 +96,12 @@ class MemorySampler:
 
     # --- readings ---
     def read(self) -> dict[tuple[str, str], float]:
-        """Read every probe once, record the samples, update the open phase's peaks."""
+        """Read every device once, record the samples, update the open phase's peaks."""
         t = time.perf_counter() - self.t0
         reading = {}
-        for probe in self.probes:
-            for metric, value in probe.read().items():
-                reading[(probe.device, metric)] = value
+        for reader in self.readers:
+            for metric, value in reader.read().items():
+                reading[(reader.device, metric)] = value
         with self._lock:
             for (device, metric), value in reading.items():
                 self.samples.append((t, self.step, self.phase, device, metric, value))
@@ -121,9 +121,9 @@ class MemorySampler:
     # --- Timeline listener ---
     def phase_started(self, step: int, phase: str) -> None:
         self.check_host(step, phase)
-        for probe in self.probes:
-            if hasattr(probe, "reset_peak"):
-                probe.reset_peak()  # why: torch's peak then covers exactly this phase
+        for reader in self.readers:
+            if hasattr(reader, "reset_peak"):
+                reader.reset_peak()  # why: torch's peak then covers exactly this phase
         with self._lock:
             self.step, self.phase = step, phase
         start = self.read()
@@ -169,7 +169,7 @@ class MemorySampler:
         """Refuse to start `phase` when host RAM crossed the threshold since the last boundary."""
         if not self.guard_host:
             return
-        reading = {("host", k): v for k, v in self.probes[0].read().items()}
+        reading = {("host", k): v for k, v in self.readers[0].read().items()}
         with self._lock:
             ratio = max(self._host_max_ratio, self.host_ratio(reading))
             self._host_max_ratio = 0.0

@@ -27,9 +27,9 @@ def capacity_of(device: str, config) -> float:
     if device == "host":
         if config.placement.host_memory_gib:
             return config.placement.host_memory_gib * GiB
-        from ..memory.probes import HostProbe
+        from ..memory.readers import HostReader
 
-        return HostProbe().read()["limit"]
+        return HostReader().read()["limit"]
     if config.placement.gpu_memory_gib:
         return config.placement.gpu_memory_gib * GiB
     from ..checks.devices import cuda_device_count

@@ -18,7 +18,7 @@ from typing import Optional
 
 from ..algo.phases import PHASE_NAMES
 from ..errors import LabError
-from ..memory.probes import MiB
+from ..memory.readers import MiB
 
 PROBE_STEP = -1  # the step index the probe's phases are recorded under, then removed
 
@@ -142,7 +142,7 @@ def _worst_case(lab):
 def probe(lab) -> ProbeReport:
     """One step at the largest shapes the config allows; everything it changed is put back (see the module)."""
     from ..memory.sampler import HostMemoryExceeded
-    from ..state.checkpoint import read_checkpoint
+    from ..recovery.checkpoint import read_checkpoint
 
     check_probe(lab)
     plan = lab.plan()

@@ -32,7 +32,7 @@ from ..memory.figures import (
     trace_style,
     work_clock,
 )
-from ..memory.probes import MiB
+from ..memory.readers import MiB
 from ..memory.report import host_limits
 
 

@@ -72,7 +72,7 @@ class LabViews:
 
     # --- what a cell shows for the Lab itself ---
     def _summary(self) -> list[tuple[str, str]]:
-        from ..memory.probes import MiB
+        from ..memory.readers import MiB
 
         config, place = self.config, self.config.placement
         ranks = f" x {place.learner_procs} ranks" if place.learner_procs > 1 else ""

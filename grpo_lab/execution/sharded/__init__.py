@@ -1,7 +1,7 @@
 """A learner sharded with FSDP2 over `placement.learner_procs` processes (ranks), driven phase by phase from one Lab.
 
 The FSDP building blocks, which the one-process path uses too (each is the identity in a world of one): fsdp.py
-(sharding the 4-bit LoRA model), meta_load.py (loading it without ever holding it whole), recovery.py (a failed pass
+(sharding the 4-bit LoRA model), meta_load.py (loading it without ever holding it whole), failed_pass.py (a failed pass
 recovered), gathered.py (its state gathered whole). Before any process starts: precheck.py (the world's checks).
 
 The Ray driver, which nothing in the one-process path imports (the Lab reaches `RankExecutor` by name,

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from ...algo.containers import BackwardResult
 from ...errors import LabError
 from ...models.source import fetch_once
+from ...recovery.rollback import SnapshotsOnRanks
 from .ranks import RankFailure, RankMemory, Ranks
 
 
@@ -163,7 +164,7 @@ class RankExecutor:
             self.generator_behind = False
         out = self.ranks.call("phase", name, self.rank_config(), describe=name)
         if name == "optimizer" and state.snapshot is None:
-            state.snapshot = "on every rank"  # why: each rank took its own rollback snapshot
+            state.snapshot = SnapshotsOnRanks()  # why: each rank took its own rollback snapshot
         if name == "sync":
             self.sync_result = out
         if name == "backward":  # each rank keeps the old log-probs its first backward recorded; the driver, the stats

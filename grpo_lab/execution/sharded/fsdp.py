@@ -181,7 +181,7 @@ def generation(model, gather: bool) -> Iterator[None]:
         raise
     finally:
         if failed:
-            from .recovery import reset_after_failure
+            from .failed_pass import reset_after_failure
 
             reset_after_failure(model)
         for unit, saved in zip(units, reshard):

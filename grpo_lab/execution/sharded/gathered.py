@@ -55,7 +55,7 @@ def full_lora(learner) -> dict:
 
 def save_full_checkpoint(learner, prompts, config, step: int, path) -> None:
     """Every rank gathers; rank 0 writes the single-process checkpoint format."""
-    from ...state.checkpoint import save_checkpoint
+    from ...recovery.checkpoint import save_checkpoint
     from ..runtime import capture_rng, runtime
 
     me = runtime()
@@ -91,7 +91,7 @@ def restore_full_checkpoint(learner, prompts, path) -> int:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from ...errors import LabError
-    from ...state.checkpoint import read_checkpoint
+    from ...recovery.checkpoint import read_checkpoint
     from ..runtime import rank_rng, restore_rng, runtime
 
     checkpoint = read_checkpoint(path)

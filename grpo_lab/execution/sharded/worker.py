@@ -182,7 +182,7 @@ class RankWorker:
         return self.lab.inspect()[0], None
 
     def arm_fault(self, phase: str, error: str):
-        """Make this rank's next `phase` fail inside it (state/faults.py)."""
+        """Make this rank's next `phase` fail inside it (recovery/faults.py)."""
         return self.lab.arm_fault(self.rank, phase, error), None
 
 

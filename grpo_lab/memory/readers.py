@@ -65,7 +65,7 @@ def cgroup_working_set(root: Path = CGROUP_ROOT) -> Optional[int]:
     return None if usage is None else max(usage - inactive, 0)
 
 
-class HostProbe:
+class HostReader:
     """Host memory in bytes: `rss` (this process + children), `used` and `limit`.
 
     `used` is memory the kernel cannot reclaim, the same meaning everywhere: under a cgroup limit the
@@ -137,7 +137,7 @@ def gpu_ledger(
     return out
 
 
-class CudaProbe:
+class CudaReader:
     """One placed GPU: torch allocator figures for this process and NVML's device-wide used memory."""
 
     def __init__(self, device: str):
@@ -172,10 +172,10 @@ def is_host(device: str) -> bool:
     return device == "host" or device.endswith("/host")
 
 
-def probes_for(devices: list[str]) -> list:
-    """A host probe plus one probe per distinct CUDA device of the placement."""
-    out: list = [HostProbe()]
+def readers_for(devices: list[str]) -> list:
+    """A host reader plus one reader per distinct CUDA device of the placement."""
+    out: list = [HostReader()]
     for dev in dict.fromkeys(devices):
         if dev.startswith("cuda"):
-            out.append(CudaProbe(dev))
+            out.append(CudaReader(dev))
     return out

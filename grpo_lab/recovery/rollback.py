@@ -9,7 +9,9 @@ import copy
 import torch
 
 
-class TrainState:
+class RollbackSnapshot:
+    """This process's LoRA weights and AdamW state, on the host, before the step's first update."""
+
     def __init__(self, learner):
         params = learner.trainable_parameters()
         # why on the host: the copy costs host RAM (LoRA weights + two AdamW moments), never GPU memory
@@ -22,6 +24,14 @@ class TrainState:
                 param.copy_(self.params[name])
         learner.optimizer.load_state_dict(self.optimizer)
         learner.optimizer.zero_grad(set_to_none=True)  # why: a failed step's partial gradients are garbage
+
+
+class SnapshotsOnRanks:
+    """A sharded learner's snapshot, as its driver holds it: every rank took its own RollbackSnapshot of its shards and
+    restores it when the driver says rollback (the driver has nothing to restore itself)."""
+
+    def restore(self, learner) -> None:
+        raise RuntimeError("a sharded learner's snapshot is restored by each rank, not by its driver")
 
 
 def _to_cpu(state):

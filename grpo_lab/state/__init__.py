@@ -1,1 +1,0 @@
-"""What a run keeps and gives back: the rollback snapshot, checkpoints, run directories, and failures on demand."""
