@@ -235,40 +235,6 @@ def test_stop_during_one_step_stops_at_the_next_phase_boundary(page):
     wait_for(read_state, lambda s: s["history"] == before["history"] + 1)
 
 
-def test_the_live_plot_after_idle_time_and_ten_steps_names_every_phase(page):
-    pg, read_state = page
-    before = read_state()["history"]
-    count = panel(pg).locator("input[type=number]").first
-    count.fill("10")
-    count.press("Enter")
-    panel(pg).locator("button", has_text="run N").click()
-    wait_for(read_state, lambda s: s["history"] == before + 10, timeout=300)
-    # idle with the panel on screen until 5 minutes of the time since it showed were idle (the tests before this
-    # one ran a few steps and mostly waited in the browser), and at least 30 s after the ten steps
-    idle = lambda: time.time() - SHOWN["at"] - read_state()["work"]
-    time.sleep(max(30.0, IDLE_S - idle()))
-    assert idle() >= IDLE_S
-    plot = pg.locator(".js-plotly-plot").last
-    plot.scroll_into_view_if_needed()
-    wait_drawn(pg, read_state)
-    figure = plot.evaluate(
-        "el => ({names: el.data.map(t => t.name), "
-        "xs: el.data.flatMap(t => (t.x || []).filter(v => v !== null)), "
-        "title: el.layout.title && el.layout.title.text, width: el.getBoundingClientRect().width, "
-        "top: el.layout.margin && el.layout.margin.t})"
-    )
-    pg.screenshot(path=str(ARTIFACTS / "panel_plot.png"), full_page=True)
-    key = plot.evaluate("el => (el.layout.annotations || []).map(a => a.text).join(' ')")
-    for phase in ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"):
-        assert phase in key, (phase, key)  # one row of coloured squares names every phase
-    # the x axis is working time: the 5 minutes spent idle are squeezed
-    span = max(figure["xs"]) - min(figure["xs"])
-    work = read_state()["work"]
-    # every idle gap (between phases, between steps, the 5 minutes) counts at most 1 s: ~8 per step, ~14 steps so far
-    assert span < work + 30, f"x axis spans {span:.0f} s for {work:.0f} s of work"
-    assert figure["width"] > 900, figure["width"]  # full width of the cell, not plotly's default 700 px
-
-
 def test_replaced_plots_say_so_in_their_titles(page):
     pg, _ = page
     titles = pg.locator(".js-plotly-plot").evaluate_all("els => els.map(el => el.layout.title.text)")
@@ -427,3 +393,39 @@ def test_thirty_steps_keep_every_band_of_the_window_a_compact_legend_and_apart_l
     assert plot["plot_h"] / plot["height"] >= 0.7, plot  # legend and titles leave the data 70 %
     spans = sorted(plot["steps"])
     assert spans and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # step labels never overlap
+
+
+def test_the_live_plot_after_idle_time_and_ten_steps_names_every_phase(page):
+    """Last in the module: the idle time it needs (IDLE_S since the panels showed, less the lab's work) has mostly
+    passed in the tests before it, which wait in the browser, so it sleeps only what is left (at least 30 s)."""
+    pg, read_state = page
+    before = read_state()["history"]
+    count = panel(pg).locator("input[type=number]").first
+    count.fill("10")
+    count.press("Enter")
+    panel(pg).locator("button", has_text="run N").click()
+    wait_for(read_state, lambda s: s["history"] == before + 10, timeout=300)
+    # idle with the panel on screen until 5 minutes of the time since it showed were idle (the tests before this
+    # one ran a few steps and mostly waited in the browser), and at least 30 s after the ten steps
+    idle = lambda: time.time() - SHOWN["at"] - read_state()["work"]
+    time.sleep(max(30.0, IDLE_S - idle()))
+    assert idle() >= IDLE_S
+    plot = pg.locator(".js-plotly-plot").last
+    plot.scroll_into_view_if_needed()
+    wait_drawn(pg, read_state)
+    figure = plot.evaluate(
+        "el => ({names: el.data.map(t => t.name), "
+        "xs: el.data.flatMap(t => (t.x || []).filter(v => v !== null)), "
+        "title: el.layout.title && el.layout.title.text, width: el.getBoundingClientRect().width, "
+        "top: el.layout.margin && el.layout.margin.t})"
+    )
+    pg.screenshot(path=str(ARTIFACTS / "panel_plot.png"), full_page=True)
+    key = plot.evaluate("el => (el.layout.annotations || []).map(a => a.text).join(' ')")
+    for phase in ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"):
+        assert phase in key, (phase, key)  # one row of coloured squares names every phase
+    # the x axis is working time: the 5 minutes spent idle are squeezed
+    span = max(figure["xs"]) - min(figure["xs"])
+    work = read_state()["work"]
+    # every idle gap (between phases, between steps, the 5 minutes) counts at most 1 s: ~8 per step, ~14 steps so far
+    assert span < work + 30, f"x axis spans {span:.0f} s for {work:.0f} s of work"
+    assert figure["width"] > 900, figure["width"]  # full width of the cell, not plotly's default 700 px
