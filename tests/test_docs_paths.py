@@ -186,7 +186,8 @@ def test_links_resolve_from_the_doc_folder():
 
 def test_the_packages_docstrings_and_comments_name_only_files_that_exist():
     """Issue 41: docstrings named modules long moved ("sharded.py", "sharded.world", "planner/models/"). Every
-    `name.py`/`.md`/`.ipynb` in grpo_lab's source (a path suffix, or a bare name) is a tracked file of the repository."""
+    `name.py`/`.md`/`.ipynb` in grpo_lab's source (a path suffix, or a bare name) is a tracked file of the
+    repository."""
     import subprocess
 
     if not (ROOT / ".git").exists():
