@@ -14,7 +14,7 @@ def preflight(config: LabConfig) -> None:
     from .checks.devices import check_devices
     from .checks.installed import check_torchvision
     from .execution.sharded.precheck import check_ranks
-    from .models.source import check_model_path
+    from .models.source import check_model_path, require_files
 
     check_torchvision()
     check_ranks(config)  # more ranks than devices, no FSDP2 in this torch: before any process starts
@@ -23,9 +23,12 @@ def preflight(config: LabConfig) -> None:
 
         engine_share(config)  # why before anything is fetched: no share that fits is refused with its fixes, at no cost
     check_model_path(config.model.name_or_path)
+    if config.placement.learner_procs > 1:
+        require_files(config.model.name_or_path, "a sharded learner's ranks (each reads its shard from the files)")
     if config.generator.backend == "vllm":
-        from .generation.vllm_engine import check_tensor_parallel, max_lora_rank
+        from .generation.vllm_engine import check_tensor_parallel, generator_checkpoint, max_lora_rank
 
+        require_files(generator_checkpoint(config)[0], "vLLM's engine (it loads the model from its files)")
         max_lora_rank(config.lora.r)
         check_tensor_parallel(config)
     check_devices(config)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..generation.registry import BACKENDS, OWN_WEIGHTS
 from .fields import Section, knob, normalize_device
@@ -42,6 +42,22 @@ class ModelSection(Section):
     gradient_checkpointing: bool = knob(
         "load", True, planned=True, description="Recompute activations in backward instead of storing them."
     )
+    activation_offload: bool = knob(
+        "load",
+        False,
+        planned=True,
+        description="Keep the checkpointed layer inputs in pinned host memory, brought back a layer ahead of "
+        "backward (long completions on one GPU); needs gradient_checkpointing.",
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self):
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise ValueError(
+                "activation_offload offloads the checkpointed layer inputs, and gradient_checkpointing is off; "
+                "set model.gradient_checkpointing: true or model.activation_offload: false"
+            )
+        return self
 
 
 class LoraSection(Section):

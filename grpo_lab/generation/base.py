@@ -53,6 +53,10 @@ def eos_token_ids(tokenizer, checkpoint: str) -> list[int]:
     eos_token_id (an int or a list: Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>)."""
     from transformers import GenerationConfig
 
+    from ..models.random_shapes import parse_random
+
+    if parse_random(checkpoint):  # why: a built-in random shape has no files; its tokenizer's EOS is its EOS
+        return [tokenizer.eos_token_id]
     try:
         listed = GenerationConfig.from_pretrained(checkpoint).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's EOS alone

@@ -5,6 +5,7 @@ not upcast every non-quantized weight to float32 (that doubles embedding memory 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ..execution.sharded.fsdp import decoder_layers
 from ..memory.heap import trim_before_each_layer
 from .offload import HostAdamW
 from .quant import pin_training_layout, quiet_bitsandbytes
-from .source import check_model_path, resolve_model_path
+from .source import check_model_path, require_files, resolve_model_path
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -35,7 +36,10 @@ class Learner:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    from .random_shapes import parse_random, random_tokenizer
+
+    # a built-in random shape has no files: the tiny models' tokenizer, built in memory (a copy: callers may set it)
+    tok = copy.deepcopy(random_tokenizer()) if parse_random(path) else AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"  # why: generation appends after the prompt, so prompts are right-aligned
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -65,14 +69,29 @@ def quantization_config(model_cfg):
     )
 
 
-def load_base(model_cfg, device: str):
+def load_base(model_cfg, device: str, seed: int = 0):
     """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen. On a sharded rank, already sharded
-    (loaded layer by layer: sharded/meta_load.py); prepare_like_policy then leaves it as it is."""
-    from transformers import AutoModelForCausalLM
+    (loaded layer by layer: sharded/meta_load.py); prepare_like_policy then leaves it as it is. A built-in random
+    shape is drawn from `seed` on `device` (models/random_shapes.py)."""
+
+    from .random_shapes import build_random, parse_random
 
     if runtime_is_rank():
         return load_sharded_base(model_cfg, device)
     path = check_model_path(model_cfg.name_or_path)
+    random = parse_random(path)
+    model = build_random(random, model_cfg, device, seed) if random else _from_pretrained(path, model_cfg, device)
+    # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
+    pin_training_layout(model)
+    model.requires_grad_(False)
+    model.config.use_cache = False  # why: training forwards never reuse a KV cache; generate() turns it back on
+    return model
+
+
+def _from_pretrained(path: str, model_cfg, device: str):
+    """The checkpoint at `path` on `device` (nf4-quantized when `load_in_4bit`), its load errors as one LabError."""
+    from transformers import AutoModelForCausalLM
+
     kwargs = dict(dtype=_DTYPES[model_cfg.dtype], device_map={"": device})
     if model_cfg.load_in_4bit:
         kwargs["quantization_config"] = quantization_config(model_cfg)
@@ -90,10 +109,6 @@ def load_base(model_cfg, device: str):
             f"({(str(err).strip().splitlines() or ['ValueError'])[0][:300]}); give a checkpoint transformers "
             "can load with AutoModelForCausalLM"
         ) from None
-    # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
-    pin_training_layout(model)
-    model.requires_grad_(False)
-    model.config.use_cache = False  # why: training forwards never reuse a KV cache; generate() turns it back on
     return model
 
 
@@ -103,7 +118,7 @@ def load_learner(config) -> Learner:
     if runtime_is_rank():
         model = load_sharded_learner(config, device)
     else:
-        model = add_lora(load_base(config.model, device), config)
+        model = add_lora(load_base(config.model, device, config.run.seed), config)
         prepare_like_policy(model, device)
     if device == "cpu" and config.memory.host_mmap_threshold_mib is None:  # why: heap.trim_before_each_layer
         trim_before_each_layer(decoder_layers(model))
@@ -142,6 +157,10 @@ def add_lora(base, config):
     if config.model.gradient_checkpointing:
         # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.model.activation_offload:  # why: the layer inputs checkpointing keeps wait on the host (P2 at length)
+        from .activation_offload import attach
+
+        attach(model, learner_device(config))
     return model
 
 
@@ -156,6 +175,7 @@ def load_sharded_base(model_cfg, device: str, wrap=None):
     on meta, before any weight is read."""
     from ..execution.sharded.meta_load import load_sharded
 
+    require_files(model_cfg.name_or_path, "a sharded learner's ranks (each reads its shard from the files)")
     path = Path(check_model_path(model_cfg.name_or_path))
     if not path.is_dir():  # a hub id: its files from the hub cache (downloaded there if not yet)
         from huggingface_hub import snapshot_download

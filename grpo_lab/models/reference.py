@@ -42,7 +42,7 @@ class CopyReference:
 
         sharded = runtime().is_rank  # a sharded learner's copy: on the rank's device, sharded the same way (P5)
         self.device = torch.device(learner_device(config) if sharded else config.reference_device)
-        self.model = load_base(config.model, str(self.device))
+        self.model = load_base(config.model, str(self.device), config.run.seed)
         add_logprob_head(self.model)
         prepare_like_policy(self.model, str(self.device))
         self.model.eval()

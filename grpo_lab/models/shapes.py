@@ -115,8 +115,12 @@ def read_model_config(path: Path, field: str) -> dict:
 
 def load_shape(name_or_path: str, field: str = "model.name_or_path") -> ModelShape:
     """Shape from `name_or_path/config.json`, else from the bundled copy of a known hub id; errors name `field`."""
+    from .random_shapes import parse_random
     from .source import resolve_model_path
 
+    random = parse_random(name_or_path)
+    if random is not None:  # why here: a real shape is planned from its config.json, nothing built
+        return ModelShape.from_config(random.hf_config(), field)
     name_or_path = resolve_model_path(name_or_path)
     local = Path(name_or_path) / "config.json"
     bundled = BUNDLED / f"{bundled_name(name_or_path)}.json"

@@ -14,23 +14,30 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """`builtin:tiny-qwen2` -> its directory in the user cache, built on first use; anything else as given."""
+    """`builtin:tiny-qwen2` -> its directory in the user cache, built on first use; a random-weight real shape
+    (`builtin:qwen3-8b-random`, models/random_shapes.py) has no files and stays its name; anything else as given."""
     if not name_or_path.startswith(BUILTIN):
         return name_or_path
+    from .random_shapes import RANDOM_SHAPES, parse_random
     from .tiny import BUILTINS, builtin_path, ensure_tiny_model
 
+    if parse_random(name_or_path) is not None:
+        return name_or_path
     name = name_or_path.removeprefix(BUILTIN)
     if name not in BUILTINS:
-        raise LabError(
-            f"model.name_or_path: unknown built-in model {name_or_path!r}; use one of {[BUILTIN + n for n in BUILTINS]}"
-        )
+        known = [BUILTIN + n for n in [*BUILTINS, *RANDOM_SHAPES]]
+        raise LabError(f"model.name_or_path: unknown built-in model {name_or_path!r}; use one of {known}")
     return str(ensure_tiny_model(builtin_path(name), **BUILTINS[name][1]))
 
 
 def check_model_path(name_or_path: str) -> str:
     """A local directory must hold config.json; anything else must look like a hub id. Returns what to load:
     a built-in model is built here and its directory returned."""
+    from .random_shapes import parse_random
+
     name_or_path = resolve_model_path(name_or_path)
+    if parse_random(name_or_path) is not None:
+        return name_or_path  # built in memory at load (models/random_shapes.py)
     path = Path(name_or_path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -58,3 +65,15 @@ def fetch_once(name_or_path: str, local: bool) -> str:
 
     path = snapshot_download(name_or_path)
     return path if local else name_or_path
+
+
+def require_files(name_or_path: str, who: str) -> None:
+    """A built-in random-weight shape lives in memory only: `who` (vLLM's engine, a sharded rank's reader) needs
+    checkpoint files, so it is refused in one line."""
+    from .random_shapes import parse_random
+
+    if parse_random(name_or_path) is not None:
+        raise LabError(
+            f"model.name_or_path: {name_or_path!r} is built in memory and has no checkpoint files, which {who} "
+            "needs; use generator.backend hf or synthetic and one learner process, or a checkpoint directory"
+        )
