@@ -32,7 +32,7 @@ def preflight(config: LabConfig) -> None:
         max_lora_rank(config.lora.r)
         check_tensor_parallel(config)
     check_devices(config)
-    if config.generator.backend == "hf":
+    if not config.generator.own_weights:  # hf, synthetic: the learner's own device
         from .generation.hf import check_hf_placement
 
         check_hf_placement(config)

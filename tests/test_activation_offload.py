@@ -91,3 +91,32 @@ def test_offload_without_checkpointing_is_refused_in_one_line(tiny_config):
         Lab(config)
     assert "activation_offload" in str(err.value) and "gradient_checkpointing: true" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def _stack_grads(offload, device: str, dtype) -> list:
+    """Gradients of a 6-layer MLP stack's weights, each layer through `offload` (None: plain autograd)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512).to(device, dtype) for _ in range(6)]
+    h = torch.randn(2048, 512, device=device, dtype=dtype)
+    for layer in layers:
+        fn = lambda t, layer=layer: torch.nn.functional.gelu(layer(t))  # noqa: E731
+        h = fn(h) if offload is None else offload(fn, h)
+    h.float().square().mean().backward()
+    return [layer.weight.grad for layer in layers]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_on_cuda_copies_on_a_side_stream_and_gives_the_plain_gradients():
+    """The CUDA path: pinned host copies on the side stream, a prefetch one layer ahead, the inputs' blocks kept until
+    their copies are done (record_stream): the gradients equal plain autograd's, and the GPU held fewer inputs."""
+    from grpo_lab.models.activation_offload import ActivationOffload
+
+    plain = _stack_grads(None, "cuda", torch.bfloat16)
+    offload = ActivationOffload("cuda:0")
+    offloaded = _stack_grads(offload, "cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    for a, b in zip(offloaded, plain):
+        torch.testing.assert_close(a, b)
+    assert offload.offloaded_bytes == 6 * 2048 * 512 * 2
+    assert not [r for r in offload.waiting if r() is not None]

@@ -70,7 +70,7 @@ def check_sharding(config) -> None:
     """What a sharded learner cannot do, refused before anything starts (execution/sharded/precheck.py checks its
     devices and engine)."""
     procs, gen, g = config.placement.learner_procs, config.generator, config.grpo
-    if gen.backend != "hf":  # vllm: one engine in the driver's process, never on a rank's device
+    if gen.own_weights:  # vllm: one engine in the driver's process, never on a rank's device
         from ..execution.sharded.precheck import rank_devices
 
         shared = sorted(

@@ -156,7 +156,8 @@ class GeneratorSection(Section):
         planned=True,
         description="Generator backend: "
         + ", ".join(BACKENDS)
-        + " (hf = transformers.generate with the learner itself).",
+        + " (hf = transformers.generate with the learner itself; synthetic = no sampling, fixed full-length "
+        "completions: the learner's worst case, for memory frontiers).",
     )
     temperature: float = knob(
         "live",

@@ -10,6 +10,8 @@ from ..errors import LabError
 BACKENDS: dict[str, str] = {
     "hf": "grpo_lab.generation.hf:HFGenerator",
     "vllm": "grpo_lab.generation.vllm_engine:VLLMGenerator",
+    # fixed full-length completions, no sampling: the learner's memory frontier (generation/synthetic.py)
+    "synthetic": "grpo_lab.generation.synthetic:SyntheticGenerator",
 }
 
 # a sharded learner's rank asks the driver's engine instead (sharded/remote.py)

@@ -28,6 +28,9 @@ OUTSIDE_ALLOCATOR = ("CUDA context",)  # plan lines torch's allocated bytes neve
 # per-layer bytes activation_bytes counts (H100, Qwen2.5-0.5B's shape, micro-batches of 8 at 256 and 1,024 tokens:
 # 1.40 and 1.35), where the CPU's heap holds 2x
 GPU_LAYER_RECOMPUTE = 1.4
+# model.activation_offload: layer inputs on the GPU at once in backward: the one recomputing and the one prefetched
+# (models/activation_offload.py); the rest wait in pinned host memory
+OFFLOAD_IN_FLIGHT = 2
 # Python and the libraries, with the one-off state a process gains in its first step: 474 MiB after importing
 # torch, transformers, peft, bitsandbytes, trl and grpo_lab (CPU build of torch 2.13), plus 105-128 MiB the first
 # step adds for good (lazily imported generation code, thread pools, oneDNN caches; tiny-cpu and logits-heavy-cpu,
@@ -221,7 +224,8 @@ def activation_bytes(
         # why the larger of the head and the layer, not both: on a GPU the head's buffers go back to the caching
         # allocator before the layers' backward reuses them (the CPU's heap keeps them, so there both are planned)
         layer = GPU_LAYER_RECOMPUTE * per_layer * tokens
-        stored = shape.layers * h * e * tokens + max(layer - head, 0.0)
+        inputs = OFFLOAD_IN_FLIGHT if config.model.activation_offload else shape.layers
+        stored = inputs * h * e * tokens + max(layer - head, 0.0)
     else:
         stored = shape.layers * per_layer * tokens + per_layer * tokens
     in_heap = head_in_heap(config, shape, rows, on_cpu)
@@ -232,6 +236,8 @@ def activation_bytes(
     forward = per_layer * tokens + h * e * tokens
     return {
         "activations": stored,
+        # the layer inputs activation offload keeps on the host (pinned), on a GPU learner
+        "offloaded inputs": shape.layers * h * e * tokens if config.model.activation_offload and not on_cpu else 0,
         "log-prob head": head,
         "4-bit dequant buffer": dequant,
         "forward activations": forward,

@@ -10,6 +10,7 @@ from ..models.shapes import ModelShape
 from .estimate import (
     DTYPE_BYTES,
     HOST_BASELINE,
+    OFFLOAD_IN_FLIGHT,
     ONEDNN_CPU_CACHES,
     DevicePlan,
     activation_bytes,
@@ -41,9 +42,11 @@ def add_learner(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shap
     ):  # its engine holds weights of its own (parts.add_engine), in this process or the driver
         if procs > 1:
             lrn.roles.append(f"rollout sampled by the driver's {config.generator.backend} engine")
+    elif config.generator.backend == "synthetic":  # nothing sampled: no KV cache, no decoding step
+        lrn.roles.append("generator (synthetic: fixed full-length completions)")
     else:
         add_hf_rollout(lrn, config, shape, procs)
-    return add_passes(lrn, ref, config, shape, procs, on_cpu)
+    return add_passes(lrn, ref, host, config, shape, procs, on_cpu)
 
 
 def add_base(dev: DevicePlan, config, shape: ModelShape, procs: int, label: str, quant_label: str) -> None:
@@ -155,7 +158,9 @@ def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> No
     )
 
 
-def add_passes(lrn: DevicePlan, ref: DevicePlan, config, shape: ModelShape, procs: int, on_cpu: bool) -> int:
+def add_passes(
+    lrn: DevicePlan, ref: DevicePlan, host: DevicePlan, config, shape: ModelShape, procs: int, on_cpu: bool
+) -> int:
     """The reference pass (beta > 0) and backward over this process' rows, a micro-batch at a time, with the layers
     gathered whole when sharded. Returns the micro-batch."""
     grpo, lora = config.grpo, shape.lora_params(config.lora.r, config.lora.target_modules)
@@ -188,6 +193,10 @@ def add_passes(lrn: DevicePlan, ref: DevicePlan, config, shape: ModelShape, proc
             phase="backward",
         )
     ckpt = "checkpointing on" if config.model.gradient_checkpointing else "checkpointing off"
+    if act["offloaded inputs"]:
+        ckpt += f", layer inputs on the host ({OFFLOAD_IN_FLIGHT} in flight)"
+        # why resident: torch's pinned-memory allocator keeps the blocks for the next step's copies
+        host.add("offloaded layer inputs (pinned)", act["offloaded inputs"] * procs, f"{shape_note} x {shape.layers}")
     lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
     head = head_note(config, shape, on_cpu, act["head in heap"])
     lrn.add("log-prob head", act["log-prob head"], head, phase="backward")
