@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -101,6 +102,7 @@ def grpo_lab_side(args, offload: bool) -> None:
         device_plan = plan(lab.config).devices[where]
         planned = planned_phases(device_plan, metric, first_step=i == 0)
         record = {"side": side, "model": args.model, "length": length, "G": args.generations, "cap_gib": args.cap_gib}
+        record["alloc"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         record["planned_peak"], record["plan_fits"] = max(planned.values()), device_plan.fits
         host = plan(lab.config).devices["host"]
         record["planned_host_offload"] = sum(it.bytes for it in host.items if it.what.startswith("offloaded"))
@@ -147,6 +149,7 @@ def trl_side(args) -> None:
         cfg = load_config("tiny-cpu", overrides(args, length, False))
         base = load_base(cfg.model, args.device, cfg.run.seed)  # the same seeded weights as grpo_lab's
         record = {"side": "trl", "model": args.model, "length": length, "G": args.generations, "cap_gib": args.cap_gib}
+        record["alloc"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 figures = trl_step_peak(
