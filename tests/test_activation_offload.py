@@ -120,3 +120,22 @@ def test_offload_on_cuda_copies_on_a_side_stream_and_gives_the_plain_gradients()
         torch.testing.assert_close(a, b)
     assert offload.offloaded_bytes == 6 * 2048 * 512 * 2
     assert not [r for r in offload.waiting if r() is not None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_cuda_expandable_segments_takes_effect_at_load():
+    """The knob works: after a CUDA learner loads with it on (the default), a new allocation is an expandable
+    segment; PYTORCH_CUDA_ALLOC_CONF naming it is left alone (the function says so)."""
+    import os
+
+    from grpo_lab.memory.cuda_allocator import expandable_segments
+
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        assert expandable_segments(True) is False
+        return
+    assert expandable_segments(True) is True
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    segments = torch.cuda.memory_snapshot()
+    assert any(s.get("is_expandable") for s in segments), [s.keys() for s in segments][:1]
+    del x

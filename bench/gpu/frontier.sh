@@ -18,6 +18,9 @@ case "${1:-qwen3}" in
   edge)  # the edge again with the caching allocator's expandable segments (no fragmentation), every side
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python -m bench.gpu.frontier --out "$OUT" \
       --model builtin:qwen3-8b-random --cap-gib "${2:-24}" --generations 2 --lengths 32768 65536 --timeout 280 ;;
+  default)  # offload's edge with grpo_lab's own allocator default (memory.cuda_expandable_segments), no env
+    timeout 260 python -m bench.gpu.frontier --out "$OUT" --model builtin:qwen3-8b-random --cap-gib "${2:-24}" \
+      --generations 2 --lengths 65536 131072 --sides grpo_lab+offload --timeout 240 ;;
   qwen25)
     timeout 300 python -m bench.gpu.frontier --out "$OUT" --model builtin:qwen2.5-7b-random --cap-gib "${2:-24}" \
       --generations 8 --lengths 4096 8192 --timeout 280 ;;

@@ -130,6 +130,10 @@ class LocalExecutor:
 
         config = self.config
         warm_up()
+        if config.placement.learner.startswith("cuda"):  # why before the weights: every segment from here on grows
+            from ..memory.cuda_allocator import expandable_segments
+
+            expandable_segments(config.memory.cuda_expandable_segments)
         self.learner = load_learner(config)
         self.check_learner()
         self.build_reference()
