@@ -23,6 +23,8 @@ def preflight(config: LabConfig) -> None:
 
         engine_share(config)  # why before anything is fetched: no share that fits is refused with its fixes, at no cost
     check_model_path(config.model.name_or_path)
+    if config.model.activation_offload:
+        check_offload_host(config)
     if config.placement.learner_procs > 1:
         require_files(config.model.name_or_path, "a sharded learner's ranks (each reads its shard from the files)")
     if config.generator.backend == "vllm":
@@ -45,3 +47,20 @@ def preflight(config: LabConfig) -> None:
                 f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
                 f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset"
             )
+
+
+def check_offload_host(config: LabConfig) -> None:
+    """model.activation_offload keeps the layer inputs in pinned host memory: when the host cannot hold them under the
+    guard's line (memory.host_threshold, P4), it is refused before anything loads."""
+    from .planner import plan
+
+    host = plan(config).devices["host"]
+    offloaded = sum(i.bytes for i in host.items if i.what.startswith("offloaded layer inputs"))
+    if offloaded and not host.fits:
+        gib = 1024**3
+        raise LabError(
+            f"model.activation_offload: the offloaded layer inputs need {offloaded / gib:.1f} GiB of pinned host "
+            f"memory (host peak {host.total / gib:.1f} GiB), above the {host.capacity / gib:.1f} GiB the host may hold "
+            "under memory.host_threshold; shorten generator.max_completion_length, lower grpo.micro_batch_size, "
+            "or set model.activation_offload: false"
+        )

@@ -139,3 +139,52 @@ def test_memory_cuda_expandable_segments_takes_effect_at_load():
     segments = torch.cuda.memory_snapshot()
     assert any(s.get("is_expandable") for s in segments), [s.keys() for s in segments][:1]
     del x
+
+
+def test_offload_the_host_cannot_hold_is_refused_before_loading():
+    """Qwen3-8B's shape at 128K tokens offloads 36 x 128K x 4096 x 2 bytes (36 GiB) of layer inputs: more than this
+    host may hold under memory.host_threshold, so preflight refuses it, naming the field and the bytes."""
+    from grpo_lab import load_config
+    from grpo_lab.errors import LabError
+    from grpo_lab.preflight import check_offload_host, preflight
+
+    overrides = [
+        "model.name_or_path=builtin:qwen3-8b-random",
+        "model.activation_offload=true",
+        "placement.learner=cuda:0",
+        "placement.gpu_memory_gib=141",
+        "generator.backend=synthetic",
+        "generator.max_completion_length=131072",
+        "grpo.micro_batch_size=1",
+        "placement.host_memory_gib=32",
+        "model.dtype=bfloat16",
+        "model.bnb_4bit_compute_dtype=bfloat16",
+    ]
+    with pytest.raises(LabError) as err:
+        preflight(load_config("tiny-cpu", overrides))
+    message = str(err.value)
+    assert message.startswith("model.activation_offload: the offloaded layer inputs need 36.") and "\n" not in message
+    assert "memory.host_threshold" in message
+    # 4K tokens offload 1.1 GiB: accepted (the devices' checks after it are another test's)
+    shorter = overrides[:5] + ["generator.max_completion_length=4096", *overrides[6:]]
+    check_offload_host(load_config("tiny-cpu", shorter))
+
+
+def test_the_worst_case_probe_runs_with_offload_on(tiny_config):
+    """The probe (full-length completions, every micro-batch full) with activation offload on: it fits, measured beside
+    the plan, and its backward went through the host copies."""
+    config = tiny_config(
+        model={"activation_offload": True},
+        generator={"max_completion_length": 48},
+        grpo={"num_generations": 4, "prompts_per_step": 2, "micro_batch_size": 2},
+    )
+    lab = Lab(config).load()
+    try:
+        report = lab.probe()
+        assert report.fits, report.verdict
+        assert report.completion_tokens == 48
+        assert report.measured("host", "backward") and report.planned["host"]["backward"]
+        offload = lab.learner.model.grpo_lab_activation_offload
+        assert offload.offloaded_bytes >= 2 * (report.prompt_tokens + 48) * 2 * 128 * 4  # 2 rows x 2 layers, float32
+    finally:
+        lab.close()
