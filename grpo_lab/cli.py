@@ -56,6 +56,7 @@ def _plan(args) -> int:
         "--generations": args.generations,
         "--micro-batches": args.micro_batches,
         "--out": args.out,
+        "--measured": args.measured,
     }
     given = [flag for flag, value in ranges.items() if value is not None]
     if given and not args.frontier:
@@ -71,6 +72,10 @@ def _plan(args) -> int:
 
     axes = [None if value is None else parse_range(value, flag) for flag, value in list(ranges.items())[:3]]
     front = frontier(config, *axes)
+    if args.measured:
+        from .planner.measured import mark, read_records
+
+        front = mark(front, read_records(args.measured))
     path = front.to_html(args.out or "frontier.html", "--out")  # why last: an error above leaves no page behind
     print(front)
     print(f"frontier page: open {path} in a browser (hover a cell for its binding device, peak, phase and headroom)")
@@ -206,6 +211,12 @@ def _add_plan(sub) -> None:
             "(powers of two from LO to HI); the config's own value is always added",
         )
     p.add_argument("--out", metavar="FILE", help="with --frontier: the HTML page to write (default: frontier.html)")
+    p.add_argument(
+        "--measured",
+        metavar="FILE",
+        help="with --frontier: a frontier.jsonl of bench/gpu/frontier.py; its points of this model and side are "
+        "marked (+ ran, ! failed) beside the plan, with the measured and planned edges",
+    )
     p.set_defaults(func=_plan)
 
 

@@ -6,6 +6,7 @@ input is one line, exit 2, nothing written; the page read in headless Chromium (
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from html_pages import needs_chromium, opened
@@ -278,3 +279,48 @@ def test_the_page_in_chromium_agrees_with_plan_per_combination(front, tmp_path):
     now = front.cell(768, 8, None)
     assert "does not fit" in hovered and f"peak: {size(now.peak)} during backward" in hovered
     assert "micro-batch whole batch" in hovered and f"headroom: {size(now.headroom)}" in hovered
+
+
+MEASURED = Path(__file__).resolve().parents[1] / "bench" / "results" / "frontier_h200_2026-11-27" / "default"
+QWEN3_24GIB = [
+    "model.name_or_path=builtin:qwen3-8b-random", "placement.learner=cuda:0", "placement.gpu_memory_gib=24",
+    "generator.backend=synthetic", "generator.max_completion_length=4096", "generator.max_prompt_length=128",
+    "grpo.micro_batch_size=1", "grpo.num_generations=2", "grpo.prompts_per_step=1", "model.dtype=bfloat16",
+    "model.bnb_4bit_compute_dtype=bfloat16", "lora.r=16", "lora.lora_alpha=32", "grpo.beta=0",
+    "placement.host_memory_gib=120", "model.activation_offload=true",
+]  # fmt: skip
+
+
+def test_the_frontier_marks_the_measured_edge_beside_the_planned_one(tmp_path, capsys):
+    """The H200's default-allocator records (offload on: 64K ran, 128K ran out of memory) on the plan's grid."""
+    from grpo_lab.cli import main
+
+    argv = ["plan", "tiny-cpu", *[a for s in QWEN3_24GIB for a in ("--set", s)], "--frontier", "--lengths",
+            "4096:131072", "--generations", "2", "--micro-batches", "1", "--out", str(tmp_path / "f.html"),
+            "--measured", str(MEASURED / "frontier.jsonl")]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ok 91% +" in out and "NO 153% !" in out
+    assert "G 2, micro-batch 1: planned edge 65536; measured: ran up to 65536, first failure 131072" in out
+    page = (tmp_path / "f.html").read_text()
+    assert "measured\\u003c\\u002fb\\u003e: out of memory" in page and "first failure 131072" in page  # hover, table
+    offload_off = [s.replace("activation_offload=true", "activation_offload=false") for s in QWEN3_24GIB]
+    argv = ["plan", "tiny-cpu", *[a for s in offload_off for a in ("--set", s)], "--frontier", "--lengths",
+            "4096:131072", "--generations", "2", "--micro-batches", "1", "--out", str(tmp_path / "g.html"),
+            "--measured", str(MEASURED / "frontier.jsonl")]  # fmt: skip
+    assert main(argv) == 0
+    assert "measured (--measured)" not in capsys.readouterr().out  # the records are offload-on's, not this side's
+
+
+def test_measured_records_that_cannot_be_read_are_refused_in_one_line(tmp_path, capsys):
+    from grpo_lab.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    for path, why in ((tmp_path / "none.jsonl", "cannot read"), (bad, "is not JSON lines")):
+        argv = ["plan", "tiny-cpu", "--frontier", "--lengths", "64", "--out", str(tmp_path / "x.html"),
+                "--measured", str(path)]  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("grpo-lab: error: --measured: ") and why in err and "\n" not in err
+        assert not (tmp_path / "x.html").exists()

@@ -34,14 +34,17 @@ class Cell:
     headroom: float = 0.0  # its capacity - peak, bytes (negative: it does not fit)
     fraction: float = 0.0  # peak / capacity
     refused: Optional[str] = None  # the config's one-line refusal of this combination; the rest is then empty
+    measured: Optional[str] = None  # a measured run of this point (planner/measured.py): "ran, peak ..." or its failure
 
     @property
     def point(self) -> Point:
         return self.length, self.generations, self.micro_batch
 
     def short(self) -> str:
-        """The table's cell: "ok 63%", "NO 140%", or "-" for a combination the config refuses."""
-        return "-" if self.refused else f"{'ok' if self.fits else 'NO'} {self.fraction:.0%}"
+        """The table's cell: "ok 63%", "NO 140%", or "-" for a combination the config refuses; a measured point adds
+        "+" (it ran) or "!" (it failed)."""
+        mark = "" if self.measured is None else (" +" if self.measured.startswith("ran") else " !")
+        return "-" if self.refused else f"{'ok' if self.fits else 'NO'} {self.fraction:.0%}{mark}"
 
     def hover(self) -> str:
         where = (
@@ -55,6 +58,7 @@ class Cell:
         return (
             f"{where}<br><b>{verdict}</b> ({self.fraction:.0%} of {self.device})<br>binding device: {self.device}"
             f"<br>peak: {size(self.peak)}{during}<br>headroom: {size(self.headroom)}"
+            + (f"<br><b>measured</b>: {html.escape(self.measured)}" if self.measured else "")
         )
 
 
@@ -201,6 +205,10 @@ def render_table(front: Frontier) -> str:
             f"(peak {size(now.peak)}{f' during {now.phase}' if now.phase else ''}, headroom {size(now.headroom)})"
         )
     )
+    if any(c.measured for c in front.cells):
+        from .measured import edges
+
+        lines += ["measured (--measured): + ran, ! failed", *edges(front)]
     for reason, points in refusals.items():  # one line per reason: a refused axis value refuses a whole row
         lines.append(f"refused ({len(points)} cell{'s' * (len(points) > 1)}, e.g. {points[0]}): {reason}")
     return "\n".join(lines)

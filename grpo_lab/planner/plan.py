@@ -152,7 +152,11 @@ def candidate_fixes(config) -> list[tuple[str, list[str]]]:
     if config.generator.own_weights and not config.generator.sleep_mode and colocated_on_gpu(config):
         # asleep, the engine leaves the learner's phases its weights and KV cache
         out.append(("generator.sleep_mode: true", ["generator.sleep_mode=true"]))
-    if config.placement.learner != "cpu" and not config.placement.optimizer_offload:
+    gpu = config.placement.learner != "cpu"
+    if gpu and config.model.gradient_checkpointing and not config.model.activation_offload:
+        # the layer inputs leave the GPU: the term that grows fastest with completion length (issue 38's frontier)
+        out.append(("model.activation_offload: true", ["model.activation_offload=true"]))
+    if gpu and not config.placement.optimizer_offload:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
     if config.reference_strategy == "copy":
         out.append(("reference.strategy: adapter-disabled (no copy)", ["reference.strategy=adapter-disabled"]))
