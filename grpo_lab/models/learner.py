@@ -80,7 +80,11 @@ def load_base(model_cfg, device: str, seed: int = 0):
         return load_sharded_base(model_cfg, device)
     path = check_model_path(model_cfg.name_or_path)
     random = parse_random(path)
-    model = build_random(random, model_cfg, device, seed) if random else _from_pretrained(path, model_cfg, device)
+    if random:
+        quant = quantization_config(model_cfg)
+        model = build_random(random, device, seed, _DTYPES[model_cfg.dtype], quant)
+    else:
+        model = _from_pretrained(path, model_cfg, device)
     # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
     pin_training_layout(model)
     model.requires_grad_(False)

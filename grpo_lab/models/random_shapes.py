@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import LabError
-from .shapes import BUNDLED, bundled_name
+from .bundled import BUNDLED, bundled_name
 
 BUILTIN = "builtin:"
 # name -> the real model whose config.json gives the shape
@@ -76,26 +76,24 @@ def random_tokenizer():
     return _train_tokenizer(384, seed=0)
 
 
-def build_random(shape: RandomShape, model_cfg, device: str, seed: int):
-    """The model of `shape` on `device` with weights drawn from `seed`, quantized as `model_cfg` says (nf4 via
-    transformers' own bitsandbytes quantizer), frozen; the same seed on the same device gives the same bytes."""
+def build_random(shape: RandomShape, device: str, seed: int, dtype, quantization=None):
+    """The model of `shape` on `device` with weights drawn from `seed` in `dtype`, quantized by `quantization` (a
+    BitsAndBytesConfig, through transformers' own bitsandbytes quantizer; None: not quantized); the same seed on the
+    same device gives the same bytes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .learner import _DTYPES, quantization_config
 
     raw = shape.hf_config()
     tokenizer = random_tokenizer()
     raw.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     config = AutoConfig.for_model(**raw)
-    dtype = _DTYPES[model_cfg.dtype]
     with torch.device("meta"):  # why: the skeleton holds no bytes; each weight is drawn straight on `device`
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     quantizer = None
-    if model_cfg.load_in_4bit:
+    if quantization is not None:
         from transformers.quantizers import AutoHfQuantizer
 
-        quantizer = AutoHfQuantizer.from_config(quantization_config(model_cfg), pre_quantized=False)
+        quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
         quantizer.preprocess_model(model, dtype=dtype, device_map={"": device})  # Linear -> bnb Linear4bit (meta)
     draw = torch.Generator(device=device).manual_seed(seed)
     for module_name, module in model.named_modules():

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LabError
-
-BUNDLED = Path(__file__).parent / "configs"
+from .bundled import BUNDLED, bundled_name
 
 
 @dataclass(frozen=True)
@@ -88,10 +87,6 @@ class ModelShape:
             else [layer for layer in self.linear_layers() if layer[0] in targets]
         )
         return self.layers * sum(r * (a + b) for _, a, b in chosen)
-
-
-def bundled_name(model_id: str) -> str:
-    return model_id.replace("/", "--")
 
 
 def read_model_config(path: Path, field: str) -> dict:
