@@ -53,16 +53,16 @@ def test_one_trl_step_on_synthetic_rollouts(tiny_model, tmp_path):
     assert all(torch.count_nonzero(a) > 0 for a in after.values()), "a LoRA B matrix did not move in the step"
 
 
-def test_synthetic_ids_are_fixed_and_never_special(tiny_model):
+def test_content_ids_are_fixed_and_never_special(tiny_model):
     from transformers import AutoTokenizer
 
-    from bench.gpu.trl_synthetic import synthetic_ids
+    from grpo_lab.generation.synthetic import content_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     vocab = len(tokenizer)
-    ids = synthetic_ids(tokenizer, vocab, 5, 300, offset=3)
+    ids = content_ids(tokenizer, 5, 300, first_row=3, vocab_size=vocab)
 
-    assert ids == synthetic_ids(tokenizer, vocab, 5, 300, offset=3)
+    assert ids == content_ids(tokenizer, 5, 300, first_row=3, vocab_size=vocab)
     assert len(ids) == 5 and all(len(row) == 300 for row in ids)
     assert len({tuple(row) for row in ids}) == 5  # the sequences differ
     banned = {tokenizer.eos_token_id, tokenizer.pad_token_id, *tokenizer.all_special_ids}
@@ -72,17 +72,18 @@ def test_synthetic_ids_are_fixed_and_never_special(tiny_model):
     assert not seen & banned
     assert all(0 <= t < vocab for t in seen)
     # an id excluded by the caller (TRL adds the model's generation_config EOS ids) is avoided too
-    assert 5 in seen and 5 not in {t for row in synthetic_ids(tokenizer, vocab, 5, 300, 3, exclude=[5]) for t in row}
+    avoiding_5 = content_ids(tokenizer, 5, 300, first_row=3, exclude=[5], vocab_size=vocab)
+    assert 5 in seen and 5 not in {t for row in avoiding_5 for t in row}
 
 
-def test_synthetic_ids_stay_below_the_tokenizer(tiny_model):
+def test_content_ids_stay_below_the_tokenizer(tiny_model):
     """A model's embedding may be padded past the tokenizer (e.g. Qwen): ids stay decodable."""
     from transformers import AutoTokenizer
 
-    from bench.gpu.trl_synthetic import synthetic_ids
+    from grpo_lab.generation.synthetic import content_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    assert max(t for row in synthetic_ids(tokenizer, 10_000, 3, 500) for t in row) < len(tokenizer)
+    assert max(t for row in content_ids(tokenizer, 3, 500, vocab_size=10_000) for t in row) < len(tokenizer)
 
 
 def test_cuda_oom_is_returned_not_raised(tiny_model, tmp_path, monkeypatch):

@@ -99,12 +99,13 @@ def grpo_lab_side(args, offload: bool) -> None:
     where = args.device if args.device.startswith("cuda") else "host"
     for i, length in enumerate(args.lengths):
         lab.configure({"generator.max_completion_length": length})
-        device_plan = plan(lab.config).devices[where]
+        planned_devices = plan(lab.config).devices
+        device_plan = planned_devices[where]
         planned = planned_phases(device_plan, metric, first_step=i == 0)
         record = {"side": side, "model": args.model, "length": length, "G": args.generations, "cap_gib": args.cap_gib}
         record["alloc"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         record["planned_peak"], record["plan_fits"] = max(planned.values()), device_plan.fits
-        host = plan(lab.config).devices["host"]
+        host = planned_devices["host"]
         record["planned_host_offload"] = sum(it.bytes for it in host.items if it.what.startswith("offloaded"))
         before = digest(lab.learner.model, lab.learner.optimizer)
         peak.peak = 0

@@ -1,7 +1,8 @@
 """TRL's side of the memory frontier, learner only: one real TRL 1.16 GRPOTrainer optimizer step on synthetic rollouts.
 
 Generation is the one thing replaced: every prompt is the same fixed P tokens and every completion exactly L fixed
-tokens (`synthetic_ids`, never an EOS/pad/special id, so nothing ends early). The subclass overrides only the two
+tokens (grpo_lab's `content_ids`, the ids its synthetic backend gives: never an EOS/pad/special id, so nothing ends
+early). The subclass overrides only the two
 narrowest hooks that return token ids, `_tokenize_prompts` (prompt ids) and `_generate_single_turn` (completion ids);
 TRL's own `_generate` (lengths metrics, decoding), `_generate_and_score_completions` (padding, masks, rewards,
 advantages, old/ref log-probs), `_compute_loss`, backward, clipping and the optimizer all run unchanged. The model is
@@ -20,41 +21,14 @@ import gc
 import resource
 import tempfile
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-# Prime stride between the synthetic sequences' starting points in the allowed ids.
-_STRIDE = 7919
+from grpo_lab.generation.synthetic import content_ids
+
 # Offset of the prompt's content, so the prompt never equals completion k.
 _PROMPT_OFFSET = 10_007
-
-
-def excluded_ids(tokenizer, extra: Iterable[int | None] = ()) -> set[int]:
-    """Every id a synthetic sequence must avoid: the tokenizer's special and added tokens (EOS, pad, chat markers)
-    and `extra` (e.g. the model's generation_config EOS ids, which TRL also treats as end of completion)."""
-    ids = set(tokenizer.all_special_ids)
-    ids.update(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    ids.update(
-        i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, *extra) if i is not None
-    )
-    return ids
-
-
-def synthetic_ids(
-    tokenizer, vocab_size: int, n: int, length: int, offset: int = 0, exclude: Iterable[int | None] = ()
-) -> list[list[int]]:
-    """`n` fixed sequences of exactly `length` token ids: sequence k, position i is
-    `allowed[((offset + k) * 7919 + i) % len(allowed)]`, where `allowed` is every id below
-    min(vocab_size, len(tokenizer)) that is not special (see `excluded_ids`). Deterministic: same arguments, same
-    ids."""
-    limit = min(vocab_size, len(tokenizer))
-    banned = excluded_ids(tokenizer, exclude)
-    allowed = [t for t in range(limit) if t not in banned]
-    if not allowed:
-        raise ValueError(f"no non-special token id below {limit}")
-    return [[allowed[((offset + k) * _STRIDE + i) % len(allowed)] for i in range(length)] for k in range(n)]
 
 
 def index_reward(completions: list, **_: Any) -> list[float]:
@@ -76,7 +50,7 @@ def synthetic_trainer_class():
         def _ids(self, n: int, length: int, offset: int) -> list[list[int]]:
             model = self.accelerator.unwrap_model(self.model)
             vocab = model.get_input_embeddings().num_embeddings
-            return synthetic_ids(self._tokenizer, vocab, n, length, offset, exclude=self.eos_token_ids)
+            return content_ids(self._tokenizer, n, length, offset, exclude=self.eos_token_ids, vocab_size=vocab)
 
         def _tokenize_prompts(self, prompts: list):
             """One fixed prompt of exactly `prompt_tokens` ids per input prompt; no images, no multimodal fields."""
