@@ -169,10 +169,10 @@ def trl_side(args) -> None:
                 figures = {"failed": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
         record.update(figures)
         emit(out, record)
-        del base
+        del base  # why: the next length builds its own base; two 8B models would not fit the capped card
         gc.collect()
         if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # why: the next length starts from an empty cache, as its own process would
         if "oom" in figures or "failed" in figures:
             break
 

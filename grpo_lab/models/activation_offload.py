@@ -78,7 +78,7 @@ class ActivationOffload:
         else:
             torch.cuda.current_stream(self.device).wait_event(handle.copied)
             x = handle.host.to(self.device, non_blocking=True)
-        handle.prefetched = None
+        handle.prefetched = None  # why: the handle must not keep a second device copy alive
         if self.waiting:
             self.prefetch(self.waiting[-1]())
         return x.detach()
