@@ -137,8 +137,45 @@ def step_separators(marks) -> list[dict]:
     ]
 
 
+def band_shapes(marks, opacity: float) -> list[dict]:
+    """One shaded rectangle per phase (its colour), the plot's full height."""
+    return [
+        dict(
+            type="rect",
+            xref="x",
+            yref="paper",
+            x0=start,
+            x1=end,
+            y0=0,
+            y1=1,
+            line_width=0,
+            fillcolor=COLOURS.get(phase, "#cccccc"),
+            opacity=opacity,
+        )
+        for _, phase, start, end in marks
+    ]
+
+
+def phase_key_annotation(phases=PHASE_NAMES) -> dict:
+    """The phases' colours in one row, above the plot at its right: the legend of the bands, labelled or not."""
+    return dict(
+        xref="paper",
+        yref="paper",
+        x=1,
+        y=1.0,
+        xanchor="right",
+        yanchor="bottom",
+        showarrow=False,
+        text=phase_key(phases),
+        font=dict(size=10),
+        name="phase-key",
+    )
+
+
 def timeline_figure(samples, marks, limits: dict | None = None):
-    """Memory over time: host lines, each GPU's ledger stacked; phases as labelled bands, steps separated."""
+    """Memory over time: host lines, each GPU's ledger stacked; phases as labelled bands (a key of their colours
+    above), steps separated. Why shapes and annotations are assigned once: plotly's add_vrect / add_annotation
+    copy the layout on every call, which took 12 s of a 25-step run's report."""
     import plotly.graph_objects as go
 
     series: dict[tuple, tuple[list, list]] = {}
@@ -147,47 +184,80 @@ def timeline_figure(samples, marks, limits: dict | None = None):
             xs, ys = series.setdefault((device, metric), ([], []))
             xs.append(t)
             ys.append(value / MiB)
-    fig = go.Figure()
+    traces = []
     for (device, metric), (xs, ys) in sorted(series.items(), key=lambda kv: trace_order(*kv[0])):
         kind = go.Scattergl if is_host(device) else go.Scatter  # why: WebGL traces cannot stack
-        fig.add_trace(kind(x=xs, y=ys, **trace_style(device, metric)))
+        traces.append(kind(x=xs, y=ys, **trace_style(device, metric)))
     top = stack_top(series)
-    for _, phase, start, end in marks:
-        fig.add_vrect(x0=start, x1=end, fillcolor=COLOURS.get(phase, "#cccccc"), opacity=0.15, line_width=0)
-    for shape in step_separators(marks):
-        fig.add_shape(shape)
-    for label in band_labels(marks):
-        fig.add_annotation(label)
+    shapes = band_shapes(marks, opacity=0.15) + step_separators(marks)
+    used = sorted({phase for _, phase, _, _ in marks}, key=lambda p: PHASE_NAMES.index(p) if p in PHASE_NAMES else 99)
+    annotations = [phase_key_annotation(used or PHASE_NAMES)] + band_labels(marks)
     far = []
     for name, mib in (limits or {}).items():
         if mib <= FAR * top:
-            fig.add_hline(y=mib, line_dash="dash", annotation_text=name, annotation_position="top left")
+            shapes.append(limit_line(mib, name))
+            annotations.append(limit_name(name, mib))
             top = max(top, mib)
         else:
             far.append(f"{name}: {mib:,.0f} MiB")
     if far:  # why: drawn, a 24 GB limit would flatten a 1 GB run along the bottom
-        fig.add_annotation(
-            x=1,
-            y=1,
-            xref="paper",
-            yref="paper",
-            xanchor="right",
-            yanchor="bottom",
-            showarrow=False,
-            text="off the scale: " + "; ".join(far),
-            font=dict(size=10),
-            name="far-limits",
+        annotations.append(
+            dict(
+                x=0,
+                y=1,
+                xref="paper",
+                yref="paper",
+                xanchor="left",
+                yanchor="bottom",
+                showarrow=False,
+                text="off the scale: " + "; ".join(far),
+                font=dict(size=10),
+                name="far-limits",
+            )
         )
-    fig.update_yaxes(range=[0, top * 1.08])
-    fig.update_layout(
-        title="Memory timeline (MiB): phases shaded and labelled, steps separated",
-        xaxis_title="seconds",
-        yaxis_title="MiB",
-        height=460,
-        margin=dict(t=70, l=50, r=20, b=40),
-        legend=dict(orientation="h", y=-0.2),
+    return go.Figure(
+        data=traces,
+        layout=dict(
+            title="Memory timeline (MiB): phases shaded and labelled, steps separated",
+            xaxis_title="seconds",
+            yaxis=dict(title="MiB", range=[0, top * 1.08]),
+            height=460,
+            margin=dict(t=80, l=50, r=20, b=40),
+            legend=dict(orientation="h", y=-0.2),
+            shapes=shapes,
+            annotations=annotations,
+        ),
     )
-    return fig
+
+
+def limit_line(mib: float, name: str = "") -> dict:
+    """A limit (a capacity, the host threshold) as a dashed line across the plot."""
+    return dict(
+        type="line",
+        xref="paper",
+        yref="y",
+        x0=0,
+        x1=1,
+        y0=mib,
+        y1=mib,
+        line=dict(dash="dash", width=1, color="#888"),
+        name=name,
+    )
+
+
+def limit_name(name: str, mib: float) -> dict:
+    """A limit line's name, just above it at the left."""
+    return dict(
+        xref="paper",
+        x=0,
+        y=mib,
+        yref="y",
+        text=name,
+        showarrow=False,
+        xanchor="left",
+        yanchor="bottom",
+        font=dict(size=10),
+    )
 
 
 def trace_order(device: str, metric: str) -> tuple:
@@ -242,13 +312,23 @@ def heatmap_figure(rows, device: str):
 
 
 def training_figure(history):
+    """Left: the total reward's mean with its spread (mean ± std over the step's completions) and each reward
+    function's mean, named as TRL logs it (rewards/<name>/mean); right: the loss."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     steps = [r.step for r in history]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("reward (mean)", "loss"))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("reward: total (mean ± std) and each function's mean", "loss"))
+    upper = [r.reward_mean + r.reward_std for r in history]
+    lower = [r.reward_mean - r.reward_std for r in history]
+    band = dict(mode="lines", line=dict(width=0), showlegend=False, hoverinfo="skip")
+    fig.add_trace(go.Scatter(x=steps, y=upper, name="reward + std", **band), 1, 1)
+    fig.add_trace(go.Scatter(x=steps, y=lower, name="reward - std", fill="tonexty", **band), 1, 1)
     fig.add_trace(go.Scatter(x=steps, y=[r.reward_mean for r in history], name="reward"), 1, 1)
-    fig.add_trace(go.Scatter(x=steps, y=[r.loss for r in history], name="loss"), 1, 2)
-    fig.update_layout(height=320, showlegend=False)
+    for name in dict.fromkeys(n for r in history for n in r.rewards):
+        means = [r.rewards.get(name) for r in history]
+        fig.add_trace(go.Scatter(x=steps, y=means, name=f"rewards/{name}/mean", line=dict(dash="dot")), 1, 1)
+    fig.add_trace(go.Scatter(x=steps, y=[r.loss for r in history], name="loss", showlegend=False), 1, 2)
+    fig.update_layout(height=360, legend=dict(orientation="h", y=-0.25))
     fig.update_xaxes(tickmode="linear", dtick=max(1, len(steps) // 10), title_text="step")  # whole steps only
     return fig

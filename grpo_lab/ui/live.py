@@ -21,11 +21,13 @@ import threading
 import time
 from typing import Optional
 
-from ..algo.phases import COLOURS, PHASE_NAMES
 from ..memory.figures import (
     band_labels,
+    band_shapes,
     drawn,
-    phase_key,
+    limit_line,
+    limit_name,
+    phase_key_annotation,
     stack_top,
     step_separators,
     trace_order,
@@ -100,7 +102,7 @@ class LivePlot:
                 # and the phase key (right) share the top margin, the x axis' title the bottom one
                 margin=dict(t=62, l=50, r=20, b=42),
                 legend=dict(orientation="h", x=0, xanchor="left", y=1.0, yanchor="bottom", font=dict(size=10)),
-                annotations=[self._key()],
+                annotations=[phase_key_annotation()],
             )
         )
         self.fig.layout.width = None  # full width of the cell
@@ -138,22 +140,6 @@ class LivePlot:
         running = self.sampler.running() if hasattr(self.sampler, "running") else None
         return [] if running is None else [(*running, max(now, running[2]))]
 
-    @staticmethod
-    def _key() -> dict:
-        """The phases' colours in one row, above the plot at its right."""
-        return dict(
-            xref="paper",
-            yref="paper",
-            x=1,
-            y=1.0,
-            xanchor="right",
-            yanchor="bottom",
-            showarrow=False,
-            text=phase_key(PHASE_NAMES),
-            font=dict(size=10),
-            name="phase-key",
-        )
-
     def _window(self, marks) -> tuple[list, str]:
         """The marks of the last `max_steps` steps, and what the title says about the window (nothing before it
         leaves anything out)."""
@@ -174,55 +160,15 @@ class LivePlot:
     def _shapes(self, marks, running) -> list[dict]:
         """The finished phases' bands, the running phase's band (its index kept: it grows), step separators and
         the drawn limits."""
-        bands = [
-            dict(
-                type="rect",
-                xref="x",
-                yref="paper",
-                x0=start,
-                x1=end,
-                y0=0,
-                y1=1,
-                line_width=0,
-                fillcolor=COLOURS.get(phase, "#cccccc"),
-                opacity=0.12,
-            )
-            for _, phase, start, end in marks + running
-        ]
+        bands = band_shapes(marks + running, opacity=0.12)
         self._running_band = len(marks) if running else None
-        lines = [
-            dict(
-                type="line",
-                xref="paper",
-                yref="y",
-                x0=0,
-                x1=1,
-                y0=mib,
-                y1=mib,
-                line=dict(dash="dash", width=1, color="#888"),
-                name=name,
-            )
-            for name, mib in self._near.items()
-        ]
+        lines = [limit_line(mib, name) for name, mib in self._near.items()]
         return bands + step_separators(marks) + lines
 
     def _annotations(self, marks) -> list[dict]:
         """The drawn limit lines' names, then the phase and step labels."""
-        names = [
-            dict(
-                xref="paper",
-                x=0,
-                y=mib,
-                yref="y",
-                text=name,
-                showarrow=False,
-                xanchor="left",
-                yanchor="bottom",
-                font=dict(size=10),
-            )
-            for name, mib in self._near.items()
-        ]
-        return [self._key()] + names + band_labels(marks)
+        names = [limit_name(name, mib) for name, mib in self._near.items()]
+        return [phase_key_annotation()] + names + band_labels(marks)
 
     def refresh(self) -> None:
         """Redraw from the sampler's buffer (called by the renderer thread, or by hand)."""
