@@ -1,5 +1,5 @@
 """The house: grpo_lab's import graph (function-local imports included) has no circles, runs downward through the
-layers README's "Architecture" draws (but for the few listed with their reason), keeps the Ray driver out of the
+layers docs/architecture.md draws (but for the few listed with their reason), keeps the Ray driver out of the
 one-process path, and no module is over STYLE.md's ~400 lines. Read from the source (ast), so an import inside a
 function counts as much as one at the top."""
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "grpo_lab"
 MAX_LINES = 400  # STYLE.md: "files under ~400 lines"
 MAX_TOP_LEVEL = 15  # modules directly in grpo_lab/: the rest live in a package named for its concern
 
-# The layers, bottom to top (README "Architecture"): a module imports from its own layer and the layers below.
+# The layers, bottom to top (docs/architecture.md): a module imports from its own layer and the layers below.
 SHARDED = "grpo_lab.execution.sharded"
 RAY_DRIVER = tuple(f"{SHARDED}.{m}" for m in ("driver", "ranks", "ray_cluster", "remote", "wire", "worker"))
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
