@@ -37,13 +37,13 @@ def format_validation_error(err) -> str:
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or check its spelling (see README 'Config reference')"
+            msg = "unknown key; remove it or check its spelling (see docs/config.md)"
         elif e["type"] == "literal_error":
             msg = f"got {e.get('input')!r}; {msg.lower()}"
         elif e["type"] == "string_too_short" and e.get("input") == "":
             msg = "empty; give a value, or null where the field has a null default"
         elif "input" in e and e["type"] not in ("missing", "value_error"):
-            msg = f"got {e['input']!r}; {msg}"
+            msg = f"got {e['input']!r}; {msg[:1].lower()}{msg[1:]}"  # one case for every refusal's reason
         lines.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(lines)
 

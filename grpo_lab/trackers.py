@@ -2,7 +2,7 @@
 already use (TRL's option name). Names, per step (`step` = the GRPO step):
 
     train/<metric>                       every finite scalar of StepResult.metrics(): reward_mean, loss, kl,
-                                         grad_norm, reward/<function>, seconds/<phase>, step_seconds, ...
+                                         grad_norm, rewards/<function>/mean, seconds/<phase>, step_seconds, ...
     memory/<device>/<phase>/peak_mib     the device's primary metric (host: RSS; GPU: NVML used, else reserved)
     memory/<device>/<phase>/delta_mib    its change over the phase (end - start)
     memory/<device>/peak_mib             the step's peak over its phases

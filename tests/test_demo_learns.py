@@ -49,7 +49,9 @@ def correctness_rise(out, *overrides):
     from grpo_lab.runner import run
 
     run_dir = run(load_config("tiny-demo", list(overrides)), out=str(out), progress=False)
-    steps = [json.loads(line)["reward/exact_answer"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["rewards/exact_answer/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     return sum(steps[:3]) / 3, sum(steps[-3:]) / 3, steps
 
 

@@ -139,7 +139,7 @@ def test_killed_with_a_reward_drawing_from_random_resumes_to_the_same_metrics(
     _, err = child.communicate(timeout=300)
     assert child.returncode == 0, err
     straight = training(read_metrics(whole))
-    assert len({m["reward/noisy"] for m in straight}) == STEPS  # the reward did draw, anew each step
+    assert len({m["rewards/noisy/mean"] for m in straight}) == STEPS  # the reward did draw, anew each step
     prelude = (
         SEEDED
         + """

@@ -112,7 +112,9 @@ def recorded_step() -> StepResult:
 def test_a_steps_scalars_have_grpo_labs_names_and_leave_failed_attempts_out():
     scalars = step_scalars(recorded_step())
     assert (
-        scalars["train/reward_mean"] == 0.5 and scalars["train/loss"] == 0.25 and scalars["train/reward/format"] == 1.0
+        scalars["train/reward_mean"] == 0.5
+        and scalars["train/loss"] == 0.25
+        and scalars["train/rewards/format/mean"] == 1.0
     )
     assert scalars["train/seconds/rollout"] == 1.5 and "train/kl" not in scalars and "train/step" not in scalars
     assert scalars["memory/host/backward/peak_mib"] == 700 and scalars["memory/host/backward/delta_mib"] == 20

@@ -97,6 +97,18 @@ class BackwardResult:
     is_weights: Optional[torch.Tensor]  # [N, L] or [N, 1] importance-sampling weights (None: not applied)
 
 
+def reward_key(name: str) -> str:
+    """A reward function's mean in metrics.jsonl, named as TRL logs it."""
+    return f"rewards/{name}/mean"
+
+
+def reward_name_of(key: str) -> Optional[str]:
+    """The reward function a metrics key holds the mean of (also a run's from before TRL's names: reward/<name>)."""
+    if key.startswith("rewards/") and key.endswith("/mean"):
+        return key[len("rewards/") : -len("/mean")]
+    return key[len("reward/") :] if key.startswith("reward/") else None
+
+
 @dataclass
 class StepResult:
     step: int
@@ -131,7 +143,7 @@ class StepResult:
     def metrics(self) -> dict:
         """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list)."""
         out = {k: v for k, v in self.__dict__.items() if k not in ("rewards", "phase_seconds")}
-        out.update({f"reward/{k}": v for k, v in self.rewards.items()})
+        out.update({reward_key(k): v for k, v in self.rewards.items()})
         out.update({f"seconds/{k}": v for k, v in self.phase_seconds.items()})
         return out
 
@@ -140,14 +152,20 @@ class StepResult:
         """Back from a metrics.jsonl line (a resumed run's report covers the steps before the resume too)."""
         known = {f.name for f in fields(cls)}
         out = {k: v for k, v in record.items() if k in known}
-        out["rewards"] = {k[len("reward/") :]: v for k, v in record.items() if k.startswith("reward/")}
+        out["rewards"] = {name: v for k, v in record.items() if (name := reward_name_of(k))}
         out["phase_seconds"] = {k[len("seconds/") :]: v for k, v in record.items() if k.startswith("seconds/")}
         return cls(**out)
 
+    def __repr__(self) -> str:  # why: a bare lab.step() ending a cell showed every field, the memory table's too
+        return f"<StepResult {self.summary()}  ·  .memory: {len(self.memory)} rows, .metrics(): every field>"
+
     def summary(self) -> str:
         kl = "-" if self.kl is None else f"{self.kl:.4f}"
+        each = ", ".join(f"{name} {mean:.3f}" for name, mean in self.rewards.items())
         return (
-            f"step {self.step}: reward {self.reward_mean:.3f}±{self.reward_std:.3f}  loss {self.loss:+.4f}  "
+            f"step {self.step}: reward {self.reward_mean:.3f}±{self.reward_std:.3f}"
+            + (f" ({each})" if len(self.rewards) > 1 else "")
+            + f"  loss {self.loss:+.4f}  "
             f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s"
         )
 

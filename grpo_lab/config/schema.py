@@ -81,7 +81,7 @@ class LabConfig(Section):
             section, _, name = str(path).partition(".")
             fields = type(self).model_fields
             if section not in fields or name not in fields[section].annotation.model_fields:
-                raise ConfigError(f"{path}: unknown field; fields look like grpo.beta (see README 'Config reference')")
+                raise ConfigError(f"{path}: unknown field; fields look like grpo.beta (see docs/config.md)")
             data[section][name] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
         try:
             new = parse_config(data)

@@ -91,6 +91,7 @@ class LabViews:
         if self.history:
             last = self.history[-1]
             rows.append(("last step", f"reward {last.reward_mean:+.3f}, loss {last.loss:+.4f}"))
+            rows += [(f"rewards/{name}/mean", f"{mean:+.3f}") for name, mean in last.rewards.items()]
             peaks: dict = {}
             for r in last.memory or []:
                 if r["metric"] in ("rss", "allocated"):

@@ -35,7 +35,7 @@ def check_resources(wanted: list[dict], total: dict, where: str) -> None:
             raise LabError(
                 f"placement.learner_procs: {len(wanted)} ranks need {need:g} {resource}(s) ({per:g} each), but "
                 f"{where} has {have}; use at most {have // per if per else 0} ranks, or add nodes to the "
-                "cluster (README 'Beyond one machine')"
+                "cluster (docs/sharded.md)"
             )
 
 
