@@ -50,7 +50,8 @@ def format_validation_error(err) -> str:
 
 def one_line_in_cells(shell=None) -> bool:
     """In an IPython kernel (Jupyter, papermill), a LabError shows as its one line, not a traceback; `%tb` prints the
-    whole traceback. Returns whether it was installed (False outside IPython)."""
+    whole traceback; and `!grpo-lab` finds the kernel's own CLI (cli_on_path). Returns whether it was installed (False
+    outside IPython)."""
     if shell is None:
         try:
             from IPython import get_ipython
@@ -69,4 +70,21 @@ def one_line_in_cells(shell=None) -> bool:
         shell._showtraceback(etype, value, [f"{etype.__name__}: {value}   (%tb shows the traceback)"])
 
     shell.set_custom_exc((LabError,), show)
+    cli_on_path()
+    return True
+
+
+def cli_on_path(environ=None) -> bool:
+    """Put this Python's scripts folder (a venv's bin/) first on PATH when `grpo-lab` is not found there, so that
+    `!grpo-lab ...` in a cell runs the CLI of the kernel's own install. Why: a kernel started by `.venv/bin/jupyter`
+    does not have `.venv/bin` on its PATH. Returns whether PATH changed."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    environ = os.environ if environ is None else environ
+    scripts = Path(sys.executable).parent
+    if shutil.which("grpo-lab", path=environ.get("PATH")) or not (scripts / "grpo-lab").exists():
+        return False
+    environ["PATH"] = os.pathsep.join([str(scripts), *filter(None, [environ.get("PATH")])])
     return True

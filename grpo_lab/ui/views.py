@@ -59,6 +59,16 @@ class LabViews:
 
         return atomic_write_text(path, "".join(json.dumps(r.metrics()) + "\n" for r in self.history))
 
+    def save_report(self, path: Union[str, Path] = "report.html") -> Path:
+        """The report `grpo-lab run` writes (memory/report.py: the summary per device, the timeline with its phase
+        key, a heatmap per device, the rewards with each function's mean, the per-phase table), from this session's
+        steps: one self-contained HTML file at `path`, written whole or not at all."""
+        from ..memory.report import write_report
+
+        self._require_loaded()
+        title = f"grpo_lab notebook session: {self.config.model.name_or_path}, {len(self.history)} steps"
+        return write_report(Path(path), self.memory, self.history, title=title, config=self.config.to_dict())
+
     def memory_table(self, step: Optional[int] = None) -> str:
         """The per-phase memory table (MiB) of `step` (default: the last one)."""
         from ..memory import format_table
