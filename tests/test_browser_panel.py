@@ -361,7 +361,7 @@ def test_the_running_phases_band_grows_while_it_runs_and_a_cells_step_is_refused
 def test_thirty_steps_keep_every_band_of_the_window_a_compact_legend_and_apart_labels(page):
     pg, read_state = page
     before = read_state()["history"]
-    count = panel(pg).locator("input[type=number]").first
+    count = panel(pg).locator(".grpo-lab-steps input").first
     count.fill("30")
     count.press("Enter")
     panel(pg).locator("button", has_text="run N").click()
@@ -385,7 +385,7 @@ def test_the_live_plot_after_idle_time_and_ten_steps_names_every_phase(page):
     passed in the tests before it, which wait in the browser, so it sleeps only what is left (at least 30 s)."""
     pg, read_state = page
     before = read_state()["history"]
-    count = panel(pg).locator("input[type=number]").first
+    count = panel(pg).locator(".grpo-lab-steps input").first
     count.fill("10")
     count.press("Enter")
     panel(pg).locator("button", has_text="run N").click()

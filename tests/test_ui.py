@@ -14,7 +14,7 @@ def test_editor_has_a_tab_per_section_typed_inputs_and_help(tiny_config):
     editor = ConfigEditor(lab.config)
     assert [editor.tabs.get_title(i) for i in range(len(editor.tabs.children))] == list(type(lab.config).model_fields)
     beta, _ = editor.inputs[("grpo", "beta")]
-    assert type(beta).__name__ == "FloatText" and "KL" in beta.tooltip
+    assert type(beta).__name__ == "Text" and "KL" in beta.tooltip  # numbers are typed as text (issue 40)
     loss, _ = editor.inputs[("grpo", "loss_type")]
     assert type(loss).__name__ == "Dropdown" and set(loss.options) == {"grpo", "bnpo", "dr_grpo", "dapo"}
     assert type(editor.inputs[("model", "load_in_4bit")][0]).__name__ == "Checkbox"
@@ -23,7 +23,7 @@ def test_editor_has_a_tab_per_section_typed_inputs_and_help(tiny_config):
 def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
     lab = Lab(tiny_config())
     editor = ConfigEditor(lab.config)
-    editor.inputs[("grpo", "beta")][0].value = 0.2
+    editor.inputs[("grpo", "beta")][0].value = "0.2"
     editor.inputs[("generator", "chunk_size")][0].value = "3"
     assert lab.config.grpo.beta == 0.2 and lab.config.generator.chunk_size == 3
     # when it applies, no error
@@ -35,8 +35,8 @@ def test_valid_edit_updates_the_config_and_the_lab(tiny_config):
 @pytest.mark.parametrize(
     "section, name, bad, field",
     [
-        ("grpo", "num_generations", 1, "grpo.num_generations"),
-        ("grpo", "beta", -1.0, "grpo.beta"),
+        ("grpo", "num_generations", "1", "grpo.num_generations"),
+        ("grpo", "beta", "-1.0", "grpo.beta"),
         ("generator", "chunk_size", "0", "generator.chunk_size"),
         ("placement", "learner", "gpu", "placement.learner"),
     ],
@@ -49,9 +49,9 @@ def test_invalid_edit_shows_its_reason_under_its_field_and_keeps_what_was_typed(
     widget, error = editor.inputs[(section, name)][0], editor.errors[(section, name)]
     widget.value = bad
     assert error.reason.startswith(field) and error.widget.layout.display == "flex" and "\n" not in error.reason
-    assert f"not applied: {field} stays" in error.reason and lab.config.to_dict() == before
+    assert "(not applied; stays " in error.reason and lab.config.to_dict() == before
     assert widget.value == bad and editor.message.value == ""  # what was typed stays in view
-    editor.inputs[("grpo", "learning_rate")][0].value = 0.002  # another field's edit refreshes the others...
+    editor.inputs[("grpo", "learning_rate")][0].value = "0.002"  # another field's edit refreshes the others...
     assert widget.value == bad and lab.config.grpo.learning_rate == 0.002  # ...but not the one waiting
     error.widget.children[1].click()  # revert
     assert error.reason is None and error.widget.layout.display == "none"
@@ -86,11 +86,11 @@ def test_editor_on_a_loaded_lab_edits_it_in_place_and_locks_load_time_fields(loa
 
 def test_editor_saves_and_loads_yaml(tiny_config, tmp_path):
     editor = ConfigEditor(Lab(tiny_config()).config)
-    editor.inputs[("grpo", "beta")][0].value = 0.3
+    editor.inputs[("grpo", "beta")][0].value = "0.3"
     editor.save(str(tmp_path / "c.yaml"))
     other = ConfigEditor(Lab(tiny_config()).config)
     other.load(str(tmp_path / "c.yaml"))
-    assert other.config.grpo.beta == 0.3 and other.inputs[("grpo", "beta")][0].value == 0.3
+    assert other.config.grpo.beta == 0.3 and other.inputs[("grpo", "beta")][0].value == "0.3"
     other.load(str(tmp_path / "missing.yaml"))
     assert "missing.yaml' is neither a YAML file nor a preset" in other.message.value
     assert other.config.grpo.beta == 0.3  # a failed load leaves the config as it was
@@ -110,7 +110,7 @@ def test_buttons_run_phases_a_step_and_n_steps(loaded_lab):
     controls.next_button.click()  # a walk begun, then "one step" runs the rest of that step
     click_step(controls)
     assert len(lab.history) == 3 and lab.history[-1].step == 2
-    controls.count.value = 2
+    controls.count.value = "2"
     controls.run_button.click()
     controls.thread.join(timeout=300)
     assert not controls.thread.is_alive()
@@ -199,7 +199,7 @@ def test_a_run_cannot_be_started_twice_and_cells_cannot_interleave_with_it(loade
 
     lab = loaded_lab()
     controls, inside, release = held_at_rewards(lab)
-    controls.count.value = 2
+    controls.count.value = "2"
     controls.run_button.click()
     controls.run_button.click()  # a quick second click
     assert inside.wait(300), "the run never reached its rewards phase"
@@ -268,7 +268,7 @@ def test_every_field_shows_its_help_and_when_it_takes_effect_under_it(tiny_confi
     for (section, name), help_line in editor.help.items():
         assert f"[{field_when(f'{section}.{name}')}:" in help_line.value, (section, name)
     kinds = {type(editor.inputs[key][0]).__name__ for key in editor.help}
-    assert {"IntText", "FloatText", "Text", "Dropdown", "Checkbox"} <= kinds
+    assert kinds == {"Text", "Dropdown", "Checkbox"}  # numbers are typed as text (issue 40)
     assert len(editor.help) == len(editor.inputs)
 
 
@@ -329,3 +329,66 @@ def test_the_log_is_single_spaced_and_a_long_line_hangs_under_its_first_word(loa
     controls._say("short\n" + "a long line " * 40)
     html = controls.log.value
     assert "line-height:1.35" in html and html.count("text-indent:-2em") == 2
+
+
+def number_fields():
+    """Every int and float field of the config: (section, name, JSON-schema type)."""
+    from grpo_lab.config.schema import LabConfig
+
+    schema = LabConfig.model_json_schema()
+    defs = schema["$defs"]
+    out = []
+    for section, prop in schema["properties"].items():
+        for name, field in defs[prop["$ref"].split("/")[-1]]["properties"].items():
+            if field.get("type") in ("integer", "number") and "enum" not in field:
+                out.append((section, name, field["type"]))
+    return out
+
+
+def test_every_number_field_refuses_a_non_number_and_an_int_field_a_fraction_with_the_config_unchanged(tiny_config):
+    """Issue 40: ipywidgets' IntText turned '2.5' into 25 (the config took it) and swallowed 'abc' without a word. Each
+    int and float field is typed as text and parsed by the config's validation: a refusal is one line under the field
+    naming it, what was typed stays in view, and the config keeps its value."""
+    fields = number_fields()
+    assert len(fields) >= 20 and {t for *_, t in fields} == {"integer", "number"}
+    editor = ConfigEditor(Lab(tiny_config()).config)
+    before = editor.config.to_dict()
+    for section, name, kind in fields:
+        widget, error = editor.inputs[(section, name)][0], editor.errors[(section, name)]
+        for typed in ["abc", "2.5"] if kind == "integer" else ["abc", "1.2.3"]:
+            widget.value = typed
+            assert editor.config.to_dict() == before, (section, name, typed)
+            assert error.reason and error.reason.startswith(f"{section}.{name}: got {typed!r}"), (typed, error.reason)
+            assert "\n" not in error.reason and widget.value == typed
+            error.widget.children[1].click()  # revert
+            assert widget.value == as_text_of(before[section][name])
+
+
+def as_text_of(value):
+    from grpo_lab.ui.editor import as_text
+
+    return as_text(value)
+
+
+def test_number_text_is_read_as_the_configs_validation_reads_it(tiny_config):
+    """' 4 ' and '4.0' into an int field are 4, '1e-4' into a float field is 0.0001 (pydantic's own parsing); the field
+    then shows the config's value."""
+    editor = ConfigEditor(Lab(tiny_config()).config)
+    gens, _ = editor.inputs[("grpo", "num_generations")]
+    for typed in (" 4 ", "4.0"):
+        gens.value = "6"
+        gens.value = typed
+        assert editor.config.grpo.num_generations == 4 and editor.errors[("grpo", "num_generations")].reason is None
+    lr, _ = editor.inputs[("grpo", "learning_rate")]
+    lr.value = "1e-4"
+    assert editor.config.grpo.learning_rate == 1e-4 and lr.value == "0.0001"
+
+
+def test_the_panels_step_count_refuses_what_is_not_a_whole_number(loaded_lab):
+    """The panel's 'steps' box is text too: '2.5' once ran 25 steps."""
+    controls = StepControls(loaded_lab())
+    for typed in ("2.5", "abc", "0", ""):
+        controls.count.value = typed
+        controls.run_button.click()
+        assert controls.thread is None, typed  # nothing started
+        assert f"error: steps: {typed!r} is not a whole number" in controls.log_text().splitlines()[-1]

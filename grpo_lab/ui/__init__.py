@@ -16,7 +16,8 @@ class Panel:
         self.editor = ConfigEditor(lab.config, loaded=lambda: lab.learner is not None)  # edits lab.config in place
         self.controls = StepControls(lab)
         self.plot = lab.memory_plot() if lab.memory is not None and lab.learner is not None else None
-        parts = [w.HBox([self.editor.widget, self.controls.widget])]
+        # why wrap: in a narrow notebook (1280 px, file browser open) the controls go under the editor, not over it
+        parts = [w.HBox([self.editor.widget, self.controls.widget], layout=w.Layout(flex_flow="row wrap"))]
         if self.plot is not None:
             parts.append(self.plot.fig)
         self.widget = w.VBox(parts)

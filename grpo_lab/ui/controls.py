@@ -13,6 +13,7 @@ import traceback
 from ..errors import LabError
 from .editor import _widgets
 
+MAX_STEPS = 100_000  # the most steps one "run N" click asks for
 LOG_LINES = 500  # why bounded: a long run's log must not grow the notebook's memory (or the widget's state) forever
 # column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box;
 # line-height: the HTML widget's own is its 28 px row height, which double-spaced a 12 px log
@@ -44,7 +45,9 @@ class StepControls:
         self._stop = threading.Event()
         self.next_button = w.Button(description=f"phase: {lab.next_phase()}", tooltip="run the next phase of the step")
         self.step_button = w.Button(description="one step", tooltip="the rest of the current step")
-        self.count = w.BoundedIntText(value=5, min=1, max=100_000, description="steps", layout=w.Layout(width="160px"))
+        # why text: ipywidgets' IntText turned a typed 2.5 into 25 steps; steps() parses and refuses in the log
+        self.count = w.Text(value="5", description="steps", layout=w.Layout(width="160px"))
+        self.count.add_class("grpo-lab-steps")
         self.run_button = w.Button(description="run N", button_style="success")
         self.stop_button = w.Button(
             description="stop", button_style="warning", tooltip="stop at the next phase boundary"
@@ -60,7 +63,7 @@ class StepControls:
         self.log = w.HTML(value="", layout=w.Layout(width="100%"))
         self.next_button.on_click(lambda _: self._unless_running(self.next_phase))
         self.step_button.on_click(lambda _: self.run(1))
-        self.run_button.on_click(lambda _: self.run(self.count.value))
+        self.run_button.on_click(lambda _: self._run_count())
         self.stop_button.on_click(lambda _: self.stop())
         self.traceback_button.on_click(lambda _: self._say(self.last_traceback or "no error yet"))
         self.clear_button.on_click(lambda _: self.clear())
@@ -74,7 +77,7 @@ class StepControls:
                 self.log,
                 w.HBox([self.traceback_button, self.clear_button]),
             ],
-            layout=w.Layout(width="440px", min_width="440px"),
+            layout=w.Layout(width="440px", min_width="440px", flex="0 0 440px"),
         )  # why fixed: long lines wrap, never squeeze
         self.widget.add_class("grpo-lab-controls")
         self._render()
@@ -163,6 +166,19 @@ class StepControls:
                     return out
         finally:
             self.next_button.description = f"phase: {self.lab.next_phase()}"
+
+    def steps(self) -> int | None:
+        """The step count typed in the panel, or None after saying in the log why it is not one."""
+        text = self.count.value.strip()
+        if text.isdigit() and 1 <= int(text) <= MAX_STEPS:
+            return int(text)
+        self._say(f"error: steps: {text!r} is not a whole number of steps from 1 to {MAX_STEPS:,}; type one, e.g. 5")
+        return None
+
+    def _run_count(self) -> None:
+        steps = self.steps()
+        if steps is not None:
+            self.run(steps)
 
     def run(self, steps: int) -> threading.Thread:
         """Run `steps` steps in a worker thread ('one step' is a run of 1); `stop` ends it at the next phase

@@ -54,36 +54,62 @@ def label_width(names) -> str:
     return f"{max(map(len, names)) + 2}ch"
 
 
-# why a style element: ipywidgets gives tabs a fixed width (titles cut to "placeme") and labels no wrapping
+# why a style element: ipywidgets gives tabs a fixed width (titles cut to "placen") with a rule of its own that a
+# class-and-element rule loses to (so each rule below names the widget classes it overrides), HTML widgets a 28 px
+# line height (a wrapped reason spread over 5 lines), and labels no wrapping; colours are JupyterLab's theme variables
 EDITOR_CSS = """<style>
-.grpo-lab-editor .lm-TabBar-tab { min-width: max-content; flex: 0 0 auto; }
+.grpo-lab-editor .jupyter-widgets.jupyter-widget-tab > .lm-TabBar { height: auto; min-height: 0; overflow: visible; }
+.grpo-lab-editor .jupyter-widgets.jupyter-widget-tab > .lm-TabBar .lm-TabBar-content { flex-wrap: wrap; }
+.grpo-lab-editor .jupyter-widgets.jupyter-widget-tab > .lm-TabBar .lm-TabBar-tab {
+  flex: 0 0 auto; min-width: max-content; max-width: none; }
 .grpo-lab-editor .widget-label { white-space: normal; overflow-wrap: anywhere; height: auto; }
-.grpo-lab-editor .grpo-lab-field-error { color: #c00; font-size: 12px; line-height: 1.3; white-space: normal; }
+.grpo-lab-editor .widget-html-content { line-height: 1.35; white-space: normal; }
+.grpo-lab-editor .grpo-lab-field-error .widget-html-content { color: var(--jp-error-color1, #c00); font-size: 12px; }
+.grpo-lab-editor .grpo-lab-help { color: var(--jp-ui-font-color2, #555); font-size: 11px; line-height: 1.3; }
+.grpo-lab-editor .grpo-lab-legend { color: var(--jp-ui-font-color1, #222); font-size: 12px; }
 </style>"""
 
 
 def field_widget(name: str, prop: dict, value, label: str = "190px"):
-    """The input for one schema property; returns (widget, parse) where parse(widget.value) -> config value."""
+    """The input for one schema property; returns (widget, parse) where parse(widget.value) -> the value handed to
+    the config's validation. Numbers are typed as text and parsed by that validation, never by the widget. Why:
+    ipywidgets' IntText dropped the '.' of '2.5' (the config took 25) and swallowed 'abc' without a word."""
     w = _widgets()
     when = prop.get("when", "live")
-    kind, tip = prop.get("type"), f"{prop.get('description', '')} [{when}: {WHEN[when]}]"
-    width = f"calc({label} + 270px)"
-    common = dict(description=name, tooltip=tip, style={"description_width": label}, layout=w.Layout(width=width))
+    tip = f"{prop.get('description', '')} [{when}: {WHEN[when]}]"
+    # why 100% up to a cap: the field sizes to the editor's width (a fixed width overflowed a narrow notebook)
+    layout = w.Layout(width="100%", max_width=f"calc({label} + 320px)")
+    common = dict(description=name, tooltip=tip, style={"description_width": label}, layout=layout)
     common["continuous_update"] = False  # why: a half-typed value ('4.', '') is refused; apply on Enter or blur
-    if "enum" in prop:
-        return w.Dropdown(options=prop["enum"], value=value, **_no_update(common)), lambda v: v
-    if kind == "boolean":
-        return w.Checkbox(value=bool(value), indent=False, **_no_update(common)), bool
-    if kind == "integer":
-        return w.IntText(value=value, **common), int
-    if kind == "number":
-        return w.FloatText(value=value, **common), float
-    if kind == "string":
-        return w.Text(value=value, **common), str
-    # optional values, unions and lists: YAML text, "" or "null" = null
+    kind = FIELD_KINDS.get(prop.get("type"), "yaml") if "enum" not in prop else "choice"
+    return FIELD_INPUTS[kind](w, value, prop, common)
+
+
+def _choice(w, value, prop, common):
+    return w.Dropdown(options=prop["enum"], value=value, **_no_update(common)), lambda v: v
+
+
+def _checkbox(w, value, prop, common):
+    return w.Checkbox(value=bool(value), indent=False, **_no_update(common)), bool
+
+
+def _number(w, value, prop, common):
+    return w.Text(value=as_text(value), **common), lambda v: v.strip() if isinstance(v, str) else v
+
+
+def _text(w, value, prop, common):
+    return w.Text(value=value, **common), str
+
+
+def _yaml(w, value, prop, common):
+    """Optional values, unions and lists: YAML text, "" or "null" = null."""
     return w.Text(
         value=as_text(value), placeholder="null", **common
     ), lambda v: yaml.safe_load(v) if v.strip() else None
+
+
+FIELD_KINDS = {"boolean": "checkbox", "integer": "number", "number": "number", "string": "text"}
+FIELD_INPUTS = {"choice": _choice, "checkbox": _checkbox, "number": _number, "text": _text, "yaml": _yaml}
 
 
 def _no_update(common: dict) -> dict:
@@ -97,11 +123,9 @@ def help_line(prop: dict, label: str = "190px"):
     w = _widgets()
     when = prop.get("when", "live")
     text = html.escape(f"{prop.get('description', '')} [{when}: {WHEN[when]}]", quote=False)
-    return w.HTML(
-        value=f"<div style='color:#666;font-size:11px;line-height:1.3;margin:-2px 0 6px calc({label} + 4px);"
-        f"white-space:normal'>{text}</div>",
-        layout=w.Layout(width="auto"),
-    )
+    line = w.HTML(value=text, layout=w.Layout(width="auto", margin=f"-2px 0 6px calc({label} + 4px)"))
+    line.add_class("grpo-lab-help")
+    return line
 
 
 class FieldError:
@@ -110,11 +134,16 @@ class FieldError:
 
     def __init__(self, label: str, revert: Callable[[], None]):
         w = _widgets()
-        self.text = w.HTML(value="")
+        self.text = w.HTML(value="", layout=w.Layout(flex="1 1 auto", min_width="0"))
         self.text.add_class("grpo-lab-field-error")
-        button = w.Button(description="revert", layout=w.Layout(width="auto"), tooltip="show the config's value again")
+        button = w.Button(
+            description="revert",
+            layout=w.Layout(width="auto", flex="0 0 auto"),
+            tooltip="show the config's value again",
+        )
         button.on_click(lambda _: revert())
-        self.widget = w.HBox([self.text, button], layout=w.Layout(margin=f"0 0 4px calc({label} + 4px)"))
+        # why from the field's left edge, not under its input: the reason gets the row's width (at most 2 lines)
+        self.widget = w.HBox([self.text, button], layout=w.Layout(margin="0 0 4px 0", width="100%"))
         self.show(None)
 
     def show(self, reason: Optional[str]) -> None:
@@ -170,8 +199,12 @@ class ConfigEditor:
         load.on_click(lambda _: self.load(self.path.value))
         save.on_click(lambda _: self.save(self.path.value))
         self.legend = w.HTML(value=LEGEND)
+        self.legend.add_class("grpo-lab-legend")
         style = w.HTML(value=EDITOR_CSS, layout=w.Layout(display="none"))
-        self.widget = w.VBox([style, self.tabs, self.message, self.legend, w.HBox([self.path, load, save])])
+        self.widget = w.VBox(
+            [style, self.tabs, self.message, self.legend, w.HBox([self.path, load, save])],
+            layout=w.Layout(flex="1 1 420px", min_width="0"),  # why: it takes the width the notebook has
+        )
         self.widget.add_class("grpo-lab-editor")
         self._syncing = False
         self.lock_load_time()
@@ -198,7 +231,7 @@ class ConfigEditor:
             changed = self.config.update({path: parse(raw)})
         except (LabError, yaml.YAMLError, ValueError, TypeError) as err:
             keeps = as_text(self.config.to_dict()[section][name])
-            self.errors[(section, name)].show(f"{str(err).strip()} (not applied: {path} stays {keeps})")
+            self.errors[(section, name)].show(f"{str(err).strip()} (not applied; stays {keeps})")
             self.message.value = ""
             return False
         self.errors[(section, name)].show(None)
@@ -212,7 +245,9 @@ class ConfigEditor:
     def _error(self, err) -> None:
         import html
 
-        self.message.value = f"<span style='color:#c00'>{html.escape(str(err), quote=False)}</span>"
+        self.message.value = (
+            f"<span style='color:var(--jp-error-color1, #c00)'>{html.escape(str(err), quote=False)}</span>"
+        )
 
     def _revert(self, section: str, name: str) -> Callable[[], None]:
         def revert():
