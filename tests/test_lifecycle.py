@@ -125,15 +125,16 @@ def test_phases_out_of_order_are_refused_in_one_line(loaded_lab):
         lab.rewards(old)
     lab.sync()
     new = lab.rollout()
-    for call in (lambda: lab.rewards(old), lambda: lab.logprobs(old)):
-        with pytest.raises(LabError, match=r"^rollout: this is step 0's rollout, not the one step 1 produced") as err:
+    for phase, call in (("rewards", lambda: lab.rewards(old)), ("logprobs", lambda: lab.logprobs(old))):
+        # issue 40: the line starts with the phase called (it read "rollout:" for a stale lab.rewards(...))
+        with pytest.raises(LabError, match=rf"^{phase}: this is step 0's rollout, not the one step 1 produced") as err:
             call()
         assert "\n" not in str(err.value)
     adv = lab.advantages(lab.rewards(new))
-    with pytest.raises(LabError, match=r"step 1 has no logprobs yet; run lab\.logprobs"):
+    with pytest.raises(LabError, match=r"^backward: step 1 has no logprobs yet; run lab\.logprobs"):
         lab.backward(new, adv, old_lp)
     lab.logprobs(new)
-    with pytest.raises(LabError, match=r"^logprobs: this is an earlier logprobs, not the one step 1 produced"):
+    with pytest.raises(LabError, match=r"^backward: this is an earlier logprobs, not the one step 1 produced"):
         lab.backward(new, adv, old_lp)
     assert lab.step().step == 1  # refusals left the step usable
 

@@ -172,7 +172,9 @@ def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab
 def test_panel_combines_editor_controls_and_plot(loaded_lab):
     panel = loaded_lab().ui()
     assert isinstance(panel, Panel) and panel.plot is not None
-    assert len(panel.widget.children) == 2
+    style, row, plot = panel.widget.children  # the theme's style for the plot, editor beside controls, the plot
+    assert "data-jp-theme-light" in style.value and row.children == (panel.editor.widget, panel.controls.widget)
+    assert plot is panel.plot.fig and "grpo-lab-plot" in plot._dom_classes
 
 
 def held_at_rewards(lab):

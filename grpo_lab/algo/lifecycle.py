@@ -45,17 +45,18 @@ def next_phase(step: StepState, num_iterations: int) -> str:
     return next(phase.name for phase in PHASES if not phase.done(step, num_iterations))
 
 
-def _same(step: StepState, name: str, given) -> None:
-    """`given` (an input named after the phase that produced it) must be what this step's `name` phase returned."""
+def _same(step: StepState, phase: str, name: str, given) -> None:
+    """`given` (an input named after the phase that produced it) must be what this step's `name` phase returned; a
+    refusal starts with the phase that was called (`phase`), the one the user's line names."""
     expected = getattr(step, name)
     if expected is None and name == "rollout" and getattr(given, "step", step.index) != step.index:
         raise LabError(
-            f"rollout: this is step {given.step}'s rollout, and step {step.index} has none yet; "
+            f"{phase}: this is step {given.step}'s rollout, and step {step.index} has none yet; "
             "run lab.rollout() to start it"
         )
     if expected is None:
         raise LabError(
-            f"step {step.index} has no {name} yet; run lab.{name}(...) first "
+            f"{phase}: step {step.index} has no {name} yet; run lab.{name}(...) first "
             f"(phases run in order: {', '.join(PHASE_NAMES)})"
         )
     if given is not expected:
@@ -63,7 +64,7 @@ def _same(step: StepState, name: str, given) -> None:
             f"step {given.step}'s" if name == "rollout" and getattr(given, "step", -1) != step.index else "an earlier"
         )
         raise LabError(
-            f"{name}: this is {whose} {name}, not the one step {step.index} produced; pass the value "
+            f"{phase}: this is {whose} {name}, not the one step {step.index} produced; pass the value "
             f"lab.{name}(...) returned in this step"
         )
 
@@ -80,7 +81,7 @@ def _inputs_fixed(step: StepState, phase: str) -> None:
 def check_order(step: StepState, phase: str, num_iterations: int, **inputs) -> None:
     """Refuse, in one line, a phase called out of order or with inputs that are not this step's."""
     for name in BY_NAME[phase].inputs:  # the registry says what each phase takes from the step
-        _same(step, name, inputs[name])
+        _same(step, phase, name, inputs[name])
     if phase not in UPDATE_PHASES:  # the phases an update is computed from
         _inputs_fixed(step, phase)
     if phase == "backward" and step.updates >= num_iterations:

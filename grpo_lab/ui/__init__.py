@@ -17,7 +17,10 @@ class Panel:
         self.controls = StepControls(lab)
         self.plot = lab.memory_plot() if lab.memory is not None and lab.learner is not None else None
         # why wrap: in a narrow notebook (1280 px, file browser open) the controls go under the editor, not over it
-        parts = [w.HBox([self.editor.widget, self.controls.widget], layout=w.Layout(flex_flow="row wrap"))]
+        from .live import PLOT_CSS
+
+        style = w.HTML(value=PLOT_CSS, layout=w.Layout(display="none"))  # the plot follows the theme (live.PLOT_CSS)
+        parts = [style, w.HBox([self.editor.widget, self.controls.widget], layout=w.Layout(flex_flow="row wrap"))]
         if self.plot is not None:
             parts.append(self.plot.fig)
         self.widget = w.VBox(parts)

@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from ..memory.figures import (
+    FAR,
     band_labels,
     band_shapes,
     drawn,
@@ -74,6 +75,16 @@ class Series:
             self.stride *= 2
 
 
+# why CSS: the kernel cannot know the theme (a user switches it at any time); under a dark JupyterLab theme the plot's
+# white paper, its dark text and its grid take the theme's colours, as plotly's dark template would
+PLOT_CSS = """<style>
+body[data-jp-theme-light="false"] .grpo-lab-plot .main-svg { background: transparent !important; }
+body[data-jp-theme-light="false"] .grpo-lab-plot rect.bg { fill: var(--jp-layout-color1) !important; }
+body[data-jp-theme-light="false"] .grpo-lab-plot text { fill: var(--jp-ui-font-color1) !important; }
+body[data-jp-theme-light="false"] .grpo-lab-plot .gridlayer path,
+body[data-jp-theme-light="false"] .grpo-lab-plot .zerolinelayer path { stroke: var(--jp-border-color1) !important; }
+</style>"""
+
 # why: between phases only the squeezed idle tail changes; redrawing it every refresh_s (the sampler keeps sampling)
 # had the kernel handle the browser's replies twice a second, and JupyterLab showed it Busy while nothing ran
 IDLE_REFRESH_S = 2.0
@@ -106,6 +117,7 @@ class LivePlot:
             )
         )
         self.fig.layout.width = None  # full width of the cell
+        self.fig.add_class("grpo-lab-plot")  # PLOT_CSS: the plot follows JupyterLab's theme
         self._lines: dict[tuple[str, str], int] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -150,9 +162,9 @@ class LivePlot:
         return [m for m in marks if m[0] in kept], f"  ·  last {self.max_steps} of {len(steps)} steps"
 
     def _limits_in_view(self, series, window: str = "") -> dict[str, float]:
-        """Limit lines within 2x of the data are drawn; farther ones would flatten the curves and go in the title."""
+        """Limit lines near the data (figures.FAR) are drawn; farther ones are named in the title."""
         top = stack_top(series) if series else 0.0
-        near = {name: mib for name, mib in self._limits.items() if mib <= 2 * top}
+        near = {name: mib for name, mib in self._limits.items() if mib <= FAR * top}
         far = [f"{name} {mib / 1024:.1f} GiB" for name, mib in self._limits.items() if name not in near]
         self.fig.layout.title.text = self._title + window + (f"  ·  off scale: {', '.join(far)}" if far else "")
         return near
@@ -240,7 +252,7 @@ class LivePlot:
             thread.join(timeout=2)
 
     def _ipython_display_(self):
-        from IPython.display import display
+        from IPython.display import HTML, display
 
         self.refresh()
-        display(self.fig)
+        display(HTML(PLOT_CSS), self.fig)
