@@ -230,9 +230,11 @@ def test_any_error_is_one_log_line_with_the_traceback_on_demand(loaded_lab):
     click_step(controls)
     lines = [line for line in log_text(controls).splitlines() if line]
     assert lines == ["error: ValueError: the reward server is down (the traceback button shows where)"]
-    controls.traceback_button.click()
-    text = log_text(controls)
+    assert "var(--jp-error-color1" in controls.log.value  # the error line in the theme's error colour
+    controls.traceback_button.click()  # the traceback in its own box, not in the log
+    text = controls.traceback.value
     assert "Traceback (most recent call last)" in text and "def broken" not in text and "in broken" in text
+    assert controls.traceback.layout.display == "block" and "Traceback" not in log_text(controls)
     lab.reward_funcs = [lambda prompts, completions, **kw: [float(len(c)) for c in completions]]
     click_step(controls)  # the Lab stayed usable
     assert len(lab.history) == 1

@@ -18,10 +18,16 @@ LOG_LINES = 500  # why bounded: a long run's log must not grow the notebook's me
 # column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box;
 # line-height: the HTML widget's own is its 28 px row height, which double-spaced a 12 px log
 LOG_STYLE = (
-    "height:220px;overflow:auto;display:flex;flex-direction:column-reverse;border:1px solid #ddd;"
-    "font-family:monospace;font-size:12px;line-height:1.35;padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere"
+    "height:220px;overflow:auto;display:flex;flex-direction:column-reverse;"
+    "border:1px solid var(--jp-border-color2, #ddd);font-family:monospace;font-size:12px;line-height:1.35;"
+    "padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere"
 )
 LINE_STYLE = "padding-left:2em;text-indent:-2em"  # a wrapped line's continuation hangs under its first word
+ERROR_STYLE = ";color:var(--jp-error-color1, #c00)"  # an error line in the theme's error colour
+TRACEBACK_STYLE = (
+    "max-height:300px;overflow:auto;font-size:11px;line-height:1.3;margin:2px 0;padding:2px 4px;"
+    "border:1px solid var(--jp-border-color2, #ddd);white-space:pre-wrap"
+)
 
 
 class _RunningLine:
@@ -61,11 +67,13 @@ class StepControls:
         self.progress = w.IntProgress(value=0, min=0, max=1, description="progress")
         self.lines: list[str] = []
         self.log = w.HTML(value="", layout=w.Layout(width="100%"))
+        # why a box of its own: a traceback in the log's 220 px box pushed the step lines out of view
+        self.traceback = w.HTML(value="", layout=w.Layout(width="100%", display="none"))
         self.next_button.on_click(lambda _: self._unless_running(self.next_phase))
         self.step_button.on_click(lambda _: self.run(1))
         self.run_button.on_click(lambda _: self._run_count())
         self.stop_button.on_click(lambda _: self.stop())
-        self.traceback_button.on_click(lambda _: self._say(self.last_traceback or "no error yet"))
+        self.traceback_button.on_click(lambda _: self.show_traceback())
         self.clear_button.on_click(lambda _: self.clear())
         lab.timeline.listeners.append(_RunningLine(self.status))
         self.widget = w.VBox(
@@ -76,6 +84,7 @@ class StepControls:
                 self.progress,
                 self.log,
                 w.HBox([self.traceback_button, self.clear_button]),
+                self.traceback,
             ],
             layout=w.Layout(width="440px", min_width="440px", flex="0 0 440px"),
         )  # why fixed: long lines wrap, never squeeze
@@ -90,7 +99,9 @@ class StepControls:
 
     def _render(self) -> None:
         body = "".join(
-            f"<div style='{LINE_STYLE}'>{html.escape(line, quote=False) or '&nbsp;'}</div>" for line in self.lines
+            f"<div style='{LINE_STYLE}{ERROR_STYLE if line.startswith('error:') else ''}'>"
+            f"{html.escape(line, quote=False) or '&nbsp;'}</div>"
+            for line in self.lines
         )
         self.log.value = f"<div class='grpo-lab-log' style='{LOG_STYLE}'><div>{body}</div></div>"
 
@@ -100,6 +111,16 @@ class StepControls:
     def clear(self) -> None:
         self.lines.clear()
         self._render()
+        self.traceback.layout.display = "none"
+
+    def show_traceback(self) -> None:
+        """The last error's traceback in its own box under the log (shown, or hidden again on a second click)."""
+        if self.traceback.layout.display != "none":
+            self.traceback.layout.display = "none"
+            return
+        text = html.escape(self.last_traceback or "no error yet", quote=False)
+        self.traceback.value = f"<pre style='{TRACEBACK_STYLE}'>{text}</pre>"
+        self.traceback.layout.display = "block"
 
     def _guarded(self, fn):
         """Run fn; any exception becomes one log line (its traceback kept for the traceback button)."""
