@@ -25,6 +25,8 @@ def preflight(config: LabConfig) -> None:
     check_model_path(config.model.name_or_path)
     if config.model.activation_offload:
         check_offload_host(config)
+    if config.generator.backend == "hf" and config.generator.hf_decode == "merged":
+        check_rollout_copy(config)
     if config.placement.learner_procs > 1:
         require_files(config.model.name_or_path, "a sharded learner's ranks (each reads its shard from the files)")
     if config.generator.backend == "vllm":
@@ -64,3 +66,25 @@ def check_offload_host(config: LabConfig) -> None:
             "under memory.host_threshold; shorten generator.max_completion_length, lower grpo.micro_batch_size, "
             "or set model.activation_offload: false"
         )
+
+
+def check_rollout_copy(config: LabConfig) -> None:
+    """generator.hf_decode: merged holds a rollout copy beside the learner: where the plan fits without it and not with
+    it, it is refused before anything loads, naming the path that fits."""
+    from .config.loading import load_config
+    from .planner import plan
+
+    with_copy = plan(config)
+    if with_copy.fits:
+        return
+    fallback = "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
+    if not plan(load_config(config, [f"generator.hf_decode={fallback}"])).fits:
+        return  # it does not fit either way: the plan's own refusal names the fixes
+    device = max(with_copy.failing(), key=lambda d: d.fraction)
+    copy = sum(i.bytes for i in device.items if i.what.startswith("rollout copy"))
+    gib = 1024**3
+    raise LabError(
+        f"generator.hf_decode: merged needs a {copy / gib:.2f} GiB rollout copy on {device.device}, and with it the "
+        f"plan does not fit ({device.total / gib:.1f} of {device.capacity / gib:.1f} GiB); use {fallback} (fits), or "
+        "auto (picks it)"
+    )

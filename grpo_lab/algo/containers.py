@@ -183,10 +183,10 @@ class GenerationRequest:
     chunk_size: Optional[int] = None  # sequences per engine call; None = all at once
     gather_for_generation: bool = True  # a sharded hf learner: full weights for the rollout, or one layer at a time
     full_length: bool = False  # the worst-case probe: stop tokens suppressed until max_completion_length
-    decode: str = "dynamic"  # the hf rollout's decode path (generator.hf_decode)
+    decode: str = "dynamic"  # the hf rollout's decode path (generator.hf_decode; auto resolved by the executor)
 
     @classmethod
-    def from_config(cls, config, full_length: bool = False) -> "GenerationRequest":
+    def from_config(cls, config, full_length: bool = False, decode: Optional[str] = None) -> "GenerationRequest":
         gen = config.generator
         return cls(
             gen.max_completion_length,
@@ -197,5 +197,5 @@ class GenerationRequest:
             gen.chunk_size,
             gen.gather_for_generation,
             full_length,
-            gen.hf_decode,
+            decode or gen.hf_decode,
         )

@@ -43,12 +43,13 @@ def step(phases, num_iterations: int) -> StepResult:
     return phases.sync()
 
 
-def rollout(generator, prompts, config) -> Rollout:
-    """Sample `num_generations` completions for each of `prompts_per_step` prompts."""
+def rollout(generator, prompts, config, decode: Optional[str] = None) -> Rollout:
+    """Sample `num_generations` completions for each of `prompts_per_step` prompts (an hf rollout decoding as `decode`
+    says, the executor's resolution of generator.hf_decode)."""
     grpo = config.grpo
     batch = prompts.next_batch(grpo.prompts_per_step)
     # (the worst-case probe's prompts ask for full-length completions: planner/worst_case.py)
-    request = GenerationRequest.from_config(config, full_length=getattr(prompts, "full_length", False))
+    request = GenerationRequest.from_config(config, full_length=getattr(prompts, "full_length", False), decode=decode)
     return generator.generate(batch, grpo.num_generations, request)
 
 

@@ -33,15 +33,20 @@ def check_roles(config) -> None:
             f"learner (colocated) and {NEEDS_SHARE}: auto (grpo-lab plan prints the split it picks) "
             "or a number, e.g. 0.3; or place it on another GPU"
         )
-    if own and gen.hf_decode != "dynamic":
+    if own and gen.hf_decode not in ("dynamic", "auto"):
         raise ValueError(
             f"generator.hf_decode: backend {gen.backend!r} decodes in its own engine; hf_decode is the hf backend's "
             "(set it to dynamic, or generator.backend: hf)"
         )
     if gen.hf_decode == "compiled" and not place.learner.startswith("cuda"):
         raise ValueError(
-            f"generator.hf_decode: 'compiled' captures CUDA graphs, and the learner is on {place.learner}; use static "
-            "or dynamic there (compiled needs placement.learner on a GPU)"
+            f"generator.hf_decode: 'compiled' captures CUDA graphs, and the learner is on {place.learner}; use merged, "
+            "static or dynamic there (compiled needs placement.learner on a GPU)"
+        )
+    if gen.hf_decode == "merged" and place.learner_procs > 1:
+        raise ValueError(
+            "generator.hf_decode: 'merged' builds a rollout copy of the whole model, and this learner is sharded "
+            f"over {place.learner_procs} ranks; use dynamic (or auto, which picks it here)"
         )
     if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
         raise ValueError(

@@ -227,13 +227,17 @@ class GeneratorSection(Section):
     cpu_kv_cache_gib: int = knob(
         "load", 1, ge=1, planned=True, description="vllm on the CPU: host RAM (whole GiB) for its KV cache."
     )
-    hf_decode: Literal["dynamic", "static", "compiled"] = knob(
+    hf_decode: Literal["dynamic", "static", "compiled", "merged", "auto"] = knob(
         "live",
         "dynamic",
+        planned=True,
         description="hf backend: how the rollout decodes. dynamic = transformers' growing KV cache; static = the cache "
         "preallocated for the whole rollout (fixed shapes); compiled = static plus CUDA graphs over the 4-bit + LoRA "
-        "decode step (torch.compile, mode reduce-overhead; a GPU learner only; the first rollout compiles). Greedy "
-        "decoding gives the same tokens on every path; bench/gpu/gpu_check.py measures their speed.",
+        "decode step (torch.compile, mode reduce-overhead; a GPU learner only; the first rollout compiles); merged = "
+        "a rollout copy: every 4-bit + LoRA linear dequantized to the compute dtype with the LoRA merged in (W + BA), "
+        "built at each rollout and freed after it (a planned line; no 4-bit dequantization or LoRA wrapper per token; "
+        "on a GPU its decode step runs as CUDA graphs too); auto = merged where the plan fits the copy, else compiled "
+        "on a GPU, else dynamic (the plan and the run say which). Greedy decoding gives the same tokens on every path.",
     )
 
     @property

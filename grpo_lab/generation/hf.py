@@ -19,6 +19,7 @@ from ..execution.sharded.fsdp import generation
 from ..memory.heap import trim_host_heap
 from ..models.source import resolve_model_path
 from .base import GenerationRequest, Generator, Sample, row_seeds
+from .rollout_copy import rollout_model
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
 # repetition penalty), then from transformers' defaults (top_k 50): neither is what the request asked for.
@@ -46,6 +47,8 @@ class HFGenerator(Generator):
         super().__init__(learner.tokenizer, resolve_model_path(config.model.name_or_path))
         check_hf_placement(config)
         self.learner = learner
+        model = config.model  # why the compute dtype: the copy's weights are in what the 4-bit matmul computes in
+        self.copy_dtype = getattr(torch, model.bnb_4bit_compute_dtype if model.load_in_4bit else model.dtype)
 
     def sync(self, learner) -> None:
         """Nothing to do: generation reads the learner's own LoRA weights."""
@@ -62,21 +65,25 @@ class HFGenerator(Generator):
 
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
-        return self.generate_in_chunks(
-            batch,
-            num_generations,
-            request,
-            lambda prompt_ids, rows: self.generate_chunk(prompt_ids, request, seeds[rows.start : rows.stop], width),
-        )
+        with rollout_model(self.learner.model, request.decode, self.copy_dtype) as model:  # merged: the rollout copy
+            return self.generate_in_chunks(
+                batch,
+                num_generations,
+                request,
+                lambda prompt_ids, rows: self.generate_chunk(
+                    prompt_ids, request, seeds[rows.start : rows.stop], width, model
+                ),
+            )
 
     @torch.no_grad()  # why: a rollout needs no autograd graph
     def generate_chunk(
-        self, prompt_ids, request: GenerationRequest, seeds: Optional[list[int]] = None, width: int = 0
+        self, prompt_ids, request: GenerationRequest, seeds: Optional[list[int]] = None, width: int = 0, model=None
     ) -> list[Sample]:
-        """Sample `prompt_ids`, row i with `seeds[i]` (None: seeds drawn here), left-padded to at least `width`."""
+        """Sample `prompt_ids`, row i with `seeds[i]` (None: seeds drawn here), left-padded to at least `width`, with
+        `model` (the learner's own by default; generator.hf_decode: merged, its rollout copy)."""
         from transformers import LogitsProcessorList
 
-        model, tok = self.learner.model, self.tokenizer
+        model, tok = self.learner.model if model is None else model, self.tokenizer
         seeds = row_seeds(len(prompt_ids)) if seeds is None else seeds
         GENERATED_ROWS[0] += len(prompt_ids)
         # why synced through the shards: every forward all-gathers each layer, so a rank whose rows are done must go on
@@ -94,7 +101,7 @@ class HFGenerator(Generator):
             with (
                 generation(model, request.gather_for_generation),
                 compiled_decode(model, request.decode),
-                precision(model),  # why: the rollout samples in the numerics the log-prob passes score in
+                precision(self.learner.model),  # why: the rollout samples in the numerics the log-prob passes score in
             ):
                 sequences = model.generate(
                     input_ids=input_ids.to(self.learner.device),
@@ -135,7 +142,7 @@ class HFGenerator(Generator):
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
             use_cache=True,
-            **DECODES[request.decode](),
+            **DECODES[request.decode](self.learner.device.type == "cuda"),
         )
 
     def _step_hooks(self) -> list:
@@ -161,12 +168,17 @@ def _compile_config() -> dict:
     return {"cache_implementation": "static", "compile_config": CompileConfig(fullgraph=False, mode="reduce-overhead")}
 
 
-# generator.hf_decode -> the GenerationConfig settings of that decode path
-DECODES: dict[str, Callable[[], dict]] = {
-    "dynamic": lambda: {},
+# generator.hf_decode (auto resolved: planner.rollout_decode) -> the GenerationConfig settings of that decode path,
+# given whether the learner is on a GPU
+DECODES: dict[str, Callable[[bool], dict]] = {
+    "dynamic": lambda cuda: {},
     # why disable_compile: a static cache alone, measured apart from CUDA graphs
-    "static": lambda: {"cache_implementation": "static", "disable_compile": True},
-    "compiled": _compile_config,
+    "static": lambda cuda: {"cache_implementation": "static", "disable_compile": True},
+    "compiled": lambda cuda: _compile_config(),
+    # the rollout copy (generation/rollout_copy.py): CUDA graphs over its decode step on a GPU; on the CPU, where a
+    # step's cost is its kernels, not their launches, the growing cache
+    "merged": lambda cuda: _compile_config() if cuda else {},
+    "auto": lambda cuda: {},  # unresolved (a request not built by an executor): dynamic
 }
 
 

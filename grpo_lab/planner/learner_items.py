@@ -118,12 +118,41 @@ def load_float_bytes(shape: ModelShape, config) -> float:
     return max(a * b for _, a, b in shape.linear_layers()) * DTYPE_BYTES[config.model.dtype]
 
 
+def rollout_copy_bytes(shape: ModelShape, config) -> float:
+    """generator.hf_decode: merged: every linear layer dense in the compute dtype (the rest is the learner's own
+    tensors, shared), plus one layer's largest weight in float32 twice while it merges (dequantized, + B @ A)."""
+    largest = max(a * b for _, a, b in shape.linear_layers())
+    return shape.linear_params * compute_bytes(config) + 2 * 4 * largest
+
+
+def compute_dtype(config) -> str:
+    return config.model.bnb_4bit_compute_dtype if config.model.load_in_4bit else config.model.dtype
+
+
+def rollout_decode(config) -> str:
+    """The hf rollout's decode path: generator.hf_decode, with auto resolved as the plan allows: merged when the plan
+    fits the rollout copy, else compiled on a GPU, else dynamic (a sharded learner, another backend: dynamic)."""
+    gen = config.generator
+    if gen.hf_decode != "auto":
+        return gen.hf_decode
+    if gen.backend != "hf" or config.placement.learner_procs > 1:
+        return "dynamic"
+    from ..config.loading import load_config
+    from .plan import plan
+
+    if plan(load_config(config, ["generator.hf_decode=merged"])).fits:
+        return "merged"
+    return "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
+
+
 def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """The hf backend's rollout with the learner's own weights: the whole batch (on every rank), through the model
     gathered whole or layer by layer when sharded."""
     gen, grpo = config.generator, config.grpo
     if procs == 1:
-        lrn.roles.append(f"generator ({gen.backend}, shares learner weights)")
+        decode = rollout_decode(config)
+        said = f"decode {decode}" + (" (auto)" if gen.hf_decode == "auto" else "")
+        lrn.roles.append(f"generator ({gen.backend}, shares learner weights; {said})")
     else:
         lrn.roles.append("generator (hf, the whole rollout on every rank)")
         layer, root = unit_bytes(shape, config)
@@ -142,6 +171,14 @@ def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> No
                 "every decoding step (slow)",
                 phase="rollout",
             )
+    if procs == 1 and decode == "merged":
+        lrn.add(
+            "rollout copy (LoRA merged)",
+            rollout_copy_bytes(shape, config),
+            f"{count(shape.linear_params)} linear weights dequantized to {compute_dtype(config)} with the LoRA merged "
+            f"in; built at the rollout, freed after it (generator.hf_decode: {gen.hf_decode})",
+            phase="rollout",
+        )
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
     lrn.add(
