@@ -150,6 +150,16 @@ def run(
         return _run(config, run_dir, 0, progress, verbose, lab)
 
 
+def say_decode(config: LabConfig) -> None:
+    """generator.hf_decode: auto, as resolved (planner.rollout_decode), once at the start of a run."""
+    if config.generator.backend == "hf" and config.generator.hf_decode == "auto":
+        from .planner.learner_items import rollout_decode
+
+        decode = rollout_decode(config)
+        why = "the plan fits the rollout copy" if decode == "merged" else "the plan does not fit the rollout copy"
+        print(f"rollout: hf decode {decode} (generator.hf_decode: auto; {why})", file=sys.stderr)
+
+
 def load_lab(config: LabConfig, force: bool) -> Lab:
     """Pre-flight checks and the memory plan (unless `force`), then the loaded Lab."""
     preflight(config)
@@ -179,6 +189,7 @@ def _run(
         earlier = [StepResult.from_metrics(m) for m in rewind_metrics(run_dir / METRICS, start)]
         samples = CsvStream(run_dir / "memory.csv", lab.memory, keep_before=start if resumed else None)
         write_status(run_dir, "running", steps)
+        say_decode(config)
     except BaseException:
         lab.close()
         raise

@@ -190,3 +190,12 @@ def test_the_copy_reads_the_4bit_weights_on_either_of_bitsandbytes_cpu_paths(avx
         lab.step()  # the learner still trains after both
     finally:
         lab.close()
+
+
+def test_a_run_says_which_path_auto_picked(tiny_model, tmp_path, capsys):
+    from grpo_lab.cli import main
+
+    args = ["run", "tiny-cpu", "--steps", "1", "--out", str(tmp_path / "run"), "--set", "generator.hf_decode=auto"]
+    assert main([*args, "--set", f"model.name_or_path={tiny_model}"]) == 0
+    err = capsys.readouterr().err
+    assert "rollout: hf decode merged (generator.hf_decode: auto; the plan fits the rollout copy)" in err
