@@ -39,7 +39,7 @@ def test_the_process_peak_is_kept_across_the_labs_resets(monkeypatch):
             + [
                 f"side_by_side {label} L={length}"
                 for length in (256, 1024)
-                for label in ("grpo_lab", "trl", "static", "compiled", "trl_head")
+                for label in ("grpo_lab", "trl", "static", "compiled", "merged", "trl_head")
             ]
             + ["plan"],
         ),
@@ -100,6 +100,7 @@ def test_the_grpo_lab_worker_returns_what_the_summary_reads(tiny_model):
     assert len(record["seconds"]) == 1 and record["peak"] > 0 and record["metric"] == "rss"
     assert set(record["phase_peaks"]) == set(gpu_check.PHASES) == set(record["planned"])
     assert all(v > 0 for v in record["planned"].values()) and record["rollout_tokens_per_s"][0] > 0
+    assert len(record["logprob_mismatch"]) == 1 and record["logprob_mismatch"][0] >= 0  # issue 39's per-path metric
 
 
 def test_the_summary_gives_each_lengths_ratio_to_trl():
@@ -112,6 +113,7 @@ def test_the_summary_gives_each_lengths_ratio_to_trl():
             "peak": 600 * mib,
             "seconds": [2.0],
             "rollout_tokens_per_s": [500.0],
+            "logprob_mismatch": [2.5e-3],
             "phase_peaks": {"backward": 550 * mib},
             "planned": {"backward": 500 * mib},
         },
@@ -119,9 +121,9 @@ def test_the_summary_gives_each_lengths_ratio_to_trl():
         {"part": "side_by_side", "side": "trl", "length": 1024, "failed": "timed out after 170 s"},
     ]
     text = gpu_check.table(records)
-    assert "| 256 | grpo_lab | 600 | 2.00 | 500 | 0.75 |" in text
+    assert "| 256 | grpo_lab | 600 | 2.00 | 500 | 0.75 | 2.50e-03 |" in text
     assert "| 256 | grpo_lab | backward | 550 | 500 | 1.10 |" in text
-    assert "| 1024 | trl | timed out after 170 s |" in text
+    assert "| 1024 | trl | timed out after 170 s | | | | |" in text
 
 
 def test_the_planned_allocated_peak_leaves_out_the_context_and_a_first_steps_missing_state():

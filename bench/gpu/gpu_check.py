@@ -21,8 +21,9 @@ Parts:
    per-phase peak resets), seconds per step after `--warmup` steps, and the rollout's tokens per second.
 3. the plan: each grpo_lab process's per-phase allocated peaks beside `plan(cfg)`'s per-phase peak on the device.
 `--variant LABEL:KEY=VALUE,...` adds a grpo_lab run with those overrides; on a GPU, by default, the hf rollout's other
-decode paths (generator.hf_decode static and compiled: the first compiled rollout compiles, so at 1,024 tokens, with
-no warm-up step, its one step includes the compile).
+decode paths (generator.hf_decode static, compiled and merged: the first compiled rollout compiles, so at 1,024 tokens,
+with no warm-up step, its one step includes the compile). Each grpo_lab record has the step's sampler-learner log-prob
+mismatch (`logprob_mismatch`, the metric the lab logs), per decode path.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     metric = "rss" if device == "cpu" else "allocated"
     lab = Lab(cfg).load()
     at_load = device_figures(device)  # why: the plan's resident lines (weights, context) against what loading took
-    seconds, rollout_tps, phases, every = [], [], {}, {}
+    seconds, rollout_tps, phases, every, mismatch = [], [], {}, {}, []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         result = lab.step()
@@ -117,6 +118,7 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
         if i < warmup:
             continue
         seconds.append(elapsed)
+        mismatch.append(result.logprob_mismatch)
         tokens = result.completion_length_mean * cfg.grpo.prompts_per_step * cfg.grpo.num_generations
         rollout_tps.append(tokens / max(result.phase_seconds.get("rollout", 0.0), 1e-9))
         for row in result.memory:
@@ -129,6 +131,7 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
         "seconds": seconds,
         "peak": peak.read(),
         "rollout_tokens_per_s": rollout_tps,
+        "logprob_mismatch": mismatch,
         "phase_peaks": phases,
         "planned": planned_phases(planned, metric, first_step=warmup + steps == 1),
         "planned_total": planned.total,
@@ -334,18 +337,22 @@ def smoke(out: Path, timeout: int) -> dict:
 
 def table(records: list[dict]) -> str:
     """Markdown: each length's grpo_lab and TRL peaks and s/step, their ratio; then per-phase measured vs planned."""
-    rows = ["| length | side | peak (MiB) | s/step | rollout tok/s | peak / TRL |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| length | side | peak (MiB) | s/step | rollout tok/s | peak / TRL | log-prob mismatch |",
+        "|---|---|---|---|---|---|---|",
+    ]
     trl = {r["length"]: r for r in records if r.get("side") == "trl" and "failed" not in r}
     for r in records:
         if "side" not in r:
             continue
         if "failed" in r:
-            rows.append(f"| {r['length']} | {r['side']} | {r['failed']} | | | |")
+            rows.append(f"| {r['length']} | {r['side']} | {r['failed']} | | | | |")
             continue
         ratio = f"{r['peak'] / trl[r['length']]['peak']:.2f}" if r["length"] in trl else ""
         secs = f"{statistics.median(r['seconds']):.2f}" if r["seconds"] else ""
         tps = f"{statistics.median(r['rollout_tokens_per_s']):.0f}" if r.get("rollout_tokens_per_s") else ""
-        rows.append(f"| {r['length']} | {r['side']} | {r['peak'] / MiB:,.0f} | {secs} | {tps} | {ratio} |")
+        mismatch = f"{statistics.median(r['logprob_mismatch']):.2e}" if r.get("logprob_mismatch") else ""
+        rows.append(f"| {r['length']} | {r['side']} | {r['peak'] / MiB:,.0f} | {secs} | {tps} | {ratio} | {mismatch} |")
     rows += [
         "",
         "| length | side | phase | measured (MiB) | planned (MiB) | measured / planned |",
@@ -370,6 +377,7 @@ def side_by_side_runs(args) -> list[tuple[str, str, list[str]]]:
         args.variant = [
             "static:generator.hf_decode=static",
             "compiled:generator.hf_decode=compiled",
+            "merged:generator.hf_decode=merged",  # issue 39: the rollout copy (LoRA merged, 16-bit), CUDA graphs on it
             "trl_head:grpo.logprob_head=trl",
         ]
     for spec in args.variant:
