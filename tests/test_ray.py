@@ -345,6 +345,7 @@ def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_
             lab.arm_fault(rank, phase, "kill")
             lines.append(_fails_in_one_line(capfd, lab.step))
             assert f"failed on rank {rank}: its process died" in lines[-1] and "restarted" in lines[-1]
+            assert "memory" not in lines[-1]  # issue 42: a SIGKILL read "killed: out of host memory"
             assert same_result(lab.step(), results[step]), (step, phase)
         # between two phases: the rank dies after the rollout, before the rewards
         rollout = lab.rollout()

@@ -117,8 +117,8 @@ class Ranks:
         self.actors = [self._actor(ray, rank) for rank in range(self.size)]
         try:
             master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            why = died(err) if isinstance(err, ray.exceptions.RayActorError) else "not placed within the start timeout"
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.GetTimeoutError) as err:
+            why = died(err) if process_lost(err) else "not placed within the start timeout"
             raise LabError(f"rank 0 did not start: {why}") from None
         calls = [
             a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
@@ -219,7 +219,7 @@ class Ranks:
         """Replies by rank. Stops early when a rank died or failed where the others cannot follow (they are then
         blocked in a collective): Ray's word on a process, not a grace period, decides."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import OutOfMemoryError, RayActorError
 
         rank_of = {ref: rank for rank, ref in refs.items()}
         replies: dict = {}
@@ -233,7 +233,7 @@ class Ranks:
                 del pending[rank]
                 try:
                     replies[rank] = ray.get(ref)
-                except RayActorError as err:
+                except (RayActorError, OutOfMemoryError) as err:
                     replies[rank] = ("died", died(err))
             if any(r[0] == "died" or (r[0] == "error" and len(r) > 3 and r[3]["blocked"]) for r in replies.values()):
                 break
@@ -316,8 +316,18 @@ class Ranks:
 
 
 def died(err: BaseException) -> str:
-    """One line for a rank whose process died (Ray's message is a paragraph)."""
-    text = str(err)
-    if "memory" in text.lower() and ("oom" in text.lower() or "out of memory" in text.lower()):
-        return "its process died (killed: out of host memory)"
+    """One line for a rank whose process died (Ray's message is a paragraph). Out of memory only when Ray's memory
+    monitor says so (ray.get raises its OutOfMemoryError). Why not from the text: the message of every other worker
+    death lists "killed by the OOM killer" among its possible causes, so a SIGKILL read as out of memory (issue 42)."""
+    from ray.exceptions import OutOfMemoryError
+
+    if isinstance(err, OutOfMemoryError):
+        return "its process was killed by Ray's memory monitor (the node's memory crossed its kill threshold)"
     return "its process died (killed, or crashed; Ray saw its worker exit)"
+
+
+def process_lost(err: BaseException) -> bool:
+    """Whether `err` from ray.get says the rank's process is gone: it died, or Ray's memory monitor killed it."""
+    from ray.exceptions import OutOfMemoryError, RayActorError
+
+    return isinstance(err, (RayActorError, OutOfMemoryError))
