@@ -264,6 +264,12 @@ def test_live_plot_draws_lines_bands_and_limits_without_a_browser(loaded_lab):
     assert any("threshold" in text for text in limits)  # drawn, or named in the title when off scale
     labels = {a.text for a in plot.fig.layout.annotations}
     assert {"rollout", "step 0"} <= labels  # bands are named where they are wide enough
+    # issue 42: an edit of memory.host_threshold moves the drawn (or named) threshold, as it moves the guard's
+    lab.configure({"memory.host_threshold": 0.5})
+    lab.memory.read()  # a new sample: what a redraw waits for
+    plot.refresh()
+    said = " ".join([a.text for a in plot.fig.layout.annotations] + [plot.fig.layout.title.text])
+    assert "threshold 50%" in said and "threshold 95%" not in said, said
     lab.close()
     assert plot._thread is None
 

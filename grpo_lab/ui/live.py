@@ -188,6 +188,11 @@ class LivePlot:
             self._refresh()
 
     def _refresh(self) -> None:
+        # why read at every refresh: memory.host_threshold is live, and a line computed once disagreed with the guard
+        # after an edit (issue 42); a changed limit redraws at once, idle or not
+        limits = host_limits(self.sampler)
+        if limits != self._limits:
+            self._limits, self._marks_drawn = limits, -1
         idle = getattr(self.sampler, "phase", None) == "idle" and len(self.sampler.marks) == self._marks_drawn
         if idle and self._lines and time.monotonic() - self._drawn_at < IDLE_REFRESH_S:
             return
