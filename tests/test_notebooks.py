@@ -82,12 +82,14 @@ def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
         assert facts["gather"][gather]["seconds"] > 0
     assert text.count("rollout failed on every rank: RuntimeError: injected failure in rollout") == 2
     assert facts["layout_restored_after_failed_rollout"] is True
+    assert facts["grad_norm_after_the_greedy_cells"] > 0  # issue 42: temperature 0 stayed set and the step read grad 0
     # P5: the naive reference fails inside torch; the check refuses it in one line; the prepared copy scores as the base
     assert "meta" in facts["p5_device_error"]
     assert facts["p5_refused"].startswith("reference: model.embed_tokens.weight is on meta, the policy computes on cpu")
     assert "\n" not in facts["p5_refused"]
     # a rank SIGKILLed inside backward: one line naming it, and the step runs again
     assert facts["kill_line"].startswith("backward failed on rank 1: its process died"), facts["kill_line"]
+    assert "memory" not in facts["kill_line"]  # issue 42: a SIGKILL is not an OOM
     assert "\n" not in facts["kill_line"] and facts["kill_retry_step"] == facts["step_after_oom"] + 1
     assert facts["reference_copy_vs_adapter_disabled_max_abs_diff"] <= 1e-5
     # the OOM on rank 1: one line naming the rank, every rank's LoRA and AdamW shards bit for bit, the step runs again
