@@ -398,3 +398,23 @@ def test_the_plan_in_a_notebook_scrolls_instead_of_wrapping_and_folds_its_notes(
     assert "<details open>" in result._repr_html_()
     quiet = plan(load_config("tiny-cpu", ["memory.host_mmap_threshold_mib=0.125"]))
     assert not quiet.caveats and "<details" not in quiet._repr_html_()
+
+
+def test_a_plan_made_in_a_jupyter_kernel_counts_the_kernels_own_memory(monkeypatch):
+    """Issue 42: notebook 01 planned 610 MiB and measured 696 (1.14x): a kernel holds IPython, ipywidgets and plotly
+    beside the lab (86 MiB measured, planner/estimate.KERNEL_BASELINE); a plan made in one counts them."""
+    import importlib
+
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.planner import plan
+    from grpo_lab.planner.estimate import KERNEL_BASELINE, in_kernel
+
+    assert not in_kernel()  # pytest is no kernel
+    cfg = load_config("tiny-cpu", ["model.name_or_path=builtin:tiny-random"])
+    plain = plan(cfg).devices["host"]
+    monkeypatch.setattr(importlib.import_module("grpo_lab.planner.plan"), "in_kernel", lambda: True)
+    kernel = plan(cfg).devices["host"]
+    assert [i.what for i in kernel.items if i.what not in {j.what for j in plain.items}] == [
+        "Jupyter kernel: IPython, ipywidgets, plotly"
+    ]
+    assert kernel.total - plain.total == KERNEL_BASELINE

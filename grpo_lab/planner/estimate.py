@@ -36,6 +36,22 @@ OFFLOAD_IN_FLIGHT = 2
 # step adds for good (lazily imported generation code, thread pools, oneDNN caches; tiny-cpu and logits-heavy-cpu,
 # RSS after a heap trim). A CUDA build maps its libraries and context into host memory too (not measured: 1 GiB).
 HOST_BASELINE = {"cpu": 0.58 * GiB, "cuda": 1.0 * GiB}
+# A Jupyter kernel's own share beside HOST_BASELINE: ipykernel and IPython (+23 MiB), then ipywidgets, anywidget and
+# plotly's FigureWidget, which the live plot and the panel import (+63 MiB); measured 2026-11-27 on the CPU build: a
+# kernel read 644 MiB where a plain process with the same grpo_lab stack read 559 (notebook 01 had planned 610 and
+# measured 696: the gap was this)
+KERNEL_BASELINE = 86 * MiB
+
+
+def in_kernel() -> bool:
+    """Whether this process is a Jupyter kernel (where the plan also counts KERNEL_BASELINE on the host)."""
+    import sys
+
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
 FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
 # tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch fallback on
 # CPU makes temporaries of tile size (8.3 measured by bench/plan_accuracy/fused_head_cpu.py; 8.5 keeps a margin)
