@@ -23,6 +23,7 @@ from .config.loading import load_config
 from .config.schema import LabConfig
 from .errors import ConfigError, LabError, one_line_in_cells
 from .execution.contract import executor_for
+from .execution.runtime import own_streams
 from .memory.timeline import Timeline
 from .preflight import preflight
 from .ui.views import LabViews
@@ -46,6 +47,7 @@ class Lab(LabViews):
         self.leaks = None
         self.trackers = None  # run.report_to, opened at load
         self._plots: list = []
+        self._rng: Optional[dict] = None  # this Lab's random streams while another Lab's are the process's
         # where the phases run: this process's models, or a sharded learner's ranks (placement.learner_procs > 1)
         self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index)
 
@@ -114,6 +116,7 @@ class Lab(LabViews):
             self.timeline.listeners.extend(executor.listeners())
         executor.load(self.memory)
         self.trackers = Trackers(config)  # last: a load that fails earlier opens no tracker run
+        own_streams(self)  # why before seeding: another Lab's streams are kept, not reseeded (execution/runtime.py)
         torch.manual_seed(config.run.seed)  # why here: sampling starts from the seed, whatever loading consumed
         config.attach_guard(LoadedLabGuard(executor, self.memory, self.leaks, self.memory_devices))
         if config.run.probe_first:
@@ -295,7 +298,9 @@ class Lab(LabViews):
         return self._finish_step()
 
     def _compute(self, name: str, *inputs):
-        """A phase's work, by the executor: on this process's models, or on the ranks."""
+        """A phase's work, by the executor: on this process's models, or on the ranks, drawing from this Lab's own
+        random streams."""
+        own_streams(self)
         return self.executor.compute(name, self._step, *inputs)
 
     def _kept(self, name: str, **inputs):
