@@ -199,7 +199,11 @@ def _progress(label: str, train_steps: int):
     of the time left: a widget in a notebook, a line on stderr in a terminal or a log."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=3 + train_steps, desc=label, unit="stage" if not train_steps else "step", leave=True)
+    bar = tqdm(total=3 + train_steps, desc=label, unit="stage" if not train_steps else "step", leave=True)
+    container = getattr(bar, "container", None)  # tqdm.notebook's widget: [label, bar, figures]
+    if container is not None:  # why: the label wrapped at its name's hyphen ("building tiny-qwen2- / v2")
+        container.children[0].layout.min_width = "max-content"
+    return bar
 
 
 def _make_eos_reachable(model, tokenizer, probability: float) -> None:
