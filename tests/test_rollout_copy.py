@@ -199,3 +199,24 @@ def test_a_run_says_which_path_auto_picked(tiny_model, tmp_path, capsys):
     assert main([*args, "--set", f"model.name_or_path={tiny_model}"]) == 0
     err = capsys.readouterr().err
     assert "rollout: hf decode merged (generator.hf_decode: auto; the plan fits the rollout copy)" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_copy_with_cuda_graphs_samples_the_learners_greedy_tokens(tiny_model):
+    """On a GPU `merged` decodes its copy with CUDA graphs (static cache, torch.compile reduce-overhead): greedy tokens
+    equal the 4-bit path's."""
+    lab = Lab(
+        {
+            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+            "placement": {"learner": "cuda:0"},
+            "generator": {"max_completion_length": 24, "temperature": 0.0},
+            "grpo": {"num_generations": 4, "prompts_per_step": 2},
+        }
+    ).load()
+    try:
+        moved(lab)
+        plain, merged = rollout(lab, "dynamic"), rollout(lab, "merged")
+        assert torch.equal(plain.completion_ids, merged.completion_ids)
+    finally:
+        lab.close()
