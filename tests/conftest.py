@@ -99,3 +99,16 @@ def _no_ray_beyond_its_module():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most `slow` tests first, each module's tests kept together and in their order. Why: the
+    xdist pass hands tests out in this order, and a minutes-long test collected last ran alone at the end of the pass
+    while the other worker idled (test_wheel.py, 166 s, on a fresh clone at 89453da)."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(
+            item.get_closest_marker("slow")
+        )
+    first_seen = {module: i for i, module in reversed(list(enumerate(item.nodeid.split("::")[0] for item in items)))}
+    items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], first_seen[item.nodeid.split("::")[0]]))

@@ -195,6 +195,15 @@ def test_importance_sampling_correction_weights_the_gradient_as_computed_by_hand
     grpo = lab.config.grpo
     assert grpo.num_iterations == 1 and grpo.beta == 0 and grpo.loss_type == "dapo" and not grpo.micro_batch_size
     monkeypatch.setattr(lab, "reward_funcs", [spread])  # nonzero advantages, so there is a gradient to weight
+    # why fresh LoRA weights: the module's Lab arrives here after however many steps the tests before it ran on this
+    # worker; once its policy collapsed onto EOS (every completion 1 token, learner and engine both at probability 1)
+    # every ratio read exactly 1 and the test failed on a fresh clone. Seeded weights that keep lengths varied instead.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lab.learner.model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.2 if "lora_B" in name else 0.05))
+    lab.generator.sync(lab.learner)  # the engine samples from the same weights
     rollout = lab.rollout()
     advantages = lab.advantages(lab.rewards(rollout))
     logprobs = lab.logprobs(rollout)
