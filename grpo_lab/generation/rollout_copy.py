@@ -35,7 +35,11 @@ def dense_weight(layer, dtype: torch.dtype) -> torch.Tensor:
             raise LabError(
                 "generator.hf_decode: merged merges LoRA adapters, and this one is DoRA; use dynamic (or compiled)"
             )
-        dense += layer.get_delta_weight(adapter).float()
+        if getattr(layer, "fan_in_fan_out", False):
+            dense += layer.get_delta_weight(adapter).float()
+        else:  # why in place: B @ A added into the dense weight, no second weight-sized tensor (PEFT's delta makes one)
+            a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
+            dense.addmm_(b, a, alpha=layer.scaling[adapter])
     return dense.to(dtype)
 
 
