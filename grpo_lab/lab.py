@@ -106,6 +106,7 @@ class Lab(LabViews):
         from .trackers import Trackers
 
         config, executor = self.config, self.executor
+        own_streams(self)  # why first: loading seeds the process's generators; another Lab's are kept, not reseeded
         preflight(config)
         pin_mmap_threshold(config.memory.host_mmap_threshold_mib)  # why first: RSS holds live tensors (memory/heap.py)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
@@ -116,7 +117,6 @@ class Lab(LabViews):
             self.timeline.listeners.extend(executor.listeners())
         executor.load(self.memory)
         self.trackers = Trackers(config)  # last: a load that fails earlier opens no tracker run
-        own_streams(self)  # why before seeding: another Lab's streams are kept, not reseeded (execution/runtime.py)
         torch.manual_seed(config.run.seed)  # why here: sampling starts from the seed, whatever loading consumed
         config.attach_guard(LoadedLabGuard(executor, self.memory, self.leaks, self.memory_devices))
         if config.run.probe_first:
@@ -358,6 +358,7 @@ class Lab(LabViews):
         data position, step index) to `path`, atomically; `restore_checkpoint` (in this Lab or a new one
         with the same config) continues from there, with the same results as going on without a break."""
         self.between_steps("lab.save_checkpoint()")
+        own_streams(self)  # why: the checkpoint's RNG states are this Lab's, whatever Lab ran last
         return self.executor.save_checkpoint(path)
 
     def restore_checkpoint(self, path: Union[str, Path]) -> "Lab":
@@ -367,6 +368,7 @@ class Lab(LabViews):
 
         self.between_steps("lab.restore_checkpoint()")
         checkpoint = read_checkpoint(path)  # refused here, in one line, before any model (or rank) reads it
+        own_streams(self)  # why: the restored RNG states become this Lab's
         self.executor.restore_checkpoint(checkpoint)
         self.resume_at(checkpoint.step)
         return self
