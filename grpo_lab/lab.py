@@ -385,14 +385,7 @@ class Lab(LabViews):
                 "with lab.step() first"
             )
 
-    # --- the worst case, and failures on demand ---
-    def probe(self):
-        """One step at the largest shapes the config allows (longest prompt, full-length completions, full
-        micro-batches) on the real devices; prints per-phase peaks beside the plan and a verdict; keeps nothing."""
-        from .planner.worst_case import probe
-
-        return probe(self)
-
+    # --- failures on demand (the worst-case probe, lab.probe(), is a view: ui/views.py) ---
     def arm_fault(self, rank: int, phase: str, error: str = "oom") -> None:
         """Make rank `rank`'s next `phase` fail once, inside it (recovery/faults.py: 'oom', 'runtime', or 'nan' for a
         backward's loss): how a notebook shows recovery. One process is rank 0."""

@@ -153,7 +153,7 @@ def run(
 def say_decode(config: LabConfig) -> None:
     """generator.hf_decode: auto, as resolved (planner.rollout_decode), once at the start of a run."""
     if config.generator.backend == "hf" and config.generator.hf_decode == "auto":
-        from .planner.learner_items import rollout_decode
+        from .planner.plan import rollout_decode
 
         decode = rollout_decode(config)
         why = "the plan fits the rollout copy" if decode == "merged" else "the plan does not fit the rollout copy"

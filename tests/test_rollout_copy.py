@@ -128,7 +128,7 @@ def test_the_copy_shares_what_it_does_not_merge():
 def test_the_plan_has_the_copys_line_and_auto_picks_the_copy_where_it_fits(tiny_model):
     from grpo_lab.planner import plan
     from grpo_lab.planner.estimate import DTYPE_BYTES
-    from grpo_lab.planner.learner_items import rollout_decode
+    from grpo_lab.planner.plan import rollout_decode
 
     def made(decode, *more):  # (a fixed micro-batch: an auto one would shrink to fit a tighter host)
         overrides = [f"model.name_or_path={tiny_model}", f"generator.hf_decode={decode}", "grpo.micro_batch_size=8"]

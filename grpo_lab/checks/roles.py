@@ -43,11 +43,6 @@ def check_roles(config) -> None:
             f"generator.hf_decode: 'compiled' captures CUDA graphs, and the learner is on {place.learner}; use merged, "
             "static or dynamic there (compiled needs placement.learner on a GPU)"
         )
-    if gen.hf_decode == "merged" and place.learner_procs > 1:
-        raise ValueError(
-            "generator.hf_decode: 'merged' builds a rollout copy of the whole model, and this learner is sharded "
-            f"over {place.learner_procs} ranks; use dynamic (or auto, which picks it here)"
-        )
     if not own and (gen.model or gen.quantization or gen.gpu_memory_utilization or gen.sleep_mode):
         raise ValueError(
             f"generator.model/quantization/gpu_memory_utilization/sleep_mode: backend {gen.backend!r} samples with the "
@@ -75,6 +70,11 @@ def check_sharding(config) -> None:
     """What a sharded learner cannot do, refused before anything starts (execution/sharded/precheck.py checks its
     devices and engine)."""
     procs, gen, g = config.placement.learner_procs, config.generator, config.grpo
+    if gen.hf_decode == "merged":
+        raise ValueError(
+            "generator.hf_decode: 'merged' builds a rollout copy of the whole model, and this learner is sharded "
+            f"over {procs} ranks; use dynamic (or auto, which picks it here)"
+        )
     if gen.own_weights:  # vllm: one engine in the driver's process, never on a rank's device
         from ..execution.sharded.precheck import rank_devices
 

@@ -18,7 +18,7 @@ def _rollout(ex, state) -> object:
     if ex.generator_behind:  # never sample from weights the learner no longer has
         grpo.sync(ex.generator, ex.learner)
         ex.generator_behind = False
-    from ..planner.learner_items import rollout_decode
+    from ..planner.plan import rollout_decode
 
     return grpo.rollout(ex.generator, ex.prompts, ex.config, rollout_decode(ex.config))
 

@@ -168,7 +168,7 @@ def _compile_config() -> dict:
     return {"cache_implementation": "static", "compile_config": CompileConfig(fullgraph=False, mode="reduce-overhead")}
 
 
-# generator.hf_decode (auto resolved: planner.rollout_decode) -> the GenerationConfig settings of that decode path,
+# generator.hf_decode (auto resolved: planner/plan.rollout_decode) -> the GenerationConfig settings of that decode path,
 # given whether the learner is on a GPU
 DECODES: dict[str, Callable[[bool], dict]] = {
     "dynamic": lambda cuda: {},

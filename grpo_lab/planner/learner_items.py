@@ -129,30 +129,13 @@ def compute_dtype(config) -> str:
     return config.model.bnb_4bit_compute_dtype if config.model.load_in_4bit else config.model.dtype
 
 
-def rollout_decode(config) -> str:
-    """The hf rollout's decode path: generator.hf_decode, with auto resolved as the plan allows: merged when the plan
-    fits the rollout copy, else compiled on a GPU, else dynamic (a sharded learner, another backend: dynamic)."""
-    gen = config.generator
-    if gen.hf_decode != "auto":
-        return gen.hf_decode
-    if gen.backend != "hf" or config.placement.learner_procs > 1:
-        return "dynamic"
-    from ..config.loading import load_config
-    from .plan import plan
-
-    if plan(load_config(config, ["generator.hf_decode=merged"])).fits:
-        return "merged"
-    return "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
-
-
 def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """The hf backend's rollout with the learner's own weights: the whole batch (on every rank), through the model
     gathered whole or layer by layer when sharded."""
     gen, grpo = config.generator, config.grpo
+    decode = gen.hf_decode if procs == 1 else "dynamic"  # (auto arrives resolved: plan.build)
     if procs == 1:
-        decode = rollout_decode(config)
-        said = f"decode {decode}" + (" (auto)" if gen.hf_decode == "auto" else "")
-        lrn.roles.append(f"generator ({gen.backend}, shares learner weights; {said})")
+        lrn.roles.append(f"generator ({gen.backend}, shares learner weights; decode {decode})")
     else:
         lrn.roles.append("generator (hf, the whole rollout on every rank)")
         layer, root = unit_bytes(shape, config)

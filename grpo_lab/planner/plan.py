@@ -117,11 +117,36 @@ def dataparallel_what_if(config, shape: ModelShape, devices: dict[str, DevicePla
 
 
 def build(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
-    """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks."""
+    """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks; an hf
+    rollout's generator.hf_decode: auto planned as the path it resolves to (rollout_decode), and said so."""
     if config.placement.learner_procs > 1:
         return build_sharded(config, shape)
-    devices, micro = build_devices(config, shape)
+    decode = rollout_decode(config, shape)
+    if decode == config.generator.hf_decode:
+        devices, micro = build_devices(config, shape)
+        return devices, {}, micro
+    from ..config.loading import load_config
+
+    devices, micro = build_devices(load_config(config, [f"generator.hf_decode={decode}"]), shape)
+    for d in devices.values():
+        d.roles = [r.replace(f"decode {decode})", f"decode {decode} (auto))") for r in d.roles]
     return devices, {}, micro
+
+
+def rollout_decode(config, shape: Optional[ModelShape] = None) -> str:
+    """The hf rollout's decode path: generator.hf_decode, with auto resolved as the plan allows: merged when the plan
+    fits the rollout copy, else compiled on a GPU, else dynamic (a sharded learner, another backend: dynamic)."""
+    gen = config.generator
+    if gen.hf_decode != "auto":
+        return gen.hf_decode
+    if gen.backend != "hf" or config.placement.learner_procs > 1:
+        return "dynamic"
+    from ..config.loading import load_config
+
+    merged = load_config(config, ["generator.hf_decode=merged"])
+    if all(d.fits for d in build(merged, shape or load_shape(config.model.name_or_path))[0].values()):
+        return "merged"
+    return "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
 
 
 def sharding_fixes(config) -> list[tuple[str, list[str]]]:

@@ -27,6 +27,13 @@ class LabViews:
 
         return plan(self.config)
 
+    def probe(self):
+        """One step at the largest shapes the config allows (longest prompt, full-length completions, full
+        micro-batches) on the real devices; prints per-phase peaks beside the plan and a verdict; keeps nothing."""
+        from ..planner.worst_case import probe
+
+        return probe(self)
+
     def inspect(self) -> list[dict]:
         """Each rank's LoRA and AdamW state (its shards when sharded), step index and sharding layout: one entry per
         rank, one in one process (for comparisons and tests)."""
