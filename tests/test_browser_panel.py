@@ -522,12 +522,21 @@ def test_thirty_steps_keep_every_band_of_the_window_a_compact_legend_and_apart_l
     wait_for(read_state, lambda s: s["history"] == before + 30, timeout=600)
     total = before + 30
     wait_drawn(pg, read_state)
+    marks = read_state()["marks"]  # each finished phase's step (a retried step's failed attempt has bands too)
+    in_view = [step for step in marks if step >= max(marks) - 9]
+    # why wait on the bands too: the title counts the last step from its first phase, so a redraw made while that
+    # step ran already satisfies wait_drawn; the one after its last phase draws its last bands (a fresh clone read
+    # 68 of 70). A wait on the plot's own state; the equality below is still exact.
+    pg.wait_for_function(
+        "n => ([...document.querySelectorAll('.js-plotly-plot')].pop().layout.shapes || [])"
+        ".filter(s => s.type === 'rect').length >= n",
+        arg=len(in_view),
+        timeout=60_000,
+    )
     plot = plot_state(pg)
     pg.locator(".js-plotly-plot").last.scroll_into_view_if_needed()
     pg.screenshot(path=str(ARTIFACTS / "panel_thirty_steps.png"))
     assert f"last 10 of {total} steps" in plot["title"], plot["title"]
-    marks = read_state()["marks"]  # each finished phase's step (a retried step's failed attempt has bands too)
-    in_view = [step for step in marks if step >= max(marks) - 9]
     assert len(plot["rects"]) == len(in_view) >= 70, (len(plot["rects"]), len(in_view))  # every band in view
     assert plot["plot_h"] / plot["height"] >= 0.7, plot  # legend and titles leave the data 70 %
     spans = sorted(plot["steps"])
