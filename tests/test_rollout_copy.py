@@ -17,16 +17,23 @@ from grpo_lab import ConfigError, Lab, LabError, load_config
 pytestmark = pytest.mark.xdist_group("rollout_copy")  # why: its tests share one loaded Lab (module-scoped)
 
 
-@pytest.fixture(scope="module")
-def lab(tiny_model):
+def greedy_lab(model: str = "builtin:tiny-random", learner: str = "cpu") -> Lab:
+    """A loaded float32 Lab sampling greedily, 2 prompts x 4, 24 tokens, its LoRA moved (`moved`)."""
     lab = Lab(
         {
-            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+            "model": {"name_or_path": model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+            "placement": {"learner": learner},
             "generator": {"max_completion_length": 24, "temperature": 0.0},
             "grpo": {"num_generations": 4, "prompts_per_step": 2},
         }
     ).load()
     moved(lab)
+    return lab
+
+
+@pytest.fixture(scope="module")
+def lab(tiny_model):
+    lab = greedy_lab(tiny_model)
     yield lab
     lab.close()
 
@@ -173,15 +180,8 @@ def test_the_copy_reads_the_4bit_weights_on_either_of_bitsandbytes_cpu_paths(avx
     import bitsandbytes.nn.modules as bnb_modules
 
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: avx512bf16)
-    lab = Lab(
-        {
-            "model": {"name_or_path": "builtin:tiny-random", "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
-            "generator": {"max_completion_length": 24, "temperature": 0.0},
-            "grpo": {"num_generations": 4, "prompts_per_step": 2},
-        }
-    ).load()
+    lab = greedy_lab()
     try:
-        moved(lab)
         plain, merged = rollout(lab, "dynamic"), rollout(lab, "merged")
         assert torch.equal(plain.completion_ids, merged.completion_ids) and plain.completion_ids.unique().numel() > 5
         weights = [getattr(m, "weight", None) for m in lab.executor.learner.model.modules()]
@@ -206,16 +206,8 @@ def test_a_run_says_which_path_auto_picked(tiny_model, tmp_path, capsys):
 def test_on_a_gpu_the_copy_with_cuda_graphs_samples_the_learners_greedy_tokens(tiny_model):
     """On a GPU `merged` decodes its copy with CUDA graphs (static cache, torch.compile reduce-overhead): greedy tokens
     equal the 4-bit path's."""
-    lab = Lab(
-        {
-            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
-            "placement": {"learner": "cuda:0"},
-            "generator": {"max_completion_length": 24, "temperature": 0.0},
-            "grpo": {"num_generations": 4, "prompts_per_step": 2},
-        }
-    ).load()
+    lab = greedy_lab(tiny_model, learner="cuda:0")
     try:
-        moved(lab)
         plain, merged = rollout(lab, "dynamic"), rollout(lab, "merged")
         assert torch.equal(plain.completion_ids, merged.completion_ids)
     finally:
