@@ -251,17 +251,24 @@ def test_replaced_plots_say_so_in_their_titles(page):
     assert "stopped" not in titles[-1], titles[-1]
 
 
+def refused(pg, box, typed: str, delay: int = 40):
+    """Type `typed` over `box`'s text as a user does, press Enter, and wait for the refusal's reason under its field
+    (returned)."""
+    box.click()
+    box.press("Control+a")
+    box.type(typed, delay=delay)
+    box.press("Enter")
+    error = editor(pg).locator(".grpo-lab-field-error:visible").first
+    error.wait_for(timeout=10_000)
+    return error
+
+
 def test_an_invalid_value_shows_its_reason_right_under_its_field(page):
     pg, read_state = page
     row = field(pg, "grpo", "num_generations")
     box = row.locator("input").first
     before = read_state()["config"]["grpo"]["num_generations"]
-    box.click()
-    box.press("Control+a")
-    box.type("1", delay=60)
-    box.press("Enter")
-    error = editor(pg).locator(".grpo-lab-field-error:visible").first
-    error.wait_for(timeout=10_000)
+    error = refused(pg, box, "1", delay=60)
     assert error.inner_text().startswith("grpo.num_generations"), error.inner_text()
     gap = error.bounding_box()["y"] - (row.bounding_box()["y"] + row.bounding_box()["height"])
     assert 0 <= gap < 40, f"the reason sits {gap:.0f} px below its field"
@@ -365,12 +372,7 @@ def test_typing_a_fraction_or_letters_into_an_int_field_leaves_the_config_and_sa
     row = field(pg, "grpo", "num_generations")
     box = row.locator("input").first
     before = read_state()["config"]["grpo"]["num_generations"]
-    box.click()
-    box.press("Control+a")
-    box.type(typed, delay=40)
-    box.press("Enter")
-    error = editor(pg).locator(".grpo-lab-field-error:visible").first
-    error.wait_for(timeout=10_000)
+    error = refused(pg, box, typed)
     text = error.locator(".widget-html-content").first
     assert text.inner_text().startswith(f"grpo.num_generations: got '{typed}'"), text.inner_text()
     assert box.input_value() == typed  # what was typed stays in view
@@ -421,12 +423,7 @@ def test_in_the_dark_theme_the_plot_follows_and_help_and_errors_read_at_4_5_to_1
     background = pg.evaluate("getComputedStyle(document.querySelector('.jp-Notebook')).backgroundColor")
     assert luminance(background) < 0.2, background
     row = field(pg, "grpo", "num_generations")
-    box = row.locator("input").first
-    box.click()
-    box.press("Control+a")
-    box.type("abc", delay=40)
-    box.press("Enter")
-    editor(pg).locator(".grpo-lab-field-error:visible").first.wait_for(timeout=10_000)
+    refused(pg, row.locator("input").first, "abc")
     colours = {
         "help": editor(pg).locator(".grpo-lab-help:visible .widget-html-content, .grpo-lab-help:visible").first,
         "error": editor(pg).locator(".grpo-lab-field-error:visible .widget-html-content").first,
