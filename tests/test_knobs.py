@@ -456,7 +456,9 @@ def test_importance_sampling_level_changes_the_next_backwards_ratio(lab):
         return lab.backward(rollout, advantages, logprobs)
 
     token, sequence = second("token"), second("sequence")
-    assert token.loss != pytest.approx(sequence.loss, rel=1e-4) and token.clip_fraction != sequence.clip_fraction
+    # the loss alone: with epsilon 0.01 both levels can clip the same share of tokens (CI read 0.75 for both);
+    # that GSPO's value is right is test_trl_parity's test_gspo_sequence_level_matches_trl
+    assert token.loss != pytest.approx(sequence.loss, rel=1e-4)
     assert second("token").loss == pytest.approx(token.loss, rel=1e-6)
 
 
