@@ -114,3 +114,10 @@ def trl_logprobs(hidden, weight, bias, targets, temperature: float, chunk: int, 
     return ChunkedLogProbFunction.apply(
         hidden, weight, bias, targets, temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, softcap, logit_scale, ()
     )[0]
+
+
+def full_logprobs(hidden, weight, bias, targets, temperature: float, chunk: int):
+    """The textbook pass, for comparison: every row's logits at once ([M, V] in float32) and their log-softmax,
+    which autograd keeps for backward: the [B, L, V] peak the chunked head exists to avoid (`chunk` is unused)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    return logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)

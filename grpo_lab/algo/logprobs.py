@@ -19,9 +19,10 @@ from typing import Iterator, Optional
 import torch
 
 from .containers import Rollout
-from .head import chunked_logprobs, trl_logprobs
+from .head import chunked_logprobs, full_logprobs, trl_logprobs
 
-HEADS = {"chunked": chunked_logprobs, "trl": trl_logprobs}  # grpo.logprob_head: name -> kernel
+# grpo.logprob_head: name -> kernel
+HEADS = {"chunked": chunked_logprobs, "trl": trl_logprobs, "full": full_logprobs}
 
 
 @dataclass
@@ -127,9 +128,9 @@ def score_completions(base, input_ids, attention, position_ids, completion_ids, 
             from ..errors import LabError
 
             raise LabError(
-                "lora.target_modules: a LoRA on lm_head is applied by grpo_lab's chunked head only, not TRL's "
-                "(grpo.logprob_head: trl, or a model that caps or scales its logits); drop lm_head from the "
-                "targets or use grpo.logprob_head: chunked"
+                "lora.target_modules: a LoRA on lm_head is applied by grpo_lab's chunked head only (not by "
+                "grpo.logprob_head: trl or full, nor for a model that caps or scales its logits); drop lm_head from "
+                "the targets or use grpo.logprob_head: chunked"
             )
         return chunked_logprobs(*rows, *adapter)
     return trl_logprobs(*rows, *scaling) if scaling else HEADS[head.kernel](*rows)

@@ -111,7 +111,9 @@ class PlacementSection(Section):
         None,
         gt=0,
         planned=True,
-        description="Host RAM (GiB) the planner assumes; null = this machine's (or its cgroup limit).",
+        description="Host RAM (GiB) for this Lab: the planner plans against it and, when it is below this "
+        "machine's RAM, the host guard and the live plot hold the Lab's processes (RSS) to it, as a cgroup limit "
+        "would; null = this machine's (or its cgroup limit).",
     )
     learner_procs: int = knob(
         "load",

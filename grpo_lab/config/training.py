@@ -65,12 +65,13 @@ class GRPOSection(Section):
         description="Completion tokens per chunk of the log-prob "
         "head: at most this many rows of [tokens x vocab] logits exist at once, forward or backward.",
     )
-    logprob_head: Literal["chunked", "trl"] = knob(
+    logprob_head: Literal["chunked", "trl", "full"] = knob(
         "live",
         "chunked",
         planned=True,
         description="Log-prob head kernel: 'chunked' "
-        "(grpo_lab's, recomputes each chunk in backward) or 'trl' (TRL's fused head; Triton on CUDA).",
+        "(grpo_lab's, recomputes each chunk in backward), 'trl' (TRL's fused head; Triton on CUDA) or 'full' (the "
+        "textbook pass: all [tokens, vocab] logits at once in float32, kept for backward; for comparison).",
     )
     num_iterations: int = knob(
         "live", 1, ge=1, description="Optimizer updates per rollout (TRL's mu); >1 computes old log-probs."

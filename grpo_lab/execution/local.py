@@ -91,6 +91,7 @@ class LocalExecutor:
 
     def memory_sampler(self):
         from ..memory import MemorySampler
+        from ..memory.readers import host_budget
 
         config = self.config
         # why the driver only: one host, one guard; a rank stopping on its own would leave the others in a collective
@@ -100,6 +101,7 @@ class LocalExecutor:
             config.memory.host_threshold,
             describe_offload=self.describe_offload,
             guard_host=runtime().is_driver,
+            host_budget=host_budget(config),
         )
 
     def listeners(self) -> list:

@@ -73,16 +73,21 @@ class HostReader:
     MemAvailable. Page cache from reading files (checkpoints, datasets) is left out: the kernel drops it
     before it kills anything, so counting it would trip the guard on memory that is free for the asking.
     `limit` is the cgroup's limit, else the host's total. `cgroup_root`: where the cgroup tree is mounted.
+    `budget` (placement.host_memory_gib, bytes): a budget smaller than that limit is held as a cgroup limit would
+    be: `limit` is the budget and `used` this process tree's RSS (a budget above it leaves the machine's figures).
     """
 
     device = "host"
 
     CHILDREN_REFRESH_S = 2.0
 
-    def __init__(self, cgroup_root: Path = CGROUP_ROOT):
+    def __init__(self, cgroup_root: Path = CGROUP_ROOT, budget: Optional[float] = None):
         self.process = psutil.Process()
         self.cgroup_root = Path(cgroup_root)
         self.limit = cgroup_limit(self.cgroup_root)
+        machine = self.limit if self.limit is not None else psutil.virtual_memory().total
+        # why only a smaller budget: one above the machine plans a bigger host; this one is still guarded by its own
+        self.budget = budget if budget is not None and budget < machine else None
         self._children: list = []
         self._children_at = float("-inf")
 
@@ -101,7 +106,9 @@ class HostReader:
                 rss += child.memory_info().rss
             except psutil.Error:
                 pass  # a child that just exited
-        if self.limit is not None:
+        if self.budget is not None:
+            used, limit = rss, self.budget
+        elif self.limit is not None:
             working_set = cgroup_working_set(self.cgroup_root)
             used, limit = (rss if working_set is None else working_set), self.limit
         else:
@@ -172,10 +179,17 @@ def is_host(device: str) -> bool:
     return device == "host" or device.endswith("/host")
 
 
-def readers_for(devices: list[str]) -> list:
-    """A host reader plus one reader per distinct CUDA device of the placement."""
-    out: list = [HostReader()]
+def readers_for(devices: list[str], host_budget: Optional[float] = None) -> list:
+    """A host reader (held to `host_budget` bytes, if given: HostReader) plus one reader per distinct CUDA device of
+    the placement."""
+    out: list = [HostReader(budget=host_budget)]
     for dev in dict.fromkeys(devices):
         if dev.startswith("cuda"):
             out.append(CudaReader(dev))
     return out
+
+
+def host_budget(config) -> Optional[float]:
+    """placement.host_memory_gib in bytes (None: unset): what the planner plans the host at, and the guard holds."""
+    gib = config.placement.host_memory_gib
+    return gib * 1024**3 if gib else None

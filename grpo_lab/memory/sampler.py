@@ -46,8 +46,9 @@ class MemorySampler:
         describe_offload: Callable[[], str] = lambda: "",
         max_samples: int = 500_000,
         guard_host: bool = True,
+        host_budget: Optional[float] = None,
     ):
-        self.readers = readers_for(devices)
+        self.readers = readers_for(devices, host_budget)
         self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
         self.guard_host = guard_host  # False on a sharded learner's rank: the driver guards the one host for all
         self.samples: deque = deque(maxlen=max_samples)  # (t, step, phase, device, metric, bytes)
@@ -176,8 +177,10 @@ class MemorySampler:
         if ratio > self.host_threshold:
             limit = reading[("host", "limit")] / 1024**3
             offload = self.describe_offload()
+            budget = " (placement.host_memory_gib, this Lab's processes)" if self.readers[0].budget else ""
             raise HostMemoryExceeded(
-                f"host RAM reached {ratio:.1%} of {limit:.1f} GiB (memory.host_threshold={self.host_threshold}); "
+                f"host RAM reached {ratio:.1%} of {limit:.2f} GiB{budget} "
+                f"(memory.host_threshold={self.host_threshold}); "
                 f"stopped before phase {phase!r} of step {step}",
                 f"{offload + '; ' if offload else ''}free host memory, move state off the host, "
                 "or raise memory.host_threshold with care",

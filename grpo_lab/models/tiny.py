@@ -28,6 +28,20 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # a Llama/Mistral-size vocabulary (32,000) on the tiny body: the planner's grid's other end
     # (bench/plan_accuracy/planner_accuracy.py)
     "qwen2-32k": (1, {"vocab_size": 32000, "eos_probability": None, "max_positions": 4096}),
+    # the KV cache dominates generation, as in a long rollout (P2, notebooks/03): 16 KV heads of 64 on 4 layers
+    # (32 KiB a token in float32) on a narrow body (hidden 256: 1.4M weights a layer), so a CPU decodes it in seconds
+    "kv-heavy": (
+        1,
+        {
+            "hidden_size": 256,
+            "num_layers": 4,
+            "intermediate_size": 512,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "eos_probability": None,
+            "max_positions": 2048,
+        },
+    ),
     # Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936), saved
     # in bfloat16 (1 GB): the GPU check's model (bench/gpu/gpu_check.py), where memory and speed depend on shape alone
     "qwen2.5-0.5b-random": (

@@ -56,6 +56,9 @@ FUSED_HEAD_TILE = (4096, 32768)  # TRL's fused LM head: tokens x vocab per tile
 # tiles alive at the head's peak: Triton folds a tile in place (forward buffer + backward tile); the torch fallback on
 # CPU makes temporaries of tile size (8.3 measured by bench/plan_accuracy/fused_head_cpu.py; 8.5 keeps a margin)
 HEAD_TILES = {"cuda": 2.0, "cpu": 8.5}
+# the textbook head ("full"): float32 [rows, vocab] buffers alive at its peak (the log-softmax kept for backward, its
+# gradient, the softmax): 12.07 bytes per row x vocab measured on logits-heavy-cpu (2,048 rows x 151,936, 3,583 MiB)
+FULL_HEAD_FLOAT32_COPIES = 3
 # A CPU learner computing in bf16/fp16 runs its matmuls through oneDNN, whose per-shape primitives and scratchpad stay
 # in the process once made. Which kernels it picks is not a function of the shapes planned here, so this is measured,
 # not modelled: 24-63 MiB at rest over bench/plan_accuracy/planner_accuracy.py's grid against the float32 baseline
@@ -204,7 +207,14 @@ def trl_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: boo
     return HEAD_TILES["cpu" if on_cpu else "cuda"] * tile + rows * (shape.hidden * 4 + 8 * 4)
 
 
-HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes}  # grpo.logprob_head -> its planned transient
+def full_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: bool) -> float:
+    """The textbook head: float32 [rows, V] buffers (FULL_HEAD_FLOAT32_COPIES; the compute-dtype matmul output is
+    freed before the peak), and the hidden rows with their gradient."""
+    return rows * shape.vocab * FULL_HEAD_FLOAT32_COPIES * 4 + rows * shape.hidden * 2 * e
+
+
+# grpo.logprob_head -> its planned transient
+HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes, "full": full_head_bytes}
 
 
 def head_in_heap(config, shape: ModelShape, rows: int, on_cpu: bool) -> bool:

@@ -119,12 +119,13 @@ class Frontier:
 
     def _ipython_display_(self):
         from IPython import get_ipython
-        from IPython.display import display
 
         if getattr(get_ipython(), "kernel", None) is None:  # a terminal IPython: the table (plotly opens a browser)
             print(self)
             return
-        display(self.figure())  # plotly's own renderer: offline in Jupyter, one copy of plotly.js per notebook
+        from ..ui.story import show
+
+        show(self.figure())  # live where plotly renders, and a PNG that a saved notebook keeps
 
 
 def evaluate(config, point: Point, shape: ModelShape) -> Cell:

@@ -53,6 +53,8 @@ def head_note(config, shape: ModelShape, on_cpu: bool, in_heap: bool) -> str:
             f"chunks of {config.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
             f"backward; no [B, L, vocab] logits{holes}"
         )
+    if config.grpo.logprob_head == "full":
+        return f"all [tokens, {shape.vocab}] logits at once in float32, kept for backward (the textbook pass)"
     tiles = f"tiles of {FUSED_HEAD_TILE[0]} tokens x {FUSED_HEAD_TILE[1]} vocab"
     return f"TRL's fused head, {tiles}" + (" (CPU: torch fallback, several tiles alive)" if on_cpu else "")
 

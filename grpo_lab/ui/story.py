@@ -1,0 +1,156 @@
+"""What the guided notebooks (notebooks/02-06) share: each tells one failure as the failure -> why -> the fix -> the
+same measurement, fitting.
+
+- `Story(...)` checks the parameters cell's values first, so a preset the notebook cannot use stops right there in
+  one line.
+- `trial()` runs one step (or one phase) under a memory budget and says whether it crossed.
+- `fact()` records what the cells compute: `end()` prints them as JSON, the tests read them, and the prose quotes
+  them by name.
+- `show()` and `snapshot()` put a PNG into the output beside each plotly figure or live plot, so a saved notebook, a
+  papermill sweep's output or GitHub shows the explanation too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Optional
+
+from ..errors import LabError
+from ..memory.readers import MiB, is_host
+
+
+def _display(bundle: dict) -> None:
+    from IPython.display import display
+
+    display(bundle, raw=True)
+
+
+def check_parameters(config, overrides=(), field: str = "config"):
+    """The notebook's `config` (a preset or YAML) with `overrides`, loaded; one line naming the parameter when it is
+    unknown, or places work on CUDA on a machine without it."""
+    from ..checks.devices import cuda_device_count
+    from ..config import load_config
+
+    try:
+        loaded = load_config(config, list(overrides))
+    except LabError as err:
+        raise LabError(f"parameter {field}: {err}") from None
+    devices = [loaded.placement.learner, *loaded.placement.generator_devices()]
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if cuda and cuda_device_count() == 0:
+        raise LabError(
+            f"parameter {field}: {config!r} places work on {cuda[0]}, and this machine has no CUDA device; run "
+            "the notebook with a CPU config (its default), or on a GPU machine"
+        )
+    return loaded
+
+
+class Story:
+    """One notebook run: its checked config (`config` + `overrides`) and the facts its cells compute."""
+
+    def __init__(self, config, overrides=(), field: str = "config"):
+        from ..errors import one_line_in_cells
+
+        one_line_in_cells()  # why first: a refused parameter is then its one line in the cell's output
+        self.config = check_parameters(config, overrides, field)
+        self.facts: dict = {}
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.config.placement.learner.startswith("cuda")
+
+    def fact(self, name: str, value):
+        """Record `value` under `name` (the tests and the prose refer to it by that name); returns it."""
+        self.facts[name] = value
+        return value
+
+    def gpu_cells(self) -> bool:
+        """Whether this run's GPU cells run: its config's learner is on CUDA. Otherwise one line says what to set."""
+        if not self.on_gpu:
+            print(
+                "GPU cells skipped: this config runs on the CPU; run with a GPU config (papermill -p config "
+                "qwen2.5-7b-nf4-24gb, or your own YAML) on a machine with CUDA"
+            )
+        return self.on_gpu
+
+    def end(self) -> None:
+        print("facts:", json.dumps(self.facts, default=float))
+
+
+def show(fig, width: int = 900) -> None:
+    """A plotly figure, live where plotly renders and as a PNG everywhere else (one output, both forms)."""
+    from ..memory.static import png
+
+    bundle = {"image/png": png(fig, width), "text/plain": _title(fig)}
+    bundle["application/vnd.plotly.v1+json"] = fig.to_plotly_json()
+    _display(bundle)
+
+
+def _title(fig) -> str:
+    title = fig.layout.title.text if fig.layout.title else None
+    return title or "figure"
+
+
+def snapshot(lab, phases: Optional[list] = None) -> None:
+    """After a live plot: the memory timeline so far as a PNG (with its budget lines), then each phase's measured
+    peak per device as a table: what the live widget showed, kept in the saved notebook."""
+    from IPython.display import HTML, display
+
+    from ..memory.figures import timeline_figure
+    from ..memory.report import host_limits
+
+    memory = lab.memory
+    fig = timeline_figure(list(memory.samples), memory.marks, host_limits(memory))
+    show(fig)
+    display(HTML(peak_table(memory.phase_rows, phases)))
+
+
+def peak_table(rows, phases: Optional[list] = None) -> str:
+    """Per step and phase (the ones in `phases`, or all), each device's peak in MiB, as an HTML table."""
+    metric = lambda device: "rss" if is_host(device) else "allocated"
+    picked = [r for r in rows if r["metric"] == metric(r["device"]) and (phases is None or r["phase"] in phases)]
+    devices = list(dict.fromkeys(r["device"] for r in picked))
+    head = "".join(f"<th>{d} peak (MiB)</th>" for d in devices)
+    lines = []
+    key_of = lambda r: (r["step"], r["phase"], bool(r.get("failed_attempt")))
+    for key in dict.fromkeys(map(key_of, picked)):
+        peaks = {r["device"]: r["peak"] for r in picked if key_of(r) == key}
+        cells = "".join(f"<td>{peaks[d] / MiB:,.0f}</td>" if d in peaks else "<td></td>" for d in devices)
+        note = " (rolled back)" if key[2] else ""
+        lines.append(f"<tr><td>{key[0]}</td><td>{key[1]}{note}</td>{cells}</tr>")
+    return f"<table><tr><th>step</th><th>phase</th>{head}</tr>{''.join(lines)}</table>"
+
+
+def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host") -> dict:
+    """Run `run` (default: one step) and measure it against the budget on `device` (host: the guard's line, limit x
+    memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
+    peak_mib, line_mib, phase (where the peak was), crossed}; prints it in one line. The kernel stays usable."""
+    memory = lab.memory
+    first = len(memory.phase_rows)
+    stopped = None
+    try:
+        (run or lab.step)()
+    except LabError as err:
+        stopped = str(err)
+    rows = [r for r in memory.phase_rows[first:] if r["device"] == device]
+    rows = [r for r in rows if r["metric"] == ("rss" if is_host(device) else "allocated")]
+    top = max(rows, key=lambda r: r["peak"], default=None)
+    peak = top["peak"] / MiB if top else 0.0
+    line = budget_line(lab, device)
+    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=top and top["phase"])
+    out["crossed"] = peak > line
+    verdict = "over" if out["crossed"] else "under"
+    print(
+        f"{label}: peak {peak:,.0f} MiB during {out['phase']}, {verdict} the {line:,.0f} MiB line"
+        + (f" -> {stopped}" if stopped else " -> the step ran")
+    )
+    return out
+
+
+def budget_line(lab, device: str = "host") -> float:
+    """The line a device's memory must stay under (MiB): the host guard's (limit x memory.host_threshold) or a GPU's
+    capacity."""
+    from ..memory.report import capacities_of
+
+    capacity = capacities_of(lab.memory)[device]
+    return capacity * (lab.memory.host_threshold if is_host(device) else 1.0) / MiB
