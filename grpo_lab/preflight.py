@@ -28,6 +28,7 @@ def preflight(config: LabConfig) -> None:
     if config.generator.backend == "hf" and config.generator.hf_decode == "merged":
         check_rollout_copy(config)
     if config.placement.learner_procs > 1:
+        check_host_budget(config)
         require_files(config.model.name_or_path, "a sharded learner's ranks (each reads its shard from the files)")
     if config.generator.backend == "vllm":
         from .generation.vllm_engine import check_tensor_parallel, generator_checkpoint, max_lora_rank
@@ -49,6 +50,19 @@ def preflight(config: LabConfig) -> None:
                 f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
                 f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset"
             )
+
+
+def check_host_budget(config) -> None:
+    """A host budget below this machine's RAM is held by the one-process Lab's guard, which reads its own process
+    tree; a sharded learner's ranks are Ray's processes, outside that tree: refused rather than half-held."""
+    from .memory.readers import HostReader, host_budget
+
+    if host_budget(config) is not None and HostReader(budget=host_budget(config)).budget is not None:
+        raise LabError(
+            f"placement.host_memory_gib: {config.placement.host_memory_gib} GiB is below this machine's RAM, and "
+            "the guard holds such a budget for a one-process learner only (a sharded learner's ranks are Ray's "
+            "processes); unset it (the guard then holds the machine's RAM) or use placement.learner_procs: 1"
+        )
 
 
 def check_offload_host(config: LabConfig) -> None:

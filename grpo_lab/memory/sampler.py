@@ -179,7 +179,7 @@ class MemorySampler:
             offload = self.describe_offload()
             budget = " (placement.host_memory_gib, this Lab's processes)" if self.readers[0].budget else ""
             raise HostMemoryExceeded(
-                f"host RAM reached {ratio:.1%} of {limit:.2f} GiB{budget} "
+                f"host RAM reached {ratio:.1%} of {limit:.{1 if limit >= 1 else 2}f} GiB{budget} "
                 f"(memory.host_threshold={self.host_threshold}); "
                 f"stopped before phase {phase!r} of step {step}",
                 f"{offload + '; ' if offload else ''}free host memory, move state off the host, "

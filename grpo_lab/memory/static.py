@@ -26,7 +26,7 @@ def _text(title) -> str:
     """A title's text, plotly's HTML (<br>, <sup>, <b>) read as plain lines."""
     text = (title.get("text") if isinstance(title, dict) else title) or ""
     plain = re.sub(r"<[^>]+>", "", text.replace("<br>", "\n"))
-    return "\n".join(textwrap.fill(line, 150) for line in plain.splitlines())
+    return "\n".join(textwrap.fill(line, 110) for line in plain.splitlines())
 
 
 def _colour(value, default=None):
@@ -61,7 +61,7 @@ def _bar(ax, trace, offset: float, width: float) -> None:
     xs, ys = [str(x) for x in trace.get("x") or []], list(trace.get("y") or [])
     positions = [i + offset for i in range(len(xs))]
     colour = _colour(_get(trace, "marker", "color"))
-    ax.bar(positions, ys, width=width, label=trace.get("name"), color=colour if isinstance(colour, str) else None)
+    ax.bar(positions, ys, width=width, label=trace.get("name"), color=colour)
     ax.set_xticks(range(len(xs)), xs)
 
 
@@ -163,3 +163,13 @@ def png(fig, width: int = 900, height: int = None) -> bytes:
     out = io.BytesIO()
     canvas.savefig(out, format="png")
     return out.getvalue()
+
+
+def show(fig, width: int = 900) -> None:
+    """Display a plotly figure live where plotly renders and as a PNG everywhere else (one output, both forms)."""
+    from IPython.display import display
+
+    title = fig.layout.title.text if fig.layout.title else None
+    bundle = {"image/png": png(fig, width), "text/plain": title or "figure"}
+    bundle["application/vnd.plotly.v1+json"] = fig.to_plotly_json()
+    display(bundle, raw=True)

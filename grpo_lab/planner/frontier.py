@@ -123,7 +123,7 @@ class Frontier:
         if getattr(get_ipython(), "kernel", None) is None:  # a terminal IPython: the table (plotly opens a browser)
             print(self)
             return
-        from ..ui.story import show
+        from ..memory.static import show
 
         show(self.figure())  # live where plotly renders, and a PNG that a saved notebook keeps
 

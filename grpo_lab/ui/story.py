@@ -17,25 +17,22 @@ from typing import Callable, Optional
 
 from ..errors import LabError
 from ..memory.readers import MiB, is_host
+from ..memory.static import show
 
-
-def _display(bundle: dict) -> None:
-    from IPython.display import display
-
-    display(bundle, raw=True)
+__all__ = ["Story", "check_parameters", "peak_table", "show", "snapshot", "trial", "budget_line"]
 
 
 def check_parameters(config, overrides=(), field: str = "config"):
     """The notebook's `config` (a preset or YAML) with `overrides`, loaded; one line naming the parameter when it is
     unknown, or places work on CUDA on a machine without it."""
     from ..checks.devices import cuda_device_count
-    from ..config import load_config
+    from ..config.loading import load_config
 
     try:
         loaded = load_config(config, list(overrides))
     except LabError as err:
         raise LabError(f"parameter {field}: {err}") from None
-    devices = [loaded.placement.learner, *loaded.placement.generator_devices()]
+    devices = [loaded.placement.learner, *loaded.placement.generator_devices(), loaded.reference.device or "cpu"]
     cuda = [d for d in devices if d.startswith("cuda")]
     if cuda and cuda_device_count() == 0:
         raise LabError(
@@ -77,20 +74,6 @@ class Story:
         print("facts:", json.dumps(self.facts, default=float))
 
 
-def show(fig, width: int = 900) -> None:
-    """A plotly figure, live where plotly renders and as a PNG everywhere else (one output, both forms)."""
-    from ..memory.static import png
-
-    bundle = {"image/png": png(fig, width), "text/plain": _title(fig)}
-    bundle["application/vnd.plotly.v1+json"] = fig.to_plotly_json()
-    _display(bundle)
-
-
-def _title(fig) -> str:
-    title = fig.layout.title.text if fig.layout.title else None
-    return title or "figure"
-
-
 def snapshot(lab, phases: Optional[list] = None) -> None:
     """After a live plot: the memory timeline so far as a PNG (with its budget lines), then each phase's measured
     peak per device as a table: what the live widget showed, kept in the saved notebook."""
@@ -126,18 +109,20 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
     peak_mib, line_mib, phase (where the peak was), crossed}; prints it in one line. The kernel stays usable."""
     memory = lab.memory
-    first = len(memory.phase_rows)
+    first, metric = len(memory.phase_rows), "rss" if is_host(device) else "allocated"
     stopped = None
     try:
         (run or lab.step)()
     except LabError as err:
         stopped = str(err)
-    rows = [r for r in memory.phase_rows[first:] if r["device"] == device]
-    rows = [r for r in rows if r["metric"] == ("rss" if is_host(device) else "allocated")]
+    rows = [r for r in memory.phase_rows[first:] if r["device"] == device and r["metric"] == metric]
     top = max(rows, key=lambda r: r["peak"], default=None)
     peak = top["peak"] / MiB if top else 0.0
+    phase = top and top["phase"]
+    if top is None:  # why: a guard that stops before the first phase writes no row; its reading is the measure
+        peak, phase = memory.latest(device).get(metric, 0.0) / MiB, "the guard's reading"
     line = budget_line(lab, device)
-    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=top and top["phase"])
+    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=phase)
     out["crossed"] = peak > line
     verdict = "over" if out["crossed"] else "under"
     print(

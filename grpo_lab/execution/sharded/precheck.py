@@ -47,19 +47,6 @@ def check_engine(learner: str) -> None:
         )
 
 
-def check_host_budget(config) -> None:
-    """A host budget below this machine's RAM is held by the one-process Lab's guard, which reads its own process
-    tree; a sharded learner's ranks are Ray's processes, outside that tree: refused rather than half-held."""
-    from ...memory.readers import HostReader, host_budget
-
-    if host_budget(config) is not None and HostReader(budget=host_budget(config)).budget is not None:
-        raise LabError(
-            f"placement.host_memory_gib: {config.placement.host_memory_gib} GiB is below this machine's RAM, and "
-            "the guard holds such a budget for a one-process learner only (a sharded learner's ranks are Ray's "
-            "processes); unset it (the guard then holds the machine's RAM) or use placement.learner_procs: 1"
-        )
-
-
 def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = None) -> None:
     """More ranks than devices, or an engine that is not installed: one line, before any process starts."""
     place = config.placement
@@ -67,7 +54,6 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
     if procs == 1:
         return
     check_engine(place.learner)
-    check_host_budget(config)
     import_ray_for(place.ray_address)  # Ray installed, or one line naming the extra
     if place.ray_address is not None:
         check_reachable(place.ray_address)  # before anything loads: an unreachable address is one line in seconds

@@ -1,0 +1,205 @@
+"""ui/story, what the guided notebooks share: the parameters cell checked in one line, facts printed as JSON, the
+per-phase peak table, trial() (one step measured against the host guard's line) and show() (a plotly figure with
+its PNG in one output)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+import torch
+from PIL import Image
+
+from grpo_lab import Lab
+from grpo_lab.errors import LabError
+from grpo_lab.memory.readers import MiB
+from grpo_lab.memory.sampler import HostMemoryExceeded
+from grpo_lab.ui import story
+from grpo_lab.ui.story import Story, check_parameters, peak_table, show, trial
+
+pytestmark = pytest.mark.xdist_group("story")  # why: its trial tests share module-scoped Labs
+
+TINY = ["model.name_or_path=builtin:tiny-random"]
+
+
+def test_an_unknown_preset_is_one_line_naming_the_parameter():
+    with pytest.raises(LabError) as caught:
+        check_parameters("no-such-preset")
+    line = str(caught.value)
+    assert line.startswith("parameter config: config 'no-such-preset' is neither a YAML file nor a preset")
+    assert "\n" not in line
+    with pytest.raises(LabError, match=r"^parameter preset: grpo\.nope: unknown key"):
+        check_parameters("tiny-cpu", ["grpo.nope=1"], field="preset")
+
+
+def test_a_cuda_placement_without_a_cuda_device_is_refused_and_accepted_with_one(monkeypatch):
+    import grpo_lab.checks.devices as devices
+
+    cuda = ["placement.learner=cuda:0"]
+    if not torch.cuda.is_available():  # this machine as it is
+        with pytest.raises(LabError, match=r"^parameter config: .*cuda:0.*no CUDA device"):
+            check_parameters("tiny-cpu", cuda)
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)
+    with pytest.raises(LabError) as caught:
+        check_parameters("tiny-cpu", cuda)
+    line = str(caught.value)
+    assert line.startswith("parameter config: 'tiny-cpu' places work on cuda:0") and "no CUDA device" in line
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    assert check_parameters("tiny-cpu", cuda).placement.learner == "cuda:0"
+    assert check_parameters("tiny-cpu").placement.learner == "cpu"
+
+
+def test_story_facts_are_returned_and_printed_as_json_at_the_end(capsys):
+    s = Story("tiny-cpu", TINY)
+    assert s.config.model.name_or_path == "builtin:tiny-random" and not s.on_gpu
+    assert s.fact("peak_mib", 612.5) == 612.5
+    s.fact("steps", 3)
+    s.fact("loss", torch.tensor(0.25))  # a tensor is written as its float
+    s.end()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("facts: ")
+    assert json.loads(out[-1].removeprefix("facts: ")) == {"peak_mib": 612.5, "steps": 3, "loss": 0.25}
+
+
+def test_gpu_cells_are_skipped_with_a_line_on_a_cpu_config(capsys, monkeypatch):
+    assert Story("tiny-cpu", TINY).gpu_cells() is False
+    assert capsys.readouterr().out.startswith("GPU cells skipped: this config runs on the CPU")
+    monkeypatch.setattr("grpo_lab.checks.devices.cuda_device_count", lambda: 1)
+    assert Story("qwen2.5-7b-nf4-24gb").gpu_cells() is True
+    assert capsys.readouterr().out == ""
+
+
+def row(step, phase, device, metric, peak_mib, failed_attempt=None):
+    return dict(
+        step=step, phase=phase, device=device, metric=metric, peak=peak_mib * MiB, failed_attempt=failed_attempt
+    )
+
+
+def test_peak_table_shows_each_devices_peak_in_mib_and_marks_rolled_back_rows():
+    rows = [
+        row(0, "rollout", "host", "rss", 1536.4),
+        row(0, "rollout", "host", "used", 9999),  # not the host's table metric
+        row(0, "rollout", "cuda:0", "allocated", 300),
+        row(0, "rollout", "cuda:0", "reserved", 8888),  # not the GPU's table metric
+        row(0, "backward", "host", "rss", 2048, failed_attempt=1),  # the attempt that was rolled back
+        row(0, "backward", "host", "rss", 1800.6),  # its redo
+        row(1, "rollout", "host", "rss", 700),
+    ]
+    html = peak_table(rows)
+    assert html.startswith("<table><tr><th>step</th><th>phase</th><th>host peak (MiB)</th><th>cuda:0 peak (MiB)")
+    assert "<tr><td>0</td><td>rollout</td><td>1,536</td><td>300</td></tr>" in html
+    assert "<tr><td>0</td><td>backward (rolled back)</td><td>2,048</td><td></td></tr>" in html
+    assert "<tr><td>0</td><td>backward</td><td>1,801</td><td></td></tr>" in html
+    assert "<tr><td>1</td><td>rollout</td><td>700</td><td></td></tr>" in html
+    assert "9,999" not in html and "8,888" not in html
+    only = peak_table(rows, phases=["backward"])
+    assert "rollout" not in only and only.count("<tr>") == 3  # the header and backward's two attempts
+    assert "cuda:0" not in only
+
+
+def test_show_puts_the_png_and_the_live_figure_in_one_output(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append((obj, kw)))
+    fig = go.Figure([go.Scatter(x=[0, 1], y=[1, 2], name="a"), go.Bar(x=["p", "q"], y=[2, 1], name="b")])
+    fig.update_layout(title="two traces")
+    show(fig, width=500)
+    assert len(shown) == 1
+    bundle, kw = shown[0]
+    assert kw == {"raw": True}
+    assert {"image/png", "application/vnd.plotly.v1+json", "text/plain"} <= bundle.keys()
+    assert bundle["image/png"].startswith(b"\x89PNG") and bundle["text/plain"] == "two traces"
+    assert bundle["application/vnd.plotly.v1+json"]["data"][1]["type"] == "bar"
+    assert Image.open(io.BytesIO(bundle["image/png"])).size[0] == 500
+
+
+@pytest.fixture(scope="module")
+def free_lab(tiny_model):
+    """tiny-cpu on the random tiny model, no host budget (the machine's RAM)."""
+    lab = Lab("tiny-cpu", overrides=[*TINY, "generator.max_completion_length=16"]).load()
+    yield lab
+    lab.close()
+
+
+@pytest.fixture(scope="module")
+def budget_lab(tiny_model):
+    """The same, held to 0.3 GiB (below this process's RSS)."""
+    lab = Lab("tiny-cpu", overrides=[*TINY, "generator.max_completion_length=16", "placement.host_memory_gib=0.3"])
+    lab = lab.load()
+    yield lab
+    lab.close()
+
+
+def test_a_trial_whose_run_raises_a_lab_error_reports_its_line(free_lab, capsys):
+    line = "backward: made up for the test; do something else"
+
+    def run():
+        raise LabError(line)
+
+    out = trial(free_lab, "refused", run=run)
+    assert out["stopped"] == line and out["label"] == "refused"
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith("refused: peak ") and printed[-1].endswith(f"-> {line}")
+
+
+def test_a_step_under_the_machines_ram_is_a_trial_that_does_not_cross(free_lab, capsys):
+    first = len(free_lab.memory.phase_rows)
+    out = trial(free_lab, "no budget")
+    assert out["stopped"] is None and out["crossed"] is False
+    rss = [r for r in free_lab.memory.phase_rows[first:] if r["device"] == "host" and r["metric"] == "rss"]
+    top = max(rss, key=lambda r: r["peak"])
+    assert out["peak_mib"] == top["peak"] / MiB > 100 and out["phase"] == top["phase"]
+    limit = free_lab.memory.latest("host")["limit"]
+    assert out["line_mib"] == pytest.approx(limit * free_lab.config.memory.host_threshold / MiB)
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("line -> the step ran")
+
+
+def test_a_step_over_a_tiny_budget_is_a_trial_that_crosses_and_stops(budget_lab):
+    """The guard stops before the first phase, so no phase row exists: its reading is the trial's peak (this read 0
+    MiB 'under' the line before the fix)."""
+    out = trial(budget_lab, "0.3 GiB")
+    assert out["stopped"] and "placement.host_memory_gib" in out["stopped"]
+    assert "stopped before phase 'rollout'" in out["stopped"]
+    assert out["line_mib"] == pytest.approx(0.3 * 1024 * 0.95)
+    assert out["crossed"] is True and out["phase"] == "the guard's reading"
+
+
+def test_a_phase_whose_rss_rises_over_the_budgets_line_is_a_crossed_trial(budget_lab):
+    """The budget put just above the Lab's RSS (on its reader: placement.host_memory_gib is fixed at load), then a
+    phase that holds 400 MiB more: its peak is over the line, though no later phase was there to be stopped."""
+    memory = budget_lab.memory
+    reader = memory.readers[0]
+    reader.budget = reader.read()["rss"] + 200 * MiB
+    try:  # clears the guard's record of the readings against 0.3 GiB (it raises if they crossed, as they did)
+        memory.check_host(budget_lab.step_index, "rewards")
+    except HostMemoryExceeded:
+        pass
+
+    def phase_holding_400_mib():
+        with budget_lab.timeline.phase("rewards", budget_lab.step_index):
+            held = np.ones(400 * MiB // 8)
+            memory.read()
+            del held
+
+    out = trial(budget_lab, "a phase over the line", run=phase_holding_400_mib)
+    assert out["stopped"] is None and out["phase"] == "rewards"
+    assert out["line_mib"] == pytest.approx(reader.budget * 0.95 / MiB)
+    assert out["peak_mib"] > out["line_mib"] and out["crossed"] is True
+
+
+def test_snapshot_shows_the_timeline_and_the_peak_table(free_lab, monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append(obj))
+    if not free_lab.memory.phase_rows:
+        free_lab.step()
+    story.snapshot(free_lab, ["backward"])
+    bundle, table = shown
+    assert bundle["image/png"].startswith(b"\x89PNG") and "application/vnd.plotly.v1+json" in bundle
+    assert isinstance(table, IPython.display.HTML) and "<td>backward</td>" in table.data
+    assert "<td>rollout" not in table.data
