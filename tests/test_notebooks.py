@@ -8,7 +8,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
-OWN_TEST = {"06_sharded_learner.ipynb"}  # run once, by its own test below (slow: two sharded Labs, ~70 s on 2 cores)
+# run once, by their own tests: 06 below (slow: two sharded Labs, ~70 s on 2 cores), 02-05 in test_notebook_stories.py
+OWN_TEST = {
+    "02_placement_dataparallel.ipynb",
+    "03_chunked_generation.ipynb",
+    "04_logprob_memory.ipynb",
+    "05_reference_and_offload.ipynb",
+    "06_sharded_learner.ipynb",
+}
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
@@ -63,6 +70,9 @@ def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path)
     assert re.search(r"'\d+ [-+*] \d+ = -?\d+\. <answer>", text), text[:3000]
     if where == "elsewhere":
         assert list(cwd.iterdir()) == []  # nothing written into the user's working directory
+    from test_notebook_stories import check_static_figures
+
+    check_static_figures(nb)  # the live plot and the panel, each followed by an image a saved notebook keeps
 
 
 @pytest.mark.slow
@@ -97,3 +107,7 @@ def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
     assert facts["oom_lora_bit_identical"] == [True, True] and facts["oom_optimizer_bit_identical"] == [True, True]
     assert all(lora > 0 and adam > 0 for lora, adam in facts["oom_tensors_compared"])
     assert facts["step_after_oom"] == 1
+    from test_notebook_stories import check_prose, check_static_figures
+
+    check_static_figures(nb)
+    check_prose("06_sharded_learner.ipynb", nb, facts)  # no number in its prose that a cell does not compute

@@ -13,6 +13,16 @@ def _item(what: str, nbytes: float, note: str = "", indent: int = 2) -> str:
     return f"{' ' * indent}{what:<{46 - indent}}{size(nbytes)}{f'  {note}' if note else ''}"
 
 
+def wrapped_by(config) -> str:
+    """Who wraps this learner in DataParallel today: transformers' Trainer._wrap_model skips 4-bit and 8-bit models."""
+    if config.model.load_in_4bit:
+        return (
+            "today's transformers Trainer does not wrap a 4-bit model; older versions, and any code that wraps "
+            "by hand, did"
+        )
+    return "HF Trainer does this for a 16-bit model when it sees more than one GPU"
+
+
 def _device_block(d, title_suffix: str = "", shared: str = "") -> list[str]:
     """`shared`: the device is one rank's share of host RAM; its last line says so instead of a verdict."""
     roles = ", ".join(d.roles) or "-"
@@ -83,10 +93,7 @@ def render(plan, notes: bool = True) -> str:
         lines += _device_block(d) + [""]
     if plan.dataparallel:
         gpus = ", ".join(plan.dataparallel)
-        lines.append(
-            f"what if the learner were wrapped in DataParallel over {gpus} "
-            "(HF Trainer does this when it sees more than one GPU; P1):"
-        )
+        lines.append(f"what if the learner were wrapped in DataParallel over {gpus} ({wrapped_by(plan.config)}; P1):")
         for name, d in plan.dataparallel.items():
             lines.append(
                 f"  {name}: {d.total / GiB:.2f} of {d.capacity / GiB:.2f} GiB ({d.fraction:.0%}) -> {d.verdict}"

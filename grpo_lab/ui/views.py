@@ -52,6 +52,14 @@ class LabViews:
         self._plots[:] = [plot]
         return plot
 
+    def memory_snapshot(self, phases: Optional[list] = None) -> None:
+        """The memory timeline so far as an image (with its limit lines) and each phase's measured peak per device as
+        a table (`phases`: those only): what the live plot shows, kept in a saved notebook or a papermill output."""
+        from .story import snapshot
+
+        self._require_loaded()
+        snapshot(self, phases)
+
     def ui(self):
         """The notebook panel: config editor, step controls and the live memory plot."""
         from . import Panel
