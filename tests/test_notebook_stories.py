@@ -16,7 +16,7 @@ NOTEBOOKS = ROOT / "notebooks"
 # notebook -> [(fact path, how the prose writes it)]: the only numbers its markdown may hold
 PROSE = {
     "02_placement_dataparallel.ipynb": [
-        ("spill_gib.cuda:1.unwrapped", "vLLM's share, {} of"),
+        ("spill_gib.cuda:1.unwrapped", "vLLM's share, {}"),
         ("spill_gib.cuda:1.capacity", "of {} GiB. Wrapped"),
         ("spill_gib.cuda:1.wrapped", "each batch: {} GiB"),
         ("spill_gib.cuda:1.capacity", "on a card of {}."),

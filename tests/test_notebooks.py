@@ -70,9 +70,10 @@ def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path)
     assert re.search(r"'\d+ [-+*] \d+ = -?\d+\. <answer>", text), text[:3000]
     if where == "elsewhere":
         assert list(cwd.iterdir()) == []  # nothing written into the user's working directory
-    from test_notebook_stories import check_static_figures
+    from test_notebook_stories import bare_numbers, check_static_figures, prose
 
     check_static_figures(nb)  # the live plot and the panel, each followed by an image a saved notebook keeps
+    assert not bare_numbers(prose(nb)), bare_numbers(prose(nb))  # no number in its prose that no cell computes
 
 
 @pytest.mark.slow
