@@ -52,6 +52,21 @@ def test_a_cuda_placement_without_a_cuda_device_is_refused_and_accepted_with_one
     assert check_parameters("tiny-cpu").placement.learner == "cpu"
 
 
+def test_a_cpu_only_budget_is_applied_to_a_cpu_config_and_not_to_a_gpu_one(monkeypatch):
+    """The stories' host budget binds a CPU learner; on a GPU config the card is the budget (emulate_card), so the
+    host guard must not hold the process's RSS (CUDA's own host memory) to a CPU-sized budget."""
+    import grpo_lab.checks.devices as devices
+
+    budget = ["placement.host_memory_gib=3"]
+    cpu = Story("tiny-cpu", TINY, on_cpu=budget)
+    assert cpu.config.placement.host_memory_gib == 3
+    cpu.emulate_card(24)  # a no-op on the CPU
+    assert "gpu" not in cpu.facts
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    gpu = Story("tiny-cpu", [*TINY, "placement.learner=cuda:0"], on_cpu=budget)
+    assert gpu.on_gpu and gpu.config.placement.host_memory_gib is None
+
+
 def test_story_facts_are_returned_and_printed_as_json_at_the_end(capsys):
     s = Story("tiny-cpu", TINY)
     assert s.config.model.name_or_path == "builtin:tiny-random" and not s.on_gpu

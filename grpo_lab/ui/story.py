@@ -43,14 +43,30 @@ def check_parameters(config, overrides=(), field: str = "config"):
 
 
 class Story:
-    """One notebook run: its checked config (`config` + `overrides`) and the facts its cells compute."""
+    """One notebook run: its checked config (`config` + `overrides`, + `on_cpu` when its learner is on the CPU) and
+    the facts its cells compute."""
 
-    def __init__(self, config, overrides=(), field: str = "config"):
+    def __init__(self, config, overrides=(), field: str = "config", on_cpu=()):
+        from ..config.loading import load_config
         from ..errors import one_line_in_cells
 
         one_line_in_cells()  # why first: a refused parameter is then its one line in the cell's output
         self.config = check_parameters(config, overrides, field)
+        if not self.on_gpu and on_cpu:  # why CPU only: a host budget for a CPU learner; a GPU's is its card
+            self.config = load_config(self.config, list(on_cpu))
         self.facts: dict = {}
+
+    def emulate_card(self, gib: float) -> None:
+        """On a GPU config: cap this process's CUDA memory at a `gib` GiB card (torch.cuda.set_per_process_memory_
+        fraction), so the trials measure against that card; a no-op on the CPU."""
+        if not self.on_gpu:
+            return
+        import torch
+
+        device = torch.device(self.config.placement.learner)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(gib * 2**30 / total, 1.0), device)
+        self.fact("gpu", {"name": torch.cuda.get_device_name(device), "card_gib": gib, "total_gib": total / 2**30})
 
     @property
     def on_gpu(self) -> bool:
