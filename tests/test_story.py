@@ -218,3 +218,21 @@ def test_snapshot_shows_the_timeline_and_the_peak_table(free_lab, monkeypatch):
     assert bundle["image/png"].startswith(b"\x89PNG") and "application/vnd.plotly.v1+json" in bundle
     assert isinstance(table, IPython.display.HTML) and "<td>backward</td>" in table.data
     assert "<td>rollout" not in table.data
+
+
+def test_a_gpus_line_is_its_capacity_times_the_share_this_process_may_use(monkeypatch):
+    """Story.emulate_card caps the card with torch.cuda.set_per_process_memory_fraction: the trials' line must be the
+    capped card, or an OOM at the cap would read as under the line."""
+    import grpo_lab.ui.story as story
+
+    class Memory:
+        host_threshold = 0.95
+
+    class FakeLab:
+        memory = Memory()
+
+    monkeypatch.setattr("grpo_lab.memory.report.capacities_of", lambda memory: {"cuda:0": 80 * 2**30})
+    monkeypatch.setattr(story, "card_share", lambda device: 0.3)
+    assert story.budget_line(FakeLab(), "cuda:0") == pytest.approx(0.3 * 80 * 1024)
+    monkeypatch.setattr(story, "card_share", lambda device: 1.0)
+    assert story.budget_line(FakeLab(), "cuda:0") == pytest.approx(80 * 1024)

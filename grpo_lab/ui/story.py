@@ -150,8 +150,18 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
 
 def budget_line(lab, device: str = "host") -> float:
     """The line a device's memory must stay under (MiB): the host guard's (limit x memory.host_threshold) or a GPU's
-    capacity."""
+    capacity, as capped by emulate_card."""
     from ..memory.report import capacities_of
 
     capacity = capacities_of(lab.memory)[device]
-    return capacity * (lab.memory.host_threshold if is_host(device) else 1.0) / MiB
+    if is_host(device):
+        return capacity * lab.memory.host_threshold / MiB
+    return capacity * card_share(device) / MiB
+
+
+def card_share(device: str) -> float:
+    """The share of `device` this process may allocate (Story.emulate_card's cap), 1.0 when uncapped."""
+    import torch
+
+    share = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # why getattr: newer torch only
+    return share(torch.device(device)) if share is not None else 1.0
