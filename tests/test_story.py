@@ -156,9 +156,14 @@ def test_a_trial_whose_run_raises_a_lab_error_reports_its_line(free_lab, capsys)
         raise LabError(line)
 
     out = trial(free_lab, "refused", run=run)
-    assert out["stopped"] == line and out["label"] == "refused"
+    assert out["stopped"] == line and out["label"] == "refused" and out["crossed"] is False
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("refused: peak ") and printed[-1].endswith(f"-> {line}")
+
+    def oom():  # a card's cap: the allocation that would pass it fails, so no reading is over the line
+        raise LabError("out of memory in phase 'backward' of step 0 on cuda:0: CUDA out of memory; ...")
+
+    assert trial(free_lab, "capped", run=oom)["crossed"] is True
 
 
 def test_a_step_under_the_machines_ram_is_a_trial_that_does_not_cross(free_lab, capsys):

@@ -139,7 +139,8 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
         peak, phase = memory.latest(device).get(metric, 0.0) / MiB, "the guard's reading"
     line = budget_line(lab, device)
     out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=phase)
-    out["crossed"] = peak > line
+    # why an OOM counts: an allocation past a card's cap fails, so the measured peak stays under the line it hit
+    out["crossed"] = peak > line or bool(stopped and "out of memory" in stopped.lower())
     verdict = "over" if out["crossed"] else "under"
     print(
         f"{label}: peak {peak:,.0f} MiB during {out['phase']}, {verdict} the {line:,.0f} MiB line"
