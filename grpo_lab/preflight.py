@@ -57,7 +57,7 @@ def check_host_budget(config) -> None:
     tree; a sharded learner's ranks are Ray's processes, outside that tree: refused rather than half-held."""
     from .memory.readers import HostReader, host_budget
 
-    if host_budget(config) is not None and HostReader(budget=host_budget(config)).budget is not None:
+    if HostReader(budget=host_budget(config)).budget is not None:  # a budget set, and below this machine's RAM
         raise LabError(
             f"placement.host_memory_gib: {config.placement.host_memory_gib} GiB is below this machine's RAM, and "
             "the guard holds such a budget for a one-process learner only (a sharded learner's ranks are Ray's "

@@ -3,13 +3,14 @@ failure crossing a memory budget with the failing setting, then the fix under it
 fact a cell computes (tested by name); every figure is in the saved outputs as an image; and a parameter the notebook
 cannot use stops at the cell after the parameters, in one line."""
 
-import json
 import re
 from pathlib import Path
 
 import nbformat
 import pytest
 from test_notebooks import ROOT, run_notebook
+
+from grpo_lab.ui.story import facts_in
 
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -41,13 +42,6 @@ PROSE = {
 }
 # what a number in prose may also be: a chunk size the text names as a setting, not a measurement
 SETTING_NUMBERS = {"03_chunked_generation.ipynb": {"16"}}
-
-
-def facts_of(nb) -> dict:
-    text = "".join(
-        o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream"
-    )
-    return json.loads(text.split("facts: ", 1)[1].splitlines()[0])
 
 
 def fact(facts: dict, path: str):
@@ -116,7 +110,7 @@ def check_crossing(facts: dict) -> None:
 
 def run_story(name: str, tmp_path: Path):
     nb = run_notebook(NOTEBOOKS / name, tmp_path / name, ROOT, {"steps": 1})
-    facts = facts_of(nb)
+    facts = facts_in(nb)
     check_crossing(facts)
     check_prose(name, nb, facts)
     check_static_figures(nb)
@@ -210,7 +204,7 @@ def test_02_a_16_bit_learner_spills_when_wrapped_and_the_guard_and_bridge_stop_i
     refuses a wrapped learner in one line and the unwrapped step runs; TRL inside the bridge stays unwrapped."""
     name = "02_placement_dataparallel.ipynb"
     nb = run_notebook(NOTEBOOKS / name, tmp_path / name, ROOT, {"steps": 1})
-    facts = facts_of(nb)
+    facts = facts_in(nb)
     assert facts["wrapped"]["16-bit"] == "DataParallel" and facts["wrapped"]["4-bit"] != "DataParallel"
     gen = facts["spill_gib"]["cuda:1"]
     assert gen["wrapped"] > gen["capacity"] >= gen["unwrapped"] and facts["spill_fits_unwrapped"] is True

@@ -79,11 +79,11 @@ def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path)
 @pytest.mark.slow
 def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
     """From the repo root with its defaults; the facts it prints as JSON on its last line are what it claims."""
-    import json
+    from grpo_lab.ui.story import facts_in
 
     nb = run_notebook(ROOT / "notebooks" / "06_sharded_learner.ipynb", tmp_path / "06.ipynb", ROOT, {"steps": 1})
     text = printed(nb)
-    facts = json.loads(text.split("facts: ", 1)[1].splitlines()[0])
+    facts = facts_in(nb)
     assert "RankExecutor ['rank0/cpu', 'rank1/cpu']" in text
     assert "rank0/host" in text and "rank1/host" in text  # every rank's rows in the memory table
     # P3: greedy completions do not depend on gathering; a failed generation leaves every rank's layout as it was

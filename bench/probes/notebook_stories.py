@@ -34,10 +34,9 @@ def run(name: str, out: Path) -> dict:
         kernel_name="python3",
         progress_bar=False,
     )
-    nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
-    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
-    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
-    facts = json.loads(text.split("facts: ", 1)[1].splitlines()[0])
+    from grpo_lab.ui.story import facts_in
+
+    facts = facts_in(nbformat.read(out / f"{name}.ipynb", as_version=4))
     facts["seconds"] = time.perf_counter() - start
     return facts
 

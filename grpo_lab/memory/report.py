@@ -58,6 +58,12 @@ def capacities_of(sampler) -> dict[str, float]:
     return out
 
 
+def sampler_timeline(sampler):
+    """The sampler's memory timeline so far with its capacity and threshold lines (samples read under its lock: the
+    sampling thread may be running)."""
+    return timeline_figure(sampler.samples_since(0), sampler.marks, host_limits(sampler))
+
+
 def host_limits(sampler) -> dict[str, float]:
     """Capacity and threshold lines for the plots (MiB)."""
     limits = {}
@@ -162,7 +168,7 @@ def write_report(path: Path, sampler, history, title: str = "grpo_lab run", conf
     import yaml
 
     rows = sampler.phase_rows
-    figures = [timeline_figure(list(sampler.samples), sampler.marks, host_limits(sampler))]
+    figures = [sampler_timeline(sampler)]
     figures += [heatmap_figure(rows, device) for device in dict.fromkeys(r["device"] for r in rows)]
     if history:
         figures.append(training_figure(history))

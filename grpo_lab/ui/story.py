@@ -19,7 +19,19 @@ from ..errors import LabError
 from ..memory.readers import MiB, is_host
 from ..memory.static import show
 
-__all__ = ["Story", "check_parameters", "peak_table", "show", "snapshot", "trial", "budget_line"]
+FACTS = "facts: "  # the line Story.end prints and facts_in reads
+
+__all__ = [
+    "Story",
+    "check_parameters",
+    "peak_table",
+    "show",
+    "snapshot",
+    "trial",
+    "budget_line",
+    "facts_in",
+    "peak_metric",
+]
 
 
 def check_parameters(config, overrides=(), field: str = "config"):
@@ -87,7 +99,13 @@ class Story:
         return self.on_gpu
 
     def end(self) -> None:
-        print("facts:", json.dumps(self.facts, default=float))
+        print(f"{FACTS}{json.dumps(self.facts, default=float)}")
+
+
+def facts_in(nb) -> dict:
+    """The facts an executed notebook (nbformat) printed at its end (Story.end)."""
+    streams = (o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    return json.loads("".join(streams).split(FACTS, 1)[1].splitlines()[0])
 
 
 def snapshot(lab, phases: Optional[list] = None) -> None:
@@ -95,19 +113,21 @@ def snapshot(lab, phases: Optional[list] = None) -> None:
     peak per device as a table: what the live widget showed, kept in the saved notebook."""
     from IPython.display import HTML, display
 
-    from ..memory.figures import timeline_figure
-    from ..memory.report import host_limits
+    from ..memory.report import sampler_timeline
 
-    memory = lab.memory
-    fig = timeline_figure(list(memory.samples), memory.marks, host_limits(memory))
-    show(fig)
-    display(HTML(peak_table(memory.phase_rows, phases)))
+    show(sampler_timeline(lab.memory))
+    display(HTML(peak_table(lab.memory.phase_rows, phases)))
+
+
+def peak_metric(device: str) -> str:
+    """The figure the stories read a device's peak from: the Lab's RSS on the host (what the host guard holds), torch's
+    allocated peak on a GPU (exact per phase)."""
+    return "rss" if is_host(device) else "allocated"
 
 
 def peak_table(rows, phases: Optional[list] = None) -> str:
     """Per step and phase (the ones in `phases`, or all), each device's peak in MiB, as an HTML table."""
-    metric = lambda device: "rss" if is_host(device) else "allocated"
-    picked = [r for r in rows if r["metric"] == metric(r["device"]) and (phases is None or r["phase"] in phases)]
+    picked = [r for r in rows if r["metric"] == peak_metric(r["device"]) and (phases is None or r["phase"] in phases)]
     devices = list(dict.fromkeys(r["device"] for r in picked))
     head = "".join(f"<th>{d} peak (MiB)</th>" for d in devices)
     lines = []
@@ -125,7 +145,7 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
     peak_mib, line_mib, phase (where the peak was), crossed}; prints it in one line. The kernel stays usable."""
     memory = lab.memory
-    first, metric = len(memory.phase_rows), "rss" if is_host(device) else "allocated"
+    first, metric = len(memory.phase_rows), peak_metric(device)
     stopped = None
     try:
         (run or lab.step)()
