@@ -128,9 +128,13 @@ def test_the_probe_catches_at_load_the_prompt_an_ordinary_run_meets_at_step_5(tm
         "grpo.beta=0",
         "model.gradient_checkpointing=false",
         "run.save_every=0",
+        # why a budget below the machine: the guard then holds this run's own process tree (RSS), which the other
+        # tests running beside it on the machine do not move (the machine's used RAM did, and the line was crossed
+        # at step 0 on CI)
+        "placement.host_memory_gib=8",
     ]
-    # what the short steps use and what the long one does, on this machine now; each part in a process of its own
-    # (why: the guard reads the machine's used RAM, and an earlier Lab's freed heap in this process would count)
+    # what the short steps use and what the long one does; each part in a process of its own (why: an earlier Lab's
+    # freed heap in this process would count in its RSS)
     measured = json.loads(
         subprocess.run(
             [sys.executable, "-c", MEASURE, json.dumps(sets)], check=True, capture_output=True, text=True, env=ENV
@@ -172,7 +176,8 @@ from grpo_lab import Lab
 lab = Lab("tiny-cpu", overrides=json.loads(sys.argv[1])).load()
 for _ in range(3):
     lab.step()
-# the short steps' and the load's highest used RAM: every sample so far (the guard sees the load's too)
+# the short steps' and the load's highest used RAM (the process tree's RSS under the budget): every sample so far
+# (the guard sees the load's too)
 short = max(s[-1] for s in lab.memory.samples_since(0) if s[3] == "host" and s[4] == "used")
 report = lab.probe()
 long = max(report.measured("host", p, "used") or 0 for p in ("rollout", "logprobs", "backward"))
