@@ -1,4 +1,5 @@
-"""The guided notebooks' stories (notebooks/02-05) on this machine: each executed under papermill with its defaults,
+"""The guided notebooks' trials (notebooks/03-05; 02's story is a plan and a refusal, asserted by
+tests/test_notebook_stories.py) on this machine: each executed under papermill with its defaults,
 and its facts (the JSON its last cell prints) read back: the failing setting's peak against the budget's line, the
 fix's, and where each peak was. Also the textbook head's measured bytes per logit (the planner's
 FULL_HEAD_FLOAT32_COPIES), from one backward of logits-heavy-cpu.

@@ -85,9 +85,9 @@ class HostReader:
         self.process = psutil.Process()
         self.cgroup_root = Path(cgroup_root)
         self.limit = cgroup_limit(self.cgroup_root)
-        machine = self.limit if self.limit is not None else psutil.virtual_memory().total
+        self.machine = self.limit if self.limit is not None else psutil.virtual_memory().total  # `limit` unbudgeted
         # why only a smaller budget: one above the machine plans a bigger host; this one is still guarded by its own
-        self.budget = budget if budget is not None and budget < machine else None
+        self.budget = budget if budget is not None and budget < self.machine else None
         self._children: list = []
         self._children_at = float("-inf")
 

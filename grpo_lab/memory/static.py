@@ -12,6 +12,8 @@ import re
 import textwrap
 
 DPI = 100
+# where plotly's paper (0..1, the plot area) sits on the canvas: left and bottom margins, then width and height
+PAPER = (0.07, 0.12, 0.88, 0.72)
 
 
 def _get(obj, *path, default=None):
@@ -78,6 +80,12 @@ def _heatmap(ax, trace, fig) -> None:
         fig.colorbar(image, ax=ax)
 
 
+def _on_canvas(x: float, y: float) -> tuple[float, float]:
+    """A point in plotly's paper coordinates, in the canvas's (PAPER)."""
+    left, bottom, width, height = PAPER
+    return left + width * x, bottom + height * y
+
+
 def _axes(canvas, layout: dict, panel: str, column: int, count: int):
     """The panel's axes where plotly's layout puts them (its x and y domains), else side by side."""
     suffix = panel[1:]
@@ -86,8 +94,8 @@ def _axes(canvas, layout: dict, panel: str, column: int, count: int):
     y_domain = _get(layout, f"yaxis{anchor[1:]}", "domain")
     if not x_domain or not y_domain:
         return canvas.add_subplot(1, count, column + 1)
-    left, bottom = 0.07 + 0.88 * x_domain[0], 0.12 + 0.72 * y_domain[0]
-    return canvas.add_axes((left, bottom, 0.88 * (x_domain[1] - x_domain[0]), 0.72 * (y_domain[1] - y_domain[0])))
+    (left, bottom), (right, top) = _on_canvas(x_domain[0], y_domain[0]), _on_canvas(x_domain[1], y_domain[1])
+    return canvas.add_axes((left, bottom, right - left, top - bottom))
 
 
 def _shape(ax, shape) -> None:
@@ -150,13 +158,8 @@ def png(fig, width: int = 900, height: int = None) -> bytes:
         ax.grid(alpha=0.3)
     for note in layout.get("annotations") or []:  # subplot titles and other notes placed on the page
         if note.get("xref") == "paper" and note.get("yref") == "paper" and placed:
-            canvas.text(
-                0.07 + 0.88 * note["x"],
-                0.12 + 0.72 * note["y"] + 0.01,
-                _text(note.get("text")),
-                fontsize=8,
-                ha="center",
-            )
+            x, y = _on_canvas(note["x"], note["y"])
+            canvas.text(x, y + 0.01, _text(note.get("text")), fontsize=8, ha="center")
     canvas.suptitle(_text(layout.get("title")), fontsize=9)
     if not placed:
         canvas.tight_layout()
@@ -169,7 +172,6 @@ def show(fig, width: int = 900) -> None:
     """Display a plotly figure live where plotly renders and as a PNG everywhere else (one output, both forms)."""
     from IPython.display import display
 
-    title = fig.layout.title.text if fig.layout.title else None
-    bundle = {"image/png": png(fig, width), "text/plain": title or "figure"}
-    bundle["application/vnd.plotly.v1+json"] = fig.to_plotly_json()
-    display(bundle, raw=True)
+    data = fig.to_dict()  # why once: the PNG and the live figure are drawn from the same copy of the figure
+    title = _text(_get(data, "layout", "title")) or "figure"
+    display({"image/png": png(data, width), "text/plain": title, "application/vnd.plotly.v1+json": data}, raw=True)

@@ -25,11 +25,9 @@ def _home(device: str) -> str:
 
 def capacity_of(device: str, config) -> float:
     if device == "host":
-        if config.placement.host_memory_gib:
-            return config.placement.host_memory_gib * GiB
-        from ..memory.readers import HostReader
+        from ..memory.readers import HostReader, host_budget
 
-        return HostReader().read()["limit"]
+        return host_budget(config) or HostReader().machine
     if config.placement.gpu_memory_gib:
         return config.placement.gpu_memory_gib * GiB
     from ..checks.devices import cuda_device_count
