@@ -6,6 +6,7 @@ function counts as much as one at the top."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -14,44 +15,51 @@ ROOT = Path(__file__).resolve().parents[1] / "grpo_lab"
 MAX_LINES = 400  # STYLE.md: "files under ~400 lines"
 MAX_TOP_LEVEL = 15  # modules directly in grpo_lab/: the rest live in a package named for its concern
 
-# The layers, bottom to top (docs/architecture.md): a module imports from its own layer and the layers below.
-SHARDED = "grpo_lab.execution.sharded"
-RAY_DRIVER = tuple(f"{SHARDED}.{m}" for m in ("driver", "ranks", "ray_cluster", "remote", "wire", "worker"))
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("grpo_lab.errors", "grpo_lab.files", "grpo_lab.execution.runtime", "grpo_lab.execution", SHARDED)),
-    ("checks", ("grpo_lab.checks", f"{SHARDED}.precheck")),
-    ("recovery", ("grpo_lab.recovery",)),
-    ("sharded model", tuple(f"{SHARDED}.{m}" for m in ("fsdp", "gathered", "meta_load", "failed_pass"))),
-    ("algo", ("grpo_lab.algo",)),
-    ("memory", ("grpo_lab.memory",)),
-    ("models", ("grpo_lab.models",)),
-    ("generation", ("grpo_lab.generation",)),
-    ("config", ("grpo_lab.config",)),
-    ("planner", ("grpo_lab.planner",)),
-    ("ui", ("grpo_lab.ui",)),
-    ("local", ("grpo_lab.execution.local",)),
-    ("lab", ("grpo_lab.lab", "grpo_lab.execution.contract", "grpo_lab.preflight", "grpo_lab.trackers")),
-    (
-        "entry points",
-        (
-            "grpo_lab.cli",
-            "grpo_lab.runner",
-            "grpo_lab.sweep",
-            "grpo_lab.comparison",
-            "grpo_lab.trl_bridge",
-            "grpo_lab.__main__",
-            "grpo_lab",
-        ),
-    ),
-    ("ray driver", RAY_DRIVER),
-]
-# The imports that run upward, each with its reason (at most 5; a new one fails the test until it is listed here).
-UPWARD: dict[tuple[str, str], str] = {
-    (
-        "grpo_lab.generation.vllm_engine",
-        "grpo_lab.planner",
-    ): "generator.gpu_memory_utilization: auto starts the engine with the share the plan prints (planner.engine_share)",
-}
+DOC = ROOT.parent / "docs" / "architecture.md"
+RAY_DRIVER = tuple(
+    f"grpo_lab.execution.sharded.{m}" for m in ("driver", "ranks", "ray_cluster", "remote", "wire", "worker")
+)
+MAX_UPWARD = 1  # issue 48: at most one import runs up the floors, each listed in docs/architecture.md with its reason
+# floors that algo/ and the floors the algorithm stands on never import an executor from (issue 48)
+NO_EXECUTION = ("algo", "memory", "recovery", "generation", "checks")
+
+
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The rows of the first markdown table under `heading` (its header and rule left out), each a list of cells."""
+    assert heading in text, f"docs/architecture.md has no {heading!r}"
+    block: list[list[str]] = []
+    for line in text.split(heading, 1)[1].splitlines():
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            break
+    assert len(block) > 2, f"docs/architecture.md has no table under {heading!r}"
+    return block[2:]
+
+
+def _names(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def floors_of(text: str) -> list[tuple[str, tuple[str, ...], set[str]]]:
+    """docs/architecture.md's floors, bottom to top: (name, module prefixes, the floors it says it imports)."""
+    out = []
+    for name, modules, _, imports in reversed(_table(text, "## Floors")):
+        prefixes = tuple("grpo_lab" if m == "grpo_lab" else f"grpo_lab.{m}" for m in _names(modules))
+        out.append((name, prefixes, set(_names(imports))))
+    return out
+
+
+def upward_listed(text: str) -> dict[tuple[str, str], str]:
+    """The imports docs/architecture.md lists as running upward, with their reason."""
+    return {
+        (f"grpo_lab.{_names(a)[0]}", f"grpo_lab.{_names(b)[0]}"): why
+        for a, b, why in _table(text, "## The one import that runs upward")
+    }
+
+
+FLOORS = floors_of(DOC.read_text())
+UPWARD = upward_listed(DOC.read_text())
 
 
 def module_name(path: Path) -> str:
@@ -151,46 +159,85 @@ def test_no_import_circles():
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-def layer_of(module: str) -> int:
-    """The index in LAYERS of the layer `module` belongs to (its longest matching prefix)."""
+def floor_of(module: str, floors=None) -> int:
+    """The index (bottom = 0) of the floor `module` is on: the floor of its longest matching name."""
     best = max(
         (
             (len(prefix), i)
-            for i, (_, prefixes) in enumerate(LAYERS)
+            for i, (_, prefixes, _) in enumerate(floors or FLOORS)
             for prefix in prefixes
             if module == prefix or module.startswith(prefix + ".")
         ),
         default=None,
     )
-    assert best is not None, f"{module} is in no layer of LAYERS; add its package there"
+    assert best is not None, f"{module} is on no floor of docs/architecture.md; add its package to the table"
     return best[1]
 
 
-def upward(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
-    """Every import from a lower layer to a higher one."""
-    return {(m, t) for m, ts in edges.items() for t in ts if layer_of(m) < layer_of(t)}
+def upward(edges: dict[str, set[str]], floors=None) -> set[tuple[str, str]]:
+    """Every import from a lower floor to a higher one."""
+    return {(m, t) for m, ts in edges.items() for t in ts if floor_of(m, floors) < floor_of(t, floors)}
 
 
-def test_every_module_has_a_layer():
+def test_the_floors_are_read_from_docs_architecture():
+    names = [name for name, _, _ in FLOORS]
+    assert names[0] == "base" and names[-1] == "ray driver" and len(names) == len(set(names)) >= 12, names
+    assert "grpo_lab.runtime" in FLOORS[0][1] and FLOORS[0][2] == set()  # the bottom floor imports nothing
+
+
+def test_every_module_is_on_a_floor():
     for module in modules():
-        layer_of(module)
+        floor_of(module)
 
 
-def test_the_layer_check_finds_a_planted_upward_import():
+def test_the_floor_check_finds_a_planted_upward_import():
     assert upward({"grpo_lab.algo.losses": {"grpo_lab.lab"}, "grpo_lab.lab": {"grpo_lab.algo.losses"}}) == {
         ("grpo_lab.algo.losses", "grpo_lab.lab")
     }
+    # the runtime is the bottom floor: the old home under execution/ would be an upward import from algo/
+    assert upward({"grpo_lab.algo.grpo": {"grpo_lab.execution.runtime"}}) == {
+        ("grpo_lab.algo.grpo", "grpo_lab.execution.runtime")
+    }
 
 
-def test_imports_run_downward_but_for_the_listed_few():
+def test_imports_run_downward_but_for_the_one_listed():
     found = upward(graph())
     assert found == set(UPWARD), (
-        "upward imports not listed: "
+        "upward imports not listed in docs/architecture.md: "
         + "; ".join(f"{a} -> {b}" for a, b in sorted(found - set(UPWARD)))
         + " | listed but gone: "
         + "; ".join(f"{a} -> {b}" for a, b in sorted(set(UPWARD) - found))
     )
-    assert len(UPWARD) <= 5 and all(UPWARD.values())
+    assert len(UPWARD) <= MAX_UPWARD and all(UPWARD.values())
+
+
+def test_algo_and_the_floors_below_the_executors_never_import_one():
+    """algo/ and generation/ reach a sharded learner through the executor contract's `Sharding` (Learner.sharding);
+    memory, recovery and checks need only the runtime, which is on the bottom floor."""
+    bad = sorted(
+        (m, t)
+        for m, ts in graph().items()
+        if m.split(".")[1] in NO_EXECUTION
+        for t in ts
+        if t.startswith("grpo_lab.execution")
+    )
+    assert not bad, bad
+
+
+def test_each_floor_imports_what_docs_architecture_says():
+    """The table's imports column is the code's: a floor that imports another floor the row does not list (or no
+    longer imports one it lists) fails, so the drawing stays true."""
+    names = [name for name, _, _ in FLOORS]
+    actual: dict[str, set[str]] = {name: set() for name in names}
+    for m, ts in graph().items():
+        for t in ts:
+            a, b = floor_of(m), floor_of(t)
+            if a > b:
+                actual[names[a]].add(names[b])
+    said = {name: imports for name, _, imports in FLOORS}
+    wrong = {name: (sorted(actual[name] - said[name]), sorted(said[name] - actual[name])) for name in names}
+    wrong = {name: diff for name, diff in wrong.items() if diff != ([], [])}
+    assert not wrong, f"floor: (imported but not in its row, in its row but not imported): {wrong}"
 
 
 def test_the_one_process_path_never_imports_the_ray_driver():
