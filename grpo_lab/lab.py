@@ -23,9 +23,9 @@ from .config.loading import load_config
 from .config.schema import LabConfig
 from .errors import ConfigError, LabError, one_line_in_cells
 from .execution.contract import executor_for
-from .execution.runtime import own_streams
 from .memory.timeline import Timeline
 from .preflight import preflight
+from .runtime import own_streams
 from .ui.views import LabViews
 
 
@@ -182,11 +182,11 @@ class Lab(LabViews):
     def _phase(self, name: str, **inputs):
         """Check order, time and mark a phase; on any failure put the step back (see `_failed`); an
         out-of-memory error becomes a one-line LabError naming phase and device."""
-        from .execution.runtime import RanksBlocked, runtime, settle
         from .memory.heap import trim_host_heap
         from .memory.oom import cuda_oom_count, phase_error, release_memory
         from .memory.profiling import phase_range
         from .recovery.faults import set_phase
+        from .runtime import RanksBlocked, runtime, settle
 
         self._require_loaded()
         if not self._busy.acquire(blocking=False):

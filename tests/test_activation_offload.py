@@ -129,7 +129,7 @@ def test_memory_cuda_expandable_segments_takes_effect_at_load():
     segment; PYTORCH_CUDA_ALLOC_CONF naming it is left alone (the function says so)."""
     import os
 
-    from grpo_lab.memory.cuda_allocator import expandable_segments
+    from grpo_lab.runtime import expandable_segments
 
     if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         assert expandable_segments(True) is False

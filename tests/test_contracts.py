@@ -53,6 +53,50 @@ def test_the_lab_asks_its_executor_only_what_the_contract_names():
     assert asked and asked <= contract_members(), asked - contract_members()
 
 
+def test_the_algorithm_and_the_generator_pass_through_the_executors_sharding(tiny_config):
+    """Issue 48: algo/ and generation/ reach a sharded learner only through the executor contract's `Sharding`, which
+    the executor hands to the learner it loads. A recording `Sharding` given to the executor sees every pass a step
+    runs: the rollout's generation set-up, each log-prob pass (reference and backward), the gradient norm whole, each
+    LoRA weight's shard checked after the update."""
+    from collections import Counter
+    from contextlib import contextmanager
+
+    from grpo_lab import Lab
+    from grpo_lab.models.fsdp import FSDP
+
+    seen: Counter = Counter()
+
+    class Recording(FSDP):
+        @contextmanager
+        def agreed(self, *models):
+            seen["agreed"] += 1
+            with FSDP.agreed(*models):
+                yield
+
+        def full(self, t):
+            seen["full"] += 1
+            return FSDP.full(t)
+
+        def local(self, t):
+            seen["local"] += 1
+            return FSDP.local(t)
+
+        @contextmanager
+        def generation(self, model, gather):
+            seen["generation"] += 1
+            with FSDP.generation(model, gather):
+                yield
+
+    lab = Lab(tiny_config(grpo={"beta": 0.04, "micro_batch_size": 4}))
+    lab.executor.sharding = Recording()
+    lab.load()
+    assert lab.learner.sharding is lab.executor.sharding
+    lab.step()
+    lora = len(lab.learner.trainable_parameters())
+    # 8 completions in micro-batches of 4: 2 reference passes and 2 backward passes; one generate for the rollout
+    assert seen == {"generation": 1, "agreed": 4, "full": 1, "local": lora}, seen
+
+
 class Recorder:
     """Phases that record their calls, each returning a token of what it produced."""
 

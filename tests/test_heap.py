@@ -114,8 +114,8 @@ def test_a_cpu_learner_trims_before_each_layers_full_sequence_forward_only(monke
     import torch
 
     from grpo_lab import load_config
-    from grpo_lab.execution.sharded.fsdp import decoder_layers
     from grpo_lab.memory import heap
+    from grpo_lab.models.fsdp import decoder_layers
     from grpo_lab.models.learner import load_learner
 
     trims = []

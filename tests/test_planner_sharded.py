@@ -49,7 +49,7 @@ def test_each_rank_holds_1_over_n_of_the_weights_and_optimizer_but_all_of_the_qu
         for what in ("LoRA weights", "LoRA gradients"):
             assert per_rank[(f"{what} (1/{procs})", None)] == single[(what, None)] / procs
         assert per_rank[(f"AdamW moments (1/{procs})", None)] == single[("AdamW moments", None)] / procs
-        # each rank loads layer by layer (sharded/meta_load.py): beyond its shards, one layer whole + the float weight
+        # each rank loads layer by layer (models/meta_load.py): beyond its shards, one layer whole + the float weight
         # being quantized (Qwen2.5-7B's largest linear, 18944 x 3584, read in bf16)
         layer, _ = units(shape)
         assert per_rank[("one layer whole before fully_shard", "load")] == pytest.approx(layer + 18944 * 3584 * 2)

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from grpo_lab import Lab, cli
+from grpo_lab.checks.roles import parse_address
 from grpo_lab.errors import LabError
-from grpo_lab.execution.runtime import Runtime
-from grpo_lab.execution.sharded.precheck import parse_address
 from grpo_lab.execution.sharded.ray_cluster import bundles, check_resources, local_gpu_env, start_local
+from grpo_lab.runtime import Runtime
 
 pytestmark = (
     pytest.mark.solo

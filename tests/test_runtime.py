@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_lab.config.loading import load_config
-from grpo_lab.execution.runtime import (
+from grpo_lab.runtime import (
     Runtime,
     capture_rng,
     nvml_handle,

@@ -269,7 +269,7 @@ def test_a_reference_left_on_another_device_type_is_refused_in_one_line(tiny_mod
     memory-efficient loading leaves every rank but the first), and fails deep inside torch; the check says why."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpo_lab.execution.sharded.fsdp import check_reference_devices
+    from grpo_lab.models.fsdp import check_reference_devices
 
     with torch.device("meta"):
         naive = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))

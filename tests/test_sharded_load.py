@@ -1,4 +1,4 @@
-"""The low-memory sharded load (sharded/meta_load.py, issue 23): 2 gloo ranks load with `load_learner` as a rank's Lab
+"""The low-memory sharded load (models/meta_load.py, issue 23): 2 gloo ranks load with `load_learner` as a rank's Lab
 does, without the rank transport, and are compared byte for byte with one process's `from_pretrained` load; and on a
 random model of Qwen2.5-0.5B's shape, each rank's peak bytes of live tensors during the load (a dispatch-mode ledger of
 storages, not RSS) stay under model / N + the largest layer + 10 %."""
@@ -65,7 +65,7 @@ def run_ranks(target, *args) -> None:
 def _rank(rank: int, size: int, port: int, target, args) -> None:
     import torch.distributed as dist
 
-    from grpo_lab.execution.runtime import Runtime, set_runtime
+    from grpo_lab.runtime import Runtime, set_runtime
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -99,7 +99,7 @@ def _dump_learner(rank, size, config, out):
     """A rank's learner loaded as a rank's Lab loads it; its local shards, the layers FSDP all-gathers, the quant
     states, the RNG state after the load and the trainable names, saved for the test process."""
     from grpo_lab.config.loading import load_config
-    from grpo_lab.execution.sharded.fsdp import fsdp_units, local
+    from grpo_lab.models.fsdp import fsdp_units, local
     from grpo_lab.models.learner import load_learner
 
     learner = load_learner(load_config(config))
@@ -217,7 +217,7 @@ def unit_bytes(module) -> int:
 def _load_and_count(rank, size, config, out):
     import json
 
-    import grpo_lab.execution.sharded.meta_load as load
+    import grpo_lab.models.meta_load as load
     from grpo_lab.config.loading import load_config
     from grpo_lab.models.learner import load_sharded_learner
 

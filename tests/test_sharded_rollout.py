@@ -13,7 +13,7 @@ import torch
 
 from grpo_lab import Lab
 from grpo_lab.errors import LabError
-from grpo_lab.execution.runtime import Runtime
+from grpo_lab.runtime import Runtime
 
 pytestmark = pytest.mark.solo  # why: it starts Ray and two rank processes (scripts/test.sh runs it alone)
 

@@ -176,7 +176,7 @@ def device_figures(device: str) -> dict:
         return {}
     import torch
 
-    from grpo_lab.execution.runtime import nvml_handle
+    from grpo_lab.runtime import nvml_handle
 
     figures = {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
     try:
@@ -242,7 +242,7 @@ def context_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     import pynvml
     import torch
 
-    from grpo_lab.execution.runtime import nvml_handle
+    from grpo_lab.runtime import nvml_handle
 
     pynvml.nvmlInit()
     first = pynvml.nvmlDeviceGetHandleByIndex(0)

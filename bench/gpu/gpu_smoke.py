@@ -78,7 +78,7 @@ def nvml_by_uuid() -> str:
 
     last = torch.cuda.device_count() - 1
     code = (
-        "import torch, pynvml; from grpo_lab.execution.runtime import nvml_handle; h = nvml_handle(0); "
+        "import torch, pynvml; from grpo_lab.runtime import nvml_handle; h = nvml_handle(0); "
         "u = pynvml.nvmlDeviceGetUUID(h); u = u.decode() if isinstance(u, bytes) else u; "
         "print(u, str(torch.cuda.get_device_properties(0).uuid))"
     )

@@ -16,10 +16,8 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import LabError, NonFinite
-from ..execution.runtime import runtime
-from ..execution.sharded.failed_pass import agreed
-from ..execution.sharded.fsdp import full, local
 from ..recovery.faults import poison
+from ..runtime import runtime
 from .containers import Advantages, BackwardResult, GenerationRequest, LogProbs, LossStats, Rewards, Rollout, StepResult
 from .importance import importance_weights
 from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice
@@ -149,7 +147,8 @@ def backward(
     for rows in micro_batches(len(rollout), grpo.micro_batch_size, ranks.rows(len(rollout))):
         prompt_ids, prompt_mask, completion_ids, completion_mask = rollout_slice(rollout, rows, device)
         mask = mask_all[rows].to(device)
-        with agreed(model):  # a rank whose forward fails takes every rank out before any backward's reduce-scatter
+        # a rank whose forward fails takes every rank out before any backward's reduce-scatter
+        with learner.sharding.agreed(model):
             logps = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask).float()
         old = logps.detach() if first else old_logprobs[rows].to(device)
         sampler = rollout.sampler_logprobs[rows].to(device)
@@ -224,7 +223,7 @@ def optimizer(learner, config) -> float:
     for group in learner.optimizer.param_groups:  # why here: an edit between steps takes effect at this update
         group["lr"], group["weight_decay"] = grpo.learning_rate, grpo.weight_decay
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    grad_norm = full(torch.nn.utils.clip_grad_norm_(params, grpo.max_grad_norm)).item()  # a DTensor when sharded
+    grad_norm = learner.sharding.full(torch.nn.utils.clip_grad_norm_(params, grpo.max_grad_norm)).item()  # a DTensor
     if not math.isfinite(grad_norm):
         learner.optimizer.zero_grad(set_to_none=True)  # why: these gradients must never be applied
         raise NonFinite(
@@ -235,7 +234,7 @@ def optimizer(learner, config) -> float:
     learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)  # why: gradients are not needed until the next backward
     # one sync for all LoRA tensors
-    bad = int(torch.stack([~torch.isfinite(local(p)).all() for p in params]).sum().item())
+    bad = int(torch.stack([~torch.isfinite(learner.sharding.local(p)).all() for p in params]).sum().item())
     bad = int(runtime().sum([bad])[0])  # a sharded rank checks its shards; every rank refuses together
     if bad:
         raise NonFinite(

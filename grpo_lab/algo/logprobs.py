@@ -172,13 +172,14 @@ def rollout_slice(rollout: Rollout, rows: slice, device) -> tuple[torch.Tensor, 
 
 @torch.no_grad()  # why: reference log-probs are constants of the loss, no graph is kept
 def rollout_logprobs(
-    model, rollout: Rollout, device, micro_batch_size: Optional[int], out_device="cpu"
+    model, rollout: Rollout, device, micro_batch_size: Optional[int], out_device="cpu", sharding=None
 ) -> torch.Tensor:
     """Log-probs of every completion of the rollout under `model` at the rollout's temperature,
-    micro-batched: [N, L] on `out_device` (each rank of a sharded learner scores its own rows)."""
-    from ..execution.runtime import runtime
-    from ..execution.sharded.failed_pass import agreed
+    micro-batched: [N, L] on `out_device` (each rank of a sharded learner scores its own rows). `sharding`: the
+    learner's (Learner.sharding; None: a model no rank shares)."""
+    from ..runtime import runtime
 
+    agreed = contextlib.nullcontext if sharding is None else sharding.agreed
     set_logprob_head(model, temperature=rollout.logprob_temperature)
     parts, ranks = [], runtime()
     for rows in micro_batches(len(rollout), micro_batch_size, ranks.rows(len(rollout))):

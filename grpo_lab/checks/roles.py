@@ -76,7 +76,7 @@ def check_sharding(config) -> None:
             f"over {procs} ranks; use dynamic (or auto, which picks it here)"
         )
     if gen.own_weights:  # vllm: one engine in the driver's process, never on a rank's device
-        from ..execution.sharded.precheck import rank_devices
+        from ..runtime import rank_devices
 
         shared = sorted(
             set(rank_devices(config.placement.learner, procs)) & set(config.placement.generator_devices()) - {"cpu"}
@@ -99,8 +99,6 @@ def check_sharding(config) -> None:
                 "set it to true"
             )
     if config.placement.ray_address not in (None, "auto"):
-        from ..execution.sharded.precheck import parse_address
-
         try:
             parse_address(config.placement.ray_address)
         except LabError as err:
@@ -121,3 +119,16 @@ def check_sharding(config) -> None:
             f"placement.learner_procs: {procs} ranks need a batch they split evenly; grpo.prompts_per_step "
             f"x num_generations = {batch}; use a multiple of {procs}"
         )
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' of a Ray cluster's head (its GCS), as `ray start --head` prints it."""
+    host, sep, port = address.rpartition(":")
+    if "/" in host or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LabError(
+            f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
+            "`ray start --head` prints; not a ray:// client address), 'auto' (the cluster this machine joined), or "
+            "null (a local "
+            "Ray)"
+        )
+    return host, int(port)

@@ -10,14 +10,28 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
 
-from .runtime import runtime
+from ..runtime import runtime
 
 EXECUTORS: dict[str, str] = {
     "local": "grpo_lab.execution.local:LocalExecutor",
     "ranks": "grpo_lab.execution.sharded.driver:RankExecutor",
 }
+
+
+class Sharding(Protocol):
+    """What the algorithm (algo/grpo.py, algo/logprobs.py) and the generator (generation/hf.py) ask of a learner that
+    may be sharded, so that neither imports an executor or FSDP: an executor hands its `sharding` to the learner it
+    loads (Learner.sharding). models/fsdp.FSDP implements it over FSDP2 (the identity on a model no rank shares)."""
+
+    def agreed(self, *models) -> ContextManager[None]:
+        """A pass over `models` that, when it raises on any rank, raises on every rank there, their state reset."""
+
+    def full(self, t): ...  # `t` whole on every rank (a collective; a plain tensor as it is)
+    def local(self, t): ...  # this rank's shard of `t` (a plain tensor as it is)
+    def generation(self, model, gather: bool) -> ContextManager[None]:
+        """`model` set up for a rollout (eval mode; sharded: gathered whole, or a layer per forward), put back after."""
 
 
 @runtime_checkable
@@ -34,6 +48,7 @@ class Executor(Protocol):
     prompts: object
     reference_strategy: Optional[str]
     on_cuda: bool  # the phases compute on a GPU here (they then get NVTX ranges too)
+    sharding: Sharding  # handed to the learner it loads: how the algorithm's passes run over it
 
     @property
     def loaded(self) -> bool: ...

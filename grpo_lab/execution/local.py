@@ -11,7 +11,8 @@ from typing import Callable, Optional
 from ..algo import grpo
 from ..checks.guard import check_learner
 from ..errors import LabError
-from .runtime import runtime
+from ..models.fsdp import FSDP
+from ..runtime import runtime
 
 
 def _rollout(ex, state) -> object:
@@ -68,6 +69,7 @@ class LocalExecutor:
     """The phases on this process's models."""
 
     name = "local"
+    sharding = FSDP()  # this process's learner under FSDP2 when it is a rank's shard, else as it is
 
     def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
         from ..algo.rewards import reward_functions
@@ -135,10 +137,10 @@ class LocalExecutor:
         config = self.config
         warm_up()
         if config.placement.learner.startswith("cuda"):  # why before the weights: every segment from here on grows
-            from ..memory.cuda_allocator import expandable_segments
+            from ..runtime import expandable_segments
 
             expandable_segments(config.memory.cuda_expandable_segments)
-        self.learner = load_learner(config)
+        self.learner = load_learner(config, self.sharding)
         self.check_learner()
         self.build_reference()
         self.generator = backend_class(config.generator.backend, on_rank=runtime().is_rank)(self.learner, config)
@@ -188,7 +190,7 @@ class LocalExecutor:
     def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
         """After a failed phase: FSDP's iteration state reset on every model this process passes through (a failure
         mid-forward leaves it half-way); None = the Lab's default undo applies."""
-        from .sharded.failed_pass import reset_after_failure
+        from ..models.failed_pass import reset_after_failure
 
         for model in (getattr(self.learner, "model", None), getattr(self.reference, "model", None)):
             if model is not None:
@@ -220,7 +222,7 @@ class LocalExecutor:
     def inspect(self) -> list[dict]:
         """This process's LoRA and AdamW state and step (one entry: rank 0 of a world of one)."""
         from ..generation.hf import GENERATED_ROWS
-        from .sharded.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
+        from ..models.fsdp import WHOLE_GATHERS, base_placements, layout, local, local_state
 
         learner, copy = self.learner, getattr(self.reference, "model", None)
         return [

@@ -14,10 +14,9 @@ import torch
 
 from ..algo.logprobs import precision
 from ..errors import LabError
-from ..execution.runtime import runtime
-from ..execution.sharded.fsdp import generation
 from ..memory.heap import trim_host_heap
 from ..models.source import resolve_model_path
+from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
 from .rollout_copy import rollout_model
 
@@ -99,7 +98,7 @@ class HFGenerator(Generator):
         contiguous = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(),))
         try:  # eval mode (checkpointing off, so the KV cache is used); a sharded learner gathered or not (P3)
             with (
-                generation(model, request.gather_for_generation),
+                self.learner.sharding.generation(model, request.gather_for_generation),
                 compiled_decode(model, request.decode),
                 precision(self.learner.model),  # why: the rollout samples in the numerics the log-prob passes score in
             ):

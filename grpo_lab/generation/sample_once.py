@@ -17,8 +17,8 @@ import os
 
 from ..algo.containers import Rollout
 from ..errors import LabError
-from ..execution.runtime import runtime
 from ..recovery.faults import diverge
+from ..runtime import runtime
 from .base import split
 
 REPLICATED = "GRPO_LAB_REPLICATED_ROLLOUT"  # bench/probes/sharded_rollout.py only: every rank samples the whole batch

@@ -12,7 +12,7 @@ from typing import Optional
 
 import psutil
 
-from ..execution.runtime import nvml_handle
+from ..runtime import nvml_handle
 
 MiB = 1024**2
 

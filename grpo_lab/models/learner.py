@@ -6,15 +6,15 @@ not upcast every non-quantized weight to float32 (that doubles embedding memory 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..algo.logprobs import add_logprob_head, score_completions
 from ..errors import LabError
-from ..execution.sharded.fsdp import decoder_layers
 from ..memory.heap import trim_before_each_layer
+from .fsdp import FSDP, decoder_layers
 from .offload import HostAdamW
 from .quant import pin_training_layout, quiet_bitsandbytes
 from .source import check_model_path, require_files, resolve_model_path
@@ -28,6 +28,8 @@ class Learner:
     tokenizer: object
     device: torch.device
     optimizer: torch.optim.Optimizer
+    # what the algorithm and the generator ask of a learner that may be sharded: its executor's (execution/contract.py)
+    sharding: object = field(default_factory=FSDP)
 
     def trainable_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -71,7 +73,7 @@ def quantization_config(model_cfg):
 
 def load_base(model_cfg, device: str, seed: int = 0):
     """The base model on `device`, nf4-quantized when `load_in_4bit`; frozen. On a sharded rank, already sharded
-    (loaded layer by layer: sharded/meta_load.py); prepare_like_policy then leaves it as it is. A built-in random
+    (loaded layer by layer: models/meta_load.py); prepare_like_policy then leaves it as it is. A built-in random
     shape is drawn from `seed` on `device` (models/random_shapes.py)."""
 
     from .random_shapes import build_random, parse_random
@@ -116,7 +118,8 @@ def _from_pretrained(path: str, model_cfg, device: str):
     return model
 
 
-def load_learner(config) -> Learner:
+def load_learner(config, sharding=None) -> Learner:
+    """The learner of `config` on this process's device; `sharding`: the executor's `Sharding` (default FSDP2's)."""
     device = learner_device(config)
     torch.manual_seed(config.run.seed)  # why here: LoRA A's random init must be reproducible
     if runtime_is_rank():
@@ -134,6 +137,7 @@ def load_learner(config) -> Learner:
         tokenizer=load_tokenizer(resolve_model_path(config.model.name_or_path)),
         device=torch.device(device),
         optimizer=optimizer,
+        sharding=FSDP() if sharding is None else sharding,
     )
 
 
@@ -169,7 +173,7 @@ def add_lora(base, config):
 
 
 def load_sharded_learner(config, device: str):
-    """A rank's learner, never whole on it (execution/sharded/meta_load.py): the same model as one process's, sharded
+    """A rank's learner, never whole on it (models/meta_load.py): the same model as one process's, sharded
     with FSDP2."""
     return load_sharded_base(config.model, device, lambda base: add_lora(base, config))
 
@@ -177,7 +181,7 @@ def load_sharded_learner(config, device: str):
 def load_sharded_base(model_cfg, device: str, wrap=None):
     """load_base's model on a rank, built on meta and sharded layer by layer as it is read; `wrap` (PEFT) is applied
     on meta, before any weight is read."""
-    from ..execution.sharded.meta_load import load_sharded
+    from .meta_load import load_sharded
 
     require_files(model_cfg.name_or_path, "a sharded learner's ranks (each reads its shard from the files)")
     path = Path(check_model_path(model_cfg.name_or_path))
@@ -198,7 +202,7 @@ def load_sharded_base(model_cfg, device: str, wrap=None):
 
 
 def runtime_is_rank() -> bool:
-    from ..execution.runtime import runtime
+    from ..runtime import runtime
 
     return runtime().is_rank
 
@@ -216,7 +220,7 @@ def autocast_dtype(model_cfg, device: str):
 
 def learner_device(config) -> str:
     """This process's learner device (the runtime's answer: placement.learner, or a sharded rank's own)."""
-    from ..execution.runtime import runtime
+    from ..runtime import runtime
 
     return runtime().device(config)
 
@@ -224,10 +228,10 @@ def learner_device(config) -> str:
 def prepare_like_policy(model, device: str) -> None:
     """What every model the learner computes with goes through: on a sharded rank, FSDP2 over the ranks (P5: the
     reference copy too, so it lands where the policy is)."""
-    from ..execution.runtime import runtime
+    from ..runtime import runtime
 
     if runtime().is_rank:
-        from ..execution.sharded.fsdp import is_sharded, shard
+        from .fsdp import is_sharded, shard
 
         if not is_sharded(model):  # load_base on a rank shards as it loads
             shard(model, torch.device(device), score_completions)

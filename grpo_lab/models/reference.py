@@ -29,15 +29,17 @@ class AdapterDisabledReference:
         learner.model.train()
         configure_head(learner.model, config, rollout.logprob_temperature)
         with learner.model.disable_adapter():  # PEFT restores the adapter in its own finally
-            return rollout_logprobs(learner.model, rollout, learner.device, config.grpo.micro_batch_size)
+            return rollout_logprobs(
+                learner.model, rollout, learner.device, config.grpo.micro_batch_size, sharding=learner.sharding
+            )
 
 
 class CopyReference:
     """A frozen base model on `reference.device` (default: the learner's)."""
 
     def __init__(self, config):
-        from ..execution.runtime import runtime
-        from ..execution.sharded.fsdp import check_reference_devices
+        from ..runtime import runtime
+        from .fsdp import check_reference_devices
         from .learner import learner_device, load_base, prepare_like_policy
 
         sharded = runtime().is_rank  # a sharded learner's copy: on the rank's device, sharded the same way (P5)
@@ -53,7 +55,9 @@ class CopyReference:
 
     def logprobs(self, learner, rollout, config):
         configure_head(self.model, config, rollout.logprob_temperature)
-        return rollout_logprobs(self.model, rollout, self.device, config.grpo.micro_batch_size)
+        return rollout_logprobs(
+            self.model, rollout, self.device, config.grpo.micro_batch_size, sharding=learner.sharding
+        )
 
 
 REFERENCES = {

@@ -99,7 +99,7 @@ def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape:
 def add_sharded_load(rank: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """A rank's load: beyond its resident shards, one layer whole and its largest weight in float."""
     layer, _ = unit_bytes(shape, config)
-    # why: a rank materialises one decoder layer at a time (execution/sharded/meta_load.py), quantizing each weight
+    # why: a rank materialises one decoder layer at a time (models/meta_load.py), quantizing each weight
     # from a float copy in model.dtype, and fully_shards it before the next; the root is read as its rows only (AdamW
     # and gradients, not there yet: pessimistic)
     rank.add(

@@ -20,7 +20,7 @@ def rank_name(learner: str, device: str, k: int) -> str:
 def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): every device's plan (CUDA: one per rank plus the host; CPU: the host, the sum
     of every rank's process) and every rank's own plan (CUDA: the rank's device; CPU: its share of host RAM)."""
-    from ..execution.runtime import rank_devices
+    from ..runtime import rank_devices
 
     place, procs = config.placement, config.placement.learner_procs
     on_cpu = place.learner == "cpu"

@@ -39,8 +39,8 @@ def save_checkpoint(
     """Write a run's state between steps to `path`, atomically: `learner`'s LoRA and AdamW state, the RNG states,
     `prompts`' position, and `step`, the step that runs next (`lora`/`optimizer`: a sharded learner's, gathered
     whole, so one format serves every number of ranks; `rng`: with every rank's own states under 'ranks')."""
-    from ..execution.runtime import capture_rng, runtime
     from ..files import atomic_write_dir
+    from ..runtime import capture_rng, runtime
 
     optimizer = learner.optimizer.state_dict() if optimizer is None else optimizer
     rng = capture_rng(runtime().cuda_indices(config)) if rng is None else rng
@@ -89,7 +89,7 @@ def restore_checkpoint(learner, prompts, config, checkpoint: Checkpoint) -> None
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
-    from ..execution.runtime import rank_rng, restore_rng, runtime
+    from ..runtime import rank_rng, restore_rng, runtime
 
     weights = load_peft_weights(str(checkpoint.path / ADAPTER), device="cpu")
     result = set_peft_model_state_dict(learner.model, weights)

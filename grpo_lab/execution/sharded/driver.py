@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from ...algo.containers import BackwardResult
 from ...errors import LabError
+from ...models.fsdp import FSDP
 from ...models.source import fetch_once
 from ...recovery.rollback import SnapshotsOnRanks
 from .ranks import RankFailure, RankMemory, Ranks
@@ -50,6 +51,7 @@ class RankExecutor:
     name = "ranks"
     reference = prompts = None  # each rank holds its own
     on_cuda = False  # the driver computes nothing; each rank marks its own phases
+    sharding = FSDP()  # what each rank's LocalExecutor hands its learner (the driver runs no pass itself)
 
     def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
         from ...algo.rewards import reward_functions
@@ -87,7 +89,7 @@ class RankExecutor:
     # --- memory ---
     def devices(self) -> list[str]:
         """Each rank's device as the rank names it (a rank on a GPU Ray gave it sees it as its cuda:0)."""
-        from ..runtime import Runtime
+        from ...runtime import Runtime
 
         place = self.config.placement
         size, learner = place.learner_procs, place.learner

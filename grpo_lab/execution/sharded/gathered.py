@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .fsdp import full, local
+from ...models.fsdp import full, local
 
 
 def _params(optimizer) -> list:
@@ -56,7 +56,7 @@ def full_lora(learner) -> dict:
 def save_full_checkpoint(learner, prompts, config, step: int, path) -> None:
     """Every rank gathers; rank 0 writes the single-process checkpoint format."""
     from ...recovery.checkpoint import save_checkpoint
-    from ..runtime import capture_rng, runtime
+    from ...runtime import capture_rng, runtime
 
     me = runtime()
     lora, optimizer = full_lora(learner), full_optimizer_state(learner.optimizer)
@@ -71,7 +71,7 @@ def save_full_checkpoint(learner, prompts, config, step: int, path) -> None:
 
 def save_full_adapter(learner, path) -> None:
     from ...files import atomic_write_dir
-    from ..runtime import runtime
+    from ...runtime import runtime
 
     lora = full_lora(learner)
     if runtime().rank == 0:
@@ -92,7 +92,7 @@ def restore_full_checkpoint(learner, prompts, path) -> int:
 
     from ...errors import LabError
     from ...recovery.checkpoint import read_checkpoint
-    from ..runtime import rank_rng, restore_rng, runtime
+    from ...runtime import rank_rng, restore_rng, runtime
 
     checkpoint = read_checkpoint(path)
     weights = load_peft_weights(str(checkpoint.path / "adapter"), device="cpu")

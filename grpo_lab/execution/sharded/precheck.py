@@ -1,6 +1,6 @@
 """Checks of a sharded learner's world before any process starts (pure: they read the config and what is
 installed, and ask a Ray address whether it answers). Which rank this process is, and the collectives, are the
-runtime's (grpo_lab/execution/runtime.py); starting the ranks is the Ray driver's (execution/sharded/)."""
+runtime's (grpo_lab/runtime.py); starting the ranks is the Ray driver's (execution/sharded/)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
+from ...checks.roles import parse_address
 from ...errors import LabError
-from ..runtime import rank_devices
+from ...runtime import rank_devices
 
 CONNECT_S = 5  # an address that does not answer a TCP connect within this is unreachable
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
@@ -98,19 +99,6 @@ def import_ray_for(address: Optional[str]):
     if address is None and "ray" not in sys.modules:
         os.environ.setdefault(LOOPBACK_ENV, "0")  # why: a Ray only this machine uses binds no public address
     return import_ray()
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """'host:port' of a Ray cluster's head (its GCS), as `ray start --head` prints it."""
-    host, sep, port = address.rpartition(":")
-    if "/" in host or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LabError(
-            f"placement.ray_address: {address!r} is not host:port (e.g. 10.0.0.5:6379, the address "
-            "`ray start --head` prints; not a ray:// client address), 'auto' (the cluster this machine joined), or "
-            "null (a local "
-            "Ray)"
-        )
-    return host, int(port)
 
 
 def check_reachable(address: str, timeout: float = CONNECT_S) -> None:

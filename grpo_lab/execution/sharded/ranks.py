@@ -108,7 +108,7 @@ class Ranks:
         place = self.config["placement"]
         ray = import_ray_for(place.get("ray_address"))
         if self.group is None:
-            from ..runtime import rank_devices
+            from ...runtime import rank_devices
 
             self.cluster = Cluster(
                 place.get("ray_address"), place["learner"], rank_devices(place["learner"], self.size), usable_cpus()

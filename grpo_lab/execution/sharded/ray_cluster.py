@@ -13,8 +13,9 @@ import os
 import socket
 from typing import Optional
 
+from ...checks.roles import parse_address
 from ...errors import LabError
-from .precheck import check_reachable, import_ray_for, parse_address
+from .precheck import check_reachable, import_ray_for
 
 PLACE_S = 60  # a placement group that is not ready within this cannot be placed (resources taken by others)
 

@@ -58,7 +58,7 @@ class RankWorker:
         from transformers.utils import logging as hf_logging
 
         from ...lab import Lab
-        from ..runtime import Runtime, init_decisions, runtime, set_runtime
+        from ...runtime import Runtime, init_decisions, runtime, set_runtime
         from .precheck import backend_for
 
         hf_logging.disable_progress_bar()  # why: N ranks' loading bars would interleave on the driver's stderr
@@ -111,7 +111,7 @@ class RankWorker:
             notes["boundary"] = None if state is None else self.lab.step_index
         except BaseException as err:  # why so broad: the rank must answer, whatever happened
             status, value, state = "error", one_line(err), None
-        from ..runtime import take_blocked
+        from ...runtime import take_blocked
 
         # why: a rank that failed where the others could not follow leaves them blocked in a collective; only the
         # driver, told here, can get them out (it restarts every rank)
@@ -192,8 +192,8 @@ def config_changes(mine: dict, theirs: dict) -> dict:
 
 def boundary_state(lab) -> bytes:
     """This rank's state between steps (its shards only: no collective)."""
-    from ..runtime import capture_rng, runtime
-    from .fsdp import local, local_state
+    from ...models.fsdp import local, local_state
+    from ...runtime import capture_rng, runtime
 
     learner = lab.learner
     rng = capture_rng(runtime().cuda_indices(lab.config))  # this rank's own streams (its GPU's, not every GPU's)
@@ -211,8 +211,8 @@ def boundary_state(lab) -> bytes:
 
 def restore_boundary(lab, data: bytes) -> None:
     """Put a rank's state at the start of a step back into a freshly loaded Lab (a restart)."""
-    from ..runtime import restore_rng
-    from .fsdp import local
+    from ...models.fsdp import local
+    from ...runtime import restore_rng
     from .gathered import load_optimizer_shards
 
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)

@@ -1,8 +1,9 @@
 """This process's one answer to "which device am I, whose RNG, who decides": its rank in a sharded learner (or a
 world of one), its compute device, each GPU's NVML handle (looked up by UUID), its RNG states, where its allocator
-snapshots go, and the collectives a step needs (sums, row gathers, and `agree`, the all-reduce by which every rank
-takes the same branch). A notebook or CLI process is the driver; a rank's worker sets its own once, at start.
-Nothing else reads `placement.learner` to mean "my device".
+snapshots go, the collectives a step needs (sums, row gathers, and `agree`, the all-reduce by which every rank
+takes the same branch) and its CUDA allocator's settings. A notebook or CLI process is the driver; a rank's worker sets
+its own once, at start. Nothing else reads `placement.learner` to mean "my device". The bottom floor
+(docs/architecture.md): every package may import it, and it imports nothing of grpo_lab but `errors`.
 
 Why one object: a CPU has one device, one RNG and no streams, so every "which device / whose RNG" bug passes on it;
 here they are pure functions of (rank, size, placement), tested with remapped device lists.
@@ -10,6 +11,7 @@ here they are pure functions of (rank, size, placement), tested with remapped de
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import LabError
+from .errors import LabError
 
 
 def rank_devices(learner: str, procs: int) -> list[str]:
@@ -298,3 +300,16 @@ def nvml_handle(torch_index: int, pynvml=None, torch_uuid: Optional[str] = None)
         return None
     index = nvml_index(torch_uuid, uuids)
     return None if index is None else handles[index]
+
+
+# --- the CUDA caching allocator's settings this process runs with (memory.cuda_expandable_segments) ---
+
+
+def expandable_segments(enabled: bool) -> bool:
+    """Set torch's expandable_segments from now on (segments grow in place, so long-sequence steps do not fragment the
+    cache into blocks no request fits), unless PYTORCH_CUDA_ALLOC_CONF names it: the user's own setting wins. Returns
+    whether this call set it."""
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or not torch.cuda.is_available():
+        return False
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+    return True

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ...errors import LabError
+from ..errors import LabError
 from .fsdp import decoder_layers, finish, mesh_for, shard_unit
 
 READ_BYTES = 4 * 2**20  # the most of a root parameter's rows read at once (its shard is filled block by block)

@@ -13,7 +13,8 @@ from typing import Iterator
 
 import torch
 
-from ...errors import LabError
+from ..errors import LabError
+from .failed_pass import agreed, reset_after_failure
 
 SCORE = "grpo_lab_score"  # the transformers model's method a log-prob pass runs through (registered with FSDP)
 WHOLE_GATHERS = [0]  # rollouts this process generated with every FSDP unit gathered whole (gather_for_generation)
@@ -181,8 +182,6 @@ def generation(model, gather: bool) -> Iterator[None]:
         raise
     finally:
         if failed:
-            from .failed_pass import reset_after_failure
-
             reset_after_failure(model)
         for unit, saved in zip(units, reshard):
             unit.reshard()
@@ -217,3 +216,14 @@ def check_reference_devices(model, compute: torch.device, where: str = "referenc
                 "not prepared like the policy); use reference.strategy: adapter-disabled, or 'copy', which "
                 "grpo_lab loads and shards like the policy"
             )
+
+
+class FSDP:
+    """The executor contract's `Sharding` (execution/contract.py) over FSDP2: what the algorithm and the generator
+    ask of a learner that may be sharded, each the identity (or the plain eval-mode set-up) on a model no rank
+    shares. An executor hands it to the learner it loads (Learner.sharding)."""
+
+    agreed = staticmethod(agreed)  # a pass that, failing on any rank, fails on every rank, FSDP reset
+    full = staticmethod(full)  # a tensor whole on every rank
+    local = staticmethod(local)  # this rank's shard of a tensor
+    generation = staticmethod(generation)  # the model set up for a rollout, gathered whole or layer by layer
