@@ -260,7 +260,7 @@ class Lab(LabViews):
                     self.prompts.rewind()  # (a sharded driver has none: each rank's Lab rewinds its own)
             out = self._compute("rollout")
             out.step = self.step_index
-            self._step.rollout = out
+        self._step.rollout = out  # why after the phase: a rollout the host guard fails as it ends is not kept
         return out
 
     def rewards(self, rollout: Rollout) -> Rewards:

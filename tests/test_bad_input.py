@@ -420,6 +420,7 @@ def test_diverged_sampling_is_one_line_naming_the_knobs():
     from grpo_lab import LabError
     from grpo_lab.generation.base import GenerationRequest
     from grpo_lab.generation.hf import HFGenerator
+    from grpo_lab.models.fsdp import FSDP
 
     class Diverged(torch.nn.Module):
         def get_output_embeddings(self):
@@ -429,7 +430,7 @@ def test_diverged_sampling_is_one_line_naming_the_knobs():
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
     generator = HFGenerator.__new__(HFGenerator)
-    generator.learner = SimpleNamespace(model=Diverged(), device=torch.device("cpu"))
+    generator.learner = SimpleNamespace(model=Diverged(), device=torch.device("cpu"), sharding=FSDP())
     generator.tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     generator.eos_token_ids = [1]
     with pytest.raises(LabError, match="grpo.learning_rate") as err:

@@ -159,3 +159,39 @@ def test_the_threshold_cannot_be_raised_past_the_budget_and_a_lab_without_one_st
         assert len(free.history) == 1
     finally:
         free.close()
+
+
+def test_a_phase_that_crosses_the_budget_is_undone_and_the_retry_runs_it_again():
+    """Issue 51: the guard fails the phase that crossed the line as it ends, and the step goes back to before it, its
+    output included, so the retry runs that phase again (as a real out-of-memory would force) with what the user
+    changed. Here the first rollout holds 400 MiB more than the budget leaves: it is failed, not kept; the retry (the
+    user "fixed" it: the hog is off) samples again, and the step finishes on the second rollout."""
+    import numpy as np
+
+    lab = Lab("tiny-cpu", overrides=["model.name_or_path=builtin:tiny-random"]).load()
+    try:
+        reader = lab.memory.readers[0]
+        reader.budget = reader.read()["rss"] + 300 * MiB  # (placement.host_memory_gib is fixed at load; its reader)
+        generator, calls, hog = lab.generator, [], {"on": True}
+        real = generator.generate
+
+        def generate(*args, **kwargs):
+            calls.append(hog["on"])
+            held = np.ones(400 * MiB // 8) if hog["on"] else None
+            lab.memory.read()  # a sample while it is held (the sampler's thread may not tick in time)
+            del held
+            return real(*args, **kwargs)
+
+        generator.generate = generate
+        with pytest.raises(HostMemoryExceeded) as caught:
+            lab.step()
+        assert "during phase 'rollout' of step 0" in str(caught.value)
+        assert lab.current.rollout is None and lab.next_phase() == "rollout"  # the rollout was undone
+        hog["on"] = False
+        result = lab.step()
+        assert calls == [True, False] and result.step == 0  # the retry ran the rollout again
+        rollouts = [r for r in lab.memory.phase_rows if r["phase"] == "rollout" and r["metric"] == "used"]
+        assert [r["failed_attempt"] is not None for r in rollouts] == [True, False]
+        assert rollouts[0]["peak"] > reader.budget * lab.memory.host_threshold > rollouts[1]["peak"]
+    finally:
+        lab.close()

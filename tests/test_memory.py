@@ -67,9 +67,12 @@ def assert_same_tensors(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_model, tmp_path, monkeypatch, capsys):
-    """Host RAM crosses the threshold during step 2's optimizer update: the CLI exits 2 with one line, 'sync'
-    never starts, the update is rolled back and the adapter saved after step 1 is left as it was.
+def test_guard_fails_the_phase_that_crossed_rolls_back_and_keeps_last_checkpoint(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    """Host RAM crosses the threshold during step 2's optimizer update: the guard fails that phase as it ends, the CLI
+    exits 2 with one line, 'sync' never starts, the update is rolled back and the adapter saved after step 1 is left
+    as it was.
 
     In-process with the host probe's used/limit replaced (10% before, 99% after the update), so the trip does
     not depend on what else runs on this machine."""
@@ -126,8 +129,8 @@ def test_guard_stops_between_phases_rolls_back_and_keeps_last_checkpoint(tiny_mo
     error = [line for line in stderr.splitlines() if line.startswith("grpo-lab: error:")]
     assert len(error) == 1, stderr[-2000:]
     assert error[0] == (
-        "grpo-lab: error: host RAM reached 99.0% of 64.0 GiB (memory.host_threshold=0.5); stopped before phase "
-        "'sync' of step 2, the step's updates were rolled back; in host RAM: the learner (placement.learner=cpu); "
+        "grpo-lab: error: host RAM reached 99.0% of 64.0 GiB (memory.host_threshold=0.5); during phase "
+        "'optimizer' of step 2, the step's updates were rolled back; in host RAM: the learner (placement.learner=cpu); "
         "free host memory, move state off the host, or raise memory.host_threshold with care"
     )
     assert "Traceback" not in stderr and seen["updates"] == 3

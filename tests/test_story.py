@@ -95,13 +95,13 @@ def row(step, phase, device, metric, peak_mib, failed_attempt=None):
 
 def test_peak_table_shows_each_devices_peak_in_mib_and_marks_rolled_back_rows():
     rows = [
-        row(0, "rollout", "host", "rss", 1536.4),
-        row(0, "rollout", "host", "used", 9999),  # not the host's table metric
+        row(0, "rollout", "host", "used", 1536.4),  # the guard's figure
+        row(0, "rollout", "host", "rss", 9999),  # not the host's table metric
         row(0, "rollout", "cuda:0", "allocated", 300),
         row(0, "rollout", "cuda:0", "reserved", 8888),  # not the GPU's table metric
-        row(0, "backward", "host", "rss", 2048, failed_attempt=1),  # the attempt that was rolled back
-        row(0, "backward", "host", "rss", 1800.6),  # its redo
-        row(1, "rollout", "host", "rss", 700),
+        row(0, "backward", "host", "used", 2048, failed_attempt=1),  # the attempt that was rolled back
+        row(0, "backward", "host", "used", 1800.6),  # its redo
+        row(1, "rollout", "host", "used", 700),
     ]
     html = peak_table(rows)
     assert html.startswith("<table><tr><th>step</th><th>phase</th><th>host peak (MiB)</th><th>cuda:0 peak (MiB)")
@@ -170,8 +170,8 @@ def test_a_step_under_the_machines_ram_is_a_trial_that_does_not_cross(free_lab, 
     first = len(free_lab.memory.phase_rows)
     out = trial(free_lab, "no budget")
     assert out["stopped"] is None and out["crossed"] is False
-    rss = [r for r in free_lab.memory.phase_rows[first:] if r["device"] == "host" and r["metric"] == "rss"]
-    top = max(rss, key=lambda r: r["peak"])
+    used = [r for r in free_lab.memory.phase_rows[first:] if r["device"] == "host" and r["metric"] == "used"]
+    top = max(used, key=lambda r: r["peak"])  # the guard's figure (the machine's used RAM, with no budget)
     assert out["peak_mib"] == top["peak"] / MiB > 100 and out["phase"] == top["phase"]
     limit = free_lab.memory.latest("host")["limit"]
     assert out["line_mib"] == pytest.approx(limit * free_lab.config.memory.host_threshold / MiB)
@@ -190,7 +190,8 @@ def test_a_step_over_a_tiny_budget_is_a_trial_that_crosses_and_stops(budget_lab)
 
 def test_a_phase_whose_rss_rises_over_the_budgets_line_is_a_crossed_trial(budget_lab):
     """The budget put just above the Lab's RSS (on its reader: placement.host_memory_gib is fixed at load), then a
-    phase that holds 400 MiB more: its peak is over the line, though no later phase was there to be stopped."""
+    phase that holds 400 MiB more: its peak is over the line, and the guard fails that phase as it ends (issue 51: no
+    later phase needs to be there), quoting the figure the trial reads."""
     memory = budget_lab.memory
     reader = memory.readers[0]
     reader.budget = reader.read()["rss"] + 200 * MiB
@@ -206,7 +207,9 @@ def test_a_phase_whose_rss_rises_over_the_budgets_line_is_a_crossed_trial(budget
             del held
 
     out = trial(budget_lab, "a phase over the line", run=phase_holding_400_mib)
-    assert out["stopped"] is None and out["phase"] == "rewards"
+    assert "during phase 'rewards'" in out["stopped"] and out["phase"] == "rewards"
+    quoted = float(out["stopped"].split("reached ")[1].split("%")[0]) / 100  # the guard's used / limit
+    assert quoted * reader.budget / MiB == pytest.approx(out["peak_mib"], rel=1e-3)  # one figure, the row's
     assert out["line_mib"] == pytest.approx(reader.budget * 0.95 / MiB)
     assert out["peak_mib"] > out["line_mib"] and out["crossed"] is True
 

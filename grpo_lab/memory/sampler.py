@@ -4,8 +4,10 @@ so even a phase shorter than one sampling period has its start, peak and end.
 
 Per phase and device it keeps start / peak / end / delta; on CUDA the peak is torch's exact
 `max_memory_allocated` since the phase began, not just the highest sample. The host-RAM guard
-runs at phase boundaries: if host used/limit crossed `host_threshold` at any sample since the
-last boundary, the next phase does not start (P4: stop before the OS or Ray kills the process).
+runs at phase boundaries (P4: stop before the OS or Ray kills the process): a phase whose host `used` peak
+crossed `host_threshold` fails as it ends, so the Lab undoes it, its output included, and the retry runs it again
+with whatever the user changed, as a real out-of-memory would force; the peak it quotes is the phase row's. A
+crossing between phases (a cell's own allocations) stops the next phase before it starts.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class MemorySampler:
         self.phase_rows: list[dict] = []  # per-phase summary rows, all steps
         self.marks: list[tuple[int, str, float, float]] = []  # (step, phase, start, end) for plots
         self._open: Optional[dict] = None  # start reading and running peaks of the current phase
-        self._host_max_ratio = 0.0
+        self._host_max_ratio = 0.0  # the highest host used/limit of the samples taken between phases
+        self._vetoed = False  # a phase was just failed for crossing: its memory is being freed, not counted
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -111,8 +114,8 @@ class MemorySampler:
                 peaks = self._open["peak"]
                 for key, value in reading.items():
                     peaks[key] = max(peaks.get(key, value), value)
-            host = self.host_ratio(reading)
-            self._host_max_ratio = max(self._host_max_ratio, host)
+            elif not self._vetoed:  # why: a crossing inside a phase is that phase's (phase_ended)
+                self._host_max_ratio = max(self._host_max_ratio, self.host_ratio(reading))
         return reading
 
     @staticmethod
@@ -122,6 +125,7 @@ class MemorySampler:
     # --- Timeline listener ---
     def phase_started(self, step: int, phase: str) -> None:
         self.check_host(step, phase)
+        self._vetoed = False
         for reader in self.readers:
             if hasattr(reader, "reset_peak"):
                 reader.reset_peak()  # why: torch's peak then covers exactly this phase
@@ -136,13 +140,15 @@ class MemorySampler:
         with self._lock:
             return None if self._open is None else (self.step, self.phase, self._open["t"])
 
-    def phase_ended(self, record, error) -> None:
+    def phase_ended(self, record, error) -> Optional[HostMemoryExceeded]:
+        """Close the phase's rows; returns the guard's veto when its host peak crossed the line (the timeline raises
+        it, so the phase fails as it ends and the Lab undoes it)."""
         end = self.read()
         with self._lock:
             opened, self._open = self._open, None
             self.phase = "idle"
         if opened is None:
-            return
+            return None
         self.marks.append((record.step, record.phase, opened["t"], time.perf_counter() - self.t0))
         for (device, metric), start in opened["start"].items():
             kind = "host" if device == "host" else "cuda"
@@ -165,9 +171,20 @@ class MemorySampler:
                     "failed_attempt": None,
                 }
             )
+        return None if error is not None else self.veto(record, opened["peak"], end)
+
+    def veto(self, record, peak: dict, end: dict) -> Optional[HostMemoryExceeded]:
+        """The guard's word on a phase that ended: its host `used` peak (the figure its row records) over the line."""
+        if not self.guard_host or ("host", "used") not in peak:
+            return None
+        ratio = peak[("host", "used")] / end[("host", "limit")]
+        if ratio <= self.host_threshold:
+            return None
+        self._vetoed = True  # why: until the next phase starts, the undone phase's memory is freed, not a new crossing
+        return self._exceeded(ratio, end[("host", "limit")], f"during phase {record.phase!r} of step {record.step}")
 
     def check_host(self, step: int, phase: str) -> None:
-        """Refuse to start `phase` when host RAM crossed the threshold since the last boundary."""
+        """Refuse to start `phase` when host RAM is over the threshold now, or crossed it between phases."""
         if not self.guard_host:
             return
         reading = {("host", k): v for k, v in self.readers[0].read().items()}
@@ -175,16 +192,18 @@ class MemorySampler:
             ratio = max(self._host_max_ratio, self.host_ratio(reading))
             self._host_max_ratio = 0.0
         if ratio > self.host_threshold:
-            limit = reading[("host", "limit")] / 1024**3
-            offload = self.describe_offload()
-            budget = " (placement.host_memory_gib, this Lab's processes)" if self.readers[0].budget else ""
-            raise HostMemoryExceeded(
-                f"host RAM reached {ratio:.1%} of {limit:.{1 if limit >= 1 else 2}f} GiB{budget} "
-                f"(memory.host_threshold={self.host_threshold}); "
-                f"stopped before phase {phase!r} of step {step}",
-                f"{offload + '; ' if offload else ''}free host memory, move state off the host, "
-                "or raise memory.host_threshold with care",
-            )
+            raise self._exceeded(ratio, reading[("host", "limit")], f"stopped before phase {phase!r} of step {step}")
+
+    def _exceeded(self, ratio: float, limit: float, where: str) -> HostMemoryExceeded:
+        gib = limit / 1024**3
+        offload = self.describe_offload()
+        budget = " (placement.host_memory_gib, this Lab's processes)" if self.readers[0].budget else ""
+        return HostMemoryExceeded(
+            f"host RAM reached {ratio:.1%} of {gib:.{1 if gib >= 1 else 2}f} GiB{budget} "
+            f"(memory.host_threshold={self.host_threshold}); {where}",
+            f"{offload + '; ' if offload else ''}free host memory, move state off the host, "
+            "or raise memory.host_threshold with care",
+        )
 
     # --- views ---
     def retire(self, step: int, phases, attempt: int) -> None:

@@ -25,7 +25,9 @@ class PhaseRecord:
 class Timeline:
     def __init__(self):
         self.records: list[PhaseRecord] = []
-        self.listeners: list = []  # objects with phase_started(step, phase) / phase_ended(record, error)
+        # objects with phase_started(step, phase) / phase_ended(record, error); phase_ended may return an exception,
+        # a veto (the host guard: the phase crossed its line), which fails a phase that ended without one
+        self.listeners: list = []
         self.open: tuple[int, str, float] | None = None  # (step, phase, start) of the running phase
 
     def begin(self, name: str, step: int) -> None:
@@ -41,8 +43,9 @@ class Timeline:
         self.open = None
         record = PhaseRecord(step, name, start, time.perf_counter())
         self.records.append(record)
-        for listener in self.listeners:
-            listener.phase_ended(record, error)
+        vetoes = [veto for listener in self.listeners if (veto := listener.phase_ended(record, error)) is not None]
+        if vetoes and error is None:  # every listener heard the end first
+            raise vetoes[0]
 
     @contextmanager
     def phase(self, name: str, step: int):

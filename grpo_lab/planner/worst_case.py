@@ -141,7 +141,6 @@ def _worst_case(lab):
 
 def probe(lab) -> ProbeReport:
     """One step at the largest shapes the config allows; everything it changed is put back (see the module)."""
-    from ..memory.sampler import HostMemoryExceeded
     from ..recovery.checkpoint import read_checkpoint
 
     check_probe(lab)
@@ -176,9 +175,7 @@ def probe(lab) -> ProbeReport:
     ]
     if error is not None:
         report.failure = str(error).splitlines()[0]
-        # the host guard stops before the phase after the one that crossed its line: name the one that crossed it
-        crossed = [phase for device, phase, _ in report.over if device == "host"]
-        report.failed_phase = crossed[0] if isinstance(error, HostMemoryExceeded) and crossed else phase
+        report.failed_phase = phase  # (the host guard fails the phase that crossed its line: it is the one to redo)
     return report
 
 

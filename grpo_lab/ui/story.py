@@ -120,9 +120,10 @@ def snapshot(lab, phases: Optional[list] = None) -> None:
 
 
 def peak_metric(device: str) -> str:
-    """The figure the stories read a device's peak from: the Lab's RSS on the host (what the host guard holds), torch's
-    allocated peak on a GPU (exact per phase)."""
-    return "rss" if is_host(device) else "allocated"
+    """The figure the stories read a device's peak from: the host guard's own `used` on the host (this Lab's RSS under
+    placement.host_memory_gib, so a stop and a verdict read one number), torch's allocated peak on a GPU (exact per
+    phase)."""
+    return "used" if is_host(device) else "allocated"
 
 
 def peak_table(rows, phases: Optional[list] = None) -> str:
