@@ -156,3 +156,70 @@ def test_run_on_a_cpu_without_avx512(capability, tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+
+
+# bnb decides at `import bitsandbytes` (backends/cpu/ops.py) whether to fetch its packed kernel from the hub, asking its
+# native library's has_avx512bf16_cpu(): this makes the library answer yes before that import, on any CPU
+FORCED = """
+import importlib.machinery, runpy, sys
+
+class ForceAvx512Bf16:
+    def find_spec(self, name, path, target=None):
+        if name != "bitsandbytes.cextension":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.lib.has_avx512bf16_cpu = lambda: True
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, ForceAvx512Bf16())
+if sys.argv[1] == "unfiltered":  # the control: grpo_lab's filter disabled, then what a Lab's load imports first
+    from grpo_lab.models import quant
+
+    quant._DropKernelsNotice.filter = lambda self, record: True
+    import bitsandbytes
+else:  # the CLI, as `grpo-lab run ...`
+    sys.argv = ["grpo-lab", *sys.argv[2:]]
+    try:
+        runpy.run_module("grpo_lab", run_name="__main__")
+    finally:
+        from bitsandbytes.functional import has_avx512bf16
+
+        print("has_avx512bf16:", bool(has_avx512bf16()))
+"""
+
+
+def test_a_run_on_an_avx512bf16_cpu_prints_no_kernels_notice(tiny_config, tmp_path):
+    """Issue 51: on an AVX-512-BF16 CPU `import bitsandbytes` logs "Failed to load CPU gemm_4bit_forward ... pip
+    install kernels", and a Lab's load imported it (trl -> peft) before grpo_lab's filter was in place, so the line
+    broke every one-line output. The CPU flag is forced in both processes; the control shows the line unfiltered."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tiny_config(
+        generator={"max_completion_length": 8, "max_prompt_length": 64},
+        grpo={"num_generations": 2, "prompts_per_step": 2},
+        data={"num_prompts": 8},
+        run={"steps": 1},
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    args = {"unfiltered": [], "filtered": ["run", str(path), "--out", str(tmp_path / "run"), "--quiet"]}
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, "-c", FORCED, mode, *rest], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for mode, rest in args.items()
+    }
+    (control, control_err), (out, err) = (procs[mode].communicate(timeout=300) for mode in ("unfiltered", "filtered"))
+    notice = "Failed to load CPU gemm_4bit_forward"
+    assert procs["unfiltered"].returncode == 0 and control_err.count(notice) == 1, control_err[-3000:]
+    assert procs["filtered"].returncode == 0 and "has_avx512bf16: True" in out, err[-3000:]
+    assert notice not in err and "pip install kernels" not in err, err

@@ -141,7 +141,10 @@ class MemorySection(Section):
         "rebuild", 5, ge=2, description="Steps over which steadily rising after-step memory is flagged as a leak."
     )
     leak_min_growth_mib: float = knob(
-        "rebuild", 4.0, gt=0.0, description="Mean growth per step (MiB) below which a rise is noise, not a leak."
+        "rebuild",
+        4.0,
+        gt=0.0,
+        description="Growth per step (MiB; the window's mean and median) below which a rise is noise, not a leak.",
     )
     host_mmap_threshold_mib: Optional[float] = knob(
         "load",

@@ -55,6 +55,9 @@ def warm_up() -> None:
     """One-off set-up the first step would otherwise charge to whichever phase first needs it: TRL's trainer
     utilities (the advantages' nanstd; ~90 MiB of host RSS on first import) are imported during load, where the
     memory views count them as loading, not as the advantages phase."""
+    from ..models.quant import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # why before trl: it imports peft, which imports bitsandbytes (whose kernels-hub notice goes)
     import trl.trainer.utils  # noqa: F401
 
 

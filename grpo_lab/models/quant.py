@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 
-# bitsandbytes' CPU backend logs this at import on AVX-512-BF16 CPUs: the optional `kernels` package
-# (downloaded from the hub) would speed up the packed inference layout, which grpo_lab never uses.
+# bitsandbytes' CPU backend logs this (a warning on logger bitsandbytes.backends.cpu.ops) once, as `import bitsandbytes`
+# runs, wherever its native `has_avx512bf16()` is true: the optional `kernels` package (downloaded from the hub) would
+# speed up the packed inference layout, which grpo_lab never uses.
 _KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward"
 
 
@@ -29,6 +30,11 @@ def quiet_bitsandbytes() -> None:
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _DropKernelsNotice) for f in logger.filters):
         logger.addFilter(_DropKernelsNotice())
+
+
+# why at this module's import, not only in quantization_config: a Lab's load imports trl, and through it peft, which
+# imports bitsandbytes before the config is read (issue 51); the learner imports this module before any of them
+quiet_bitsandbytes()
 
 
 def pin_training_layout(model) -> int:
