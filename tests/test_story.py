@@ -99,7 +99,7 @@ def test_peak_table_shows_each_devices_peak_in_mib_and_marks_rolled_back_rows():
         row(0, "rollout", "host", "rss", 9999),  # not the host's table metric
         row(0, "rollout", "cuda:0", "allocated", 300),
         row(0, "rollout", "cuda:0", "reserved", 8888),  # not the GPU's table metric
-        row(0, "backward", "host", "used", 2048, failed_attempt=1),  # the attempt that was rolled back
+        row(0, "backward", "host", "used", 2048, failed_attempt=0),  # the step's first attempt, rolled back
         row(0, "backward", "host", "used", 1800.6),  # its redo
         row(1, "rollout", "host", "used", 700),
     ]

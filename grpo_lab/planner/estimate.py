@@ -240,7 +240,14 @@ def activation_bytes(
     length = gen.max_prompt_length + gen.max_completion_length
     tokens = n * length
     h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, config.lora.r
-    per_layer = (7 * h + 3 * kv + 4 * i) * e + 7 * r * 4  # saved for backward, per token and layer
+    q = shape.heads * shape.head_dim  # the query/attention width: the hidden size in most models, not in all
+    # saved for backward, per token and layer: the norms' and MLP's inputs (4h, 4i), the query path (3q: q, its
+    # rotated copy, the attention output o_proj reads) and the key/value path (3kv), the LoRA A outputs; on the CPU
+    # also the attention probabilities, [heads, length] per token (torch's CPU attention keeps them for backward;
+    # a GPU's fused kernels do not). Measured on builtin:kv-heavy (q = 4h), float32, 16 x 192 tokens without
+    # checkpointing: backward 1,384 MiB against 1,017 planned when q was taken as h and the probabilities left out
+    attention = shape.heads * length * e if on_cpu else 0
+    per_layer = (4 * h + 3 * q + 3 * kv + 4 * i) * e + 7 * r * 4 + attention
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)

@@ -132,7 +132,7 @@ def peak_table(rows, phases: Optional[list] = None) -> str:
     devices = list(dict.fromkeys(r["device"] for r in picked))
     head = "".join(f"<th>{d} peak (MiB)</th>" for d in devices)
     lines = []
-    key_of = lambda r: (r["step"], r["phase"], bool(r.get("failed_attempt")))
+    key_of = lambda r: (r["step"], r["phase"], r.get("failed_attempt") is not None)  # (a step's first attempt is 0)
     for key in dict.fromkeys(map(key_of, picked)):
         peaks = {r["device"]: r["peak"] for r in picked if key_of(r) == key}
         cells = "".join(f"<td>{peaks[d] / MiB:,.0f}</td>" if d in peaks else "<td></td>" for d in devices)
@@ -144,12 +144,13 @@ def peak_table(rows, phases: Optional[list] = None) -> str:
 def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host") -> dict:
     """Run `run` (default: one step) and measure it against the budget on `device` (host: the guard's line, limit x
     memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
-    peak_mib, line_mib, phase (where the peak was), crossed}; prints it in one line. The kernel stays usable."""
+    peak_mib, line_mib, phase (where the peak was), crossed, phase_peaks_mib (of each phase run to its end),
+    generate_calls (a step's)}; prints it in one line. The kernel stays usable."""
     memory = lab.memory
     first, metric = len(memory.phase_rows), peak_metric(device)
-    stopped = None
+    stopped, result = None, None
     try:
-        (run or lab.step)()
+        result = (run or lab.step)()
     except LabError as err:
         stopped = str(err)
     rows = [r for r in memory.phase_rows[first:] if r["device"] == device and r["metric"] == metric]
@@ -160,6 +161,9 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
         peak, phase = memory.latest(device).get(metric, 0.0) / MiB, "the guard's reading"
     line = budget_line(lab, device)
     out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=phase)
+    # each phase this trial ran to its end (an undone attempt's rows are the crossing, not the phase's result)
+    out["phase_peaks_mib"] = {r["phase"]: r["peak"] / MiB for r in rows if r["failed_attempt"] is None}
+    out["generate_calls"] = getattr(result, "generate_calls", None)  # a step's rollout: how many engine calls
     # why an OOM counts: an allocation past a card's cap fails, so the measured peak stays under the line it hit
     out["crossed"] = peak > line or bool(stopped and "out of memory" in stopped.lower())
     verdict = "over" if out["crossed"] else "under"
