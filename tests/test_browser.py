@@ -104,6 +104,13 @@ def jupyter(tmp_path, tiny_model):
 
 def run_all(page, url: str) -> None:
     """Open the notebook at `url` (taking the preselected kernel if JupyterLab asks), then Run All Cells."""
+    open_notebook(page, url)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+
+def open_notebook(page, url: str) -> None:
+    """Open the notebook at `url`, taking the preselected kernel if JupyterLab asks, until its kernel is idle."""
     from playwright.sync_api import TimeoutError as NoDialog
 
     page.goto(url)
@@ -115,8 +122,6 @@ def run_all(page, url: str) -> None:
     except NoDialog:
         pass
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
 
 def test_quickstart_runs_in_a_real_browser(jupyter):

@@ -52,9 +52,10 @@ def trace_style(device: str, metric: str) -> dict:
     return dict(name=f"{device} {LEDGER_NAMES[metric]}", mode="lines", stackgroup=device, line=dict(width=0.5))
 
 
-def band_labels(marks) -> list[dict]:
-    """Annotations naming each phase band wide enough to hold a label, and each step where it starts, but for a step
-    that starts too close to the last labelled one (their labels would overlap)."""
+def band_labels(marks, low: bool = False) -> list[dict]:
+    """Annotations naming each phase band wide enough to hold a label (at its top; `low`: at its bottom, each step's
+    label at the top), and each step where it starts, but for a step that starts too close to the last labelled one
+    (their labels would overlap)."""
     span = max((end for *_, end in marks), default=1.0) - min((start for _, _, start, _ in marks), default=0.0)
     out, seen, last = [], set(), float("-inf")
     for step, phase, start, end in marks:
@@ -62,12 +63,12 @@ def band_labels(marks) -> list[dict]:
             out.append(
                 dict(
                     x=(start + end) / 2,
-                    y=1.0,
+                    y=0.0 if low else 1.0,
                     yref="paper",
                     text=phase,
                     showarrow=False,
                     textangle=-90,
-                    yanchor="top",
+                    yanchor="bottom" if low else "top",
                     font=dict(size=10),
                     name="band-label",
                 )
@@ -80,13 +81,13 @@ def band_labels(marks) -> list[dict]:
             out.append(
                 dict(
                     x=start,
-                    y=0,
+                    y=1 if low else 0,
                     yref="paper",
                     text=f"step {step}",
                     showarrow=False,
                     xanchor="left",
-                    yanchor="bottom",
-                    font=dict(size=10, color="#444"),
+                    yanchor="top" if low else "bottom",
+                    font=dict(size=10),  # the layout's colour: a theme may set it
                     name="step-label",
                 )
             )
@@ -94,13 +95,15 @@ def band_labels(marks) -> list[dict]:
 
 
 IDLE_KEEP_S = 1.0  # an idle span between phases longer than this is drawn this wide (the live plot's x axis)
+# a saved timeline's idle gap: this share of the run's working time wide (at least IDLE_KEEP_S), room for its label
+IDLE_SHARE = 0.04
+IDLE = "idle (squeezed)"  # the idle gaps' name in a key
+IDLE_GREY = "#999999"
 
 
-def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
-    """x for a sample time t on a live plot whose axis is working time: every idle span (before the first phase,
-    between two phases, after the last one until `now`) longer than `keep_s` is squeezed into `keep_s`, its samples
-    spread evenly over it. Why: after minutes of reading a cell between steps, a plot in wall seconds shows each
-    step as a sliver; this one keeps every step as wide as it ran, and idle stays visible as a narrow gap."""
+def idle_gaps(marks, now: float, keep_s: float = IDLE_KEEP_S) -> list[tuple[float, float]]:
+    """The idle spans longer than `keep_s`: before the first phase (loading included), between two phases, after the
+    last one until `now`."""
     gaps, last = [], 0.0
     for _, _, start, end in sorted(marks, key=lambda m: m[2]):
         if start - last > keep_s:
@@ -108,6 +111,15 @@ def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
         last = max(last, end)
     if now - last > keep_s:
         gaps.append((last, now))
+    return gaps
+
+
+def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
+    """x for a sample time t on a plot whose axis is working time: every idle span (idle_gaps) longer than `keep_s`
+    is squeezed into `keep_s`, its samples spread evenly over it. Why: after minutes of reading a cell between
+    steps, a plot in wall seconds shows each step as a sliver; this one keeps every step as wide as it ran, and idle
+    stays visible as a narrow gap."""
+    gaps = idle_gaps(marks, now, keep_s)
 
     def x(t: float) -> float:
         saved = 0.0
@@ -123,6 +135,19 @@ def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
     return x
 
 
+def idle_marks(gaps, clock) -> tuple[list[dict], list[dict]]:
+    """Each squeezed idle gap as a grey band (named: a key says what it is), its real length written in it."""
+    shapes, notes = [], []
+    for a, b in gaps:
+        x0, x1, seconds = clock(a), clock(b), b - a
+        shapes.append(dict(type="rect", xref="x", yref="paper", x0=x0, x1=x1, y0=0, y1=1, line_width=0, name=IDLE))
+        shapes[-1].update(fillcolor=IDLE_GREY, opacity=0.2)
+        text = f"{'load + idle' if a <= 0 else 'idle'} {seconds:,.{1 if seconds < 10 else 0}f} s"
+        notes.append(dict(x=(x0 + x1) / 2, y=0.0, yref="paper", text=text, showarrow=False, textangle=-90))
+        notes[-1].update(yanchor="bottom", font=dict(size=10), name="idle-label")
+    return shapes, notes
+
+
 def phase_key(phases) -> str:
     """The phases' colours as one line of text (a square in each colour, then its name), for a compact legend."""
     return "  ".join(f"<span style='color:{COLOURS.get(p, '#cccccc')}'>&#9632;</span> {p}" for p in phases)
@@ -134,7 +159,7 @@ def step_separators(marks) -> list[dict]:
     for step, _, start, _ in marks:
         firsts.setdefault(step, start)
     return [
-        dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1, line=dict(dash="dot", color="#666", width=1))
+        dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1, line=dict(dash="dot", color="#888", width=1))
         for x in firsts.values()
     ]
 
@@ -153,6 +178,7 @@ def band_shapes(marks, opacity: float) -> list[dict]:
             line_width=0,
             fillcolor=COLOURS.get(phase, "#cccccc"),
             opacity=opacity,
+            name=phase,  # a saved figure's key (static.png) names each colour
         )
         for _, phase, start, end in marks
     ]
@@ -174,60 +200,85 @@ def phase_key_annotation(phases=PHASE_NAMES) -> dict:
     )
 
 
-def timeline_figure(samples, marks, limits: dict | None = None):
-    """Memory over time: host lines, each GPU's ledger stacked; phases as labelled bands (a key of their colours
-    above), steps separated. Why shapes and annotations are assigned once: plotly's add_vrect / add_annotation
-    copy the layout on every call, which took 12 s of a 25-step run's report."""
-    import plotly.graph_objects as go
-
+def timeline_series(samples, clock) -> dict[tuple, tuple[list, list]]:
+    """The drawn series, (device, metric) -> (x on `clock`, MiB)."""
     series: dict[tuple, tuple[list, list]] = {}
     for t, _, _, device, metric, value in samples:
         if drawn(device, metric):
             xs, ys = series.setdefault((device, metric), ([], []))
-            xs.append(t)
+            xs.append(clock(t))
             ys.append(value / MiB)
-    traces = []
-    for (device, metric), (xs, ys) in sorted(series.items(), key=lambda kv: trace_order(*kv[0])):
-        kind = go.Scattergl if is_host(device) else go.Scatter  # why: WebGL traces cannot stack
-        traces.append(kind(x=xs, y=ys, **trace_style(device, metric)))
-    top = stack_top(series)
-    shapes = band_shapes(marks, opacity=0.15) + step_separators(marks)
-    used = sorted({phase for _, phase, _, _ in marks}, key=lambda p: PHASE_NAMES.index(p) if p in PHASE_NAMES else 99)
-    annotations = [phase_key_annotation(used or PHASE_NAMES)] + band_labels(marks)
-    far = []
-    for name, mib in (limits or {}).items():
+    return series
+
+
+def merge_twins(series: dict) -> dict[tuple, str]:
+    """Drops a host's `used` line where it is its `rss` line, point for point (under placement.host_memory_gib `used`
+    is the Lab's RSS: drawn twice, one line hid the other); returns the kept line's name, which says so."""
+    names = {}
+    for device in {d for d, _ in series if is_host(d)}:
+        if (device, "used") in series and series.get((device, "rss")) == series[(device, "used")]:
+            del series[(device, "used")]
+            names[(device, "rss")] = f"{device} rss (= {device} used)"
+    return names
+
+
+def limit_parts(limits: dict, top: float) -> tuple[list, list, float]:
+    """Limit lines near the data (FAR) with their names, one note naming the far ones, and the axis' new top. Why
+    named: drawn, a 24 GB limit would flatten a 1 GB run along the bottom."""
+    shapes, notes, far = [], [], []
+    for name, mib in limits.items():
         if mib <= FAR * top:
             shapes.append(limit_line(mib, name))
-            annotations.append(limit_name(name, mib))
+            notes.append(limit_name(name, mib, right=True))  # why right: the step labels are at the top left
             top = max(top, mib)
         else:
             far.append(f"{name}: {mib:,.0f} MiB")
-    if far:  # why: drawn, a 24 GB limit would flatten a 1 GB run along the bottom
-        annotations.append(
-            dict(
-                x=0,
-                y=1,
-                xref="paper",
-                yref="paper",
-                xanchor="left",
-                yanchor="bottom",
-                showarrow=False,
-                text="off the scale: " + "; ".join(far),
-                font=dict(size=10),
-                name="far-limits",
-            )
-        )
+    if far:
+        note = dict(x=0, y=1, xref="paper", yref="paper", xanchor="left", yanchor="bottom", showarrow=False)
+        notes.append(dict(note, text="off the scale: " + "; ".join(far), font=dict(size=10), name="far-limits"))
+    return shapes, notes, top
+
+
+def timeline_figure(samples, marks, limits: dict | None = None):
+    """Memory over time: host lines, each GPU's ledger stacked; phases as bands labelled at their foot (a key of
+    their colours above; step labels and limit names at the top), steps separated; idle spans (loading too) squeezed
+    to narrow grey gaps that say how long they were, so the axis shows work (the live plot's clock, wider gaps).
+    Why shapes and annotations are assigned once: plotly's add_vrect / add_annotation copy the layout on every call,
+    which took 12 s of a 25-step run's report."""
+    import plotly.graph_objects as go
+
+    now = max((t for t, *_ in samples), default=0.0)
+    keep = max(IDLE_KEEP_S, IDLE_SHARE * sum(end - start for *_, start, end in marks))
+    clock, gaps = work_clock(marks, now, keep), idle_gaps(marks, now, keep)
+    series = timeline_series(samples, clock)
+    names = merge_twins(series)
+    traces = []
+    for key, (xs, ys) in sorted(series.items(), key=lambda kv: trace_order(*kv[0])):
+        kind = go.Scattergl if is_host(key[0]) else go.Scatter  # why: WebGL traces cannot stack
+        style = trace_style(*key)
+        style["name"] = names.get(key, style["name"])
+        traces.append(kind(x=xs, y=ys, **style))
+    worked = [(step, phase, clock(start), clock(end)) for step, phase, start, end in marks]
+    idle, idle_notes = idle_marks(gaps, clock)
+    used = sorted({phase for _, phase, _, _ in marks}, key=lambda p: PHASE_NAMES.index(p) if p in PHASE_NAMES else 99)
+    lines, notes, top = limit_parts(limits or {}, stack_top(series))
+    shapes = band_shapes(worked, opacity=0.2) + idle + step_separators(worked) + lines
+    squeezed = f"seconds of work: idle over {keep:.1f} s squeezed to {keep:.1f} s grey gaps, labelled with its length"
+    axis = squeezed if gaps else "seconds"
     return go.Figure(
         data=traces,
         layout=dict(
             title="Memory timeline (MiB): phases shaded and labelled, steps separated",
-            xaxis_title="seconds",
+            xaxis_title=axis,
             yaxis=dict(title="MiB", range=[0, top * 1.08]),
             height=460,
             margin=dict(t=80, l=50, r=20, b=40),
             legend=dict(orientation="h", y=-0.2),
             shapes=shapes,
-            annotations=annotations,
+            annotations=[phase_key_annotation(used or PHASE_NAMES)]
+            + band_labels(worked, low=True)
+            + idle_notes
+            + notes,
         ),
     )
 
@@ -247,16 +298,16 @@ def limit_line(mib: float, name: str = "") -> dict:
     )
 
 
-def limit_name(name: str, mib: float) -> dict:
-    """A limit line's name, just above it at the left."""
+def limit_name(name: str, mib: float, right: bool = False) -> dict:
+    """A limit line's name, just above it at the left (or the right)."""
     return dict(
         xref="paper",
-        x=0,
+        x=1 if right else 0,
         y=mib,
         yref="y",
         text=name,
         showarrow=False,
-        xanchor="left",
+        xanchor="right" if right else "left",
         yanchor="bottom",
         font=dict(size=10),
     )
