@@ -148,6 +148,8 @@ def execute_point(notebook: Path, executed: Path, parameters: dict, kernel_name:
             # why: papermill fails a cell whose output arrives over 4 s (nbclient's default) after its reply; a
             # training cell's output lags that much on a busy machine, and a sweep's point is not wrong for it
             iopub_timeout=IOPUB_TIMEOUT_S,
+            # why: no one views a point's widgets; their state (progress bars' included) would only grow its notebook
+            store_widget_state=False,
         )
     except pm.PapermillExecutionError as err:
         return f"{err.ename}: {err.evalue}"[:300]

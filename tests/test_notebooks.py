@@ -1,5 +1,6 @@
 """Every notebook runs under papermill with its tiny parameters (real papermill, real kernel)."""
 
+import json
 import re
 from pathlib import Path
 
@@ -41,7 +42,39 @@ def run_notebook(notebook, out, cwd, parameters):
     )
     nb = nbformat.read(out, as_version=4)
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+    check_saved(Path(notebook).name, Path(out), nb)
     return nb
+
+
+MAX_SAVED_BYTES = 1_000_000  # issue 51: papermill saved 5.4-11.7 MB, plotly's widget bundle once per live plot
+MAX_TEXT_PLAIN = 4096  # a line or a table; a FigureWidget's text/plain was its whole figure, 13-28 KB
+
+
+def check_saved(name: str, path: Path, nb) -> None:
+    """What a papermill run of notebook `name` saved at `path` (each run_notebook checks its own, so 01-06 are checked
+    without running any twice): at most 1 MB, no output whose text/plain is over 4 KB, and no cell ending in a bare
+    value that shows only as text (a float, a dict: a library call's return value the cell did not mean to show)."""
+    size, widgets = path.stat().st_size, len(json.dumps(nb.metadata.get("widgets", {})))
+    assert size <= MAX_SAVED_BYTES, f"{name}: {size:,} bytes saved, {widgets:,} of them widget state"
+    outputs = [(c, o) for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") != "stream"]
+    long = [(c.source.splitlines()[0], text_plain(o)) for c, o in outputs if text_plain(o) > MAX_TEXT_PLAIN]
+    assert not long, f"{name}: text/plain over {MAX_TEXT_PLAIN:,} characters: {long}"
+    assert not stray_values(nb), f"{name}: cells that show a bare value: {stray_values(nb)}"
+
+
+def text_plain(output) -> int:
+    return len(output.get("data", {}).get("text/plain", ""))
+
+
+def stray_values(nb) -> list[tuple[str, str]]:
+    """(last line, what it shows) of each cell whose result is a value with nothing but a text form."""
+    return [
+        (last, o["data"]["text/plain"][:80])
+        for c in nb.cells
+        for last in c.source.strip().splitlines()[-1:]
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "execute_result" and set(o["data"]) == {"text/plain"}
+    ]
 
 
 def printed(nb) -> str:
@@ -112,3 +145,26 @@ def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
 
     check_static_figures(nb)
     check_prose("06_sharded_learner.ipynb", nb, facts)  # no number in its prose that a cell does not compute
+
+
+def test_the_saved_notebook_check_catches_bloat_long_text_and_a_bare_value(tmp_path):
+    """The checker itself, on notebooks written here: a bare float a cell shows, a 20 KB text/plain and 2 MB of widget
+    state each fail; a Lab's summary (it has an HTML form) passes."""
+    new = nbformat.v4
+
+    def saved(*outputs, name="01_quickstart.ipynb", source="lab.optimizer()", widgets=None):
+        nb = new.new_notebook(cells=[new.new_code_cell(source, outputs=list(outputs))])
+        if widgets:
+            nb.metadata["widgets"] = widgets
+        path = tmp_path / name
+        nbformat.write(nb, path)
+        return name, path, nbformat.read(path, as_version=4)
+
+    check_saved(*saved(new.new_output("execute_result", {"text/plain": "<Lab ...>", "text/html": "<b>Lab</b>"})))
+    bare = new.new_output("execute_result", {"text/plain": "7.28e-08"}, execution_count=1)
+    with pytest.raises(AssertionError, match="bare value: \\[\\('lab.optimizer\\(\\)', '7.28e-08'\\)\\]"):
+        check_saved(*saved(bare))
+    with pytest.raises(AssertionError, match="text/plain over 4,096 characters"):
+        check_saved(*saved(new.new_output("display_data", {"text/plain": "FigureWidget({" + "x" * 20_000})))
+    with pytest.raises(AssertionError, match="of them widget state"):
+        check_saved(*saved(widgets={"application/vnd.jupyter.widget-state+json": {"state": {"m": "x" * 2_000_000}}}))

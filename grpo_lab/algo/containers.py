@@ -86,6 +86,22 @@ class LossStats:
     is_ratio_mean: Optional[float] = None
     is_ratio_max: Optional[float] = None
 
+    def __repr__(self) -> str:  # why: the dataclass's one line of 17-digit floats wrapped mid-word in a cell's output
+        return key_values("<LossStats", [(f.name, getattr(self, f.name)) for f in fields(self)]) + ">"
+
+
+def key_values(head: str, pairs: list[tuple[str, object]], width: int = 80) -> str:
+    """`head` then `key value` pairs, floats to 4 significant digits, in lines of at most `width` columns that break
+    between pairs (never inside a name or a number)."""
+    lines, line = [], head
+    for key, value in pairs:
+        item = f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+        if line and len(line) + 2 + len(item) > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}  {item}"  # (two spaces between pairs; a continuation line starts indented by them)
+    return "\n".join(lines + [line])
+
 
 @dataclass
 class BackwardResult:

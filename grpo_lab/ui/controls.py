@@ -52,23 +52,27 @@ class StepControls:
         self.next_button = w.Button(description=f"phase: {lab.next_phase()}", tooltip="run the next phase of the step")
         self.step_button = w.Button(description="one step", tooltip="the rest of the current step")
         # why text: ipywidgets' IntText turned a typed 2.5 into 25 steps; steps() parses and refuses in the log
-        self.count = w.Text(value="5", description="steps", layout=w.Layout(width="160px"))
+        self.count = w.Text(value=str(lab.config.run.steps), description="steps", layout=w.Layout(width="160px"))
         self.count.add_class("grpo-lab-steps")
+        self._offered = self.count.value  # what the box last took from run.steps: any other count there was typed
         self.run_button = w.Button(description="run N", button_style="success")
         self.stop_button = w.Button(
             description="stop", button_style="warning", tooltip="stop at the next phase boundary"
         )
+        fit = w.Layout(width="auto")  # (one model for both buttons)
         self.traceback_button = w.Button(
-            description="traceback", tooltip="show the last error's full traceback", layout=w.Layout(width="auto")
+            description="traceback", tooltip="show the last error's full traceback", layout=fit
         )
-        self.clear_button = w.Button(description="clear log", layout=w.Layout(width="auto"))
+        self.clear_button = w.Button(description="clear log", layout=fit)
         self.last_traceback = ""
         self.status = w.HTML(value="")
         self.progress = w.IntProgress(value=0, min=0, max=1, description="progress")
         self.lines: list[str] = []
-        self.log = w.HTML(value="", layout=w.Layout(width="100%"))
+        # why no side margins: ipywidgets' 2 px each side made the log 4 px wider than its box (a scrollbar under it)
+        full = dict(width="100%", margin="2px 0")
+        self.log = w.HTML(value="", layout=w.Layout(**full))
         # why a box of its own: a traceback in the log's 220 px box pushed the step lines out of view
-        self.traceback = w.HTML(value="", layout=w.Layout(width="100%", display="none"))
+        self.traceback = w.HTML(value="", layout=w.Layout(**full, display="none"))
         self.next_button.on_click(lambda _: self._unless_running(self.next_phase))
         self.step_button.on_click(lambda _: self.run(1))
         self.run_button.on_click(lambda _: self._run_count())
@@ -188,8 +192,15 @@ class StepControls:
         finally:
             self.next_button.description = f"phase: {self.lab.next_phase()}"
 
+    def follow_config(self) -> None:
+        """Show run.steps in the step count, unless the user typed another count there (never changed under them)."""
+        if self.count.value == self._offered:
+            self.count.value = self._offered = str(self.lab.config.run.steps)
+
     def steps(self) -> int | None:
-        """The step count typed in the panel, or None after saying in the log why it is not one."""
+        """The step count in the panel (run.steps unless one was typed), or None after saying in the log why it is
+        not one."""
+        self.follow_config()
         text = self.count.value.strip()
         if text.isdigit() and 1 <= int(text) <= MAX_STEPS:
             return int(text)
@@ -219,6 +230,7 @@ class StepControls:
                     self.progress.value += 1
             finally:
                 self._set_running(False)
+                self.follow_config()  # why: run.steps may have been edited while it ran
 
         self.thread = threading.Thread(target=work, name="grpo-lab-run", daemon=True)
         self.thread.start()

@@ -70,69 +70,91 @@ EDITOR_CSS = """<style>
 </style>"""
 
 
-def field_widget(name: str, prop: dict, value, label: str = "190px"):
+class Looks:
+    """The layouts and styles all the fields of one editor share: one widget model each, not one per field (a model is
+    a comm in the kernel and an entry in a saved notebook's widget state; made per field, they came to 1,000)."""
+
+    def __init__(self, label: str):
+        w = _widgets()
+        # why 100% up to a cap: the field sizes to the editor's width (a fixed width overflowed a narrow notebook)
+        self.input = w.Layout(width="100%", max_width=f"calc({label} + 320px)")
+        self.help = w.Layout(width="auto", margin=f"-2px 0 6px calc({label} + 4px)")
+        self.html = style_of(w.HTML)
+        self.styles = {cls.__name__: style_of(cls, label) for cls in (w.Text, w.Dropdown, w.Checkbox)}
+
+
+def style_of(widget_class, label: Optional[str] = None):
+    """A style `widget_class` takes (each has its own style class; ipywidgets exports only some of them)."""
+    kind = widget_class.class_traits()["style"].klass
+    return kind() if label is None else kind(description_width=label)
+
+
+def field_widget(name: str, prop: dict, value, looks: Looks):
     """The input for one schema property; returns (widget, parse) where parse(widget.value) -> the value handed to
     the config's validation. Numbers are typed as text and parsed by that validation, never by the widget. Why:
     ipywidgets' IntText dropped the '.' of '2.5' (the config took 25) and swallowed 'abc' without a word."""
     w = _widgets()
     when = prop.get("when", "live")
     tip = f"{prop.get('description', '')} [{when}: {WHEN[when]}]"
-    # why 100% up to a cap: the field sizes to the editor's width (a fixed width overflowed a narrow notebook)
-    layout = w.Layout(width="100%", max_width=f"calc({label} + 320px)")
-    common = dict(description=name, tooltip=tip, style={"description_width": label}, layout=layout)
-    common["continuous_update"] = False  # why: a half-typed value ('4.', '') is refused; apply on Enter or blur
+    common = dict(description=name, tooltip=tip, layout=looks.input)
     kind = FIELD_KINDS.get(prop.get("type"), "yaml") if "enum" not in prop else "choice"
-    return FIELD_INPUTS[kind](w, value, prop, common)
+    return FIELD_INPUTS[kind](w, value, prop, common, looks.styles)
 
 
-def _choice(w, value, prop, common):
-    return w.Dropdown(options=prop["enum"], value=value, **_no_update(common)), lambda v: v
+def _choice(w, value, prop, common, styles):  # (a choice applies at once)
+    return w.Dropdown(options=prop["enum"], value=value, style=styles["Dropdown"], **common), lambda v: v
 
 
-def _checkbox(w, value, prop, common):
-    return w.Checkbox(value=bool(value), indent=False, **_no_update(common)), bool
+def _checkbox(w, value, prop, common, styles):
+    return w.Checkbox(value=bool(value), indent=False, style=styles["Checkbox"], **common), bool
 
 
-def _number(w, value, prop, common):
-    return w.Text(value=as_text(value), **common), lambda v: v.strip() if isinstance(v, str) else v
+def _typed(w, value, common, styles, **extra):
+    # why continuous_update off: a half-typed value ('4.', '') is refused; apply on Enter or blur
+    return w.Text(value=value, continuous_update=False, style=styles["Text"], **common, **extra)
 
 
-def _text(w, value, prop, common):
-    return w.Text(value=value, **common), str
+def _number(w, value, prop, common, styles):
+    return _typed(w, as_text(value), common, styles), lambda v: v.strip() if isinstance(v, str) else v
 
 
-def _yaml(w, value, prop, common):
+def _text(w, value, prop, common, styles):
+    return _typed(w, value, common, styles), str
+
+
+def _yaml(w, value, prop, common, styles):
     """Optional values, unions and lists: YAML text, "" or "null" = null."""
-    return w.Text(
-        value=as_text(value), placeholder="null", **common
-    ), lambda v: yaml.safe_load(v) if v.strip() else None
+    widget = _typed(w, as_text(value), common, styles, placeholder="null")
+    return widget, lambda v: yaml.safe_load(v) if v.strip() else None
 
 
 FIELD_KINDS = {"boolean": "checkbox", "integer": "number", "number": "number", "string": "text"}
 FIELD_INPUTS = {"choice": _choice, "checkbox": _checkbox, "number": _number, "text": _text, "yaml": _yaml}
 
 
-def _no_update(common: dict) -> dict:
-    return {k: v for k, v in common.items() if k != "continuous_update"}  # (a choice applies at once)
-
-
-def help_line(prop: dict, label: str = "190px"):
+def help_line(prop: dict, looks: Looks):
     """The field's help and when an edit takes effect, as a line under it (tooltips are unreliable in ipywidgets 8)."""
     import html
 
     w = _widgets()
     when = prop.get("when", "live")
     text = html.escape(f"{prop.get('description', '')} [{when}: {WHEN[when]}]", quote=False)
-    line = w.HTML(value=text, layout=w.Layout(width="auto", margin=f"-2px 0 6px calc({label} + 4px)"))
+    line = w.HTML(value=text, layout=looks.help, style=looks.html)
     line.add_class("grpo-lab-help")
     return line
 
 
 class FieldError:
     """A refused value's one-line reason, right under its field, with a button that puts the config's value back;
-    hidden while the field holds what the config holds."""
+    hidden while the field holds what the config holds. Its widgets are made when a value is first refused (`place`
+    puts them under the field), not up front: most fields never show one."""
 
-    def __init__(self, label: str, revert: Callable[[], None]):
+    def __init__(self, revert: Callable[[], None], place: Callable[[object], None]):
+        self.reason: Optional[str] = None
+        self.widget = None
+        self._revert, self._place = revert, place
+
+    def _build(self) -> None:
         w = _widgets()
         self.text = w.HTML(value="", layout=w.Layout(flex="1 1 auto", min_width="0"))
         self.text.add_class("grpo-lab-field-error")
@@ -141,15 +163,19 @@ class FieldError:
             layout=w.Layout(width="auto", flex="0 0 auto"),
             tooltip="show the config's value again",
         )
-        button.on_click(lambda _: revert())
+        button.on_click(lambda _: self._revert())
         # why from the field's left edge, not under its input: the reason gets the row's width (at most 2 lines)
         self.widget = w.HBox([self.text, button], layout=w.Layout(margin="0 0 4px 0", width="100%"))
-        self.show(None)
+        self._place(self.widget)
 
     def show(self, reason: Optional[str]) -> None:
         import html
 
         self.reason = reason
+        if self.widget is None:
+            if reason is None:
+                return
+            self._build()
         self.text.value = "" if reason is None else html.escape(reason, quote=False)
         self.widget.layout.display = "none" if reason is None else "flex"
 
@@ -178,20 +204,19 @@ class ConfigEditor:
         self.message = w.HTML(value="")
         schema = LabConfig.model_json_schema()
         defs, data = schema["$defs"], config.to_dict()
-        label = label_width(n for prop in schema["properties"].values() for n in _resolve(prop, defs)["properties"])
-        tabs = []
+        looks = Looks(label_width(n for p in schema["properties"].values() for n in _resolve(p, defs)["properties"]))
+        self.sections: dict[str, object] = {}  # each tab's box of rows: an input, then its help line
         for section, prop in schema["properties"].items():
-            fields = _resolve(prop, defs)["properties"]
             rows = []
-            for name, fprop in fields.items():
-                widget, parse = field_widget(name, fprop, data[section][name], label)
+            for name, fprop in _resolve(prop, defs)["properties"].items():
+                widget, parse = field_widget(name, fprop, data[section][name], looks)
                 widget.observe(self._changed(section, name), names="value")
                 self.inputs[(section, name)] = (widget, parse)
-                self.errors[(section, name)] = FieldError(label, self._revert(section, name))
-                self.help[(section, name)] = help_line(fprop, label)
-                rows += [widget, self.errors[(section, name)].widget, self.help[(section, name)]]
-            tabs.append(w.VBox(rows))
-        self.tabs = w.Tab(children=tabs)
+                self.errors[(section, name)] = FieldError(self._revert(section, name), self._under(section, name))
+                self.help[(section, name)] = help_line(fprop, looks)
+                rows += [widget, self.help[(section, name)]]
+            self.sections[section] = w.VBox(rows)
+        self.tabs = w.Tab(children=list(self.sections.values()))
         for i, section in enumerate(schema["properties"]):
             self.tabs.set_title(i, section)
         self.path = w.Text(value="config.yaml", description="YAML", layout=w.Layout(width="300px"))
@@ -248,6 +273,17 @@ class ConfigEditor:
         self.message.value = (
             f"<span style='color:var(--jp-error-color1, #c00)'>{html.escape(str(err), quote=False)}</span>"
         )
+
+    def _under(self, section: str, name: str) -> Callable[[object], None]:
+        """Puts a field's error row right under its input (made when its first value is refused)."""
+
+        def place(row) -> None:
+            box = self.sections[section]
+            rows = list(box.children)
+            at = next(i for i, r in enumerate(rows) if r is self.inputs[(section, name)][0]) + 1
+            box.children = tuple(rows[:at] + [row] + rows[at:])
+
+        return place
 
     def _revert(self, section: str, name: str) -> Callable[[], None]:
         def revert():

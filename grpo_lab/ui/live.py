@@ -6,6 +6,7 @@ The running phase's band grows as it runs (its x is working time, not squeezed i
 `max_steps` steps (the title says so once there are more), every step's bands kept; phases are named in one row of
 coloured squares, the lines' legend is one row below, and a step label too close to the last one is left out.
 A plot replaced by a newer one (another `lab.memory_plot()` or `lab.ui()`) says so in its title and stops.
+In a headless run (papermill, nbconvert) no widget is made at all (`frontend_is_live`): a line says so instead.
 
 A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
 sampler thread never touches the widget, and the kernel stays free to run cells while a step
@@ -17,6 +18,8 @@ from a cell are serialised by a lock.
 
 from __future__ import annotations
 
+import html
+import os
 import threading
 import time
 from typing import Optional
@@ -48,6 +51,49 @@ def _needs_notebook_extra():
 
         raise LabError(f"the live memory plot needs {err.name}; install grpo-lab[notebook]") from None
     return go
+
+
+LIVE_ENV = "GRPO_LAB_LIVE_WIDGETS"  # "1": always make the live widgets, "0": never; unset: frontend_is_live decides
+
+
+def frontend_is_live() -> bool:
+    """Whether a widget made now has a person's frontend to draw in. A headless runner (papermill, nbconvert
+    --execute: nbclient) sends its cells with allow_stdin off, as no one is there to answer input(), and saves the state
+    of every widget made into the notebook: the live plot's holds plotly's 5 MB widget bundle (FigureWidget's `_esm`),
+    and the panel's hundreds of models. Outside a kernel (a script, a test) widgets are plain objects: True.
+    GRPO_LAB_LIVE_WIDGETS=1 or 0 decides instead (e.g. Voila, which draws widgets but runs cells without stdin)."""
+    forced = os.environ.get(LIVE_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return True
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None or not hasattr(kernel, "get_parent"):
+        return True
+    request = kernel.get_parent("shell") or {}
+    return bool(request.get("content", {}).get("allow_stdin", True))
+
+
+class NotLive:
+    """What `lab.memory_plot()` and `lab.ui()` give in a headless run: one line saying what a person would see and
+    what the saved notebook keeps instead; no widget, so nothing lands in the notebook's widget state."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def text(self) -> str:
+        return (
+            f"{self.what}: a widget drawn live when a person runs this notebook; this headless run (papermill, "
+            "nbconvert) made none. lab.memory_snapshot() keeps the memory plot as an image."
+        )
+
+    def __repr__(self) -> str:
+        return f"<{self.text()}>"
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {"text/plain": self.text(), "text/html": f"<i>{html.escape(self.text())}</i>"}
 
 
 class Series:
@@ -110,8 +156,10 @@ class LivePlot:
                 height=420,
                 autosize=True,
                 # why these margins: the plot area keeps over 70 % of the height; the title, the lines' legend (left)
-                # and the phase key (right) share the top margin, the x axis' title the bottom one
-                margin=dict(t=62, l=50, r=20, b=42),
+                # and the phase key (right) share the top margin, the x axis' title the bottom one; the right one holds
+                # plotly's toolbar, upright (across the top it covered a long title: a replaced plot's)
+                margin=dict(t=62, l=50, r=40, b=42),
+                modebar=dict(orientation="v"),
                 legend=dict(orientation="h", x=0, xanchor="left", y=1.0, yanchor="bottom", font=dict(size=10)),
                 annotations=[phase_key_annotation()],
             )
@@ -260,4 +308,9 @@ class LivePlot:
         from IPython.display import HTML, display
 
         self.refresh()
-        display(HTML(PLOT_CSS), self.fig)
+        display(HTML(PLOT_CSS))
+        display(self.mimebundle(), raw=True)
+
+    def mimebundle(self) -> dict:
+        """The widget's view, with a one-line text/plain (the FigureWidget's is its whole figure: 13-28 KB saved)."""
+        return {**self.fig._repr_mimebundle_(), "text/plain": f"FigureWidget: {self._title}, drawn live"}

@@ -42,12 +42,15 @@ class LabViews:
 
     def memory_plot(self, refresh_s: float = 0.5):
         """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds when new samples arrived);
-        display it in a cell. It replaces this Lab's earlier live plot (whose redraw thread stops)."""
-        from .live import LivePlot
+        display it in a cell. It replaces this Lab's earlier live plot (whose redraw thread stops). In a headless run
+        (papermill, nbconvert: live.frontend_is_live) a line that says so, and no widget."""
+        from .live import LivePlot, NotLive, frontend_is_live
 
         self._require_loaded()
+        if not frontend_is_live():  # why: the saved notebook would keep the widget's state, plotly's 5 MB bundle in it
+            return NotLive("The live memory plot")
         for old in self._plots:  # why: one live plot per Lab; a new one (a new lab.ui()) replaces the last one's thread
-            old.retire("replaced by a newer plot (lab.ui() or lab.memory_plot() ran again); this one no longer updates")
+            old.retire("replaced by a newer plot (lab.ui() or lab.memory_plot() ran again)")
         plot = LivePlot(self.memory, refresh_s=refresh_s).start()
         self._plots[:] = [plot]
         return plot
@@ -61,10 +64,16 @@ class LabViews:
         snapshot(self, phases)
 
     def ui(self):
-        """The notebook panel: config editor, step controls and the live memory plot."""
+        """The notebook panel: config editor, step controls and the live memory plot; the controls' step count follows
+        run.steps as the editor changes it (unless one was typed). In a headless run a line that says so, no widget."""
         from . import Panel
+        from .live import NotLive, frontend_is_live
 
-        return Panel(self)
+        if not frontend_is_live():  # why: as memory_plot(); the panel's widgets would all be saved with the notebook
+            return NotLive("The panel (config editor, step controls, live memory plot)")
+        panel = Panel(self)
+        panel.editor.on_change = lambda config: panel.controls.follow_config()
+        return panel
 
     def save_results(self, path: Union[str, Path]) -> Path:
         """Every step's metrics (with its memory table) as JSON lines: what `grpo-lab sweep` collects."""
