@@ -156,6 +156,15 @@ def test_04_the_textbook_head_crosses_the_budget_and_the_chunked_head_fits(tiny_
 def test_05_the_host_crosses_its_line_is_rolled_back_and_micro_batches_fit(tiny_model, tmp_path):
     facts = run_story("05_reference_and_offload.ipynb", tmp_path)
     assert facts["failing"]["phase"] == "backward"
+    assert 0.9 <= facts["plan_ratio"] <= 1.1, facts["plan_ratio"]  # the plan of the failing step, against it
+    checkpointed = facts["checkpointed"]  # the second fix, a new Lab with checkpointing: the same line, under it
+    assert not checkpointed["crossed"] and checkpointed["stopped"] is None, checkpointed
+    assert checkpointed["line_mib"] == facts["failing"]["line_mib"]
+    assert checkpointed["phase_peaks_mib"]["backward"] < facts["failing"]["peak_mib"]
+    measured = facts["reference_measured"]  # P5: both strategies loaded and run here, not only planned
+    assert set(measured) == {"copy", "adapter-disabled"} and all(m["logprobs_rise_mib"] > 0 for m in measured.values())
+    assert measured["copy"]["weights_mib"] > 0 == measured["adapter-disabled"]["weights_mib"]
+    assert measured["copy"]["planned_mib"] > measured["adapter-disabled"]["planned_mib"]
     assert facts["rolled_back"] == {"lora": True, "adamw": True, "step_unchanged": True}
     assert facts["reference_max_abs_diff"] <= 1e-5  # P5: the copy scores as the adapter-disabled policy at step 0
     assert (

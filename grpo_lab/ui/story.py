@@ -89,12 +89,15 @@ class Story:
         self.facts[name] = value
         return value
 
-    def gpu_cells(self) -> bool:
-        """Whether this run's GPU cells run: its config's learner is on CUDA. Otherwise one line says what to set."""
+    def gpu_cells(self, what: str = "") -> bool:
+        """Whether this run's GPU cells run: its config's learner is on CUDA. Otherwise one line says what they would
+        have measured (`what`) and what to set."""
         if not self.on_gpu:
+            skipped = f" ({what})" if what else ""
             print(
-                "GPU cells skipped: this config runs on the CPU; run with a GPU config (papermill -p config "
-                "qwen2.5-7b-nf4-24gb, or your own YAML) on a machine with CUDA"
+                f"GPU cells skipped: this config runs on the CPU, so this notebook's GPU measurement{skipped} does not "
+                "run; run with a GPU config (papermill -p config qwen2.5-7b-nf4-24gb, or your own YAML) on a machine "
+                "with CUDA"
             )
         return self.on_gpu
 
