@@ -54,14 +54,27 @@ def preflight(config: LabConfig) -> None:
 
 def check_host_budget(config) -> None:
     """A host budget below this machine's RAM is held by the one-process Lab's guard, which reads its own process
-    tree; a sharded learner's ranks are Ray's processes, outside that tree: refused rather than half-held."""
+    tree; a sharded learner's ranks are Ray's processes, outside that tree: refused rather than half-held (each rank's
+    own budget is placement.rank_memory_gib). CPU ranks on this machine whose budgets add up past its RAM are refused
+    too: the machine would run out before any rank's guard stopped."""
     from .memory.readers import HostReader, host_budget
 
+    place = config.placement
     if HostReader(budget=host_budget(config)).budget is not None:  # a budget set, and below this machine's RAM
         raise LabError(
-            f"placement.host_memory_gib: {config.placement.host_memory_gib} GiB is below this machine's RAM, and "
-            "the guard holds such a budget for a one-process learner only (a sharded learner's ranks are Ray's "
-            "processes); unset it (the guard then holds the machine's RAM) or use placement.learner_procs: 1"
+            f"placement.host_memory_gib: {place.host_memory_gib} GiB is below this machine's RAM, and the guard "
+            "holds such a budget for a one-process learner only (a sharded learner's ranks are Ray's processes); "
+            "unset it (the guard then holds the machine's RAM) and hold each rank with placement.rank_memory_gib, "
+            "or use placement.learner_procs: 1"
+        )
+    if place.rank_memory_gib is None or place.learner != "cpu" or place.ray_address is not None:
+        return
+    machine = HostReader().machine / 1024**3
+    if place.rank_memory_gib * place.learner_procs > machine:
+        raise LabError(
+            f"placement.rank_memory_gib: {place.learner_procs} CPU ranks x {place.rank_memory_gib} GiB is more than "
+            f"this machine's {machine:.1f} GiB of RAM, which would run out before any rank's guard stopped it; "
+            f"give each rank at most {machine / place.learner_procs:.1f} GiB"
         )
 
 

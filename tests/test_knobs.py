@@ -130,6 +130,7 @@ EDITS = {
     "placement.gpu_memory_gib": {"placement.gpu_memory_gib": 40.0},
     "placement.host_memory_gib": {"placement.host_memory_gib": 64.0},
     "placement.ray_address": {"placement.ray_address": "127.0.0.1:6379", "placement.learner_procs": 2},
+    "placement.rank_memory_gib": {"placement.rank_memory_gib": 2.0, "placement.learner_procs": 2},
     "generator.gpu_memory_utilization": {
         "generator.gpu_memory_utilization": 0.3,
         "generator.backend": "vllm",

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
-# run once, by their own tests: 06 below (slow: two sharded Labs, ~70 s on 2 cores), 02-05 in test_notebook_stories.py
+# run once, by their own tests: 02-05 in test_notebook_stories.py, 06 in test_story_06.py (three sharded Labs, ~2 min)
 OWN_TEST = {
     "02_placement_dataparallel.ipynb",
     "03_chunked_generation.ipynb",
@@ -107,44 +107,6 @@ def test_quickstart_runs_from_any_working_directory(where, tiny_model, tmp_path)
 
     check_static_figures(nb)  # the live plot and the panel, each followed by an image a saved notebook keeps
     assert not bare_numbers(prose(nb)), bare_numbers(prose(nb))  # no number in its prose that no cell computes
-
-
-@pytest.mark.slow
-def test_06_sharded_learner_shows_p3_p5_and_a_rank_oom(tiny_model, tmp_path):
-    """From the repo root with its defaults; the facts it prints as JSON on its last line are what it claims."""
-    from grpo_lab.ui.story import facts_in
-
-    nb = run_notebook(ROOT / "notebooks" / "06_sharded_learner.ipynb", tmp_path / "06.ipynb", ROOT, {"steps": 1})
-    text = printed(nb)
-    facts = facts_in(nb)
-    assert "RankExecutor ['rank0/cpu', 'rank1/cpu']" in text
-    assert "rank0/host" in text and "rank1/host" in text  # every rank's rows in the memory table
-    # P3: greedy completions do not depend on gathering; a failed generation leaves every rank's layout as it was
-    assert facts["greedy_completions_identical"] is True
-    for gather in ("true", "false"):
-        assert set(facts["gather"][gather]["peak_rss_mib"]) == {"rank0/host", "rank1/host"}
-        assert facts["gather"][gather]["seconds"] > 0
-    assert text.count("rollout failed on every rank: RuntimeError: injected failure in rollout") == 2
-    assert facts["layout_restored_after_failed_rollout"] is True
-    assert facts["grad_norm_after_the_greedy_cells"] > 0  # issue 42: temperature 0 stayed set and the step read grad 0
-    # P5: the naive reference fails inside torch; the check refuses it in one line; the prepared copy scores as the base
-    assert "meta" in facts["p5_device_error"]
-    assert facts["p5_refused"].startswith("reference: model.embed_tokens.weight is on meta, the policy computes on cpu")
-    assert "\n" not in facts["p5_refused"]
-    # a rank SIGKILLed inside backward: one line naming it, and the step runs again
-    assert facts["kill_line"].startswith("backward failed on rank 1: its process died"), facts["kill_line"]
-    assert "memory" not in facts["kill_line"]  # issue 42: a SIGKILL is not an OOM
-    assert "\n" not in facts["kill_line"] and facts["kill_retry_step"] == facts["step_after_oom"] + 1
-    assert facts["reference_copy_vs_adapter_disabled_max_abs_diff"] <= 1e-5
-    # the OOM on rank 1: one line naming the rank, every rank's LoRA and AdamW shards bit for bit, the step runs again
-    assert facts["oom_line"].startswith("backward failed on rank 1: out of memory") and "\n" not in facts["oom_line"]
-    assert facts["oom_lora_bit_identical"] == [True, True] and facts["oom_optimizer_bit_identical"] == [True, True]
-    assert all(lora > 0 and adam > 0 for lora, adam in facts["oom_tensors_compared"])
-    assert facts["step_after_oom"] == 1
-    from test_notebook_stories import check_prose, check_static_figures
-
-    check_static_figures(nb)
-    check_prose("06_sharded_learner.ipynb", nb, facts)  # no number in its prose that a cell does not compute
 
 
 def test_the_saved_notebook_check_catches_bloat_long_text_and_a_bare_value(tmp_path):

@@ -172,3 +172,38 @@ def test_the_load_phase_is_a_rank_s_shards_and_one_layer_never_the_whole_model()
         assert load - rank.resident == pytest.approx(layer + 27648 * 5120 * 2, rel=1e-12)  # + the float down_proj
         assert load < rank.resident + whole / 8 and load / GiB == pytest.approx(11.24, abs=0.01)
         assert rank.peak_phase != "load"
+
+
+def test_a_rank_budget_is_each_rank_s_capacity_checked_and_shown_per_rank():
+    """placement.rank_memory_gib: every CPU rank a device of the plan, against its own line (the host still adds them
+    up); the gathered rollout over it names the ranks and the fix; a GPU rank's capacity is its card or the budget,
+    the smaller."""
+    from grpo_lab.planner.sharded import rank_lines
+
+    cpu16 = ["placement.learner=cpu", "model.load_in_4bit=false", "generator.chunk_size=8"]
+    free = sharded(2, *cpu16)
+    gathered = free.ranks["host (rank 0)"].total
+    layered = sharded(2, *cpu16, "generator.gather_for_generation=false").ranks["host (rank 0)"].total
+    assert layered < gathered
+    budget = (gathered + layered) / 2 / GiB  # between the two: only the whole gather crosses it
+    held = sharded(2, *cpu16, f"placement.rank_memory_gib={budget}")
+    assert list(held.devices) == ["host (rank 0)", "host (rank 1)", "host"]
+    assert [d.device for d in held.failing()] == ["host (rank 0)", "host (rank 1)"]
+    assert held.fixes[0] == "generator.gather_for_generation: false"
+    lines = rank_lines(held)
+    assert set(lines) == {"host (rank 0)", "host (rank 1)"}
+    for line in lines.values():
+        assert line["phase"] == "rollout" and not line["fits"]
+        assert line["capacity_mib"] == pytest.approx(budget * 1024) and line["peak_mib"] == pytest.approx(
+            gathered / 2**20
+        )
+    assert held.devices["host"].total == free.devices["host"].total  # the sum is the same; only the lines are new
+    text = str(held)
+    assert text.count("its own budget: placement.rank_memory_gib") == 2
+    assert "verdict: does not fit on host (rank 0), host (rank 1)" in text
+    assert sharded(2, *cpu16, f"placement.rank_memory_gib={budget}", "generator.gather_for_generation=false").fits
+    card = sharded(2, "placement.gpu_memory_gib=40", "placement.rank_memory_gib=10").devices["cuda:1"].capacity
+    assert card == 10 * GiB
+    assert (
+        sharded(2, "placement.gpu_memory_gib=40", "placement.rank_memory_gib=80").devices["cuda:1"].capacity == 40 * GiB
+    )

@@ -15,17 +15,8 @@ def check_roles(config) -> None:
     own = gen.own_weights
     if place.learner_procs > 1:
         check_sharding(config)
-    elif place.ray_address is not None:
-        raise ValueError(
-            f"placement.ray_address: {place.ray_address!r} is where a sharded learner's ranks run, and "
-            "this learner is one process (placement.learner_procs: 1); remove it or shard the learner"
-        )
-    elif not gen.gather_for_generation:
-        raise ValueError(
-            "generator.gather_for_generation: false means generating through a sharded learner, and "
-            "this one is one process (placement.learner_procs: 1) with its whole model in place; "
-            "set it to true, or shard the learner"
-        )
+    else:
+        check_one_process(config)
     shared_gpu = [d for d in place.generator_devices() if d == place.learner and d.startswith("cuda")]
     if own and shared_gpu and gen.gpu_memory_utilization is None:
         raise ValueError(
@@ -63,6 +54,28 @@ def check_roles(config) -> None:
         raise ValueError(
             "placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
             "already; set it to false or place the learner on a GPU"
+        )
+
+
+def check_one_process(config) -> None:
+    """What only a sharded learner takes (placement.learner_procs: 1 here), refused in one line."""
+    place, gen = config.placement, config.generator
+    if place.ray_address is not None:
+        raise ValueError(
+            f"placement.ray_address: {place.ray_address!r} is where a sharded learner's ranks run, and "
+            "this learner is one process (placement.learner_procs: 1); remove it or shard the learner"
+        )
+    if place.rank_memory_gib is not None:
+        raise ValueError(
+            f"placement.rank_memory_gib: {place.rank_memory_gib} GiB is each rank's budget in a sharded learner, and "
+            "this learner is one process (placement.learner_procs: 1); remove it (placement.host_memory_gib holds "
+            "one process's host RAM) or shard the learner"
+        )
+    if not gen.gather_for_generation:
+        raise ValueError(
+            "generator.gather_for_generation: false means generating through a sharded learner, and "
+            "this one is one process (placement.learner_procs: 1) with its whole model in place; "
+            "set it to true, or shard the learner"
         )
 
 

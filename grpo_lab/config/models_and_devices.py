@@ -125,6 +125,17 @@ class PlacementSection(Section):
         "(PyTorch's fully_shard), one device each: rank k on cuda:(N+k) for learner cuda:N (NCCL), or CPU processes "
         "(gloo) for learner cpu; 1 = no sharding, one process.",
     )
+    rank_memory_gib: Optional[float] = knob(
+        "load",
+        None,
+        gt=0,
+        planned=True,
+        description="Sharded learner (placement.learner_procs > 1): the memory (GiB) each rank process may hold, "
+        "planned per rank and held by that rank itself. CPU ranks: the rank's own RSS; its guard fails a phase whose "
+        "peak crosses memory.host_threshold of it, and every rank undoes that phase. GPU ranks: the rank's GPU; its "
+        "CUDA allocator is capped there, so an allocation past it is an out-of-memory error. null = no per-rank "
+        "budget (the driver's guard holds the machine's RAM for all).",
+    )
     ray_address: Optional[str] = knob(
         "load",
         None,

@@ -99,13 +99,16 @@ class LocalExecutor:
         from ..memory.readers import host_budget
 
         config = self.config
-        # why the driver only: one host, one guard; a rank stopping on its own would leave the others in a collective
+        if runtime().is_rank:  # its own budget (placement.rank_memory_gib), its guard's word agreed by every rank
+            from .sharded.rank_guard import rank_sampler
+
+            return rank_sampler(config, self.devices(), self.describe_offload)
+        # why the driver guards the machine: one host, one guard; a rank's own budget is the rank's (above)
         return MemorySampler(
             self.devices(),
             config.memory.sample_hz,
             config.memory.host_threshold,
             describe_offload=self.describe_offload,
-            guard_host=runtime().is_driver,
             host_budget=host_budget(config),
         )
 

@@ -42,6 +42,21 @@ BUILTINS: dict[str, tuple[int, dict]] = {
             "max_positions": 2048,
         },
     ),
+    # the decoder layers dominate a 16-bit model (P3, notebooks/06): 16 layers of hidden 1024 (16.8M weights each) on
+    # the tiny vocabulary, saved in bfloat16 (513 MB): gathered whole on a CPU rank they cross its budget
+    # (placement.rank_memory_gib), one layer at a time they fit; no EOS boost (every rollout runs to its length)
+    "layers-heavy": (
+        1,
+        {
+            "hidden_size": 1024,
+            "num_layers": 16,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "eos_probability": None,
+            "dtype": "bfloat16",
+        },
+    ),
     # Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936), saved
     # in bfloat16 (1 GB): the GPU check's model (bench/gpu/gpu_check.py), where memory and speed depend on shape alone
     "qwen2.5-0.5b-random": (

@@ -1,13 +1,14 @@
 """The plan of a learner sharded with FSDP2 over `placement.learner_procs` ranks (P3): every rank's items come from
 the one builder the one-process plan uses (learner_items.add_learner, with `procs`), and this module places them: a
 device per CUDA rank, or, for CPU ranks, which share host RAM, the host as the sum of every rank's process; the
-driver's own process; one vLLM engine for every rank, in the driver.
+driver's own process; one vLLM engine for every rank, in the driver. A rank budget (placement.rank_memory_gib) is
+each rank's capacity: a CPU rank is then a device of the plan too, checked against its own line.
 """
 
 from __future__ import annotations
 
 from ..models.shapes import ModelShape
-from .estimate import HOST_BASELINE, PHASES, DevicePlan
+from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of
 
@@ -15,6 +16,14 @@ from .parts import _home, add_engine, capacity_of
 def rank_name(learner: str, device: str, k: int) -> str:
     """A rank's row: its GPU, or its share of host RAM ('host (rank k)') for a CPU learner."""
     return f"host (rank {k})" if learner == "cpu" else device
+
+
+def rank_capacity(config, device: str, host_capacity: float) -> float:
+    """What rank `device` may hold: its share of host RAM (a CPU rank) or its GPU, at most placement.rank_memory_gib
+    (the budget its own guard, or its capped allocator, holds it to)."""
+    own = host_capacity if device == "cpu" else capacity_of(device, config)
+    budget = config.placement.rank_memory_gib
+    return own if budget is None else min(own, budget * GiB)
 
 
 def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
@@ -28,7 +37,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
     if on_cpu:
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
     host.add(
-        "driver process (ShardedLab)",
+        "driver process (the Lab)",
         HOST_BASELINE["cpu" if on_cpu else "cuda"],
         "the notebook or grpo-lab run: drives the ranks"
         + (
@@ -41,8 +50,10 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
     ranks, micro = {}, 0
     for k, device in enumerate(rank_devices(place.learner, procs)):
         name = rank_name(place.learner, device, k)
-        rank = DevicePlan(name, host.capacity if on_cpu else capacity_of(device, config))
+        rank = DevicePlan(name, rank_capacity(config, device, host.capacity))
         rank.roles.append(f"learner rank {k} of {procs} (FSDP2)")
+        if place.rank_memory_gib is not None:
+            rank.roles.append("its own budget: placement.rank_memory_gib")
         micro = add_learner(rank, host, rank, config, shape, procs)
         ranks[name] = rank
         if on_cpu:  # why the sum: every rank is its own process in the same host RAM, all in the same phase at once
@@ -56,7 +67,8 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
                 HOST_BASELINE["cuda"] + rollback,
                 f"Python, torch, libraries + step rollback copy of its shard ({rollback / 1024**2:.1f} MiB)",
             )
-    devices = {"host": host} if on_cpu else {**ranks, "host": host}
+    # why a budgeted CPU rank is a device: its own line is checked (and shown) beside the host that adds them up
+    devices = {"host": host} if on_cpu and place.rank_memory_gib is None else {**ranks, "host": host}
     if config.generator.own_weights:  # one engine for every rank, in the driver (on its own GPUs, or the host)
         for d in dict.fromkeys(_home(d) for d in place.generator_devices()):
             if d not in devices:
@@ -69,3 +81,13 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
             config.generator.chunk_size or config.grpo.prompts_per_step * config.grpo.num_generations,
         )
     return devices, ranks, micro
+
+
+def rank_lines(plan) -> dict[str, dict]:
+    """Each rank's planned peak against its capacity (placement.rank_memory_gib, when set), in MiB: {rank: {peak_mib,
+    phase, capacity_mib, fits}}: what a notebook quotes of a sharded plan."""
+    MiB = 1024**2
+    return {
+        name: {"peak_mib": d.total / MiB, "phase": d.peak_phase, "capacity_mib": d.capacity / MiB, "fits": d.fits}
+        for name, d in plan.ranks.items()
+    }

@@ -20,7 +20,8 @@ from .remote import Answers
 START_TIMEOUT_S = 900  # loading a model on every rank
 STREAM_S = 0.5  # why: the live plot redraws every 0.5 s; a rank's samples are polled as often while it works
 # why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
-# them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU)
+# them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU), and, held to a budget of
+# its own (placement.rank_memory_gib), its `used` (its RSS) and `limit` (the budget)
 MACHINE_WIDE = {("host", "used"), ("host", "limit")}
 
 
@@ -49,7 +50,8 @@ class RankMemory(MemorySampler):
         self.streamed += live
         shift = delta["wall0"] - self.wall0  # why wall clocks: ranks may be on other machines (own perf_counters)
         label = lambda device: f"rank{rank}/{device}"
-        samples = [s for s in delta["samples"] if (s[3], s[4]) not in MACHINE_WIDE]
+        machine = set() if delta.get("own_host") else MACHINE_WIDE
+        samples = [s for s in delta["samples"] if (s[3], s[4]) not in machine]
         with self._lock:
             for t, step, phase, device, metric, value in samples:
                 self.samples.append((t + shift, step, phase, label(device), metric, value))
@@ -57,7 +59,7 @@ class RankMemory(MemorySampler):
             self.phase_rows.extend(
                 {**row, "device": label(row["device"])}
                 for row in delta["rows"]
-                if (row["device"], row["metric"]) not in MACHINE_WIDE
+                if (row["device"], row["metric"]) not in machine
             )
 
 
@@ -175,7 +177,7 @@ class Ranks:
             return replies[0][1]
         died = sorted(rank for rank, r in replies.items() if r[0] == "died")
         blocked = any(r[0] == "error" and r[3]["blocked"] for r in replies.values())
-        first = died[0] if died else min(errors) if errors else min(set(range(self.size)) - set(replies))
+        first = died[0] if died else first_failed(replies) if errors else min(set(range(self.size)) - set(replies))
         what = errors.get(first, "did not answer")
         if len(errors) == self.size and not died and not blocked:  # each undid its own work; their collectives agree
             everywhere = len(set(errors.values())) == 1
@@ -313,6 +315,14 @@ class Ranks:
         if self.cluster is not None:
             self.cluster.close()
         self.cluster = self.group = None
+
+
+def first_failed(replies: dict) -> int:
+    """The first rank whose command failed of itself (not with PeerFailed, for another rank's failure): the one
+    whose line the driver reports."""
+    failed = sorted(rank for rank, r in replies.items() if r[0] != "ok")
+    own = [rank for rank in failed if not (len(replies[rank]) > 3 and replies[rank][3].get("peer"))]
+    return (own or failed)[0]
 
 
 def died(err: BaseException) -> str:

@@ -27,4 +27,5 @@ def memory_since(sampler, sent: dict) -> dict:
     rows = [dict(r) for r in sampler.phase_rows[sent["rows"] :]]
     sent["samples"], sent["rows"] = sampler.total, len(sampler.phase_rows)
     wall0 = time.time() - (time.perf_counter() - sampler.t0)
-    return {"wall0": wall0, "samples": samples, "rows": rows}
+    own = sampler.readers[0].budget is not None  # a rank held to its own budget: its host `used` is its own RSS
+    return {"wall0": wall0, "samples": samples, "rows": rows, "own_host": own}

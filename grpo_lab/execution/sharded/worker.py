@@ -60,6 +60,7 @@ class RankWorker:
         from ...lab import Lab
         from ...runtime import Runtime, init_decisions, runtime, set_runtime
         from .precheck import backend_for
+        from .rank_guard import cap_rank_gpu
 
         hf_logging.disable_progress_bar()  # why: N ranks' loading bars would interleave on the driver's stderr
         learner = config["placement"]["learner"]
@@ -70,6 +71,8 @@ class RankWorker:
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         try:
+            # why before any weight: every allocation of this rank is held to its budget
+            cap = cap_rank_gpu(config["placement"].get("rank_memory_gib"), device)
             dist.init_process_group(
                 backend_for(learner),
                 init_method=f"tcp://{master[0]}:{master[1]}",
@@ -89,7 +92,7 @@ class RankWorker:
         from ...memory.report import capacities_of
 
         info = {
-            "capacities": capacities_of(self.lab.memory),
+            "capacities": {**capacities_of(self.lab.memory), **({device: cap} if cap else {})},
             "step": self.lab.step_index,
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
@@ -103,7 +106,9 @@ class RankWorker:
         from .remote import serve_questions_on
 
         serve_questions_on(self)
-        notes = {"boundary": None, "blocked": False}
+        from ...runtime import PeerFailed, take_blocked
+
+        notes = {"boundary": None, "blocked": False, "peer": False}
         try:
             out, state = getattr(self, command)(*args)
             mine = self.rank == 0 or command in PER_RANK  # why: the others' copies are equal; no need to ship them
@@ -111,7 +116,7 @@ class RankWorker:
             notes["boundary"] = None if state is None else self.lab.step_index
         except BaseException as err:  # why so broad: the rank must answer, whatever happened
             status, value, state = "error", one_line(err), None
-        from ...runtime import take_blocked
+            notes["peer"] = isinstance(err, PeerFailed)  # another rank's failure: the driver names that rank's
 
         # why: a rank that failed where the others could not follow leaves them blocked in a collective; only the
         # driver, told here, can get them out (it restarts every rank)

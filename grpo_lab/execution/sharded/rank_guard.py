@@ -1,0 +1,118 @@
+"""Each rank's own memory budget (placement.rank_memory_gib), held by the rank itself: a CPU rank's sampler guards its
+process's RSS against the budget (`RankGuard`), a GPU rank's CUDA allocator is capped at it (`cap_rank_gpu`).
+
+Where it departs from the one-process guard: a rank may not stop alone (the others would wait for it in a
+collective), so its guard's word, at a phase's start and at its end, is agreed by every rank (runtime.agree): a phase
+one rank's guard fails fails on every rank, each undoes it, and the driver reports the rank that crossed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...memory.sampler import HostMemoryExceeded, MemorySampler
+
+GiB, MiB = 1024**3, 1024**2
+
+
+def rank_budget(config) -> Optional[float]:
+    """placement.rank_memory_gib in bytes (None: unset)."""
+    gib = config.placement.rank_memory_gib
+    return gib * GiB if gib else None
+
+
+def rank_sampler(config, devices: list[str], describe_offload) -> MemorySampler:
+    """A rank's memory sampler: a CPU rank with a budget guards its own RSS against it (RankGuard); otherwise the
+    rank guards nothing (its GPU is capped at load, cap_rank_gpu; the driver guards the machine's RAM)."""
+    budget = rank_budget(config) if config.placement.learner == "cpu" else None
+    kind = RankGuard if budget else MemorySampler
+    return kind(
+        devices,
+        config.memory.sample_hz,
+        config.memory.host_threshold,
+        describe_offload=describe_offload,
+        guard_host=budget is not None,
+        host_budget=budget,
+    )
+
+
+class RankGuard(MemorySampler):
+    """A CPU rank's sampler whose host guard holds this rank's process to placement.rank_memory_gib, every rank
+    taking the same branch on its word (see the module docstring)."""
+
+    def check_host(self, step: int, phase: str) -> None:
+        try:
+            super().check_host(step, phase)
+            mine = None
+        except HostMemoryExceeded as err:
+            mine = err
+        agreed = self._agreed(phase, mine)
+        if agreed is not None:
+            raise agreed
+
+    def veto(self, record, peak: dict, end: dict):
+        # (called only when the phase ended without an error, which every rank settled on together: lab._phase)
+        return self._agreed(record.phase, super().veto(record, peak, end))
+
+    def _agreed(self, phase: str, mine: Optional[HostMemoryExceeded]) -> Optional[Exception]:
+        """Every rank's word on `phase` (a collective): this rank's own crossing, another's as PeerFailed, or None."""
+        from ...runtime import PeerFailed, runtime
+
+        ranks = runtime().agree(mine is not None)
+        if not ranks:
+            return None
+        err = mine or PeerFailed(
+            f"{phase} failed on rank {', '.join(map(str, ranks))}: its process crossed its memory line "
+            "(placement.rank_memory_gib); every rank stopped it there and undid it"
+        )
+        err.agreed = True  # why: the phase's own decision (runtime.settle) must not wait for the others again
+        return err
+
+    def _exceeded(self, ratio: float, limit: float, where: str) -> HostMemoryExceeded:
+        from ...runtime import runtime
+
+        return HostMemoryExceeded(
+            f"rank {runtime().rank}'s process reached {ratio:.1%} of its {limit / GiB:.2f} GiB "
+            f"(placement.rank_memory_gib; memory.host_threshold={self.host_threshold}); {where}",
+            "lower this rank's peak (a gathered rollout: generator.gather_for_generation: false; a pass: "
+            "grpo.micro_batch_size; or more ranks), or raise placement.rank_memory_gib",
+        )
+
+
+def cap_rank_gpu(gib: Optional[float], device: str) -> Optional[float]:
+    """A GPU rank's CUDA allocator capped at `gib` (placement.rank_memory_gib) with
+    torch.cuda.set_per_process_memory_fraction, so an allocation past it is an out-of-memory error on that rank;
+    returns the cap in bytes (None: no budget, or a CPU rank)."""
+    if not gib or not device.startswith("cuda"):
+        return None
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(gib * GiB / total, 1.0), device)
+    return min(gib * GiB, total)
+
+
+def rank_peaks(sampler, since: int = 0) -> dict[str, dict]:
+    """Each rank's host peak in the driver's per-phase rows from index `since` (failed attempts included), against its
+    line (its budget x memory.host_threshold), in MiB: {'rank<k>/host': {peak_mib, phase, line_mib, over}}. The
+    figure is the guard's own `used`: a budgeted rank's RSS."""
+    from ...memory.report import capacities_of
+
+    capacities = capacities_of(sampler)
+    rows = [r for r in sampler.phase_rows[since:] if r["metric"] == "used" and r["device"] in capacities]
+    out = {}
+    for device in sorted({r["device"] for r in rows if r["device"].startswith("rank")}):
+        top = max((r for r in rows if r["device"] == device), key=lambda r: r["peak"])
+        line = capacities[device] * sampler.host_threshold
+        out[device] = {"peak_mib": top["peak"] / MiB, "phase": top["phase"], "line_mib": line / MiB}
+        out[device]["over"] = top["peak"] > line
+    return out
+
+
+def format_rank_peaks(peaks: dict) -> str:
+    """rank_peaks() as a table, one line per rank."""
+    lines = [f"{'rank':<12}{'peak MiB':>10}  {'during':<10}{'line MiB':>10}  verdict"]
+    for device, p in peaks.items():
+        verdict = "over its line" if p["over"] else "under its line"
+        lines.append(f"{device:<12}{p['peak_mib']:>10.1f}  {p['phase']:<10}{p['line_mib']:>10.1f}  {verdict}")
+    return "\n".join(lines)
