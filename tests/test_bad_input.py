@@ -106,6 +106,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
     "placement.gpu_memory_gib": "read the device",
     "placement.host_memory_gib": "this machine's RAM",
     "placement.ray_address": "a Ray on this machine, started by the Lab (for a sharded learner)",
+    "placement.rank_memory_gib": "no budget of its own per rank (the driver guards the machine)",
     "generator.chunk_size": "all sequences in one call",
     "generator.gpu_memory_utilization": "0.9 on a GPU of its own",
     "generator.model": "the learner's base",
