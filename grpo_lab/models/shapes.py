@@ -111,11 +111,15 @@ def read_model_config(path: Path, field: str) -> dict:
 def load_shape(name_or_path: str, field: str = "model.name_or_path") -> ModelShape:
     """Shape from `name_or_path/config.json`, else from the bundled copy of a known hub id; errors name `field`."""
     from .random_shapes import parse_random
-    from .source import resolve_model_path
+    from .source import BUILTIN, resolve_model_path
+    from .tiny import builtin_sizes
 
     random = parse_random(name_or_path)
     if random is not None:  # why here: a real shape is planned from its config.json, nothing built
         return ModelShape.from_config(random.hf_config(), field)
+    sizes = builtin_sizes(name_or_path.removeprefix(BUILTIN)) if name_or_path.startswith(BUILTIN) else None
+    if sizes is not None:  # a built-in tiny model: planned from its build arguments, nothing built or trained
+        return ModelShape.from_config(sizes, field)
     name_or_path = resolve_model_path(name_or_path)
     local = Path(name_or_path) / "config.json"
     bundled = BUNDLED / f"{bundled_name(name_or_path)}.json"

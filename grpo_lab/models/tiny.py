@@ -195,16 +195,17 @@ def _random_qwen2(
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    sizes = qwen2_sizes(
+        max(vocab_size, len(tokenizer)),
+        hidden_size,
+        num_layers,
+        intermediate_size,
+        num_attention_heads,
+        num_key_value_heads,
+        max_positions,
+    )
     config = Qwen2Config(
-        vocab_size=max(vocab_size, len(tokenizer)),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_attention_heads or hidden_size // 64,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=64,  # why: vLLM's CPU kernels
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+        **sizes,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -257,6 +258,43 @@ def _make_eos_reachable(model, tokenizer, probability: float) -> None:
             model.lm_head.weight[tokenizer.eos_token_id] = row.float()
     finally:
         torch.set_num_threads(threads)
+
+
+def qwen2_sizes(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    intermediate_size: Optional[int],
+    num_attention_heads: Optional[int],
+    num_key_value_heads: int,
+    max_positions: int,
+) -> dict:
+    """The config.json sizes of a tiny Qwen2 of these build arguments: the built model's, and the planner's before it
+    is built."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_attention_heads or hidden_size // 64,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": 64,  # why: vLLM's CPU kernels
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True,
+    }
+
+
+def builtin_sizes(name: str) -> Optional[dict]:
+    """The config.json sizes of built-in `name` (BUILTINS) without building it (why: planning `tiny-cpu` on a new
+    machine must not train a model first); None for another name. The vocabulary is the one asked for: the tokenizer
+    learns at most that many tokens."""
+    if name not in BUILTINS:
+        return None
+    import inspect
+
+    args = {k: p.default for k, p in inspect.signature(build_tiny_model).parameters.items() if p.default is not p.empty}
+    args.update(BUILTINS[name][1])
+    return qwen2_sizes(*(args[k] for k in inspect.signature(qwen2_sizes).parameters))
 
 
 def ensure_tiny_model(path: Union[str, Path], seed: int = 0, **shape) -> Path:

@@ -24,6 +24,11 @@ MiB = 1024**2
 CUDA_CONTEXT_ONLY, CUDA_WORKSPACE = 525 * MiB, 50 * MiB
 CUDA_CONTEXT = CUDA_CONTEXT_ONLY + CUDA_WORKSPACE  # what a process's use of a GPU costs beyond its tensors
 OUTSIDE_ALLOCATOR = ("CUDA context",)  # plan lines torch's allocated bytes never include
+# A CPU backward's peak over the tensors saved for it: the gradients alive in one layer's backward, while that layer's
+# saved tensors are freed, as a share of a layer's saved bytes. Measured from RSS at a pinned heap threshold
+# (memory.host_mmap_threshold_mib 0.125, where RSS follows the tensors): 0.27 and 0.28 on builtin:kv-heavy at 3,072 and
+# 8,192 tokens, with and without checkpointing
+CPU_BACKWARD_GRADIENTS = 0.3
 # A checkpointed layer's backward on a GPU: its recomputed saved tensors plus their gradients peak at 1.4x the
 # per-layer bytes activation_bytes counts (H100, Qwen2.5-0.5B's shape, micro-batches of 8 at 256 and 1,024 tokens:
 # 1.40 and 1.35), where the CPU's heap holds 2x
@@ -241,24 +246,31 @@ def activation_bytes(
     tokens = n * length
     h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, config.lora.r
     q = shape.heads * shape.head_dim  # the query/attention width: the hidden size in most models, not in all
-    # saved for backward, per token and layer: the norms' and MLP's inputs (4h, 4i), the query path (3q: q, its
-    # rotated copy, the attention output o_proj reads) and the key/value path (3kv), the LoRA A outputs; on the CPU
-    # also the attention probabilities, [heads, length] per token (torch's CPU attention keeps them for backward;
-    # a GPU's fused kernels do not). Measured on builtin:kv-heavy (q = 4h), float32, 16 x 192 tokens without
-    # checkpointing: backward 1,384 MiB against 1,017 planned when q was taken as h and the probabilities left out
-    attention = shape.heads * length * e if on_cpu else 0
-    per_layer = (4 * h + 3 * q + 3 * kv + 4 * i) * e + 7 * r * 4 + attention
+    if on_cpu:
+        # what torch keeps for backward per token and layer on the CPU, counted with saved_tensors_hooks
+        # (tests/test_planner_saved.py): the norms' inputs and outputs (4h), four tensors at the query's width (the
+        # query, the key and value expanded to it for SDPA, the attention output), the MLP's four (4i), SDPA's float
+        # mask row (length) and log-sum-exp (heads), the norms' two scalars, the LoRA A outputs. torch's CPU flash
+        # attention keeps no probabilities (an earlier plan counted them, fitting glibc's heap holes instead)
+        per_layer = (4 * h + 4 * q + 4 * i + length + shape.heads + 2) * e + 7 * r * 4
+    else:
+        # on a GPU, per token and layer: the norms' and MLP's inputs (4h, 4i), the query path (3q: q, its rotated
+        # copy, the attention output o_proj reads) and the key/value path (3kv), the LoRA A outputs (fitted to the
+        # H100 records of tests/test_long_sequences.py and tests/test_gpu_check.py)
+        per_layer = (4 * h + 3 * q + 3 * kv + 4 * i) * e + 7 * r * 4
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
     if config.model.gradient_checkpointing and on_cpu:
-        stored = shape.layers * h * e * tokens + 2 * per_layer * tokens  # layer inputs + one layer recomputed
+        stored = shape.layers * h * e * tokens + (1 + CPU_BACKWARD_GRADIENTS) * per_layer * tokens  # inputs + one layer
     elif config.model.gradient_checkpointing:
         # why the larger of the head and the layer, not both: on a GPU the head's buffers go back to the caching
         # allocator before the layers' backward reuses them (the CPU's heap keeps them, so there both are planned)
         layer = GPU_LAYER_RECOMPUTE * per_layer * tokens
         inputs = OFFLOAD_IN_FLIGHT if config.model.activation_offload else shape.layers
         stored = inputs * h * e * tokens + max(layer - head, 0.0)
+    elif on_cpu:
+        stored = (shape.layers + CPU_BACKWARD_GRADIENTS) * per_layer * tokens
     else:
         stored = shape.layers * per_layer * tokens + per_layer * tokens
     in_heap = head_in_heap(config, shape, rows, on_cpu)
@@ -269,6 +281,7 @@ def activation_bytes(
     forward = per_layer * tokens + h * e * tokens
     return {
         "activations": stored,
+        "saved": shape.layers * per_layer * tokens,  # what a forward without checkpointing keeps for backward
         # the layer inputs activation offload keeps on the host (pinned), on a GPU learner
         "offloaded inputs": shape.layers * h * e * tokens if config.model.activation_offload and not on_cpu else 0,
         "log-prob head": head,
