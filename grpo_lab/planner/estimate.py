@@ -80,7 +80,8 @@ HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 22 / 6, 32 * 1024**2
 HEAP_HOLES_CAVEAT = (
     "host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) leaves heap holes this "
     "plan widens only for the log-prob head; a CPU learner's phases measured up to 1.19x their plan "
-    "(the peak up to 1.10x), with one-off spikes to 1.58x. 0.125 holds them within 1.1, at 1.2-2.5x "
+    "(the peak up to 1.10x), with one-off spikes to 1.58x, and a wide model's backward without checkpointing "
+    "1.36x (builtin:kv-heavy). 0.125 holds them within 1.1, at 1.2-2.5x "
     "the CPU step time"
 )
 # vLLM on the CPU, in this process: its modules and engine state beside its weights and the KV cache it reserves
