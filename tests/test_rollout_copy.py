@@ -5,9 +5,7 @@ plan fits it; a copy the plan cannot fit is refused in one line naming the path 
 
 from __future__ import annotations
 
-import gc
 import hashlib
-import weakref
 
 import pytest
 import torch
@@ -85,26 +83,62 @@ def test_a_seeded_sample_draws_the_same_tokens_and_log_probs_from_the_copy(lab):
     torch.testing.assert_close(plain.sampler_logprobs, merged.sampler_logprobs, rtol=0, atol=1e-4)
 
 
-def test_a_merged_rollout_leaves_the_4bit_base_and_the_lora_bit_for_bit_and_drops_its_copy(lab, monkeypatch):
-    import grpo_lab.generation.rollout_copy as rollout_copy
-
+def test_a_merged_rollout_leaves_the_4bit_base_and_the_lora_bit_for_bit_and_releases_its_weights(lab):
     model = lab.executor.learner.model
     before = digest(model)
     assert any("absmax" in n or "quant_state" in n for n in model.state_dict())  # the 4-bit quant state is in it
-    copies = []
-    real = rollout_copy.merged_copy
-
-    def kept(*args, **kwargs):
-        copy = real(*args, **kwargs)
-        copies.append(weakref.ref(copy))
-        return copy
-
-    monkeypatch.setattr(rollout_copy, "merged_copy", kept)
     rollout(lab, "merged")
-    gc.collect()
     assert digest(model) == before
-    assert len(copies) == 1 and copies[0]() is None  # built once for the rollout, gone after it
+    copy = lab.executor.generator.rollout_copy
+    assert copy.module is not None and copy.held_bytes() == 0  # kept for the next rollout, its weights given back
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)  # the learner still trains
+
+
+def test_three_merged_rollouts_in_one_lab_reuse_one_copy_refreshed_to_a_fresh_merge_bit_for_bit(tiny_model):
+    """Compile once per Lab (issue 50): one module for every rollout, so torch.compile and CUDA graphs meet it again;
+    at each rollout its weights are re-made in place from the LoRA of that moment, equal to a fresh merge bit for bit
+    (a stale weight, or a refresh that skipped the LoRA, differs: the LoRA moves between rollouts here)."""
+    from grpo_lab.generation.rollout_copy import merged_copy
+
+    lab = greedy_lab(tiny_model)
+    try:
+        copy, model = lab.executor.generator.rollout_copy, lab.executor.learner.model
+        real, seen = copy.model_for, []
+
+        def watched(source, decode):  # compares the copy with a fresh merge while the rollout holds it
+            context = real(source, decode)
+
+            class Watch:
+                def __enter__(self):
+                    module = context.__enter__()
+                    fresh = merged_copy(source, copy.dtype)
+                    same = all(
+                        torch.equal(a, b) for a, b in zip(module.state_dict().values(), fresh.state_dict().values())
+                    )
+                    seen.append((id(module), same, copy.held_bytes()))
+                    return module
+
+                def __exit__(self, *exc):
+                    return context.__exit__(*exc)
+
+            return Watch()
+
+        copy.model_for = watched
+        tokens = []
+        for shift in range(3):
+            with torch.no_grad():  # the LoRA moves between rollouts, as an update would move it
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.add_(0.05 * (shift + 1))
+            tokens.append(rollout(lab, "merged").completion_ids)
+        assert len({module for module, _, _ in seen}) == 1 and copy.builds == 1, seen
+        assert all(same and held > 0 for _, same, held in seen), seen
+        assert copy.held_bytes() == 0
+        assert not torch.equal(tokens[0], tokens[2]) or tokens[0].shape != tokens[2].shape  # the LoRA did move them
+        copy.model_for = real
+        assert torch.equal(rollout(lab, "dynamic").completion_ids, tokens[2])  # the last merge samples the learner's
+    finally:
+        lab.close()
 
 
 def test_the_copy_shares_what_it_does_not_merge():

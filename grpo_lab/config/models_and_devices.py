@@ -248,7 +248,8 @@ class GeneratorSection(Section):
         "preallocated for the whole rollout (fixed shapes); compiled = static plus CUDA graphs over the 4-bit + LoRA "
         "decode step (torch.compile, mode reduce-overhead; a GPU learner only; the first rollout compiles); merged = "
         "a rollout copy: every 4-bit + LoRA linear dequantized to the compute dtype with the LoRA merged in (W + BA), "
-        "built at each rollout and freed after it (a planned line; no 4-bit dequantization or LoRA wrapper per token; "
+        "one per Lab, refreshed in place at each rollout and its weights released after it (a planned line; no 4-bit "
+        "dequantization or LoRA wrapper per token; "
         "on a GPU its decode step runs as CUDA graphs too); auto = merged where the plan fits the copy, else compiled "
         "on a GPU, else dynamic (the plan and the run say which). Greedy decoding gives the same tokens on every path.",
     )

@@ -18,7 +18,7 @@ from ..memory.heap import trim_host_heap
 from ..models.source import resolve_model_path
 from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
-from .rollout_copy import rollout_model
+from .rollout_copy import RolloutCopy
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
 # repetition penalty), then from transformers' defaults (top_k 50): neither is what the request asked for.
@@ -47,7 +47,8 @@ class HFGenerator(Generator):
         check_hf_placement(config)
         self.learner = learner
         model = config.model  # why the compute dtype: the copy's weights are in what the 4-bit matmul computes in
-        self.copy_dtype = getattr(torch, model.bnb_4bit_compute_dtype if model.load_in_4bit else model.dtype)
+        dtype = getattr(torch, model.bnb_4bit_compute_dtype if model.load_in_4bit else model.dtype)
+        self.rollout_copy = RolloutCopy(dtype)  # generator.hf_decode: merged: one copy for the Lab's rollouts
 
     def sync(self, learner) -> None:
         """Nothing to do: generation reads the learner's own LoRA weights."""
@@ -64,7 +65,7 @@ class HFGenerator(Generator):
 
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
-        with rollout_model(self.learner.model, request.decode, self.copy_dtype) as model:  # merged: the rollout copy
+        with self.rollout_copy.model_for(self.learner.model, request.decode) as model:  # merged: the Lab's one copy
             return self.generate_in_chunks(
                 batch,
                 num_generations,

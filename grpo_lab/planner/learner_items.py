@@ -159,7 +159,8 @@ def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> No
             "rollout copy (LoRA merged)",
             rollout_copy_bytes(shape, config),
             f"{count(shape.linear_params)} linear weights dequantized to {compute_dtype(config)} with the LoRA merged "
-            f"in; built at the rollout, freed after it (generator.hf_decode: {gen.hf_decode})",
+            f"in; one per Lab, refreshed in place at each rollout, released after it "
+            f"(generator.hf_decode: {gen.hf_decode})",
             phase="rollout",
         )
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
