@@ -373,6 +373,27 @@ def test_hf_decode_picks_the_next_rollouts_kv_cache(lab, monkeypatch):
     assert made
 
 
+@observes("generator.park_learner")
+def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monkeypatch):
+    """true: the next merged rollout decodes with the learner's 4-bit base, LoRA and AdamW in host memory
+    (tests/test_park.py: bit for bit after it, the same tokens)."""
+    import grpo_lab.generation.hf as hf
+
+    sizes, real = [], hf.parked
+
+    def watched(tensors):
+        sizes.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(hf, "parked", watched)
+    lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})
+    lab.rollout()
+    assert not sizes  # off: the merged rollout parked nothing
+    lab.configure({"generator.park_learner": True})
+    lab.rollout()
+    assert sizes and sizes[0] > 0
+
+
 @observes("grpo.num_generations", "grpo.prompts_per_step")
 def test_group_size_and_prompts_per_step_shape_the_next_rollout(lab):
     lab.configure({"grpo.num_generations": 2, "grpo.prompts_per_step": 3, "generator.max_completion_length": 2})

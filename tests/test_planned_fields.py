@@ -35,6 +35,7 @@ VARIANTS = [
     ["placement.gpu_memory_gib=1"],
     ["placement.host_memory_gib=0.5"],
     ["generator.backend=vllm", "generator.gpu_memory_utilization=auto"],
+    ["generator.hf_decode=merged"],
 ]
 # values no type or context offers
 EXTRA = {"lora.target_modules": [["q_proj", "v_proj"]]}

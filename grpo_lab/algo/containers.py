@@ -200,6 +200,7 @@ class GenerationRequest:
     gather_for_generation: bool = True  # a sharded hf learner: full weights for the rollout, or one layer at a time
     full_length: bool = False  # the worst-case probe: stop tokens suppressed until max_completion_length
     decode: str = "dynamic"  # the hf rollout's decode path (generator.hf_decode; auto resolved by the executor)
+    park_learner: bool = False  # generator.park_learner: the learner's state in host memory while the copy decodes
 
     @classmethod
     def from_config(cls, config, full_length: bool = False, decode: Optional[str] = None) -> "GenerationRequest":
@@ -214,4 +215,5 @@ class GenerationRequest:
             gen.gather_for_generation,
             full_length,
             decode or gen.hf_decode,
+            gen.park_learner,
         )

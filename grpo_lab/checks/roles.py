@@ -29,6 +29,12 @@ def check_roles(config) -> None:
             f"generator.hf_decode: backend {gen.backend!r} decodes in its own engine; hf_decode is the hf backend's "
             "(set it to dynamic, or generator.backend: hf)"
         )
+    if gen.park_learner and (own or gen.hf_decode not in ("merged", "auto")):
+        raise ValueError(
+            "generator.park_learner: parks the learner while the hf backend's merged rollout copy decodes, and this "
+            f"rollout {'decodes in its own engine' if own else f'decodes {gen.hf_decode!r}'}; set generator.hf_decode: "
+            "merged (or auto), or generator.park_learner: false"
+        )
     if gen.hf_decode == "compiled" and not place.learner.startswith("cuda"):
         raise ValueError(
             f"generator.hf_decode: 'compiled' captures CUDA graphs, and the learner is on {place.learner}; use merged, "

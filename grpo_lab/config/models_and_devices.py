@@ -253,6 +253,15 @@ class GeneratorSection(Section):
         "on a GPU its decode step runs as CUDA graphs too); auto = merged where the plan fits the copy, else compiled "
         "on a GPU, else dynamic (the plan and the run say which). Greedy decoding gives the same tokens on every path.",
     )
+    park_learner: bool = knob(
+        "live",
+        False,
+        planned=True,
+        description="hf backend, generator.hf_decode merged (or auto resolved to it): while the rollout copy decodes, "
+        "the learner's 4-bit base, LoRA and AdamW state wait in host memory (pinned, from a GPU) and come back bit for "
+        "bit after it, also when the rollout raises, so the copy and its KV cache have the card (planned on both "
+        "sides; on a CPU learner it frees nothing). Refused with another decode path.",
+    )
 
     @property
     def own_weights(self) -> bool:

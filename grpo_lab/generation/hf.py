@@ -7,7 +7,7 @@ importance-sampling correction use. It stops on `eos_token_ids`, the vllm backen
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from ..algo.logprobs import precision
 from ..errors import LabError
 from ..memory.heap import trim_host_heap
+from ..models.park import parked, parked_tensors
 from ..models.source import resolve_model_path
 from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
@@ -65,7 +66,10 @@ class HFGenerator(Generator):
 
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
-        with self.rollout_copy.model_for(self.learner.model, request.decode) as model:  # merged: the Lab's one copy
+        with (
+            self.rollout_copy.model_for(self.learner.model, request.decode) as model,  # merged: the Lab's one copy
+            self.parking(request),
+        ):
             return self.generate_in_chunks(
                 batch,
                 num_generations,
@@ -74,6 +78,13 @@ class HFGenerator(Generator):
                     prompt_ids, request, seeds[rows.start : rows.stop], width, model
                 ),
             )
+
+    def parking(self, request: GenerationRequest):
+        """generator.park_learner: the learner's state the copy never reads in host memory while the copy decodes (its
+        merge is made first, from the base and LoRA on the device)."""
+        if not request.park_learner or request.decode != "merged":  # (auto resolved to another path: nothing to park)
+            return nullcontext()
+        return parked(parked_tensors(self.learner.model, self.learner.optimizer))
 
     @torch.no_grad()  # why: a rollout needs no autograd graph
     def generate_chunk(

@@ -19,6 +19,7 @@ from .estimate import (
     compute_bytes,
     generation_step_bytes,
     kv_cache_bytes,
+    nf4_bits,
     unit_bytes,
 )
 from .parts import head_note
@@ -45,7 +46,7 @@ def add_learner(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shap
     elif config.generator.backend == "synthetic":  # nothing sampled: no KV cache, no decoding step
         lrn.roles.append("generator (synthetic: fixed full-length completions)")
     else:
-        add_hf_rollout(lrn, config, shape, procs)
+        add_hf_rollout(lrn, host, config, shape, procs)
     return add_passes(lrn, ref, host, config, shape, procs, on_cpu)
 
 
@@ -129,7 +130,16 @@ def compute_dtype(config) -> str:
     return config.model.bnb_4bit_compute_dtype if config.model.load_in_4bit else config.model.dtype
 
 
-def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> None:
+def parked_state_bytes(shape: ModelShape, config) -> float:
+    """generator.park_learner: what waits in host memory while the rollout copy decodes (models/park.py): the 4-bit
+    bases with their quant state, LoRA, and AdamW's moments where they are the learner's (not offloaded)."""
+    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    model = config.model
+    base = shape.linear_params * nf4_bits(model.bnb_4bit_use_double_quant) / 8 if model.load_in_4bit else 0.0
+    return base + lora * 4 + (0.0 if config.placement.optimizer_offload else lora * 8)
+
+
+def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """The hf backend's rollout with the learner's own weights: the whole batch (on every rank), through the model
     gathered whole or layer by layer when sharded."""
     gen, grpo = config.generator, config.grpo
@@ -163,6 +173,16 @@ def add_hf_rollout(lrn: DevicePlan, config, shape: ModelShape, procs: int) -> No
             f"(generator.hf_decode: {gen.hf_decode})",
             phase="rollout",
         )
+    if procs == 1 and decode == "merged" and gen.park_learner:
+        parked = parked_state_bytes(shape, config)
+        # why both sides: the card is freed of it for the rollout, and host memory (pinned from a GPU) holds it then
+        lrn.add(
+            "learner state parked",
+            -parked,
+            "4-bit base, LoRA, AdamW in host memory (generator.park_learner)",
+            "rollout",
+        )
+        host.add("parked learner state", parked, "from the learner while the copy decodes; back after it", "rollout")
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
     lrn.add(

@@ -127,7 +127,9 @@ def build(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, D
         return devices, {}, micro
     from ..config.loading import load_config
 
-    devices, micro = build_devices(load_config(config, [f"generator.hf_decode={decode}"]), shape)
+    # why park_learner off on another path: it parks the learner for the merged copy alone (models/park.py)
+    unparked = [] if decode == "merged" else ["generator.park_learner=false"]
+    devices, micro = build_devices(load_config(config, [f"generator.hf_decode={decode}", *unparked]), shape)
     for d in devices.values():
         d.roles = [r.replace(f"decode {decode})", f"decode {decode} (auto))") for r in d.roles]
     return devices, {}, micro

@@ -6,7 +6,7 @@ from .estimate import PHASES, GiB
 
 
 def size(nbytes: float) -> str:
-    return f"{nbytes / GiB:>8.2f} GiB" if nbytes >= GiB else f"{nbytes / 1024**2:>8.1f} MiB"
+    return f"{nbytes / GiB:>8.2f} GiB" if abs(nbytes) >= GiB else f"{nbytes / 1024**2:>8.1f} MiB"
 
 
 def _item(what: str, nbytes: float, note: str = "", indent: int = 2) -> str:
