@@ -105,13 +105,16 @@ def check_rollout_copy(config: LabConfig) -> None:
     if with_copy.fits:
         return
     fallback = "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
-    if not plan(load_config(config, [f"generator.hf_decode={fallback}"])).fits:
+    parks = not config.generator.park_learner and plan(load_config(config, ["generator.park_learner=true"])).fits
+    fits = plan(load_config(config, [f"generator.hf_decode={fallback}", "generator.park_learner=false"])).fits
+    if not (parks or fits):
         return  # it does not fit either way: the plan's own refusal names the fixes
     device = max(with_copy.failing(), key=lambda d: d.fraction)
     copy = sum(i.bytes for i in device.items if i.what.startswith("rollout copy"))
     gib = 1024**3
+    fixes = (["generator.park_learner: true (the learner's state in host memory while the copy decodes; fits)"] if parks
+             else []) + ([f"generator.hf_decode: {fallback} (fits), or auto (picks it)"] if fits else [])  # fmt: skip
     raise LabError(
         f"generator.hf_decode: merged needs a {copy / gib:.2f} GiB rollout copy on {device.device}, and with it the "
-        f"plan does not fit ({device.total / gib:.1f} of {device.capacity / gib:.1f} GiB); use {fallback} (fits), or "
-        "auto (picks it)"
+        f"plan does not fit ({device.total / gib:.1f} of {device.capacity / gib:.1f} GiB); use " + "; or ".join(fixes)
     )

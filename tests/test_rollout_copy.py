@@ -197,7 +197,12 @@ def test_the_plan_has_the_copys_line_and_auto_picks_the_copy_where_it_fits(tiny_
         check_rollout_copy(gpu("merged", 16))
     line = str(err.value)
     assert line.startswith("generator.hf_decode: merged needs a 1") and "on cuda:0" in line, line
-    assert "use compiled (fits)" in line and "\n" not in line
+    assert "use generator.hf_decode: compiled (fits)" in line and "park_learner" not in line and "\n" not in line
+    with pytest.raises(LabError) as err:  # 18 GiB: parked, the copy fits (19.9 GiB planned unparked, 16.3 parked)
+        check_rollout_copy(gpu("merged", 18))
+    line = str(err.value)
+    assert "use generator.park_learner: true" in line and "generator.hf_decode: compiled (fits)" in line, line
+    check_rollout_copy(load_config(gpu("merged", 18), ["generator.park_learner=true"]))  # parked: nothing to say
 
 
 def test_a_merged_rollout_on_a_sharded_learner_is_refused_in_one_line(tiny_config):
