@@ -373,6 +373,22 @@ def test_hf_decode_picks_the_next_rollouts_kv_cache(lab, monkeypatch):
     assert made
 
 
+@observes("generator.drop_finished_rows")
+def test_drop_finished_rows_lets_rows_leave_the_next_rollout(lab, monkeypatch):
+    """true: the next rollout's generate() call ends once half its rows are done, and the rest go on without them
+    (tests/test_leaving.py: the same tokens)."""
+    import grpo_lab.generation.leaving as leaving
+
+    thresholds, real = [], leaving.LeaveAtBucket
+    monkeypatch.setattr(leaving, "LeaveAtBucket", lambda *a: thresholds.append(a[2]) or real(*a))
+    rng = torch.get_rng_state()  # why: the later tests' rollouts draw what they drew before this one was added
+    lab.rollout()
+    lab.configure({"generator.drop_finished_rows": True})
+    lab.rollout()
+    torch.set_rng_state(rng)
+    assert thresholds[0] == -1 and thresholds[1] >= 1  # off: one call to the end; on: rows leave at half
+
+
 @observes("generator.park_learner")
 def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monkeypatch):
     """true: the next merged rollout decodes with the learner's 4-bit base, LoRA and AdamW in host memory

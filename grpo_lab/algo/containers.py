@@ -201,6 +201,7 @@ class GenerationRequest:
     full_length: bool = False  # the worst-case probe: stop tokens suppressed until max_completion_length
     decode: str = "dynamic"  # the hf rollout's decode path (generator.hf_decode; auto resolved by the executor)
     park_learner: bool = False  # generator.park_learner: the learner's state in host memory while the copy decodes
+    drop_finished_rows: bool = False  # generator.drop_finished_rows: finished rows leave the batch at bucket boundaries
 
     @classmethod
     def from_config(cls, config, full_length: bool = False, decode: Optional[str] = None) -> "GenerationRequest":
@@ -216,4 +217,5 @@ class GenerationRequest:
             full_length,
             decode or gen.hf_decode,
             gen.park_learner,
+            gen.drop_finished_rows,
         )

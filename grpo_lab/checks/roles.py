@@ -29,6 +29,21 @@ def check_roles(config) -> None:
             f"generator.hf_decode: backend {gen.backend!r} decodes in its own engine; hf_decode is the hf backend's "
             "(set it to dynamic, or generator.backend: hf)"
         )
+    static = gen.hf_decode in ("static", "compiled") or (
+        place.learner.startswith("cuda") and gen.hf_decode in ("merged", "auto")  # (CUDA graphs over a static cache)
+    )
+    if gen.drop_finished_rows and (own or static or place.learner_procs > 1):
+        where = (
+            "decodes in its own engine"
+            if own
+            else "is sharded"
+            if place.learner_procs > 1
+            else f"decodes {gen.hf_decode!r} with a static cache on {place.learner}"
+        )
+        raise ValueError(
+            f"generator.drop_finished_rows: rows leave a growing KV cache, and this rollout {where}; set "
+            "generator.hf_decode: dynamic (one process, hf backend), or generator.drop_finished_rows: false"
+        )
     if gen.park_learner and (own or gen.hf_decode not in ("merged", "auto")):
         raise ValueError(
             "generator.park_learner: parks the learner while the hf backend's merged rollout copy decodes, and this "

@@ -253,6 +253,14 @@ class GeneratorSection(Section):
         "on a GPU its decode step runs as CUDA graphs too); auto = merged where the plan fits the copy, else compiled "
         "on a GPU, else dynamic (the plan and the run say which). Greedy decoding gives the same tokens on every path.",
     )
+    drop_finished_rows: bool = knob(
+        "live",
+        False,
+        description="hf backend, decoding with the growing cache (hf_decode dynamic, or merged / auto on a CPU "
+        "learner): finished rows leave the batch at bucket boundaries (once at most half the rows are unfinished, then "
+        "a quarter...), their KV cache dropped, so a group whose completions mostly ended stops paying for full width; "
+        "each row keeps its own sampling stream, so its tokens are the same. Refused where the cache is static.",
+    )
     park_learner: bool = knob(
         "live",
         False,

@@ -19,6 +19,7 @@ from ..models.park import parked, parked_tensors
 from ..models.source import resolve_model_path
 from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
+from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
@@ -92,7 +93,7 @@ class HFGenerator(Generator):
     ) -> list[Sample]:
         """Sample `prompt_ids`, row i with `seeds[i]` (None: seeds drawn here), left-padded to at least `width`, with
         `model` (the learner's own by default; generator.hf_decode: merged, its rollout copy)."""
-        from transformers import LogitsProcessorList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         model, tok = self.learner.model if model is None else model, self.tokenizer
         seeds = row_seeds(len(prompt_ids)) if seeds is None else seeds
@@ -104,7 +105,27 @@ class HFGenerator(Generator):
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         settings = self._settings(request)
-        recorder = SampledLogprobs()
+        samplers = sampler(request, seeds)  # per-row streams, kept across the calls of a rollout whose rows leave
+
+        def call(ids, mask, cache, max_new_tokens, stop):
+            recorder = SampledLogprobs()
+            out = model.generate(
+                input_ids=ids.to(self.learner.device),
+                attention_mask=mask.to(self.learner.device),
+                generation_config=settings,
+                synced_gpus=synced,
+                past_key_values=cache,
+                max_new_tokens=max_new_tokens,
+                stopping_criteria=StoppingCriteriaList([stop]),
+                return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList(
+                    [*sampling_processors(request), recorder, *samplers, *self._step_hooks()]
+                ),
+            )
+            new = out.sequences[:, ids.shape[1] :]
+            return out.sequences, out.past_key_values, recorder.finish(new).cpu()  # why CPU: a Rollout lives there
+
+        leave = request.drop_finished_rows and not synced and settings.cache_implementation is None
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
         contiguous = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(),))
@@ -114,14 +135,14 @@ class HFGenerator(Generator):
                 compiled_decode(model, request.decode),
                 precision(self.learner.model),  # why: the rollout samples in the numerics the log-prob passes score in
             ):
-                sequences = model.generate(
-                    input_ids=input_ids.to(self.learner.device),
-                    attention_mask=attention.to(self.learner.device),
-                    generation_config=settings,
-                    synced_gpus=synced,
-                    logits_processor=LogitsProcessorList(
-                        [*sampling_processors(request), recorder, *sampler(request, seeds), *self._step_hooks()]
-                    ),
+                tokens, logprobs = decode_leaving(
+                    call,
+                    input_ids,
+                    attention,
+                    request.max_completion_length,
+                    self.eos_token_ids,
+                    lambda kept: keep_sampler_rows(samplers, kept),
+                    leave,
                 )
         except RuntimeError as err:
             if "probability tensor contains" not in str(err):  # InverseCdfSampler on inf/nan probabilities
@@ -133,11 +154,7 @@ class HFGenerator(Generator):
             ) from None
         finally:
             contiguous.remove()
-        new_tokens = sequences[:, width:]
-        logprobs = recorder.finish(new_tokens).cpu()  # why: a Rollout lives on the CPU; the device keeps nothing of it
-        return [
-            self._sample(row, lp, self.eos_token_ids) for row, lp in zip(new_tokens.cpu().tolist(), logprobs.tolist())
-        ]
+        return [self._sample(row, lp, self.eos_token_ids) for row, lp in zip(tokens, logprobs)]
 
     def _settings(self, request: GenerationRequest):
         """The GenerationConfig of a rollout: every field set (NEUTRAL), stopping on this generator's EOS set."""
