@@ -1,7 +1,8 @@
 """generator.drop_finished_rows against one call to the end (issue 50), side by side in one process: each rollout
-samples the same rows with the same seeds, off and on in alternating order (after one warm-up rollout), `--repeats` times each, so both see the same
-machine. Prints one JSON line per rollout (seconds, completion tokens, tokens per second, generate() calls) and a
-summary line with the medians and their ratio; the sampled tokens must be equal (checked, else exit 1).
+samples the same rows with the same seeds, off and on in alternating order after one warm-up rollout, `--repeats`
+times each, so both see the same machine. Prints one JSON line per rollout (seconds, completion tokens, tokens per
+second, generate() calls) and a summary line with the medians and their ratio; the sampled tokens must be equal
+(checked, else exit 1).
 
     python -m bench.probes.rows_leaving                       # tiny-random, 16 rows x up to 256 tokens, sampled
     python -m bench.probes.rows_leaving --model builtin:qwen2-152k --length 128
@@ -46,7 +47,8 @@ def main(argv=None) -> int:
     try:
         lab.rollout()  # warm-up: the first rollout's one-off costs are neither side's
         for repeat in range(args.repeats):
-            for leave in (False, True) if repeat % 2 == 0 else (True, False):  # why alternate: a warm-up favours the second
+            order = (False, True) if repeat % 2 == 0 else (True, False)  # why alternate: neither side always second
+            for leave in order:
                 lab.configure({"generator.drop_finished_rows": leave})
                 calls.clear()
                 torch.manual_seed(repeat)  # the rows' seeds: the same rollout both ways
