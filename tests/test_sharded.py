@@ -153,6 +153,7 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
     import os
     import signal
     import threading
+    import time
 
     results, _ = one_process
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
@@ -160,7 +161,18 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
         before = lab.inspect()
         pids = list(lab.executor.ranks.pids)
         lab.configure(generator={"gather_for_generation": False, "chunk_size": 1})  # ~2 s of rollout
-        interrupt = threading.Timer(0.6, lambda: [os.kill(pid, signal.SIGINT) for pid in [*pids, os.getpid()]])
+
+        def interrupt_mid_rollout():
+            """SIGINT 0.3 s into the rollout phase, timed from its start (why not from before the call: a fixed delay
+            once landed after a quick rollout had returned, and the interrupt was never raised)."""
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (lab.memory.running() or (0, ""))[1] != "rollout":
+                time.sleep(0.01)
+            time.sleep(0.3)
+            for pid in [*pids, os.getpid()]:
+                os.kill(pid, signal.SIGINT)
+
+        interrupt = threading.Thread(target=interrupt_mid_rollout)
         interrupt.start()
         with pytest.raises(KeyboardInterrupt) as err:
             lab.rollout()
