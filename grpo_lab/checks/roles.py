@@ -29,27 +29,7 @@ def check_roles(config) -> None:
             f"generator.hf_decode: backend {gen.backend!r} decodes in its own engine; hf_decode is the hf backend's "
             "(set it to dynamic, or generator.backend: hf)"
         )
-    static = gen.hf_decode in ("static", "compiled") or (
-        place.learner.startswith("cuda") and gen.hf_decode in ("merged", "auto")  # (CUDA graphs over a static cache)
-    )
-    if gen.drop_finished_rows and (own or static or place.learner_procs > 1):
-        where = (
-            "decodes in its own engine"
-            if own
-            else "is sharded"
-            if place.learner_procs > 1
-            else f"decodes {gen.hf_decode!r} with a static cache on {place.learner}"
-        )
-        raise ValueError(
-            f"generator.drop_finished_rows: rows leave a growing KV cache, and this rollout {where}; set "
-            "generator.hf_decode: dynamic (one process, hf backend), or generator.drop_finished_rows: false"
-        )
-    if gen.park_learner and (own or gen.hf_decode not in ("merged", "auto")):
-        raise ValueError(
-            "generator.park_learner: parks the learner while the hf backend's merged rollout copy decodes, and this "
-            f"rollout {'decodes in its own engine' if own else f'decodes {gen.hf_decode!r}'}; set generator.hf_decode: "
-            "merged (or auto), or generator.park_learner: false"
-        )
+    check_rollout_knobs(place, gen, own)
     if gen.hf_decode == "compiled" and not place.learner.startswith("cuda"):
         raise ValueError(
             f"generator.hf_decode: 'compiled' captures CUDA graphs, and the learner is on {place.learner}; use merged, "
@@ -75,6 +55,31 @@ def check_roles(config) -> None:
         raise ValueError(
             "placement.optimizer_offload: the learner is on the CPU, so its optimizer state is in host RAM "
             "already; set it to false or place the learner on a GPU"
+        )
+
+
+def check_rollout_knobs(place, gen, own: bool) -> None:
+    """The hf rollout's own knobs: rows that leave need a growing cache; parking needs the merged copy."""
+    static = gen.hf_decode in ("static", "compiled") or (
+        place.learner.startswith("cuda") and gen.hf_decode in ("merged", "auto")  # (CUDA graphs over a static cache)
+    )
+    if gen.drop_finished_rows and (own or static or place.learner_procs > 1):
+        where = (
+            "decodes in its own engine"
+            if own
+            else "is sharded"
+            if place.learner_procs > 1
+            else f"decodes {gen.hf_decode!r} with a static cache on {place.learner}"
+        )
+        raise ValueError(
+            f"generator.drop_finished_rows: rows leave a growing KV cache, and this rollout {where}; set "
+            "generator.hf_decode: dynamic (one process, hf backend), or generator.drop_finished_rows: false"
+        )
+    if gen.park_learner and (own or gen.hf_decode not in ("merged", "auto")):
+        raise ValueError(
+            "generator.park_learner: parks the learner while the hf backend's merged rollout copy decodes, and this "
+            f"rollout {'decodes in its own engine' if own else f'decodes {gen.hf_decode!r}'}; set generator.hf_decode: "
+            "merged (or auto), or generator.park_learner: false"
         )
 
 

@@ -8,6 +8,7 @@ importance-sampling correction use. It stops on `eos_token_ids`, the vllm backen
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -87,14 +88,34 @@ class HFGenerator(Generator):
             return nullcontext()
         return parked(parked_tensors(self.learner.model, self.learner.optimizer))
 
+    def generate_once(self, model, settings, synced, request, samplers, ids, mask, cache, max_new_tokens, stop):
+        """One generate() call of a rollout (generation/leaving.py may make several, going on from `cache`): its
+        sequences, its KV cache and the sampler log-probs of its new tokens."""
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        recorder = SampledLogprobs()
+        out = model.generate(
+            input_ids=ids.to(self.learner.device),
+            attention_mask=mask.to(self.learner.device),
+            generation_config=settings,
+            synced_gpus=synced,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            stopping_criteria=StoppingCriteriaList([stop]),
+            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList(
+                [*sampling_processors(request), recorder, *samplers, *self._step_hooks()]
+            ),
+        )
+        new = out.sequences[:, ids.shape[1] :]
+        return out.sequences, out.past_key_values, recorder.finish(new).cpu()  # why CPU: a Rollout lives there
+
     @torch.no_grad()  # why: a rollout needs no autograd graph
     def generate_chunk(
         self, prompt_ids, request: GenerationRequest, seeds: Optional[list[int]] = None, width: int = 0, model=None
     ) -> list[Sample]:
         """Sample `prompt_ids`, row i with `seeds[i]` (None: seeds drawn here), left-padded to at least `width`, with
         `model` (the learner's own by default; generator.hf_decode: merged, its rollout copy)."""
-        from transformers import LogitsProcessorList, StoppingCriteriaList
-
         model, tok = self.learner.model if model is None else model, self.tokenizer
         seeds = row_seeds(len(prompt_ids)) if seeds is None else seeds
         GENERATED_ROWS[0] += len(prompt_ids)
@@ -106,25 +127,7 @@ class HFGenerator(Generator):
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         settings = self._settings(request)
         samplers = sampler(request, seeds)  # per-row streams, kept across the calls of a rollout whose rows leave
-
-        def call(ids, mask, cache, max_new_tokens, stop):
-            recorder = SampledLogprobs()
-            out = model.generate(
-                input_ids=ids.to(self.learner.device),
-                attention_mask=mask.to(self.learner.device),
-                generation_config=settings,
-                synced_gpus=synced,
-                past_key_values=cache,
-                max_new_tokens=max_new_tokens,
-                stopping_criteria=StoppingCriteriaList([stop]),
-                return_dict_in_generate=True,
-                logits_processor=LogitsProcessorList(
-                    [*sampling_processors(request), recorder, *samplers, *self._step_hooks()]
-                ),
-            )
-            new = out.sequences[:, ids.shape[1] :]
-            return out.sequences, out.past_key_values, recorder.finish(new).cpu()  # why CPU: a Rollout lives there
-
+        call = partial(self.generate_once, model, settings, synced, request, samplers)
         leave = request.drop_finished_rows and not synced and settings.cache_implementation is None
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
