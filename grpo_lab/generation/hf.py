@@ -7,6 +7,7 @@ importance-sampling correction use. It stops on `eos_token_ids`, the vllm backen
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Callable, Optional
@@ -94,15 +95,16 @@ class HFGenerator(Generator):
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         recorder = SampledLogprobs()
+        # why a copy: transformers warns when generation fields come both in a config and as arguments
+        settings = copy.deepcopy(settings)
+        settings.max_new_tokens, settings.return_dict_in_generate = max_new_tokens, True
         out = model.generate(
             input_ids=ids.to(self.learner.device),
             attention_mask=mask.to(self.learner.device),
             generation_config=settings,
             synced_gpus=synced,
             past_key_values=cache,
-            max_new_tokens=max_new_tokens,
             stopping_criteria=StoppingCriteriaList([stop]),
-            return_dict_in_generate=True,
             logits_processor=LogitsProcessorList(
                 [*sampling_processors(request), recorder, *samplers, *self._step_hooks()]
             ),
