@@ -64,7 +64,9 @@ def test_rows_that_leave_sample_what_one_call_samples(lab, temperature, monkeypa
     lengths = whole.completion_mask.sum(-1)
     assert lengths.unique().numel() >= 3, lengths  # varied lengths: a wrong row kept or dropped would show
     assert calls_all == [-1] and len(calls_leaving) >= 3, calls_leaving  # the batch shrank at least twice
-    assert calls_leaving == sorted(calls_leaving, reverse=True) and calls_leaving[0] == len(lengths) // 2
+    assert (
+        calls_leaving == sorted(set(calls_leaving), reverse=True) and calls_leaving[0] == len(lengths) // 2
+    )  # shrinking
     assert torch.equal(leaving.completion_ids, whole.completion_ids)
     assert torch.equal(leaving.completion_mask, whole.completion_mask)
     torch.testing.assert_close(leaving.sampler_logprobs, whole.sampler_logprobs, rtol=0, atol=1e-5)
