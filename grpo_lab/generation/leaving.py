@@ -21,7 +21,9 @@ class LeaveAtBucket:
         self.start, self.eos, self.threshold = start, torch.tensor(eos_ids), threshold
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        finished = torch.isin(input_ids[:, self.start :], self.eos.to(input_ids.device)).any(-1)
+        if self.eos.device != input_ids.device:  # why once: this runs at every decoding step
+            self.eos = self.eos.to(input_ids.device)
+        finished = torch.isin(input_ids[:, self.start :], self.eos).any(-1)
         leave = int((~finished).sum()) <= self.threshold
         return torch.full_like(finished, leave)
 
@@ -50,7 +52,7 @@ def decode_leaving(
             tokens[row] += new[i].tolist()
             logprobs[row] += lp[i].tolist()
         left -= new.shape[1]
-        done = torch.tensor([bool(torch.isin(torch.tensor(tokens[r]), eos).any()) for r in rows])
+        done = torch.isin(new.cpu(), eos).any(-1)  # (a row still here had no stop token before this call)
         keep = (~done).nonzero().squeeze(-1)
         if left <= 0 or len(keep) == 0 or not leave:
             return tokens, logprobs

@@ -114,19 +114,19 @@ class RolloutCopy:
             self.release()
 
     def refresh(self) -> None:
-        """Each merged weight re-made from the learner's current base and LoRA, written into the copy's own storage
-        (why in place: the same tensors, so a compiled decode step and its CUDA graphs are reused)."""
+        """Each merged weight re-made from the learner's current base and LoRA, the fresh merge set as the copy's own
+        parameter's data (why set_, not a new parameter: the same tensor objects, so a compiled decode step is reused;
+        nor a copy into kept storage: the merge is the storage, one weight-sized tensor less)."""
         for target, source in self.merged:
-            weight = target.weight
-            if weight.untyped_storage().nbytes() == 0:
-                weight.untyped_storage().resize_(weight.numel() * weight.element_size())
-            weight.copy_(dense_weight(source, self.dtype))
+            target.weight.set_(dense_weight(source, self.dtype))
 
     def release(self) -> None:
-        """The dense weights' storage given back (the module and its tensors' shapes stay): why: the learner's phases
-        never hold the copy, as the plan promises."""
-        for target, _ in self.merged:
-            target.weight.untyped_storage().resize_(0)
+        """The dense weights given back, each parameter emptied in place (`set_()`; the module stays): why: the
+        learner's phases never hold the copy, as the plan promises. Why not resize the storage to 0 bytes: one a user
+        shared with NumPy (`.numpy()`) can no longer be resized (models/park.py)."""
+        with torch.no_grad():
+            for target, _ in self.merged:
+                target.weight.set_()
 
     def held_bytes(self) -> int:
         """Bytes the copy's own weights hold now (0 between rollouts)."""

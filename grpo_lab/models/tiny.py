@@ -151,18 +151,16 @@ def build_tiny_model(
     tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
     bar.update()
     bar.set_postfix_str("initialising the weights")
-    model = _random_qwen2(
-        tokenizer,
-        seed,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        intermediate_size=intermediate_size,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_positions=max_positions,
-        dtype=dtype,
+    sizes = qwen2_sizes(
+        max(vocab_size, len(tokenizer)),
+        hidden_size,
+        num_layers,
+        intermediate_size,
+        num_attention_heads,
+        num_key_value_heads,
+        max_positions,
     )
+    model = _random_qwen2(tokenizer, seed, sizes, dtype)
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
     bar.update()
@@ -179,31 +177,12 @@ def build_tiny_model(
     return path
 
 
-def _random_qwen2(
-    tokenizer,
-    seed: int,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    intermediate_size: Optional[int],
-    num_attention_heads: Optional[int],
-    num_key_value_heads: int,
-    max_positions: int,
-    dtype: str,
-):
-    """A Qwen2 model of this shape with random weights from `seed`, stopping and padding as `tokenizer` does."""
+def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str):
+    """A Qwen2 model of `sizes` (qwen2_sizes) with random weights from `seed`, stopping and padding as `tokenizer`
+    does."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    sizes = qwen2_sizes(
-        max(vocab_size, len(tokenizer)),
-        hidden_size,
-        num_layers,
-        intermediate_size,
-        num_attention_heads,
-        num_key_value_heads,
-        max_positions,
-    )
     config = Qwen2Config(
         **sizes,
         bos_token_id=None,
