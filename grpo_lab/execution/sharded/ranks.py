@@ -14,11 +14,13 @@ from typing import Callable, Optional
 
 from ...errors import LabError
 from ...memory.sampler import MemorySampler
+from .interrupts import INTERRUPTS
 from .precheck import usable_cpus
 from .remote import Answers
 
 START_TIMEOUT_S = 900  # loading a model on every rank
 STREAM_S = 0.5  # why: the live plot redraws every 0.5 s; a rank's samples are polled as often while it works
+POLL_S = 30.0  # a rank's poll not answered within this is skipped (its samples come with its reply)
 # why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
 # them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU), and, held to a budget of
 # its own (placement.rank_memory_gib), its `used` (its RSS) and `limit` (the budget)
@@ -89,7 +91,8 @@ class Ranks:
     def start(self, restore: Optional[int] = None) -> "Ranks":
         """Start every rank: loaded afresh, or (`restore`, a step index) from its state at that step's start."""
         try:
-            return self._start(restore)
+            with INTERRUPTS.held():  # why: a Ctrl-C raised inside Ray's own calls can be lost (sharded/interrupts.py)
+                return self._start(restore)
         except BaseException:  # an interrupt or a failed rank: no actor may outlive the start
             if restore is None:
                 self.close()  # a first start: its placement group and a Ray it started go too
@@ -117,11 +120,13 @@ class Ranks:
             )
             self.group = self.cluster.place(bundles(place["learner"], self.size, self.threads))
         self.actors = [self._actor(ray, rank) for rank in range(self.size)]
+        address = self.actors[0].address.remote()
         try:
-            master = ray.get(self.actors[0].address.remote(), timeout=START_TIMEOUT_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.GetTimeoutError) as err:
-            why = died(err) if process_lost(err) else "not placed within the start timeout"
-            raise LabError(f"rank 0 did not start: {why}") from None
+            if not wait_all([address], START_TIMEOUT_S):
+                raise LabError("rank 0 did not start: not placed within the start timeout")
+            master = ray.get(address)
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as err:
+            raise LabError(f"rank 0 did not start: {died(err)}") from None
         calls = [
             a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
             for a, s in zip(self.actors, states)
@@ -230,6 +235,7 @@ class Ranks:
         pending = dict(refs)
         while pending and time.monotonic() < deadline:
             ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=STREAM_S)
+            INTERRUPTS.check()  # a Ctrl-C noted while Ray waited: raised here, and the exchange stops every rank
             for ref in ready:
                 rank = rank_of[ref]
                 del pending[rank]
@@ -246,29 +252,32 @@ class Ranks:
     def _poll(self, pending: dict, answered: set) -> None:
         """Mid-command: each working rank's memory samples so far, and its generator's questions answered."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         polls = {rank: self.actors[rank].poll.options(concurrency_group="poll").remote() for rank in pending}
+        wait_all(list(polls.values()), POLL_S)
         for rank, ref in polls.items():
             try:
-                delta, questions = ray.get(ref)
-            except RayActorError:
-                continue  # its command's reply says so next
+                delta, questions = ray.get(ref, timeout=0)
+            except (RayActorError, GetTimeoutError):
+                continue  # its command's reply says so next, or brings its samples
             self.memory.ingest(rank, delta, live=bool(delta and (delta["samples"] or delta["rows"])))
             for number, (method, args) in sorted(questions.items()):
                 if (rank, number) not in answered:
                     answered.add((rank, number))
-                    reply = self.answers.answer(number, method, args)
+                    with INTERRUPTS.let_through():  # the driver's engine samples: Ctrl-C stops it at once
+                        reply = self.answers.answer(number, method, args)
                     self.actors[rank].answer.options(concurrency_group="poll").remote(number, reply)
 
     @contextmanager
     def exchange(self):
         """Commands out, replies in. Anything that stops the driver in between (an interrupt, an error of its own)
         leaves ranks that may be blocked in a collective: every rank is then stopped (halt), and the next command
-        starts them from the driver's step."""
-        self.up()
+        starts them from the driver's step. Why SIGINT is held meanwhile: sharded/interrupts.py."""
         try:
-            yield
+            with INTERRUPTS.held():
+                self.up()
+                yield
         except BaseException:
             self.halt()
             raise
@@ -285,8 +294,9 @@ class Ranks:
         self.stopped()
 
     def restart(self) -> None:
-        self.halt()
-        self.up()
+        with INTERRUPTS.held():  # why: a Ctrl-C as the ranks start again is raised, never lost (sharded/interrupts.py)
+            self.halt()
+            self.up()
 
     def kill(self) -> None:
         import sys
@@ -315,6 +325,19 @@ class Ranks:
         if self.cluster is not None:
             self.cluster.close()
         self.cluster = self.group = None
+
+
+def wait_all(refs: list, timeout: float) -> bool:
+    """Wait until every ref is ready or `timeout` passes (whether all are ready), raising a Ctrl-C noted meanwhile
+    at each turn (sharded/interrupts.py): why not one blocking ray.get: a held interrupt would wait with it."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(STREAM_S, max(deadline - time.monotonic(), 0)))
+        INTERRUPTS.check()
+        if len(ready) == len(refs) or time.monotonic() >= deadline:
+            return len(ready) == len(refs)
 
 
 def first_failed(replies: dict) -> int:

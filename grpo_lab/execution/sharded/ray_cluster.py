@@ -149,7 +149,17 @@ def start_local(cpus: int, gpus: int = 0, tries: int = 2) -> None:
 
     for attempt in range(tries):
         try:
-            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, logging_level="ERROR")
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                num_gpus=gpus,
+                include_dashboard=False,
+                logging_level="ERROR",
+                # why: Ray starts its workers at niceness 15, so on a machine with any other work the ranks (the run
+                # itself) got the cores last (minutes per rank start beside two busy loops); 0, as Ray's job manager
+                # gives a job's own processes
+                _system_config={"worker_niceness": 0},
+            )
             _STARTED["local_before"] = True
             return
         except Exception as err:  # why so broad: Ray raises a bare Exception for a node that timed out
