@@ -393,15 +393,15 @@ def test_drop_finished_rows_lets_rows_leave_the_next_rollout(lab, monkeypatch):
 def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monkeypatch):
     """true: the next merged rollout decodes with the learner's 4-bit base, LoRA and AdamW in host memory
     (tests/test_park.py: bit for bit after it, the same tokens)."""
-    import grpo_lab.generation.hf as hf
+    from grpo_lab.models.park import Parking
 
-    sizes, real = [], hf.parked
+    sizes, real = [], Parking.park
 
-    def watched(tensors):
+    def watched(self, tensors):
         sizes.append(len(tensors))
-        return real(tensors)
+        return real(self, tensors)
 
-    monkeypatch.setattr(hf, "parked", watched)
+    monkeypatch.setattr(Parking, "park", watched)
     lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})
     lab.rollout()
     assert not sizes  # off: the merged rollout parked nothing

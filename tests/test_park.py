@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_lab import ConfigError, Lab, load_config
-from grpo_lab.models.park import parked, parked_bytes, parked_tensors
+from grpo_lab.models.park import Parking, parked, parked_bytes, parked_tensors
 from grpo_lab.models.shapes import load_shape
 from grpo_lab.planner import plan
 from grpo_lab.planner.learner_items import parked_state_bytes
@@ -76,16 +76,14 @@ def test_a_failure_inside_a_parked_rollout_puts_the_learner_back_bit_for_bit(lab
 
 
 def test_a_parked_merged_rollout_samples_the_learners_greedy_tokens_without_reading_its_state(lab, monkeypatch):
-    import grpo_lab.generation.hf as hf
-
     seen = []
-    real = hf.parked
+    real = Parking.park
 
-    def watched(tensors):
+    def watched(self, tensors):
         seen.append(len(tensors))
-        return real(tensors)
+        return real(self, tensors)
 
-    monkeypatch.setattr(hf, "parked", watched)
+    monkeypatch.setattr(Parking, "park", watched)
     before = digest(lab)
     out = {}
     for decode, park in (("dynamic", False), ("merged", True)):
@@ -122,3 +120,88 @@ def test_parking_without_the_merged_copy_is_refused_in_one_line(decode):
         load_config("tiny-cpu", [f"generator.hf_decode={decode}", "generator.park_learner=true"])
     message = str(caught.value)
     assert "generator.park_learner" in message and "generator.hf_decode: merged" in message and "\n" not in message
+
+
+class Fault:
+    """Raise `error` at the `at`-th call of a Parking copy (0-based; -1: the last of `count`), once."""
+
+    def __init__(self, real, at: int, count: int, error: BaseException):
+        self.real, self.at, self.calls, self.error = real, at if at >= 0 else count + at, 0, error
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise self.error
+        return self.real(*args)
+
+
+OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+
+
+@pytest.mark.parametrize("at", [0, "middle", -1])
+@pytest.mark.parametrize("error", [OOM, KeyboardInterrupt()], ids=["oom", "ctrl-c"])
+def test_an_error_at_any_tensor_while_putting_the_learner_back_loses_nothing_and_the_lab_steps_again(
+    lab, monkeypatch, at, error
+):
+    """The learner's host copies are held until every tensor is back: an out-of-memory error or Ctrl-C at the first,
+    a middle or the last tensor of the put-back leaves it held; the Lab's next command puts it back, bit for bit, and
+    steps. (With the copies dropped as the put-back raised, the next step read empty tensors: a crash.)"""
+    learner = lab.executor.learner
+    count = len(parked_tensors(learner.model, learner.optimizer))
+    index = count // 2 if at == "middle" else at % count
+    lab.configure({"generator.hf_decode": "merged", "generator.park_learner": True})
+    try:
+        before = digest(lab)
+        fault = Fault(Parking.to_device, index, count, error)
+        monkeypatch.setattr(Parking, "to_device", staticmethod(fault))
+        monkeypatch.setattr(  # why: the failed phase's own retry (LocalExecutor.failed) must fail too, to leave it held
+            "grpo_lab.execution.local.put_back", lambda parking, device: None
+        )
+        with pytest.raises((type(error), Exception)) as caught:
+            lab.rollout()
+        assert isinstance(caught.value, KeyboardInterrupt) or "out of memory" in str(caught.value)
+        parking = lab.executor.generator.parking
+        assert fault.calls == index + 1 and parking.pending == count - index  # the rest wait, held
+        monkeypatch.undo()
+        lab.configure({"generator.hf_decode": "merged", "generator.park_learner": True})
+        rollout = lab.rollout()  # the next command puts the learner back first, then runs
+        assert parking.pending == 0 and len(rollout) > 0
+        lab.rollback()
+        assert digest(lab) == before
+    finally:
+        lab.configure({"generator.hf_decode": "dynamic", "generator.park_learner": False})
+
+
+@pytest.mark.parametrize("at", [0, "middle", -1])
+def test_an_error_at_any_tensor_while_parking_puts_back_what_was_parked_at_once(lab, monkeypatch, at):
+    learner = lab.executor.learner
+    tensors = parked_tensors(learner.model, learner.optimizer)
+    index = len(tensors) // 2 if at == "middle" else at
+    before = digest(lab)
+    monkeypatch.setattr(Parking, "to_host", staticmethod(Fault(Parking.to_host, index, len(tensors), OOM)))
+    parking = Parking()
+    with pytest.raises(torch.OutOfMemoryError):
+        with parked(tensors, parking):
+            pytest.fail("the block must not run when parking failed")
+    assert parking.pending == 0 and digest(lab) == before
+    assert all(t.untyped_storage().nbytes() > 0 for t in tensors)
+
+
+def test_the_copy_is_released_before_the_learner_comes_back(lab, monkeypatch):
+    """Why: at 8B the copy is 13-16 GiB; putting the learner back beside it is a moment no plan line covers."""
+    copy = lab.executor.generator.rollout_copy
+    held_at_put_back = []
+    real = Parking.put_back
+
+    def watched(self):
+        if self.pending:
+            held_at_put_back.append(copy.held_bytes())
+        return real(self)
+
+    monkeypatch.setattr(Parking, "put_back", watched)
+    lab.configure({"generator.hf_decode": "merged", "generator.park_learner": True})
+    try:
+        lab.rollout()
+    finally:
+        lab.configure({"generator.hf_decode": "dynamic", "generator.park_learner": False})
+    assert held_at_put_back == [0]  # the copy's weights were already released

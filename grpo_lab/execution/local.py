@@ -61,6 +61,25 @@ def warm_up() -> None:
     import trl.trainer.utils  # noqa: F401
 
 
+def put_back(parking, device: str) -> None:
+    """The learner's state a parked rollout left in host memory, back on `device`; an out-of-memory error is one line
+    (what is still held stays held: the next command tries again)."""
+    from ..memory.oom import is_oom, release_memory
+
+    release_memory()  # why: the failed rollout's cached blocks first, so the learner has the room it had
+    try:
+        parking.put_back()
+    except Exception as err:
+        if not is_oom(err):
+            raise
+        raise LabError(
+            f"the learner's state parked for the last rollout ({parking.pending} tensors, "
+            f"{parking.pending_bytes() / 2**20:.0f} MiB) is still in host memory: putting it back on {device} ran "
+            "out of memory; free memory there (another process, a tensor a cell keeps) and run the command again: "
+            "nothing is lost"
+        ) from None
+
+
 def attach_engine(memory, generator) -> None:
     """An in-process engine's tensors get their own layer in its GPU's ledger (memory.readers.gpu_ledger)."""
     device = getattr(generator, "engine_device", None)
@@ -190,7 +209,11 @@ class LocalExecutor:
         return LOCAL[name](self, state, *inputs)
 
     def before_command(self) -> bool:
-        """Whether the step's progress was lost since the last command (never, in one process)."""
+        """Whether the step's progress was lost since the last command (never, in one process). First, what a
+        parked rollout could not put back (out of memory) goes back, before anything reads the learner."""
+        parking = getattr(self.generator, "parking", None)
+        if parking is not None and parking.pending:
+            put_back(parking, runtime().device(self.config))
         return False
 
     def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
@@ -201,6 +224,12 @@ class LocalExecutor:
         for model in (getattr(self.learner, "model", None), getattr(self.reference, "model", None)):
             if model is not None:
                 reset_after_failure(model)
+        parking = getattr(self.generator, "parking", None)
+        if parking is not None and parking.pending:  # a parked rollout failed putting the learner back: once more now
+            try:
+                put_back(parking, runtime().device(self.config))
+            except LabError:
+                pass  # still held; the next command tries again, and says so if it cannot
         self.generator_behind |= phase == "sync"  # why: the engine may hold the adapter the rollback undoes
         return None
 

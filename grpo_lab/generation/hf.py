@@ -8,7 +8,7 @@ importance-sampling correction use. It stops on `eos_token_ids`, the vllm backen
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Optional
 
@@ -17,7 +17,7 @@ import torch
 from ..algo.logprobs import precision
 from ..errors import LabError
 from ..memory.heap import trim_host_heap
-from ..models.park import parked, parked_tensors
+from ..models.park import Parking, parked_tensors
 from ..models.source import resolve_model_path
 from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
@@ -53,6 +53,7 @@ class HFGenerator(Generator):
         model = config.model  # why the compute dtype: the copy's weights are in what the 4-bit matmul computes in
         dtype = getattr(torch, model.bnb_4bit_compute_dtype if model.load_in_4bit else model.dtype)
         self.rollout_copy = RolloutCopy(dtype)  # generator.hf_decode: merged: one copy for the Lab's rollouts
+        self.parking = Parking()  # generator.park_learner: what waits in host memory, until it is back
 
     def sync(self, learner) -> None:
         """Nothing to do: generation reads the learner's own LoRA weights."""
@@ -69,10 +70,7 @@ class HFGenerator(Generator):
 
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
-        with (
-            self.rollout_copy.model_for(self.learner.model, request.decode) as model,  # merged: the Lab's one copy
-            self.parking(request),
-        ):
+        with self.decoding(request) as model:
             return self.generate_in_chunks(
                 batch,
                 num_generations,
@@ -82,12 +80,20 @@ class HFGenerator(Generator):
                 ),
             )
 
-    def parking(self, request: GenerationRequest):
-        """generator.park_learner: the learner's state the copy never reads in host memory while the copy decodes (its
-        merge is made first, from the base and LoRA on the device)."""
-        if not request.park_learner or request.decode != "merged":  # (auto resolved to another path: nothing to park)
-            return nullcontext()
-        return parked(parked_tensors(self.learner.model, self.learner.optimizer))
+    @contextmanager
+    def decoding(self, request: GenerationRequest):
+        """The model the rollout decodes with (merged: the Lab's one copy). generator.park_learner: the learner's state
+        the copy never reads waits in host memory while the copy decodes: parked after the merge (which reads the base
+        and LoRA on the device), put back after the copy is released (why: never the learner beside the copy). What
+        could not be put back (out of memory) stays held in `self.parking` for the Lab's next command."""
+        park = request.park_learner and request.decode == "merged"  # (auto resolved to another path: nothing to park)
+        try:
+            with self.rollout_copy.model_for(self.learner.model, request.decode) as model:
+                if park:
+                    self.parking.park(parked_tensors(self.learner.model, self.learner.optimizer))
+                yield model
+        finally:
+            self.parking.put_back()
 
     def generate_once(self, model, settings, synced, request, samplers, ids, mask, cache, max_new_tokens, stop):
         """One generate() call of a rollout (generation/leaving.py may make several, going on from `cache`): its

@@ -48,21 +48,60 @@ def parked_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-@contextmanager
-def parked(tensors: list[torch.Tensor]) -> Iterator[int]:
-    """Hold `tensors`' values in host memory (pinned when they live on a GPU) for the block, their own storage given
-    back; yields the bytes parked."""
-    held: list[tuple[torch.Tensor, torch.Tensor]] = []
-    try:
+class Parking:
+    """A Lab's parked learner state: each tensor's host copy is held here until that tensor is back on its device.
+    Why held here, not in a context's locals: an out-of-memory error (or Ctrl-C) while putting the learner back
+    left the rest of its tensors empty and dropped their only copies, and the next step crashed the process; now
+    `put_back` goes on from the tensor it stopped at, at the Lab's next command (execution/local.py)."""
+
+    def __init__(self):
+        self.held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the learner's tensor, its values on the host)
+        self.back = 0  # how many of `held` are on their device again (a put_back that raised goes on from here)
+
+    @property
+    def pending(self) -> int:
+        """Tensors still waiting in host memory."""
+        return len(self.held) - self.back
+
+    def pending_bytes(self) -> int:
+        return sum(host.untyped_storage().nbytes() for _, host in self.held[self.back :])
+
+    def park(self, tensors: list[torch.Tensor]) -> int:
+        """Copy each tensor to host memory (pinned when it lives on a GPU), then give its storage back; the bytes
+        parked. A tensor is emptied only once its copy is held, so an error at any tensor loses nothing."""
+        self.put_back()  # (what an earlier rollout could not put back: before anything is parked again)
         with torch.no_grad():  # why: set_ on a parameter that requires grad
             for t in tensors:
-                pin = t.device.type == "cuda"  # why pinned: the copy back runs at the link's full speed
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-                host.copy_(t)
-                held.append((t, host))
+                self.held.append((t, self.to_host(t)))
                 t.set_()  # an empty storage of this dtype and device: the old one is freed
-        yield sum(host.untyped_storage().nbytes() for _, host in held)
-    finally:
+        return self.pending_bytes()
+
+    @staticmethod
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        pin = t.device.type == "cuda"  # why pinned: the copy back runs at the link's full speed
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        return host.copy_(t)
+
+    @staticmethod
+    def to_device(t: torch.Tensor, host: torch.Tensor) -> None:
+        t.set_(host.to(t.device, copy=True))
+
+    def put_back(self) -> None:
+        """Every held tensor's values back on its device, in order; a tensor's host copy is let go only once it is
+        back. Raises as its copy raises (out of memory): the rest stay held, and a later call goes on."""
         with torch.no_grad():
-            for t, host in held:
-                t.set_(host.to(t.device, copy=True))
+            while self.back < len(self.held):
+                self.to_device(*self.held[self.back])  # (a retry after Ctrl-C here sets the same values again)
+                self.back += 1
+        self.held, self.back = [], 0  # why: every tensor is back; the host copies go
+
+
+@contextmanager
+def parked(tensors: list[torch.Tensor], parking: "Parking | None" = None) -> Iterator[int]:
+    """Hold `tensors`' values in host memory for the block, their own storage given back; yields the bytes parked.
+    Put back as the block ends, also when it raises; if putting back raises, `parking` still holds what is not back."""
+    parking = Parking() if parking is None else parking
+    try:
+        yield parking.park(tensors)
+    finally:
+        parking.put_back()
