@@ -23,6 +23,7 @@ def preflight(config: LabConfig) -> None:
 
         engine_share(config)  # why before anything is fetched: no share that fits is refused with its fixes, at no cost
     check_model_path(config.model.name_or_path)
+    check_experts(config)
     if config.model.activation_offload:
         check_offload_host(config)
     if config.generator.backend == "hf" and config.generator.hf_decode == "merged":
@@ -50,6 +51,21 @@ def preflight(config: LabConfig) -> None:
                 f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
                 f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset"
             )
+
+
+def check_experts(config: LabConfig) -> None:
+    """A mixture-of-experts model: what its learner cannot do yet, refused before anything loads (models/experts.py).
+    A checkpoint without a readable config.json is left to the load's own error."""
+    from .models.experts import check_moe_config
+    from .models.shapes import load_shape
+
+    try:
+        shape = load_shape(config.model.name_or_path)
+    except LabError as err:
+        if "no config.json" in str(err):
+            return
+        raise
+    check_moe_config(config, shape)
 
 
 def check_host_budget(config) -> None:

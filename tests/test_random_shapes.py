@@ -19,6 +19,7 @@ REAL = {  # from the real models' config.json: vocabulary, hidden, layers, heads
     "qwen2.5-7b-random": (152064, 3584, 28, 28, 4, 18944, False),
     "qwen3-8b-random": (151936, 4096, 36, 32, 8, 12288, False),
     "llama3.1-8b-random": (128256, 4096, 32, 32, 8, 14336, False),
+    "qwen3-30b-a3b-random": (151936, 2048, 48, 32, 4, 6144, False),  # (its experts: tests/test_moe.py)
 }
 
 

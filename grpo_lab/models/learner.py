@@ -87,6 +87,10 @@ def load_base(model_cfg, device: str, seed: int = 0):
         model = build_random(random, device, seed, _DTYPES[model_cfg.dtype], quant)
     else:
         model = _from_pretrained(path, model_cfg, device)
+    if model_cfg.load_in_4bit:  # why: bitsandbytes' 4-bit load leaves a mixture of experts' fused experts in 16-bit
+        from .experts import quantize_experts
+
+        quantize_experts(model, model_cfg)
     # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
     pin_training_layout(model)
     model.requires_grad_(False)
@@ -156,7 +160,7 @@ def add_lora(base, config):
                 r=lora.r,
                 lora_alpha=lora.lora_alpha,
                 lora_dropout=lora.lora_dropout,
-                target_modules=lora.target_modules,
+                target_modules=moe_linear_targets(base, lora.target_modules),
                 task_type="CAUSAL_LM",
             ),
         )
@@ -170,6 +174,24 @@ def add_lora(base, config):
 
         attach(model, learner_device(config))
     return model
+
+
+def moe_linear_targets(base, targets):
+    """LoRA's targets as asked, but on a mixture of experts all-linear spelled out as the model's own nn.Linear
+    modules (attention, a shared expert's MLP; not the LM head, not a router). Why: on transformers 5 PEFT maps
+    all-linear on such a model to its routers and fused experts as target_parameters (v4's nn.Linear names): an
+    adapter on a router moves which experts every token reaches, and the 4-bit experts' adapters got no gradient."""
+    from .experts import has_experts
+
+    if targets != "all-linear" or not has_experts(base):
+        return targets
+    head = base.get_output_embeddings()
+    linear = [
+        name
+        for name, m in base.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head and not name.endswith(("mlp.gate", "shared_expert_gate"))
+    ]
+    return linear
 
 
 def load_sharded_learner(config, device: str):

@@ -21,6 +21,7 @@ RANDOM_SHAPES = {
     "qwen2.5-7b-random": "Qwen/Qwen2.5-7B-Instruct",
     "qwen3-8b-random": "Qwen/Qwen3-8B",
     "llama3.1-8b-random": "meta-llama/Llama-3.1-8B-Instruct",
+    "qwen3-30b-a3b-random": "Qwen/Qwen3-30B-A3B",  # a mixture of experts: its experts drawn and quantized a layer each
 }
 # why: a random-weight model has no trained context limit; the frontier runs past the real models' 32K-40K
 LONGEST_POSITION = 262_144
@@ -96,9 +97,13 @@ def build_random(shape: RandomShape, device: str, seed: int, dtype, quantization
         quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
         quantizer.preprocess_model(model, dtype=dtype, device_map={"": device})  # Linear -> bnb Linear4bit (meta)
     draw = torch.Generator(device=device).manual_seed(seed)
-    for module_name, module in model.named_modules():
+    for module_name, module in list(model.named_modules()):
         for leaf, param in list(module.named_parameters(recurse=False)):
             module._parameters[leaf] = _drawn(param, leaf, module_name, config, dtype, device, draw)
+        if quantization is not None:  # why here: one layer's experts in 16-bit at a time, never the model's
+            from .experts import quantize_experts
+
+            quantize_experts(module, quantization, recurse=False)
     _rebuild_rotary(model, device)
     if quantizer is not None:
         quantizer.postprocess_model(model)  # is_loaded_in_4bit, config.quantization_config: as from_pretrained

@@ -21,13 +21,24 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied: bool
+    # mixture of experts (models/experts.py; 0: dense): routed experts per layer, how many a token goes to, one
+    # expert's intermediate width, a shared expert's width (every token), the family
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    family: str = ""
 
     @classmethod
     def from_config(cls, hf_config: dict, field: str = "model.name_or_path") -> "ModelShape":
         """`field` is the config field the checkpoint came from, named in every error."""
+        from .experts import check_family, expert_sizes, is_moe
+
         hf_config = hf_config.get("text_config", hf_config)
         if not isinstance(hf_config, dict):
             raise LabError(f"{field}: its config.json's text_config is not an object; repair the checkpoint")
+        check_family(hf_config, field)  # why first: an architecture it cannot read is refused, never planned as another
+        moe = expert_sizes(hf_config, field) if is_moe(hf_config) else {}
         sizes = ("num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
         bad = [k for k in sizes if k in hf_config and (type(hf_config[k]) is not int or hf_config[k] <= 0)]
         if bad:
@@ -39,13 +50,14 @@ class ModelShape:
             heads = hf_config["num_attention_heads"]
             return cls(
                 hidden=hf_config["hidden_size"],
-                intermediate=hf_config["intermediate_size"],
+                intermediate=hf_config.get("intermediate_size", 0) if moe else hf_config["intermediate_size"],
                 layers=hf_config["num_hidden_layers"],
                 heads=heads,
                 kv_heads=hf_config.get("num_key_value_heads") or heads,
                 head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
                 vocab=hf_config["vocab_size"],
                 tied=bool(hf_config.get("tie_word_embeddings", False)),
+                **moe,
             )
         except KeyError as err:
             raise LabError(
@@ -53,22 +65,51 @@ class ModelShape:
                 "transformers (Llama/Qwen/Mistral-style)"
             ) from None
 
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
     def linear_layers(self) -> list[tuple[str, int, int]]:
-        """(name, in, out) of each linear layer of one decoder layer (the ones 4-bit quantization and LoRA touch)."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return [
-            ("q_proj", h, q),
-            ("k_proj", h, kv),
-            ("v_proj", h, kv),
-            ("o_proj", q, h),
-            ("gate_proj", h, i),
-            ("up_proj", h, i),
-            ("down_proj", i, h),
-        ]
+        """(name, in, out) of each nn.Linear of one decoder layer (the ones bitsandbytes' 4-bit loading and LoRA's
+        all-linear touch): attention, and the MLP (a mixture of experts: its shared expert's, if any; the routed
+        experts are 3-D parameters, `expert_params`)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        i = self.shared_intermediate if self.moe else self.intermediate
+        mlp = [("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)] if i else []
+        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h), *mlp]
+
+    def expert_tensors(self) -> list[tuple[str, int]]:
+        """(name, elements) of one layer's fused expert parameters: gate_up_proj [E, 2m, h], down_proj [E, h, m]."""
+        if not self.moe:
+            return []
+        e, m, h = self.experts, self.expert_intermediate, self.hidden
+        return [("gate_up_proj", e * 2 * m * h), ("down_proj", e * h * m)]
+
+    @property
+    def expert_params(self) -> int:
+        """Every layer's routed experts (quantized to nf4 by the lab, models/experts.py)."""
+        return self.layers * sum(n for _, n in self.expert_tensors())
+
+    @property
+    def router_params(self) -> int:
+        """Every layer's router (a [experts, hidden] weight, kept in the model dtype), and a shared expert's gate."""
+        return self.layers * (self.experts * self.hidden + (self.hidden if self.shared_intermediate else 0))
 
     @property
     def linear_params(self) -> int:
-        return self.layers * sum(a * b for _, a, b in self.linear_layers())
+        """Every weight the lab holds in 4-bit: the linear layers and the routed experts."""
+        return self.layers * sum(a * b for _, a, b in self.linear_layers()) + self.expert_params
+
+    @property
+    def largest_weight(self) -> int:
+        """Elements of the largest weight one read or dequantization makes whole (a fused experts tensor is one)."""
+        return max([a * b for _, a, b in self.linear_layers()] + [n for _, n in self.expert_tensors()])
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: all but the experts it is not routed to."""
+        per_expert = 3 * self.hidden * self.expert_intermediate
+        return self.total_params - self.layers * (self.experts - self.experts_per_token) * per_expert
 
     @property
     def embedding_params(self) -> int:
@@ -78,7 +119,7 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         norms = (2 * self.layers + 1) * self.hidden
-        return self.linear_params + self.embedding_params + norms
+        return self.linear_params + self.embedding_params + norms + self.router_params
 
     def lora_params(self, r: int, targets) -> int:
         chosen = (

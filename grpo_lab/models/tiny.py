@@ -57,6 +57,9 @@ BUILTINS: dict[str, tuple[int, dict]] = {
             "dtype": "bfloat16",
         },
     ),
+    # a mixture of experts (Qwen3-MoE, transformers' fused 3-D experts) on the tiny body: 8 experts of width 64, 2 a
+    # token, random weights, EOS reachable: the CPU suite's MoE learner (nf4 experts, models/experts.py)
+    "tiny-moe": (1, {"experts": 8, "experts_per_token": 2, "expert_intermediate": 64}),
     # Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936), saved
     # in bfloat16 (1 GB): the GPU check's model (bench/gpu/gpu_check.py), where memory and speed depend on shape alone
     "qwen2.5-0.5b-random": (
@@ -136,11 +139,16 @@ def build_tiny_model(
     num_key_value_heads: int = 1,
     dtype: str = "float32",
     label: Optional[str] = None,
+    experts: int = 0,
+    experts_per_token: int = 0,
+    expert_intermediate: int = 0,
 ) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
     same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
     model vocabulary larger than the tokenizer's (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids
-    decode to nothing. `train_steps` > 0 trains it on the arithmetic set's worked solutions (models/tiny_train.py)."""
+    decode to nothing. `train_steps` > 0 trains it on the arithmetic set's worked solutions (models/tiny_train.py).
+    `experts` > 0: a Qwen3-MoE body of that many experts per layer instead (each layer routes every token to
+    `experts_per_token` of them, each of width `expert_intermediate`)."""
     from ..checks.installed import check_torchvision
 
     check_torchvision()  # why first: transformers' model classes import it
@@ -151,15 +159,9 @@ def build_tiny_model(
     tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
     bar.update()
     bar.set_postfix_str("initialising the weights")
-    sizes = qwen2_sizes(
-        max(vocab_size, len(tokenizer)),
-        hidden_size,
-        num_layers,
-        intermediate_size,
-        num_attention_heads,
-        num_key_value_heads,
-        max_positions,
-    )
+    sizes = qwen2_sizes(max(vocab_size, len(tokenizer)), hidden_size, num_layers, intermediate_size,
+                        num_attention_heads, num_key_value_heads, max_positions, experts, experts_per_token,
+                        expert_intermediate)  # fmt: skip
     model = _random_qwen2(tokenizer, seed, sizes, dtype)
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
@@ -178,12 +180,17 @@ def build_tiny_model(
 
 
 def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str):
-    """A Qwen2 model of `sizes` (qwen2_sizes) with random weights from `seed`, stopping and padding as `tokenizer`
-    does."""
+    """A Qwen2 model (Qwen3-MoE: `sizes` has experts) of `sizes` (qwen2_sizes) with random weights from `seed`,
+    stopping and padding as `tokenizer` does."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen2Config(
+    sizes = dict(sizes)
+    config_class, model_class = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }[sizes.pop("model_type")]
+    config = config_class(
         **sizes,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
@@ -191,7 +198,7 @@ def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str):
         dtype=dtype,
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    return model_class(config).to(getattr(torch, dtype))
 
 
 def _save(model, tokenizer, path: Path) -> None:
@@ -247,10 +254,20 @@ def qwen2_sizes(
     num_attention_heads: Optional[int],
     num_key_value_heads: int,
     max_positions: int,
+    experts: int = 0,
+    experts_per_token: int = 0,
+    expert_intermediate: int = 0,
 ) -> dict:
-    """The config.json sizes of a tiny Qwen2 of these build arguments: the built model's, and the planner's before it
-    is built."""
+    """The config.json sizes of a tiny Qwen2 (with `experts`: Qwen3-MoE) of these build arguments: the built model's,
+    and the planner's before it is built."""
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": experts_per_token,
+        "moe_intermediate_size": expert_intermediate,
+    }
     return {
+        "model_type": "qwen3_moe" if experts else "qwen2",
+        **(moe if experts else {}),
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size or 2 * hidden_size,

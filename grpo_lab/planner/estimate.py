@@ -166,7 +166,7 @@ def nf4_bits(double_quant: bool) -> float:
 
 def base_weight_bytes(shape: ModelShape, model_cfg) -> tuple[float, str]:
     e = DTYPE_BYTES[model_cfg.dtype]
-    dense = (shape.embedding_params + (2 * shape.layers + 1) * shape.hidden) * e
+    dense = (shape.embedding_params + (2 * shape.layers + 1) * shape.hidden + shape.router_params) * e
     if model_cfg.load_in_4bit:
         bits = nf4_bits(model_cfg.bnb_4bit_use_double_quant)
         return (
@@ -191,9 +191,33 @@ def unit_bytes(shape: ModelShape, config) -> tuple[float, float]:
     norms and its fp32 LoRA; the root's embedding, untied LM head and final norm. layers x layer + root is the
     sharded part of base_weight_split plus the LoRA weights: everything a whole-model gather brings back."""
     e = DTYPE_BYTES[config.model.dtype]
-    linear = sum(a * b for _, a, b in shape.linear_layers()) * (0.5 if config.model.load_in_4bit else e)
+    weights = sum(a * b for _, a, b in shape.linear_layers()) + sum(n for _, n in shape.expert_tensors())
+    linear = weights * (0.5 if config.model.load_in_4bit else e) + shape.router_params / shape.layers * e
     lora = shape.lora_params(config.lora.r, config.lora.target_modules) / shape.layers * 4
     return linear + 2 * shape.hidden * e + lora, (shape.embedding_params + shape.hidden) * e
+
+
+def experts_dequant_bytes(shape: ModelShape, config) -> float:
+    """One mixture-of-experts layer's 4-bit experts dequantized whole, to model.dtype: bitsandbytes' parametrization
+    makes them once per forward of the layer's experts and caches them for it (models/experts.py)."""
+    if not shape.moe or not config.model.load_in_4bit:
+        return 0.0
+    return sum(n for _, n in shape.expert_tensors()) * DTYPE_BYTES[config.model.dtype]
+
+
+def mlp_saved_bytes(shape: ModelShape, e: int) -> float:
+    """Bytes per token and layer the MLP keeps for backward. Dense: its four [i] tensors (gate and up outputs, the
+    activation, their product). A mixture of experts, as transformers' default experts run it (grouped_mm: the routed
+    copies sorted by expert, one grouped matmul each way), per routed copy of the token: its gathered input (h), the
+    gate/up output (2m), the gated activation (m), three int64 indices and its routing weight; per token the router's
+    float32 probabilities and top-k ids (the router is frozen: its input is not kept); a shared expert as a dense MLP.
+    Counted with saved_tensors_hooks on builtin:tiny-moe (tests/test_moe.py)."""
+    if not shape.moe:
+        return 4 * shape.intermediate * e
+    k, h, m = shape.experts_per_token, shape.hidden, shape.expert_intermediate
+    routed = k * ((h + 3 * m) * e + 3 * 8 + 4)
+    router = shape.experts * 4 + k * 8
+    return routed + router + 4 * shape.shared_intermediate * e
 
 
 def compute_bytes(config) -> int:
@@ -245,7 +269,7 @@ def activation_bytes(
     n = micro_batch or grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
     length = gen.max_prompt_length + gen.max_completion_length
     tokens = n * length
-    h, kv, i, r = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate, config.lora.r
+    h, kv, r = shape.hidden, shape.kv_heads * shape.head_dim, config.lora.r
     q = shape.heads * shape.head_dim  # the query/attention width: the hidden size in most models, not in all
     if on_cpu:
         # what torch keeps for backward per token and layer on the CPU, counted with saved_tensors_hooks
@@ -253,12 +277,12 @@ def activation_bytes(
         # query, the key and value expanded to it for SDPA, the attention output), the MLP's four (4i), SDPA's float
         # mask row (length) and log-sum-exp (heads), the norms' two scalars, the LoRA A outputs. torch's CPU flash
         # attention keeps no probabilities (an earlier plan counted them, fitting glibc's heap holes instead)
-        per_layer = (4 * h + 4 * q + 4 * i + length + shape.heads + 2) * e + 7 * r * 4
+        per_layer = (4 * h + 4 * q + length + shape.heads + 2) * e + mlp_saved_bytes(shape, e) + 7 * r * 4
     else:
         # on a GPU, per token and layer: the norms' and MLP's inputs (4h, 4i), the query path (3q: q, its rotated
         # copy, the attention output o_proj reads) and the key/value path (3kv), the LoRA A outputs (fitted to the
         # H100 records of tests/test_long_sequences.py and tests/test_gpu_check.py)
-        per_layer = (4 * h + 3 * q + 3 * kv + 4 * i) * e + 7 * r * 4
+        per_layer = (4 * h + 3 * q + 3 * kv) * e + mlp_saved_bytes(shape, e) + 7 * r * 4
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
@@ -278,11 +302,14 @@ def activation_bytes(
     if in_heap:  # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if config.model.load_in_4bit else 0
-    # no grad (reference log-probs): one layer's intermediates at a time and the last hidden states
-    forward = per_layer * tokens + h * e * tokens
+    experts = experts_dequant_bytes(shape, config)  # kept by each expert matmul: its weight is a view of them
+    stored += (1 if config.model.gradient_checkpointing else shape.layers) * experts  # (checkpointing: the recomputed)
+    # no grad (reference log-probs): one layer's intermediates (and its experts dequantized) and the last hidden states
+    forward = per_layer * tokens + h * e * tokens + experts
     return {
         "activations": stored,
-        "saved": shape.layers * per_layer * tokens,  # what a forward without checkpointing keeps for backward
+        # what a forward without checkpointing keeps for backward
+        "saved": shape.layers * (per_layer * tokens + experts),
         # the layer inputs activation offload keeps on the host (pinned), on a GPU learner
         "offloaded inputs": shape.layers * h * e * tokens if config.model.activation_offload and not on_cpu else 0,
         "log-prob head": head,

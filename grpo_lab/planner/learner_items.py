@@ -17,6 +17,7 @@ from .estimate import (
     base_weight_bytes,
     base_weight_split,
     compute_bytes,
+    experts_dequant_bytes,
     generation_step_bytes,
     kv_cache_bytes,
     nf4_bits,
@@ -77,6 +78,7 @@ def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape:
             "per-shape primitives, scratchpad; measured, not modelled",
         )
     add_base(lrn, config, shape, procs, "base weights", "4-bit quant state (whole on every rank)")
+    add_experts_load(lrn, config, shape)
     lrn.add(f"LoRA weights{part}", lora * 4 / procs, f"{count(lora)} params{' in all' if procs > 1 else ''}, fp32")
     lrn.add(f"LoRA gradients{part}", lora * 4 / procs, "fp32" if procs == 1 else "fp32, reduce-scattered")
     if config.placement.optimizer_offload:  # (one process only: the config refuses it for a sharded learner)
@@ -95,6 +97,24 @@ def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape:
     if config.reference_strategy == "copy":
         ref.roles.append("reference copy" if procs == 1 else "reference copy (sharded like the policy)")
         add_base(ref, config, shape, procs, "reference weights", "reference quant state (whole on every rank)")
+
+
+def add_experts_load(lrn: DevicePlan, config, shape: ModelShape) -> None:
+    """A mixture of experts' checkpoint loads its experts whole in model.dtype (bitsandbytes' 4-bit load replaces
+    nn.Linear only), and the lab quantizes them after (models/experts.py): the load holds them in 16-bit instead of
+    4-bit. A built-in random shape draws and quantizes them a layer at a time (models/random_shapes.py)."""
+    from ..models.random_shapes import parse_random
+
+    if not (shape.moe and config.model.load_in_4bit) or parse_random(config.model.name_or_path):
+        return
+    e = DTYPE_BYTES[config.model.dtype]
+    extra = shape.expert_params * (e - nf4_bits(config.model.bnb_4bit_use_double_quant) / 8)
+    lrn.add(
+        "experts whole before nf4",
+        extra,
+        f"{count(shape.expert_params)} expert weights read in {config.model.dtype}, quantized after the load",
+        phase="load",
+    )
 
 
 def add_sharded_load(rank: DevicePlan, config, shape: ModelShape, procs: int) -> None:
@@ -116,7 +136,7 @@ def load_float_bytes(shape: ModelShape, config) -> float:
     the layer itself holds them)."""
     if not config.model.load_in_4bit:
         return 0.0
-    return max(a * b for _, a, b in shape.linear_layers()) * DTYPE_BYTES[config.model.dtype]
+    return shape.largest_weight * DTYPE_BYTES[config.model.dtype]
 
 
 def rollout_copy_bytes(shape: ModelShape, config) -> float:
@@ -185,6 +205,7 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
         host.add("parked learner state", parked, "from the learner while the copy decodes; back after it", "rollout")
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
+    add_experts_dequant(lrn, config, shape)
     lrn.add(
         "generation KV cache",
         kv_cache_bytes(shape, config, sequences),
@@ -197,6 +218,17 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
         "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF",
         phase="rollout",
     )
+
+
+def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape) -> None:
+    """A mixture of experts' 4-bit experts, one layer's dequantized at every decoding step's forward."""
+    if shape.moe and config.model.load_in_4bit:
+        lrn.add(
+            "experts dequantized (one layer)",
+            experts_dequant_bytes(shape, config),
+            f"{shape.experts} experts of a layer in {config.model.dtype}, made at every decoding step's forward",
+            phase="rollout",
+        )
 
 
 def add_passes(

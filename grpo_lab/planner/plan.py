@@ -145,8 +145,11 @@ def rollout_decode(config, shape: Optional[ModelShape] = None) -> str:
         return "dynamic"
     from ..config.loading import load_config
 
+    shape = shape or load_shape(config.model.name_or_path)
+    if shape.moe:  # why: a dense copy of every expert (models/experts.check_moe_config refuses merged)
+        return "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
     merged = load_config(config, ["generator.hf_decode=merged"])
-    if all(d.fits for d in build(merged, shape or load_shape(config.model.name_or_path))[0].values()):
+    if all(d.fits for d in build(merged, shape)[0].values()):
         return "merged"
     return "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
 
