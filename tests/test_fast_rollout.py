@@ -47,6 +47,34 @@ def test_the_static_cache_gives_the_plain_paths_greedy_tokens(lab, monkeypatch):
     torch.testing.assert_close(plain.sampler_logprobs, static.sampler_logprobs, rtol=0, atol=1e-5)
 
 
+def test_a_static_rollout_decodes_every_chunk_at_one_batch_size_with_the_same_tokens(lab, monkeypatch):
+    """A static cache (and on a GPU its CUDA graphs) is built per batch size: 8 rows in chunks of 3 decode as 3, 3 and
+    3 (the last filled with copies of its last row, dropped), never a new size for the last chunk; the rows' tokens
+    are those of one whole-batch call."""
+    from grpo_lab.generation.hf import HFGenerator
+
+    sizes = []
+    real = HFGenerator.generate_once
+
+    def watched(self, model, settings, synced, request, samplers, ids, *args):
+        sizes.append(ids.shape[0])
+        return real(self, model, settings, synced, request, samplers, ids, *args)
+
+    monkeypatch.setattr(HFGenerator, "generate_once", watched)
+    lab.configure({"generator.hf_decode": "static", "generator.chunk_size": None})
+    whole = lab.rollout()
+    assert sizes == [8]
+    sizes.clear()
+    lab.configure({"generator.chunk_size": 3})
+    try:
+        chunked = lab.rollout()
+    finally:
+        lab.configure({"generator.hf_decode": "dynamic", "generator.chunk_size": None})
+    assert sizes == [3, 3, 3] and len(chunked) == 8
+    assert torch.equal(whole.completion_ids, chunked.completion_ids)
+    torch.testing.assert_close(whole.sampler_logprobs, chunked.sampler_logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [

@@ -70,15 +70,19 @@ class HFGenerator(Generator):
 
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
+        static = "cache_implementation" in DECODES[request.decode](self.learner.device.type == "cuda")
         with self.decoding(request) as model:
-            return self.generate_in_chunks(
-                batch,
-                num_generations,
-                request,
-                lambda prompt_ids, rows: self.generate_chunk(
-                    prompt_ids, request, seeds[rows.start : rows.stop], width, model
-                ),
-            )
+
+            def chunk(prompt_ids, rows):
+                row_seeds_ = seeds[rows.start : rows.stop]
+                short = (request.chunk_size or 0) - len(prompt_ids) if static else 0
+                if short > 0:  # why: a static cache and its CUDA graphs are per batch size: a smaller last chunk
+                    # would compile and record once more per rollout; it is filled with copies of its last row,
+                    # whose samples are dropped
+                    prompt_ids, row_seeds_ = prompt_ids + prompt_ids[-1:] * short, row_seeds_ + row_seeds_[-1:] * short
+                return self.generate_chunk(prompt_ids, request, row_seeds_, width, model)[: len(rows)]
+
+            return self.generate_in_chunks(batch, num_generations, request, chunk)
 
     @contextmanager
     def decoding(self, request: GenerationRequest):
