@@ -24,21 +24,32 @@ DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "granit
 class ExpertsLayout:
     """Where a family's config.json keeps its experts' sizes (its experts are fused 3-D parameters in transformers)."""
 
-    count: str  # the number of routed experts per layer
     width: str  # one expert's intermediate width
     shared: Optional[str] = None  # a shared expert's width (one MLP every token goes through), if the family has one
+    # whether its checkpoints hold `mlp.experts.{j}.{gate,up,down}_proj.weight`, which the lab reads a layer at a
+    # time (load_experts_checkpoint); else from_pretrained reads every expert in 16-bit first
+    read_by_layer: bool = True
 
 
+# the number of routed experts per layer: the hub's spelling, and transformers 5's (its configs save
+# num_local_experts for every family, mapping num_experts to it)
+COUNT_KEYS = ("num_experts", "num_local_experts")
 MOE_FAMILIES = {
-    "qwen3_moe": ExpertsLayout("num_experts", "moe_intermediate_size"),
-    "qwen2_moe": ExpertsLayout("num_experts", "moe_intermediate_size", shared="shared_expert_intermediate_size"),
-    "olmoe": ExpertsLayout("num_experts", "intermediate_size"),
-    "mixtral": ExpertsLayout("num_local_experts", "intermediate_size"),
+    "qwen3_moe": ExpertsLayout("moe_intermediate_size"),
+    "qwen2_moe": ExpertsLayout("moe_intermediate_size", shared="shared_expert_intermediate_size"),
+    "olmoe": ExpertsLayout("intermediate_size"),
+    "mixtral": ExpertsLayout("intermediate_size", read_by_layer=False),  # (its files: w1/w3/w2 per expert)
 }
 
 
 def is_moe(hf_config: dict) -> bool:
     return any(hf_config.get(k) for k in MOE_KEYS)
+
+
+def read_by_layer(hf_config: dict) -> bool:
+    """Whether a checkpoint of this config is read a decoder layer at a time (load_experts_checkpoint)."""
+    layout = MOE_FAMILIES.get(hf_config.get("model_type"))
+    return is_moe(hf_config) and layout is not None and layout.read_by_layer
 
 
 def check_family(hf_config: dict, field: str) -> None:
@@ -70,12 +81,13 @@ def expert_sizes(hf_config: dict, field: str) -> dict:
             f"{field}: this {kind} model has dense MLP layers among its expert layers (mlp_only_layers {dense}, "
             f"decoder_sparse_step {step}); the planner reads models whose every layer routes to experts"
         )
-    wanted = [layout.count, layout.width, "num_experts_per_tok"]
+    count = next((k for k in COUNT_KEYS if hf_config.get(k)), COUNT_KEYS[0])
+    wanted = [count, layout.width, "num_experts_per_tok"]
     missing = [k for k in wanted if not isinstance(hf_config.get(k), int) or hf_config[k] <= 0]
     if missing:
         raise LabError(f"{field}: its {kind} config.json has no positive integer {missing[0]!r}; repair the checkpoint")
     return {
-        "experts": hf_config[layout.count],
+        "experts": hf_config[count],
         "experts_per_token": hf_config["num_experts_per_tok"],
         "expert_intermediate": hf_config[layout.width],
         "shared_intermediate": int(hf_config.get(layout.shared) or 0) if layout.shared else 0,
@@ -150,3 +162,48 @@ def check_moe_config(config, shape) -> None:
             f"placement.learner_procs: {place.learner_procs}, but {what}; the sharded load reads dense layers only: "
             "set placement.learner_procs: 1"
         )
+
+
+def load_experts_checkpoint(path, model_cfg, device: str, quantization_config):
+    """A mixture-of-experts checkpoint on `device` with its experts in 4-bit, never more than one layer's experts in
+    model.dtype: built on the meta device (the 4-bit layer swap as from_pretrained makes it, models/meta_load.py),
+    then each decoder layer read from the safetensors files, its linear weights quantized as from_pretrained does,
+    its experts fused from the per-expert tensors the files hold (transformers 5 saves them as v4 did:
+    `experts.{j}.gate_proj.weight`, ...) and quantized before the next layer is read. Why not from_pretrained:
+    it reads every expert whole in 16-bit first (56 GiB at 30B-A3B), and only then could they be quantized."""
+    from pathlib import Path
+
+    import torch
+
+    from .meta_load import Checkpoint, _params_by_unit, materialise, meta_model
+
+    dtype = getattr(torch, model_cfg.dtype)
+    lm = meta_model(Path(path), dtype, quantization_config, torch.device(device))
+    per_layer, root = _params_by_unit(lm)
+    checkpoint = Checkpoint(Path(path))
+    for entries in per_layer:
+        materialise([e for e in entries if e[1] not in EXPERT_PARAMS], checkpoint, device)
+        experts = [e for e in entries if e[1] in EXPERT_PARAMS]
+        for module, attr, key in experts:
+            value = fused_expert_tensor(checkpoint, key, attr, module.num_experts).to(device=device, dtype=dtype)
+            module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+        for module in {id(m): m for m, _, _ in experts}.values():  # why now: the layer's 16-bit experts go before
+            quantize_experts(module, model_cfg, recurse=False)  # the next layer is read
+    materialise(root, checkpoint, device)
+    lm.tie_weights()  # why again: the root's read gave the embedding a new parameter; a tied head must share it
+    return lm
+
+
+def fused_expert_tensor(checkpoint, key: str, attr: str, experts: int):
+    """One layer's fused expert parameter (`key`: `...mlp.experts.gate_up_proj` or `.down_proj`), as transformers
+    5 fuses it at load: gate_up_proj[j] is expert j's gate_proj then up_proj weight (the forward chunks its output
+    in that order), down_proj[j] its down_proj weight. A checkpoint that holds it fused already is read as it is."""
+    import torch
+
+    if key in checkpoint._where:
+        return checkpoint.tensor(key)
+    prefix = key.rsplit(".", 1)[0]
+    parts = ("gate_proj", "up_proj") if attr == "gate_up_proj" else ("down_proj",)
+    return torch.stack(
+        [torch.cat([checkpoint.tensor(f"{prefix}.{j}.{part}.weight") for part in parts]) for j in range(experts)]
+    )

@@ -85,6 +85,10 @@ def load_base(model_cfg, device: str, seed: int = 0):
     if random:
         quant = quantization_config(model_cfg)
         model = build_random(random, device, seed, _DTYPES[model_cfg.dtype], quant)
+    elif model_cfg.load_in_4bit and experts_checkpoint(path):  # why: from_pretrained reads every expert in 16-bit
+        from .experts import load_experts_checkpoint
+
+        model = load_experts_checkpoint(path, model_cfg, device, quantization_config(model_cfg))
     else:
         model = _from_pretrained(path, model_cfg, device)
     if model_cfg.load_in_4bit:  # why: bitsandbytes' 4-bit load leaves a mixture of experts' fused experts in 16-bit
@@ -96,6 +100,18 @@ def load_base(model_cfg, device: str, seed: int = 0):
     model.requires_grad_(False)
     model.config.use_cache = False  # why: training forwards never reuse a KV cache; generate() turns it back on
     return model
+
+
+def experts_checkpoint(path: str) -> bool:
+    """Whether the checkpoint at `path` is a mixture of experts the lab reads (its config.json)."""
+    from .experts import read_by_layer
+    from .shapes import read_model_config
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    hf_config = read_model_config(config, "model.name_or_path")
+    return read_by_layer(hf_config.get("text_config", hf_config))
 
 
 def _from_pretrained(path: str, model_cfg, device: str):

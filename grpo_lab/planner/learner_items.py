@@ -78,7 +78,7 @@ def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape:
             "per-shape primitives, scratchpad; measured, not modelled",
         )
     add_base(lrn, config, shape, procs, "base weights", "4-bit quant state (whole on every rank)")
-    add_experts_load(lrn, config, shape)
+    add_experts_load(lrn, host, config, shape)
     lrn.add(f"LoRA weights{part}", lora * 4 / procs, f"{count(lora)} params{' in all' if procs > 1 else ''}, fp32")
     lrn.add(f"LoRA gradients{part}", lora * 4 / procs, "fp32" if procs == 1 else "fp32, reduce-scattered")
     if config.placement.optimizer_offload:  # (one process only: the config refuses it for a sharded learner)
@@ -99,22 +99,30 @@ def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape:
         add_base(ref, config, shape, procs, "reference weights", "reference quant state (whole on every rank)")
 
 
-def add_experts_load(lrn: DevicePlan, config, shape: ModelShape) -> None:
-    """A mixture of experts' checkpoint loads its experts whole in model.dtype (bitsandbytes' 4-bit load replaces
-    nn.Linear only), and the lab quantizes them after (models/experts.py): the load holds them in 16-bit instead of
-    4-bit. A built-in random shape draws and quantizes them a layer at a time (models/random_shapes.py)."""
+def add_experts_load(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape) -> None:
+    """A mixture of experts' checkpoint is read a decoder layer at a time (models/experts.load_experts_checkpoint):
+    one layer's experts in model.dtype twice in host memory (the per-expert tensors read, and their fused stack),
+    and once on a GPU learner's card, before they are quantized. A built-in random shape draws and quantizes them a
+    layer at a time too (models/random_shapes.py)."""
+    from ..models.experts import MOE_FAMILIES
     from ..models.random_shapes import parse_random
 
     if not (shape.moe and config.model.load_in_4bit) or parse_random(config.model.name_or_path):
         return
     e = DTYPE_BYTES[config.model.dtype]
-    extra = shape.expert_params * (e - nf4_bits(config.model.bnb_4bit_use_double_quant) / 8)
-    lrn.add(
-        "experts whole before nf4",
-        extra,
-        f"{count(shape.expert_params)} expert weights read in {config.model.dtype}, quantized after the load",
-        phase="load",
-    )
+    if not MOE_FAMILIES[shape.family].read_by_layer:  # from_pretrained reads every expert whole, quantized after
+        lrn.add(
+            "experts whole before nf4",
+            shape.expert_params * (e - nf4_bits(config.model.bnb_4bit_use_double_quant) / 8),
+            f"{count(shape.expert_params)} expert weights read in {config.model.dtype} by from_pretrained",
+            phase="load",
+        )
+        return
+    layer = sum(n for _, n in shape.expert_tensors()) * e
+    why = f"read per expert and fused in {config.model.dtype}, quantized before the next layer is read"
+    host.add("one layer's experts read (files)", 2 * layer, why, phase="load")
+    if lrn is not host:
+        lrn.add("one layer's experts before nf4", layer, why, phase="load")
 
 
 def add_sharded_load(rank: DevicePlan, config, shape: ModelShape, procs: int) -> None:
