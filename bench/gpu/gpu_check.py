@@ -67,6 +67,19 @@ def base_overrides(model: str, device: str, length: int) -> list[str]:
     ]
 
 
+def cap_card(cfg) -> None:
+    """`--cap-gib`: the learner's GPU held to placement.gpu_memory_gib (a 24 GiB card on an 80-141 GiB one): torch's
+    allocator refuses past it, as that card would (set_per_process_memory_fraction); the plan reads the same capacity
+    from the config. Both sides call it before anything loads."""
+    gib, device = cfg.placement.gpu_memory_gib, cfg.placement.learner
+    if gib is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+
+
 class ProcessPeak:
     """torch's allocated peak over the whole process: the Lab resets the peak at every phase (memory/readers.py), so
     each reset first folds the peak so far into this one."""
@@ -104,6 +117,7 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     from grpo_lab.planner import plan
 
     cfg = load_config("tiny-cpu", overrides)
+    cap_card(cfg)
     device = cfg.placement.learner
     peak = ProcessPeak(device)
     planned = plan(cfg).devices["host" if device == "cpu" else device]
@@ -198,6 +212,7 @@ def trl_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     from grpo_lab.models.source import resolve_model_path
 
     cfg = load_config("tiny-cpu", overrides)
+    cap_card(cfg)
     cfg.update({"model.name_or_path": resolve_model_path(cfg.model.name_or_path)})
     peak = ProcessPeak(cfg.placement.learner)
     seconds, marks, lengths = [], {}, []
@@ -372,7 +387,7 @@ def side_by_side_runs(args) -> list[tuple[str, str, list[str]]]:
     """(label, side, extra overrides) of each side-by-side process at a length: the sides, then the `--variant`s (on a
     GPU, by default, the hf rollout's other decode paths)."""
     runs = [(side, side, []) for side in args.sides]
-    if not args.variant and args.device.startswith("cuda") and "grpo_lab" in args.sides:
+    if not args.variant and not args.no_variants and args.device.startswith("cuda") and "grpo_lab" in args.sides:
         # the hf rollout's decode paths (generator.hf_decode), measured beside today's: issue 33's "choose and say why"
         args.variant = [
             "static:generator.hf_decode=static",
@@ -420,6 +435,8 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...")
     parser.add_argument("--long-only", nargs="*", default=[], metavar="LABEL", help="runs only above 256 tokens")
     parser.add_argument("--serial", dest="parallel", action="store_false", help="one side's process at a time")
+    parser.add_argument("--no-variants", action="store_true", help="the sides only, not the default decode paths")
+    parser.add_argument("--cap-gib", type=float, help="hold the learner's GPU to this many GiB (a smaller card)")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -460,6 +477,8 @@ def main() -> int:
             if label in args.long_only and length <= LONG:
                 continue
             overrides = base_overrides(args.model, args.device, length) + extra
+            if args.cap_gib:
+                overrides.append(f"placement.gpu_memory_gib={args.cap_gib}")
             cmd = [
                 sys.executable,
                 "-m",
