@@ -75,6 +75,42 @@ def test_a_static_rollout_decodes_every_chunk_at_one_batch_size_with_the_same_to
     torch.testing.assert_close(whole.sampler_logprobs, chunked.sampler_logprobs, rtol=0, atol=1e-5)
 
 
+def test_a_static_rollout_makes_one_cache_for_all_its_calls_and_its_tensors_stay_put(lab, monkeypatch):
+    """transformers builds a StaticCache per generate() call, so the KV tensors moved at every chunk (a CUDA graph
+    re-records when a static input's address changes): one per rollout now, reset between its calls, let go after."""
+    from transformers import cache_utils
+
+    from grpo_lab.generation.hf import HFGenerator
+
+    made, addresses = [], []
+    real_init, real_once = cache_utils.StaticCache.__init__, HFGenerator.generate_once
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        real_init(self, *args, **kwargs)
+
+    def watched(self, *args):
+        out = real_once(self, *args)
+        if self.static_cache is not None:  # (the dynamic rollout has none)
+            addresses.append([layer.keys.data_ptr() for layer in self.static_cache.layers])
+        return out
+
+    monkeypatch.setattr(cache_utils.StaticCache, "__init__", counted)
+    monkeypatch.setattr(HFGenerator, "generate_once", watched)
+    lab.configure({"generator.hf_decode": "dynamic", "generator.chunk_size": None})
+    plain = lab.rollout()
+    lab.configure({"generator.hf_decode": "static", "generator.chunk_size": 3})
+    try:
+        static = lab.rollout()
+    finally:
+        lab.configure({"generator.hf_decode": "dynamic", "generator.chunk_size": None})
+    assert len(made) == 1 and len(addresses) == 3  # three calls, one cache
+    assert addresses[0] == addresses[1] == addresses[2]  # its tensors stayed put
+    assert lab.executor.generator.static_cache is None  # let go after the rollout
+    assert torch.equal(plain.completion_ids, static.completion_ids)  # reset between calls: nothing leaks across
+    torch.testing.assert_close(plain.sampler_logprobs, static.sampler_logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [

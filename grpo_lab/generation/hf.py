@@ -53,6 +53,7 @@ class HFGenerator(Generator):
         model = config.model  # why the compute dtype: the copy's weights are in what the 4-bit matmul computes in
         dtype = getattr(torch, model.bnb_4bit_compute_dtype if model.load_in_4bit else model.dtype)
         self.rollout_copy = RolloutCopy(dtype)  # generator.hf_decode: merged: one copy for the Lab's rollouts
+        self.static_cache = None  # a static rollout's one StaticCache, for all its generate() calls
         self.parking = Parking()  # generator.park_learner: what waits in host memory, until it is back
 
     def sync(self, learner) -> None:
@@ -71,7 +72,7 @@ class HFGenerator(Generator):
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
         static = "cache_implementation" in DECODES[request.decode](self.learner.device.type == "cuda")
-        with self.decoding(request) as model:
+        with self.decoding(request) as model, self.one_cache():
 
             def chunk(prompt_ids, rows):
                 row_seeds_ = seeds[rows.start : rows.stop]
@@ -99,6 +100,31 @@ class HFGenerator(Generator):
         finally:
             self.parking.put_back()
 
+    @contextmanager
+    def one_cache(self):
+        """One StaticCache for every generate() call of a rollout (each call resets it), let go as the rollout ends.
+        Why: transformers builds a new one per call, so the KV tensors moved at every chunk, and CUDA graphs re-record
+        when a static input's address changes; why let go: the learner's phases must not hold the rollout's KV."""
+        try:
+            yield
+        finally:
+            self.static_cache = None
+
+    def reused_cache(self, model, settings, cache, max_cache_len: int):
+        """The cache a generate() call starts from, and its settings: a static decode's first call starts from the
+        rollout's one StaticCache (made at its first call, reset at every later one), its settings then naming no
+        cache_implementation (transformers refuses both); any other call as given."""
+        if cache is not None or settings.cache_implementation != "static":
+            return cache, settings
+        from transformers import StaticCache
+
+        if self.static_cache is None:
+            self.static_cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        else:
+            self.static_cache.reset()  # (the same tensors: zeroed, its length back to 0)
+        settings.cache_implementation = None
+        return self.static_cache, settings
+
     def generate_once(self, model, settings, synced, request, samplers, ids, mask, cache, max_new_tokens, stop):
         """One generate() call of a rollout (generation/leaving.py may make several, going on from `cache`): its
         sequences, its KV cache and the sampler log-probs of its new tokens."""
@@ -108,6 +134,7 @@ class HFGenerator(Generator):
         # why a copy: transformers warns when generation fields come both in a config and as arguments
         settings = copy.deepcopy(settings)
         settings.max_new_tokens, settings.return_dict_in_generate = max_new_tokens, True
+        cache, settings = self.reused_cache(model, settings, cache, ids.shape[1] + max_new_tokens)
         out = model.generate(
             input_ids=ids.to(self.learner.device),
             attention_mask=mask.to(self.learner.device),
