@@ -111,6 +111,33 @@ def test_a_static_rollout_makes_one_cache_for_all_its_calls_and_its_tensors_stay
     torch.testing.assert_close(plain.sampler_logprobs, static.sampler_logprobs, rtol=0, atol=1e-5)
 
 
+def test_what_torch_compiled_during_a_rollout_is_in_its_result_and_the_steps_metrics(lab, monkeypatch):
+    """torch's own counters (dynamo's unique graphs, CUDA graph trees' recorded inputs), read around the rollout:
+    a CPU rollout compiles nothing; one whose calls each compile (forced here through the counters) says so."""
+    from torch._dynamo.utils import counters
+
+    from grpo_lab.generation.hf import HFGenerator
+
+    lab.configure({"generator.hf_decode": "dynamic", "generator.chunk_size": 4})
+    try:
+        assert (lab.rollout().compiled_graphs, lab.rollout().cudagraph_recorded_inputs) == (0, 0)
+        real = HFGenerator.generate_once
+
+        def recompiling(self, *args):  # as a GPU rollout whose every call recompiles and re-records
+            counters["stats"]["unique_graphs"] += 1
+            counters["inductor"]["cudagraph_recorded_non_static_inputs"] += 3
+            return real(self, *args)
+
+        monkeypatch.setattr(HFGenerator, "generate_once", recompiling)
+        lab.rollout()  # the step's rollout, again (a restart: no update applied yet)
+        result = lab.step()  # the rest of the step, on that rollout
+    finally:
+        lab.configure({"generator.chunk_size": None})
+    assert (result.compiled_graphs, result.cudagraph_recorded_inputs) == (2, 6)  # two calls of 4 rows
+    metrics = result.metrics()
+    assert metrics["compiled_graphs"] == 2 and metrics["cudagraph_recorded_inputs"] == 6
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [

@@ -36,6 +36,10 @@ class Rollout:
     max_completion_length: int = 0  # the limit it was sampled with (dr_grpo normalises by it)
     step: int = -1  # the Lab step it belongs to (set by the Lab)
     generate_calls: int = 1  # engine calls it took (generator.chunk_size splits the batch)
+    # what torch compiled while it decoded, by its own counters (torch._dynamo.utils.counters): graphs compiled, and
+    # the inputs CUDA graphs recorded (0 = no new recording); a rollout after the first should read 0 and 0
+    compiled_graphs: int = 0
+    cudagraph_recorded_inputs: int = 0
 
     @property
     def logprob_temperature(self) -> float:
@@ -146,6 +150,8 @@ class StepResult:
     step_seconds: float
     sync_seconds: float = 0.0  # pushing the LoRA weights to the generator
     generate_calls: int = 1  # engine calls of the rollout (generator.chunk_size)
+    compiled_graphs: int = 0  # graphs torch compiled during the rollout (Rollout.compiled_graphs)
+    cudagraph_recorded_inputs: int = 0  # inputs CUDA graphs recorded during it (0: no new recording)
     temperature: float = 1.0  # the rollout was sampled at (0 = greedy)
     learning_rate: float = 0.0  # of the step's last update
     iterations: int = 1  # optimizer updates on this rollout

@@ -287,6 +287,8 @@ def summarize(
         iterations=iterations,
         attempts=attempts,
         generate_calls=rollout_.generate_calls,
+        compiled_graphs=rollout_.compiled_graphs,
+        cudagraph_recorded_inputs=rollout_.cudagraph_recorded_inputs,
         temperature=rollout_.temperature,
         learning_rate=learning_rate,
         is_ratio_min=stats.is_ratio_min,

@@ -72,7 +72,7 @@ class HFGenerator(Generator):
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
         static = "cache_implementation" in DECODES[request.decode](self.learner.device.type == "cuda")
-        with self.decoding(request) as model, self.one_cache():
+        with self.decoding(request) as model, self.one_cache(), CompileCounts() as counted:
 
             def chunk(prompt_ids, rows):
                 row_seeds_ = seeds[rows.start : rows.stop]
@@ -83,7 +83,9 @@ class HFGenerator(Generator):
                     prompt_ids, row_seeds_ = prompt_ids + prompt_ids[-1:] * short, row_seeds_ + row_seeds_[-1:] * short
                 return self.generate_chunk(prompt_ids, request, row_seeds_, width, model)[: len(rows)]
 
-            return self.generate_in_chunks(batch, num_generations, request, chunk)
+            out = self.generate_in_chunks(batch, num_generations, request, chunk)
+        out.compiled_graphs, out.cudagraph_recorded_inputs = counted.delta()
+        return out
 
     @contextmanager
     def decoding(self, request: GenerationRequest):
@@ -228,6 +230,30 @@ class HFGenerator(Generator):
         """Cut at the first stop token (kept); after it generate() only pads. None within the row = truncated."""
         end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), None)
         return Sample(completion_ids=row[:end], logprobs=logprobs[:end], truncated=end is None)
+
+
+class CompileCounts:
+    """What torch compiled within the block, by its own counters: dynamo's unique graphs and the inputs CUDA graph
+    trees recorded (a re-record after a static input moved adds to it). Why in the rollout's result: a recompile or
+    a re-record per rollout is the fast path's cost, and shows nowhere else."""
+
+    KEYS = (("stats", "unique_graphs"), ("inductor", "cudagraph_recorded_non_static_inputs"))
+
+    def __enter__(self) -> "CompileCounts":
+        self.before = self.read()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.after = self.read()
+
+    @classmethod
+    def read(cls) -> tuple[int, ...]:
+        from torch._dynamo.utils import counters
+
+        return tuple(counters[group][key] for group, key in cls.KEYS)
+
+    def delta(self) -> tuple[int, ...]:
+        return tuple(a - b for a, b in zip(self.after, self.before))
 
 
 def _compile_config() -> dict:
