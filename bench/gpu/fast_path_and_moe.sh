@@ -17,8 +17,11 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/fast_path_and_moe}
 PY=${PYTHON:-python}
 if [ "${1:-}" = "--dry-run" ]; then  # the plumbing on the CPU: 1 layer, 8 tokens, no TRL, nothing timed
-  exec $PY -m bench.gpu.gpu_check --device cpu --model "builtin:qwen3-30b-a3b-random:layers=1" --lengths 8 \
-    --steps 1 --warmup 0 --skip-smoke --sides grpo_lab --out "${OUT}_dry"
+  $PY -m bench.gpu.gpu_check --device cpu --model "builtin:qwen3-30b-a3b-random:layers=1" --lengths 8 \
+    --steps 1 --warmup 0 --skip-smoke --sides grpo_lab --out "${OUT}_dry/moe" || exit 1
+  exec $PY -m bench.gpu.gpu_check --device cpu --model "builtin:qwen3-8b-random:layers=1" --lengths 8 \
+    --steps 1 --warmup 0 --skip-smoke --sides grpo_lab --out "${OUT}_dry/park8b" \
+    --variant "merged_park:generator.hf_decode=merged,generator.park_learner=true"
 fi
 mkdir -p "$OUT"
 timeout 240 $PY -m bench.gpu.gpu_check --model builtin:qwen3-30b-a3b-random --lengths 1024 --cap-gib 24 \
