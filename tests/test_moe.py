@@ -14,7 +14,7 @@ import torch
 from grpo_lab import Lab, LabError, cli, load_config
 from grpo_lab.models.shapes import ModelShape, load_shape
 from grpo_lab.planner import plan
-from grpo_lab.planner.estimate import activation_bytes, base_weight_bytes
+from grpo_lab.planner.estimate import base_weight_bytes
 
 pytestmark = pytest.mark.xdist_group("moe")  # why: its Lab tests share one loaded tiny MoE (module-scoped)
 
@@ -172,32 +172,9 @@ def test_the_experts_are_nf4_lora_is_on_attention_only_and_the_plan_counts_what_
 def test_the_cpu_plan_saves_what_torch_saves_for_a_mixture_of_experts_backward():
     """The experts' working memory as transformers runs it (grouped_mm) and the dequantized experts every layer's
     matmuls keep: without checkpointing, nf4 experts cost their 16-bit bytes again in backward."""
-    from test_planner_saved import saved_bytes
+    from test_planner_saved import measured_and_planned
 
-    rows, prompt, completion = 4, 48, 144
-    config = load_config(
-        "tiny-cpu",
-        [
-            f"model.name_or_path={TINY_MOE}",
-            "model.gradient_checkpointing=false",
-            f"grpo.num_generations={rows}",
-            "grpo.prompts_per_step=1",
-            "grpo.micro_batch_size=null",
-            f"generator.max_prompt_length={prompt}",
-            f"generator.max_completion_length={completion}",
-        ],
-    )
-    planned = activation_bytes(load_shape(TINY_MOE), config, on_cpu=True)["saved"]
-    lab = Lab(config).load()
-    try:
-        model = lab.learner.model
-        model.train()
-        ids = torch.randint(0, 384, (rows, prompt + completion), generator=torch.Generator().manual_seed(0))
-        mask = torch.ones_like(ids)
-        mask[: rows // 2, : prompt // 3] = 0
-        measured = saved_bytes(model, ids, mask)
-    finally:
-        lab.close()
+    measured, planned = measured_and_planned(TINY_MOE)
     experts = 2 * 8 * (2 * 64 * 128 + 128 * 64) * 4  # both layers' experts dequantized to float32
     assert measured > experts  # they are among what autograd keeps
     assert 0.9 <= measured / planned <= 1.1, (measured / 2**20, planned / 2**20)
