@@ -61,11 +61,14 @@ def warm_up() -> None:
     import trl.trainer.utils  # noqa: F401
 
 
-def put_back(parking, device: str) -> None:
-    """The learner's state a parked rollout left in host memory, back on `device`; an out-of-memory error is one line
-    (what is still held stays held: the next command tries again)."""
+def put_back(generator, device: str) -> None:
+    """The learner's state a parked rollout left in host memory (the hf generator's Parking), back on `device`; an
+    out-of-memory error is one line (what is still held stays held: the next command tries again)."""
     from ..memory.oom import is_oom, release_memory
 
+    parking = getattr(generator, "parking", None)
+    if parking is None or not parking.pending:
+        return
     release_memory()  # why: the failed rollout's cached blocks first, so the learner has the room it had
     try:
         parking.put_back()
@@ -211,9 +214,7 @@ class LocalExecutor:
     def before_command(self) -> bool:
         """Whether the step's progress was lost since the last command (never, in one process). First, what a
         parked rollout could not put back (out of memory) goes back, before anything reads the learner."""
-        parking = getattr(self.generator, "parking", None)
-        if parking is not None and parking.pending:
-            put_back(parking, runtime().device(self.config))
+        put_back(self.generator, runtime().device(self.config))
         return False
 
     def failed(self, phase: str, err: Optional[BaseException]) -> Optional[str]:
@@ -224,12 +225,10 @@ class LocalExecutor:
         for model in (getattr(self.learner, "model", None), getattr(self.reference, "model", None)):
             if model is not None:
                 reset_after_failure(model)
-        parking = getattr(self.generator, "parking", None)
-        if parking is not None and parking.pending:  # a parked rollout failed putting the learner back: once more now
-            try:
-                put_back(parking, runtime().device(self.config))
-            except LabError:
-                pass  # still held; the next command tries again, and says so if it cannot
+        try:  # a parked rollout that failed putting the learner back: once more now
+            put_back(self.generator, runtime().device(self.config))
+        except LabError:
+            pass  # still held; the next command tries again, and says so if it cannot
         self.generator_behind |= phase == "sync"  # why: the engine may hold the adapter the rollback undoes
         return None
 

@@ -200,7 +200,7 @@ def fused_expert_tensor(checkpoint, key: str, attr: str, experts: int):
     in that order), down_proj[j] its down_proj weight. A checkpoint that holds it fused already is read as it is."""
     import torch
 
-    if key in checkpoint._where:
+    if checkpoint.has(key):
         return checkpoint.tensor(key)
     prefix = key.rsplit(".", 1)[0]
     parts = ("gate_proj", "up_proj") if attr == "gate_up_proj" else ("down_proj",)

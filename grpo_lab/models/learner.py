@@ -91,10 +91,10 @@ def load_base(model_cfg, device: str, seed: int = 0):
         model = load_experts_checkpoint(path, model_cfg, device, quantization_config(model_cfg))
     else:
         model = _from_pretrained(path, model_cfg, device)
-    if model_cfg.load_in_4bit:  # why: bitsandbytes' 4-bit load leaves a mixture of experts' fused experts in 16-bit
-        from .experts import quantize_experts
+        if model_cfg.load_in_4bit:  # why: bitsandbytes' 4-bit load leaves a mixture of experts' experts in 16-bit
+            from .experts import quantize_experts
 
-        quantize_experts(model, model_cfg)
+            quantize_experts(model, model_cfg)
     # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
     pin_training_layout(model)
     model.requires_grad_(False)

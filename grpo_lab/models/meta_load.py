@@ -52,6 +52,9 @@ class Checkpoint:
             )
         return self._files[self._where[key]]
 
+    def has(self, key: str) -> bool:
+        return key in self._where
+
     def tensor(self, key: str) -> torch.Tensor:
         return self._file(key).get_tensor(key)
 
