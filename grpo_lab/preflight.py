@@ -13,7 +13,7 @@ def preflight(config: LabConfig) -> None:
     from .algo.prompts import load_rows
     from .checks.devices import check_devices
     from .checks.installed import check_torchvision
-    from .execution.sharded.precheck import check_ranks
+    from .checks.world import check_ranks
     from .models.source import check_model_path, require_files
 
     check_torchvision()

@@ -309,7 +309,7 @@ def test_the_driver_keeps_the_boundary_states_of_the_last_two_step_starts_and_a_
     """The driver restarts its ranks from the step it is at, which may be one behind a rank that already returned the
     next step's state at the end of sync (interrupted before its reply was read)."""
     from grpo_lab.execution.sharded.ranks import Ranks
-    from grpo_lab.execution.sharded.worker import boundary_state, restore_boundary
+    from grpo_lab.rank import boundary_state, restore_boundary
 
     lab, fresh = Lab("tiny-cpu").load(), Lab("tiny-cpu").load()
     try:
@@ -354,7 +354,7 @@ def refused(capsys, *sets) -> str:
 
 
 def test_more_cpu_ranks_than_cores_is_one_line(capsys, no_ranks, monkeypatch):
-    monkeypatch.setattr("grpo_lab.execution.sharded.precheck.usable_cpus", lambda: 2)
+    monkeypatch.setattr("grpo_lab.checks.world.usable_cpus", lambda: 2)
     line = refused(capsys, "placement.learner_procs=4")
     assert "placement.learner_procs: 4 CPU ranks on 2 usable CPU core(s)" in line and "use at most 2" in line
 
@@ -362,16 +362,14 @@ def test_more_cpu_ranks_than_cores_is_one_line(capsys, no_ranks, monkeypatch):
 def test_more_gpu_ranks_than_gpus_is_one_line(capsys, no_ranks, monkeypatch):
     from grpo_lab.config.loading import load_config
 
-    monkeypatch.setattr(
-        "grpo_lab.execution.sharded.precheck.check_engine", lambda learner: None
-    )  # this CPU torch has no NCCL
+    monkeypatch.setattr("grpo_lab.checks.world.check_engine", lambda learner: None)  # this CPU torch has no NCCL
     monkeypatch.setattr("grpo_lab.checks.devices.cuda_device_count", lambda: 2)  # a machine with 2 GPUs
     line = refused(capsys, "placement.learner=cuda:1", "placement.learner_procs=2")  # through the CLI: exit 2
     assert (
         "placement.learner_procs: 2 ranks from cuda:1 need cuda:1..cuda:2, but this machine has 2 CUDA device(s); "
         "use at most 1 ranks"
     ) in line
-    from grpo_lab.execution.sharded.precheck import check_ranks
+    from grpo_lab.checks.world import check_ranks
 
     check_ranks(load_config("tiny-cpu", ["placement.learner=cuda:0", "placement.learner_procs=2"]), cuda_count=2)
 

@@ -138,3 +138,27 @@ def test_plan_recommends_auto_when_a_shared_gpu_has_no_share_set_and_run_refuses
     assert main(["run", str(QWEN7B), *args, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert "needs a memory share: auto" in err and "\n" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "backend,on_rank,handed",
+    [("vllm", False, True), ("vllm", True, False), ("hf", False, False)],
+)
+def test_the_executor_hands_the_engine_the_share_the_plan_prints(monkeypatch, backend, on_rank, handed):
+    """The generators stand below the planner, so the executor asks it and hands the share over: an engine with
+    weights of its own starts with auto's share as `plan` prints it; a rank's sampler and the hf generator get none."""
+    from grpo_lab.execution.local import start_generator
+
+    got = {}
+
+    class Recorder:
+        def __init__(self, learner, config, **kwargs):
+            got.update(kwargs, learner=learner)
+
+    monkeypatch.setattr("grpo_lab.generation.backend_class", lambda name, on_rank=False: Recorder)
+    cfg = qwen7b("generator.sleep_mode=true") if backend == "vllm" else load_config(QWEN7B, ["generator.backend=hf"])
+    start_generator(cfg, "the learner", on_rank=on_rank)
+    assert got.pop("learner") == "the learner"
+    assert got == ({"gpu_share": plan(cfg).devices["cuda:0"].split.share} if handed else {}), got
+    if handed:
+        assert got["gpu_share"] == 0.70  # auto's number, not vLLM's default 0.9

@@ -106,7 +106,7 @@ def check_one_process(config) -> None:
 
 
 def check_sharding(config) -> None:
-    """What a sharded learner cannot do, refused before anything starts (execution/sharded/precheck.py checks its
+    """What a sharded learner cannot do, refused before anything starts (checks/world.py checks its
     devices and engine)."""
     procs, gen, g = config.placement.learner_procs, config.generator, config.grpo
     if gen.hf_decode == "merged":

@@ -83,6 +83,19 @@ def put_back(generator, device: str) -> None:
         ) from None
 
 
+def start_generator(config, learner, on_rank: bool = False):
+    """The config's generator over `learner`. A backend with weights of its own starts with the GPU share the plan
+    prints (the planner's `engine_share`: the number set, or auto's), handed over here because the planner stands on
+    the generators; a rank's sampler asks the driver's engine and holds none."""
+    from ..generation import backend_class
+    from ..generation.registry import OWN_WEIGHTS
+    from ..planner import engine_share
+
+    name = config.generator.backend
+    own = name in OWN_WEIGHTS and not on_rank
+    return backend_class(name, on_rank=on_rank)(learner, config, **({"gpu_share": engine_share(config)} if own else {}))
+
+
 def attach_engine(memory, generator) -> None:
     """An in-process engine's tensors get their own layer in its GPU's ledger (memory.readers.gpu_ledger)."""
     device = getattr(generator, "engine_device", None)
@@ -159,7 +172,6 @@ class LocalExecutor:
 
     # --- load and release ---
     def load(self, memory) -> None:
-        from ..generation import backend_class
         from ..models.learner import load_learner
 
         config = self.config
@@ -171,7 +183,7 @@ class LocalExecutor:
         self.learner = load_learner(config, self.sharding)
         self.check_learner()
         self.build_reference()
-        self.generator = backend_class(config.generator.backend, on_rank=runtime().is_rank)(self.learner, config)
+        self.generator = start_generator(config, self.learner, on_rank=runtime().is_rank)
         attach_engine(memory, self.generator)
         self.build_prompts()
 

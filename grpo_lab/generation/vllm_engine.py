@@ -164,7 +164,9 @@ def draw_seeds(n: int):
 
 
 class VLLMGenerator(Generator):
-    def __init__(self, learner, config):
+    def __init__(self, learner, config, gpu_share: Optional[float] = None):
+        """`gpu_share`: the gpu_memory_utilization an engine on GPUs starts with (the share the plan prints, which its
+        caller asks the planner for: the planner stands on the generators, not under them); unused on the CPU."""
         gen, place = config.generator, config.placement
         checkpoint = resolve_model_path(config.model.name_or_path)  # the learner's: its tokenizer and EOS set
         super().__init__(learner.tokenizer, checkpoint)
@@ -200,9 +202,9 @@ class VLLMGenerator(Generator):
                 True  # why: graph capture/compilation costs more than it saves for test-size models
             )
         else:
-            from ..planner import engine_share
-
-            kwargs["gpu_memory_utilization"] = engine_share(config)  # auto: the share the plan prints
+            if gpu_share is None:
+                raise ValueError("VLLMGenerator on GPUs needs gpu_share (execution.local.start_generator gives it)")
+            kwargs["gpu_memory_utilization"] = gpu_share
         self.gpu_memory_utilization = kwargs.get("gpu_memory_utilization")  # what lab.placement shows
         self.llm, self.lora_request, self.version = None, None, 0
         self.adapter_root = make_adapter_dir(learner)  # before the engine: a refusal there costs nothing

@@ -1,6 +1,6 @@
 """`RankExecutor`: a Lab's phases over a sharded learner's ranks (placement.learner_procs > 1). The Lab keeps its API
 and lifecycle (phase methods, `step()`, config edits, history, memory views); each phase is one command to every
-rank (sharded/ranks.py: a Ray actor each), whose own Lab runs it on its shard (sharded/worker.py). Every rank computes
+rank (sharded/ranks.py: a Ray actor each), whose own Lab runs it on its shard (grpo_lab/rank.py). Every rank computes
 the same rollout, rewards and advantages; log-probs and backward are each rank's rows, gathered; results come back from
 rank 0, and every rank's samples and per-phase rows join the driver's memory sampler under 'rank<k>/<device>'.
 
@@ -109,8 +109,7 @@ class RankExecutor:
 
     # --- load and release ---
     def load(self, memory) -> None:
-        from ...generation import backend_class
-        from ..local import attach_engine
+        from ..local import attach_engine, start_generator
 
         config = self.config
         if self.rewards_given:
@@ -129,7 +128,7 @@ class RankExecutor:
         if self.own_engine:  # the ranks' one engine, here: it starts with their adapter, gathered
             try:
                 self.adapter = RankAdapter(self)
-                self.generator = backend_class(config.generator.backend)(self.adapter, config)
+                self.generator = start_generator(config, self.adapter)
                 attach_engine(memory, self.generator)
             except BaseException:
                 self.ranks.close()

@@ -12,7 +12,7 @@ from typing import Optional
 
 from ...memory.sampler import HostMemoryExceeded, MemorySampler
 
-GiB, MiB = 1024**3, 1024**2
+GiB = 1024**3
 
 
 def rank_budget(config) -> Optional[float]:
@@ -90,29 +90,3 @@ def cap_rank_gpu(gib: Optional[float], device: str) -> Optional[float]:
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(gib * GiB / total, 1.0), device)
     return min(gib * GiB, total)
-
-
-def rank_peaks(sampler, since: int = 0) -> dict[str, dict]:
-    """Each rank's host peak in the driver's per-phase rows from index `since` (failed attempts included), against its
-    line (its budget x memory.host_threshold), in MiB: {'rank<k>/host': {peak_mib, phase, line_mib, over}}. The
-    figure is the guard's own `used`: a budgeted rank's RSS."""
-    from ...memory.report import capacities_of
-
-    capacities = capacities_of(sampler)
-    rows = [r for r in sampler.phase_rows[since:] if r["metric"] == "used" and r["device"] in capacities]
-    out = {}
-    for device in sorted({r["device"] for r in rows if r["device"].startswith("rank")}):
-        top = max((r for r in rows if r["device"] == device), key=lambda r: r["peak"])
-        line = capacities[device] * sampler.host_threshold
-        out[device] = {"peak_mib": top["peak"] / MiB, "phase": top["phase"], "line_mib": line / MiB}
-        out[device]["over"] = top["peak"] > line
-    return out
-
-
-def format_rank_peaks(peaks: dict) -> str:
-    """rank_peaks() as a table, one line per rank."""
-    lines = [f"{'rank':<12}{'peak MiB':>10}  {'during':<10}{'line MiB':>10}  verdict"]
-    for device, p in peaks.items():
-        verdict = "over its line" if p["over"] else "under its line"
-        lines.append(f"{device:<12}{p['peak_mib']:>10.1f}  {p['phase']:<10}{p['line_mib']:>10.1f}  {verdict}")
-    return "\n".join(lines)

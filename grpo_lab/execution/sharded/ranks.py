@@ -8,19 +8,23 @@ rank).
 
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import contextmanager
 from typing import Callable, Optional
 
+from ...checks.world import usable_cpus
 from ...errors import LabError
 from ...memory.sampler import MemorySampler
 from .interrupts import INTERRUPTS
-from .precheck import usable_cpus
 from .remote import Answers
 
 START_TIMEOUT_S = 900  # loading a model on every rank
 STREAM_S = 0.5  # why: the live plot redraws every 0.5 s; a rank's samples are polled as often while it works
 POLL_S = 30.0  # a rank's poll not answered within this is skipped (its samples come with its reply)
+# what each rank's actor runs: a Lab of its own, so the entry point sits above the Lab (beside the runner) and is named
+# by import path, as the Lab names this executor (execution/contract.py)
+RANK_ENTRY = "grpo_lab.rank:RankWorker"
 # why: the machine's used RAM and its limit read the same from every process; the driver's own host sampler has
 # them (and its guard stops on them), so a rank sends only what is its own (RSS, its GPU), and, held to a budget of
 # its own (placement.rank_memory_gib), its `used` (its RSS) and `limit` (the budget)
@@ -101,7 +105,7 @@ class Ranks:
             raise
 
     def _start(self, restore: Optional[int]) -> "Ranks":
-        from .precheck import import_ray_for
+        from ...checks.world import import_ray_for
         from .ray_cluster import Cluster, bundles
 
         if restore is not None and restore not in self.boundaries:
@@ -149,8 +153,9 @@ class Ranks:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from .ray_cluster import bundles
-        from .worker import RankWorker
 
+        module, _, name = RANK_ENTRY.partition(":")
+        RankWorker = getattr(importlib.import_module(module), name)
         bundle = bundles(self.config["placement"]["learner"], 1, self.threads)[0]
         # why a group: poll runs on a thread of its own while a command runs; why made here, per start: a class
         # made under one Ray connection is not reused under the next (a notebook's ray.shutdown(), another cluster)
@@ -351,7 +356,7 @@ def first_failed(replies: dict) -> int:
 def died(err: BaseException) -> str:
     """One line for a rank whose process died (Ray's message is a paragraph). Out of memory only when Ray's memory
     monitor says so (ray.get raises its OutOfMemoryError). Why not from the text: the message of every other worker
-    death lists "killed by the OOM killer" among its possible causes, so a SIGKILL read as out of memory (issue 42)."""
+    death lists "killed by the OOM killer" among its possible causes, so a SIGKILL would read as out of memory."""
     from ray.exceptions import OutOfMemoryError
 
     if isinstance(err, OutOfMemoryError):

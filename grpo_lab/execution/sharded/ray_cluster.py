@@ -3,8 +3,8 @@ and a placement group of one bundle per rank. Ray places and supervises the rank
 it spans machines, and it tells the driver when a rank's process dies, whatever the cause (docs/fsdp2.md, "Why Ray").
 
 Before any actor starts, the cluster's resources must be enough for the ranks (Ray installed and the address
-reachable are checked earlier, by precheck.py). The pure parts (bundles, resource arithmetic, the GPUs a local Ray is
-given) are tested with made-up clusters (tests/test_ray.py).
+reachable are checked earlier, by checks/world.py). The pure parts (bundles, resource arithmetic, the GPUs a local Ray
+is given) are tested with made-up clusters (tests/test_ray.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import socket
 from typing import Optional
 
 from ...checks.roles import parse_address
+from ...checks.world import check_reachable, import_ray_for
 from ...errors import LabError
-from .precheck import check_reachable, import_ray_for
 
 PLACE_S = 60  # a placement group that is not ready within this cannot be placed (resources taken by others)
 

@@ -1,5 +1,5 @@
 """What a sharded learner's ranks send their driver besides results: one-line errors, and the memory samples a rank took
-since its last reply. Shared by both sides (sharded/ranks.py, sharded/worker.py), so neither imports the other.
+since its last reply. Shared by both sides (sharded/ranks.py, grpo_lab/rank.py), so neither imports the other.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from ...checks.roles import parse_address
-from ...errors import LabError
-from ...runtime import rank_devices
+from ..errors import LabError
+from ..runtime import rank_devices
+from .roles import parse_address
 
 CONNECT_S = 5  # an address that does not answer a TCP connect within this is unreachable
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
@@ -69,7 +69,7 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
             )
         return
     if cuda_count is None:
-        from ...checks.devices import cuda_device_count
+        from .devices import cuda_device_count
 
         cuda_count = cuda_device_count()
     devices = rank_devices(place.learner, procs)

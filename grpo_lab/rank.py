@@ -1,8 +1,9 @@
-"""A rank of a sharded learner: the body of a Ray actor (sharded/ranks.py wraps it). It joins the process group, loads a
+"""A rank of a sharded learner: the body of a Ray actor (execution/sharded/ranks.py wraps it, naming this module by
+import path: an entry point, above the Lab it runs, beside the runner). It joins the process group, loads a
 Lab of its own (the learner sharded by FSDP2, the same code as one process), and runs the driver's commands one at a
 time: a phase, a rollback, a checkpoint. Every reply carries the memory samples and per-phase rows it took since the
 last one; while a command runs, the driver polls the rank (`poll`, on a thread of its own) for the samples so far and
-for any question its generator asks (sharded/remote.py).
+for any question its generator asks (execution/sharded/remote.py).
 
 At load and after every finished step the rank returns its *boundary state* (its LoRA and AdamW shards, RNG states,
 prompt order, step index) as bytes, which Ray keeps in its object store for the driver. Why: a rank that fails in a
@@ -21,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .wire import memory_since, one_line
+from .execution.sharded.wire import memory_since, one_line
 
 PER_RANK = {"inspect"}  # commands whose answer differs by rank
 TIMEOUT_S = 600  # a collective that waits longer than this fails (gloo's default, 30 min, looks like a hang)
@@ -57,10 +58,10 @@ class RankWorker:
         import torch.distributed as dist
         from transformers.utils import logging as hf_logging
 
-        from ...lab import Lab
-        from ...runtime import Runtime, init_decisions, runtime, set_runtime
-        from .precheck import backend_for
-        from .rank_guard import cap_rank_gpu
+        from .checks.world import backend_for
+        from .execution.sharded.rank_guard import cap_rank_gpu
+        from .lab import Lab
+        from .runtime import Runtime, init_decisions, runtime, set_runtime
 
         hf_logging.disable_progress_bar()  # why: N ranks' loading bars would interleave on the driver's stderr
         learner = config["placement"]["learner"]
@@ -89,7 +90,7 @@ class RankWorker:
             return ("error", one_line(err), self.memory()), None
         import ray
 
-        from ...memory.report import capacities_of
+        from .memory.report import capacities_of
 
         info = {
             "capacities": {**capacities_of(self.lab.memory), **({device: cap} if cap else {})},
@@ -103,10 +104,10 @@ class RankWorker:
         """Run `command`; returns (status, value, memory, notes) and the boundary state it wrote (after sync), or
         None. notes: {"boundary": the step that state starts, "blocked": whether the others are left in a
         collective}."""
-        from .remote import serve_questions_on
+        from .execution.sharded.remote import serve_questions_on
 
         serve_questions_on(self)
-        from ...runtime import PeerFailed, take_blocked
+        from .runtime import PeerFailed, take_blocked
 
         notes = {"boundary": None, "blocked": False, "peer": False}
         try:
@@ -156,7 +157,7 @@ class RankWorker:
     # --- commands: each returns (result, boundary state or None) ---
     def phase(self, name: str, config: dict):
         """Run this step's phase `name` with this rank's own outputs of the phases before it."""
-        from ...algo.phases import BY_NAME
+        from .algo.phases import BY_NAME
 
         changes = config_changes(self.lab.config.to_dict(), config)
         if changes:
@@ -197,8 +198,8 @@ def config_changes(mine: dict, theirs: dict) -> dict:
 
 def boundary_state(lab) -> bytes:
     """This rank's state between steps (its shards only: no collective)."""
-    from ...models.fsdp import local, local_state
-    from ...runtime import capture_rng, runtime
+    from .models.fsdp import local, local_state
+    from .runtime import capture_rng, runtime
 
     learner = lab.learner
     rng = capture_rng(runtime().cuda_indices(lab.config))  # this rank's own streams (its GPU's, not every GPU's)
@@ -216,9 +217,9 @@ def boundary_state(lab) -> bytes:
 
 def restore_boundary(lab, data: bytes) -> None:
     """Put a rank's state at the start of a step back into a freshly loaded Lab (a restart)."""
-    from ...models.fsdp import local
-    from ...runtime import restore_rng
-    from .gathered import load_optimizer_shards
+    from .execution.sharded.gathered import load_optimizer_shards
+    from .models.fsdp import local
+    from .runtime import restore_rng
 
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     learner = lab.learner
