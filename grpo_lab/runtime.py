@@ -249,7 +249,7 @@ _STREAMS_OWNER: list = [None]  # a weakref to the Lab whose random streams the p
 def own_streams(lab) -> None:
     """Make `lab`'s random streams the process's: the other Lab's, if another Lab drew since, are kept in its
     `_rng` and this one's put back. Why: two Labs in one process (a notebook comparing settings) drew from the same
-    global generators, so one Lab's step 0 depended on what the other had run (issue 42: 1.500 against 1.141).
+    global generators, so one Lab's step 0 depended on what the other had run (a loss of 1.500 against 1.141).
     Cheap when one Lab runs alone: nothing is swapped."""
     import weakref
 

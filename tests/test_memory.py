@@ -652,6 +652,24 @@ def test_the_running_phases_band_grows_and_its_time_is_not_squeezed_as_idle():
     assert widths == pytest.approx([6.0, 12.0])
 
 
+def test_the_live_plot_draws_a_hosts_used_once_where_it_is_its_rss():
+    """Under placement.host_memory_gib a host's `used` is the Lab's RSS: the live plot drew the two identical lines,
+    one hiding the other. It draws one, named for both, and both again once they part."""
+    from grpo_lab.ui.live import LivePlot
+
+    marks = [(0, "rollout", 0.0, 5.0)]
+    samples = [(i * 0.5, 0, "rollout", "host", m, (100 + i) * MiB) for i in range(10) for m in ("rss", "used")]
+    plot = LivePlot(fake_sampler(marks, samples), max_points=5000)
+    plot.refresh()
+    shown = [t.name for t in plot.fig.data if t.visible is not False]
+    assert shown == ["host rss (= host used)"]
+    samples += [
+        (5.0 + i * 0.5, 0, None, "host", m, (200 + i * (m == "used")) * MiB) for i in range(4) for m in ("rss", "used")
+    ]
+    plot.refresh()
+    assert sorted(t.name for t in plot.fig.data if t.visible is not False) == ["host rss", "host used"]
+
+
 def test_thirty_steps_keep_every_band_of_the_window_and_say_so():
     """Issue 34: after about 9 steps the oldest bands and step markers vanished while the line stayed."""
     from grpo_lab.memory.figures import MIN_STEP_GAP

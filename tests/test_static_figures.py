@@ -273,6 +273,16 @@ def test_a_png_says_nothing_about_hovering(frontier_figure, drawn):
     assert not [t.get_text() for t in texts(canvas) if "hover" in t.get_text().lower()]
 
 
+def test_a_frontier_png_writes_each_cells_percentage_as_the_live_heatmap_does(frontier_figure, drawn):
+    """The live heatmap writes peak / capacity in each cell (texttemplate "%{z:.0%}"); the PNG a saved notebook keeps
+    wrote none, so a reader saw colours without their numbers. Refused (grey) cells have no number."""
+    canvas, _ = drawn(frontier_figure)
+    written = [t.get_text() for t in texts(canvas)]
+    colour = [t for t in frontier_figure.data if t.texttemplate]
+    want = [f"{v:.0%}" for t in colour for row in t.z for v in row if v is not None]
+    assert want and sorted(w for w in written if w in set(want)) == sorted(want)
+
+
 def test_04s_real_model_chart_draws_the_capacity_it_judges_against(drawn):
     """Notebook 04's real-model bar chart, run from the notebook's own cell (plan() only: nothing loads)."""
     import nbformat

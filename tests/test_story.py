@@ -244,3 +244,42 @@ def test_a_gpus_line_is_its_capacity_times_the_share_this_process_may_use(monkey
     assert story.budget_line(FakeLab(), "cuda:0") == pytest.approx(0.3 * 80 * 1024)
     monkeypatch.setattr(story, "card_share", lambda device: 1.0)
     assert story.budget_line(FakeLab(), "cuda:0") == pytest.approx(80 * 1024)
+
+
+def test_each_ranks_peak_is_read_against_its_own_line_from_the_row_asked_for():
+    """rank_peaks reads what trial reads (device_peak): each budgeted rank's host `used` peak from row `since` on,
+    undone attempts included, against its budget x memory.host_threshold; rows before `since`, GPU series and an
+    unbudgeted device are left out."""
+    import grpo_lab.ui.story as story
+
+    MiB = 2**20
+
+    def row(device, phase, peak, metric="used", failed=None):
+        return dict(device=device, phase=phase, peak=peak * MiB, metric=metric, failed_attempt=failed, step=0)
+
+    class Memory:
+        host_threshold = 0.5
+        rank_capacities = {"rank0/host": 1000 * MiB, "rank1/host": 2000 * MiB}
+        readers = []
+        phase_rows = [
+            row("rank0/host", "rollout", 5000),  # before `since`: not this trial's
+            row("rank0/host", "rollout", 400),
+            row("rank0/host", "backward", 600, failed=0),  # the undone attempt is the crossing
+            row("rank1/host", "rollout", 900),
+            row("rank1/cuda:0", "rollout", 9000, metric="allocated"),
+            row("rank2/host", "rollout", 10),  # no budget measured: no line to read it against
+        ]
+
+        def latest(self, device):
+            return {}
+
+    class FakeLab:
+        memory = Memory()
+
+    peaks = story.rank_peaks(FakeLab(), since=1)
+    assert peaks == {
+        "rank0/host": dict(peak_mib=600, phase="backward", line_mib=500, over=True),
+        "rank1/host": dict(peak_mib=900, phase="rollout", line_mib=1000, over=False),
+    }
+    table = story.format_rank_peaks(peaks).splitlines()
+    assert len(table) == 3 and "over its line" in table[1] and "under its line" in table[2]

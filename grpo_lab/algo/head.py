@@ -6,7 +6,7 @@ float32 is 4.9 GB for 8 x 1024 tokens of Qwen2.5). Here at most one chunk of the
 or backward: `chunk` x V floats (plus its compute-dtype matmul output when that is not float32).
 The softmax of backward is done in place in that buffer. TRL's fused head (trl.kernels.chunked_logprob)
 tiles [4096 positions x 32768 vocab] and, off Triton, scores every position (prompt included) with
-several tile-sized temporaries per fold: ~8.5 vocabulary tiles at once on the CPU (issue 12's measurement).
+several tile-sized temporaries per fold: ~8.5 vocabulary tiles at once on the CPU (as measured on the CPU).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """generator.drop_finished_rows: finished rows leave the batch at bucket boundaries (half the rows, then a quarter...),
-so a group whose completions mostly ended stops paying for full width (issue 50).
+so a group whose completions mostly ended stops paying for full width.
 
 The rollout is one generate() call per bucket: a stopping criterion ends the call once at most half of its rows are
 unfinished; the unfinished rows' KV cache is kept (`DynamicCache.batch_select_indices`) and the next call continues

@@ -19,7 +19,7 @@ class LeakDetector:
     """Flags a device when, over its last `window` step-to-step changes of after-step memory, all three hold:
     - most rise (`rising_fraction`, 0.8: one flat step in five is forgiven);
     - the mean and the median change are at least `min_growth_per_step` (4 MiB): the window grows, and so does its
-      typical step, so one jump cannot carry the window as it carried the mean alone before (issue 51);
+      typical step, so one jump cannot carry the window, as it carried a test on the mean alone;
     - the growth is sustained: the later half of the window grows at least SUSTAINED (half) as much per step as the
       earlier half; warm-up shrinking by more than ~20% a step (0.79**3 = 0.5 over a window of 5) is not a leak.
     Measured after-step host RSS (MiB; 2-core CPU, the built-in tiny models, tests/test_leaks.py):

@@ -1,4 +1,4 @@
-"""The low-memory sharded load (P3, issue 23): no rank ever holds the whole model. Every rank builds the model on the
+"""The low-memory sharded load (P3): no rank ever holds the whole model. Every rank builds the model on the
 meta device (transformers' config and bitsandbytes layer swap, PEFT on top), then materialises one decoder layer at a
 time from the safetensors files, quantized exactly as `from_pretrained` quantizes it (`Params4bit(...).to(device)`,
 transformers' Bnb4bitQuantize), replays PEFT's LoRA init for that layer, and `fully_shard`s it at once, so the layer's

@@ -1,5 +1,5 @@
 """generator.park_learner: while the merged rollout copy decodes, the learner's state the copy never reads waits in host
-memory, so the copy and its KV cache have the card (issue 50: at Qwen3-8B's shape on 24 GiB the copy, its cache and the
+memory, so the copy and its KV cache have the card (at Qwen3-8B's shape on 24 GiB the copy, its cache and the
 learner's 5.66 GiB base do not fit together).
 
 Parked: every 4-bit base weight's codes and its quant state (absmax, the nested absmax and codebooks), the LoRA weights

@@ -33,7 +33,7 @@ def quiet_bitsandbytes() -> None:
 
 
 # why at this module's import, not only in quantization_config: a Lab's load imports trl, and through it peft, which
-# imports bitsandbytes before the config is read (issue 51); the learner imports this module before any of them
+# imports bitsandbytes before the config is read; the learner imports this module before any of them
 quiet_bitsandbytes()
 
 

@@ -188,7 +188,7 @@ def candidate_fixes(config) -> list[tuple[str, list[str]]]:
         out.append(("generator.sleep_mode: true", ["generator.sleep_mode=true"]))
     gpu = config.placement.learner != "cpu"
     if gpu and config.model.gradient_checkpointing and not config.model.activation_offload:
-        # the layer inputs leave the GPU: the term that grows fastest with completion length (issue 38's frontier)
+        # the layer inputs leave the GPU: the term that grows fastest with completion length (the 8B frontier's)
         out.append(("model.activation_offload: true", ["model.activation_offload=true"]))
     if gpu and not config.placement.optimizer_offload:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))

@@ -31,6 +31,7 @@ from ..memory.figures import (
     drawn,
     limit_line,
     limit_name,
+    merge_twins,
     phase_key_annotation,
     stack_top,
     step_separators,
@@ -195,6 +196,25 @@ class LivePlot:
         self._clock = work_clock(self.sampler.marks + running, now)
         return {key: ([self._clock(t) for t in self._series[key].xs], list(self._series[key].ys)) for key in ordered}
 
+    def _draw_lines(self, series) -> None:
+        """Each line's points; a host's `used` that is its `rss` point for point is hidden and the rss line says so
+        (figures.merge_twins: under placement.host_memory_gib both are the Lab's RSS, and one hid the other)."""
+        names = merge_twins(series)
+        for key, (xs, ys) in series.items():
+            style = trace_style(*key)
+            style["name"] = names.get(key, style["name"])
+            if key not in self._lines:
+                self.fig.add_scatter(x=xs, y=ys, **style)
+                self._lines[key] = len(self.fig.data) - 1
+                continue
+            trace = self.fig.data[self._lines[key]]
+            trace.x, trace.y = xs, ys
+            if (trace.name, trace.visible) != (style["name"], True):
+                trace.name, trace.visible = style["name"], True
+        for key, index in self._lines.items():
+            if key not in series and self.fig.data[index].visible is not False:
+                self.fig.data[index].visible = False  # a twin merged into its rss line
+
     def _running(self, now: float) -> list[tuple]:
         """The phase under way as a mark that ends now (none between phases)."""
         running = self.sampler.running() if hasattr(self.sampler, "running") else None
@@ -237,7 +257,7 @@ class LivePlot:
 
     def _refresh(self) -> None:
         # why read at every refresh: memory.host_threshold is live, and a line computed once disagreed with the guard
-        # after an edit (issue 42); a changed limit redraws at once, idle or not
+        # after an edit; a changed limit redraws at once, idle or not
         limits = host_limits(self.sampler)
         if limits != self._limits:
             self._limits, self._marks_drawn = limits, -1
@@ -248,13 +268,7 @@ class LivePlot:
         if series is None:  # why: a redraw sends the whole figure to the browser; the kernel would show Busy for it
             return
         with self.fig.batch_update():
-            for key, (xs, ys) in series.items():
-                if key not in self._lines:
-                    self.fig.add_scatter(x=xs, y=ys, **trace_style(*key))
-                    self._lines[key] = len(self.fig.data) - 1
-                else:
-                    trace = self.fig.data[self._lines[key]]
-                    trace.x, trace.y = xs, ys
+            self._draw_lines(series)
             now = max((xs[-1] for xs, _ in series.values() if xs), default=0.0)
             running = [(s, p, self._clock(a), now) for s, p, a, _ in self._running(self._series_end())]
             marks, window = self._window([(s, p, self._clock(a), self._clock(b)) for s, p, a, b in self.sampler.marks])

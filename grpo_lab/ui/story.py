@@ -28,6 +28,9 @@ __all__ = [
     "show",
     "snapshot",
     "trial",
+    "device_peak",
+    "rank_peaks",
+    "format_rank_peaks",
     "budget_line",
     "facts_in",
     "peak_metric",
@@ -149,21 +152,15 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
     peak_mib, line_mib, phase (where the peak was), crossed, phase_peaks_mib (of each phase run to its end),
     generate_calls (a step's)}; prints it in one line. The kernel stays usable."""
-    memory = lab.memory
-    first, metric = len(memory.phase_rows), peak_metric(device)
+    first = len(lab.memory.phase_rows)
     stopped, result = None, None
     try:
         result = (run or lab.step)()
     except LabError as err:
         stopped = str(err)
-    rows = [r for r in memory.phase_rows[first:] if r["device"] == device and r["metric"] == metric]
-    top = max(rows, key=lambda r: r["peak"], default=None)
-    peak = top["peak"] / MiB if top else 0.0
-    phase = top and top["phase"]
-    if top is None:  # why: a guard that stops before the first phase writes no row; its reading is the measure
-        peak, phase = memory.latest(device).get(metric, 0.0) / MiB, "the guard's reading"
-    line = budget_line(lab, device)
-    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=phase)
+    top, rows = device_peak(lab, device, first)
+    peak, line = top["peak_mib"], top["line_mib"]
+    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=top["phase"])
     # each phase this trial ran to its end (an undone attempt's rows are the crossing, not the phase's result)
     out["phase_peaks_mib"] = {r["phase"]: r["peak"] / MiB for r in rows if r["failed_attempt"] is None}
     out["generate_calls"] = getattr(result, "generate_calls", None)  # a step's rollout: how many engine calls
@@ -175,6 +172,39 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
         + (f" -> {stopped}" if stopped else " -> the step ran")
     )
     return out
+
+
+def device_peak(lab, device: str = "host", since: int = 0) -> tuple[dict, list]:
+    """`device`'s peak in the per-phase rows from index `since` (undone attempts included) against its line, in MiB:
+    ({peak_mib, phase, line_mib, over}, the rows read). A device with no row there (a guard that stopped before the
+    first phase wrote one) is read from its latest sample."""
+    memory, metric = lab.memory, peak_metric(device)
+    rows = [r for r in memory.phase_rows[since:] if r["device"] == device and r["metric"] == metric]
+    top = max(rows, key=lambda r: r["peak"], default=None)
+    peak, phase = (
+        (top["peak"], top["phase"]) if top else (memory.latest(device).get(metric, 0.0), "the guard's reading")
+    )
+    line = budget_line(lab, device)
+    return dict(peak_mib=peak / MiB, phase=phase, line_mib=line, over=peak / MiB > line), rows
+
+
+def rank_peaks(lab, since: int = 0) -> dict[str, dict]:
+    """Each rank's host peak from row `since` against its line (its budget x memory.host_threshold), as device_peak
+    reads it: {'rank<k>/host': {peak_mib, phase, line_mib, over}}."""
+    from ..memory.report import capacities_of
+
+    budgeted = capacities_of(lab.memory)
+    ranks = sorted({r["device"] for r in lab.memory.phase_rows[since:] if r["device"].startswith("rank")})
+    return {d: device_peak(lab, d, since)[0] for d in ranks if is_host(d) and d in budgeted}
+
+
+def format_rank_peaks(peaks: dict) -> str:
+    """rank_peaks() as a table, one line per rank."""
+    lines = [f"{'rank':<12}{'peak MiB':>10}  {'during':<10}{'line MiB':>10}  verdict"]
+    for device, p in peaks.items():
+        verdict = "over its line" if p["over"] else "under its line"
+        lines.append(f"{device:<12}{p['peak_mib']:>10.1f}  {p['phase']:<10}{p['line_mib']:>10.1f}  {verdict}")
+    return "\n".join(lines)
 
 
 def budget_line(lab, device: str = "host") -> float:
