@@ -202,3 +202,19 @@ def test_the_packages_docstrings_and_comments_name_only_files_that_exist():
                 if not (any(p.endswith(ref) for p in paths) if "/" in ref else ref in names):
                     stale.append(f"{source.relative_to(ROOT)}:{number}: {ref}")
     assert not stale, stale
+
+
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+
+
+def test_nothing_in_the_package_or_the_docs_cites_an_issue_number():
+    """Comments and docs say why, not which issue: a number means nothing to a reader of the code or the docs."""
+    files = [*DOCS, *sorted((ROOT / "grpo_lab").rglob("*.py"))]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {m.group(0)}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for m in ISSUE_NUMBER.finditer(line)
+    ]
+    assert not found, found[:10]
+    assert ISSUE_NUMBER.search("(issue 42: 1.500)") and ISSUE_NUMBER.search("Issues 3 and 4")
