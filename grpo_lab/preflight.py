@@ -3,6 +3,8 @@ installed, the ranks, the model path, the placement, the generator, the rewards 
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 from .algo.rewards import resolve_reward
 from .config.schema import LabConfig
 from .errors import LabError
@@ -83,7 +85,12 @@ def check_host_budget(config) -> None:
             "unset it (the guard then holds the machine's RAM) and hold each rank with placement.rank_memory_gib, "
             "or use placement.learner_procs: 1"
         )
-    if place.rank_memory_gib is None or place.learner != "cpu" or place.ray_address is not None:
+    if place.learner != "cpu" or place.ray_address is not None:
+        return
+    from .checks.world import ray_kill_share
+
+    share = ray_kill_share()  # a share Ray cannot start with: one line, before Ray times out on it
+    if place.rank_memory_gib is None:
         return
     machine = HostReader().machine / 1024**3
     if place.rank_memory_gib * place.learner_procs > machine:
@@ -92,6 +99,52 @@ def check_host_budget(config) -> None:
             f"this machine's {machine:.1f} GiB of RAM, which would run out before any rank's guard stopped it; "
             f"give each rank at most {machine / place.learner_procs:.1f} GiB"
         )
+    from .runtime import runtime
+
+    # why not on a rank: it checks before the ranks start, and a rank's own Lab would count the ranks as used
+    if share is not None and not runtime().is_rank:
+        check_ray_line(place, RayLine.now(share))
+
+
+class RayLine(NamedTuple):
+    """The line above which the memory monitor of a Ray started on this machine kills a worker (P4), in GiB."""
+
+    share: float  # RAY_memory_usage_threshold
+    machine_gib: float  # this machine's RAM, or its cgroup's limit (what Ray reads too)
+    used_gib: float  # what the machine uses now, the figure Ray's monitor reads (memory the kernel cannot reclaim)
+
+    @classmethod
+    def now(cls, share: Optional[float] = None) -> "RayLine":
+        from .checks.world import ray_kill_share
+        from .memory.readers import HostReader
+
+        reader = HostReader()
+        share = ray_kill_share() if share is None else share
+        return cls(share or 1.0, reader.machine / 1024**3, reader.read()["used"] / 1024**3)
+
+    @property
+    def gib(self) -> float:
+        return self.share * self.machine_gib
+
+    def room_per_rank(self, procs: int) -> float:
+        """The placement.rank_memory_gib that keeps `procs` CPU ranks, on top of what runs now, under the line (GiB,
+        rounded down to 0.01)."""
+        return int(max(self.gib - self.used_gib, 0.0) / procs * 100) / 100
+
+
+def check_ray_line(place, line: RayLine) -> None:
+    """CPU ranks whose budgets, on top of what this machine uses now, pass the line above which the memory monitor
+    of the Ray they start on kills a worker: refused. Why: the monitor kills mid-phase, a rank's guard acts as a
+    phase ends, so a budget above Ray's line is a line no guard ever holds (P4)."""
+    if line.used_gib + place.rank_memory_gib * place.learner_procs <= line.gib:
+        return
+    raise LabError(
+        f"placement.rank_memory_gib: {place.learner_procs} CPU ranks x {place.rank_memory_gib} GiB on top of the "
+        f"{line.used_gib:.2f} GiB this machine uses now pass Ray's kill line, {line.gib:.2f} GiB "
+        f"(RAY_memory_usage_threshold {line.share:g} of {line.machine_gib:.1f} GiB): its memory monitor would kill a "
+        f"rank before the rank's guard stopped the phase; give each rank at most "
+        f"{line.room_per_rank(place.learner_procs):.2f} GiB"
+    )
 
 
 def check_offload_host(config: LabConfig) -> None:

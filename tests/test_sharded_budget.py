@@ -43,10 +43,11 @@ def test_a_rank_budget_is_positive_and_sharded_only_in_one_line(sets, says):
     assert line.startswith("placement.rank_memory_gib") and says in line and "\n" not in line, line
 
 
-def test_cpu_rank_budgets_that_add_up_past_the_machine_are_refused_before_any_rank_starts():
+def test_cpu_rank_budgets_that_add_up_past_the_machine_are_refused_before_any_rank_starts(monkeypatch):
     from grpo_lab.memory.readers import HostReader
     from grpo_lab.preflight import check_host_budget
 
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # Ray's monitor off: the machine's RAM is the line
     machine = HostReader().machine / GiB
     check_host_budget(load_config("tiny-cpu", [*SHARDED, f"placement.rank_memory_gib={machine / 2:.2f}"]))
     with pytest.raises(LabError) as caught:
@@ -231,3 +232,55 @@ def test_a_gathered_generation_that_raises_on_one_rank_leaves_every_rank_s_layou
         assert result.step == 0 and result.attempts >= 1  # the failed rollout is filed as an attempt of step 0
     finally:
         lab.close()
+
+
+# --- Ray's own kill line (P4): its memory monitor kills a worker mid-phase, before a rank's guard could stop it ---
+
+
+def test_cpu_rank_budgets_past_rays_kill_line_are_refused_naming_the_budget_that_fits():
+    from grpo_lab.preflight import RayLine, check_ray_line
+
+    place = load_config("tiny-cpu", SHARDED).placement
+    line = RayLine(share=0.5, machine_gib=24.0, used_gib=2.0)  # Ray kills above 12 GiB; 10 GiB left for 2 ranks
+    assert line.gib == 12.0 and line.room_per_rank(2) == 5.0
+    check_ray_line(place.model_copy(update={"rank_memory_gib": 5.0}), line)
+    with pytest.raises(LabError) as caught:
+        check_ray_line(place.model_copy(update={"rank_memory_gib": 5.01}), line)
+    said = str(caught.value)
+    assert (
+        said.startswith("placement.rank_memory_gib: 2 CPU ranks x 5.01 GiB on top of the 2.00 GiB") and "\n" not in said
+    )
+    assert "Ray's kill line, 12.00 GiB (RAY_memory_usage_threshold 0.5 of 24.0 GiB)" in said
+    assert said.endswith("give each rank at most 5.00 GiB")
+
+
+def test_the_lab_reads_rays_kill_line_where_a_ray_started_here_reads_it(monkeypatch):
+    """RAY_memory_usage_threshold (Ray's default 0.95), off with RAY_memory_monitor_refresh_ms=0; checked with the
+    rank budgets before any rank starts, on this machine's figures."""
+    from grpo_lab.checks.world import ray_kill_share
+    from grpo_lab.preflight import RayLine, check_host_budget
+
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
+    assert ray_kill_share() == 0.95
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.4")
+    assert ray_kill_share() == 0.4 and RayLine.now().share == 0.4
+    over = RayLine.now().machine_gib * 0.3  # two ranks: 60 % of the machine, past a 40 % line
+    with pytest.raises(LabError, match="pass Ray's kill line"):
+        check_host_budget(load_config("tiny-cpu", [*SHARDED, f"placement.rank_memory_gib={over:.2f}"]))
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    assert ray_kill_share() is None
+    check_host_budget(load_config("tiny-cpu", [*SHARDED, f"placement.rank_memory_gib={over:.2f}"]))
+
+
+@pytest.mark.parametrize("value", ["1.3", "0", "-0.1", "ninety", "nan"])
+def test_a_kill_share_ray_cannot_start_with_is_one_line_before_ray_times_out_on_it(monkeypatch, value):
+    """Ray started with RAY_memory_usage_threshold=1.3 only timed out ("the current node timed out during startup",
+    seen): refused in one line naming the variable, with or without rank budgets."""
+    from grpo_lab.preflight import check_host_budget
+
+    monkeypatch.setenv("RAY_memory_usage_threshold", value)
+    with pytest.raises(LabError) as caught:
+        check_host_budget(load_config("tiny-cpu", SHARDED))
+    said = str(caught.value)
+    assert said.startswith(f"RAY_memory_usage_threshold={value!r}: ") and "(0, 1]" in said and "\n" not in said

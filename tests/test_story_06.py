@@ -1,8 +1,10 @@
-"""Notebook 06's story (issue 51), executed under papermill with its defaults on CPU ranks: each rank holds a budget of
-its own (placement.rank_memory_gib); a 16-bit model's rollout gathered whole crosses it, is stopped and undone on every
-rank; generating layer by layer runs the same step under it; the plan says so per rank first. The notebook's other
-sections (a step on two ranks, the driver's RSS explained, P3's cleanup after a failed generation, P5, a rank's OOM
-and death) keep their facts. The tiny model of the suite stands in for the trained one (not trained here: minutes)."""
+"""Notebook 06's story, executed under papermill with its defaults on CPU ranks: each rank holds a budget of its own
+(placement.rank_memory_gib); a 16-bit model's rollout gathered whole crosses it, is stopped and undone on every rank;
+generating layer by layer runs the same step under it; the plan says so per rank first. P4 as it happens on Ray: its
+memory monitor, its threshold set low, kills a rank of the textbook log-prob head mid-backward; held to their share of
+Ray's line, the ranks run the chunked head's step to its end under it. The notebook's other sections (a step on two
+ranks, the driver's RSS explained, P3's cleanup after a failed generation, P5, a rank's OOM and death) keep their
+facts. The tiny model of the suite stands in for the trained one (not trained here: minutes)."""
 
 import pytest
 from test_notebook_stories import NOTEBOOKS, check_prose, check_static_figures
@@ -93,3 +95,30 @@ def test_06_explains_the_driver_s_rss_and_keeps_its_other_sections(story):
     # a rank SIGKILLed inside backward: one line naming it (not an OOM), and the step runs again
     assert facts["kill_line"].startswith("backward failed on rank 1: its process died"), facts["kill_line"]
     assert "memory" not in facts["kill_line"] and facts["kill_retry_step"] == facts["step_after_oom"] + 1
+
+
+@pytest.mark.slow
+def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_run_the_fix(story):
+    """P4 for real: Ray's own monitor (RAY_memory_usage_threshold, set low and said so) kills a rank as the machine's
+    used RAM passes its line; the plan against that line and the ranks' budgets within it run the fix to its end."""
+    nb, facts = story
+    line = facts["ray_line_gib"]
+    killed = facts["ray_killed"]
+    assert killed and "\n" not in killed and " failed on rank " in killed, killed
+    assert "killed by Ray's memory monitor (the node's memory crossed its kill threshold)" in killed
+    assert "every rank was restarted" in killed  # the kernel's Lab went on, the step not applied
+    assert facts["ray_killed_machine_peak_gib"] > line
+    refused = facts["ray_budget_refused"]
+    assert refused.startswith("placement.rank_memory_gib: 2 CPU ranks x ") and "pass Ray's kill line" in refused
+    assert refused.endswith(f"give each rank at most {facts['ray_rank_budget_gib']:.2f} GiB")
+    planned = facts["ray_planned"]
+    assert not any(r["fits"] for r in planned["full"].values()) and all(r["fits"] for r in planned["chunked"].values())
+    budget_mib = facts["ray_rank_budget_gib"] * 1024
+    assert all(r["capacity_mib"] == pytest.approx(budget_mib) for r in planned["full"].values())
+    fixed = facts["ray_fixed"]
+    assert fixed["step"] == 0 and fixed["machine_peak_gib"] < line  # the same step, now applied, under Ray's line
+    assert set(fixed["ranks"]) == {"rank0/host", "rank1/host"}
+    for device, rank in fixed["ranks"].items():
+        assert not rank["over"] and rank["line_mib"] == pytest.approx(budget_mib * 0.95), (device, rank)
+    text = printed(nb)
+    assert "RAY_memory_usage_threshold=" in text and "under Ray's line" in text

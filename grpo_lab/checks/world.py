@@ -17,6 +17,10 @@ from .roles import parse_address
 
 CONNECT_S = 5  # an address that does not answer a TCP connect within this is unreachable
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray binds 127.0.0.1 only (read at `import ray`)
+# Ray's memory monitor (P4): a Ray started here reads these at its start; above the share of the machine's memory it
+# kills a worker, polling every refresh_ms (0: the monitor is off)
+RAY_THRESHOLD_ENV, RAY_MONITOR_ENV = "RAY_memory_usage_threshold", "RAY_memory_monitor_refresh_ms"
+RAY_DEFAULT_THRESHOLD = 0.95  # Ray's own default (its ray_config_def.h)
 
 
 def usable_cpus() -> int:
@@ -80,6 +84,28 @@ def check_ranks(config, cuda_count: Optional[int] = None, cpus: Optional[int] = 
             f"but this machine has {cuda_count} CUDA device(s); use at most {max(cuda_count - first, 0)} ranks "
             "from there, or another placement.learner"
         )
+
+
+def ray_kill_share() -> Optional[float]:
+    """The share of this machine's memory above which the memory monitor of a Ray started here kills a worker
+    (RAY_memory_usage_threshold, else Ray's default 0.95); None when the monitor is off. A share Ray cannot start
+    with is one line: Ray itself only times out ("the current node timed out during startup")."""
+    if os.environ.get(RAY_MONITOR_ENV, "").strip() == "0":
+        return None
+    raw = os.environ.get(RAY_THRESHOLD_ENV)
+    if raw is None:
+        return RAY_DEFAULT_THRESHOLD
+    try:
+        share = float(raw)
+    except ValueError:
+        share = float("nan")
+    if not 0 < share <= 1:
+        raise LabError(
+            f"{RAY_THRESHOLD_ENV}={raw!r}: the share of this machine's memory above which Ray's memory monitor kills "
+            "a worker must be in (0, 1], and a Ray started with this one does not start; unset it (Ray's default "
+            f"{RAY_DEFAULT_THRESHOLD}) or give a share such as 0.9"
+        )
+    return share
 
 
 def import_ray():

@@ -26,6 +26,20 @@ def rank_capacity(config, device: str, host_capacity: float) -> float:
     return own if budget is None else min(own, budget * GiB)
 
 
+def ray_line_role(machine: float) -> list[str]:
+    """What the Ray the ranks start on kills at (P4): its memory monitor, above a share of this machine's memory."""
+    from ..checks.world import ray_kill_share
+
+    share = ray_kill_share()
+    if share is None:
+        return []
+    return [
+        f"Ray's memory monitor kills a rank when this machine's used RAM passes {share:g} of it "
+        f"({share * machine / GiB:.1f} GiB; RAY_memory_usage_threshold): hold the ranks under it with "
+        "placement.rank_memory_gib"
+    ]
+
+
 def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): every device's plan (CUDA: one per rank plus the host; CPU: the host, the sum
     of every rank's process) and every rank's own plan (CUDA: the rank's device; CPU: its share of host RAM)."""
@@ -36,6 +50,8 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
     host = DevicePlan("host", capacity_of("host", config))
     if on_cpu:
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
+        if place.ray_address is None:
+            host.roles += ray_line_role(host.capacity)
     host.add(
         "driver process (the Lab)",
         HOST_BASELINE["cpu" if on_cpu else "cuda"],
