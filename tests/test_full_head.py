@@ -69,6 +69,15 @@ def test_the_full_head_is_planned_as_float32_copies_of_all_logits_far_above_the_
     assert full.bytes > 10 * chunked.bytes
 
 
+def test_a_plan_the_full_head_breaks_names_the_chunked_head_among_its_fixes():
+    """The plan offered only a smaller micro-batch for a step whose textbook head was over the budget (notebook 04's
+    plan), never the head itself; the chunked head is the fix that leaves the step's shape alone."""
+    over = load_config("logits-heavy-cpu", ["grpo.logprob_head=full", "placement.host_memory_gib=2"])
+    p = plan(over)
+    assert not p.fits and "grpo.logprob_head: chunked" in p.fixes, p.fixes
+    assert plan(load_config(over, ["grpo.logprob_head=chunked"])).fits  # the fix named fits, as named
+
+
 @pytest.fixture(scope="module")
 def head_lab(tiny_model):
     """A float32 tiny Lab sampling at temperature 0.7 with a KL term (the reference pass uses the head too)."""

@@ -93,6 +93,18 @@ def test_the_guard_holds_a_small_budget_and_names_the_field():
     assert "stopped before phase 'backward' of step 3" in message
 
 
+def test_the_plots_draw_the_line_each_budgeted_rank_is_held_to():
+    """Notebook 06's figures showed only 'off the scale: host limit' while its story was each rank's budget: a rank
+    with placement.rank_memory_gib gets its guard's line (memory.host_threshold of the budget), drawn once for the
+    ranks that share it; an unbudgeted rank, whose host is this machine's, draws nothing of its own."""
+    sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.95)
+    sampler.rank_capacities = {"rank0/host": 1024 * MiB, "rank1/host": 1024 * MiB, "rank2/host": 10 * machine_ram()}
+    limits = host_limits(sampler)
+    assert limits["rank0, rank1 line (95% of its budget)"] == pytest.approx(0.95 * 1024)
+    assert not [name for name in limits if "rank2" in name]
+    assert "host limit" in limits  # the machine's own, as before
+
+
 def test_without_a_budget_or_with_a_huge_one_the_guard_reads_the_machine():
     """A machine far from full passes at 0.95; at a threshold it is over, the line does not name the budget."""
     for budget in (None, 10 * machine_ram()):

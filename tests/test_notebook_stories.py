@@ -150,6 +150,12 @@ def test_04_the_textbook_head_crosses_the_budget_and_the_chunked_head_fits(tiny_
     norms = list(facts["grad_norms"].values())
     assert min(norms) > 0 and max(norms) - min(norms) <= 1e-5 * max(norms), norms
     assert facts["update_moved"] > 0
+    # the plan's own fixes name the head it then applies; the real model's plan is said as it is: the textbook head
+    # fits the card at the config's lengths, and the chunked head fits more of the frontier
+    assert facts["planned_fixes"][0] == "grpo.logprob_head: chunked", facts["planned_fixes"]
+    assert facts["real_full_fits"] is True
+    fit = facts["frontier_cells_that_fit"]
+    assert fit["chunked"] > fit["full"] > 0, fit
 
 
 @pytest.mark.slow

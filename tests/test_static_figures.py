@@ -191,6 +191,19 @@ def test_idle_time_and_loading_are_squeezed_into_gaps_that_say_how_long_they_wer
     assert "squeezed" in canvas.axes[0].get_xlabel() and "idle (squeezed)" in legend_labels(canvas)
 
 
+def test_two_ranks_that_hold_the_same_are_both_seen(drawn):
+    """Notebook 06's timeline: rank0's line lay under rank1's (they hold about the same). Each rank has a dash of its
+    own, in the live figure and in its PNG."""
+    rows, marks = idle_run()
+    rows += [(t, s, p, f"rank{k}/host", "used", v + k * MiB) for t, s, p, _, _, v in rows[:600] for k in (0, 1)]
+    fig = timeline_figure(rows, marks, {"rank0, rank1 line (95% of its budget)": 800.0})
+    styles = {t.name: (t.line.dash or "solid") for t in fig.data if t.name.startswith("rank")}
+    assert len(set(styles.values())) == 2, styles
+    canvas, _ = drawn(fig)
+    drawn_styles = {line.get_label(): line.get_linestyle() for ax in canvas.axes for line in ax.get_lines()}
+    assert len({drawn_styles[name] for name in styles}) == 2, drawn_styles
+
+
 def same_rss_and_used(above: float = 0.0):
     """Host samples whose `used` is the RSS (as under placement.host_memory_gib), or `above` MiB more."""
     out = []

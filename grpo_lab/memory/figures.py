@@ -48,7 +48,11 @@ def trace_style(device: str, metric: str) -> dict:
     """A GPU's ledger is a stack per device (what sits on top of torch's reserved is not torch's); host lines are
     lines."""
     if is_host(device):
-        return dict(name=f"{device} {metric}", mode="lines")
+        style = dict(name=f"{device} {metric}", mode="lines")
+        if device.startswith("rank"):  # why dashes: ranks hold about the same, and a solid line hid the one under it
+            rank = int(device[4 : device.index("/")])
+            style["line"] = dict(dash=("solid", "dash", "dot", "dashdot")[rank % 4], width=2.5 if rank % 4 else 1.5)
+        return style
     return dict(name=f"{device} {LEDGER_NAMES[metric]}", mode="lines", stackgroup=device, line=dict(width=0.5))
 
 

@@ -65,16 +65,25 @@ def sampler_timeline(sampler):
 
 
 def host_limits(sampler) -> dict[str, float]:
-    """Capacity and threshold lines for the plots (MiB)."""
-    limits = {}
-    for device, capacity in capacities_of(sampler).items():
+    """Capacity and threshold lines for the plots (MiB): a budgeted rank's (placement.rank_memory_gib) is its guard's
+    line, memory.host_threshold of its budget, one line for the ranks that share it."""
+    limits, capacities = {}, capacities_of(sampler)
+    budgets: dict[float, list[str]] = {}
+    for device, capacity in capacities.items():
         if is_host(device) and device != "host":
-            continue  # a rank's host is this machine's: its limit is drawn once
+            # a rank's host is this machine's, drawn once; a budget below it is the line that rank is held to
+            if capacity < capacities.get("host", float("inf")):
+                budgets.setdefault(capacity, []).append(device.split("/")[0])
+            continue
         if device == "host":
             limits["host limit"] = capacity / MiB
             limits[f"host threshold {sampler.host_threshold:.0%}"] = capacity * sampler.host_threshold / MiB
         else:
             limits[f"{device} capacity"] = capacity / MiB
+    for capacity, ranks in sorted(budgets.items()):
+        limits[f"{', '.join(ranks)} line ({sampler.host_threshold:.0%} of its budget)"] = (
+            capacity * sampler.host_threshold / MiB
+        )
     return limits
 
 

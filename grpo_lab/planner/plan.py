@@ -172,6 +172,8 @@ def sharding_fixes(config) -> list[tuple[str, list[str]]]:
 def candidate_fixes(config) -> list[tuple[str, list[str]]]:
     """Config changes worth trying, as (description, overrides)."""
     out = sharding_fixes(config) if config.placement.learner_procs > 1 else []
+    if config.grpo.logprob_head != "chunked":  # at most one chunk of [tokens, vocab] logits, recomputed in backward
+        out.append(("grpo.logprob_head: chunked", ["grpo.logprob_head=chunked"]))
     if not config.model.gradient_checkpointing:
         out.append(("turn on gradient checkpointing", ["model.gradient_checkpointing=true"]))
     micro = config.grpo.micro_batch_size or config.grpo.prompts_per_step * config.grpo.num_generations
