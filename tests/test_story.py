@@ -94,17 +94,19 @@ def row(step, phase, device, metric, peak_mib, failed_attempt=None):
 
 
 def test_peak_table_shows_each_devices_peak_in_mib_and_marks_rolled_back_rows():
+    """The Lab's own figures: notebook 01's table headed the machine's used RAM (3,052 MiB, whatever ran beside it)
+    "host peak" beside the Lab's own 634."""
     rows = [
-        row(0, "rollout", "host", "used", 1536.4),  # the guard's figure
-        row(0, "rollout", "host", "rss", 9999),  # not the host's table metric
+        row(0, "rollout", "host", "rss", 1536.4),  # the Lab's processes
+        row(0, "rollout", "host", "used", 9999),  # unbudgeted: the machine's, not the table's
         row(0, "rollout", "cuda:0", "allocated", 300),
         row(0, "rollout", "cuda:0", "reserved", 8888),  # not the GPU's table metric
-        row(0, "backward", "host", "used", 2048, failed_attempt=0),  # the step's first attempt, rolled back
-        row(0, "backward", "host", "used", 1800.6),  # its redo
-        row(1, "rollout", "host", "used", 700),
+        row(0, "backward", "host", "rss", 2048, failed_attempt=0),  # the step's first attempt, rolled back
+        row(0, "backward", "host", "rss", 1800.6),  # its redo
+        row(1, "rollout", "host", "rss", 700),
     ]
     html = peak_table(rows)
-    assert html.startswith("<table><tr><th>step</th><th>phase</th><th>host peak (MiB)</th><th>cuda:0 peak (MiB)")
+    assert html.startswith("<table><tr><th>step</th><th>phase</th><th>host rss peak (MiB)</th><th>cuda:0 allocated")
     assert "<tr><td>0</td><td>rollout</td><td>1,536</td><td>300</td></tr>" in html
     assert "<tr><td>0</td><td>backward (rolled back)</td><td>2,048</td><td></td></tr>" in html
     assert "<tr><td>0</td><td>backward</td><td>1,801</td><td></td></tr>" in html
@@ -176,6 +178,21 @@ def test_a_step_under_the_machines_ram_is_a_trial_that_does_not_cross(free_lab, 
     limit = free_lab.memory.latest("host")["limit"]
     assert out["line_mib"] == pytest.approx(limit * free_lab.config.memory.host_threshold / MiB)
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("line -> the step ran")
+
+
+def test_a_trial_prints_the_plan_beside_the_labs_own_peak_of_the_phase(free_lab, capsys):
+    """Every story's measured peak with its plan beside it: the plan of the phase that peaked, over the Lab's own
+    figure of that phase (its RSS: unbudgeted, the guard's `used` is the machine's, whatever runs beside it)."""
+    from grpo_lab.planner import plan
+
+    first = len(free_lab.memory.phase_rows)
+    out = trial(free_lab, "a rollout", run=free_lab.rollout)
+    assert out["phase"] == "rollout"
+    own = max(r["peak"] for r in free_lab.memory.phase_rows[first:] if r["device"] == "host" and r["metric"] == "rss")
+    planned = plan(free_lab.config).devices["host"].phase_peak("rollout")
+    assert out["plan_ratio"] == round(planned / own, 3) and 0.5 < out["plan_ratio"] < 2, out
+    assert f"plan / measured {out['plan_ratio']:.2f})" in capsys.readouterr().out
+    free_lab.step()  # the rest of the step, for the tests after this one
 
 
 def test_a_step_over_a_tiny_budget_is_a_trial_that_crosses_and_stops(budget_lab):

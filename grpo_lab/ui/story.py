@@ -132,11 +132,17 @@ def peak_metric(device: str) -> str:
     return "used" if is_host(device) else "allocated"
 
 
+TABLE_METRIC = {True: "rss", False: "allocated"}  # by is_host: the Lab's own figure on each device
+
+
 def peak_table(rows, phases: Optional[list] = None) -> str:
-    """Per step and phase (the ones in `phases`, or all), each device's peak in MiB, as an HTML table."""
-    picked = [r for r in rows if r["metric"] == peak_metric(r["device"]) and (phases is None or r["phase"] in phases)]
+    """Per step and phase (the ones in `phases`, or all), each device's peak in MiB, as an HTML table: the Lab's own
+    figure (a host's RSS, a GPU's allocated). Why not the host guard's `used`: without placement.host_memory_gib it is
+    the machine's, whatever else runs beside the Lab (under a budget the two are one figure)."""
+    table_metric = lambda device: TABLE_METRIC[is_host(device)]
+    picked = [r for r in rows if r["metric"] == table_metric(r["device"]) and (phases is None or r["phase"] in phases)]
     devices = list(dict.fromkeys(r["device"] for r in picked))
-    head = "".join(f"<th>{d} peak (MiB)</th>" for d in devices)
+    head = "".join(f"<th>{d} {table_metric(d)} peak (MiB)</th>" for d in devices)
     lines = []
     key_of = lambda r: (r["step"], r["phase"], r.get("failed_attempt") is not None)  # (a step's first attempt is 0)
     for key in dict.fromkeys(map(key_of, picked)):
@@ -166,12 +172,35 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     out["generate_calls"] = getattr(result, "generate_calls", None)  # a step's rollout: how many engine calls
     # why an OOM counts: an allocation past a card's cap fails, so the measured peak stays under the line it hit
     out["crossed"] = peak > line or bool(stopped and "out of memory" in stopped.lower())
+    # the plan beside the Lab's own figure of that phase (its RSS; the guard's `used` is the machine's unbudgeted)
+    mine = rows_of(lab, device, first, TABLE_METRIC[is_host(device)])
+    own = [r["peak"] / MiB for r in mine if r["phase"] == top["phase"]]
+    planned = planned_peak_mib(lab, device, top["phase"])
+    out["plan_ratio"] = round(planned / max(own), 3) if planned and own else None
     verdict = "over" if out["crossed"] else "under"
+    beside = f" (planned {planned:,.0f}: plan / measured {out['plan_ratio']:.2f})" if out["plan_ratio"] else ""
     print(
-        f"{label}: peak {peak:,.0f} MiB during {out['phase']}, {verdict} the {line:,.0f} MiB line"
+        f"{label}: peak {peak:,.0f} MiB during {out['phase']}{beside}, {verdict} the {line:,.0f} MiB line"
         + (f" -> {stopped}" if stopped else " -> the step ran")
     )
     return out
+
+
+def planned_peak_mib(lab, device: str, phase: str) -> Optional[float]:
+    """The plan's peak of `phase` on `device` (a rank's host: its own block), in MiB, for the Lab's config as it is
+    now; None where the plan has no such device or phase (a guard's reading between phases)."""
+    from ..planner import plan
+    from ..planner.estimate import PHASES
+
+    if phase not in PHASES:
+        return None
+    name = f"host (rank {device[4 : device.index('/')]})" if device.startswith("rank") else device
+    try:
+        planned = plan(lab.config)
+    except LabError:  # a config the planner cannot read is refused at load; a trial is no place to refuse it again
+        return None
+    where = {**planned.devices, **getattr(planned, "ranks", {})}.get(name)
+    return where.phase_peak(phase) / MiB if where is not None else None
 
 
 def device_peak(lab, device: str = "host", since: int = 0) -> tuple[dict, list]:
@@ -179,13 +208,18 @@ def device_peak(lab, device: str = "host", since: int = 0) -> tuple[dict, list]:
     ({peak_mib, phase, line_mib, over}, the rows read). A device with no row there (a guard that stopped before the
     first phase wrote one) is read from its latest sample."""
     memory, metric = lab.memory, peak_metric(device)
-    rows = [r for r in memory.phase_rows[since:] if r["device"] == device and r["metric"] == metric]
+    rows = rows_of(lab, device, since, metric)
     top = max(rows, key=lambda r: r["peak"], default=None)
     peak, phase = (
         (top["peak"], top["phase"]) if top else (memory.latest(device).get(metric, 0.0), "the guard's reading")
     )
     line = budget_line(lab, device)
     return dict(peak_mib=peak / MiB, phase=phase, line_mib=line, over=peak / MiB > line), rows
+
+
+def rows_of(lab, device: str, since: int, metric: str) -> list:
+    """The per-phase rows of `device`'s `metric` from index `since` (undone attempts included)."""
+    return [r for r in lab.memory.phase_rows[since:] if r["device"] == device and r["metric"] == metric]
 
 
 def rank_peaks(lab, since: int = 0) -> dict[str, dict]:
