@@ -204,6 +204,27 @@ def test_two_ranks_that_hold_the_same_are_both_seen(drawn):
     assert len({drawn_styles[name] for name in styles}) == 2, drawn_styles
 
 
+def test_a_rolled_back_attempt_is_marked_undone_beside_its_redo(drawn):
+    """No figure marked the attempt a story undid: the sampler keeps the marks of the phases a rollback retires, and
+    the timeline draws each as a red band with "undone" at its top, in the live figure and its PNG; the redo is
+    drawn as any phase."""
+    from grpo_lab.memory.sampler import MemorySampler
+
+    sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.95)
+    sampler.marks = [(0, "rollout", 0.0, 1.0), (0, "backward", 1.0, 2.0)]
+    sampler.retire(0, ["backward"], 1)  # the step rolled back its backward
+    sampler.marks.append((0, "backward", 2.0, 3.0))  # the redo
+    assert sampler.undone == [(0, "backward", 1.0, 2.0)]
+    sampler.retire(0, ["rollout", "backward"], 2)  # a second rollback: the redo is undone too, nothing twice
+    assert sampler.undone == [(0, "backward", 1.0, 2.0), (0, "rollout", 0.0, 1.0), (0, "backward", 2.0, 3.0)]
+    fig = timeline_figure(samples(500, 100, n=40), sampler.marks, LIMITS, sampler.undone[:1])
+    undone = [s for s in fig.layout.shapes if s.name == "undone attempt"]
+    assert [(u.x0, u.x1) for u in undone] == [(1.0, 2.0)]
+    assert [a.x for a in fig.layout.annotations if a.text == "undone"] == [1.5]
+    canvas, _ = drawn(fig)
+    assert "undone attempt" in legend_labels(canvas) and "undone" in band_label_texts(canvas)
+
+
 def same_rss_and_used(above: float = 0.0):
     """Host samples whose `used` is the RSS (as under placement.host_memory_gib), or `above` MiB more."""
     out = []

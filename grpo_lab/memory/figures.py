@@ -18,6 +18,7 @@ LEDGER_NAMES = {
 # a limit above FAR x the data's maximum is named instead of drawn. Why 1.25: a 4,000 MiB line drawn over data under
 # 2,100 flattened the curves into the bottom third of the plot
 FAR = 1.25
+UNDONE = "#d62728"  # a rolled-back attempt's band: red over its phase's colour
 MIN_LABELLED = 0.02  # a phase band narrower than this share of the run gets no label (they would overlap)
 MIN_STEP_GAP = 0.07  # a step label nearer than this share of the view to the last one is left out ("step 4step 5")
 
@@ -243,7 +244,42 @@ def limit_parts(limits: dict, top: float) -> tuple[list, list, float]:
     return shapes, notes, top
 
 
-def timeline_figure(samples, marks, limits: dict | None = None):
+def undone_parts(marks) -> tuple[list, list]:
+    """A phase that was rolled back and run again (its `undone` marks): a red band over its own and the word
+    "undone" at its top, so the figure shows the attempt the story undid beside the redo."""
+    shapes = [
+        dict(
+            type="rect",
+            xref="x",
+            yref="paper",
+            x0=start,
+            x1=end,
+            y0=0,
+            y1=1,
+            line_width=0,
+            fillcolor=UNDONE,
+            opacity=0.3,
+            name="undone attempt",
+        )
+        for _, _, start, end in marks
+    ]
+    notes = [
+        dict(
+            x=(start + end) / 2,
+            y=1.0,
+            yref="paper",
+            text="undone",
+            showarrow=False,
+            yanchor="top",
+            font=dict(size=10, color=UNDONE),
+            name="band-label",
+        )
+        for _, _, start, end in marks
+    ]
+    return shapes, notes
+
+
+def timeline_figure(samples, marks, limits: dict | None = None, undone=()):
     """Memory over time: host lines, each GPU's ledger stacked; phases as bands labelled at their foot (a key of
     their colours above; step labels and limit names at the top), steps separated; idle spans (loading too) squeezed
     to narrow grey gaps that say how long they were, so the axis shows work (the live plot's clock, wider gaps).
@@ -263,10 +299,11 @@ def timeline_figure(samples, marks, limits: dict | None = None):
         style["name"] = names.get(key, style["name"])
         traces.append(kind(x=xs, y=ys, **style))
     worked = [(step, phase, clock(start), clock(end)) for step, phase, start, end in marks]
+    undone_shapes, undone_notes = undone_parts([(s, p, clock(a), clock(b)) for s, p, a, b in undone])
     idle, idle_notes = idle_marks(gaps, clock)
     used = sorted({phase for _, phase, _, _ in marks}, key=lambda p: PHASE_NAMES.index(p) if p in PHASE_NAMES else 99)
     lines, notes, top = limit_parts(limits or {}, stack_top(series))
-    shapes = band_shapes(worked, opacity=0.2) + idle + step_separators(worked) + lines
+    shapes = band_shapes(worked, opacity=0.2) + undone_shapes + idle + step_separators(worked) + lines
     squeezed = f"seconds of work: idle over {keep:.1f} s squeezed to {keep:.1f} s grey gaps, labelled with its length"
     axis = squeezed if gaps else "seconds"
     return go.Figure(
@@ -281,6 +318,7 @@ def timeline_figure(samples, marks, limits: dict | None = None):
             shapes=shapes,
             annotations=[phase_key_annotation(used or PHASE_NAMES)]
             + band_labels(worked, low=True)
+            + undone_notes
             + idle_notes
             + notes,
         ),
@@ -329,63 +367,3 @@ def stack_top(series: dict) -> float:
         columns = [ys for (d, _), (_, ys) in series.items() if d == gpu]
         top = max(top, max((sum(c) for c in zip(*columns)), default=0.0))
     return top
-
-
-def heatmap_figure(rows, device: str):
-    """Peak above the phase's start (MiB) of `device`'s primary metric, phase x step: where each step grew."""
-    import plotly.graph_objects as go
-
-    mine = [r for r in rows if r["device"] == device]
-    metric = primary_metric(device, {r["metric"] for r in mine})
-    cells = {
-        (r["phase"], r["step"]): (r["peak"] - r["start"]) / MiB
-        for r in mine
-        if r["metric"] == metric and not r.get("failed_attempt")
-    }
-    steps = sorted({s for _, s in cells})
-    phases = [p for p in PHASE_NAMES if any((p, s) in cells for s in steps)]
-    z = [[cells.get((p, s)) for s in steps] for p in phases]
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=steps,
-            y=phases,
-            colorscale="Reds",
-            colorbar=dict(title="MiB"),
-            text=[[f"{v:.0f}" if v is not None else "" for v in row] for row in z],
-            texttemplate="%{text}",
-            hovertemplate="step %{x}, %{y}: +%{z:.1f} MiB<extra></extra>",
-        )
-    )
-    fig.update_layout(
-        title=f"{device}: {metric} peak above each phase's start (MiB)",
-        xaxis_title="step",
-        yaxis=dict(autorange="reversed"),
-        height=130 + 38 * max(len(phases), 1),
-        margin=dict(t=50, b=50, l=90, r=20),
-    )  # why fixed: plotly's default margins leave one row no room
-    fig.update_xaxes(type="category")
-    return fig
-
-
-def training_figure(history):
-    """Left: the total reward's mean with its spread (mean ± std over the step's completions) and each reward
-    function's mean, named as TRL logs it (rewards/<name>/mean); right: the loss."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    steps = [r.step for r in history]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("reward: total (mean ± std) and each function's mean", "loss"))
-    upper = [r.reward_mean + r.reward_std for r in history]
-    lower = [r.reward_mean - r.reward_std for r in history]
-    band = dict(mode="lines", line=dict(width=0), showlegend=False, hoverinfo="skip")
-    fig.add_trace(go.Scatter(x=steps, y=upper, name="reward + std", **band), 1, 1)
-    fig.add_trace(go.Scatter(x=steps, y=lower, name="reward - std", fill="tonexty", **band), 1, 1)
-    fig.add_trace(go.Scatter(x=steps, y=[r.reward_mean for r in history], name="reward"), 1, 1)
-    for name in dict.fromkeys(n for r in history for n in r.rewards):
-        means = [r.rewards.get(name) for r in history]
-        fig.add_trace(go.Scatter(x=steps, y=means, name=f"rewards/{name}/mean", line=dict(dash="dot")), 1, 1)
-    fig.add_trace(go.Scatter(x=steps, y=[r.loss for r in history], name="loss", showlegend=False), 1, 2)
-    fig.update_layout(height=360, legend=dict(orientation="h", y=-0.25))
-    fig.update_xaxes(tickmode="linear", dtick=max(1, len(steps) // 10), title_text="step")  # whole steps only
-    return fig

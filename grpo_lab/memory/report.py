@@ -9,8 +9,9 @@ import io
 from pathlib import Path
 
 from ..files import atomic_write_text
-from .figures import LEDGER, LEDGER_NAMES, heatmap_figure, primary_metric, timeline_figure, training_figure
+from .figures import LEDGER, LEDGER_NAMES, primary_metric, timeline_figure
 from .readers import MiB, is_host
+from .step_figures import heatmap_figure, training_figure
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
 
@@ -61,7 +62,8 @@ def capacities_of(sampler) -> dict[str, float]:
 def sampler_timeline(sampler):
     """The sampler's memory timeline so far with its capacity and threshold lines (samples read under its lock: the
     sampling thread may be running)."""
-    return timeline_figure(sampler.samples_since(0), sampler.marks, host_limits(sampler))
+    undone = getattr(sampler, "undone", ())  # (a sharded Lab's driver keeps its ranks' marks only)
+    return timeline_figure(sampler.samples_since(0), sampler.marks, host_limits(sampler), undone)
 
 
 def host_limits(sampler) -> dict[str, float]:

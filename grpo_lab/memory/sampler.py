@@ -58,6 +58,7 @@ class MemorySampler:
         self.step, self.phase = 0, "idle"
         self.phase_rows: list[dict] = []  # per-phase summary rows, all steps
         self.marks: list[tuple[int, str, float, float]] = []  # (step, phase, start, end) for plots
+        self.undone: list[tuple[int, str, float, float]] = []  # the marks of phases rolled back and redone
         self._open: Optional[dict] = None  # start reading and running peaks of the current phase
         self._host_max_ratio = 0.0  # the highest host used/limit of the samples taken between phases
         self._vetoed = False  # a phase was just failed for crossing: its memory is being freed, not counted
@@ -212,6 +213,7 @@ class MemorySampler:
             for r in self.phase_rows:
                 if r["step"] == step and r["phase"] in phases and r["failed_attempt"] is None:
                     r["failed_attempt"] = attempt
+            self.undone += [m for m in self.marks if m[0] == step and m[1] in phases and m not in self.undone]
 
     def forget(self, step: int) -> list[dict]:
         """Take every per-phase row of `step` out (the worst-case probe's step); returns them."""
