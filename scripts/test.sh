@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: install (if needed), then pytest.
-#   scripts/test.sh              the whole suite, in two passes (below)
+#   scripts/test.sh              the whole suite, in two passes (below), each printing its 30 slowest tests
+#   scripts/test.sh --quick      the edit-test loop: everything but `slow` and `solo`, on the xdist workers
 #   scripts/test.sh ARGS...      one plain pytest run with ARGS (e.g. -k parity, tests/test_step.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,14 @@ scripts/install.sh
 # why one OpenMP thread per process: the sharded tests run a driver and two rank processes on 2 cores, and torch's
 # spinning OpenMP threads then slow every process severalfold (measured: minutes instead of seconds per module)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+workers=${GRPO_LAB_TEST_WORKERS:-2}
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  # why a kept cache: the loop runs again and again, and the trained built-in model takes a minute to build
+  export GRPO_LAB_TEST_CACHE="${GRPO_LAB_TEST_CACHE:-$PWD/.artifacts/test-cache}"
+  mkdir -p "$GRPO_LAB_TEST_CACHE"
+  exec .venv/bin/python -m pytest -m "not slow and not solo" -n "$workers" --dist loadgroup "$@"
+fi
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
 
 # The whole suite. Why two passes: with one thread per process a pytest process uses one core, so the tests that
@@ -18,8 +27,7 @@ if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
 GRPO_LAB_TEST_CACHE=$(mktemp -d -t grpo-lab-test-cache.XXXXXX)
 export GRPO_LAB_TEST_CACHE
 trap 'rm -rf "$GRPO_LAB_TEST_CACHE"' EXIT
-workers=${GRPO_LAB_TEST_WORKERS:-2}
 rc=0
-.venv/bin/python -m pytest -m "not solo" -n "$workers" --dist loadgroup || rc=$?
-.venv/bin/python -m pytest -m solo || rc=$((rc ? rc : $?))
+.venv/bin/python -m pytest -m "not solo" -n "$workers" --dist loadgroup --durations=30 || rc=$?
+.venv/bin/python -m pytest -m solo --durations=30 || rc=$((rc ? rc : $?))
 exit "$rc"

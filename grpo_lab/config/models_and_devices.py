@@ -139,6 +139,7 @@ class PlacementSection(Section):
     ray_address: Optional[str] = knob(
         "load",
         None,
+        planned=True,  # a Ray on this machine: the plan names the line its memory monitor kills a rank at
         description="Sharded learner: the Ray cluster its ranks run on, "
         "'host:port' of its head (`ray start --head`) or 'auto'; null = a Ray on this machine, started by the Lab.",
     )
