@@ -92,7 +92,8 @@ def check_host_budget(config) -> None:
     share = ray_kill_share()  # a share Ray cannot start with: one line, before Ray times out on it
     if place.rank_memory_gib is None:
         return
-    machine = HostReader().machine / 1024**3
+    line = RayLine.now(share or 1.0)  # this machine's RAM and what it uses, read once for both checks
+    machine = line.machine_gib
     if place.rank_memory_gib * place.learner_procs > machine:
         raise LabError(
             f"placement.rank_memory_gib: {place.learner_procs} CPU ranks x {place.rank_memory_gib} GiB is more than "
@@ -103,7 +104,7 @@ def check_host_budget(config) -> None:
 
     # why not on a rank: it checks before the ranks start, and a rank's own Lab would count the ranks as used
     if share is not None and not runtime().is_rank:
-        check_ray_line(place, RayLine.now(share))
+        check_ray_line(place, line)
 
 
 class RayLine(NamedTuple):

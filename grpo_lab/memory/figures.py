@@ -145,8 +145,7 @@ def idle_marks(gaps, clock) -> tuple[list[dict], list[dict]]:
     shapes, notes = [], []
     for a, b in gaps:
         x0, x1, seconds = clock(a), clock(b), b - a
-        shapes.append(dict(type="rect", xref="x", yref="paper", x0=x0, x1=x1, y0=0, y1=1, line_width=0, name=IDLE))
-        shapes[-1].update(fillcolor=IDLE_GREY, opacity=0.2)
+        shapes.append(band(x0, x1, IDLE_GREY, 0.2, IDLE))
         text = f"{'load + idle' if a <= 0 else 'idle'} {seconds:,.{1 if seconds < 10 else 0}f} s"
         notes.append(dict(x=(x0 + x1) / 2, y=0.0, yref="paper", text=text, showarrow=False, textangle=-90))
         notes[-1].update(yanchor="bottom", font=dict(size=10), name="idle-label")
@@ -169,24 +168,16 @@ def step_separators(marks) -> list[dict]:
     ]
 
 
+def band(x0: float, x1: float, colour: str, opacity: float, name: str) -> dict:
+    """A shaded span of the x axis, the plot's full height: a phase, an idle gap, an undone attempt. Named: a saved
+    figure's key (static.png) names each colour."""
+    span = dict(type="rect", xref="x", yref="paper", x0=x0, x1=x1, y0=0, y1=1, line_width=0)
+    return span | dict(fillcolor=colour, opacity=opacity, name=name)
+
+
 def band_shapes(marks, opacity: float) -> list[dict]:
     """One shaded rectangle per phase (its colour), the plot's full height."""
-    return [
-        dict(
-            type="rect",
-            xref="x",
-            yref="paper",
-            x0=start,
-            x1=end,
-            y0=0,
-            y1=1,
-            line_width=0,
-            fillcolor=COLOURS.get(phase, "#cccccc"),
-            opacity=opacity,
-            name=phase,  # a saved figure's key (static.png) names each colour
-        )
-        for _, phase, start, end in marks
-    ]
+    return [band(start, end, COLOURS.get(phase, "#cccccc"), opacity, phase) for _, phase, start, end in marks]
 
 
 def phase_key_annotation(phases=PHASE_NAMES) -> dict:
@@ -247,22 +238,7 @@ def limit_parts(limits: dict, top: float) -> tuple[list, list, float]:
 def undone_parts(marks) -> tuple[list, list]:
     """A phase that was rolled back and run again (its `undone` marks): a red band over its own and the word
     "undone" at its top, so the figure shows the attempt the story undid beside the redo."""
-    shapes = [
-        dict(
-            type="rect",
-            xref="x",
-            yref="paper",
-            x0=start,
-            x1=end,
-            y0=0,
-            y1=1,
-            line_width=0,
-            fillcolor=UNDONE,
-            opacity=0.3,
-            name="undone attempt",
-        )
-        for _, _, start, end in marks
-    ]
+    shapes = [band(start, end, UNDONE, 0.3, "undone attempt") for _, _, start, end in marks]
     notes = [
         dict(
             x=(start + end) / 2,
