@@ -26,6 +26,7 @@ from .execution.contract import executor_for
 from .memory.timeline import Timeline
 from .preflight import preflight
 from .runtime import own_streams
+from .ui.quiet import no_frozen_bars
 from .ui.views import LabViews
 
 
@@ -88,12 +89,12 @@ class Lab(LabViews):
 
     # --- setup ---
     def load(self) -> "Lab":
-        """Check the plan, then load the learner, reference, generator and prompts. A failure part-way
-        releases what was loaded (the sampler thread included), so the Lab can load again."""
+        """Check the plan, load the models, generator and prompts; a failure part-way releases all: load again."""
         if self.learner is not None:
             raise LabError("lab.load(): this Lab is loaded already; lab.close() it first, or make a new Lab")
         try:
-            return self._load()
+            with no_frozen_bars():
+                return self._load()
         except BaseException:
             self._release()
             self.memory = self.leaks = None  # why: a failed load leaves no sampler behind; the next load starts its own
@@ -380,10 +381,7 @@ class Lab(LabViews):
     def between_steps(self, what: str) -> None:
         self._require_loaded()
         if self._step.started:
-            raise LabError(
-                f"{what}: step {self.step_index} is under way (next phase: {self.next_phase()}); finish it "
-                "with lab.step() first"
-            )
+            raise LabError(f"{what}: step {self.step_index} is under way (next: {self.next_phase()}); lab.step() first")
 
     # --- failures on demand (the worst-case probe, lab.probe(), is a view: ui/views.py) ---
     def arm_fault(self, rank: int, phase: str, error: str = "oom") -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: install (if needed), then pytest.
-#   scripts/test.sh              the whole suite, in two passes (below), each printing its 30 slowest tests
+#   scripts/test.sh              the whole suite, in three passes (below), each printing its 30 slowest tests
 #   scripts/test.sh --quick      the edit-test loop: everything but `slow` and `solo`, on the xdist workers
 #   scripts/test.sh ARGS...      one plain pytest run with ARGS (e.g. -k parity, tests/test_step.py)
 set -euo pipefail
@@ -19,15 +19,18 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
 
-# The whole suite. Why two passes: with one thread per process a pytest process uses one core, so the tests that
+# The whole suite. Why three passes: with one thread per process a pytest process uses one core, so the tests that
 # run in one process (most of them) go two at a time (pytest-xdist, a worker per core; a module whose tests share a
-# module-scoped fixture stays on one worker: its xdist_group mark); the tests marked `solo` start processes of their
-# own (Ray clusters, sharded ranks) and run after, one at a time, with the machine to themselves.
+# module-scoped fixture stays on one worker: its xdist_group mark). The tests marked `solo` start processes of their
+# own: the ranks' group (Ray clusters, sharded ranks: one cluster at a time) runs beside the browser's (JupyterLab,
+# Chromium: mostly waiting on the page), a worker each. Those also marked `alone` read the machine's shared state
+# (its used RAM, Ray's kill line) and run last, one at a time, with the machine to themselves.
 # Why one cache for both passes: each built-in model is built once per suite (tests/conftest.py's user_cache).
 GRPO_LAB_TEST_CACHE=$(mktemp -d -t grpo-lab-test-cache.XXXXXX)
 export GRPO_LAB_TEST_CACHE
 trap 'rm -rf "$GRPO_LAB_TEST_CACHE"' EXIT
 rc=0
 .venv/bin/python -m pytest -m "not solo" -n "$workers" --dist loadgroup --durations=30 || rc=$?
-.venv/bin/python -m pytest -m solo --durations=30 || rc=$((rc ? rc : $?))
+.venv/bin/python -m pytest -m "solo and not alone" -n "$workers" --dist loadgroup --durations=30 || rc=$((rc ? rc : $?))
+.venv/bin/python -m pytest -m alone --durations=30 || rc=$((rc ? rc : $?))
 exit "$rc"

@@ -112,3 +112,16 @@ def pytest_collection_modifyitems(config, items):
         )
     first_seen = {module: i for i, module in reversed(list(enumerate(item.nodeid.split("::")[0] for item in items)))}
     items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], first_seen[item.nodeid.split("::")[0]]))
+    unpaired = [i.nodeid for i in items if i.get_closest_marker("solo") and not placed_in_solo_pass(i)]
+    if unpaired:  # why: the solo pass runs two workers; a solo test in neither group could land beside either
+        raise pytest.UsageError(f"solo tests need xdist_group 'ranks' or 'browser', or the alone mark: {unpaired}")
+
+
+SOLO_GROUPS = ("ranks", "browser")  # scripts/test.sh's solo pass: one worker each
+
+
+def placed_in_solo_pass(item) -> bool:
+    group = item.get_closest_marker("xdist_group")
+    return bool(item.get_closest_marker("alone")) or (
+        group is not None and group.args[:1] in [(g,) for g in SOLO_GROUPS]
+    )

@@ -15,8 +15,9 @@ from test_notebooks import run_notebook
 
 pytestmark = [
     pytest.mark.slow,
-    # why solo: a live kernel, JupyterLab and Chromium with deadlines (scripts/test.sh runs it alone)
+    # why solo: a live kernel, JupyterLab and Chromium with deadlines: beside the ranks' group only
     pytest.mark.solo,
+    pytest.mark.xdist_group("browser"),
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)"
     ),

@@ -137,3 +137,15 @@ def test_a_lora_on_lm_head_is_applied_and_trained_by_the_chunked_head():
             torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-5, msg=name)
     finally:
         lab.close()
+
+
+@pytest.mark.parametrize("head", ["chunked", "trl", "full"])
+def test_every_head_returns_its_own_tensor_not_a_view(head):
+    """A sharded rank's scoring method returns the head's output from the FSDP2 root, and FSDP2 warns of a root
+    output that is a view (an in-place op on it would skip its pre-backward hook): every head returns a base tensor."""
+    from grpo_lab.algo.logprobs import HEADS
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(7, 16, requires_grad=True), torch.randn(48, 16, requires_grad=True)
+    out = HEADS[head](hidden, weight, None, torch.randint(0, 48, (7,)), 1.0, 4)
+    assert out.shape == (7,) and out._base is None, (head, out._base is not None)

@@ -58,6 +58,7 @@ def test_trim_returns_the_holes_of_a_fragmented_heap():
 # holes in its control read a median of 4.02 against the 3.18 measured alone; the process is its own, the threads'
 # interleaving is not (its memory sampler allocates beside the head)
 @pytest.mark.solo
+@pytest.mark.alone
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's mmap threshold is glibc's")
 def test_a_loaded_lab_keeps_the_heads_chunks_out_of_the_heap(tiny_config):
     """A Lab loads with memory.host_mmap_threshold_mib as configured, then the log-prob head runs forward and backward

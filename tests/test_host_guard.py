@@ -71,6 +71,7 @@ def meminfo() -> dict[str, int]:
 
 
 @pytest.mark.solo  # why: it reads the machine's used RAM, which tests running beside it move by hundreds of MiB
+@pytest.mark.alone
 def test_reading_a_large_file_does_not_trip_the_guard(tmp_path):
     """Read 1 GiB from disk through the page cache with the guard set just above the host's current use: the
     page cache grows by the file (which a cache-counting reading such as total - free includes), the guard's

@@ -1,7 +1,9 @@
 """Every notebook runs under papermill with its tiny parameters (real papermill, real kernel)."""
 
 import json
+import os
 import re
+import time
 from pathlib import Path
 
 import nbformat
@@ -26,11 +28,16 @@ def test_notebook_is_stripped_and_has_a_parameters_cell(notebook):
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
 
 
+# each papermill run's wall time, one line per run (the notebooks' 5-minute budget: docs/notebooks.md)
+TIMES = Path(os.environ.get("GRPO_LAB_ARTIFACTS", ROOT / ".artifacts")) / "notebook_times.tsv"
+
+
 def run_notebook(notebook, out, cwd, parameters):
     import papermill as pm
 
     from grpo_lab.sweep import IOPUB_TIMEOUT_S
 
+    started = time.perf_counter()
     pm.execute_notebook(  # why the iopub timeout: as a sweep runs them (papermill's 4 s fails on a busy machine)
         str(notebook),
         str(out),
@@ -40,6 +47,9 @@ def run_notebook(notebook, out, cwd, parameters):
         progress_bar=False,
         iopub_timeout=IOPUB_TIMEOUT_S,
     )
+    TIMES.parent.mkdir(parents=True, exist_ok=True)
+    with TIMES.open("a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\t{Path(notebook).name}\t{time.perf_counter() - started:.0f}\n")
     nb = nbformat.read(out, as_version=4)
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
     check_saved(Path(notebook).name, Path(out), nb)
@@ -60,6 +70,28 @@ def check_saved(name: str, path: Path, nb) -> None:
     long = [(c.source.splitlines()[0], text_plain(o)) for c, o in outputs if text_plain(o) > MAX_TEXT_PLAIN]
     assert not long, f"{name}: text/plain over {MAX_TEXT_PLAIN:,} characters: {long}"
     assert not stray_values(nb), f"{name}: cells that show a bare value: {stray_values(nb)}"
+    assert not noise(nb), f"{name}: library noise in the saved outputs: {noise(nb)}"
+
+
+# what a saved notebook may not show: a library's warning or notice on stderr, a progress bar (saved frozen, "0%"),
+# a float printed to 17 digits, a dict of more than a line printed raw
+NOISE = {
+    "stderr": lambda o: o.get("name") == "stderr" and o.get("text", "").strip(),
+    "progress bar": lambda o: re.search(r"\d+%\|", o.get("text", "") + o.get("data", {}).get("text/plain", "")),
+    "long float": lambda o: re.search(r"\d\.\d{9,}", o.get("text", "") + o.get("data", {}).get("text/plain", "")),
+    "raw dict": lambda o: re.search(r"\{'[^{}]{200,}\}", o.get("text", "")),
+}
+
+
+def noise(nb) -> list[tuple[str, str]]:
+    """(what, the output's first 120 characters) of each output a reader should not have to read past."""
+    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+    return [
+        (what, (o.get("text", "") or o.get("data", {}).get("text/plain", ""))[:120])
+        for o in outputs
+        for what, found in NOISE.items()
+        if found(o)
+    ]
 
 
 def text_plain(output) -> int:
@@ -130,3 +162,39 @@ def test_the_saved_notebook_check_catches_bloat_long_text_and_a_bare_value(tmp_p
         check_saved(*saved(new.new_output("display_data", {"text/plain": "FigureWidget({" + "x" * 20_000})))
     with pytest.raises(AssertionError, match="of them widget state"):
         check_saved(*saved(widgets={"application/vnd.jupyter.widget-state+json": {"state": {"m": "x" * 2_000_000}}}))
+
+
+@pytest.mark.parametrize(
+    "output, what",
+    [
+        (
+            nbformat.v4.new_output(
+                "stream", name="stderr", text="Triton is installed, but doesn't include CPU backend."
+            ),
+            "stderr",
+        ),
+        (
+            nbformat.v4.new_output("display_data", {"text/plain": "Loading weights:   0%|          | 0/38"}),
+            "progress bar",
+        ),
+        (nbformat.v4.new_output("stream", name="stdout", text="ratio 0.97823410982734561\n"), "long float"),
+        (
+            nbformat.v4.new_output("stream", name="stdout", text=str({f"metric_{i}": "0.5" for i in range(12)})),
+            "raw dict",
+        ),
+    ],
+    ids=["stderr", "progress-bar", "long-float", "raw-dict"],
+)
+def test_the_saved_notebook_check_catches_library_noise(output, what, tmp_path):
+    """A library's notice, a frozen bar, a 17-digit float and a printed metrics dict each fail a saved notebook; a
+    short table and a rounded ratio pass."""
+    new = nbformat.v4
+    clean = new.new_output("stream", name="stdout", text="backward: planned 1,204 MiB, measured 1,180 MiB (1.02)\n")
+    nb = new.new_notebook(cells=[new.new_code_cell("lab.step()", outputs=[clean])])
+    path = tmp_path / "01_quickstart.ipynb"
+    nbformat.write(nb, path)
+    check_saved(path.name, path, nbformat.read(path, as_version=4))
+    nb.cells[0].outputs.append(output)
+    nbformat.write(nb, path)
+    with pytest.raises(AssertionError, match=f"library noise in the saved outputs: \\[\\('{what}'"):
+        check_saved(path.name, path, nbformat.read(path, as_version=4))

@@ -25,9 +25,9 @@ from grpo_lab.errors import LabError
 from grpo_lab.execution.sharded.ray_cluster import bundles, check_resources, local_gpu_env, start_local
 from grpo_lab.runtime import Runtime
 
-pytestmark = (
-    pytest.mark.solo
-)  # why: it starts Ray clusters and rank processes of its own (scripts/test.sh runs it alone)
+# why solo: it starts Ray clusters and rank processes of its own (scripts/test.sh runs the ranks' group beside the
+# browser's only)
+pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]
 SHARDED = ["placement.learner_procs=2"]
 
 

@@ -340,3 +340,27 @@ def test_04s_real_model_chart_draws_the_capacity_it_judges_against(drawn):
     assert any("capacity" in t for t in band_label_texts(canvas))  # named on the plot
     caption = notebook.cells[index - 1].source
     assert "capacity" in caption and "hover" not in caption.lower()
+
+
+def test_a_legend_of_long_names_stays_whole_inside_the_png(drawn):
+    """Notebook 06's P3 timeline: the host's and two ranks' merged lines, every phase, an undone attempt and idle
+    gaps made a five-column legend wider than the PNG, cut at both ends ("idle (squeez"); the columns now fit."""
+    rows = []
+    for i in range(40):
+        for device in ("host", "rank0/host", "rank1/host"):
+            value = (500 + 10 * i + (0 if device == "host" else 900)) * MiB
+            above = 300 * MiB if device == "host" else 0  # the machine's used RAM is more than the Lab's RSS
+            rows += [(i * 0.1, 0, "", device, "rss", value), (i * 0.1, 0, "", device, "used", value + above)]
+    phases = ["rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync"]
+    marks = [(0, p, 2.0 + i * 0.25, 2.2 + i * 0.25) for i, p in enumerate(phases)]
+    fig = timeline_figure(rows, marks, {"rank0, rank1 line (95% of its budget)": 1500.0}, [(0, "rollout", 1.0, 1.9)])
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas, _ = drawn(fig)
+    agg = FigureCanvasAgg(canvas)
+    agg.draw()  # where the constrained layout put the legend, as savefig drew it
+    renderer = agg.get_renderer()
+    (legend,) = canvas.legends
+    box, page = legend.get_window_extent(renderer), canvas.bbox
+    assert {"idle (squeezed)", "undone attempt", "rank1/host rss (= rank1/host used)"} <= set(legend_labels(canvas))
+    assert box.x0 >= page.x0 and box.x1 <= page.x1, (box, page)

@@ -12,7 +12,8 @@ from test_notebooks import ROOT, printed, run_notebook
 
 from grpo_lab.ui.story import facts_in
 
-pytestmark = pytest.mark.solo  # why: it starts Ray and rank processes (scripts/test.sh runs it alone)
+# why alone: it starts Ray and rank processes, and sets Ray's kill line just above what the machine uses as P4 starts
+pytestmark = [pytest.mark.solo, pytest.mark.alone]
 
 NAME = "06_sharded_learner.ipynb"
 

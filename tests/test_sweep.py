@@ -120,6 +120,7 @@ def test_a_grid_point_whose_kernel_dies_is_a_row_and_numbers_sort_as_numbers(tmp
 # why solo: beside another worker's test the 20,000 lines took papermill over 300 s (a fresh clone's xdist pass); alone
 # they take ~40 s and fail at the old 4 s, which is what this test shows
 @pytest.mark.solo
+@pytest.mark.alone
 def test_a_point_whose_output_lags_its_cell_is_not_an_error(tmp_path):
     """papermill fails a cell whose output arrives more than 4 s after the cell's reply (nbclient's iopub_timeout,
     raised by papermill): on a busy machine the 2x2 sweep's points failed so ('CellTimeoutError ... after 4 seconds',

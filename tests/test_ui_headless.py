@@ -88,3 +88,44 @@ def test_the_panels_step_count_is_run_steps_and_follows_it_but_never_over_a_type
         assert count.value == "7" and panel.controls.steps() == 7 and lab.config.run.steps == 5
     finally:
         lab.close()
+
+
+@pytest.mark.parametrize("allow_stdin", [True, False], ids=["person", "papermill"])
+def test_a_headless_load_shows_no_loading_bar_and_a_person_s_does(allow_stdin, cell_from):
+    """transformers' loading bars are off only while a headless run loads (they save as a frozen 0 %), and on after."""
+    from transformers.utils import logging as hf_logging
+
+    from grpo_lab.ui.quiet import no_frozen_bars
+
+    cell_from(allow_stdin)
+    hf_logging.enable_progress_bar()
+    with no_frozen_bars():
+        assert hf_logging.is_progress_bar_enabled() == allow_stdin
+    assert hf_logging.is_progress_bar_enabled()
+
+
+def test_a_story_keeps_the_named_library_notices_out_and_others_in():
+    """TRL's vLLM-version warning and vLLM's Triton notice are dropped once a story quiets the libraries; another
+    warning from the same place still shows."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+    from trl.import_utils import is_vllm_available
+
+    from grpo_lab.ui.quiet import VLLM_TRITON, quiet_libraries
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        is_vllm_available()
+        assert any("TRL currently supports vLLM" in str(w.message) for w in seen)  # vLLM 0.32 here: TRL warns
+        seen.clear()
+        quiet_libraries()
+        is_vllm_available()
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+        assert [str(w.message) for w in seen] == ["another warning"]
+    logger = logging.getLogger("vllm.triton_utils.importing")
+    record = lambda msg: logging.LogRecord(logger.name, logging.WARNING, __file__, 1, msg, None, None)
+    assert not logger.filter(record(f"{VLLM_TRITON}. Disabling Triton.")) and logger.filter(record("other"))
+    assert not hf_logging.is_progress_bar_enabled()  # a story's bars: off for the whole notebook
+    hf_logging.enable_progress_bar()  # as this worker's later tests expect

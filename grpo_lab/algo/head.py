@@ -120,4 +120,5 @@ def full_logprobs(hidden, weight, bias, targets, temperature: float, chunk: int)
     """The textbook pass, for comparison: every row's logits at once ([M, V] in float32) and their log-softmax,
     which autograd keeps for backward: the [B, L, V] peak the chunked head exists to avoid (`chunk` is unused)."""
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-    return logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    # why a copy of the [M] result: FSDP2 warns of a sharded root's output that is a view (squeeze's would be one)
+    return logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1).clone()

@@ -242,7 +242,7 @@ def undone_parts(marks) -> tuple[list, list]:
     notes = [
         dict(
             x=(start + end) / 2,
-            y=1.0,
+            y=0.93,  # why below the top: a step's label sits at the top, where an undone first phase begins
             yref="paper",
             text="undone",
             showarrow=False,

@@ -231,8 +231,14 @@ def _legend(ax, canvas, key: dict, placed: bool, named: bool) -> None:
     style = dict(fontsize=8, labelcolor=INK, frameon=False)
     if placed:
         ax.legend(handles, labels, loc="best", **style)
-    else:
-        canvas.legend(handles, labels, loc="outside lower center", ncols=min(len(handles), 5), **style)
+        return
+    # why measured: a rank's long merged names made five columns wider than the PNG, cut at both ends
+    renderer = canvas.canvas.get_renderer()
+    for ncols in range(min(len(handles), 5), 0, -1):
+        legend = canvas.legend(handles, labels, loc="outside lower center", ncols=ncols, **style)
+        if ncols == 1 or legend.get_window_extent(renderer).width <= canvas.bbox.width:
+            return
+        legend.remove()
 
 
 def _ink(canvas) -> None:
@@ -247,6 +253,7 @@ def _ink(canvas) -> None:
 
 def draw(fig, width: int = WIDTH, height: int = None):
     """`fig` (a plotly Figure or its dict) as a matplotlib Figure, `width` x its own height (or 420) pixels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # why the class, not pyplot: no global figure state in the user's kernel
 
     data = fig.to_dict() if hasattr(fig, "to_dict") else fig
@@ -256,6 +263,7 @@ def draw(fig, width: int = WIDTH, height: int = None):
     panels = list(dict.fromkeys(t.get("xaxis") or "x" for t in traces)) or ["x"]  # subplots side by side
     placed = len(panels) > 1 and _get(layout, "xaxis", "domain") is not None
     canvas = Figure(figsize=(width / DPI, height / DPI), dpi=DPI, layout=None if placed else "constrained")
+    FigureCanvasAgg(canvas)  # why: a renderer to measure the legend with (savefig draws with Agg anyway)
     for column, panel in enumerate(panels):
         ax = _axes(canvas, layout, panel, column, len(panels)) if placed else canvas.add_subplot(1, 1, 1)
         mine = [t for t in traces if (t.get("xaxis") or "x") == panel]

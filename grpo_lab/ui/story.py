@@ -19,7 +19,8 @@ from ..errors import LabError
 from ..memory.readers import MiB, is_host
 from ..memory.static import show
 
-FACTS = "facts: "  # the line Story.end prints and facts_in reads
+FACTS = "facts: "  # the text Story.end shows
+FACTS_MIME = "application/json"  # the output Story.end writes and facts_in reads
 
 __all__ = [
     "Story",
@@ -64,8 +65,10 @@ class Story:
     def __init__(self, config, overrides=(), field: str = "config", on_cpu=()):
         from ..config.loading import load_config
         from ..errors import one_line_in_cells
+        from .quiet import quiet_libraries
 
         one_line_in_cells()  # why first: a refused parameter is then its one line in the cell's output
+        quiet_libraries()  # why: a saved story shows its own lines, not the libraries' notices or frozen bars
         self.config = check_parameters(config, overrides, field)
         if not self.on_gpu and on_cpu:  # why CPU only: a host budget for a CPU learner; a GPU's is its card
             self.config = load_config(self.config, list(on_cpu))
@@ -92,26 +95,37 @@ class Story:
         self.facts[name] = value
         return value
 
-    def gpu_cells(self, what: str = "") -> bool:
+    def gpu_cells(
+        self,
+        what: str = "",
+        gpu_config: str = "a GPU config (papermill -p config qwen2.5-7b-nf4-24gb, "
+        "or your own YAML) on a machine with CUDA",
+    ) -> bool:
         """Whether this run's GPU cells run: its config's learner is on CUDA. Otherwise one line says what they would
-        have measured (`what`) and what to set."""
+        have measured (`what`) and what to run them with (`gpu_config`)."""
         if not self.on_gpu:
             skipped = f" ({what})" if what else ""
             print(
                 f"GPU cells skipped: this config runs on the CPU, so this notebook's GPU measurement{skipped} does not "
-                "run; run with a GPU config (papermill -p config qwen2.5-7b-nf4-24gb, or your own YAML) on a machine "
-                "with CUDA"
+                f"run; run with {gpu_config}"
             )
         return self.on_gpu
 
     def end(self) -> None:
-        print(f"{FACTS}{json.dumps(self.facts, default=float)}")
+        """The facts as one output: JSON for the tests (and JupyterLab's tree view), one short line as its text."""
+        from IPython.display import display
+
+        facts = json.loads(json.dumps(self.facts, default=float))  # why the round trip: numpy and torch scalars
+        text = f"{FACTS}{', '.join(facts)} (recorded for the story's test)"
+        display({FACTS_MIME: facts, "text/plain": text}, raw=True)
 
 
 def facts_in(nb) -> dict:
-    """The facts an executed notebook (nbformat) printed at its end (Story.end)."""
-    streams = (o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
-    return json.loads("".join(streams).split(FACTS, 1)[1].splitlines()[0])
+    """The facts an executed notebook (nbformat) recorded at its end (Story.end)."""
+    found = [o["data"][FACTS_MIME] for c in nb.cells for o in c.get("outputs", []) if FACTS_MIME in o.get("data", {})]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} facts outputs in the notebook: Story.end runs once, in its last cell")
+    return found[0]
 
 
 def snapshot(lab, phases: Optional[list] = None) -> None:

@@ -1,0 +1,57 @@
+"""What a guided notebook keeps out of its saved outputs: the libraries' notices that do not bear on its story.
+
+Each one below is named, with why it cannot matter to a story; anything else a library warns of still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from contextlib import contextmanager
+
+# TRL warns, at each of five imports, that vLLM 0.32 is past the versions it lists; the stories never run TRL's vLLM
+# path (notebook 02 runs TRL's trainer with its own generate), and tests/test_trl_parity.py checks the parts used here
+TRL_VLLM_VERSION = "TRL currently supports vLLM versions"
+# vLLM's CPU wheel finds a Triton without a CPU backend and turns Triton off: its CPU kernels never use it
+VLLM_TRITON = "Triton is installed, but doesn't include CPU backend"
+
+
+class _DropStartingWith(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_libraries() -> None:
+    """Drop the notices above and the loading bars (a saved notebook keeps a bar as a frozen "0%"); idempotent."""
+    from transformers.utils import logging as hf_logging
+
+    from ..models.quant import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # bitsandbytes' `pip install kernels` notice (models/quant.py says why it cannot matter)
+    warnings.filterwarnings("ignore", message=TRL_VLLM_VERSION, category=UserWarning)
+    logger = logging.getLogger("vllm.triton_utils.importing")
+    if not any(isinstance(f, _DropStartingWith) for f in logger.filters):
+        logger.addFilter(_DropStartingWith(VLLM_TRITON))
+    hf_logging.disable_progress_bar()  # why: "Loading weights" and "Writing model shards" bars save as frozen 0 %
+
+
+@contextmanager
+def no_frozen_bars():
+    """transformers' loading bars off while a headless run (papermill, nbconvert) loads: there no one watches them,
+    and the notebook saves each as a frozen "0%" widget; a person's notebook and a terminal keep them."""
+    from transformers.utils import logging as hf_logging
+
+    from .live import frontend_is_live
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not frontend_is_live():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
