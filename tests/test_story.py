@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 
+import nbformat
 import numpy as np
 import plotly.graph_objects as go
 import pytest
@@ -67,16 +68,26 @@ def test_a_cpu_only_budget_is_applied_to_a_cpu_config_and_not_to_a_gpu_one(monke
     assert gpu.on_gpu and gpu.config.placement.host_memory_gib is None
 
 
-def test_story_facts_are_returned_and_printed_as_json_at_the_end(capsys):
+def test_story_facts_are_returned_and_shown_as_one_json_output_at_the_end(monkeypatch):
+    """The facts are one output: JSON (what the tests read, facts_in), and a text form naming them, not a printed
+    dict a reader has to scroll past."""
+    from grpo_lab.ui.story import FACTS_MIME, facts_in
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda bundle, raw=False: shown.append((bundle, raw)))
     s = Story("tiny-cpu", TINY)
     assert s.config.model.name_or_path == "builtin:tiny-random" and not s.on_gpu
     assert s.fact("peak_mib", 612.5) == 612.5
     s.fact("steps", 3)
     s.fact("loss", torch.tensor(0.25))  # a tensor is written as its float
     s.end()
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].startswith("facts: ")
-    assert json.loads(out[-1].removeprefix("facts: ")) == {"peak_mib": 612.5, "steps": 3, "loss": 0.25}
+    ((bundle, raw),) = shown
+    facts = {"peak_mib": 612.5, "steps": 3, "loss": 0.25}
+    assert raw and bundle[FACTS_MIME] == facts and json.dumps(bundle[FACTS_MIME])
+    assert bundle["text/plain"] == "facts: peak_mib, steps, loss (recorded for the story's test)"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("story.end()")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("display_data", {k: v for k, v in bundle.items()})]
+    assert facts_in(nbformat.reads(nbformat.writes(nb), as_version=4)) == facts  # as a saved notebook holds it
 
 
 def test_gpu_cells_are_skipped_with_a_line_on_a_cpu_config(capsys, monkeypatch):

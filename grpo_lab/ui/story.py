@@ -2,10 +2,10 @@
 same measurement, fitting.
 
 - `Story(...)` checks the parameters cell's values first, so a preset the notebook cannot use stops right there in
-  one line.
+  one line, and keeps the libraries' notices out of the outputs (ui/quiet.py).
 - `trial()` runs one step (or one phase) under a memory budget and says whether it crossed.
-- `fact()` records what the cells compute: `end()` prints them as JSON, the tests read them, and the prose quotes
-  them by name.
+- `fact()` records what the cells compute: `end()` shows them as one JSON output, the tests read it, and the prose
+  quotes them by name.
 - `show()` and `snapshot()` put a PNG into the output beside each plotly figure or live plot, so a saved notebook, a
   papermill sweep's output or GitHub shows the explanation too.
 """
