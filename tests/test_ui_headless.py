@@ -104,9 +104,10 @@ def test_a_headless_load_shows_no_loading_bar_and_a_person_s_does(allow_stdin, c
     assert hf_logging.is_progress_bar_enabled()
 
 
-def test_a_story_keeps_the_named_library_notices_out_and_others_in():
+@pytest.mark.parametrize("allow_stdin", [True, False], ids=["person", "papermill"])
+def test_a_story_keeps_the_named_library_notices_out_and_others_in(allow_stdin, cell_from):
     """TRL's vLLM-version warning and vLLM's Triton notice are dropped once a story quiets the libraries; another
-    warning from the same place still shows."""
+    warning from the same place still shows; the loading bars go only in a headless run."""
     import logging
     import warnings
 
@@ -115,6 +116,8 @@ def test_a_story_keeps_the_named_library_notices_out_and_others_in():
 
     from grpo_lab.ui.quiet import VLLM_TRITON, quiet_libraries
 
+    cell_from(allow_stdin)
+    hf_logging.enable_progress_bar()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         is_vllm_available()
@@ -127,5 +130,5 @@ def test_a_story_keeps_the_named_library_notices_out_and_others_in():
     logger = logging.getLogger("vllm.triton_utils.importing")
     record = lambda msg: logging.LogRecord(logger.name, logging.WARNING, __file__, 1, msg, None, None)
     assert not logger.filter(record(f"{VLLM_TRITON}. Disabling Triton.")) and logger.filter(record("other"))
-    assert not hf_logging.is_progress_bar_enabled()  # a story's bars: off for the whole notebook
+    assert hf_logging.is_progress_bar_enabled() == allow_stdin  # a headless story's bars: off for the notebook
     hf_logging.enable_progress_bar()  # as this worker's later tests expect

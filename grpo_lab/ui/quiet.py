@@ -26,17 +26,19 @@ class _DropStartingWith(logging.Filter):
 
 
 def quiet_libraries() -> None:
-    """Drop the notices above and the loading bars (a saved notebook keeps a bar as a frozen "0%"); idempotent."""
+    """Drop the notices above and, in a headless run, the loading bars (it saves each as a frozen "0%"); idempotent."""
     from transformers.utils import logging as hf_logging
 
     from ..models.quant import quiet_bitsandbytes
+    from .live import frontend_is_live
 
     quiet_bitsandbytes()  # bitsandbytes' `pip install kernels` notice (models/quant.py says why it cannot matter)
     warnings.filterwarnings("ignore", message=TRL_VLLM_VERSION, category=UserWarning)
     logger = logging.getLogger("vllm.triton_utils.importing")
     if not any(isinstance(f, _DropStartingWith) for f in logger.filters):
         logger.addFilter(_DropStartingWith(VLLM_TRITON))
-    hf_logging.disable_progress_bar()  # why: "Loading weights" and "Writing model shards" bars save as frozen 0 %
+    if not frontend_is_live():  # why: a story's own from_pretrained and save_pretrained bars, not only a Lab's
+        hf_logging.disable_progress_bar()
 
 
 @contextmanager
