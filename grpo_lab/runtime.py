@@ -1,12 +1,12 @@
-"""This process's one answer to "which device am I, whose RNG, who decides": its rank in a sharded learner (or a
-world of one), its compute device, each GPU's NVML handle (looked up by UUID), its RNG states, where its allocator
-snapshots go, the collectives a step needs (sums, row gathers, and `agree`, the all-reduce by which every rank
-takes the same branch) and its CUDA allocator's settings. A notebook or CLI process is the driver; a rank's worker sets
-its own once, at start. Nothing else reads `placement.learner` to mean "my device". The bottom floor
-(docs/architecture.md): every package may import it, and it imports nothing of grpo_lab but `errors`.
+"""This process's one answer to "which device am I, whose RNG, who decides": its rank in a sharded learner (or a world
+of one), its compute device, each GPU's NVML handle (looked up by UUID), its RNG states, where its allocator snapshots
+go, the collectives a step needs (sums, row gathers, and `agree`, the all-reduce by which every rank takes the same
+branch), its CUDA allocator's settings, and whether a person's frontend shows its widgets. A notebook or CLI process is
+the driver; a rank's worker sets its own once, at start. Nothing else reads `placement.learner` to mean "my device". The
+bottom floor (docs/architecture.md): every package may import it, and it imports nothing of grpo_lab but `errors`.
 
-Why one object: a CPU has one device, one RNG and no streams, so every "which device / whose RNG" bug passes on it;
-here they are pure functions of (rank, size, placement), tested with remapped device lists.
+Why one object: a CPU has one device, one RNG and no streams, so every "which device / whose RNG" bug passes on it; here
+they are pure functions of (rank, size, placement), tested with remapped device lists.
 """
 
 from __future__ import annotations
@@ -313,3 +313,26 @@ def expandable_segments(enabled: bool) -> bool:
         return False
     torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
     return True
+
+
+LIVE_ENV = "GRPO_LAB_LIVE_WIDGETS"  # "1": always make the live widgets, "0": never; unset: frontend_is_live decides
+
+
+def frontend_is_live() -> bool:
+    """Whether a widget made now has a person's frontend to draw in. A headless runner (papermill, nbconvert
+    --execute: nbclient) sends its cells with allow_stdin off, as no one is there to answer input(), and saves the state
+    of every widget made into the notebook: the live plot's holds plotly's 5 MB widget bundle (FigureWidget's `_esm`),
+    and the panel's hundreds of models. Outside a kernel (a script, a test) widgets are plain objects: True.
+    GRPO_LAB_LIVE_WIDGETS=1 or 0 decides instead (e.g. Voila, which draws widgets but runs cells without stdin)."""
+    forced = os.environ.get(LIVE_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return True
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None or not hasattr(kernel, "get_parent"):
+        return True
+    request = kernel.get_parent("shell") or {}
+    return bool(request.get("content", {}).get("allow_stdin", True))

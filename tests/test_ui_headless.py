@@ -4,8 +4,9 @@ is made, a line says so; live, the plot's text form is one line and the panel's 
 import ipywidgets
 import pytest
 
+from grpo_lab.runtime import LIVE_ENV, frontend_is_live
 from grpo_lab.ui import Panel
-from grpo_lab.ui.live import LIVE_ENV, LivePlot, NotLive, frontend_is_live
+from grpo_lab.ui.live import LivePlot, NotLive
 
 
 class Kernel:
@@ -132,3 +133,18 @@ def test_a_story_keeps_the_named_library_notices_out_and_others_in(allow_stdin, 
     assert not logger.filter(record(f"{VLLM_TRITON}. Disabling Triton.")) and logger.filter(record("other"))
     assert hf_logging.is_progress_bar_enabled() == allow_stdin  # a headless story's bars: off for the notebook
     hf_logging.enable_progress_bar()  # as this worker's later tests expect
+
+
+@pytest.mark.parametrize("allow_stdin", [True, False], ids=["person", "papermill"])
+def test_a_built_in_model_built_in_a_headless_run_prints_a_line_not_a_bar(allow_stdin, cell_from, capsys):
+    """A fresh cache's first notebook builds the built-in model: headless, its bar would be saved as a frozen "0%"
+    (a fresh clone's notebooks 03 and 04 saved one), so it is one printed line there, a bar for a person."""
+    from grpo_lab.models.tiny import _progress
+
+    cell_from(allow_stdin)
+    bar = _progress("building kv-heavy-v1 (once; later loads read it)", 0)
+    bar.update(1)
+    assert bar.disable == (not allow_stdin)  # (before close, which sets it)
+    bar.close()
+    printed = capsys.readouterr().out
+    assert printed == ("" if allow_stdin else "building kv-heavy-v1 (once; later loads read it)\n")

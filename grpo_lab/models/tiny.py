@@ -212,10 +212,18 @@ def _save(model, tokenizer, path: Path) -> None:
 
 def _progress(label: str, train_steps: int):
     """A progress bar over the build's stages (tokenizer, weights, each training step, saving), with tqdm's estimate
-    of the time left: a widget in a notebook, a line on stderr in a terminal or a log."""
+    of the time left: a widget in a notebook, a line on stderr in a terminal or a log; in a headless run (papermill,
+    nbconvert) one printed line, as the saved notebook would keep the widget as a frozen "0%"."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=3 + train_steps, desc=label, unit="stage" if not train_steps else "step", leave=True)
+    from ..runtime import frontend_is_live
+
+    live = frontend_is_live()
+    if not live:
+        print(f"{label}{f', {train_steps} training steps' if train_steps else ''}", flush=True)
+    bar = tqdm(
+        total=3 + train_steps, desc=label, unit="stage" if not train_steps else "step", leave=True, disable=not live
+    )
     container = getattr(bar, "container", None)  # tqdm.notebook's widget: [label, bar, figures]
     if container is not None:  # why: the label wrapped at its name's hyphen ("building tiny-qwen2- / v2")
         container.children[0].layout.min_width = "max-content"

@@ -19,7 +19,6 @@ from a cell are serialised by a lock.
 from __future__ import annotations
 
 import html
-import os
 import threading
 import time
 from typing import Optional
@@ -41,6 +40,7 @@ from ..memory.figures import (
 )
 from ..memory.readers import MiB
 from ..memory.report import host_limits
+from ..runtime import LIVE_ENV, frontend_is_live  # noqa: F401 (why in runtime: the models' build bar asks it too)
 
 
 def _needs_notebook_extra():
@@ -52,29 +52,6 @@ def _needs_notebook_extra():
 
         raise LabError(f"the live memory plot needs {err.name}; install grpo-lab[notebook]") from None
     return go
-
-
-LIVE_ENV = "GRPO_LAB_LIVE_WIDGETS"  # "1": always make the live widgets, "0": never; unset: frontend_is_live decides
-
-
-def frontend_is_live() -> bool:
-    """Whether a widget made now has a person's frontend to draw in. A headless runner (papermill, nbconvert
-    --execute: nbclient) sends its cells with allow_stdin off, as no one is there to answer input(), and saves the state
-    of every widget made into the notebook: the live plot's holds plotly's 5 MB widget bundle (FigureWidget's `_esm`),
-    and the panel's hundreds of models. Outside a kernel (a script, a test) widgets are plain objects: True.
-    GRPO_LAB_LIVE_WIDGETS=1 or 0 decides instead (e.g. Voila, which draws widgets but runs cells without stdin)."""
-    forced = os.environ.get(LIVE_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return True
-    kernel = getattr(get_ipython(), "kernel", None)
-    if kernel is None or not hasattr(kernel, "get_parent"):
-        return True
-    request = kernel.get_parent("shell") or {}
-    return bool(request.get("content", {}).get("allow_stdin", True))
 
 
 class NotLive:
