@@ -42,6 +42,23 @@ def test_an_address_is_host_and_port_and_anything_else_says_what_to_give():
             parse_address(bad)
 
 
+def test_the_ranks_raw_output_stays_in_ray_s_logs_on_both_ways_in(monkeypatch):
+    """A rank's failure reaches the driver as one line; Ray's forwarding of the ranks' stderr put a rank's C++
+    teardown stack trace into a fresh clone's notebook 06. A local Ray and a joined one both start without it."""
+    import ray
+
+    from grpo_lab.execution.sharded import ray_cluster
+
+    calls = []
+    monkeypatch.setattr(ray_cluster, "_STARTED", dict(ray_cluster._STARTED))  # (this test's counts, not the module's)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_cluster, "check_reachable", lambda address: None)
+    ray_cluster.start_local(cpus=2)
+    ray_cluster.Cluster("10.0.0.1:6379", "cpu", ["cpu", "cpu"], 2)
+    assert len(calls) == 2 and all(c["log_to_driver"] is False for c in calls), calls
+
+
 def test_a_rank_bundle_is_a_gpu_with_a_cpu_or_its_share_of_cpus():
     assert bundles("cuda:0", 2, threads=4) == [{"CPU": 1, "GPU": 1}] * 2
     assert bundles("cpu", 3, threads=2) == [{"CPU": 2}] * 3

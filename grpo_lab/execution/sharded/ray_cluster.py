@@ -81,7 +81,7 @@ class Cluster:
         if address is not None:
             check_reachable(address)
             self.after_local = _STARTED["local_before"]
-            ray.init(address=address, log_to_driver=True, logging_level="ERROR")
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")  # why: RANK_LOGS
             return
         gpus = local_gpu_env(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -142,6 +142,9 @@ def same_address(a: str, b: str) -> bool:
     return pa == pb and (ha == hb or resolve(ha) == resolve(hb))
 
 
+# RANK_LOGS: a rank's failure reaches the driver as one line, in its reply; Ray's forwarding of the ranks' raw stderr
+# also printed every rank's library warnings and, for a rank torn down mid-collective, a C++ stack trace (a fresh
+# clone's notebook 06). The ranks' own logs stay in Ray's session directory: /tmp/ray/session_latest/logs/worker-*.err
 def start_local(cpus: int, gpus: int = 0, tries: int = 2) -> None:
     """A Ray on this machine only. Ray gives its node 30 s to register (hard-coded in ray._private.node); on a
     machine busy enough to miss that, it is tried once more, then one line."""
@@ -155,6 +158,7 @@ def start_local(cpus: int, gpus: int = 0, tries: int = 2) -> None:
                 num_gpus=gpus,
                 include_dashboard=False,
                 logging_level="ERROR",
+                log_to_driver=False,  # why: RANK_LOGS
                 # why: Ray starts its workers at niceness 15, so on a machine with any other work the ranks (the run
                 # itself) got the cores last (minutes per rank start beside two busy loops); 0, as Ray's job manager
                 # gives a job's own processes
