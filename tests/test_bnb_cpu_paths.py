@@ -181,7 +181,7 @@ sys.meta_path.insert(0, ForceAvx512Bf16())
 if sys.argv[1] == "unfiltered":  # the control: grpo_lab's filter disabled, then what a Lab's load imports first
     from grpo_lab.models import quant
 
-    quant._DropKernelsNotice.filter = lambda self, record: True
+    quant.DropStartingWith.filter = lambda self, record: True
     import bitsandbytes
 else:  # the CLI, as `grpo-lab run ...`
     sys.argv = ["grpo-lab", *sys.argv[2:]]

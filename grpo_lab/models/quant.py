@@ -20,16 +20,27 @@ import logging
 _KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward"
 
 
-class _DropKernelsNotice(logging.Filter):
+class DropStartingWith(logging.Filter):
+    """Drops a logger's records whose message starts with `prefix`; every other record passes."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_KERNELS_NOTICE)
+        return not str(record.msg).startswith(self.prefix)
+
+
+def drop_log_lines(logger_name: str, prefix: str) -> None:
+    """Keep logger `logger_name`'s records that start with `prefix` out of the user's output; idempotent."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, DropStartingWith) and f.prefix == prefix for f in logger.filters):
+        logger.addFilter(DropStartingWith(prefix))
 
 
 def quiet_bitsandbytes() -> None:
     """Keep bitsandbytes' `pip install kernels` notice out of the user's output (it cannot matter here)."""
-    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if not any(isinstance(f, _DropKernelsNotice) for f in logger.filters):
-        logger.addFilter(_DropKernelsNotice())
+    drop_log_lines("bitsandbytes.backends.cpu.ops", _KERNELS_NOTICE)
 
 
 # why at this module's import, not only in quantization_config: a Lab's load imports trl, and through it peft, which

@@ -6,7 +6,8 @@ The running phase's band grows as it runs (its x is working time, not squeezed i
 `max_steps` steps (the title says so once there are more), every step's bands kept; phases are named in one row of
 coloured squares, the lines' legend is one row below, and a step label too close to the last one is left out.
 A plot replaced by a newer one (another `lab.memory_plot()` or `lab.ui()`) says so in its title and stops.
-In a headless run (papermill, nbconvert) no widget is made at all (`frontend_is_live`): a line says so instead.
+In a headless run (papermill, nbconvert) no widget is made at all (`runtime.frontend_is_live`): a line says so
+instead.
 
 A renderer thread redraws it from the sampler's buffer every `refresh_s` seconds (throttled); the
 sampler thread never touches the widget, and the kernel stays free to run cells while a step
@@ -40,7 +41,6 @@ from ..memory.figures import (
 )
 from ..memory.readers import MiB
 from ..memory.report import host_limits
-from ..runtime import LIVE_ENV, frontend_is_live  # noqa: F401 (why in runtime: the models' build bar asks it too)
 
 
 def _needs_notebook_extra():

@@ -5,7 +5,6 @@ Each one below is named, with why it cannot matter to a story; anything else a l
 
 from __future__ import annotations
 
-import logging
 import warnings
 from contextlib import contextmanager
 
@@ -16,27 +15,16 @@ TRL_VLLM_VERSION = "TRL currently supports vLLM versions"
 VLLM_TRITON = "Triton is installed, but doesn't include CPU backend"
 
 
-class _DropStartingWith(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
 def quiet_libraries() -> None:
     """Drop the notices above and, in a headless run, the loading bars (it saves each as a frozen "0%"); idempotent."""
     from transformers.utils import logging as hf_logging
 
-    from ..models.quant import quiet_bitsandbytes
-    from .live import frontend_is_live
+    from ..models.quant import drop_log_lines, quiet_bitsandbytes
+    from ..runtime import frontend_is_live
 
     quiet_bitsandbytes()  # bitsandbytes' `pip install kernels` notice (models/quant.py says why it cannot matter)
     warnings.filterwarnings("ignore", message=TRL_VLLM_VERSION, category=UserWarning)
-    logger = logging.getLogger("vllm.triton_utils.importing")
-    if not any(isinstance(f, _DropStartingWith) for f in logger.filters):
-        logger.addFilter(_DropStartingWith(VLLM_TRITON))
+    drop_log_lines("vllm.triton_utils.importing", VLLM_TRITON)
     if not frontend_is_live():  # why: a story's own from_pretrained and save_pretrained bars, not only a Lab's
         hf_logging.disable_progress_bar()
 
@@ -47,7 +35,7 @@ def no_frozen_bars():
     and the notebook saves each as a frozen "0%" widget; a person's notebook and a terminal keep them."""
     from transformers.utils import logging as hf_logging
 
-    from .live import frontend_is_live
+    from ..runtime import frontend_is_live
 
     was_on = hf_logging.is_progress_bar_enabled()
     if was_on and not frontend_is_live():

@@ -43,8 +43,9 @@ class LabViews:
     def memory_plot(self, refresh_s: float = 0.5):
         """The live memory plot (a plotly FigureWidget redrawn every `refresh_s` seconds when new samples arrived);
         display it in a cell. It replaces this Lab's earlier live plot (whose redraw thread stops). In a headless run
-        (papermill, nbconvert: live.frontend_is_live) a line that says so, and no widget."""
-        from .live import LivePlot, NotLive, frontend_is_live
+        (papermill, nbconvert: runtime.frontend_is_live) a line that says so, and no widget."""
+        from ..runtime import frontend_is_live
+        from .live import LivePlot, NotLive
 
         self._require_loaded()
         if not frontend_is_live():  # why: the saved notebook would keep the widget's state, plotly's 5 MB bundle in it
@@ -66,8 +67,9 @@ class LabViews:
     def ui(self):
         """The notebook panel: config editor, step controls and the live memory plot; the controls' step count follows
         run.steps as the editor changes it (unless one was typed). In a headless run a line that says so, no widget."""
+        from ..runtime import frontend_is_live
         from . import Panel
-        from .live import NotLive, frontend_is_live
+        from .live import NotLive
 
         if not frontend_is_live():  # why: as memory_plot(); the panel's widgets would all be saved with the notebook
             return NotLive("The panel (config editor, step controls, live memory plot)")
