@@ -70,7 +70,8 @@ def check_saved(name: str, path: Path, nb) -> None:
     long = [(c.source.splitlines()[0], text_plain(o)) for c, o in outputs if text_plain(o) > MAX_TEXT_PLAIN]
     assert not long, f"{name}: text/plain over {MAX_TEXT_PLAIN:,} characters: {long}"
     assert not stray_values(nb), f"{name}: cells that show a bare value: {stray_values(nb)}"
-    assert not noise(nb), f"{name}: library noise in the saved outputs: {noise(nb)}"
+    noisy = noise(nb)
+    assert not noisy, f"{name}: library noise in the saved outputs: {noisy}"
 
 
 # what a saved notebook may not show: a library's warning or notice on stderr, a progress bar (saved frozen, "0%"),
