@@ -49,19 +49,26 @@ def tiny(tiny_model, **sections) -> dict:
 
 
 @pytest.fixture(scope="module")
-def shared_lab(tiny_model):
-    """One loaded Lab for the whole module (a load is the slowest thing here)."""
+def shared_lab(tiny_model, tmp_path_factory):
+    """One loaded Lab for the whole module (a load is the slowest thing here), with a checkpoint of its state at
+    load (`lab` puts it back after each test)."""
     lab = Lab(tiny(tiny_model)).load()
+    lab.loaded_state = lab.save_checkpoint(tmp_path_factory.mktemp("knobs") / "at-load")
     yield lab
     lab.close()
 
 
 @pytest.fixture
 def lab(shared_lab, tiny_model):
-    """The shared Lab; afterwards the test's updates are undone and the config is put back (rebuilds included)."""
+    """The shared Lab; afterwards the config is put back (rebuilds included) and so is the state it had at load
+    (weights, optimizer, RNG streams, data position). Why the state too: a test's finished steps stayed, so what a
+    later test sampled depended on every test before it, on this CPU's kernels and on the order (a fresh clone's run
+    saw all 8 completions end at their first token, where token and sequence importance weights are the same)."""
     yield shared_lab
     shared_lab.rollback()  # why: drop a half-done step's updates, so the next test's rollout can restart the step
+    shared_lab.resume_at(shared_lab.step_index)  # the half-done step's rollout and log-probs go too
     shared_lab.config = tiny(tiny_model)
+    shared_lab.restore_checkpoint(shared_lab.loaded_state)
 
 
 def lora_state(lab) -> dict:
@@ -679,6 +686,8 @@ def test_importance_sampling_knobs_change_the_next_backwards_weights(lab, monkey
     first, edit = IS_CASES[path]
     lab.configure(first)
     rollout, advantages, logprobs = walk_to_backward(lab)
+    # why: completions of one token make token and sequence weights the same, and the mode's edit unobservable
+    assert rollout.completion_mask.sum(-1).max() > 1, rollout.completion_mask.sum(-1)
     noise = torch.randn(rollout.sampler_logprobs.shape, generator=torch.Generator().manual_seed(0))
     rollout.sampler_logprobs += noise * rollout.completion_mask  # a sampler that is not the learner: ratios ~ e^N(0,1)
     before = lab.backward(rollout, advantages, logprobs)
