@@ -81,6 +81,8 @@ NOISE = {
     "progress bar": lambda o: re.search(r"\d+%\|", o.get("text", "") + o.get("data", {}).get("text/plain", "")),
     "long float": lambda o: re.search(r"\d\.\d{9,}", o.get("text", "") + o.get("data", {}).get("text/plain", "")),
     "raw dict": lambda o: re.search(r"\{'[^{}]{200,}\}", o.get("text", "")),
+    # Ray's driver prints the raylet's messages (a rank's death: a paragraph) on stdout, not stderr
+    "Ray's raylet": lambda o: "(raylet)" in o.get("text", ""),
 }
 
 

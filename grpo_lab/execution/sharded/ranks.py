@@ -107,6 +107,7 @@ class Ranks:
     def _start(self, restore: Optional[int]) -> "Ranks":
         from ...checks.world import import_ray_for
         from .ray_cluster import Cluster, bundles
+        from .ray_notices import quiet_rank_deaths
 
         if restore is not None and restore not in self.boundaries:
             raise LabError(
@@ -144,6 +145,7 @@ class Ranks:
             self.memory.ingest(rank, delta)
             self.memory.rank_capacities.update({f"rank{rank}/{d}": c for d, c in info["capacities"].items()})
         self.pids = [replies[rank][1]["pid"] for rank in range(self.size)]  # each rank's process, on its node
+        quiet_rank_deaths(self.pids)  # why: a rank's death is the Lab's one line, not Ray's paragraph beside it
         self.nodes = [replies[rank][1]["node"] for rank in range(self.size)]  # the Ray node id it runs on
         if restore is None:
             self._keep(replies[0][1]["step"], [c[1] for c in calls])
