@@ -461,3 +461,20 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
             (ratio > 1 + cfg.grpo.epsilon) & (ratio <= 1 + cfg.epsilon_high) & (advantages.values > 0).unsqueeze(1)
         )
         assert (between & rollout.completion_mask.bool()).any()
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1])
+def test_the_advantages_nanstd_is_trls(dim):
+    """grpo_lab's nanstd (not imported from TRL: that module costs ~3 s of imports) equals TRL's own, with NaNs in
+    places, a row with one value left (NaN: no spread) and an all-NaN row."""
+    from trl.trainer.utils import nanstd as trls
+
+    from grpo_lab.algo.grpo import nanstd
+
+    values = torch.randn(5, 6, generator=torch.Generator().manual_seed(0)) * torch.arange(1.0, 7.0)
+    values[0, 2] = values[1, :5] = values[3] = float("nan")
+    ours, theirs = nanstd(values, dim=dim), trls(values, dim=dim)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, equal_nan=True, rtol=0, atol=0)
+    if dim == 1:
+        assert ours[[1, 3]].isnan().all() and not ours[[0, 2, 4]].isnan().any()

@@ -83,8 +83,6 @@ def rewards(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[li
 def advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
     """Group-relative advantages: reward minus its group's mean, over the group's (or batch's) std.
     Groups are the rollout's own (`rewards.num_generations`), whatever the config says now."""
-    from trl.trainer.utils import nanstd
-
     num_generations = rewards.num_generations
     grouped = rewards.total.view(-1, num_generations)  # [B, G]
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)  # [N]
@@ -95,6 +93,18 @@ def advantages(rewards: Rewards, scale_rewards: str) -> Advantages:
         values = values / (std + 1e-4)
     values = torch.nan_to_num(values, nan=0.0)  # why: an unscored completion gets no push either way
     return Advantages(values=values, group_mean=mean, group_std=group_std)
+
+
+def nanstd(values: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """The sample standard deviation ignoring NaNs (NaN where fewer than two values are left), as TRL's
+    `trl.trainer.utils.nanstd` computes it (tests/test_trl_parity.py compares them). Why not import TRL's: that module
+    imports transformers' Trainer, about 3 s and tens of MiB of host memory in every process that steps."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(values), dim=dim, keepdim=True)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = variance.sqrt()
+    return std.squeeze() if dim is None else std.squeeze(dim)
 
 
 def logprobs(learner, reference, rollout: Rollout, config) -> LogProbs:

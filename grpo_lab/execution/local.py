@@ -52,13 +52,11 @@ LOCAL: dict[str, Callable] = {
 
 
 def warm_up() -> None:
-    """One-off set-up the first step would otherwise charge to whichever phase first needs it: TRL's trainer
-    utilities (the advantages' nanstd; ~90 MiB of host RSS on first import) are imported during load, where the
-    memory views count them as loading, not as the advantages phase."""
+    """One-off set-up before the model loads: bitsandbytes' kernels-hub notice is dropped before peft or the 4-bit
+    load first imports it."""
     from ..models.quant import quiet_bitsandbytes
 
-    quiet_bitsandbytes()  # why before trl: it imports peft, which imports bitsandbytes (whose kernels-hub notice goes)
-    import trl.trainer.utils  # noqa: F401
+    quiet_bitsandbytes()
 
 
 def put_back(generator, device: str) -> None:

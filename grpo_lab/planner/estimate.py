@@ -36,11 +36,12 @@ GPU_LAYER_RECOMPUTE = 1.4
 # model.activation_offload: layer inputs on the GPU at once in backward: the one recomputing and the one prefetched
 # (models/activation_offload.py); the rest wait in pinned host memory
 OFFLOAD_IN_FLIGHT = 2
-# Python and the libraries, with the one-off state a process gains in its first step: 474 MiB after importing
-# torch, transformers, peft, bitsandbytes, trl and grpo_lab (CPU build of torch 2.13), plus 105-128 MiB the first
-# step adds for good (lazily imported generation code, thread pools, oneDNN caches; tiny-cpu and logits-heavy-cpu,
-# RSS after a heap trim). A CUDA build maps its libraries and context into host memory too (not measured: 1 GiB).
-HOST_BASELINE = {"cpu": 0.58 * GiB, "cuda": 1.0 * GiB}
+# Python and the libraries, with the one-off state a process gains in its first step: torch, transformers, peft,
+# bitsandbytes and grpo_lab (CPU build of torch 2.13) and what the first step adds for good (lazily imported
+# generation code, thread pools, oneDNN caches): 515 MiB after a tiny-cpu step and a heap trim (2026-12-01; 606 MiB
+# while the advantages imported TRL's trainer utilities for nanstd). A CUDA build maps its libraries and context into
+# host memory too (not measured: 1 GiB).
+HOST_BASELINE = {"cpu": 0.5 * GiB, "cuda": 1.0 * GiB}
 # A Jupyter kernel's own share beside HOST_BASELINE: ipykernel and IPython (+23 MiB), then ipywidgets, anywidget and
 # plotly's FigureWidget, which the live plot and the panel import (+63 MiB); measured 2026-11-27 on the CPU build: a
 # kernel read 644 MiB where a plain process with the same grpo_lab stack read 559 (notebook 01 had planned 610 and
