@@ -253,10 +253,7 @@ def test_more_ranks_than_a_cluster_holds_is_refused_before_any_actor_starts(caps
 @pytest.fixture(scope="module")
 def uninterrupted():
     """Five steps of tiny-cpu on 2 ranks, nothing killed: what every interrupted run must reproduce bit for bit."""
-    import ray
-
-    if not ray.is_initialized():
-        start_local(cpus=2)
+    one_node_ray()
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
     try:
         results = [lab.step() for _ in range(5)]
@@ -264,6 +261,17 @@ def uninterrupted():
     finally:
         lab.close()
     return results, shards
+
+
+def one_node_ray() -> None:
+    """A local Ray of one node, this module's own, whatever Ray an earlier test left this process connected to. Why:
+    a fresh clone's run put these ranks on the two-node test cluster (one CPU a node, Ray's workers at niceness 15
+    beside the browser tests), so 'one node' was two, and the kill test's ranks died as they started."""
+    import ray
+
+    ray.shutdown()
+    start_local(cpus=2)
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 1
 
 
 def same_result(a, b) -> bool:
@@ -348,11 +356,9 @@ def _fails_in_one_line(capfd, call) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_for_bit(capfd, uninterrupted):
-    import ray
 
     results, shards = uninterrupted
-    if not ray.is_initialized():
-        start_local(cpus=2)
+    one_node_ray()
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
     ranks = lab.executor.ranks
     lines = []
