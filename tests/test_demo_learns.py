@@ -15,10 +15,6 @@ import json
 import pytest
 
 MARGIN = 0.3
-# why one worker for the module: the first demo run trains builtin:tiny-qwen2 (~90 s on one core) under a file lock, and
-# a second demo run handed to the other worker waited on that lock with its core idle (seed 2: 113 s against 58-61 on a
-# fresh clone); in one group the runs go one after another while the other worker runs the rest of the pass
-pytestmark = pytest.mark.xdist_group("demo")
 
 
 def run_preset(tiny_model, out, *overrides):
@@ -63,8 +59,8 @@ def correctness_rise(out, *overrides):
 @pytest.mark.parametrize("seed", DEMO_SEEDS)
 def test_the_demo_learns_to_answer_on_seeds_0_to_4(seed, tmp_path):
     """scripts/demo.sh runs `grpo-lab run tiny-demo`: on every seed 0-4 its correctness reward rises by 0.2 or more
-    (measured 2026-11-25: +0.25 to +0.36, from about 0.07 to 0.31-0.45). One test per seed, so that each seed's
-    numbers are reported on their own."""
+    (measured 2026-11-25: +0.25 to +0.36, from about 0.07 to 0.31-0.45). One test per seed, so that a parallel run
+    (scripts/test.sh) spreads the five runs over its workers."""
     first, last, steps = correctness_rise(tmp_path, f"run.seed={seed}")
     assert last - first >= DEMO_RISE, (round(first, 3), round(last, 3), [round(s, 2) for s in steps])
 
