@@ -49,17 +49,21 @@ def tiny(tiny_model, **sections) -> dict:
 
 
 @pytest.fixture(scope="module")
-def shared_lab(tiny_model, tmp_path_factory):
-    """One loaded Lab for the whole module (a load is the slowest thing here), with a checkpoint of its state at
-    load (`lab` puts it back after each test)."""
+def shared_lab(tiny_model):
+    """One loaded Lab for the whole module (a load is the slowest thing here)."""
     lab = Lab(tiny(tiny_model)).load()
-    lab.loaded_state = lab.save_checkpoint(tmp_path_factory.mktemp("knobs") / "at-load")
     yield lab
     lab.close()
 
 
+@pytest.fixture(scope="module")
+def loaded_state(shared_lab, tmp_path_factory):
+    """A checkpoint of the shared Lab's state at load, taken before any test steps it."""
+    return shared_lab.save_checkpoint(tmp_path_factory.mktemp("knobs") / "at-load")
+
+
 @pytest.fixture
-def lab(shared_lab, tiny_model):
+def lab(shared_lab, loaded_state, tiny_model):
     """The shared Lab; afterwards the config is put back (rebuilds included) and so is the state it had at load
     (weights, optimizer, RNG streams, data position). Why the state too: a test's finished steps stayed, so what a
     later test sampled depended on every test before it, on this CPU's kernels and on the order (a fresh clone's run
@@ -68,7 +72,7 @@ def lab(shared_lab, tiny_model):
     shared_lab.rollback()  # why: drop a half-done step's updates, so the next test's rollout can restart the step
     shared_lab.resume_at(shared_lab.step_index)  # the half-done step's rollout and log-probs go too
     shared_lab.config = tiny(tiny_model)
-    shared_lab.restore_checkpoint(shared_lab.loaded_state)
+    shared_lab.restore_checkpoint(loaded_state)
 
 
 def lora_state(lab) -> dict:

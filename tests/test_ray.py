@@ -356,7 +356,6 @@ def _fails_in_one_line(capfd, call) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_for_bit(capfd, uninterrupted):
-
     results, shards = uninterrupted
     one_node_ray()
     lab = Lab("tiny-cpu", overrides=SHARDED).load()

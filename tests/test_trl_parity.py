@@ -465,8 +465,8 @@ def test_off_policy_loss_matches_trl(step, monkeypatch, name):
 
 @pytest.mark.parametrize("dim", [None, 0, 1])
 def test_the_advantages_nanstd_is_trls(dim):
-    """grpo_lab's nanstd (not imported from TRL: that module costs ~3 s of imports) equals TRL's own, with NaNs in
-    places, a row with one value left (NaN: no spread) and an all-NaN row."""
+    """grpo_lab's nanstd (not imported from TRL: that module imports transformers' Trainer) equals TRL's own, with
+    NaNs in places, a row with one value left (NaN: no spread) and an all-NaN row."""
     from trl.trainer.utils import nanstd as trls
 
     from grpo_lab.algo.grpo import nanstd

@@ -51,14 +51,6 @@ LOCAL: dict[str, Callable] = {
 }
 
 
-def warm_up() -> None:
-    """One-off set-up before the model loads: bitsandbytes' kernels-hub notice is dropped before peft or the 4-bit
-    load first imports it."""
-    from ..models.quant import quiet_bitsandbytes
-
-    quiet_bitsandbytes()
-
-
 def put_back(generator, device: str) -> None:
     """The learner's state a parked rollout left in host memory (the hf generator's Parking), back on `device`; an
     out-of-memory error is one line (what is still held stays held: the next command tries again)."""
@@ -173,7 +165,6 @@ class LocalExecutor:
         from ..models.learner import load_learner
 
         config = self.config
-        warm_up()
         if config.placement.learner.startswith("cuda"):  # why before the weights: every segment from here on grows
             from ..runtime import expandable_segments
 

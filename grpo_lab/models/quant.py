@@ -43,8 +43,8 @@ def quiet_bitsandbytes() -> None:
     drop_log_lines("bitsandbytes.backends.cpu.ops", _KERNELS_NOTICE)
 
 
-# why at this module's import, not only in quantization_config: a Lab's load imports trl, and through it peft, which
-# imports bitsandbytes before the config is read; the learner imports this module before any of them
+# why at this module's import, not only in quantization_config: a Lab's load imports peft, which imports bitsandbytes
+# before the config is read; the learner imports this module before either
 quiet_bitsandbytes()
 
 
