@@ -38,9 +38,9 @@ GPU_LAYER_RECOMPUTE = 1.4
 OFFLOAD_IN_FLIGHT = 2
 # Python and the libraries, with the one-off state a process gains in its first step: torch, transformers, peft,
 # bitsandbytes and grpo_lab (CPU build of torch 2.13) and what the first step adds for good (lazily imported
-# generation code, thread pools, oneDNN caches): 515 MiB after a tiny-cpu step and a heap trim (2026-12-01; 606 MiB
-# while the advantages imported TRL's trainer utilities for nanstd). A CUDA build maps its libraries and context into
-# host memory too (not measured: 1 GiB).
+# generation code, thread pools, oneDNN caches): 510 MiB after a tiny-cpu step and a heap trim (2026-12-01; 600 MiB
+# while the advantages imported TRL's trainer utilities for nanstd; bench/probes/process_baseline.py). A CUDA build
+# maps its libraries and context into host memory too (not measured: 1 GiB).
 HOST_BASELINE = {"cpu": 0.5 * GiB, "cuda": 1.0 * GiB}
 # A Jupyter kernel's own share beside HOST_BASELINE: ipykernel and IPython (+23 MiB), then ipywidgets, anywidget and
 # plotly's FigureWidget, which the live plot and the panel import (+63 MiB); measured 2026-11-27 on the CPU build: a
