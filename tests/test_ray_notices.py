@@ -35,3 +35,16 @@ def test_only_the_death_of_an_own_rank_is_dropped(printed):
     ray_worker.print_to_stdstream({"lines": ["Some other raylet notice"], "pid": "raylet", "is_err": False}, False)
     ray_worker.print_to_stdstream({"lines": [DEATH.format(pid=16187)], "pid": 42, "is_err": False}, False)
     assert seen == [DEATH.format(pid=999), "Some other raylet notice", DEATH.format(pid=16187)]
+
+
+def test_a_ray_without_that_printer_still_starts_the_ranks(monkeypatch):
+    """Ray's printer is private: where a Ray version has none by that name, registering the ranks is a no-op, not an
+    AttributeError at every rank start."""
+    import ray._private.worker as ray_worker
+
+    from grpo_lab.execution.sharded import ray_notices
+
+    monkeypatch.delattr(ray_worker, "print_to_stdstream")
+    monkeypatch.setattr(ray_notices, "OWN_RANKS", set())
+    ray_notices.quiet_rank_deaths([1234])
+    assert not hasattr(ray_worker, "print_to_stdstream") and ray_notices.OWN_RANKS == {1234}

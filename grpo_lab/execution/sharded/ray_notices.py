@@ -30,9 +30,9 @@ def quiet_rank_deaths(pids: list[int]) -> None:
     import ray._private.worker as ray_worker
 
     OWN_RANKS.update(pids)
-    printer = ray_worker.print_to_stdstream
-    if getattr(printer, "grpo_lab_filter", False):
-        return
+    printer = getattr(ray_worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "grpo_lab_filter", False):
+        return  # why None too: a Ray that renamed its printer prints its paragraph again; the ranks still start
 
     def print_to_stdstream(data, ignore_prefix: bool):
         if not is_own_rank_death(data):
