@@ -1,0 +1,51 @@
+"""scripts/test.sh's passes rest on pytest-xdist's `--dist loadgroup`: a module whose tests share a module-scoped
+fixture (one vLLM engine, one loaded Lab) keeps them on one worker through its `xdist_group` mark, and the solo pass
+runs the ranks' group beside the browser's, a worker each. A pytest the locked pytest-xdist cannot group (pytest 9.2
+stopped honouring the node-id suffix xdist groups by: pytest-dev/pytest-xdist#1386) spreads a group's tests over
+both workers without a word: each builds the module's fixture again, and two Ray clusters run at once. This runs the
+installed pytest and pytest-xdist, with test.sh's options, on a sample whose groups a round-robin would split."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import defaultdict
+
+SAMPLE = '''
+import os, pytest
+
+def record(name):
+    with open(os.environ["GROUPS_LOG"], "a") as log:
+        log.write(f"{name} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+
+@pytest.mark.xdist_group("{group}")
+@pytest.mark.parametrize("i", range(6))
+def test_grouped(i):
+    record("{group}")
+
+@pytest.mark.parametrize("i", range(6))
+def test_free(i):
+    record("free")
+'''
+
+
+def test_each_xdist_group_runs_on_one_worker(tmp_path):
+    for group in ("ranks", "browser"):
+        (tmp_path / f"test_{group}.py").write_text(SAMPLE.replace("{group}", group))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # why: the sample's own rootdir, not this repo's options
+    log = tmp_path / "groups.log"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "GROUPS_LOG": str(log)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    workers = defaultdict(set)
+    for line in log.read_text().splitlines():
+        name, worker = line.split()
+        workers[name].add(worker)
+    assert len(workers["free"]) == 2, f"the ungrouped tests should use both workers: {dict(workers)}"
+    split = {g: sorted(w) for g, w in workers.items() if g != "free" and len(w) != 1}
+    assert not split, (
+        f"xdist groups split over workers: {split}; the installed pytest cannot be grouped by pytest-xdist "
+        "(pytest-dev/pytest-xdist#1386): keep pytest below 9.2 (pyproject.toml's dev extra)"
+    )
