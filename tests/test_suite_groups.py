@@ -7,11 +7,12 @@ installed pytest and pytest-xdist, with test.sh's options, on a sample whose gro
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import defaultdict
 
-SAMPLE = '''
+SAMPLE = """
 import os, pytest
 
 def record(name):
@@ -26,7 +27,7 @@ def test_grouped(i):
 @pytest.mark.parametrize("i", range(6))
 def test_free(i):
     record("free")
-'''
+"""
 
 
 def test_each_xdist_group_runs_on_one_worker(tmp_path):
@@ -34,10 +35,9 @@ def test_each_xdist_group_runs_on_one_worker(tmp_path):
         (tmp_path / f"test_{group}.py").write_text(SAMPLE.replace("{group}", group))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # why: the sample's own rootdir, not this repo's options
     log = tmp_path / "groups.log"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "GROUPS_LOG": str(log)},
-    )  # fmt: skip
+    command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q"]
+    env = {**os.environ, "GROUPS_LOG": str(log)}
+    proc = subprocess.run([*command, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     workers = defaultdict(set)
     for line in log.read_text().splitlines():
