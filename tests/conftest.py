@@ -113,15 +113,19 @@ def pytest_collection_modifyitems(config, items):
     first_seen = {module: i for i, module in reversed(list(enumerate(item.nodeid.split("::")[0] for item in items)))}
     items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], first_seen[item.nodeid.split("::")[0]]))
     unpaired = [i.nodeid for i in items if i.get_closest_marker("solo") and not placed_in_solo_pass(i)]
-    if unpaired:  # why: the solo pass runs two workers; a solo test in neither group could land beside either
-        raise pytest.UsageError(f"solo tests need xdist_group 'ranks' or 'browser', or the alone mark: {unpaired}")
+    if unpaired:  # why: the solo pass runs two workers; a solo test outside a kind's group could land anywhere
+        raise pytest.UsageError(
+            f"solo tests need an xdist_group named 'ranks-MODULE' or 'browser-MODULE', or the alone mark: {unpaired}"
+        )
 
 
-SOLO_GROUPS = ("ranks", "browser")  # scripts/test.sh's solo pass: one worker each
+# scripts/test.sh's solo pass: a group per module (its module-scoped Ray cluster, sharded Lab or JupyterLab built
+# once), two modules at a time. Why modules of a kind may run beside each other: each starts its own local Ray
+# (ray.init(address="local"), its own ports and session) or its own JupyterLab on a free port.
+SOLO_KINDS = ("ranks", "browser")
 
 
 def placed_in_solo_pass(item) -> bool:
     group = item.get_closest_marker("xdist_group")
-    return bool(item.get_closest_marker("alone")) or (
-        group is not None and group.args[:1] in [(g,) for g in SOLO_GROUPS]
-    )
+    name = str(group.args[0]) if group is not None and group.args else ""
+    return bool(item.get_closest_marker("alone")) or name.partition("-")[0] in SOLO_KINDS and "-" in name

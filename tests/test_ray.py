@@ -27,7 +27,7 @@ from grpo_lab.runtime import Runtime
 
 # why solo: it starts Ray clusters and rank processes of its own (scripts/test.sh runs the ranks' group beside the
 # browser's only)
-pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]
+pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks-ray")]
 SHARDED = ["placement.learner_procs=2"]
 
 
