@@ -30,8 +30,12 @@ if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
 GRPO_LAB_TEST_CACHE=$(mktemp -d -t grpo-lab-test-cache.XXXXXX)
 export GRPO_LAB_TEST_CACHE
 trap 'rm -rf "$GRPO_LAB_TEST_CACHE"' EXIT
+# Why the later passes collect only the modules that say pytest.mark.solo: collecting all of them costs each pytest
+# process ~15 s (tests/conftest.py refuses a solo test in a module that does not say it).
+mapfile -t solo_modules < <(grep -l "pytest.mark.solo" tests/test_*.py)
 rc=0
 .venv/bin/python -m pytest -m "not solo" -n "$workers" --dist loadgroup --durations=30 || rc=$?
-.venv/bin/python -m pytest -m "solo and not alone" -n "$workers" --dist loadgroup --durations=30 || rc=$((rc ? rc : $?))
-.venv/bin/python -m pytest -m alone --durations=30 || rc=$((rc ? rc : $?))
+.venv/bin/python -m pytest -m "solo and not alone" -n "$workers" --dist loadgroup --durations=30 "${solo_modules[@]}" \
+  || rc=$((rc ? rc : $?))
+.venv/bin/python -m pytest -m alone --durations=30 "${solo_modules[@]}" || rc=$((rc ? rc : $?))
 exit "$rc"
