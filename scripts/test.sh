@@ -22,10 +22,10 @@ if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
 # The whole suite. Why three passes: with one thread per process a pytest process uses one core, so the tests that
 # run in one process (most of them) go two at a time (pytest-xdist, a worker per core; a module whose tests share a
 # module-scoped fixture stays on one worker: its xdist_group mark, which pytest 9.2 broke: tests/test_suite_groups.py).
-# The tests marked `solo` start processes of their own (a module's Ray cluster and sharded ranks, or its JupyterLab
-# and Chromium): they run after the others, two modules at a time, each module on one worker (its `ranks-` or
-# `browser-` group). Those also marked `alone` read the machine's shared state (its used RAM, Ray's kill line) and
-# run last, one at a time, with the machine to themselves.
+# The tests marked `solo` start processes of their own: the ranks' group (Ray clusters, sharded ranks: one cluster at
+# a time) runs beside the browser's (JupyterLab, Chromium: mostly waiting on the page), a worker each. Those also
+# marked `alone` read the machine's shared state (its used RAM, Ray's kill line) and run last, one at a time, with the
+# machine to themselves.
 # Why one cache for both passes: each built-in model is built once per suite (tests/conftest.py's user_cache).
 GRPO_LAB_TEST_CACHE=$(mktemp -d -t grpo-lab-test-cache.XXXXXX)
 export GRPO_LAB_TEST_CACHE

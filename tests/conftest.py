@@ -103,8 +103,9 @@ def _no_ray_beyond_its_module():
 
 def pytest_collection_modifyitems(config, items):
     """The modules with the most `slow` tests first, each module's tests kept together and in their order. Why: the
-    xdist pass hands tests out in this order, and a minutes-long test collected last ran alone at the end of the pass
-    while the other worker idled (test_wheel.py, 166 s, on a fresh clone at 89453da)."""
+    xdist pass hands ungrouped tests out in this order (its groups first, the most tests first: xdist's own reorder),
+    and a minutes-long test collected last ran alone at the end of the pass while the other worker idled
+    (test_wheel.py, 166 s, on a fresh clone at 89453da)."""
     slow: dict[str, int] = {}
     for item in items:
         slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(
@@ -118,18 +119,17 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"a module with solo tests must say pytest.mark.solo in its text: {unsaid}")
     unpaired = [i.nodeid for i in solo if not placed_in_solo_pass(i)]
     if unpaired:  # why: the solo pass runs two workers; a solo test outside a kind's group could land anywhere
-        raise pytest.UsageError(
-            f"solo tests need an xdist_group named 'ranks-MODULE' or 'browser-MODULE', or the alone mark: {unpaired}"
-        )
+        raise pytest.UsageError(f"solo tests need xdist_group 'ranks' or 'browser', or the alone mark: {unpaired}")
 
 
-# scripts/test.sh's solo pass: a group per module (its module-scoped Ray cluster, sharded Lab or JupyterLab built
-# once), two modules at a time. Why modules of a kind may run beside each other: each starts its own local Ray
-# (ray.init(address="local"), its own ports and session) or its own JupyterLab on a free port.
-SOLO_KINDS = ("ranks", "browser")
+# scripts/test.sh's solo pass: one worker each. Why the ranks' modules one at a time: tried two at a time, a fresh
+# clone's solo pass took no less (8:52 against 9:03; it is CPU-bound) and one module's cleanup could reach the other's
+# Ray (test_ray.py's killed driver once killed every Ray process new on the machine)
+SOLO_GROUPS = ("ranks", "browser")
 
 
 def placed_in_solo_pass(item) -> bool:
     group = item.get_closest_marker("xdist_group")
-    name = str(group.args[0]) if group is not None and group.args else ""
-    return bool(item.get_closest_marker("alone")) or name.partition("-")[0] in SOLO_KINDS and "-" in name
+    return bool(item.get_closest_marker("alone")) or (
+        group is not None and group.args[:1] in [(g,) for g in SOLO_GROUPS]
+    )

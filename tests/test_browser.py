@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.slow,
     # why solo: a live kernel, JupyterLab and Chromium with deadlines and timing checks: beside the ranks' group only
     pytest.mark.solo,
-    pytest.mark.xdist_group("browser-quickstart"),
+    pytest.mark.xdist_group("browser"),
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason="Debian chromium not installed (scripts/install.sh installs it as root)"
     ),

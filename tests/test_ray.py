@@ -27,7 +27,7 @@ from grpo_lab.runtime import Runtime
 
 # why solo: it starts Ray clusters and rank processes of its own (scripts/test.sh runs the ranks' group beside the
 # browser's only)
-pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks-ray")]
+pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]
 SHARDED = ["placement.learner_procs=2"]
 
 
@@ -416,22 +416,20 @@ def _alive(pids: set[int]) -> set[int]:
     return {pid for pid in pids if alive(pid)}
 
 
-def _ray_processes() -> set[int]:
+def _tree(of: int) -> set[int]:
+    """Every process under process `of` (its local Ray's GCS, raylet, agents and workers), empty once it is gone."""
     import psutil
 
-    def ray_own(p) -> bool:
-        try:
-            return any(w in " ".join(p.cmdline()) for w in ("ray::", "raylet", "gcs_server", "ray/dashboard"))
-        except psutil.Error:
-            return False
-
-    return {p.pid for p in psutil.process_iter() if ray_own(p)}
+    try:
+        return {p.pid for p in psutil.Process(of).children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_driver_leaves_no_rank_process(tmp_path):
-    ray_before = _ray_processes()
+    tree: set[int] = set()
     dirs = set(Path(tempfile.gettempdir()).glob("grpo-lab-ranks-*"))
     driver = subprocess.Popen(
         [
@@ -456,6 +454,7 @@ def test_a_killed_driver_leaves_no_rank_process(tmp_path):
         for line in driver.stdout:  # until the first step's line: the ranks are up and working
             if line.startswith("step 0:"):
                 break
+        tree = _tree(driver.pid)
         mine = _rank_processes(of=driver.pid)
         assert len(mine) == 2, mine
         driver.send_signal(signal.SIGKILL)
@@ -466,9 +465,12 @@ def test_a_killed_driver_leaves_no_rank_process(tmp_path):
         assert not _alive(mine)
         assert not set(Path(tempfile.gettempdir()).glob("grpo-lab-ranks-*")) - dirs  # the pipe layer's; none now
     finally:
+        tree |= _tree(driver.pid)
         driver.kill()
-        # Ray's own agents of the driver's local Ray outlive it (Ray's behaviour, not a rank): do not leak them here
-        for pid in _ray_processes() - ray_before:
+        # Ray's own agents of the driver's local Ray outlive it (Ray's behaviour, not a rank): do not leak them here.
+        # Why only the driver's own tree: every Ray process new on the machine included the other solo worker's, and
+        # killing its GCS and raylet killed that worker's pytest process (a fresh clone's solo pass)
+        for pid in _alive(tree):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -11,7 +11,7 @@ import torch
 from grpo_lab import Lab, cli
 from grpo_lab.errors import LabError
 
-pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks-sharded")]  # why solo: it starts Ray, two ranks
+pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]  # why solo: it starts Ray, two ranks
 
 SHARDED = ["placement.learner_procs=2"]
 # why these tolerances: the two ranks' gradients are summed by gloo in another order than one process sums the

@@ -15,7 +15,7 @@ import torch
 from grpo_lab import Lab, load_config
 from grpo_lab.errors import LabError
 
-pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks-budget")]  # why solo: it starts ranks (gloo, Ray)
+pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]  # why solo: it starts ranks (gloo, Ray)
 
 MiB, GiB = 1024**2, 1024**3
 SHARDED = ["placement.learner_procs=2"]

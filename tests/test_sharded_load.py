@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks-load")]  # why solo: it starts Ray and two rank processes
+pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]  # why solo: it starts Ray and two rank processes
 
 N = 2
 

@@ -15,7 +15,7 @@ from grpo_lab import Lab
 from grpo_lab.errors import LabError
 from grpo_lab.runtime import Runtime
 
-pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks-rollout")]  # why solo: it starts Ray, two ranks
+pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]  # why solo: it starts Ray, two ranks
 
 SHARDED = ["placement.learner_procs=2"]
 SAMPLER_TOL = 1e-5
