@@ -114,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
     first_seen = {module: i for i, module in reversed(list(enumerate(item.nodeid.split("::")[0] for item in items)))}
     items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], first_seen[item.nodeid.split("::")[0]]))
     solo = [i for i in items if i.get_closest_marker("solo")]
-    unsaid = sorted({str(i.path) for i in solo if "pytest.mark.solo" not in i.path.read_text()})
+    unsaid = sorted(str(path) for path in {i.path for i in solo} if "pytest.mark.solo" not in path.read_text())
     if unsaid:  # why: scripts/test.sh's solo and alone passes collect only the modules that say pytest.mark.solo
         raise pytest.UsageError(f"a module with solo tests must say pytest.mark.solo in its text: {unsaid}")
     unpaired = [i.nodeid for i in solo if not placed_in_solo_pass(i)]
