@@ -34,10 +34,10 @@ def test_a_sigkilled_rank_is_named_killed_not_out_of_memory():
 
 
 def test_a_kill_by_rays_memory_monitor_is_named_so():
-    from grpo_lab.execution.sharded.ranks import died, process_lost
+    from grpo_lab.execution.sharded.ranks import died, lost_process
 
     err = ray_exceptions.OutOfMemoryError(MONITOR_KILLED)
-    assert process_lost(err) and not isinstance(err, ray_exceptions.RayActorError)
+    assert isinstance(err, lost_process()) and not isinstance(err, ray_exceptions.RayActorError)
     assert died(err) == "its process was killed by Ray's memory monitor (the node's memory crossed its kill threshold)"
 
 
@@ -60,3 +60,46 @@ def test_an_injected_oom_kill_is_a_died_reply_of_its_own_rank(monkeypatch):
     replies = Ranks._collect(object.__new__(Ranks), refs, None)
     assert replies[1][0] == "died" and "Ray's memory monitor" in replies[1][1]
     assert replies[0][0] == "ok"
+
+
+def test_a_rank_killed_while_its_memory_is_polled_is_left_to_its_reply(monkeypatch):
+    """CI's stop-64 run: Ray's memory monitor killed rank 1 while the driver polled its memory mid-command, and that
+    poll's ray.get raised OutOfMemoryError past the driver (the poll caught only RayActorError). A lost rank's poll is
+    skipped, the live rank's samples still count, and its command's reply names the death next."""
+    import ray
+
+    from grpo_lab.execution.sharded import ranks as ranks_module
+    from grpo_lab.execution.sharded.ranks import Ranks
+
+    class Poll:
+        def __init__(self, ref):
+            self.ref = ref
+
+        def options(self, **_):
+            return self
+
+        def remote(self):
+            return self.ref
+
+    class Actor:
+        def __init__(self, ref):
+            self.poll = Poll(ref)
+
+    class Memory:
+        def __init__(self):
+            self.ingested = []
+
+        def ingest(self, rank, delta, live=False):
+            self.ingested.append(rank)
+
+    def get(ref, timeout=None):
+        if ref == "poll1":
+            raise ray_exceptions.OutOfMemoryError(MONITOR_KILLED)
+        return ({"samples": [1], "rows": []}, {})
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ranks_module, "wait_all", lambda refs, timeout: True)
+    ranks = object.__new__(Ranks)
+    ranks.actors, ranks.memory = [Actor("poll0"), Actor("poll1")], Memory()
+    ranks._poll({0: "run0", 1: "run1"}, set())
+    assert ranks.memory.ingested == [0]

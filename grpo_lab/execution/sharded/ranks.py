@@ -130,7 +130,7 @@ class Ranks:
             if not wait_all([address], START_TIMEOUT_S):
                 raise LabError("rank 0 did not start: not placed within the start timeout")
             master = ray.get(address)
-        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as err:
+        except lost_process() as err:
             raise LabError(f"rank 0 did not start: {died(err)}") from None
         calls = [
             a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
@@ -233,7 +233,6 @@ class Ranks:
         """Replies by rank. Stops early when a rank died or failed where the others cannot follow (they are then
         blocked in a collective): Ray's word on a process, not a grace period, decides."""
         import ray
-        from ray.exceptions import OutOfMemoryError, RayActorError
 
         rank_of = {ref: rank for rank, ref in refs.items()}
         replies: dict = {}
@@ -248,7 +247,7 @@ class Ranks:
                 del pending[rank]
                 try:
                     replies[rank] = ray.get(ref)
-                except (RayActorError, OutOfMemoryError) as err:
+                except lost_process() as err:
                     replies[rank] = ("died", died(err))
             if any(r[0] == "died" or (r[0] == "error" and len(r) > 3 and r[3]["blocked"]) for r in replies.values()):
                 break
@@ -259,14 +258,14 @@ class Ranks:
     def _poll(self, pending: dict, answered: set) -> None:
         """Mid-command: each working rank's memory samples so far, and its generator's questions answered."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError
 
         polls = {rank: self.actors[rank].poll.options(concurrency_group="poll").remote() for rank in pending}
         wait_all(list(polls.values()), POLL_S)
         for rank, ref in polls.items():
             try:
                 delta, questions = ray.get(ref, timeout=0)
-            except (RayActorError, GetTimeoutError):
+            except (*lost_process(), GetTimeoutError):
                 continue  # its command's reply says so next, or brings its samples
             self.memory.ingest(rank, delta, live=bool(delta and (delta["samples"] or delta["rows"])))
             for number, (method, args) in sorted(questions.items()):
@@ -366,8 +365,9 @@ def died(err: BaseException) -> str:
     return "its process died (killed, or crashed; Ray saw its worker exit)"
 
 
-def process_lost(err: BaseException) -> bool:
-    """Whether `err` from ray.get says the rank's process is gone: it died, or Ray's memory monitor killed it."""
+def lost_process() -> tuple:
+    """What ray.get raises when a rank's process is gone: it died, or Ray's memory monitor killed it (an
+    OutOfMemoryError, no RayActorError). One tuple for every get on a rank: its start, its replies, its polls."""
     from ray.exceptions import OutOfMemoryError, RayActorError
 
-    return isinstance(err, (RayActorError, OutOfMemoryError))
+    return (RayActorError, OutOfMemoryError)
