@@ -117,9 +117,22 @@ def pytest_collection_modifyitems(config, items):
     unsaid = sorted(str(path) for path in {i.path for i in solo} if "pytest.mark.solo" not in path.read_text())
     if unsaid:  # why: scripts/test.sh's solo and alone passes collect only the modules that say pytest.mark.solo
         raise pytest.UsageError(f"a module with solo tests must say pytest.mark.solo in its text: {unsaid}")
+    skip_beyond_the_cores(items)
     unpaired = [i.nodeid for i in solo if not placed_in_solo_pass(i)]
     if unpaired:  # why: the solo pass runs two workers; a solo test outside a kind's group could land anywhere
         raise pytest.UsageError(f"solo tests need xdist_group 'ranks' or 'browser', or the alone mark: {unpaired}")
+
+
+def skip_beyond_the_cores(items) -> None:
+    """A test marked cores(n) is skipped on a machine with fewer usable cores, saying so: the Lab refuses n CPU
+    ranks on fewer cores (tests/test_sharded.py checks that line), so on a 1-core machine the suite still passes."""
+    from grpo_lab.checks.world import usable_cpus
+
+    have = usable_cpus()
+    for item in items:
+        mark = item.get_closest_marker("cores")
+        if mark is not None and have < mark.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"needs {mark.args[0]} usable CPU cores (CPU ranks); {have} here"))
 
 
 # scripts/test.sh's solo pass: one worker each. Why the ranks' modules one at a time: tried two at a time, a fresh

@@ -59,6 +59,16 @@ def test_the_ranks_raw_output_stays_in_ray_s_logs_on_both_ways_in(monkeypatch):
     assert len(calls) == 2 and all(c["log_to_driver"] is False for c in calls), calls
 
 
+@pytest.mark.parametrize(
+    "learner, cores, ray_cpus, threads",
+    [("cpu", 2, 2, 1), ("cpu", 8, 8, 4), ("cpu", 8, 2, 1), ("cpu", 2, 16, 1), ("cpu", 1, 1, 1), ("cuda:0", 8, 8, 1)],
+)
+def test_a_cpu_rank_s_threads_are_the_fewer_of_cores_and_ray_cpus_shared_out(learner, cores, ray_cpus, threads):
+    from grpo_lab.execution.sharded.ranks import rank_threads
+
+    assert rank_threads(learner, 2, cores, {"CPU": float(ray_cpus)}) == threads
+
+
 def test_a_rank_bundle_is_a_gpu_with_a_cpu_or_its_share_of_cpus():
     assert bundles("cuda:0", 2, threads=4) == [{"CPU": 1, "GPU": 1}] * 2
     assert bundles("cpu", 3, threads=2) == [{"CPU": 2}] * 3
@@ -252,10 +262,17 @@ def test_more_ranks_than_a_cluster_holds_is_refused_before_any_actor_starts(caps
 
 @pytest.fixture(scope="module")
 def uninterrupted():
-    """Five steps of tiny-cpu on 2 ranks, nothing killed: what every interrupted run must reproduce bit for bit."""
+    """Five steps of tiny-cpu on 2 ranks, nothing killed: what every interrupted run must reproduce bit for bit.
+    Loaded as on an 8-core machine beside a Ray of 2 CPUs (a notebook's ray.init(num_cpus=2)): each rank then gets
+    one of the Ray's CPUs (rank_threads), as on this machine; 8 cores' share, 4 a rank, was refused ("use at most
+    0 ranks")."""
     one_node_ray()
-    lab = Lab("tiny-cpu", overrides=SHARDED).load()
+    with pytest.MonkeyPatch.context() as patch:
+        for where in ("grpo_lab.checks.world", "grpo_lab.execution.sharded.ranks"):
+            patch.setattr(f"{where}.usable_cpus", lambda: 8)
+        lab = Lab("tiny-cpu", overrides=SHARDED).load()
     try:
+        assert lab.executor.ranks.threads == 1
         results = [lab.step() for _ in range(5)]
         shards = lab.inspect()
     finally:
@@ -304,6 +321,7 @@ print("RESULT " + json.dumps(dict(nodes=nodes, layout=layout, rewards=[r.rewards
 """
 
 
+@pytest.mark.cores(2)
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_two_ranks_on_two_nodes_equal_two_ranks_on_one(two_nodes, uninterrupted):
@@ -353,6 +371,7 @@ def _fails_in_one_line(capfd, call) -> str:
     return message
 
 
+@pytest.mark.cores(2)
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_a_rank_killed_at_any_moment_costs_one_line_and_the_step_runs_again_bit_for_bit(capfd, uninterrupted):
@@ -426,6 +445,7 @@ def _tree(of: int) -> set[int]:
         return set()
 
 
+@pytest.mark.cores(2)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_driver_leaves_no_rank_process(tmp_path):

@@ -58,6 +58,7 @@ def one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_two_ranks_train_like_one_process(one_process):
     results, lora = one_process
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
@@ -85,6 +86,7 @@ def test_two_ranks_train_like_one_process(one_process):
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_gather_on_and_off_sample_the_same_and_a_failed_generation_leaves_every_rank_as_it_was():
     lab = Lab("tiny-cpu", overrides=SHARDED + ["generator.temperature=0"]).load()
     try:
@@ -120,6 +122,7 @@ def test_gather_on_and_off_sample_the_same_and_a_failed_generation_leaves_every_
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_step_runs_again(one_process):
     results, _ = one_process
     lab = Lab("tiny-cpu", overrides=SHARDED).load()
@@ -146,6 +149,7 @@ def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_s
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # why so long: a hang guard; beside two busy loops the fixture and load take minutes
+@pytest.mark.cores(2)
 def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_them_from_the_step_start(one_process):
     """Jupyter's interrupt (and a terminal's Ctrl-C) sends SIGINT to the kernel's process group; the rank actors are
     Ray's processes, but the worst case (SIGINT reaching them too) is sent here: the kernel must stay usable, no late
@@ -200,6 +204,7 @@ def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_the
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_the_cli_runs_sharded_and_resumes_from_its_gathered_checkpoint(one_process, tmp_path):
     """grpo-lab run drives the same ranks; its checkpoint is whole (one-process format), and a resumed run goes on
     exactly as the uninterrupted one-process run."""
@@ -218,6 +223,7 @@ def test_the_cli_runs_sharded_and_resumes_from_its_gathered_checkpoint(one_proce
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_a_vllm_engine_samples_for_every_rank_and_syncs_only_the_lora_tensors():
     """generator.backend: vllm with 2 ranks: one engine, in the driver, answers both ranks' rollouts; its sync gathers
     the LoRA shards into an adapter (never the base weights). Two steps equal one process with the same engine."""
@@ -259,6 +265,7 @@ def test_a_vllm_engine_samples_for_every_rank_and_syncs_only_the_lora_tensors():
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_the_reference_copy_is_sharded_like_the_policy_and_scores_as_the_base():
     """P5: the copy is prepared by the policy's own function, so every base parameter is sharded the same way; and
     after an update, when the policy no longer scores as the base, the copy still does (= adapter-disabled)."""
@@ -412,6 +419,7 @@ def test_what_a_sharded_learner_cannot_do_is_one_line(capsys, no_ranks, sets, wo
     assert words in line
 
 
+@pytest.mark.cores(2)
 def test_a_sharded_lab_refuses_reward_functions_it_cannot_send(no_ranks):
     def reward(completions, **kwargs):
         return [0.0] * len(completions)
@@ -422,6 +430,7 @@ def test_a_sharded_lab_refuses_reward_functions_it_cannot_send(no_ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_failures_on_ranks_are_decided_together_and_leave_no_rank_behind(one_process):
     """Who decides (runtime.agree): a NaN loss on rank 1's rows only is refused by every rank in the same step, in
     one line, with no restart; faults in the reference pass and inside a sharded forward (after FSDP's pre-forward

@@ -182,6 +182,7 @@ def test_a_phase_one_rank_s_guard_fails_fails_on_every_rank_at_its_end_or_its_st
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_ranks_over_their_own_budget_stop_together_before_the_phase_and_none_restarts(ray_local, tiny_model):
     from grpo_lab.memory.report import capacities_of
     from grpo_lab.ui.story import budget_line
@@ -209,6 +210,7 @@ def test_ranks_over_their_own_budget_stop_together_before_the_phase_and_none_res
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_a_gathered_generation_that_raises_on_one_rank_leaves_every_rank_s_layout_and_the_next_step_runs(
     ray_local, tiny_model
 ):

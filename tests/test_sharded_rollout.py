@@ -106,6 +106,7 @@ CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.cores(2)
 def test_two_ranks_sample_once_what_one_process_samples(ray_local):
     one = Lab("tiny-cpu").load()
     try:

@@ -13,7 +13,7 @@ from test_notebooks import ROOT, printed, run_notebook
 from grpo_lab.ui.story import facts_in
 
 # why alone: it starts Ray and rank processes, and sets Ray's kill line just above what the machine uses as P4 starts
-pytestmark = [pytest.mark.solo, pytest.mark.alone]
+pytestmark = [pytest.mark.solo, pytest.mark.cores(2), pytest.mark.alone]
 
 NAME = "06_sharded_learner.ipynb"
 

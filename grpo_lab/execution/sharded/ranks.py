@@ -83,8 +83,7 @@ class Ranks:
     ):
         self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
         self.down = False  # stopped by halt(): started again, from the driver's step, at the next command
-        place = config["placement"]
-        self.threads = max(1, usable_cpus() // size) if place["learner"] == "cpu" else 1
+        self.threads = 1  # each rank's torch threads: fitted to the Ray the ranks join, at their first start
         self.cluster = self.group = None
         self.actors: list = []
         self.pids: list[int] = []
@@ -123,6 +122,7 @@ class Ranks:
             self.cluster = Cluster(
                 place.get("ray_address"), place["learner"], rank_devices(place["learner"], self.size), usable_cpus()
             )
+            self.threads = rank_threads(place["learner"], self.size, usable_cpus(), ray.cluster_resources())
             self.group = self.cluster.place(bundles(place["learner"], self.size, self.threads))
         self.actors = [self._actor(ray, rank) for rank in range(self.size)]
         address = self.actors[0].address.remote()
@@ -331,6 +331,15 @@ class Ranks:
         if self.cluster is not None:
             self.cluster.close()
         self.cluster = self.group = None
+
+
+def rank_threads(learner: str, size: int, cores: int, resources: dict) -> int:
+    """Each CPU rank's torch threads (and the CPUs its bundle asks Ray for): this machine's cores and the joined
+    Ray's CPUs shared out, the fewer of the two. Why the Ray's too: a notebook's ray.init(num_cpus=2) on 8 cores
+    asked for 4 CPUs a rank, and the placement was refused ("use at most 0 ranks"). A CUDA rank: one."""
+    if learner != "cpu":
+        return 1
+    return max(1, min(cores, int(resources.get("CPU", 0))) // size)
 
 
 def wait_all(refs: list, timeout: float) -> bool:
