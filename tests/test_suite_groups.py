@@ -8,14 +8,19 @@ installed pytest and pytest-xdist, with test.sh's options, on a sample whose gro
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+import pytest
 
 SAMPLE = """
-import os, pytest
+import os, time, pytest
 
 def record(name):
+    time.sleep(0.2)  # why: instant tests let one worker take every free test before the other's first one ended
     with open(os.environ["GROUPS_LOG"], "a") as log:
         log.write(f"{name} {os.environ['PYTEST_XDIST_WORKER']}\\n")
 
@@ -49,3 +54,40 @@ def test_each_xdist_group_runs_on_one_worker(tmp_path):
         f"xdist groups split over workers: {split}; the installed pytest cannot be grouped by pytest-xdist "
         "(pytest-dev/pytest-xdist#1386): keep pytest below 9.2 (pyproject.toml's dev extra)"
     )
+
+
+# --- how many workers: scripts/workers.sh ---------------------------------------------------------------------
+
+WORKERS = Path(__file__).resolve().parent.parent / "scripts" / "workers.sh"
+
+
+def workers(*prefix: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "GRPO_LAB_TEST_WORKERS"}
+    return subprocess.run([*prefix, "bash", str(WORKERS)], capture_output=True, text=True, env={**environ, **env})
+
+
+def by_ram() -> int:
+    available = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
+    return int(available.split()[1]) // (4 * 1024 * 1024)
+
+
+def test_the_workers_follow_the_cores_whatever_openmp_is_told():
+    """test.sh exports OMP_NUM_THREADS=1 before it counts, and nproc prints OMP_NUM_THREADS when set: every run
+    got one worker (a --quick of 9 min instead of 3-4, seen)."""
+    cores = len(os.sched_getaffinity(0))
+    out = workers(OMP_NUM_THREADS="1", OMP_THREAD_LIMIT="1")
+    assert out.returncode == 0 and out.stdout.strip() == str(max(1, min(cores, by_ram()))), out
+    if shutil.which("taskset") and cores > 1:
+        one = workers("taskset", "-c", str(min(os.sched_getaffinity(0))), OMP_NUM_THREADS="1")
+        assert one.stdout.strip() == "1", one
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5"])
+def test_a_worker_count_that_is_no_whole_number_is_one_line_and_exit_2(value):
+    out = workers(GRPO_LAB_TEST_WORKERS=value)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.count("\n") == 1 and f"GRPO_LAB_TEST_WORKERS={value}: give a whole number" in out.stderr
+
+
+def test_a_worker_count_given_is_the_count():
+    assert workers(GRPO_LAB_TEST_WORKERS="3").stdout.strip() == "3"
