@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo_lab import cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,27 +62,16 @@ def test_verbose_prints_the_memory_table_after_every_step(tiny_model, tmp_path, 
     assert err.count("memory MiB") == 2 and err.count("peak of 2 steps, MiB") == 1
 
 
-def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path):
+def test_run_with_overrides_and_existing_dir_is_refused(tiny_model, tmp_path, capsys):
+    """In-process (cli.main): a fresh process adds nothing here; the README's command runs as a subprocess above."""
     out = tmp_path / "run"
-    proc = grpo_lab(
-        "run",
-        "tiny-cpu",
-        "--steps",
-        "1",
-        "--out",
-        str(out),
-        "--quiet",
-        "--set",
-        f"model.name_or_path={tiny_model}",
-        "--set",
-        "grpo.loss_type=grpo",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = ["run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet", "--set", f"model.name_or_path={tiny_model}"]
+    assert cli.main([*run, "--set", "grpo.loss_type=grpo"]) == 0, capsys.readouterr().err[-2000:]
     assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["loss_type"] == "grpo"
-    again = grpo_lab(
-        "run", "tiny-cpu", "--steps", "1", "--out", str(out), "--quiet", "--set", f"model.name_or_path={tiny_model}"
-    )
-    assert again.returncode == 2 and "holds a finished run" in again.stderr and "--resume DIR" in again.stderr
+    capsys.readouterr()
+    assert cli.main(run) == 2
+    err = capsys.readouterr().err
+    assert "holds a finished run" in err and "--resume DIR" in err, err
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # untouched
 
 
@@ -109,11 +100,11 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, tiny_model, overr
     assert not out.exists()
 
 
-def test_missing_config_file_and_bad_steps(tmp_path):
-    proc = grpo_lab("run", str(tmp_path / "nope.yaml"))
-    assert proc.returncode == 2 and "is neither a YAML file nor a preset" in proc.stderr
-    proc = grpo_lab("run", "tiny-cpu", "--steps", "0")
-    assert proc.returncode == 2 and "--steps" in proc.stderr
+def test_missing_config_file_and_bad_steps(tmp_path, capsys):
+    """In-process (cli.main); a bad value's exit 2 from a real process is the test above."""
+    assert cli.main(["run", str(tmp_path / "nope.yaml")]) == 2
+    assert "is neither a YAML file nor a preset" in capsys.readouterr().err
+    assert cli.main(["run", "tiny-cpu", "--steps", "0"]) == 2 and "--steps" in capsys.readouterr().err
 
 
 def test_tiny_command_is_deterministic(tmp_path):
@@ -125,9 +116,10 @@ def test_tiny_command_is_deterministic(tmp_path):
     for file in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
     (tmp_path / "a" / "model.safetensors").write_bytes(b"damaged")
-    assert grpo_lab("tiny", str(tmp_path / "a"), "--model", "tiny-random").returncode == 0  # present: left as it is
+    # in-process from here (cli.main): the two builds above are the ones that need processes of their own
+    assert cli.main(["tiny", str(tmp_path / "a"), "--model", "tiny-random"]) == 0  # present: left as it is
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == b"damaged"
-    assert grpo_lab("tiny", str(tmp_path / "a"), "--model", "tiny-random", "--force").returncode == 0  # rebuilt
+    assert cli.main(["tiny", str(tmp_path / "a"), "--model", "tiny-random", "--force"]) == 0  # rebuilt
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
