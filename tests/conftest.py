@@ -143,6 +143,5 @@ SOLO_GROUPS = ("ranks", "browser")
 
 def placed_in_solo_pass(item) -> bool:
     group = item.get_closest_marker("xdist_group")
-    return bool(item.get_closest_marker("alone")) or (
-        group is not None and group.args[:1] in [(g,) for g in SOLO_GROUPS]
-    )
+    name = group.args[0] if group is not None and group.args else None
+    return bool(item.get_closest_marker("alone")) or name in SOLO_GROUPS

@@ -119,10 +119,11 @@ class Ranks:
         if self.group is None:
             from ...runtime import rank_devices
 
+            cores = usable_cpus()
             self.cluster = Cluster(
-                place.get("ray_address"), place["learner"], rank_devices(place["learner"], self.size), usable_cpus()
+                place.get("ray_address"), place["learner"], rank_devices(place["learner"], self.size), cores
             )
-            self.threads = rank_threads(place["learner"], self.size, usable_cpus(), ray.cluster_resources())
+            self.threads = rank_threads(place["learner"], self.size, cores, ray.cluster_resources())
             self.group = self.cluster.place(bundles(place["learner"], self.size, self.threads))
         self.actors = [self._actor(ray, rank) for rank in range(self.size)]
         address = self.actors[0].address.remote()
