@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from functools import partial
 from pathlib import Path
 
@@ -54,6 +55,16 @@ def tiny_dict(tiny_model: str, **sections) -> dict:
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT as Python sets it when started from a terminal (Ctrl-C raises KeyboardInterrupt), for the tests that send
+    one. Why: a process a non-interactive shell starts in the background (`cmd &`, nohup, some CI runners) inherits
+    SIGINT ignored, and Python keeps it ignored, so their Ctrl-C never arrived (4 tests failed so)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import pytest
 
 from grpo_lab.execution.sharded.interrupts import HeldInterrupts
 
+pytestmark = pytest.mark.usefixtures("python_sigint")  # why: a suite started in the background inherits SIGINT ignored
+
 
 def ray_like_wait() -> str:
     """A blocking call that checks signals as Ray's C++ waits do, through its check_signals callback: a

@@ -150,6 +150,7 @@ def test_an_oom_on_rank_1_in_backward_puts_every_rank_back_bit_for_bit_and_the_s
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # why so long: a hang guard; beside two busy loops the fixture and load take minutes
 @pytest.mark.cores(2)
+@pytest.mark.usefixtures("python_sigint")  # why: a suite started in the background inherits SIGINT ignored
 def test_an_interrupt_mid_phase_stops_every_rank_and_the_next_command_starts_them_from_the_step_start(one_process):
     """Jupyter's interrupt (and a terminal's Ctrl-C) sends SIGINT to the kernel's process group; the rank actors are
     Ray's processes, but the worst case (SIGINT reaching them too) is sent here: the kernel must stay usable, no late
