@@ -116,7 +116,7 @@ def run_fresh_clone(
             env["UV_NO_CACHE"] = "1"  # why: a fresh machine has no wheels cached
         lines: list[tuple[float, str]] = []
         start = time.monotonic()
-        with log.open("w") as sink:
+        with log.open("w", buffering=1) as sink:  # why line-buffered: the console can be followed as it runs
             child = subprocess.Popen(
                 [*pin, *command], cwd=clone, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
