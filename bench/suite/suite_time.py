@@ -92,6 +92,7 @@ def machine(cores: int | None) -> dict:
         "cores": cores or len(os.sched_getaffinity(0)),
         "machine_cores": os.cpu_count(),
         "mem_gib": round(int(mem[1]) / 2**20, 1) if mem else None,
+        "workers_set": os.environ.get("GRPO_LAB_TEST_WORKERS"),  # None: scripts/workers.sh counted them
     }
 
 
