@@ -64,3 +64,20 @@ def test_the_console_the_script_writes_is_read_back_with_its_line_times():
     assert console_lines(timed) == console()
     plain = "".join(f"{line}\n" for _, line in console())
     assert console_lines(plain) == [(None, line) for _, line in console()]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--cores", "0"], "--cores 0: give 1 to "),
+        (["--cores", "999"], "--cores 999: give 1 to "),
+        (["--parse", "console.log"], "--parse needs --total-s"),
+    ],
+)
+def test_a_bad_option_is_one_line_and_exit_2_before_anything_is_cloned(argv, says, capsys):
+    from bench.suite.suite_time import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and says in err and err.strip().splitlines()[-1].count(says) == 1, err

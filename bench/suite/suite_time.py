@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from grpo_lab.checks.world import usable_cpus
+
 ROOT = Path(__file__).resolve().parents[2]
 PASSES = ("xdist", "solo", "alone")  # scripts/test.sh's order
 STARTS = re.compile(r"^=+ test session starts =+$")
@@ -89,21 +91,21 @@ def machine(cores: int | None) -> dict:
     return {
         "cpu": model[1] if model else None,
         "avx512_bf16": "avx512_bf16" in cpuinfo,
-        "cores": cores or len(os.sched_getaffinity(0)),
+        "cores": cores or usable_cpus(),
         "machine_cores": os.cpu_count(),
         "mem_gib": round(int(mem[1]) / 2**20, 1) if mem else None,
         "workers_set": os.environ.get("GRPO_LAB_TEST_WORKERS"),  # None: scripts/workers.sh counted them
     }
 
 
-CI = ["bash", ".ci/run"]
+CI = "bash .ci/run"
 # why twice: --quick keeps the built models between runs (.artifacts/test-cache), and its figure is the loop's, not
 # the first run's; its console is dropped, and `|| :` leaves a failure in it to the second run, which fails too
-QUICK = ["bash", "-c", "scripts/install.sh && (scripts/test.sh --quick -q >/dev/null || :) && scripts/test.sh --quick"]
+QUICK = "scripts/install.sh && (scripts/test.sh --quick -q >/dev/null || :) && scripts/test.sh --quick"
 
 
 def run_fresh_clone(
-    ref: str, cores: int | None, log: Path, uv_cache: bool, command: list[str]
+    ref: str, cores: int | None, log: Path, uv_cache: bool, command: str
 ) -> tuple[int, list[tuple[float, str]], float]:
     where = Path(tempfile.mkdtemp(prefix="grpo-lab-suite-time."))
     clone = where / "clone"
@@ -119,7 +121,12 @@ def run_fresh_clone(
         start = time.monotonic()
         with log.open("w", buffering=1) as sink:  # why line-buffered: the console can be followed as it runs
             child = subprocess.Popen(
-                [*pin, *command], cwd=clone, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                [*pin, "bash", "-c", command],
+                cwd=clone,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
             )
             for line in child.stdout:
                 lines.append((time.monotonic() - start, line.rstrip("\n")))
@@ -157,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parse", type=Path, help="read a console already written instead of running one")
     parser.add_argument("--total-s", type=float, help="with --parse: the run's wall seconds, measured outside it")
     args = parser.parse_args(argv)
-    if args.cores is not None and not 1 <= args.cores <= len(os.sched_getaffinity(0)):
-        parser.error(f"--cores {args.cores}: give 1 to {len(os.sched_getaffinity(0))}, the cores this process may use")
+    if args.cores is not None and not 1 <= args.cores <= usable_cpus():
+        parser.error(f"--cores {args.cores}: give 1 to {usable_cpus()}, the cores this process may use")
     if args.parse:
         if args.total_s is None:
             parser.error("--parse needs --total-s, the run's wall seconds (a console without line times has none)")
@@ -169,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         command = QUICK if args.quick else CI
         rc, lines, total = run_fresh_clone(args.ref, args.cores, args.log, args.uv_cache, command)
-        result = record(
-            rc, lines, total, args.cores, args.ref, " ".join(command[-1:] if args.quick else command), time.time()
-        )
+        result = record(rc, lines, total, args.cores, args.ref, command, time.time())
     line = json.dumps(result)
     print(line)
     if args.out:
