@@ -63,7 +63,7 @@ def _plan(args) -> int:
         raise LabError(f"{given[0]}: only with --frontier; add --frontier, or drop {given[0]}")
     config, note = _plan_config(args)
     if not args.frontier:
-        print(plan(config))
+        print(plan(config, prompt_tokens=data_prompt_tokens(config)))
         if note:
             print(note)
         return 0
@@ -80,6 +80,31 @@ def _plan(args) -> int:
     print(front)
     print(f"frontier page: open {path} in a browser (hover a cell for its binding device, peak, phase and headroom)")
     return 0
+
+
+def data_prompt_tokens(config):
+    """The data's longest prompt in tokens, as a loaded Lab plans it, where the data and the model's tokenizer are on
+    disk (a built-in model already built, or a checkpoint folder); None otherwise (the plan takes max_prompt_length)."""
+    from pathlib import Path
+
+    from .data.prompts import PromptSource
+    from .data.sources import open_dataset
+    from .models.source import BUILTIN
+
+    name = config.model.name_or_path
+    if name.startswith(BUILTIN):
+        from .models.tiny import BUILTINS, builtin_path
+
+        if name.removeprefix(BUILTIN) not in BUILTINS or not builtin_path(name.removeprefix(BUILTIN)).exists():
+            return None  # why: planning never builds a model; a built-in not yet built is planned from its shape
+        name = str(builtin_path(name.removeprefix(BUILTIN)))
+    if not (Path(name) / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    source = PromptSource(open_dataset(config), tokenizer, config.data.system_prompt, config.run.seed)
+    return source.lengths().longest
 
 
 def _plan_config(args):

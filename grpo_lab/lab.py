@@ -36,7 +36,9 @@ class Lab(LabViews):
         config: Union[LabConfig, dict, str, Path],
         reward_funcs: Optional[list[Callable]] = None,
         overrides: Optional[list[str]] = None,
+        train_dataset=None,
     ):
+        """`reward_funcs`, `train_dataset` (Dataset, DatasetDict, IterableDataset, dicts): TRL's; None: the config's"""
         one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
         self._config = load_config(config, overrides)
         self.memory = None
@@ -50,7 +52,7 @@ class Lab(LabViews):
         self._plots: list = []
         self._rng: Optional[dict] = None  # this Lab's random streams while another Lab's are the process's
         # where the phases run: this process's models, or a sharded learner's ranks (placement.learner_procs > 1)
-        self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index)
+        self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index, train_dataset)
 
     # --- what the executor holds (this process's models; on a sharded driver, its engine) ---
     learner = property(lambda self: self.executor.learner)
@@ -108,7 +110,7 @@ class Lab(LabViews):
 
         config, executor = self.config, self.executor
         own_streams(self)  # why first: loading seeds the process's generators; another Lab's are kept, not reseeded
-        preflight(config)
+        preflight(config, getattr(executor, "train_dataset", None))
         pin_mmap_threshold(config.memory.host_mmap_threshold_mib)  # why first: RSS holds live tensors (memory/heap.py)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
             self.memory_devices = executor.memory_watch()

@@ -10,9 +10,8 @@ from .config.schema import LabConfig
 from .errors import LabError
 
 
-def preflight(config: LabConfig) -> None:
-    """Everything that can be checked before a weight is loaded."""
-    from .algo.prompts import load_rows
+def preflight(config: LabConfig, train_dataset=None) -> None:
+    """Everything that can be checked before a weight is loaded (`train_dataset`: the Lab's own, if given)."""
     from .checks.devices import check_devices
     from .checks.installed import check_torchvision
     from .checks.world import check_ranks
@@ -46,13 +45,22 @@ def preflight(config: LabConfig) -> None:
         check_hf_placement(config)
     for name in config.data.rewards:
         resolve_reward(name)
-    if config.data.dataset != "arithmetic":
-        rows = load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
-        if config.grpo.prompts_per_step > len(rows):
-            raise LabError(
-                f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but "
-                f"data.dataset has {len(rows)} rows; lower it or use a bigger dataset"
-            )
+    check_data(config, train_dataset)
+
+
+def check_data(config: LabConfig, given=None) -> None:
+    """The dataset opens and is of TRL's formats (data/sources.py), and holds a step's distinct prompts."""
+    from .data.sources import open_dataset
+
+    if config.data.dataset == "arithmetic" and given is None:
+        return  # built in memory from the config, which checked it (LabConfig's prompts_per_step check)
+    dataset = open_dataset(config, given)
+    rows = len(dataset) if hasattr(dataset, "__len__") else None  # (a streamed dataset's length is unknown)
+    if rows is not None and config.grpo.prompts_per_step > rows:
+        raise LabError(
+            f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but the dataset has "
+            f"{rows} rows; lower it or use a bigger dataset"
+        )
 
 
 def check_experts(config: LabConfig) -> None:

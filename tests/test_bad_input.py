@@ -118,6 +118,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
     "reference.strategy": "auto from beta",
     "reference.device": "the learner's device",
     "data.system_prompt": "no system message",
+    "data.dataset_config": "no configuration (load_dataset's name=None)",
     "data.reward_weights": "all 1",
     "run.output_dir": "runs/<date-time>",
     "memory.host_mmap_threshold_mib": "glibc's own mmap threshold, not pinned",

@@ -740,7 +740,7 @@ def test_dataset_rebuilds_the_prompts_of_the_next_rollout(lab, tmp_path):
         "".join(json.dumps({"prompt": f"KNOBS question {i}: 2 + {i}?", "answer": str(2 + i)}) + "\n" for i in range(3))
     )
     lab.configure({"data.dataset": str(path), "generator.max_completion_length": 1})
-    assert len(lab.prompts.rows) == 3  # at once
+    assert len(lab.prompts.dataset) == 3  # at once
     rollout = lab.rollout()
     assert all("KNOBS question" in p for p in rollout.batch.prompts)
 
@@ -748,11 +748,52 @@ def test_dataset_rebuilds_the_prompts_of_the_next_rollout(lab, tmp_path):
 @observes("data.num_prompts")
 def test_num_prompts_rebuilds_the_arithmetic_set(lab):
     lab.configure({"data.num_prompts": 2, "generator.max_completion_length": 1})
-    assert len(lab.prompts.rows) == 2
-    questions = {row["prompt"] for row in lab.prompts.rows}
+    assert len(lab.prompts.dataset) == 2
+    questions = {row["prompt"][-1]["content"] for row in lab.prompts.dataset}
     for _ in range(2):  # every batch is drawn from the two rows
         prompts = lab.rollout().batch.prompts
         assert {q for q in questions for p in prompts if q in p} == questions
+
+
+def save_splits(tmp_path):
+    """A dataset folder with two named configurations (README.md's `configs`, as on the hub), each with two splits."""
+    folder = tmp_path / "knobs-data"
+    folder.mkdir()
+    for config in ("plain", "marked"):
+        for split in ("train", "other"):
+            rows = [{"prompt": f"KNOBS {config} {split} {i}: 2 + {i}?", "answer": str(2 + i)} for i in range(3)]
+            (folder / f"{config}-{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}-train.jsonl\n"
+            f"  - split: other\n    path: {c}-other.jsonl\n"
+            for c in ("plain", "marked")
+        )
+        + "---\n"
+    )
+    return folder
+
+
+@observes("data.split")
+def test_split_rebuilds_the_prompts_from_that_split(lab, tmp_path):
+    lab.configure({"data.dataset": str(save_splits(tmp_path)), "data.dataset_config": "plain"})
+    lab.configure({"data.split": "other", "generator.max_completion_length": 1})
+    assert all("KNOBS plain other" in p for p in lab.rollout().batch.prompts)
+
+
+@observes("data.dataset_config")
+def test_dataset_config_rebuilds_the_prompts_from_that_configuration(lab, tmp_path):
+    lab.configure({"data.dataset": str(save_splits(tmp_path)), "data.dataset_config": "plain"})
+    lab.configure({"data.dataset_config": "marked", "generator.max_completion_length": 1})
+    assert all("KNOBS marked train" in p for p in lab.rollout().batch.prompts)
+
+
+@observes("data.streaming")
+def test_streaming_rebuilds_the_prompts_as_a_stream(lab):
+    lab.configure({"data.streaming": True, "generator.max_completion_length": 1})
+    assert lab.prompts.streamed  # at once
+    assert len(lab.rollout().batch.prompts) == lab.config.grpo.prompts_per_step
 
 
 @observes("data.system_prompt")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo_lab import Lab
-from grpo_lab.algo.prompts import PromptSource
 from grpo_lab.cli import main
+from grpo_lab.data.prompts import PromptSource
 from grpo_lab.errors import LabError
 
 MiB = 1024**2
@@ -56,7 +56,7 @@ def test_the_probe_runs_the_worst_case_and_leaves_nothing_behind(tiny_config):
         report = lab.probe()
         # the worst case: every prompt the dataset's longest, every completion max_completion_length tokens
         prompts, lengths = seen[-1]
-        longest = lab.prompts.batch_of([lab.prompts.longest(128)[0]]).prompts[0]
+        longest = lab.prompts.batch_of([lab.prompts.longest(128)[0]]).raw[0]  # as rewards get it (TRL's prompts)
         assert prompts == [longest] * 8 and lengths == [24] * 8
         assert min(seen[0][1]) < 24  # (an ordinary step ends some completions earlier: the probe forced it)
         # nothing kept: LoRA and AdamW bit-identical, RNG, data position, step index, history, the memory views

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from grpo_lab import Lab, LabError
-from grpo_lab.algo.prompts import PromptSource, arithmetic_problems, load_jsonl
 from grpo_lab.algo.rewards import exact_answer, extract_answer, format_reward, length_reward, resolve_reward
+from grpo_lab.data.arithmetic import arithmetic_problems
+from grpo_lab.data.prompts import PromptSource
 
 
 def test_extract_and_exact_answer():
@@ -36,20 +37,6 @@ def test_arithmetic_set_is_deterministic_and_correct():
     rows = arithmetic_problems(50, seed=3)
     assert rows == arithmetic_problems(50, seed=3) and rows != arithmetic_problems(50, seed=4)
     assert all(int(r["answer"]) >= 0 for r in rows)
-
-
-def test_jsonl_loader_and_its_errors(tmp_path):
-    good = tmp_path / "d.jsonl"
-    good.write_text(json.dumps({"prompt": "1+1?", "answer": 2, "topic": "add"}) + "\n\n")
-    assert load_jsonl(good) == [{"prompt": "1+1?", "answer": 2, "topic": "add"}]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a"}\n{oops\n')
-    with pytest.raises(LabError, match=r"bad.jsonl:2"):
-        load_jsonl(bad)
-    missing = tmp_path / "m.jsonl"
-    missing.write_text('{"question": "a"}\n')
-    with pytest.raises(LabError, match="no 'prompt'"):
-        load_jsonl(missing)
 
 
 def test_prompt_source_cycles_in_seeded_order():

@@ -25,7 +25,8 @@ def greedy(trained):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_lab.algo.prompts import SYSTEM_PROMPT, arithmetic_problems, format_prompt
+    from grpo_lab.data.arithmetic import SYSTEM_PROMPT, arithmetic_problems
+    from grpo_lab.data.formats import format_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(trained)
     model = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)

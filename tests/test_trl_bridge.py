@@ -13,8 +13,8 @@ def trainer(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_lab.algo.prompts import arithmetic_problems
     from grpo_lab.algo.rewards import format_reward, length_reward
+    from grpo_lab.data.arithmetic import arithmetic_problems
 
     args = GRPOConfig(
         output_dir=str(tmp_path),

@@ -23,8 +23,8 @@ def trl_trainer(cfg, callback, steps, out_dir, device: str = "cpu"):
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_lab.algo.prompts import arithmetic_problems
     from grpo_lab.algo.rewards import resolve_reward
+    from grpo_lab.data.arithmetic import arithmetic_problems
     from grpo_lab.models.learner import load_base, load_tokenizer
 
     g, grpo = cfg.generator, cfg.grpo

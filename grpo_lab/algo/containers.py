@@ -11,8 +11,16 @@ import torch
 @dataclass
 class PromptBatch:
     prompts: list[str]  # [B] prompt text, chat template applied
-    answers: list[Optional[str]]  # [B] reference answers (None when the dataset has none)
-    extra: dict[str, list] = field(default_factory=dict)  # other dataset columns, [B] each
+    answers: list[Optional[str]]  # [B] the 'answer' column as text (None when the dataset has none)
+    extra: dict[str, list] = field(default_factory=dict)  # the other dataset columns as the dataset has them, [B] each
+    # [B] each row's prompt as reward functions get it (TRL's `prompts`): text, or chat messages (conversational);
+    # None: `prompts` themselves, as text
+    raw: Optional[list] = None
+
+    @property
+    def conversational(self) -> bool:
+        """TRL's conversational format: prompts are chat messages, so completions reach rewards as messages too."""
+        return bool(self.raw) and isinstance(self.raw[0], list)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -64,6 +72,8 @@ class Rewards:
     names: list[str]  # [F]
     total: torch.Tensor  # [N] weighted sum over functions
     num_generations: int  # G: the group size of the rollout they score (not the config's, which may change)
+    logged: dict[str, float] = field(default_factory=dict)  # what rewards logged with log_metric, each one's mean
+    logged_columns: dict[str, list] = field(default_factory=dict)  # what they logged with log_extra, [N] each
 
 
 @dataclass
@@ -161,12 +171,15 @@ class StepResult:
     is_ratio_max: Optional[float] = None
     memory: list[dict] = field(default_factory=list)  # per phase x device x metric: start/peak/end/delta bytes
     leaks: list[str] = field(default_factory=list)  # devices whose after-step memory keeps climbing
+    logged: dict[str, float] = field(default_factory=dict)  # what reward functions logged (log_metric), by name
 
     def metrics(self) -> dict:
-        """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list)."""
-        out = {k: v for k, v in self.__dict__.items() if k not in ("rewards", "phase_seconds")}
+        """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list; what rewards logged
+        under the names they gave, as TRL logs them)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("rewards", "phase_seconds", "logged")}
         out.update({reward_key(k): v for k, v in self.rewards.items()})
         out.update({f"seconds/{k}": v for k, v in self.phase_seconds.items()})
+        out.update({k: v for k, v in self.logged.items() if k not in out})
         return out
 
     @classmethod
@@ -176,6 +189,11 @@ class StepResult:
         out = {k: v for k, v in record.items() if k in known}
         out["rewards"] = {name: v for k, v in record.items() if (name := reward_name_of(k))}
         out["phase_seconds"] = {k[len("seconds/") :]: v for k, v in record.items() if k.startswith("seconds/")}
+        out["logged"] = {
+            k: v
+            for k, v in record.items()
+            if k not in known and not reward_name_of(k) and not k.startswith("seconds/") and isinstance(v, float)
+        }
         return cls(**out)
 
     def __repr__(self) -> str:  # why: a bare lab.step() ending a cell showed every field, the memory table's too
@@ -189,6 +207,7 @@ class StepResult:
             + (f" ({each})" if len(self.rewards) > 1 else "")
             + f"  loss {self.loss:+.4f}  "
             f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s"
+            + "".join(f"  {name} {value:.3g}" for name, value in self.logged.items())
         )
 
 

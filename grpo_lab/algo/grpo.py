@@ -23,6 +23,7 @@ from .importance import importance_weights
 from .logprobs import completion_logprobs, configure_head, micro_batches, rollout_slice
 from .loss_metrics import LossSums, learner_sampler_gap
 from .losses import BatchTotals, LossSettings, grpo_loss
+from .reward_calls import RewardLog, RewardState, call_rewards
 from .rewards import reward_name
 
 
@@ -51,32 +52,46 @@ def rollout(generator, prompts, config, decode: Optional[str] = None) -> Rollout
     return generator.generate(batch, grpo.num_generations, request)
 
 
-def rewards(rollout: Rollout, reward_funcs: list[Callable], weights: Optional[list[float]] = None) -> Rewards:
-    """Call every reward function with TRL's signature and combine them (NaN = no opinion)."""
-    n = len(rollout)
-    columns = {"answer": rollout.repeated(rollout.batch.answers)}
-    columns.update({k: rollout.repeated(v) for k, v in rollout.batch.extra.items()})
+def rewards(
+    rollout: Rollout,
+    reward_funcs: list[Callable],
+    weights: Optional[list[float]] = None,
+    state: Optional[RewardState] = None,
+) -> Rewards:
+    """Call every reward function as TRL 1.16 calls it and combine them (NaN = no opinion). A conversational batch's
+    prompts are chat messages and its completions `[{"role": "assistant", "content": ...}]`; every other dataset
+    column, `completion_ids`, `trainer_state`, `log_extra` and `log_metric` arrive as keywords; async functions run
+    concurrently (reward_calls.py)."""
+    n, batch = len(rollout), rollout.batch
+    log = RewardLog()
     lengths = rollout.completion_lengths.tolist()
-    completion_ids = [ids[:k] for ids, k in zip(rollout.completion_ids.tolist(), lengths)]
-    prompts = rollout.repeated(rollout.batch.prompts)
-    table = torch.empty(n, len(reward_funcs))
-    for j, fn in enumerate(reward_funcs):
-        name = reward_name(fn)
-        values = fn(prompts=prompts, completions=rollout.completions, completion_ids=completion_ids, **columns)
-        if values is None or len(values) != n:
-            raise LabError(
-                f"reward {name!r} returned {0 if values is None else len(values)} values for {n} completions; "
-                "return one float (or None) per completion"
-            )
-        table[:, j] = torch.tensor([math.nan if v is None else float(v) for v in values])
+    kwargs = {
+        "prompts": rollout.repeated(batch.raw if batch.raw is not None else batch.prompts),
+        "completions": (
+            [[{"role": "assistant", "content": c}] for c in rollout.completions]
+            if batch.conversational
+            else rollout.completions
+        ),
+        "completion_ids": [ids[:k] for ids, k in zip(rollout.completion_ids.tolist(), lengths)],
+        "answer": rollout.repeated(batch.answers),
+        **{k: rollout.repeated(v) for k, v in batch.extra.items()},  # the dataset's own 'answer' as it has it
+        "trainer_state": state or RewardState(global_step=rollout.step),
+        "log_extra": log.log_extra,
+        "log_metric": log.log_metric,
+    }
+    names = [reward_name(f) for f in reward_funcs]
+    values = call_rewards(list(zip(names, reward_funcs)), n, kwargs)
+    table = torch.tensor(values, dtype=torch.float32).T.reshape(n, len(reward_funcs))  # [N, F]
     w = torch.tensor(weights if weights is not None else [1.0] * len(reward_funcs))
     total = (table * w).nansum(dim=1)
     total[torch.isnan(table).all(dim=1)] = math.nan  # why: no reward had an opinion; kept out of the baseline
     return Rewards(
         per_function=table,
-        names=[reward_name(f) for f in reward_funcs],
+        names=names,
         total=total,
         num_generations=rollout.num_generations,
+        logged=log.means(),
+        logged_columns=dict(log.columns),
     )
 
 
@@ -281,6 +296,7 @@ def summarize(
         reward_mean=torch.nanmean(total).item(),
         reward_std=total[~torch.isnan(total)].std().item() if (~torch.isnan(total)).sum() > 1 else 0.0,
         rewards=dict(zip(rewards_.names, means)),
+        logged=dict(rewards_.logged),
         advantage_std=advantages_.values.std().item(),
         loss=stats.loss,
         kl=stats.kl,

@@ -1,11 +1,14 @@
 """Reward functions: a registry of named functions with TRL's reward-function signature
 `f(prompts, completions, **kwargs) -> list[float]` (dataset columns such as `answer` and
-`completion_ids` arrive as keyword lists). Any user callable with that signature works too.
+`completion_ids` arrive as keyword lists), TRL's own reward functions by the names its `trl grpo` script gives them,
+and what TRL passes every reward beside the columns (`trainer_state`, `log_extra`, `log_metric`). Any user callable
+with that signature works too, `async def` ones run concurrently (reward_calls.py calls them all).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 from typing import Callable, Optional, Union
 
@@ -64,15 +67,49 @@ REWARDS: dict[str, Callable] = {
 }
 
 
+def _trl_reward(name: str) -> Callable:
+    import trl.rewards
+
+    return getattr(trl.rewards, name)
+
+
+# TRL's reward functions, by the names `trl grpo` (trl/scripts/grpo.py) gives them, made when named (why lazily: each
+# imports trl.rewards, and accuracy_reward needs math-verify)
+TRL_REWARDS: dict[str, Callable[[], Callable]] = {
+    "accuracy_reward": lambda: _trl_reward("accuracy_reward"),
+    "reasoning_accuracy_reward": lambda: _trl_reward("reasoning_accuracy_reward"),
+    "think_format_reward": lambda: _trl_reward("think_format_reward"),
+    # the values trl grpo uses for it
+    "get_soft_overlong_punishment": lambda: _trl_reward("get_soft_overlong_punishment")(
+        max_completion_len=1280, soft_punish_cache=256
+    ),
+}
+NEEDS_MATH_VERIFY = {"accuracy_reward", "reasoning_accuracy_reward"}
+
+
+def trl_reward(name: str) -> Callable:
+    """One of TRL's reward functions by its `trl grpo` name; one line when what it needs is not installed."""
+    if name in NEEDS_MATH_VERIFY and importlib.util.find_spec("math_verify") is None:
+        raise LabError(
+            f"data.rewards: TRL's {name} needs math-verify to check answers; pip install math-verify "
+            "(scripts/install.sh installs it)"
+        )
+    return TRL_REWARDS[name]()
+
+
 def resolve_reward(spec: Union[str, Callable]) -> Callable:
-    """A registry name, a 'module:function' import path, or a callable."""
+    """A registry name, one of TRL's reward names, a 'module:function' import path, or a callable."""
     if callable(spec):
         return spec
     if spec in REWARDS:
         return REWARDS[spec]
+    if spec in TRL_REWARDS:
+        return trl_reward(spec)
     module, sep, attr = spec.partition(":")
     if not sep:
-        raise LabError(f"data.rewards: unknown reward {spec!r}; use one of {sorted(REWARDS)} or 'module:function'")
+        raise LabError(
+            f"data.rewards: unknown reward {spec!r}; use one of {sorted([*REWARDS, *TRL_REWARDS])} or 'module:function'"
+        )
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:

@@ -35,13 +35,18 @@ def rebuild_leak_detector(loaded: "LoadedLabGuard") -> None:
     loaded.leaks.min_growth = memory.leak_min_growth_mib * 1024**2
 
 
+def rebuild_prompts(loaded: "LoadedLabGuard") -> None:
+    loaded.executor.build_prompts()  # (one function for every data field, so several edited at once build once)
+
+
 # (a sharded learner's driver rebuilds its memory views; its ranks their own parts, at their next command)
 REBUILDS: dict[str, Callable] = {
     "grpo.beta": rebuild_reference,
     "reference.strategy": rebuild_reference,
-    "data.dataset": lambda loaded: loaded.executor.build_prompts(),
-    "data.num_prompts": lambda loaded: loaded.executor.build_prompts(),
-    "data.system_prompt": lambda loaded: loaded.executor.build_prompts(),
+    **{
+        f"data.{name}": rebuild_prompts
+        for name in ("dataset", "dataset_config", "split", "streaming", "num_prompts", "system_prompt")
+    },
     "data.rewards": rebuild_rewards,
     "memory.sample_hz": lambda loaded: loaded.memory.set_rate(loaded.executor.config.memory.sample_hz),
     "memory.host_threshold": lambda loaded: setattr(
@@ -74,6 +79,12 @@ class LoadedLabGuard:
             raise LabError(
                 "data.rewards: this Lab's reward functions were passed to Lab(reward_funcs=...); pass new "
                 "ones to a new Lab, or edit data.reward_weights"
+            )
+        source = {"data.dataset", "data.dataset_config", "data.split", "data.streaming", "data.num_prompts"}
+        if source & set(changed) and getattr(self.executor, "train_dataset", None) is not None:
+            raise LabError(
+                f"{', '.join(sorted(source & set(changed)))}: this Lab's data was passed to Lab(train_dataset=...); "
+                "pass another dataset to a new Lab"
             )
         if "data.rewards" in changed:
             from ..algo.rewards import resolve_reward

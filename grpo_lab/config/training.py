@@ -9,8 +9,8 @@ from typing import Literal, Optional
 from pydantic import field_validator
 
 from ..algo.losses import LOSSES, RATIO_LEVELS
-from ..algo.prompts import SYSTEM_PROMPT
-from ..algo.rewards import REWARDS
+from ..algo.rewards import REWARDS, TRL_REWARDS
+from ..data.arithmetic import SYSTEM_PROMPT
 from .fields import Section, knob
 
 
@@ -176,7 +176,21 @@ class DataSection(Section):
     dataset: str = knob(
         "rebuild",
         "arithmetic",
-        description="'arithmetic' (built-in word problems) or a path to a JSONL file with 'prompt' and 'answer'.",
+        description="'arithmetic' (built-in word problems), a local file or folder datasets.load_dataset reads "
+        "(JSON lines, Parquet, CSV, Arrow, a save_to_disk folder), or a hub id (openai/gsm8k); rows need a 'prompt' "
+        "(text or chat messages), other columns reach the rewards. The Lab's train_dataset= takes a Dataset instead.",
+    )
+    dataset_config: Optional[str] = knob(
+        "rebuild", None, description="The hub dataset's configuration (load_dataset's name, e.g. 'main'); null = none."
+    )
+    split: str = knob(
+        "rebuild", "train", description="The split to train on, of a hub dataset, a folder or a DatasetDict given."
+    )
+    streaming: bool = knob(
+        "rebuild",
+        False,
+        description="Stream the dataset (load_dataset(streaming=True)): rows read as drawn, shuffled in a "
+        "1,000-row buffer, never all in memory; prompts are planned from the first 256 rows.",
     )
     num_prompts: int = knob(
         "rebuild",
@@ -191,7 +205,8 @@ class DataSection(Section):
     rewards: list[str] = knob(
         "rebuild",
         default_factory=lambda: ["exact_answer", "format"],
-        description="Reward functions: names from " + ", ".join(REWARDS) + ", or 'module:function'.",
+        description="Reward functions: names from " + ", ".join([*REWARDS, *TRL_REWARDS]) + " (TRL's, as its "
+        "`trl grpo` script names them), or 'module:function'.",
     )
     reward_weights: Optional[list[float]] = knob(
         "live", None, description="One weight per reward function; null = all 1."
@@ -203,8 +218,10 @@ class DataSection(Section):
         if not v:
             raise ValueError("empty list; name at least one reward function")
         for name in v:
-            if name not in REWARDS and ":" not in name:
-                raise ValueError(f"unknown reward {name!r}; use one of {sorted(REWARDS)} or 'module:function'")
+            if name not in REWARDS and name not in TRL_REWARDS and ":" not in name:
+                raise ValueError(
+                    f"unknown reward {name!r}; use one of {sorted([*REWARDS, *TRL_REWARDS])} or 'module:function'"
+                )
         return v
 
 

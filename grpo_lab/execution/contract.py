@@ -82,9 +82,10 @@ class Executor(Protocol):
     def restore_checkpoint(self, checkpoint) -> None: ...
 
 
-def executor_for(config, reward_funcs: Optional[list], step_index: Callable[[], int]) -> Executor:
+def executor_for(config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None) -> Executor:
     """The executor a config asks for: its ranks' driver when placement.learner_procs > 1 (in the driver; a rank runs
-    its phases locally). `reward_funcs`: as passed to the Lab (None: data.rewards names them)."""
+    its phases locally). `reward_funcs`, `train_dataset`: as passed to the Lab (None: data.rewards and data.dataset
+    name them)."""
     name = "ranks" if config.placement.learner_procs > 1 and runtime().is_driver else "local"
     module, _, attr = EXECUTORS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index)
+    return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index, train_dataset)

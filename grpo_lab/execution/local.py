@@ -24,6 +24,14 @@ def _rollout(ex, state) -> object:
     return grpo.rollout(ex.generator, ex.prompts, ex.config, rollout_decode(ex.config))
 
 
+def reward_state(ex):
+    """TRL's `trainer_state` as rewards read it: the step, the run's steps, the epoch of the data drawn so far."""
+    from ..algo.reward_calls import RewardState
+
+    epoch = getattr(ex.prompts, "epoch", 0.0)  # (the worst-case probe's prompts stand outside the epochs)
+    return RewardState(global_step=ex.step_index(), max_steps=ex.config.run.steps, epoch=epoch)
+
+
 def _optimizer(ex, state) -> float:
     from ..recovery.rollback import RollbackSnapshot
 
@@ -40,7 +48,9 @@ def _sync(ex, state) -> None:
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
-    "rewards": lambda ex, state, rollout: grpo.rewards(rollout, ex.reward_funcs, ex.config.data.reward_weights),
+    "rewards": lambda ex, state, rollout: grpo.rewards(
+        rollout, ex.reward_funcs, ex.config.data.reward_weights, reward_state(ex)
+    ),
     "advantages": lambda ex, state, rewards: grpo.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: grpo.logprobs(ex.learner, ex.reference, rollout, ex.config),
     "backward": lambda ex, state, rollout, advantages, logprobs: grpo.backward(
@@ -99,10 +109,11 @@ class LocalExecutor:
     name = "local"
     sharding = FSDP()  # this process's learner under FSDP2 when it is a rank's shard, else as it is
 
-    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
+    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None):
         from ..algo.rewards import reward_functions
 
         self.config = config
+        self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one)
         self.rewards_given = reward_funcs is not None
         self.reward_funcs = reward_functions(reward_funcs, config)
         self.step_index = step_index
@@ -184,12 +195,17 @@ class LocalExecutor:
         self.reference_strategy = self.config.reference_strategy
 
     def build_prompts(self) -> None:
-        """The prompt source of data.* (at load, and when one of them changes)."""
-        from ..algo.prompts import PromptSource, load_rows
+        """The prompt source of data.* or of the Lab's train_dataset (at load, and when a data field changes); says
+        in one line how many prompts generator.max_prompt_length cuts."""
+        from ..data.prompts import PromptSource
+        from ..data.sources import open_dataset
 
         config = self.config
-        rows = load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
-        self.prompts = PromptSource(rows, self.learner.tokenizer, config.data.system_prompt, config.run.seed)
+        dataset = open_dataset(config, self.train_dataset)
+        self.prompts = PromptSource(dataset, self.learner.tokenizer, config.data.system_prompt, config.run.seed)
+        note = self.prompts.lengths().cut_note(config.generator.max_prompt_length)
+        if note and runtime().is_driver:
+            print(note)
 
     def release(self) -> None:
         if self.generator is not None:

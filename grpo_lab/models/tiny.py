@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from ..algo.prompts import SYSTEM_PROMPT, arithmetic_problems
+from ..data.arithmetic import SYSTEM_PROMPT, arithmetic_problems
 from ..errors import LabError
 
 TINY = "tiny-qwen2"

@@ -11,7 +11,8 @@ prompt, which a few LoRA updates can learn; the sums themselves barely improve i
 
 from __future__ import annotations
 
-from ..algo.prompts import SYSTEM_PROMPT, arithmetic_problems, format_prompt
+from ..data.arithmetic import SYSTEM_PROMPT, arithmetic_problems
+from ..data.formats import format_prompt
 
 STEPS = 700  # ~55 s on 2 CPU cores for the 3-layer built-in; 600 steps left fewer sums right (~0.3 sampled)
 BATCH = 32

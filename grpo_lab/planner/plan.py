@@ -34,6 +34,7 @@ class Plan:
     # a sharded learner's ranks (placement.learner_procs > 1): CUDA, the rank devices (also in `devices`); CPU, each
     # rank's share of host RAM (devices["host"] is their sum, what the fit is checked against)
     ranks: dict[str, DevicePlan] = field(default_factory=dict)
+    prompts: Optional[str] = None  # how the prompt length was planned when the data was read (planned_prompts)
 
     @property
     def caveats(self) -> list[str]:
@@ -201,15 +202,32 @@ def candidate_fixes(config) -> list[tuple[str, list[str]]]:
     return out
 
 
-def plan(config, shape: Optional[ModelShape] = None) -> Plan:
-    """The memory plan of `config`: per device, the DataParallel what-if, and fixes when it does not fit."""
+def planned_prompts(config, prompt_tokens: Optional[int]) -> tuple[object, Optional[str]]:
+    """The config to plan, given the data's longest prompt in tokens (data/lengths.py; None: not read): planned at
+    that length where it is below generator.max_prompt_length (why: a rollout pads to its batch's longest prompt, never
+    to the limit), and the plan's line saying so."""
     from ..config.loading import load_config
 
+    limit = config.generator.max_prompt_length
+    if prompt_tokens is None:
+        return config, None
+    if prompt_tokens >= limit:
+        return config, f"prompts: planned at generator.max_prompt_length={limit} (the data's longest: {prompt_tokens})"
+    line = f"prompts: planned at the data's longest, {prompt_tokens} tokens (generator.max_prompt_length={limit})"
+    return load_config(config, [f"generator.max_prompt_length={max(prompt_tokens, 1)}"]), line
+
+
+def plan(config, shape: Optional[ModelShape] = None, prompt_tokens: Optional[int] = None) -> Plan:
+    """The memory plan of `config`: per device, the DataParallel what-if, and fixes when it does not fit.
+    `prompt_tokens`: the data's longest prompt, when read (planned_prompts)."""
+    from ..config.loading import load_config
+
+    config, prompts_line = planned_prompts(config, prompt_tokens)
     shape = shape or load_shape(config.model.name_or_path)
     devices, ranks, micro = build(config, shape)
     # why no what-if for a sharded learner: FSDP2 is the chosen wrapping, and its ranks are planned above
     what_if = None if ranks else dataparallel_what_if(config, shape, devices)
-    result = Plan(config, shape, devices, micro, what_if, ranks=ranks)
+    result = Plan(config, shape, devices, micro, what_if, ranks=ranks, prompts=prompts_line)
     if not result.fits:
         fixed = set()  # knobs with a fix already: each knob's values come best first, so the first that fits is shown
         for description, overrides in candidate_fixes(config):

@@ -85,6 +85,7 @@ def render(plan, notes: bool = True) -> str:
         f"memory plan: {config.model.name_or_path} ({count(shape.total_params)} params, {quant}), "
         f"LoRA r={config.lora.r} ({count(lora)}), generator {config.generator.backend}, "
         f"micro-batch {plan.micro_batch}, reference {config.reference_strategy}",
+        *([plan.prompts] if plan.prompts else []),
         "",
     ]
     if plan.ranks:

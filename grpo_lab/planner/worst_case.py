@@ -36,6 +36,10 @@ class WorstCasePrompts:
     def next_batch(self, size: int):
         return self.source.batch_of([self.row] * size)
 
+    def lengths(self):
+        """The real source's prompt lengths (the plan beside the probe reads the data's longest)."""
+        return self.source.lengths()
+
     def rewind(self) -> None:
         """Every batch is the same: nothing to go back to (the real source's position is untouched by the probe)."""
 

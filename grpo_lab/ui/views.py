@@ -22,10 +22,13 @@ class LabViews:
         return Placement(self.config, self.executor.generator)
 
     def plan(self):
-        """The per-device memory plan of the current config (nothing is loaded)."""
+        """The per-device memory plan of the current config (nothing is loaded); once loaded, at the longest prompt
+        of the data (data/lengths.py) where it is shorter than generator.max_prompt_length."""
         from ..planner import plan
 
-        return plan(self.config)
+        source = self.prompts
+        longest = source.lengths().longest if source is not None and hasattr(source, "lengths") else None
+        return plan(self.config, prompt_tokens=longest)
 
     def probe(self):
         """One step at the largest shapes the config allows (longest prompt, full-length completions, full

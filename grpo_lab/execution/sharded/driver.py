@@ -53,11 +53,12 @@ class RankExecutor:
     on_cuda = False  # the driver computes nothing; each rank marks its own phases
     sharding = FSDP()  # what each rank's LocalExecutor hands its learner (the driver runs no pass itself)
 
-    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int]):
+    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None):
         from ...algo.rewards import reward_functions
 
         self.config = config
         self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
+        self.dataset_given = train_dataset is not None  # refused at load: each rank reads data.dataset itself
         self.reward_funcs = reward_functions(reward_funcs, config)
         self.step_index = step_index
         self.ranks: Optional[Ranks] = None
@@ -116,6 +117,11 @@ class RankExecutor:
             raise LabError(
                 "reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
                 "from this one; name them in data.rewards ('module:function')"
+            )
+        if self.dataset_given:
+            raise LabError(
+                "train_dataset: a sharded Lab's ranks are processes of their own and read their data themselves; "
+                "save it (dataset.save_to_disk(PATH) or to_parquet) and name it in data.dataset"
             )
         self.model_path = fetch_once(config.model.name_or_path, local=config.placement.ray_address is None)
         self.ranks = Ranks(
