@@ -64,8 +64,10 @@ def check_data(config: LabConfig, given=None) -> None:
 
 
 def check_experts(config: LabConfig) -> None:
-    """A mixture-of-experts model: what its learner cannot do yet, refused before anything loads (models/experts.py).
+    """A mixture-of-experts model: what its learner cannot do yet, and expert LoRA where it cannot go, refused before
+    anything loads (models/experts.py, models/expert_lora.py).
     A checkpoint without a readable config.json is left to the load's own error."""
+    from .models.expert_lora import check_expert_lora
     from .models.experts import check_moe_config
     from .models.shapes import load_shape
 
@@ -75,6 +77,7 @@ def check_experts(config: LabConfig) -> None:
         if "no config.json" in str(err):
             return
         raise
+    check_expert_lora(config, shape)
     check_moe_config(config, shape)
 
 

@@ -22,6 +22,8 @@ BASES = [
     ("logits-heavy-cpu", []),
     ("qwen2.5-7b-nf4-24gb", []),
     ("p1-qwq32b-nf4-2xa100-40gb", []),
+    # a mixture of experts with LoRA on its experts (lora.target_experts, lora.expert_r)
+    ("qwen2.5-7b-nf4-24gb", ["model.name_or_path=builtin:qwen3-30b-a3b-random", "lora.target_experts=true"]),
 ]
 VARIANTS = [
     [],

@@ -30,9 +30,9 @@ def saved_bytes(model, ids, mask) -> int:
     return sum(seen.values())
 
 
-def measured_and_planned(name: str) -> tuple[int, float]:
+def measured_and_planned(name: str, overrides: tuple = ()) -> tuple[int, float]:
     """What autograd keeps in one training forward of `name`'s learner (4 rows of 48 + 144 tokens, half of them
-    left-padded, checkpointing off), and the plan's `saved` line for the same batch."""
+    left-padded, checkpointing off; `overrides`: more config), and the plan's `saved` line for the same batch."""
     rows, prompt, completion = 4, 48, 144
     config = load_config(
         "tiny-cpu",
@@ -44,6 +44,7 @@ def measured_and_planned(name: str) -> tuple[int, float]:
             "grpo.micro_batch_size=null",
             f"generator.max_prompt_length={prompt}",
             f"generator.max_completion_length={completion}",
+            *overrides,
         ],
     )
     planned = activation_bytes(load_shape(name), config, on_cpu=True)["saved"]

@@ -70,6 +70,21 @@ class LoraSection(Section):
         planned=True,
         description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.",
     )
+    target_experts: bool = knob(
+        "load",
+        False,
+        planned=True,
+        description="Also adapt a mixture of experts' fused routed experts (gate_up_proj, down_proj; in nf4 too), "
+        "one adapter per expert, through PEFT's target_parameters; a dense model refuses it.",
+    )
+    expert_r: Optional[int] = knob(
+        "load",
+        None,
+        gt=0,
+        planned=True,
+        description="Each expert's LoRA rank with target_experts (null = r); PEFT suggests r / experts to keep the "
+        "expert adapters' size near one dense adapter's.",
+    )
 
     @field_validator("target_modules", mode="before")
     @classmethod

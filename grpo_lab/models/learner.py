@@ -166,22 +166,26 @@ def add_lora(base, config):
     before any weight is read)."""
     from peft import LoraConfig, get_peft_model
 
+    from .expert_lora import expert_lora_kwargs, mend_expert_wrappers, quiet_expert_ranks
+
     # before PEFT wraps it, as TRL requires; each pass sets its rollout's temperature
     add_logprob_head(base, autocast=autocast_dtype(config.model, learner_device(config)))
     lora = config.lora
+    experts = expert_lora_kwargs(base, lora)  # lora.target_experts: the fused experts as target_parameters
     try:
-        model = get_peft_model(
-            base,
-            LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.lora_alpha,
-                lora_dropout=lora.lora_dropout,
-                target_modules=moe_linear_targets(base, lora.target_modules),
-                task_type="CAUSAL_LM",
-            ),
+        peft_config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.lora_alpha,
+            lora_dropout=lora.lora_dropout,
+            target_modules=moe_linear_targets(base, lora.target_modules),
+            task_type="CAUSAL_LM",
+            **experts,
         )
+        with quiet_expert_ranks():
+            model = get_peft_model(base, peft_config)
     except ValueError as err:  # why: PEFT's ValueError for targets that match no module or an unsupported one
         raise lora_target_error(base, lora.target_modules, err) from None
+    mend_expert_wrappers(model)  # why: PEFT's expert adapters over bitsandbytes' 4-bit experts (models/expert_lora.py)
     if config.model.gradient_checkpointing:
         # why: non-reentrant checkpointing needs no grad-requiring inputs, so the frozen embeddings stay as they are
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -196,7 +200,8 @@ def moe_linear_targets(base, targets):
     """LoRA's targets as asked, but on a mixture of experts all-linear spelled out as the model's own nn.Linear
     modules (attention, a shared expert's MLP; not the LM head, not a router). Why: on transformers 5 PEFT maps
     all-linear on such a model to its routers and fused experts as target_parameters (v4's nn.Linear names): an
-    adapter on a router moves which experts every token reaches, and the 4-bit experts' adapters got no gradient."""
+    adapter on a router moves which experts every token reaches; the experts are adapted when lora.target_experts
+    asks (models/expert_lora.py)."""
     from .experts import has_experts
 
     if targets != "all-linear" or not has_experts(base):

@@ -121,13 +121,19 @@ class ModelShape:
         norms = (2 * self.layers + 1) * self.hidden
         return self.linear_params + self.embedding_params + norms + self.router_params
 
-    def lora_params(self, r: int, targets) -> int:
+    def lora_params(self, r: int, targets, expert_r: int = 0) -> int:
+        """LoRA's parameters: rank `r` on `targets`' linear layers, and rank `expert_r` per routed expert (0: none)."""
         chosen = (
             self.linear_layers()
             if targets == "all-linear"
             else [layer for layer in self.linear_layers() if layer[0] in targets]
         )
-        return self.layers * sum(r * (a + b) for _, a, b in chosen)
+        return self.layers * sum(r * (a + b) for _, a, b in chosen) + self.expert_lora_params(expert_r)
+
+    def expert_lora_params(self, r: int) -> int:
+        """PEFT's adapters on the fused experts (lora.target_experts), rank `r` per expert: per tensor A [r x E, in]
+        and B [out, r x E]; gate_up_proj reads h and writes 2m, down_proj reads m and writes h."""
+        return self.layers * r * self.experts * (2 * self.hidden + 3 * self.expert_intermediate)
 
 
 def read_model_config(path: Path, field: str) -> dict:

@@ -194,8 +194,15 @@ def unit_bytes(shape: ModelShape, config) -> tuple[float, float]:
     e = DTYPE_BYTES[config.model.dtype]
     weights = sum(a * b for _, a, b in shape.linear_layers()) + sum(n for _, n in shape.expert_tensors())
     linear = weights * (0.5 if config.model.load_in_4bit else e) + shape.router_params / shape.layers * e
-    lora = shape.lora_params(config.lora.r, config.lora.target_modules) / shape.layers * 4
+    lora = planned_lora(shape, config) / shape.layers * 4
     return linear + 2 * shape.hidden * e + lora, (shape.embedding_params + shape.hidden) * e
+
+
+def planned_lora(shape: ModelShape, config) -> int:
+    """The LoRA parameters config.lora puts on this shape: its target_modules, and each routed expert's adapter
+    (lora.target_experts, rank expert_r or r; models/expert_lora.py)."""
+    lora = config.lora
+    return shape.lora_params(lora.r, lora.target_modules, (lora.expert_r or lora.r) if lora.target_experts else 0)
 
 
 def experts_dequant_bytes(shape: ModelShape, config) -> float:
@@ -204,6 +211,23 @@ def experts_dequant_bytes(shape: ModelShape, config) -> float:
     if not shape.moe or not config.model.load_in_4bit:
         return 0.0
     return sum(n for _, n in shape.expert_tensors()) * DTYPE_BYTES[config.model.dtype]
+
+
+def expert_lora_bytes(shape: ModelShape, config) -> dict[str, float]:
+    """lora.target_experts (models/expert_lora.py), beyond what the frozen experts cost: what autograd keeps per token
+    and layer (each routed copy's inputs to both fused matmuls, h and m, now needed for their weights' gradients) and
+    per layer (PEFT's low-rank factors in model.dtype), counted with saved_tensors_hooks on builtin:tiny-moe
+    (tests/test_expert_lora.py); and the transient one fused tensor adds (its W + B A built beside W in a forward, its
+    whole weight gradient in backward, before A's and B's)."""
+    if not (shape.moe and config.lora.target_experts):
+        return {"per token": 0.0, "per layer": 0.0, "transient": 0.0}
+    e = DTYPE_BYTES[config.model.dtype]
+    rank = config.lora.expert_r or config.lora.r
+    return {
+        "per token": shape.experts_per_token * (shape.hidden + shape.expert_intermediate) * compute_bytes(config),
+        "per layer": shape.expert_lora_params(rank) / shape.layers * e,
+        "transient": max(n for _, n in shape.expert_tensors()) * e,
+    }
 
 
 def mlp_saved_bytes(shape: ModelShape, e: int) -> float:
@@ -260,16 +284,9 @@ def head_in_heap(config, shape: ModelShape, rows: int, on_cpu: bool) -> bool:
     )
 
 
-def activation_bytes(
-    shape: ModelShape, config, on_cpu: bool = False, micro_batch: Optional[int] = None
-) -> dict[str, float]:
-    """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU; `micro_batch`: rows
-    per pass, default grpo.micro_batch_size or the whole batch)."""
-    grpo, gen = config.grpo, config.generator
+def saved_per_token(shape: ModelShape, config, length: int, on_cpu: bool) -> float:
+    """Bytes a training forward keeps for backward per token and layer (`length`: the sequence's tokens)."""
     e = compute_bytes(config)
-    n = micro_batch or grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
-    length = gen.max_prompt_length + gen.max_completion_length
-    tokens = n * length
     h, kv, r = shape.hidden, shape.kv_heads * shape.head_dim, config.lora.r
     q = shape.heads * shape.head_dim  # the query/attention width: the hidden size in most models, not in all
     if on_cpu:
@@ -284,6 +301,22 @@ def activation_bytes(
         # copy, the attention output o_proj reads) and the key/value path (3kv), the LoRA A outputs (fitted to the
         # H100 records of tests/test_long_sequences.py and tests/test_gpu_check.py)
         per_layer = (4 * h + 3 * q + 3 * kv) * e + mlp_saved_bytes(shape, e) + 7 * r * 4
+    return per_layer + expert_lora_bytes(shape, config)["per token"]  # (with lora.target_experts)
+
+
+def activation_bytes(
+    shape: ModelShape, config, on_cpu: bool = False, micro_batch: Optional[int] = None
+) -> dict[str, float]:
+    """Transients of one log-prob/backward micro-batch (`on_cpu`: the learner runs on the CPU; `micro_batch`: rows
+    per pass, default grpo.micro_batch_size or the whole batch)."""
+    grpo, gen = config.grpo, config.generator
+    e = compute_bytes(config)
+    n = micro_batch or grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
+    length = gen.max_prompt_length + gen.max_completion_length
+    tokens = n * length
+    h = shape.hidden
+    per_layer = saved_per_token(shape, config, length, on_cpu)
+    expert_lora = expert_lora_bytes(shape, config)
     # why completion rows only: the head scores the real completion tokens, never the prompt or padding
     rows = n * gen.max_completion_length
     head = HEAD_BYTES[grpo.logprob_head](rows, shape, e, grpo.logprob_chunk_size, on_cpu)
@@ -303,14 +336,17 @@ def activation_bytes(
     if in_heap:  # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if config.model.load_in_4bit else 0
-    experts = experts_dequant_bytes(shape, config)  # kept by each expert matmul: its weight is a view of them
-    stored += (1 if config.model.gradient_checkpointing else shape.layers) * experts  # (checkpointing: the recomputed)
+    # kept by each expert matmul: its weight is a view of the dequantized experts (and expert LoRA's factors)
+    experts = experts_dequant_bytes(shape, config)
+    kept = experts + expert_lora["per layer"]
+    # (checkpointing: the recomputed layer's); one fused tensor's weight gradient at a time, with expert LoRA
+    stored += (1 if config.model.gradient_checkpointing else shape.layers) * kept + expert_lora["transient"]
     # no grad (reference log-probs): one layer's intermediates (and its experts dequantized) and the last hidden states
     forward = per_layer * tokens + h * e * tokens + experts
     return {
         "activations": stored,
         # what a forward without checkpointing keeps for backward
-        "saved": shape.layers * (per_layer * tokens + experts),
+        "saved": shape.layers * (per_layer * tokens + kept),
         # the layer inputs activation offload keeps on the host (pinned), on a GPU learner
         "offloaded inputs": shape.layers * h * e * tokens if config.model.activation_offload and not on_cpu else 0,
         "log-prob head": head,

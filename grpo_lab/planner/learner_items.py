@@ -17,10 +17,12 @@ from .estimate import (
     base_weight_bytes,
     base_weight_split,
     compute_bytes,
+    expert_lora_bytes,
     experts_dequant_bytes,
     generation_step_bytes,
     kv_cache_bytes,
     nf4_bits,
+    planned_lora,
     unit_bytes,
 )
 from .parts import head_note
@@ -65,7 +67,7 @@ def add_base(dev: DevicePlan, config, shape: ModelShape, procs: int, label: str,
 def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape: ModelShape, procs: int, on_cpu: bool):
     """What the learner holds for the whole step: weights, LoRA, gradients, AdamW, the rollback copy, a reference
     copy."""
-    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    lora = planned_lora(shape, config)
     part = "" if procs == 1 else f" (1/{procs})"
     if procs > 1 and on_cpu:  # a CPU rank is a process of its own in host RAM
         lrn.add("Python, torch, libraries", HOST_BASELINE["cpu"], "this rank's own process")
@@ -161,7 +163,7 @@ def compute_dtype(config) -> str:
 def parked_state_bytes(shape: ModelShape, config) -> float:
     """generator.park_learner: what waits in host memory while the rollout copy decodes (models/park.py): the 4-bit
     bases with their quant state, LoRA, and AdamW's moments where they are the learner's (not offloaded)."""
-    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    lora = planned_lora(shape, config)
     model = config.model
     base = shape.linear_params * nf4_bits(model.bnb_4bit_use_double_quant) / 8 if model.load_in_4bit else 0.0
     return base + lora * 4 + (0.0 if config.placement.optimizer_offload else lora * 8)
@@ -237,6 +239,13 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape) -> None:
             f"{shape.experts} experts of a layer in {config.model.dtype}, made at every decoding step's forward",
             phase="rollout",
         )
+    if shape.moe and config.lora.target_experts:
+        lrn.add(
+            "expert LoRA: W + B A beside W",
+            expert_lora_bytes(shape, config)["transient"],
+            "PEFT folds the expert adapters into a copy of one fused tensor at a time (lora.target_experts)",
+            phase="rollout",
+        )
 
 
 def add_passes(
@@ -244,7 +253,7 @@ def add_passes(
 ) -> int:
     """The reference pass (beta > 0) and backward over this process' rows, a micro-batch at a time, with the layers
     gathered whole when sharded. Returns the micro-batch."""
-    grpo, lora = config.grpo, shape.lora_params(config.lora.r, config.lora.target_modules)
+    grpo, lora = config.grpo, planned_lora(shape, config)
     rows = grpo.prompts_per_step * grpo.num_generations // procs
     act = activation_bytes(shape, config, on_cpu=on_cpu, micro_batch=min(grpo.micro_batch_size or rows, rows))
     tokens = act["tokens"] // act["micro_batch"]

