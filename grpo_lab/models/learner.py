@@ -95,6 +95,10 @@ def load_base(model_cfg, device: str, seed: int = 0):
             from .experts import quantize_experts
 
             quantize_experts(model, model_cfg)
+    if model_cfg.load_in_4bit:  # why: a forward dequantizes only the experts its tokens route to
+        from .routed_experts import use_routed_experts
+
+        use_routed_experts(model)
     # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
     pin_training_layout(model)
     model.requires_grad_(False)

@@ -205,12 +205,20 @@ def planned_lora(shape: ModelShape, config) -> int:
     return shape.lora_params(lora.r, lora.target_modules, (lora.expert_r or lora.r) if lora.target_experts else 0)
 
 
-def experts_dequant_bytes(shape: ModelShape, config) -> float:
-    """One mixture-of-experts layer's 4-bit experts dequantized whole, to model.dtype: bitsandbytes' parametrization
-    makes them once per forward of the layer's experts and caches them for it (models/experts.py)."""
+def experts_dequant_bytes(shape: ModelShape, config, tokens: Optional[int] = None) -> float:
+    """One mixture-of-experts layer's 4-bit experts dequantized to model.dtype, once per forward of the layer's
+    experts: those `tokens` tokens route to, at worst each to experts_per_token others (models/routed_experts.py);
+    every expert where `tokens` is not given, or where PEFT's expert adapters read the whole parameter
+    (lora.target_experts)."""
     if not shape.moe or not config.model.load_in_4bit:
         return 0.0
-    return sum(n for _, n in shape.expert_tensors()) * DTYPE_BYTES[config.model.dtype]
+    routed = shape.experts if tokens is None or config.lora.target_experts else tokens * shape.experts_per_token
+    return (
+        sum(n for _, n in shape.expert_tensors())
+        * DTYPE_BYTES[config.model.dtype]
+        * min(routed, shape.experts)
+        / shape.experts
+    )
 
 
 def expert_lora_bytes(shape: ModelShape, config) -> dict[str, float]:

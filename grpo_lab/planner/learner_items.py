@@ -215,7 +215,7 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
         host.add("parked learner state", parked, "from the learner while the copy decodes; back after it", "rollout")
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
-    add_experts_dequant(lrn, config, shape)
+    add_experts_dequant(lrn, config, shape, sequences)
     lrn.add(
         "generation KV cache",
         kv_cache_bytes(shape, config, sequences),
@@ -230,13 +230,17 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
     )
 
 
-def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape) -> None:
-    """A mixture of experts' 4-bit experts, one layer's dequantized at every decoding step's forward."""
+def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
+    """A mixture of experts' 4-bit experts: at every decoding step's forward, one layer's routed experts dequantized
+    (models/routed_experts.py; at worst each sequence's token routed to others)."""
     if shape.moe and config.model.load_in_4bit:
+        made = experts_dequant_bytes(shape, config, sequences)
+        routed = round(made / experts_dequant_bytes(shape, config) * shape.experts)
         lrn.add(
             "experts dequantized (one layer)",
-            experts_dequant_bytes(shape, config),
-            f"{shape.experts} experts of a layer in {config.model.dtype}, made at every decoding step's forward",
+            made,
+            f"{routed} of {shape.experts} experts of a layer in {config.model.dtype} (at most {sequences} tokens x "
+            f"{shape.experts_per_token} routed), made at every decoding step's forward",
             phase="rollout",
         )
     if shape.moe and config.lora.target_experts:

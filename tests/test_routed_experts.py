@@ -1,0 +1,77 @@
+"""A mixture of experts' 4-bit experts dequantized for the routed experts alone (models/routed_experts.py): the same
+logits as bitsandbytes' whole-layer dequantize (float32, 1e-5), for plain and double-quantized scales, in a forward
+and a training backward; a count of the experts dequantized that follows what is routed; and the whole layer again
+where PEFT's expert adapters sit on the parameter (lora.target_experts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_lab.models.routed_experts import ROUTED, experts_dequantized
+
+pytestmark = pytest.mark.xdist_group("moe")
+
+
+def tiny_moe(double_quant: bool):
+    from grpo_lab.config.models_and_devices import ModelSection
+    from grpo_lab.models.learner import load_base
+    from grpo_lab.models.source import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-moe")
+    cfg = ModelSection(
+        name_or_path=path, dtype="float32", bnb_4bit_compute_dtype="float32", bnb_4bit_use_double_quant=double_quant
+    )
+    return load_base(cfg, "cpu")
+
+
+def whole_layer(model, ids, train: bool = False):
+    """The logits (and, training, the embedding's input gradient) with today's whole-layer dequantize."""
+    model.config._experts_implementation = "grouped_mm"
+    try:
+        return forward(model, ids, train)
+    finally:
+        model.config._experts_implementation = ROUTED
+
+
+def forward(model, ids, train: bool = False):
+    if not train:
+        with torch.no_grad():
+            return model(ids).logits, None
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logits = model(inputs_embeds=embeds).logits
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), embeds.grad
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_routed_experts_give_the_logits_and_gradients_of_the_whole_layer_dequantize(double_quant):
+    model = tiny_moe(double_quant)
+    assert model.config._experts_implementation == ROUTED
+    decode = torch.randint(0, 384, (3, 1), generator=torch.Generator().manual_seed(0))  # a decoding step of 3 rows
+    before = experts_dequantized(model)
+    ours, _ = forward(model, decode)
+    routed = experts_dequantized(model) - before
+    assert 2 <= routed <= 2 * 3 * 2  # 2 layers, 3 tokens x top-2: at most 6 of 8 experts a layer
+    theirs, _ = whole_layer(model, decode)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    batch = torch.randint(0, 384, (2, 10), generator=torch.Generator().manual_seed(1))
+    (ours, ours_grad), (theirs, theirs_grad) = forward(model, batch, True), whole_layer(model, batch, True)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_count_follows_what_is_routed_and_expert_adapters_read_the_whole_layer():
+    from grpo_lab import load_config
+    from grpo_lab.models.learner import add_lora
+
+    model = tiny_moe(True)
+    one = torch.tensor([[5]])
+    with torch.no_grad():
+        model(one)
+    assert experts_dequantized(model) == 2 * 2  # one token: its top-2 experts in each of the 2 layers
+    config = load_config("tiny-cpu", ["model.name_or_path=builtin:tiny-moe", "lora.target_experts=true"])
+    adapted = add_lora(model, config)
+    with torch.no_grad():
+        adapted(input_ids=one)
+    assert experts_dequantized(model) == 2 * 2 + 2 * 8  # PEFT's W + B A is the whole parameter: every expert
