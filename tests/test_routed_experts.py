@@ -75,3 +75,20 @@ def test_the_count_follows_what_is_routed_and_expert_adapters_read_the_whole_lay
     with torch.no_grad():
         adapted(input_ids=one)
     assert experts_dequantized(model) == 2 * 2 + 2 * 8  # PEFT's W + B A is the whole parameter: every expert
+
+
+def test_the_plans_experts_dequantized_line_follows_what_a_decoding_step_routes():
+    """8 sequences x top-8 of Qwen3-30B-A3B's 128 experts: at most 64 a layer, half its experts' bytes; every expert
+    where the rows route to more than all of them, or where PEFT's expert adapters read the whole parameter."""
+    from grpo_lab import load_config
+    from grpo_lab.models.shapes import load_shape
+    from grpo_lab.planner import plan
+    from grpo_lab.planner.estimate import experts_dequant_bytes
+
+    base = ["model.name_or_path=builtin:qwen3-30b-a3b-random", "grpo.prompts_per_step=1"]
+    shape = load_shape("builtin:qwen3-30b-a3b-random")
+    whole = experts_dequant_bytes(shape, load_config("qwen2.5-7b-nf4-24gb", base))
+    for rows, routed, extra in [(8, 64, []), (32, 128, []), (8, 128, ["lora.target_experts=true"])]:
+        config = load_config("qwen2.5-7b-nf4-24gb", [*base, f"grpo.num_generations={rows}", *extra])
+        line = next(i for i in plan(config).devices["cuda:0"].items if i.what == "experts dequantized (one layer)")
+        assert line.bytes == whole * routed / 128 and f"{routed} of 128 experts" in line.note, (rows, line)

@@ -4,7 +4,7 @@ Since transformers 5 a layer's routed experts are fused 3-D parameters (`gate_up
 `down_proj` [experts, hidden, width]), not `nn.Linear` layers, and bitsandbytes' 4-bit loading replaces `nn.Linear`
 only: the experts, ~95 % of a 30B-A3B model's weights, silently stayed in 16-bit (bitsandbytes#1849, Unsloth#4032).
 The lab quantizes them to nf4 with bitsandbytes' own parametrization (`replace_parameter_4bit`): the parameter holds
-the 4-bit codes and is dequantized whole, once per forward of its module, when the experts read it.
+the 4-bit codes, and a forward dequantizes the experts its tokens route to (routed_experts.py).
 """
 
 from __future__ import annotations

@@ -215,7 +215,8 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
         host.add("parked learner state", parked, "from the learner while the copy decodes; back after it", "rollout")
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
-    add_experts_dequant(lrn, config, shape, sequences)
+    # (a chunk larger than the rollout decodes the rollout's rows)
+    add_experts_dequant(lrn, config, shape, min(sequences, grpo.prompts_per_step * grpo.num_generations))
     lrn.add(
         "generation KV cache",
         kv_cache_bytes(shape, config, sequences),
