@@ -112,6 +112,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
     "generator.model": "the learner's base",
     "generator.quantization": "the model dtype",
     "grpo.epsilon_high": "= epsilon",
+    "lora.expert_r": "= r (each expert's rank with lora.target_experts)",
     "grpo.micro_batch_size": "the whole batch",
     "grpo.importance_sampling_clip_max": "no upper bound (the *_mask modes; *_truncate needs one bound, a cross check)",
     "grpo.importance_sampling_clip_min": "no lower bound",

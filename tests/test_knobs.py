@@ -133,6 +133,7 @@ def test_rebuilds_lists_only_rebuild_fields():
 EDITS = {
     "model.name_or_path": {"model.name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"},
     "lora.target_modules": {"lora.target_modules": ["q_proj", "v_proj"]},
+    "lora.expert_r": {"lora.expert_r": 2},
     # the config accepts cuda:0 on this CPU machine (the device check is at load); the guard refuses before that
     "placement.learner": {"placement.learner": "cuda:0"},
     "placement.generator": {"placement.generator": ["cpu"]},
