@@ -102,6 +102,25 @@ def test_the_cpu_plan_saves_what_torch_saves_with_expert_adapters():
     assert 0.95 <= measured / planned <= 1.05, (measured / 2**20, planned / 2**20)
 
 
+def test_gradient_checkpointing_recomputes_the_expert_adapters_to_the_same_gradients():
+    """Non-reentrant checkpointing stops its recompute early (by an exception) inside the wrappers' forward: PEFT's
+    proxies must still come off, and the recomputed experts read W + B A again."""
+    off = learner(load_config("tiny-cpu", EXPERTS + FLOAT32))
+    on = learner(load_config("tiny-cpu", EXPERTS + FLOAT32[:2] + ["model.gradient_checkpointing=true"]))
+    on.train()
+    g, twins = torch.Generator().manual_seed(1), by_target(on)
+    with torch.no_grad():
+        for key, p in by_target(off).items():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05 if key[2] == "B" else p)
+            twins[key].copy_(p)
+    ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        ours, theirs = backward(on, ids), backward(off, ids)
+        for key, grad in ours.items():
+            assert grad.abs().sum() > 0, key
+            torch.testing.assert_close(grad, theirs[key], rtol=1e-5, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def expert_lab():
     lab = Lab(
