@@ -68,9 +68,16 @@ def backward(model, ids) -> dict[tuple, torch.Tensor]:
     return grads
 
 
-def test_both_nf4_expert_targets_get_the_gradients_of_the_same_experts_dequantized_and_the_base_stays_bit_for_bit():
+@pytest.mark.parametrize("experts_forward", ["routed", "grouped_mm"])
+def test_both_nf4_expert_targets_get_the_gradients_of_the_same_experts_dequantized_and_the_base_stays_bit_for_bit(
+    experts_forward,
+):
+    """`routed`: the lab's forward (models/routed_experts.py) folds the adapters into the routed experts; `grouped_mm`:
+    transformers' own reads the parametrized parameter whole, through PEFT's proxy (where the gradient was lost)."""
     config = load_config("tiny-cpu", EXPERTS + FLOAT32)
     nf4, plain = learner(config), learner(config, dequantized=True)
+    if experts_forward == "grouped_mm":
+        nf4.config._experts_implementation = "grouped_mm"
     adapters = expert_adapters(nf4)
     # both wrappers of each layer's experts: gate_up_proj's (outer) and down_proj's (nested: `base_layer.`)
     assert len(adapters) == 2 * 2 * 2 and sum(".base_layer.lora_" in n for n in adapters) == 4

@@ -1,7 +1,7 @@
 """A mixture of experts' 4-bit experts dequantized for the routed experts alone (models/routed_experts.py): the same
 logits as bitsandbytes' whole-layer dequantize (float32, 1e-5), for plain and double-quantized scales, in a forward
-and a training backward; a count of the experts dequantized that follows what is routed; and the whole layer again
-where PEFT's expert adapters sit on the parameter (lora.target_experts)."""
+and a training backward; a count of the experts dequantized that follows what is routed, with PEFT's expert adapters
+(lora.target_experts) folded into the routed experts alone (their gradients: tests/test_expert_lora.py)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def test_routed_experts_give_the_logits_and_gradients_of_the_whole_layer_dequant
     torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-5, atol=1e-7)
 
 
-def test_the_count_follows_what_is_routed_and_expert_adapters_read_the_whole_layer():
+def test_the_count_follows_what_is_routed_with_expert_adapters_too(monkeypatch):
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+
     from grpo_lab import load_config
     from grpo_lab.models.learner import add_lora
 
@@ -72,14 +74,17 @@ def test_the_count_follows_what_is_routed_and_expert_adapters_read_the_whole_lay
     assert experts_dequantized(model) == 2 * 2  # one token: its top-2 experts in each of the 2 layers
     config = load_config("tiny-cpu", ["model.name_or_path=builtin:tiny-moe", "lora.target_experts=true"])
     adapted = add_lora(model, config)
+    whole = []  # bitsandbytes' whole-parameter dequantizes (PEFT's registration check read them, twice a layer)
+    real = Bnb4bitParametrization.forward
+    monkeypatch.setattr(Bnb4bitParametrization, "forward", lambda self, q: whole.append(1) or real(self, q))
     with torch.no_grad():
         adapted(input_ids=one)
-    assert experts_dequantized(model) == 2 * 2 + 2 * 8  # PEFT's W + B A is the whole parameter: every expert
+    assert experts_dequantized(model) == 2 * (2 * 2) and not whole  # W + B A folded into the routed experts alone
 
 
 def test_the_plans_experts_dequantized_line_follows_what_a_decoding_step_routes():
-    """8 sequences x top-8 of Qwen3-30B-A3B's 128 experts: at most 64 a layer, half its experts' bytes; every expert
-    where the rows route to more than all of them, or where PEFT's expert adapters read the whole parameter."""
+    """8 sequences x top-8 of Qwen3-30B-A3B's 128 experts: at most 64 a layer, half its experts' bytes (with expert
+    adapters too); every expert where the rows route to more than all of them."""
     from grpo_lab import load_config
     from grpo_lab.models.shapes import load_shape
     from grpo_lab.planner import plan
@@ -88,7 +93,7 @@ def test_the_plans_experts_dequantized_line_follows_what_a_decoding_step_routes(
     base = ["model.name_or_path=builtin:qwen3-30b-a3b-random", "grpo.prompts_per_step=1"]
     shape = load_shape("builtin:qwen3-30b-a3b-random")
     whole = experts_dequant_bytes(shape, load_config("qwen2.5-7b-nf4-24gb", base))
-    for rows, routed, extra in [(8, 64, []), (32, 128, []), (8, 128, ["lora.target_experts=true"])]:
+    for rows, routed, extra in [(8, 64, []), (32, 128, []), (8, 64, ["lora.target_experts=true"])]:
         config = load_config("qwen2.5-7b-nf4-24gb", [*base, f"grpo.num_generations={rows}", *extra])
         line = next(i for i in plan(config).devices["cuda:0"].items if i.what == "experts dequantized (one layer)")
         assert line.bytes == whole * routed / 128 and f"{routed} of 128 experts" in line.note, (rows, line)

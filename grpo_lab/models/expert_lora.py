@@ -3,10 +3,11 @@
 PEFT 0.21 adapts a 3-D parameter by registering, for each forward, a torch parametrization (`W + B A`, per expert) on
 top of bitsandbytes' own (the 4-bit codes dequantized), and nests one `ParamWrapper` per parameter of a module. Three
 things fail between the two libraries on the 4-bit experts, and are mended here (mend_expert_wrappers):
-- the inner wrapper registers its parametrization inside the outer's `parametrize.cached()`, and registering reads the
-  parameter once (torch's safety check): that read caches bitsandbytes' plain dequantized weight, which the experts'
-  forward then reads instead of `W + B A`, so the inner adapters got no gradient (in bf16 nothing is cached: the
-  parameter is a plain tensor). The experts module now drops its stale cache entries before its forward;
+- registering a parametrization reads the parameter once (torch's safety check), and the nested wrapper registers
+  inside the outer's `parametrize.cached()`: that read cached bitsandbytes' plain dequantized weight, which the
+  experts' forward then read instead of `W + B A`, so the nested adapters got no gradient (in bf16 nothing is
+  cached: the parameter is a plain tensor). The proxies are now registered without the check (its read also
+  dequantized and folded every expert, twice a layer per forward, for nothing);
 - PEFT removes its per-expert proxy (`_LoraFactorsProxy`) only when it is the parametrization's sole entry; under
   bitsandbytes' it stayed, and the next forward failed (`requires_grad_` on the uint8 codes);
 - each wrapper read its parameter (a whole dequantize) for its dtype and device alone, and held it through the forward.
@@ -91,9 +92,7 @@ def mend_expert_wrappers(model) -> int:
     mended = [w for w in wrappers if _is_4bit(w.get_base_layer(), w.parameter_name)]
     for wrapper in mended:
         wrapper.get_param = _shape_only.__get__(wrapper)
-        wrapper._remove_parametrizations = _remove_lora_proxy.__get__(wrapper)
-    for experts in {id(w.get_base_layer()): w.get_base_layer() for w in mended}.values():
-        experts.register_forward_pre_hook(_drop_stale_cache)
+        wrapper._activate_lora = _activate_unread.__get__(wrapper)
     return len(mended)
 
 
@@ -114,20 +113,27 @@ def _shape_only(wrapper) -> torch.Tensor:
     return torch.empty((), dtype=state.dtype, device=chain.original.device).expand(*state.shape)
 
 
-def _remove_lora_proxy(wrapper) -> None:
-    """PEFT's _remove_parametrizations, finding its per-expert proxy too: the last LoRA proxy on the parameter goes,
-    bitsandbytes' dequantization below it stays."""
+@contextmanager
+def _activate_unread(wrapper, active_adapters: list[str]):
+    """PEFT's ParamWrapper._activate_lora (its proxy on the parameter for the forward, in a parametrization cache),
+    registered without torch's check, which reads the parameter: every expert dequantized and folded, and inside an
+    outer wrapper's cache a stale plain value the experts then read; and its proxy removed whatever its kind (PEFT
+    removes its per-expert proxy only when it is the parameter's sole parametrization)."""
     from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
 
-    chain = wrapper.get_base_layer().parametrizations[wrapper.parameter_name]
-    for i in reversed(range(len(chain))):
-        if isinstance(chain[i], (_LoraParameterProxy, _LoraFactorsProxy)):
-            del chain[i]
-            return
-
-
-def _drop_stale_cache(module, args) -> None:
-    """Before the experts read their parameters: a value torch's parametrization cache took before a LoRA proxy was
-    registered (the nested wrapper's registration check) is dropped, so the read goes through W + B A."""
-    for name in EXPERT_PARAMS:
-        parametrize._cache.pop((id(module), name), None)
+    adapters = [a for a in active_adapters if a in wrapper.lora_A]
+    if not adapters:
+        yield
+        return
+    if len(adapters) == 1 and wrapper.num_experts > 1:  # as PEFT: one adapter folds its factors (no delta tensor)
+        proxy = _LoraFactorsProxy(*wrapper.get_delta_factors(adapters[0]))
+    else:
+        proxy = _LoraParameterProxy(sum(wrapper.get_delta_weight(a) for a in adapters))
+    base, name = wrapper.get_base_layer(), wrapper.parameter_name
+    parametrize.register_parametrization(base, name, proxy, unsafe=True)  # why unsafe: the check reads it whole
+    try:
+        with parametrize.cached():
+            yield
+    finally:
+        chain = base.parametrizations[name]
+        del chain[next(i for i in reversed(range(len(chain))) if chain[i] is proxy)]

@@ -3,9 +3,10 @@
 bitsandbytes' parametrization dequantizes a layer's fused experts whole at every forward (128 experts x 3 matrices
 at 30B-A3B, when a decoding step of 8 rows routes to at most 64). Its blockwise codes keep each expert's slice
 contiguous (an expert's elements are a whole number of blocks), so the routed experts' codes and scales are
-gathered and dequantized with bitsandbytes' own `dequantize_4bit`, and transformers' grouped_mm experts forward runs
-on them (registered as the experts implementation ROUTED). Where an expert is not whole blocks, or a LoRA proxy sits
-on the parameter (lora.target_experts: PEFT adapts the whole parameter), the forward reads the parameter as before.
+gathered and dequantized with bitsandbytes' own `dequantize_4bit`, PEFT's expert adapters (lora.target_experts) are
+folded into those experts alone, and transformers' grouped_mm experts forward runs on them (registered as the
+experts implementation ROUTED). Where an expert is not whole blocks, or another parametrization sits on the
+parameter, the forward reads the parameter whole as before.
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped_mm experts forward over the routed experts alone, dequantized from their 4-bit slices."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    if not all(routable(self, name) for name in EXPERT_PARAMS):  # a LoRA proxy, or slices that are not whole blocks
+    if not all(routable(self, name) for name in EXPERT_PARAMS):  # another parametrization, or not whole blocks
         count(self, self.num_experts)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     routed, local = torch.unique(top_k_index, return_inverse=True)  # [k] expert ids; [tokens, top_k] their places
     count(self, routed.numel())
     view = SimpleNamespace(
         num_experts=routed.numel(),
-        gate_up_proj=dequantize_experts(self, "gate_up_proj", routed),  # [k, 2m, h]
-        down_proj=dequantize_experts(self, "down_proj", routed),  # [k, h, m]
+        gate_up_proj=routed_weight(self, "gate_up_proj", routed),  # [k, 2m, h]
+        down_proj=routed_weight(self, "down_proj", routed),  # [k, h, m]
         has_gate=self.has_gate,
         has_bias=self.has_bias,
         is_transposed=self.is_transposed,
@@ -66,15 +67,33 @@ def count(module, experts: int) -> None:
         module.experts_dequantized += experts
 
 
-def routable(module, name: str) -> bool:
-    """Whether `name`'s routed experts can be dequantized alone: bitsandbytes' parametrization only (no LoRA proxy
-    above it), and each expert a whole number of blocks."""
-    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+def routed_weight(module, name: str, experts: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weight as the parameter's parametrizations make the whole one: dequantized, then PEFT's
+    expert adapters (lora.target_experts) folded in for those experts alone (W + B A per expert, as its proxies do)."""
+    from peft.tuners.lora.layer import _LoraFactorsProxy
 
-    if not parametrize.is_parametrized(module, name) or len(module.parametrizations[name]) != 1:
+    weight = dequantize_experts(module, name, experts)
+    for proxy in list(module.parametrizations[name])[1:]:
+        if isinstance(proxy, _LoraFactorsProxy):  # one adapter: its factors, [E, out, r] and [E, r, in]
+            with torch.autocast(device_type=weight.device.type, enabled=False):  # (as PEFT's proxy: in W's dtype)
+                weight = torch.baddbmm(weight, proxy.lhs[experts], proxy.rhs[experts], alpha=proxy.scaling)
+        else:  # _LoraParameterProxy: its whole delta [E, out, in] (several adapters), the routed rows of it
+            weight = weight + proxy.delta_weight[experts]
+    return weight
+
+
+def routable(module, name: str) -> bool:
+    """Whether `name`'s routed experts can be dequantized alone: bitsandbytes' parametrization first, PEFT's LoRA
+    proxies alone above it, and each expert a whole number of blocks."""
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+    from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
+
+    if not parametrize.is_parametrized(module, name):
         return False
     chain = module.parametrizations[name]
     if not isinstance(chain[0], Bnb4bitParametrization):  # (a LoRA proxy alone, over experts that are not 4-bit)
+        return False
+    if not all(isinstance(p, (_LoraFactorsProxy, _LoraParameterProxy)) for p in list(chain)[1:]):
         return False
     state = chain[0].quant_state
     per_expert = state.shape[1:].numel()

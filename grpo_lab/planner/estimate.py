@@ -208,11 +208,11 @@ def planned_lora(shape: ModelShape, config) -> int:
 def experts_dequant_bytes(shape: ModelShape, config, tokens: Optional[int] = None) -> float:
     """One mixture-of-experts layer's 4-bit experts dequantized to model.dtype, once per forward of the layer's
     experts: those `tokens` tokens route to, at worst each to experts_per_token others (models/routed_experts.py);
-    every expert where `tokens` is not given, or where PEFT's expert adapters read the whole parameter
-    (lora.target_experts)."""
+    every expert where `tokens` is not given (PEFT's expert adapters, lora.target_experts, are folded into the routed
+    experts alone)."""
     if not shape.moe or not config.model.load_in_4bit:
         return 0.0
-    routed = shape.experts if tokens is None or config.lora.target_experts else tokens * shape.experts_per_token
+    routed = shape.experts if tokens is None else tokens * shape.experts_per_token
     return (
         sum(n for _, n in shape.expert_tensors())
         * DTYPE_BYTES[config.model.dtype]

@@ -233,22 +233,24 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
 
 def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
     """A mixture of experts' 4-bit experts: at every decoding step's forward, one layer's routed experts dequantized
-    (models/routed_experts.py; at worst each sequence's token routed to others)."""
+    (models/routed_experts.py; at worst each sequence's token routed to others), and with expert adapters one fused
+    tensor's routed experts again, W + B A beside W (16-bit experts: the whole tensor, as PEFT folds it)."""
+    share = 1.0  # the routed experts' share of a layer's
     if shape.moe and config.model.load_in_4bit:
         made = experts_dequant_bytes(shape, config, sequences)
-        routed = round(made / experts_dequant_bytes(shape, config) * shape.experts)
+        share = made / experts_dequant_bytes(shape, config)
         lrn.add(
             "experts dequantized (one layer)",
             made,
-            f"{routed} of {shape.experts} experts of a layer in {config.model.dtype} (at most {sequences} tokens x "
-            f"{shape.experts_per_token} routed), made at every decoding step's forward",
+            f"{round(share * shape.experts)} of {shape.experts} experts of a layer in {config.model.dtype} (at most "
+            f"{sequences} tokens x {shape.experts_per_token} routed), made at every decoding step's forward",
             phase="rollout",
         )
     if shape.moe and config.lora.target_experts:
         lrn.add(
             "expert LoRA: W + B A beside W",
-            expert_lora_bytes(shape, config)["transient"],
-            "PEFT folds the expert adapters into a copy of one fused tensor at a time (lora.target_experts)",
+            expert_lora_bytes(shape, config)["transient"] * share,
+            "the expert adapters folded into a copy of one fused tensor at a time (lora.target_experts)",
             phase="rollout",
         )
 
