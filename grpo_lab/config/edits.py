@@ -43,6 +43,7 @@ REBUILDS: dict[str, Callable] = {
     "data.num_prompts": lambda loaded: loaded.executor.build_prompts(),
     "data.system_prompt": lambda loaded: loaded.executor.build_prompts(),
     "data.rewards": rebuild_rewards,
+    "data.reward_models": lambda loaded: loaded.executor.build_reward_models(),
     "memory.sample_hz": lambda loaded: loaded.memory.set_rate(loaded.executor.config.memory.sample_hz),
     "memory.host_threshold": lambda loaded: setattr(
         loaded.memory, "host_threshold", loaded.executor.config.memory.host_threshold

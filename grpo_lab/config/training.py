@@ -196,6 +196,13 @@ class DataSection(Section):
     reward_weights: Optional[list[float]] = knob(
         "live", None, description="One weight per reward function; null = all 1."
     )
+    reward_models: list[str] = knob(
+        "rebuild",
+        default_factory=list,
+        planned=True,
+        description="Reward models scored after the reward functions, as TRL scores a sequence classifier: "
+        "checkpoint paths, hub ids or builtin:tiny-reward; each loaded on placement.reward_model.",
+    )
 
     @field_validator("rewards")
     @classmethod

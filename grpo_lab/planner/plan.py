@@ -20,6 +20,7 @@ from .estimate import (
 )
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of
+from .reward_items import add_reward_models, reward_device
 from .sharded import build_sharded
 
 
@@ -71,6 +72,8 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
     if config.reference_strategy == "copy":
         names.append(_home(config.reference_device))
+    if config.data.reward_models:
+        names.append(reward_device(config))
     devices = {d: DevicePlan(d, capacity_of(d, config)) for d in dict.fromkeys(names)}
     for d in devices.values():
         if d.device != "host":
@@ -84,6 +87,7 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     micro = add_learner(devices[learner], devices["host"], ref, config, shape)
     if gen.own_weights:
         add_engine(devices, config, shape, gen.chunk_size or grpo.prompts_per_step * grpo.num_generations)
+    add_reward_models(devices, config)
     return devices, micro
 
 

@@ -1,0 +1,63 @@
+"""The reward models' plan lines (data.reward_models, models/reward_model.py) on placement.reward_model: each model's
+weights, resident (model.dtype, or nf4 with placement.reward_model_4bit), and its scoring micro-batch's activations, a
+transient of the rewards phase. A sequence classifier has no LM head: its score head is one row of the hidden size.
+"""
+
+from __future__ import annotations
+
+from ..models.shapes import ModelShape, load_shape
+from .estimate import DTYPE_BYTES, DevicePlan, nf4_bits
+
+FIELD = "data.reward_models"
+
+
+def reward_device(config) -> str:
+    """The plan's name of the reward models' device ('host' for the CPU)."""
+    device = config.placement.reward_model_device()
+    return "host" if device == "cpu" else device
+
+
+def reward_weight_bytes(shape: ModelShape, config) -> tuple[float, str]:
+    """A reward model's weights: its linear layers in model.dtype or nf4, its embedding, norms and score head (one
+    [1, hidden] row; no LM head) in model.dtype."""
+    model, e = config.model, DTYPE_BYTES[config.model.dtype]
+    dense = (shape.vocab * shape.hidden + (2 * shape.layers + 2) * shape.hidden + shape.router_params) * e
+    if config.placement.reward_model_4bit:
+        bits = nf4_bits(model.bnb_4bit_use_double_quant)
+        return shape.linear_params * bits / 8 + dense, f"{model.bnb_4bit_quant_type} {bits:.2f} bit + embeddings"
+    return shape.linear_params * e + dense, model.dtype
+
+
+def scoring_bytes(shape: ModelShape, config) -> tuple[float, int, int]:
+    """(bytes, rows, tokens a row) of one scoring forward in inference mode, grpo.micro_batch_size rows (the batch
+    when null) of prompt + completion at their longest. Only one layer's intermediates live at a time; measured on the
+    CPU with torch.profiler's allocation events (tests/test_reward_model.py): the MLP's peak, the residual stream and
+    its normed copy (2 x hidden) beside the activated gate, the up projection and their product (3 x intermediate),
+    per token; and the padding mask over [rows, length, length], boolean and once more in the compute dtype (a batch
+    of completions of varied length always has one). A 4-bit model also dequantizes its largest weight."""
+    grpo, gen = config.grpo, config.generator
+    e = DTYPE_BYTES[config.model.bnb_4bit_compute_dtype if config.placement.reward_model_4bit else config.model.dtype]
+    rows = grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
+    length = gen.max_prompt_length + gen.max_completion_length
+    width = 2 * shape.hidden + 3 * (shape.intermediate or shape.shared_intermediate)
+    mask = rows * length * length * (1 + e)
+    dequant = shape.largest_weight * e if config.placement.reward_model_4bit else 0
+    return rows * length * width * e + mask + dequant, rows, length
+
+
+def add_reward_models(devices: dict[str, DevicePlan], config) -> None:
+    """Each of data.reward_models on its device (in `devices` already): its weights and its scoring pass."""
+    dev = devices.get(reward_device(config))
+    for name in config.data.reward_models:
+        shape = load_shape(name, FIELD)
+        weights, fmt = reward_weight_bytes(shape, config)
+        short = name.rstrip("/").split("/")[-1]
+        dev.roles.append(f"reward model {short}")
+        dev.add(f"reward model {short}: weights", weights, fmt)
+        scoring, rows, length = scoring_bytes(shape, config)
+        dev.add(
+            f"reward model {short}: scoring",
+            scoring,
+            f"{rows} rows x {length} tokens a forward (grpo.micro_batch_size), inference mode",
+            phase="rewards",
+        )
