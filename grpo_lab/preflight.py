@@ -46,6 +46,11 @@ def preflight(config: LabConfig) -> None:
         check_hf_placement(config)
     for name in config.data.rewards:
         resolve_reward(name)
+    if config.data.reward_models:
+        from .models.reward_model import check_reward_model
+
+        for name in config.data.reward_models:
+            check_reward_model(name)
     if config.data.dataset != "arithmetic":
         rows = load_rows(config.data.dataset, config.data.num_prompts, config.run.seed)
         if config.grpo.prompts_per_step > len(rows):

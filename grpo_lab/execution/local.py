@@ -60,6 +60,15 @@ LOCAL: dict[str, Callable] = {
 }
 
 
+def check_new_reward_models(config, new) -> None:
+    """An edit of data.reward_models is checked before its rebuild, which drops the old models first."""
+    from ..models.reward_model import check_reward_model
+
+    if new.data.reward_models != config.data.reward_models:
+        for name in new.data.reward_models:
+            check_reward_model(name)
+
+
 def put_back(generator, device: str) -> None:
     """The learner's state a parked rollout left in host memory (the hf generator's Parking), back on `device`; an
     out-of-memory error is one line (what is still held stays held: the next command tries again)."""
@@ -210,10 +219,19 @@ class LocalExecutor:
         moved there (at load, and when data.reward_models changes)."""
         device = self.config.placement.reward_model_device()
         self.reward_models = []  # why first: the old models go before the new ones load
+        if runtime().is_rank:
+            return  # a sharded learner's driver scores; it hands each rank the scores (take_scores)
         self.reward_models = [load_reward_model(name, self.config, device) for name in self.config.data.reward_models]
         for fn in self.reward_funcs:
             if isinstance(fn, RewardModel):
                 fn.to(device)
+
+    def take_scores(self, scores: list[tuple[str, list[float]]]) -> None:
+        """A rank: the reward models' scores of this step's rollout, as the driver computed them, (name, scores) each;
+        its rewards phase reads them after the reward functions, as one process reads its reward models."""
+        from ..models.reward_model import GivenScores
+
+        self.reward_models = [GivenScores(name, values) for name, values in scores]
 
     def release(self) -> None:
         if self.generator is not None:
@@ -226,6 +244,7 @@ class LocalExecutor:
     # --- edits (config/edits.py) ---
     def check_live(self, config) -> None:
         self.generator.check_live(config)
+        check_new_reward_models(self.config, config)
 
     def memory_watch(self) -> list[str]:
         """The devices an edit may put a model on without a new Lab (knobs: a reference copy after load)."""

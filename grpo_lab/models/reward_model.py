@@ -82,6 +82,27 @@ class RewardModel:
         self.model = None
 
 
+class GivenScores:
+    """A reward model's scores computed elsewhere (a sharded learner's driver scores; each rank is handed them), called
+    as the reward model would be, under its name."""
+
+    def __init__(self, name: str, scores: list[float]):
+        self.__name__, self.scores = name, scores
+
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        return self.scores
+
+
+def check_reward_model(name: str) -> str:
+    """One of data.reward_models before any weight is read: a checkpoint directory (a built-in one built), or a hub id;
+    a checkpoint whose config.json names no sequence classifier is refused. Returns what to load."""
+    from .source import check_model_path
+
+    path = check_model_path(name, FIELD)
+    check_architectures(path, name)
+    return path
+
+
 def as_messages(completion) -> list[dict]:
     """A completion as TRL passes a conversational one: its messages; plain text as one assistant message."""
     return completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
@@ -120,10 +141,8 @@ def load_reward_model(name: str, config, device: str) -> RewardModel:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from .learner import _DTYPES, quantization_config
-    from .source import check_model_path
 
-    path = check_model_path(name, FIELD)
-    check_architectures(path, name)
+    path = check_reward_model(name)
     kwargs = dict(dtype=_DTYPES[config.model.dtype], device_map={"": device}, num_labels=1)
     if config.placement.reward_model_4bit:
         kwargs["quantization_config"] = quantization_config(

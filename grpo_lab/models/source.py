@@ -44,10 +44,12 @@ def check_model_path(name_or_path: str, field: str = "model.name_or_path") -> st
             raise LabError(f"{field}: {name_or_path!r} has no config.json; point it at a checkpoint directory")
         return name_or_path
     if path.exists() or not _HUB_ID.match(name_or_path) or name_or_path.startswith("."):
-        fix = f"build the tiny model with `grpo-lab tiny {name_or_path}` or" if field == "model.name_or_path" else ""
-        raise LabError(
-            f"{field}: {name_or_path!r} does not exist; {fix or 'give a hub id or'} give a checkpoint directory"
+        fix = (
+            f"build the tiny model with `grpo-lab tiny {name_or_path}` or give a checkpoint directory"
+            if field == "model.name_or_path"
+            else "give a checkpoint directory, a hub id or a builtin: name"
         )
+        raise LabError(f"{field}: {name_or_path!r} does not exist; {fix}")
     return name_or_path
 
 

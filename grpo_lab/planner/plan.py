@@ -200,6 +200,8 @@ def candidate_fixes(config) -> list[tuple[str, list[str]]]:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
     if config.reference_strategy == "copy":
         out.append(("reference.strategy: adapter-disabled (no copy)", ["reference.strategy=adapter-disabled"]))
+    if config.data.reward_models and not config.placement.reward_model_4bit:
+        out.append(("placement.reward_model_4bit: true", ["placement.reward_model_4bit=true"]))
     if config.model.dtype == "float32":
         out.append(("model.dtype: bfloat16", ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]))
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..models.shapes import ModelShape, load_shape
 from .estimate import DTYPE_BYTES, DevicePlan, nf4_bits
+from .parts import capacity_of
 
 FIELD = "data.reward_models"
 
@@ -46,18 +47,26 @@ def scoring_bytes(shape: ModelShape, config) -> tuple[float, int, int]:
 
 
 def add_reward_models(devices: dict[str, DevicePlan], config) -> None:
-    """Each of data.reward_models on its device (in `devices` already): its weights and its scoring pass."""
-    dev = devices.get(reward_device(config))
+    """Each of data.reward_models on its device (added to `devices` when not there): its weights and its scoring."""
+    if not config.data.reward_models:
+        return
+    device = reward_device(config)
+    if device not in devices:  # (a sharded learner's driver on a GPU of its own)
+        devices[device] = DevicePlan(device, capacity_of(device, config))
+        devices[device].add_cuda_runtime()
+    dev, scoring = devices[device], []
     for name in config.data.reward_models:
         shape = load_shape(name, FIELD)
         weights, fmt = reward_weight_bytes(shape, config)
         short = name.rstrip("/").split("/")[-1]
         dev.roles.append(f"reward model {short}")
         dev.add(f"reward model {short}: weights", weights, fmt)
-        scoring, rows, length = scoring_bytes(shape, config)
-        dev.add(
-            f"reward model {short}: scoring",
-            scoring,
-            f"{rows} rows x {length} tokens a forward (grpo.micro_batch_size), inference mode",
-            phase="rewards",
-        )
+        scoring.append((*scoring_bytes(shape, config), short))
+    # why the largest alone: the models score one after another, each forward's activations gone before the next
+    nbytes, rows, length, short = max(scoring)
+    dev.add(
+        f"reward model {short}: scoring" if len(scoring) == 1 else f"reward models: scoring ({short}'s, the largest)",
+        nbytes,
+        f"{rows} rows x {length} tokens a forward (grpo.micro_batch_size), inference mode",
+        phase="rewards",
+    )
