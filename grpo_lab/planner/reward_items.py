@@ -29,21 +29,31 @@ def reward_weight_bytes(shape: ModelShape, config) -> tuple[float, str]:
     return shape.linear_params * e + dense, model.dtype
 
 
+# A scoring forward's peak on the CPU, per token, beyond the widths scoring_bytes counts: measured with torch.profiler's
+# allocation events on three tiny shapes (hidden 128/256, intermediate 256/512; 4 rows of 229-859 tokens; float32 and
+# bfloat16), where the MLP's peak kept 1,170 bytes a token in float32 (half in bfloat16) and the attention's 840 bytes
+# in either dtype (SDPA's float32 buffers), as hidden and intermediate grew
+MLP_EXTRA, ATTENTION_EXTRA = 1170, 840
+
+
 def scoring_bytes(shape: ModelShape, config) -> tuple[float, int, int]:
     """(bytes, rows, tokens a row) of one scoring forward in inference mode, grpo.micro_batch_size rows (the batch
-    when null) of prompt + completion at their longest. Only one layer's intermediates live at a time; measured on the
-    CPU with torch.profiler's allocation events (tests/test_reward_model.py): the MLP's peak, the residual stream and
-    its normed copy (2 x hidden) beside the activated gate, the up projection and their product (3 x intermediate),
-    per token; and the padding mask over [rows, length, length], boolean and once more in the compute dtype (a batch
-    of completions of varied length always has one). A 4-bit model also dequantizes its largest weight."""
+    when null) of prompt + completion at their longest. Only one layer's intermediates live at a time, and the padding
+    mask over [rows, length, length] (boolean; a batch of completions of varied length always has one) through them
+    all. The layer's peak is its MLP's (the residual stream, its normed copy and two more of hidden width beside the
+    gate, the up projection and their product) or, on long rows, its attention's, where SDPA holds the mask once more
+    in the compute dtype beside the residual stream, its normed copy, the query three times and the key and value
+    twice. Measured on the CPU (tests/test_reward_model.py). A 4-bit model also dequantizes its largest weight."""
     grpo, gen = config.grpo, config.generator
     e = DTYPE_BYTES[config.model.bnb_4bit_compute_dtype if config.placement.reward_model_4bit else config.model.dtype]
     rows = grpo.micro_batch_size or grpo.prompts_per_step * grpo.num_generations
     length = gen.max_prompt_length + gen.max_completion_length
-    width = 2 * shape.hidden + 3 * (shape.intermediate or shape.shared_intermediate)
-    mask = rows * length * length * (1 + e)
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    tokens, square = rows * length, rows * length * length
+    mlp = tokens * ((4 * h + 3 * (shape.intermediate or shape.shared_intermediate)) * e + MLP_EXTRA * e / 4) + square
+    attention = tokens * ((2 * h + 3 * q + 2 * kv) * e + ATTENTION_EXTRA) + square * (1 + e)
     dequant = shape.largest_weight * e if config.placement.reward_model_4bit else 0
-    return rows * length * width * e + mask + dequant, rows, length
+    return max(mlp, attention) + dequant, rows, length
 
 
 def add_reward_models(devices: dict[str, DevicePlan], config) -> None:
