@@ -121,7 +121,13 @@ def test_a_model_that_is_not_a_sequence_classifier_is_one_line(tiny_model):
         Lab(cpu_config(tiny_model), reward_funcs=[causal])
 
 
-def test_a_missing_reward_model_is_one_line_and_nothing_loads(tiny_model, tmp_path):
+def test_a_missing_reward_model_is_one_line_and_nothing_loads(tiny_model, tmp_path, monkeypatch):
+    import grpo_lab.models.learner
+
+    def load_learner(*args, **kwargs):
+        raise AssertionError("the learner was loaded before the missing reward model was refused")
+
+    monkeypatch.setattr(grpo_lab.models.learner, "load_learner", load_learner)
     missing = str(tmp_path / "no-such-model")
     lab = Lab(cpu_config(tiny_model, f"data.reward_models=[{missing}]"))
     with pytest.raises(LabError) as err:
@@ -129,7 +135,7 @@ def test_a_missing_reward_model_is_one_line_and_nothing_loads(tiny_model, tmp_pa
     assert str(err.value) == (
         f"data.reward_models: {missing!r} does not exist; give a checkpoint directory, a hub id or a builtin: name"
     )
-    assert lab.learner is None  # refused before any weight was read
+    assert lab.learner is None
 
 
 def test_a_lab_scores_its_rollouts_with_the_reward_model(tiny_model, reward_path):
@@ -192,13 +198,18 @@ def scoring_peak(fn) -> int:
     return peak
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_plan_line_holds_the_measured_peak(tiny_model, reward_path, dtype):
+@pytest.mark.parametrize(
+    "dtype, words",
+    [("float32", 60), ("bfloat16", 60), ("float32", 15)],
+    ids=["float32-906-tokens", "bfloat16-906-tokens", "float32-252-tokens"],
+)
+def test_the_plan_line_holds_the_measured_peak(tiny_model, reward_path, dtype, words):
     """The reward model's weights and its scoring pass's peak (micro-batches of 4 rows of varied length, the longest
-    the planned prompt + completion) against its plan lines: within 0.9-1.1."""
+    the planned prompt + completion) against its plan lines: within 0.9-1.1. Long rows peak in the attention, short ones
+    in the MLP."""
     from grpo_lab.planner import plan
 
-    prompts = [[{"role": "user", "content": "12 + 34 = 46. " * k}] for k in (60, 45, 30, 52)]
+    prompts = [[{"role": "user", "content": "12 + 34 = 46. " * (k * words // 60)}] for k in (60, 45, 30, 52)]
     completions = [[{"role": "assistant", "content": "<answer>46</answer> " * k}] for k in (6, 10, 3, 8)]
     probe = load_reward_model(reward_path, cpu_config(tiny_model), "cpu")
     longest = max(
