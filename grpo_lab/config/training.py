@@ -54,7 +54,8 @@ class GRPOSection(Section):
         None,
         gt=0,
         planned=True,
-        description="Sequences per log-prob/backward forward pass; null = the whole batch at once.",
+        description="Sequences per log-prob/backward forward pass, and per reward-model scoring forward; null = the "
+        "whole batch at once.",
     )
     logprob_chunk_size: int = knob(
         "live",

@@ -218,7 +218,9 @@ class LocalExecutor:
         """data.reward_models loaded on placement.reward_model, and the sequence classifiers passed in reward_funcs
         moved there (at load, and when data.reward_models changes)."""
         device = self.config.placement.reward_model_device()
-        self.reward_models = []  # why first: the old models go before the new ones load
+        for model in self.reward_models:
+            model.release()  # why first: the old models go before the new ones load
+        self.reward_models = []
         if runtime().is_rank:
             return  # a sharded learner's driver scores; it hands each rank the scores (take_scores)
         self.reward_models = [load_reward_model(name, self.config, device) for name in self.config.data.reward_models]

@@ -146,7 +146,9 @@ class RankExecutor:
         from ...models.reward_model import load_reward_model
 
         device = self.config.placement.reward_model_device()
-        self.reward_models = []  # why first: the old models go before the new ones load
+        for model in self.reward_models:
+            model.release()  # why first: the old models go before the new ones load
+        self.reward_models = []
         self.reward_models = [load_reward_model(name, self.config, device) for name in self.config.data.reward_models]
 
     def release(self) -> None:
