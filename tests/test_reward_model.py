@@ -233,3 +233,40 @@ def test_the_plan_line_holds_the_measured_peak(tiny_model, reward_path, dtype, w
         f"measured {measured / 2**20:.2f} MiB (weights {weights / 2**20:.2f}) against planned {planned / 2**20:.2f} "
         f"MiB: {[(i.what, round(i.bytes / 2**20, 2)) for i in lines]}, {longest} tokens"
     )
+
+
+def test_a_4bit_reward_model_scores_near_its_16bit_self_and_its_weights_are_planned(tiny_model, reward_path):
+    """placement.reward_model_4bit: every linear layer of the body in nf4 (bitsandbytes, as the learner), the score head
+    kept; its scores near the float32 model's, its weights line within 0.9-1.1 of its bytes (quant state included)."""
+    from bitsandbytes.nn import Linear4bit
+
+    from grpo_lab.models.shapes import load_shape
+    from grpo_lab.planner.reward_items import reward_weight_bytes
+
+    config = cpu_config(tiny_model, "placement.reward_model_4bit=true")
+    quantized = load_reward_model(reward_path, config, "cpu")
+    layers = [m for m in quantized.model.modules() if isinstance(m, Linear4bit)]
+    assert len(layers) == 7 * quantized.model.config.num_hidden_layers
+    assert not isinstance(quantized.model.score, Linear4bit)
+    prompts, completions = batches(conversational=True)
+    plain = load_reward_model(reward_path, cpu_config(tiny_model), "cpu")(prompts=prompts, completions=completions)
+    assert quantized(prompts=prompts, completions=completions) == pytest.approx(plain, abs=0.05)
+    tensors = [*quantized.model.parameters(), *quantized.model.buffers()]
+    for layer in layers:
+        state = layer.weight.quant_state
+        tensors += [state.absmax, state.code, *((state.state2.absmax, state.state2.code) if state.nested else ())]
+    measured = sum(t.numel() * t.element_size() for t in tensors)
+    planned, _ = reward_weight_bytes(load_shape("builtin:tiny-reward"), config)
+    assert 0.9 <= measured / planned <= 1.1, f"measured {measured} bytes, planned {planned:.0f}"
+
+
+def test_a_sharded_learners_reward_model_is_refused_on_a_ranks_gpu():
+    """The driver scores: on a rank's GPU it would compete with the rank, unplanned there; one line, the fix."""
+    sharded = ["placement.learner=cuda:0", "placement.learner_procs=2", "data.reward_models=[builtin:tiny-reward]"]
+    with pytest.raises(LabError) as err:
+        load_config("tiny-cpu", sharded)
+    assert str(err.value) == (
+        "placement.reward_model: cuda:0 is a learner rank's GPU (placement.learner_procs: 2 from cuda:0), and a "
+        "sharded learner's driver scores with the reward models; place them on another GPU or cpu"
+    )
+    assert load_config("tiny-cpu", [*sharded, "placement.reward_model=cpu"]).placement.reward_model == "cpu"
