@@ -155,7 +155,9 @@ def test_a_lab_scores_its_rollouts_with_the_reward_model(tiny_model, reward_path
         "data.reward_models=[builtin:tiny-reward]",
         "data.reward_weights=[1, 1, 0.5]",
     )
-    lab = Lab(cfg, reward_funcs=[exact_answer, capture]).load()
+    lab = Lab(cfg, reward_funcs=[exact_answer, capture])
+    assert "reward model (builtin:tiny-reward)" in repr(lab.placement)  # who sits where, before load
+    lab.load()
     try:
         name = lab.executor.reward_models[0].__name__
         results = [lab.step() for _ in range(2)]

@@ -175,6 +175,8 @@ class LocalExecutor:
             on_host.append("the learner (placement.learner=cpu)")
         if config.reference_strategy == "copy" and config.reference_device == "cpu":
             on_host.append("the reference copy (reference.device=cpu)")
+        if self.reward_models and config.placement.reward_model_device() == "cpu" and config.placement.learner != "cpu":
+            on_host.append("the reward models (placement.reward_model=cpu)")
         return "in host RAM: " + ", ".join(on_host) if on_host else ""
 
     @property
