@@ -116,6 +116,8 @@ def test_a_model_that_is_not_a_sequence_classifier_is_one_line(tiny_model):
     message = str(err.value)
     assert "\n" not in message and message.startswith("data.reward_models: ")
     assert "Qwen2ForCausalLM, not a sequence classifier" in message and "ForSequenceClassification" in message
+    with pytest.raises(LabError, match=r"is a Qwen2ForCausalLM, not a sequence classifier"):  # its config, at load
+        load_reward_model(tiny_model, cpu_config(tiny_model), "cpu")
     causal = AutoModelForCausalLM.from_pretrained(tiny_model)
     with pytest.raises(LabError, match=r"is a Qwen2ForCausalLM, not a sequence classifier"):
         Lab(cpu_config(tiny_model), reward_funcs=[causal])

@@ -110,7 +110,7 @@ def as_messages(completion) -> list[dict]:
 
 def check_classifier(model, name: str) -> None:
     """A model that is not a sequence classifier has no score head to read: refused in one line."""
-    kind = type(model).__name__
+    kind = type(getattr(model, "_orig_mod", model)).__name__  # (torch.compile wraps the model, as TRL allows)
     if not kind.endswith(CLASSIFIER):
         raise LabError(
             f"{FIELD}: {name!r} is a {kind}, not a sequence classifier; give a reward model saved as "
@@ -118,16 +118,17 @@ def check_classifier(model, name: str) -> None:
         )
 
 
-def check_architectures(path: str, name: str) -> None:
-    """The same refusal before any weight is read, from a checkpoint's config.json."""
+def check_architectures(path: str, name: str, kinds: Optional[list] = None) -> None:
+    """The same refusal before any weight is read, from the classes a checkpoint's config.json names (`kinds`, else
+    read from a local checkpoint; a hub id's are checked at load, from its config)."""
     from pathlib import Path
 
     from .shapes import read_model_config
 
     config = Path(path) / "config.json"
-    if not config.is_file():
-        return  # a hub id: its config is read by from_pretrained, and the loaded class is checked then
-    kinds = read_model_config(config, FIELD).get("architectures") or ["no architectures"]
+    if kinds is None and not config.is_file():
+        return
+    kinds = (kinds if kinds is not None else read_model_config(config, FIELD).get("architectures")) or ["no class"]
     if not any(k.endswith(CLASSIFIER) for k in kinds):
         raise LabError(
             f"{FIELD}: {name!r} is a {kinds[0]}, not a sequence classifier; give a reward model saved as "
@@ -138,7 +139,7 @@ def check_architectures(path: str, name: str) -> None:
 def load_reward_model(name: str, config, device: str) -> RewardModel:
     """`name` (a path, `builtin:NAME` or a hub id) on `device`, in model.dtype or, with placement.reward_model_4bit, in
     4-bit with the learner's bitsandbytes settings; scored in micro-batches of grpo.micro_batch_size."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from .learner import _DTYPES, quantization_config
 
@@ -149,6 +150,7 @@ def load_reward_model(name: str, config, device: str) -> RewardModel:
             SimpleNamespace(**{**dict(config.model), "load_in_4bit": 1})
         )
     try:
+        check_architectures(path, name, AutoConfig.from_pretrained(path).architectures or [])  # why: before weights
         model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
