@@ -108,7 +108,7 @@ def test_micro_batches_give_the_scores_of_one_batch(tiny_model, reward_path):
     assert each == pytest.approx(one, abs=1e-5)
 
 
-def test_a_model_that_is_not_a_sequence_classifier_is_one_line(tiny_model):
+def test_a_model_that_is_not_a_sequence_classifier_is_one_line(tiny_model, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(LabError) as err:
@@ -116,8 +116,13 @@ def test_a_model_that_is_not_a_sequence_classifier_is_one_line(tiny_model):
     message = str(err.value)
     assert "\n" not in message and message.startswith("data.reward_models: ")
     assert "Qwen2ForCausalLM, not a sequence classifier" in message and "ForSequenceClassification" in message
-    with pytest.raises(LabError, match=r"is a Qwen2ForCausalLM, not a sequence classifier"):  # its config, at load
+    import grpo_lab.models.reward_model as reward_model
+
+    # a hub id: its config.json is not on disk before load, so the check before load passes it; the load refuses it
+    monkeypatch.setattr(reward_model, "check_reward_model", lambda name: name)
+    with pytest.raises(LabError, match=r"is a Qwen2ForCausalLM, not a sequence classifier"):
         load_reward_model(tiny_model, cpu_config(tiny_model), "cpu")
+    monkeypatch.undo()
     causal = AutoModelForCausalLM.from_pretrained(tiny_model)
     with pytest.raises(LabError, match=r"is a Qwen2ForCausalLM, not a sequence classifier"):
         Lab(cpu_config(tiny_model), reward_funcs=[causal])
