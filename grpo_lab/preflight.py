@@ -45,6 +45,11 @@ def preflight(config: LabConfig, train_dataset=None) -> None:
         check_hf_placement(config)
     for name in config.data.rewards:
         resolve_reward(name)
+    if config.data.reward_models:
+        from .models.reward_model import check_reward_model
+
+        for name in config.data.reward_models:
+            check_reward_model(name)
     check_data(config, train_dataset)
 
 

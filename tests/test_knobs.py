@@ -151,6 +151,7 @@ EDITS = {
     "generator.quantization": {"generator.quantization": "awq", "generator.backend": "vllm"},
     "generator.sleep_mode": {"generator.sleep_mode": True, "generator.backend": "vllm"},
     "reference.device": {"reference.device": "cpu"},
+    "placement.reward_model": {"placement.reward_model": "cpu"},
     "run.output_dir": {"run.output_dir": "runs/elsewhere"},
     "memory.host_mmap_threshold_mib": {"memory.host_mmap_threshold_mib": 1.0},
 }
@@ -731,6 +732,20 @@ def test_rewards_rebuild_the_reward_functions(lab):
     lab.config.generator.max_completion_length = 2
     rewards = lab.rewards(lab.rollout())
     assert rewards.names == ["length"] and rewards.per_function.shape[1] == 1
+
+
+@observes("data.reward_models")
+def test_reward_models_rebuild_the_reward_models(lab, tmp_path):
+    lab.config.data.reward_models = ["builtin:tiny-reward"]
+    [model] = lab.executor.reward_models  # at once
+    lab.config.generator.max_completion_length = 2
+    rewards = lab.rewards(lab.rollout())
+    assert rewards.names[-1] == model.__name__ and rewards.per_function.shape[1] == 4
+    with pytest.raises(LabError, match=r"^data.reward_models: .* does not exist"):
+        lab.config.data.reward_models = [str(tmp_path / "missing")]
+    assert lab.executor.reward_models == [model] and lab.config.data.reward_models == ["builtin:tiny-reward"]
+    lab.config.data.reward_models = []
+    assert lab.executor.reward_models == [] and model.model is None  # released
 
 
 @observes("data.dataset")

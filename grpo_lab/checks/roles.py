@@ -108,6 +108,8 @@ def check_one_process(config) -> None:
 def check_sharding(config) -> None:
     """What a sharded learner cannot do, refused before anything starts (checks/world.py checks its
     devices and engine)."""
+    from ..runtime import rank_devices
+
     procs, gen, g = config.placement.learner_procs, config.generator, config.grpo
     if gen.hf_decode == "merged":
         raise ValueError(
@@ -115,8 +117,6 @@ def check_sharding(config) -> None:
             f"over {procs} ranks; use dynamic (or auto, which picks it here)"
         )
     if gen.own_weights:  # vllm: one engine in the driver's process, never on a rank's device
-        from ..runtime import rank_devices
-
         shared = sorted(
             set(rank_devices(config.placement.learner, procs)) & set(config.placement.generator_devices()) - {"cpu"}
         )
@@ -137,6 +137,13 @@ def check_sharding(config) -> None:
                 "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
                 "set it to true"
             )
+    scorer = config.placement.reward_model_device()
+    if config.data.reward_models and scorer in rank_devices(config.placement.learner, procs) and scorer != "cpu":
+        raise ValueError(
+            f"placement.reward_model: {scorer} is a learner rank's GPU (placement.learner_procs: {procs} from "
+            f"{config.placement.learner}), and a sharded learner's driver scores with the reward models; place them "
+            "on another GPU or cpu"
+        )
     if config.placement.ray_address not in (None, "auto"):
         try:
             parse_address(config.placement.ray_address)

@@ -143,11 +143,30 @@ class PlacementSection(Section):
         description="Sharded learner: the Ray cluster its ranks run on, "
         "'host:port' of its head (`ray start --head`) or 'auto'; null = a Ray on this machine, started by the Lab.",
     )
+    reward_model: Optional[str] = knob(
+        "load",
+        None,
+        planned=True,
+        description="Device of the reward models (data.reward_models, and sequence classifiers passed in "
+        "reward_funcs); null = the learner's device.",
+    )
+    reward_model_4bit: bool = knob(
+        "load",
+        False,
+        planned=True,
+        description="Load the reward models in 4-bit with bitsandbytes (model.bnb_4bit_* settings); false = in "
+        "model.dtype.",
+    )
 
     @field_validator("learner", mode="before")
     @classmethod
     def _learner(cls, v):
         return normalize_device(v)
+
+    @field_validator("reward_model", mode="before")
+    @classmethod
+    def _reward_model(cls, v):
+        return None if v is None else normalize_device(v)
 
     @field_validator("generator", mode="before")
     @classmethod
@@ -161,6 +180,9 @@ class PlacementSection(Section):
 
     def generator_devices(self) -> list[str]:
         return self.generator or [self.learner]
+
+    def reward_model_device(self) -> str:
+        return self.reward_model or self.learner
 
 
 class GeneratorSection(Section):

@@ -54,7 +54,8 @@ class GRPOSection(Section):
         None,
         gt=0,
         planned=True,
-        description="Sequences per log-prob/backward forward pass; null = the whole batch at once.",
+        description="Sequences per log-prob/backward forward pass, and per reward-model scoring forward; null = the "
+        "whole batch at once.",
     )
     logprob_chunk_size: int = knob(
         "live",
@@ -210,6 +211,13 @@ class DataSection(Section):
     )
     reward_weights: Optional[list[float]] = knob(
         "live", None, description="One weight per reward function; null = all 1."
+    )
+    reward_models: list[str] = knob(
+        "rebuild",
+        default_factory=list,
+        planned=True,
+        description="Reward models scored after the reward functions, as TRL scores a sequence classifier: "
+        "checkpoint paths, hub ids or builtin:tiny-reward; each loaded on placement.reward_model.",
     )
 
     @field_validator("rewards")

@@ -20,6 +20,7 @@ from .estimate import (
 )
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of
+from .reward_items import add_reward_models, reward_device
 from .sharded import build_sharded
 
 
@@ -72,6 +73,8 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
     if config.reference_strategy == "copy":
         names.append(_home(config.reference_device))
+    if config.data.reward_models:
+        names.append(reward_device(config))
     devices = {d: DevicePlan(d, capacity_of(d, config)) for d in dict.fromkeys(names)}
     for d in devices.values():
         if d.device != "host":
@@ -85,6 +88,7 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     micro = add_learner(devices[learner], devices["host"], ref, config, shape)
     if gen.own_weights:
         add_engine(devices, config, shape, gen.chunk_size or grpo.prompts_per_step * grpo.num_generations)
+    add_reward_models(devices, config)
     return devices, micro
 
 
@@ -197,6 +201,8 @@ def candidate_fixes(config) -> list[tuple[str, list[str]]]:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
     if config.reference_strategy == "copy":
         out.append(("reference.strategy: adapter-disabled (no copy)", ["reference.strategy=adapter-disabled"]))
+    if config.data.reward_models and not config.placement.reward_model_4bit:
+        out.append(("placement.reward_model_4bit: true", ["placement.reward_model_4bit=true"]))
     if config.model.dtype == "float32":
         out.append(("model.dtype: bfloat16", ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]))
     return out
