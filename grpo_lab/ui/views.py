@@ -96,15 +96,16 @@ class LabViews:
         return write_report(Path(path), self.memory, self.history, title=title, config=self.config.to_dict())
 
     def memory_table(self, step: Optional[int] = None) -> str:
-        """The per-phase memory table (MiB) of `step` (default: the last one)."""
-        from ..memory import format_table
+        """The per-phase memory table (MiB) of `step` (default: the last one): a str, the text `print()` shows, and an
+        HTML table on its own in a cell (memory.tables.MemoryTable)."""
+        from ..memory.tables import MemoryTable
 
         if step is None and not self.history:
             raise LabError(
                 "lab.memory_table(): no step has finished yet; run lab.step() (or a phase walk up to its sync) first"
             )
         step = self.history[-1].step if step is None else step
-        return format_table(self.memory.rows_for(step))
+        return MemoryTable(self.memory.rows_for(step), step)
 
     # --- what a cell shows for the Lab itself ---
     def _summary(self) -> list[tuple[str, str]]:
