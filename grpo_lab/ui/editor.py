@@ -232,10 +232,25 @@ class ConfigEditor:
         )
         self.widget.add_class("grpo-lab-editor")
         self._syncing = False
+        self.retired: Optional[str] = None  # why this editor is off (a newer panel edits the config now)
+        self.buttons = (self.path, load, save)
         self.lock_load_time()
 
+    def retire(self, why: str) -> None:
+        """A newer panel edits this config now: every input is off and the editor hidden, so no two panels show
+        different values for one field (an edit there, or in a cell, would leave this one's values behind)."""
+        self.retired = why
+        for widget, _ in self.inputs.values():
+            widget.disabled = True
+        for widget in self.buttons:
+            widget.disabled = True
+        self.widget.layout.display = "none"
+
     def lock_load_time(self) -> None:
-        """Load-time fields are read-only once the Lab is loaded (and editable again before)."""
+        """Load-time fields are read-only once the Lab is loaded (and editable again before); all are on a retired
+        editor."""
+        if self.retired is not None:
+            return
         locked = self.loaded()
         for (section, name), (widget, _) in self.inputs.items():
             widget.disabled = locked and field_when(f"{section}.{name}") == "load"
@@ -252,6 +267,9 @@ class ConfigEditor:
         field, keeping the typed value in view (the config keeps its own). Returns whether applied."""
         _, parse = self.inputs[(section, name)]
         path = f"{section}.{name}"
+        if self.retired is not None:  # what a disabled input cannot send, set() refuses
+            self.errors[(section, name)].show(self.retired)
+            return False
         try:
             changed = self.config.update({path: parse(raw)})
         except (LabError, yaml.YAMLError, ValueError, TypeError) as err:
@@ -311,6 +329,9 @@ class ConfigEditor:
 
     def load(self, path: str) -> None:
         """Apply a YAML file's values, all at once (a loaded Lab refuses a file whose load-time fields differ)."""
+        if self.retired is not None:
+            self._error(self.retired)
+            return
         try:
             self.config.assign(load_config(Path(path)))
         except LabError as err:

@@ -66,15 +66,20 @@ class LabViews:
 
     def ui(self):
         """The notebook panel: config editor, step controls and the live memory plot; the controls' step count follows
-        run.steps as the editor changes it (unless one was typed). In a headless run a line that says so, no widget."""
+        run.steps as the editor changes it (unless one was typed). It replaces this Lab's earlier panel, whose editor
+        and buttons go off with a line saying which panel is live. In a headless run a line that says so, no widget."""
         from ..runtime import frontend_is_live
         from . import Panel
         from .live import NotLive
 
         if not frontend_is_live():  # why: as memory_plot(); the panel's widgets would all be saved with the notebook
             return NotLive("The panel (config editor, step controls, live memory plot)")
-        panel = Panel(self)
+        old = getattr(self, "_panel", None)
+        panel = Panel(self, number=old.number + 1 if old else 1)
         panel.editor.on_change = lambda config: panel.controls.follow_config()
+        if old is not None:  # why: one live panel per Lab; the last one says which panel is live and takes no edits
+            old.retire(panel.number)
+        self._panel = panel
         return panel
 
     def save_results(self, path: Union[str, Path]) -> Path:
