@@ -4,6 +4,7 @@ log takes the output's width."""
 
 import threading
 
+from grpo_lab.algo.phases import PHASE_NAMES as PHASES
 from grpo_lab.ui import StepControls
 
 
@@ -88,5 +89,79 @@ def test_the_log_takes_the_outputs_width_and_an_empty_one_is_one_line_tall(loade
         assert log in panel.widget.children and log.layout.width == "100%" and panel.controls.log.layout.width == "100%"
         assert log not in panel.controls.buttons.children  # not in the buttons' fixed 440 px column
         assert "max-height:220px" in panel.controls.log.value and "'height:220px" not in panel.controls.log.value
+    finally:
+        lab.close()
+
+
+def test_a_limit_reads_the_same_in_the_live_plot_the_snapshot_and_the_plan(loaded_lab):
+    """One limit read "23.5 GiB" in the live plot, "24,105 MiB" in the snapshot and "23.54 GiB" in the plan."""
+    from grpo_lab.memory.report import capacities_of, sampler_timeline
+    from grpo_lab.memory.tables import size_text
+
+    lab = loaded_lab(placement={"host_memory_gib": 12.3456})
+    try:
+        plot = lab.memory_plot()
+        lab.step()
+        plot.refresh()
+        limit = size_text(capacities_of(lab.memory)["host"])
+        assert limit == "12.35 GiB"
+        said = [a.text for a in plot.fig.layout.annotations] + [plot.fig.layout.title.text]
+        assert any(f"host limit: {limit}" in text for text in said), said  # drawn or named off scale
+        snapshot = [a.text for a in sampler_timeline(lab.memory).layout.annotations]
+        assert any(f"host limit: {limit}" in text for text in snapshot), snapshot
+        planned = [line.split() for line in str(lab.plan()).splitlines() if line.strip().startswith("capacity")]
+        assert " ".join(planned[-1][1:]) == limit  # the host's block is the plan's last
+    finally:
+        lab.close()
+
+
+def test_every_step_is_labelled_or_the_title_says_which_are():
+    """Steps 3 and 6 had no label (a label too near the last one was dropped without a word)."""
+    from grpo_lab.algo.phases import PHASE_NAMES
+    from grpo_lab.memory.figures import timeline_figure
+
+    def figure(steps):
+        marks = [(s, p, s * 7.0 + i, s * 7.0 + i + 1) for s in range(steps) for i, p in enumerate(PHASE_NAMES)]
+        samples = [(t * 0.5, int(t // 14), "rollout", "host", "rss", 100 * 2**20) for t in range(steps * 14)]
+        fig = timeline_figure(samples, marks)
+        return fig, sorted(int(a.text.split()[1]) for a in fig.layout.annotations if a.name == "step-label")
+
+    few, labelled = figure(10)
+    assert labelled == list(range(10)) and "step labelled" not in few.layout.title.text
+    many, labelled = figure(20)  # 5 % of the view each: every other label would overlap
+    assert labelled == list(range(0, 20, 2)) and "every 2nd step labelled" in many.layout.title.text
+
+
+def test_phase_bands_are_strong_enough_for_a_dark_theme_and_drawn_under_the_lines(loaded_lab):
+    from grpo_lab.memory.figures import BAND_OPACITY
+    from grpo_lab.memory.report import sampler_timeline
+
+    lab = loaded_lab()
+    try:
+        plot = lab.memory_plot()
+        lab.step()
+        plot.refresh()
+        for shapes in (plot.fig.layout.shapes, sampler_timeline(lab.memory).layout.shapes):
+            bands = [s for s in shapes if s.type == "rect" and s.name in PHASES]
+            assert bands and all(s.opacity == BAND_OPACITY >= 0.25 and s.layer == "between" for s in bands)
+    finally:
+        lab.close()
+
+
+def test_a_snapshot_of_some_phases_shows_only_those_in_its_image_too(loaded_lab, monkeypatch):
+    """memory_snapshot(phases=[...]) narrowed the table but not the image."""
+    import grpo_lab.ui.story as story
+
+    lab = loaded_lab()
+    try:
+        lab.step()
+        shown = []
+        monkeypatch.setattr(story, "show", shown.append)
+        lab.memory_snapshot(phases=["rollout", "backward"])
+        (fig,) = shown
+        bands = {s.name for s in fig.layout.shapes if s.type == "rect" and s.name in PHASES}
+        assert bands == {"rollout", "backward"} and "phases: rollout, backward" in fig.layout.title.text
+        labels = {a.text for a in fig.layout.annotations if a.name == "band-label"}
+        assert labels <= {"rollout", "backward"}
     finally:
         lab.close()

@@ -22,6 +22,12 @@ TEXT_STYLE = ";text-align:left;white-space:nowrap"
 WRAP_STYLE = ";text-align:left;white-space:normal;min-width:14em;color:var(--jp-ui-font-color2, #555)"
 
 
+def size_text(nbytes: float) -> str:
+    """The one way a size is written in the plan, the live plot and the snapshot (a limit reads the same in all three):
+    GiB with 2 decimals from 1 GiB up, else MiB with 1."""
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 @dataclass
 class Column:
     name: str

@@ -6,16 +6,14 @@ from __future__ import annotations
 import html
 from typing import Union
 
-from ..memory.tables import TEXT_WIDTH, Column, Table, wrap_line
-from .estimate import PHASES, GiB
+from ..memory.tables import TEXT_WIDTH, Column, Table, size_text, wrap_line
+from .estimate import PHASES
 
 Block = Union[str, Table]  # a line of prose, or a device's table
 ITEM_WIDTH = 44  # the item column (indented 2 under its device): every device's block lines up in the text
 
 
-def size(nbytes: float) -> str:
-    """A planned size in the unit that fits it: GiB from 1 GiB up (2 decimals, as every limit is written), else MiB."""
-    return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB else f"{nbytes / 1024**2:.1f} MiB"
+size = size_text  # a planned size as the plots write a limit: GiB with 2 decimals from 1 GiB up, else MiB
 
 
 def wrapped_by(config) -> str:
