@@ -165,3 +165,54 @@ def test_a_snapshot_of_some_phases_shows_only_those_in_its_image_too(loaded_lab,
         assert labels <= {"rollout", "backward"}
     finally:
         lab.close()
+
+
+def visible(help_value: str) -> str:
+    """What a help line shows before a click: its text, a folded help's summary only."""
+    import re
+
+    shown = help_value.split("</summary>")[0]
+    return re.sub(r"<[^>]+>", "", shown).replace("&#10003;", "v")
+
+
+def test_the_editor_reads_lighter_badges_folded_help_and_cuda_fields_marked_on_a_cpu_lab(tiny_config):
+    """Every load-time field repeated its 80-character '[load: ...]' note (8 times on the model tab), a 791-character
+    help showed whole, and CUDA-only fields showed on a CPU Lab as any other."""
+    from grpo_lab.config.schema import LabConfig
+    from grpo_lab.ui import ConfigEditor
+    from grpo_lab.ui.field_help import FOLD_AT
+
+    editor = ConfigEditor(LabConfig.model_validate(tiny_config()))
+    cuda = {key for key, prop in editor.props.items() if prop.get("cuda_only")}
+    assert {("memory", "cuda_snapshots"), ("generator", "sleep_mode"), ("placement", "gpu_memory_gib")} <= cuda
+    for key, line in editor.help.items():
+        badge = ">load-time<" if editor.props[key]["when"] == "load" else ">live<"
+        assert badge in line.value or ">rebuild<" in line.value, key
+        assert len(visible(line.value)) <= FOLD_AT + len("load-timeCUDA only …"), (key, visible(line.value))
+        assert ("grpo-lab-badge-cuda" in line.value) == (key in cuda), key
+        assert editor.props[key]["description"] in editor.inputs[key][0].tooltip  # the whole help, on hover
+    folded = [key for key, line in editor.help.items() if "<details>" in line.value]
+    assert ("memory", "cuda_expandable_segments") in folded
+    on_gpu = ConfigEditor(LabConfig.model_validate(tiny_config(placement={"learner": "cuda:0"})))
+    assert not any("grpo-lab-badge-cuda" in line.value for line in on_gpu.help.values())
+
+
+def test_a_refused_field_is_framed_red_and_an_applied_one_ticked(tiny_config):
+    """A refused field's border stayed focus-blue; an accepted value got no sign."""
+    from grpo_lab.config.schema import LabConfig
+    from grpo_lab.ui import ConfigEditor
+
+    editor = ConfigEditor(LabConfig.model_validate(tiny_config()))
+    beta, lr = editor.inputs[("grpo", "beta")][0], editor.inputs[("grpo", "learning_rate")][0]
+    beta.value = "-1"
+    assert "grpo-lab-refused" in beta._dom_classes and "applied" not in editor.help[("grpo", "beta")].value
+    beta.value = "0.2"
+    assert "grpo-lab-refused" not in beta._dom_classes and "grpo-lab-applied" in beta._dom_classes
+    assert "applied: 0.2" in editor.help[("grpo", "beta")].value
+    lr.value = "0.002"  # the next edit: its tick, the last one's cleared
+    assert "applied: 0.002" in editor.help[("grpo", "learning_rate")].value
+    assert "applied" not in editor.help[("grpo", "beta")].value and "grpo-lab-applied" not in beta._dom_classes
+    lr.value = "abc"
+    assert "grpo-lab-refused" in lr._dom_classes
+    editor.errors[("grpo", "learning_rate")].widget.children[1].click()  # revert
+    assert "grpo-lab-refused" not in lr._dom_classes and "applied" not in editor.help[("grpo", "learning_rate")].value

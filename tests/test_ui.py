@@ -267,12 +267,14 @@ def test_text_inputs_show_plain_literals_and_apply_on_enter_or_blur(tiny_config)
 
 def test_every_field_shows_its_help_and_when_it_takes_effect_under_it(tiny_config):
     """Tooltips are unreliable in ipywidgets 8 (dropped on text, dropdown and checkbox inputs with a description):
-    each field's help and its live / rebuild / load-time class is a line under it."""
+    each field's help and its live / rebuild / load-time badge is a line under it (issue 72: a badge, not the same
+    80-character note under every field)."""
     from grpo_lab.config.schema import field_when
 
     editor = ConfigEditor(Lab(tiny_config()).config)
     for (section, name), help_line in editor.help.items():
-        assert f"[{field_when(f'{section}.{name}')}:" in help_line.value, (section, name)
+        assert f"grpo-lab-badge-{field_when(f'{section}.{name}')}'" in help_line.value, (section, name)
+        assert "[load:" not in help_line.value and "[live:" not in help_line.value  # (its meaning: the badge title)
     kinds = {type(editor.inputs[key][0]).__name__ for key in editor.help}
     assert kinds == {"Text", "Dropdown", "Checkbox"}  # numbers are typed as text (issue 40)
     assert len(editor.help) == len(editor.inputs)
