@@ -87,8 +87,8 @@ def test_the_log_takes_the_outputs_width_and_an_empty_one_is_one_line_tall(loade
         panel = lab.ui()
         log = panel.controls.log_box
         assert log in panel.widget.children and log.layout.width == "100%" and panel.controls.log.layout.width == "100%"
-        assert log not in panel.controls.buttons.children  # not in the buttons' fixed 440 px column
-        assert "max-height:220px" in panel.controls.log.value and "'height:220px" not in panel.controls.log.value
+        assert log not in panel.controls.buttons.children and panel.controls.buttons.layout.width == "100%"
+        assert "max-height:132px" in panel.controls.log.value and "'height:" not in panel.controls.log.value
     finally:
         lab.close()
 

@@ -172,9 +172,9 @@ def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab
 def test_panel_combines_editor_controls_and_plot(loaded_lab):
     panel = loaded_lab().ui()
     assert isinstance(panel, Panel) and panel.plot is not None
-    # the theme's style for the plot, a stale panel's note (hidden), editor beside the buttons, the log, the plot
-    style, note, row, log, plot = panel.widget.children
-    assert "data-jp-theme-light" in style.value and row.children == (panel.editor.widget, panel.controls.buttons)
+    # the theme's style for the plot, a stale panel's note (hidden), the buttons, the log, the plot, the editor
+    style, note, buttons, log, plot, editor = panel.widget.children
+    assert "data-jp-theme-light" in style.value and (buttons, editor) == (panel.controls.buttons, panel.editor.widget)
     assert note.layout.display == "none" and log is panel.controls.log_box
     assert plot is panel.plot.fig and "grpo-lab-plot" in plot._dom_classes
 
@@ -327,7 +327,7 @@ def test_one_step_disables_the_buttons_says_what_runs_and_stops_at_a_phase_bound
     controls.clear_button.click()
     assert log_text(controls) == "" and "grpo-lab-log" in controls.log.value
     controls._say("x" * 2000)  # long lines wrap inside the fixed-width box
-    assert "pre-wrap" in controls.log.value and controls.buttons.layout.width == "440px"
+    assert "pre-wrap" in controls.log.value and controls.log_box.layout.width == "100%"
 
 
 def test_the_log_is_single_spaced_and_a_long_line_hangs_under_its_first_word(loaded_lab):

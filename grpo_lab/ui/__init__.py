@@ -12,8 +12,8 @@ STALE_STYLE = (
 
 
 class Panel:
-    """`lab.ui()`: config editor beside the step controls, the log under them at the output's width, the live memory
-    plot below. Panels of one Lab are numbered; a newer one retires this one (`retire`)."""
+    """`lab.ui()`: the step controls, the log under them at the output's width, the live memory plot, then the config
+    editor. Panels of one Lab are numbered; a newer one retires this one (`retire`)."""
 
     def __init__(self, lab, number: int = 1):
         from .editor import _widgets
@@ -27,12 +27,14 @@ class Panel:
 
         style = w.HTML(value=PLOT_CSS, layout=w.Layout(display="none"))  # the plot follows the theme (live.PLOT_CSS)
         self.note = w.HTML(value="", layout=w.Layout(display="none", width="100%"))  # a stale panel's one line
-        # why wrap: in a narrow notebook (1280 px, file browser open) the controls go under the editor, not over it
-        row = w.HBox([self.editor.widget, self.controls.buttons], layout=w.Layout(flex_flow="row wrap"))
-        parts = [style, self.note, row, self.controls.log_box]
+        # why this order: what a person watches while stepping (the buttons, the latest log line, the plot with its
+        # axis) fits a 679 px view at 1280 x 800 with the file browser open; the editor, of a fixed height that
+        # scrolls inside itself, comes after, so a tab switch moves none of them
+        parts = [style, self.note, self.controls.buttons, self.controls.log_box]
         if self.plot is not None:
             parts.append(self.plot.fig)
-        self.widget = w.VBox(parts)
+        self.widget = w.VBox(parts + [self.editor.widget], layout=w.Layout(width="100%"))
+        self.widget.add_class("grpo-lab-panel")
 
     def retire(self, live: int) -> None:
         """Panel `live` replaced this one: its editor is off (and hidden: no two panels show one field's values),

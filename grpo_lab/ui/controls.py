@@ -17,9 +17,10 @@ MAX_STEPS = 100_000  # the most steps one "run N" click asks for
 LOG_LINES = 500  # why bounded: a long run's log must not grow the notebook's memory (or the widget's state) forever
 # column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box;
 # line-height: the HTML widget's own is its 28 px row height, which double-spaced a 12 px log; max-height: an empty log
-# is one line tall (it was an empty 440 x 225 box before anything ran), a long one scrolls
+# is one line tall (it was an empty 440 x 225 box before anything ran), a long one scrolls after 8 lines (the panel's
+# buttons, log and plot fit a 679 px view together)
 LOG_STYLE = (
-    "max-height:220px;min-height:1.4em;overflow:auto;display:flex;flex-direction:column-reverse;"
+    "max-height:132px;min-height:1.4em;overflow:auto;display:flex;flex-direction:column-reverse;"
     "border:1px solid var(--jp-border-color2, #ddd);font-family:monospace;font-size:12px;line-height:1.35;"
     "padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere"
 )
@@ -85,25 +86,30 @@ class StepControls:
         self.traceback_button.on_click(lambda _: self.show_traceback())
         self.clear_button.on_click(lambda _: self.clear())
         lab.timeline.listeners.append(_RunningLine(self.status))
-        # the buttons keep a fixed width (never squeezed); the log takes the output's width (at 440 px every step line
-        # wrapped onto 3 lines): the panel lays the two out apart, the controls alone stack them
-        self.buttons = w.VBox(
-            [
-                w.HBox([self.next_button, self.step_button]),
-                w.HBox([self.count, self.run_button, self.stop_button]),
-                self.status,
-                self.progress,
-            ],
-            layout=w.Layout(width="440px", min_width="440px", flex="0 0 440px"),
-        )
-        self.buttons.add_class("grpo-lab-controls")
-        self.log_box = w.VBox(
-            [self.log, w.HBox([self.traceback_button, self.clear_button]), self.traceback],
-            layout=w.Layout(width="100%"),
-        )
-        self.log_box.add_class("grpo-lab-log-box")
+        self._lay_out(w)
         self.widget = w.VBox([self.buttons, self.log_box], layout=w.Layout(width="100%"))
         self._render()
+
+    def _lay_out(self, w) -> None:
+        # one row of buttons that wraps (two rows in an 848 px output), the log under it at the output's width (in a
+        # 440 px column every step line wrapped onto 3 lines): the panel keeps both above the plot, on one screen
+        self.buttons = w.HBox(
+            [
+                self.next_button,
+                self.step_button,
+                self.count,
+                self.run_button,
+                self.stop_button,
+                self.progress,
+                self.traceback_button,
+                self.clear_button,
+                self.status,
+            ],
+            layout=w.Layout(width="100%", flex_flow="row wrap", align_items="center"),
+        )
+        self.buttons.add_class("grpo-lab-controls")
+        self.log_box = w.VBox([self.log, self.traceback], layout=w.Layout(width="100%"))
+        self.log_box.add_class("grpo-lab-log-box")
 
     # --- the log ---
     def _say(self, text: str) -> None:

@@ -82,6 +82,9 @@ EDITOR_CSS = """<style>
 </style>"""
 
 
+EDITOR_HEIGHT = "300px"  # each tab's page: about 8 fields with their help lines, the rest one scroll away
+
+
 class Looks:
     """The layouts and styles all the fields of one editor share: one widget model each, not one per field (a model is
     a comm in the kernel and an entry in a saved notebook's widget state; made per field, they came to 1,000)."""
@@ -219,6 +222,9 @@ class ConfigEditor:
         self.applied: Optional[tuple[str, str]] = None  # the field whose value was applied last (ticked)
         on_cpu = on_the_cpu(config)
         self.sections: dict[str, object] = {}  # each tab's box of rows: an input, then its help line
+        # why one fixed height, scrolling inside: tabs of 267 to 1,521 px moved whatever sat under the editor by up to
+        # 1,254 px at each tab switch; at a fixed height the panel keeps its shape (one Layout model for all tabs)
+        page = w.Layout(height=EDITOR_HEIGHT, overflow="auto")
         for section, prop in schema["properties"].items():
             rows = []
             for name, fprop in _resolve(prop, defs)["properties"].items():
@@ -229,7 +235,7 @@ class ConfigEditor:
                 self.props[(section, name)] = fprop
                 self.help[(section, name)] = help_line(fprop, looks, cuda=on_cpu and bool(fprop.get("cuda_only")))
                 rows += [widget, self.help[(section, name)]]
-            self.sections[section] = w.VBox(rows)
+            self.sections[section] = w.VBox(rows, layout=page)
         self.tabs = w.Tab(children=list(self.sections.values()))
         for i, section in enumerate(schema["properties"]):
             self.tabs.set_title(i, section)
@@ -242,7 +248,7 @@ class ConfigEditor:
         style = w.HTML(value=EDITOR_CSS, layout=w.Layout(display="none"))
         self.widget = w.VBox(
             [style, self.tabs, self.message, self.legend, w.HBox([self.path, load, save])],
-            layout=w.Layout(flex="1 1 420px", min_width="0"),  # why: it takes the width the notebook has
+            layout=w.Layout(width="100%", min_width="0"),  # why: it takes the width the notebook has
         )
         self.widget.add_class("grpo-lab-editor")
         self._syncing = False

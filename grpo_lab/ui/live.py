@@ -134,7 +134,7 @@ class LivePlot:
                 title=dict(text=self._title, x=0.01, xanchor="left", y=0.98, yanchor="top", font=dict(size=14)),
                 xaxis_title=dict(text="seconds of work (idle spans squeezed to 1 s)", font=dict(size=11)),
                 yaxis_title="MiB",
-                height=420,
+                height=380,  # why: with the panel's buttons and log, one 679 px view (1280 x 800, file browser open)
                 autosize=True,
                 # why these margins: the plot area keeps over 70 % of the height; the title, the lines' legend (left)
                 # and the phase key (right) share the top margin, the x axis' title the bottom one; the right one holds
