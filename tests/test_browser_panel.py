@@ -327,7 +327,7 @@ def test_stop_during_one_step_stops_at_the_next_phase_boundary(page):
     assert "stop: the run stops at the next phase boundary" in state["log"] and "stopped before" in state["log"]
     from playwright.sync_api import expect
 
-    expect(panel(pg).locator(".widget-progress")).to_contain_text("stopped at 0 of 1", timeout=10_000)
+    expect(panel(pg).get_by_text("stopped at 0 of 1")).to_be_visible(timeout=10_000)  # the progress bar's label
     expect(panel(pg).locator("button", has_text="stop")).to_be_disabled(timeout=10_000)  # nothing runs now
     panel(pg).locator("button", has_text="one step").click()  # finishes the step
     wait_for(read_state, lambda s: s["history"] == before["history"] + 1)

@@ -68,6 +68,7 @@ EDITOR_CSS = """<style>
 .grpo-lab-editor .grpo-lab-field-error .widget-html-content { color: var(--jp-error-color1, #c00); font-size: 12px; }
 .grpo-lab-editor .grpo-lab-help { color: var(--jp-ui-font-color2, #555); font-size: 11px; line-height: 1.3; }
 .grpo-lab-editor .grpo-lab-legend { color: var(--jp-ui-font-color1, #222); font-size: 12px; }
+.grpo-lab-editor .grpo-lab-page > * { flex-shrink: 0; }
 .grpo-lab-editor .grpo-lab-help details > summary { cursor: pointer; }
 .grpo-lab-editor .grpo-lab-badge { display: inline-block; font-size: 10px; line-height: 1.2; padding: 0 4px;
   margin-right: 4px; border-radius: 3px; border: 1px solid var(--jp-border-color1, #999); }
@@ -236,6 +237,9 @@ class ConfigEditor:
                 self.help[(section, name)] = help_line(fprop, looks, cuda=on_cpu and bool(fprop.get("cuda_only")))
                 rows += [widget, self.help[(section, name)]]
             self.sections[section] = w.VBox(rows, layout=page)
+            # why no shrinking: in a page of fixed height a box (overflow: auto, as ipywidgets makes every box) may
+            # shrink to nothing; the refused value's reason row did, out of sight
+            self.sections[section].add_class("grpo-lab-page")
         self.tabs = w.Tab(children=list(self.sections.values()))
         for i, section in enumerate(schema["properties"]):
             self.tabs.set_title(i, section)
