@@ -82,6 +82,7 @@ def test_editor_on_a_loaded_lab_edits_it_in_place_and_locks_load_time_fields(loa
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
     editor.load(str(tmp_path / "other.yaml"))  # all or nothing: beta is not applied either
     assert "model.dtype: fixed when the Lab loads" in editor.message.value and lab.config.grpo.beta != 0.5
+    lab.close()  # (its plot's redraw thread stops)
 
 
 def test_editor_saves_and_loads_yaml(tiny_config, tmp_path):
@@ -170,7 +171,9 @@ def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab
 
 
 def test_panel_combines_editor_controls_and_plot(loaded_lab):
-    panel = loaded_lab().ui()
+    lab = loaded_lab()
+    panel = lab.ui()
+    lab.close()  # its plot's redraw thread stops (a test counting them in this process must not find it)
     assert isinstance(panel, Panel) and panel.plot is not None
     # the theme's style for the plot, a stale panel's note (hidden), the buttons, the log, the plot, the editor
     style, note, buttons, log, plot, editor = panel.widget.children
