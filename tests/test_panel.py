@@ -216,3 +216,22 @@ def test_a_refused_field_is_framed_red_and_an_applied_one_ticked(tiny_config):
     assert "grpo-lab-refused" in lr._dom_classes
     editor.errors[("grpo", "learning_rate")].widget.children[1].click()  # revert
     assert "grpo-lab-refused" not in lr._dom_classes and "applied" not in editor.help[("grpo", "learning_rate")].value
+
+
+def test_the_panel_puts_the_controls_log_and_plot_first_and_the_editor_pages_are_one_height(loaded_lab):
+    """The panel was 2,321 px tall on the grpo tab and a tab switch moved the buttons and the plot by up to 1,254 px
+    (the browser test measures it at 1280 x 800: tests/test_browser_panel.py)."""
+    from grpo_lab.ui.editor import EDITOR_HEIGHT
+
+    lab = loaded_lab()
+    try:
+        panel = lab.ui()
+        style, note, *shown = panel.widget.children  # (the plot's theme style and a stale panel's note: hidden)
+        assert style.layout.display == note.layout.display == "none"
+        assert shown == [panel.controls.buttons, panel.controls.log_box, panel.plot.fig, panel.editor.widget]
+        pages = list(panel.editor.sections.values())
+        assert {(p.layout.height, p.layout.overflow) for p in pages} == {(EDITOR_HEIGHT, "auto")}
+        assert all("grpo-lab-page" in p._dom_classes for p in pages)  # rows never shrink inside (EDITOR_CSS)
+        assert panel.plot.fig.layout.height <= 400
+    finally:
+        lab.close()
