@@ -27,6 +27,7 @@ from .memory.timeline import Timeline
 from .preflight import preflight
 from .runtime import own_streams
 from .ui.quiet import no_frozen_bars
+from .ui.reprs import step_results_as_tables
 from .ui.views import LabViews
 
 
@@ -40,6 +41,7 @@ class Lab(LabViews):
     ):
         """`reward_funcs`, `train_dataset` (Dataset, DatasetDict, IterableDataset, dicts): TRL's; None: the config's"""
         one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
+        step_results_as_tables()  # in a kernel, a step ending a cell shows as a table (ui/reprs.py)
         self._config = load_config(config, overrides)
         self.memory = None
         self.memory_devices: list[str] = []  # the devices the sampler watches

@@ -45,6 +45,7 @@ class ModelSection(Section):
     activation_offload: bool = knob(
         "load",
         False,
+        cuda_only=True,
         planned=True,
         description="Keep the checkpointed layer inputs in pinned host memory, brought back a layer ahead of "
         "backward (long completions on one GPU); needs gradient_checkpointing.",
@@ -94,6 +95,7 @@ class PlacementSection(Section):
     optimizer_offload: bool = knob(
         "load",
         False,
+        cuda_only=True,
         planned=True,
         description="Keep AdamW's fp32 master weights and moments in host RAM (frees 12 bytes per LoRA parameter on "
         "the GPU).",
@@ -101,6 +103,7 @@ class PlacementSection(Section):
     gpu_memory_gib: Optional[float] = knob(
         "load",
         None,
+        cuda_only=True,
         gt=0,
         planned=True,
         description="GPU capacity (GiB) the planner assumes for GPUs it cannot see (e.g. 40 for an A100-40GB); null = "
@@ -218,6 +221,7 @@ class GeneratorSection(Section):
     gpu_memory_utilization: Union[Literal["auto"], Share, None] = knob(
         "load",
         None,
+        cuda_only=True,
         planned=True,
         description="Share of its GPU a "
         "generator with its own weights (vllm) may take; required when it shares the learner's GPU: a number, or auto "
@@ -248,6 +252,7 @@ class GeneratorSection(Section):
     sleep_mode: bool = knob(
         "load",
         False,
+        cuda_only=True,
         planned=True,
         description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner "
         "(not on CPU).",

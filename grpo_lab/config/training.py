@@ -163,13 +163,17 @@ class MemorySection(Section):
     cuda_expandable_segments: bool = knob(
         "load",
         True,
+        cuda_only=True,
         description="Let torch's CUDA caching allocator grow segments in place (expandable_segments) from load on, "
         "unless PYTORCH_CUDA_ALLOC_CONF already sets it: at long completions its cached-but-free blocks otherwise "
         "fragment (H200, Qwen3-8B's shape at 32K tokens under 24 GiB: out of memory with 20 GiB allocated and 4 GiB "
         "cached; with it, a 22.6 GiB peak fit). CUDA learners only.",
     )
     cuda_snapshots: bool = knob(
-        "load", False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only."
+        "load",
+        False,
+        cuda_only=True,
+        description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only.",
     )
 
 

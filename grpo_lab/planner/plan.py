@@ -57,6 +57,9 @@ class Plan:
 
         return render(self)
 
+    def __repr__(self) -> str:  # why: the dataclass's repr dumped the whole config and every device's items
+        return str(self)
+
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
 
