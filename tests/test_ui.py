@@ -234,7 +234,10 @@ def test_any_error_is_one_log_line_with_the_traceback_on_demand(loaded_lab):
     lab.reward_funcs = [broken]
     click_step(controls)
     lines = [line for line in log_text(controls).splitlines() if line]
-    assert lines == ["error: ValueError: the reward server is down (the traceback button shows where)"]
+    # the line names the reward (algo/reward_calls.py), and its own traceback is a button away
+    assert lines == [
+        "error: reward 'broken' raised ValueError: the reward server is down (the traceback button shows where)"
+    ]
     assert "var(--jp-error-color1" in controls.log.value  # the error line in the theme's error colour
     controls.traceback_button.click()  # the traceback in its own box, not in the log
     text = controls.traceback.value

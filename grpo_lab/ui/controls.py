@@ -149,10 +149,11 @@ class StepControls:
         except Exception as err:  # why not only LabError: the panel must survive anything a phase raises
             self.last_traceback = traceback.format_exc()
             line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            where = " (the traceback button shows where)"  # (a LabError caused by user code, e.g. a reward's, too)
             self._say(
-                f"error: {line}"
+                f"error: {line}" + (where if err.__cause__ is not None else "")
                 if isinstance(err, LabError)
-                else f"error: {type(err).__name__}: {line} (the traceback button shows where)"
+                else f"error: {type(err).__name__}: {line}{where}"
             )
 
     # --- running ---
