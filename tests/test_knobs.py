@@ -421,6 +421,19 @@ def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monk
     assert sizes and sizes[0] > 0
 
 
+@observes("generator.rollout_copy")
+def test_rollout_copy_keeps_or_releases_the_copy_after_the_next_merged_rollout(lab):
+    """keep: the copy's weights stay after the next merged rollout; release: given back after it
+    (tests/test_kept_copy.py: its addresses, its merge, the plan)."""
+    copy = lab.executor.generator.rollout_copy
+    lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})
+    held = {}
+    for mode in ("keep", "release"):
+        lab.configure({"generator.rollout_copy": mode})
+        held[mode] = (lab.rollout().rollout_copy, copy.held_bytes())
+    assert held["keep"][0] == "kept" and held["keep"][1] > 0 and held["release"] == ("released", 0)
+
+
 @observes("grpo.num_generations", "grpo.prompts_per_step")
 def test_group_size_and_prompts_per_step_shape_the_next_rollout(lab):
     lab.configure({"grpo.num_generations": 2, "grpo.prompts_per_step": 3, "generator.max_completion_length": 2})

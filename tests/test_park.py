@@ -199,9 +199,14 @@ def test_the_copy_is_released_before_the_learner_comes_back(lab, monkeypatch):
         return real(self)
 
     monkeypatch.setattr(Parking, "put_back", watched)
-    lab.configure({"generator.hf_decode": "merged", "generator.park_learner": True})
+    # (a kept copy stays beside the learner: the plan holds it resident, tests/test_kept_copy.py)
+    lab.configure(
+        {"generator.hf_decode": "merged", "generator.park_learner": True, "generator.rollout_copy": "release"}
+    )
     try:
         lab.rollout()
     finally:
-        lab.configure({"generator.hf_decode": "dynamic", "generator.park_learner": False})
+        lab.configure(
+            {"generator.hf_decode": "dynamic", "generator.park_learner": False, "generator.rollout_copy": "auto"}
+        )
     assert held_at_put_back == [0]  # the copy's weights were already released

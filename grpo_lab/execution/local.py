@@ -19,9 +19,9 @@ def _rollout(ex, state) -> object:
     if ex.generator_behind:  # never sample from weights the learner no longer has
         grpo.sync(ex.generator, ex.learner)
         ex.generator_behind = False
-    from ..planner.plan import rollout_decode
+    from ..planner.plan import rollout_copy_mode, rollout_decode
 
-    return grpo.rollout(ex.generator, ex.prompts, ex.config, rollout_decode(ex.config))
+    return grpo.rollout(ex.generator, ex.prompts, ex.config, rollout_decode(ex.config), rollout_copy_mode(ex.config))
 
 
 def _optimizer(ex, state) -> float:

@@ -149,9 +149,14 @@ def load_float_bytes(shape: ModelShape, config) -> float:
 
 def rollout_copy_bytes(shape: ModelShape, config) -> float:
     """generator.hf_decode: merged: every linear layer dense in the compute dtype (the rest is the learner's own
-    tensors, shared), plus one layer's largest weight in float32 twice while it merges (dequantized, + B @ A)."""
-    largest = max(a * b for _, a, b in shape.linear_layers())
-    return shape.linear_params * compute_bytes(config) + 2 * 4 * largest
+    tensors, shared)."""
+    return shape.linear_params * compute_bytes(config)
+
+
+def merge_temporary_bytes(shape: ModelShape) -> float:
+    """What one layer's merge holds beside the copy (generation/rollout_copy.merged_float): its largest weight in
+    float32 twice, dequantized and then + scaling * B @ A (the dequantized 16-bit read counted as a second float32)."""
+    return 2 * 4 * max(a * b for _, a, b in shape.linear_layers())
 
 
 def compute_dtype(config) -> str:
@@ -173,7 +178,8 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
     gen, grpo = config.generator, config.grpo
     decode = gen.hf_decode if procs == 1 else "dynamic"  # (auto arrives resolved: plan.build)
     if procs == 1:
-        lrn.roles.append(f"generator ({gen.backend}, shares learner weights; decode {decode})")
+        copy = f", copy {'kept' if gen.rollout_copy == 'keep' else 'released'}" if decode == "merged" else ""
+        lrn.roles.append(f"generator ({gen.backend}, shares learner weights; decode {decode}{copy})")
     else:
         lrn.roles.append("generator (hf, the whole rollout on every rank)")
         layer, root = unit_bytes(shape, config)
@@ -192,15 +198,9 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
                 "every decoding step (slow)",
                 phase="rollout",
             )
+    kept = procs == 1 and decode == "merged" and gen.rollout_copy == "keep"  # (auto arrives resolved: plan.build)
     if procs == 1 and decode == "merged":
-        lrn.add(
-            "rollout copy (LoRA merged)",
-            rollout_copy_bytes(shape, config),
-            f"{count(shape.linear_params)} linear weights dequantized to {compute_dtype(config)} with the LoRA merged "
-            f"in; one per Lab, refreshed in place at each rollout, released after it "
-            f"(generator.hf_decode: {gen.hf_decode})",
-            phase="rollout",
-        )
+        add_rollout_copy(lrn, config, shape, kept)
     if procs == 1 and decode == "merged" and gen.park_learner:
         parked = parked_state_bytes(shape, config)
         # why both sides: the card is freed of it for the rollout, and host memory (pinned from a GPU) holds it then
@@ -214,16 +214,45 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
     add_experts_dequant(lrn, config, shape)
+    # why resident beside a kept copy on a GPU: its one StaticCache stays too, at one address (generation/hf.py)
+    kept_cache = kept and not on_cpu_learner(config)
     lrn.add(
         "generation KV cache",
         kv_cache_bytes(shape, config, sequences),
-        f"{sequences} sequences per call{every}",
-        phase="rollout",
+        f"{sequences} sequences per call{every}" + (", kept with the copy between rollouts" if kept_cache else ""),
+        phase=None if kept_cache else "rollout",
     )
     lrn.add(
         "generation logits step",
         generation_step_bytes(shape, config, sequences),
         "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF",
+        phase="rollout",
+    )
+
+
+def on_cpu_learner(config) -> bool:
+    return config.placement.learner == "cpu"
+
+
+def add_rollout_copy(lrn: DevicePlan, config, shape: ModelShape, kept: bool) -> None:
+    """generator.hf_decode: merged: the copy's dense weights, for the whole step when kept (generator.rollout_copy),
+    else the rollout's alone; and one layer's merge temporaries while the copy is refreshed."""
+    gen = config.generator
+    what = f"{count(shape.linear_params)} linear weights dequantized to {compute_dtype(config)} with the LoRA merged in"
+    if kept:
+        held = "one per Lab, kept between rollouts, each refresh written into its storage"
+    else:
+        held = "one per Lab, refreshed at each rollout, released after it"
+    lrn.add(
+        "rollout copy (LoRA merged)",
+        rollout_copy_bytes(shape, config),
+        f"{what}; {held} (generator.hf_decode: {gen.hf_decode}, generator.rollout_copy: {gen.rollout_copy})",
+        phase=None if kept else "rollout",
+    )
+    lrn.add(
+        "rollout copy merge temporaries",
+        merge_temporary_bytes(shape),
+        "one layer's largest weight in float32 twice while it merges (dequantized, + B @ A), layer by layer",
         phase="rollout",
     )
 
