@@ -408,9 +408,9 @@ def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monk
 
     sizes, real = [], Parking.park
 
-    def watched(self, tensors):
+    def watched(self, tensors, reserve=0):
         sizes.append(len(tensors))
-        return real(self, tensors)
+        return real(self, tensors, reserve)
 
     monkeypatch.setattr(Parking, "park", watched)
     lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})

@@ -215,6 +215,7 @@ class GenerationRequest:
     park_learner: bool = False  # generator.park_learner: the learner's state in host memory while the copy decodes
     drop_finished_rows: bool = False  # generator.drop_finished_rows: finished rows leave the batch at bucket boundaries
     rollout_copy: str = "release"  # generator.rollout_copy, auto resolved by the executor: keep or release the copy
+    park_buffer_bytes: int = 0  # generator.park_learner: the host buffer's planned size (the executor reads the plan)
 
     @classmethod
     def from_config(

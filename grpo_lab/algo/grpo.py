@@ -41,15 +41,18 @@ def step(phases, num_iterations: int) -> StepResult:
     return phases.sync()
 
 
-def rollout(generator, prompts, config, decode: Optional[str] = None, copy: str = "release") -> Rollout:
+def rollout(
+    generator, prompts, config, decode: Optional[str] = None, copy: str = "release", park_bytes: int = 0
+) -> Rollout:
     """Sample `num_generations` completions for each of `prompts_per_step` prompts (an hf rollout decoding as `decode`
-    says, its merged copy kept or released as `copy` says: the executor's resolutions of generator.hf_decode and
-    generator.rollout_copy)."""
+    says, its merged copy kept or released as `copy` says, a parked learner in a host buffer of `park_bytes`: the
+    executor's resolutions of generator.hf_decode, generator.rollout_copy and the plan's parking buffer)."""
     grpo = config.grpo
     batch = prompts.next_batch(grpo.prompts_per_step)
     # (the worst-case probe's prompts ask for full-length completions: planner/worst_case.py)
     full = getattr(prompts, "full_length", False)
     request = GenerationRequest.from_config(config, full_length=full, decode=decode, copy=copy)
+    request.park_buffer_bytes = park_bytes
     return generator.generate(batch, grpo.num_generations, request)
 
 

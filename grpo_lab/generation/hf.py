@@ -97,14 +97,16 @@ class HFGenerator(Generator):
     def decoding(self, request: GenerationRequest):
         """The model the rollout decodes with (merged: the Lab's one copy). generator.park_learner: the learner's state
         the copy never reads waits in host memory while the copy decodes: parked after the merge (which reads the base
-        and LoRA on the device), put back after the copy is released (why: never the learner beside the copy). What
+        and LoRA on the device), put back after a released copy is gone (why: never the learner beside it; a kept copy
+        stays, as the plan holds it, resident). What
         could not be put back (out of memory) stays held in `self.parking` for the Lab's next command."""
         park = request.park_learner and request.decode == "merged"  # (auto resolved to another path: nothing to park)
         try:
             keep = request.rollout_copy == "keep"  # generator.rollout_copy, as the executor resolved it
             with self.rollout_copy.model_for(self.learner.model, request.decode, keep) as model:
                 if park:
-                    self.parking.park(parked_tensors(self.learner.model, self.learner.optimizer))
+                    tensors = parked_tensors(self.learner.model, self.learner.optimizer)
+                    self.parking.park(tensors, request.park_buffer_bytes)  # (the plan's size: one buffer per Lab)
                 yield model
         finally:
             self.parking.put_back()

@@ -163,13 +163,48 @@ def compute_dtype(config) -> str:
     return config.model.bnb_4bit_compute_dtype if config.model.load_in_4bit else config.model.dtype
 
 
+# a 4-bit weight's quant state beyond its absmax (nf4_bits): the 16-entry nf4 codebook in float32, and with double
+# quantization the absmax's 256-entry 8-bit codebook in float32 and its float32 offset (bitsandbytes' QuantState)
+NF4_CODE_BYTES, NESTED_STATE_BYTES = 16 * 4, 256 * 4 + 4
+
+
 def parked_state_bytes(shape: ModelShape, config) -> float:
     """generator.park_learner: what waits in host memory while the rollout copy decodes (models/park.py): the 4-bit
-    bases with their quant state, LoRA, and AdamW's moments where they are the learner's (not offloaded)."""
+    bases with their quant state, LoRA, and AdamW's moments and step counts where they are the learner's (not
+    offloaded)."""
     lora = shape.lora_params(config.lora.r, config.lora.target_modules)
     model = config.model
-    base = shape.linear_params * nf4_bits(model.bnb_4bit_use_double_quant) / 8 if model.load_in_4bit else 0.0
-    return base + lora * 4 + (0.0 if config.placement.optimizer_offload else lora * 8)
+    base = 0.0
+    if model.load_in_4bit:
+        codebooks = NF4_CODE_BYTES + (NESTED_STATE_BYTES if model.bnb_4bit_use_double_quant else 0)
+        base = (
+            shape.linear_params * nf4_bits(model.bnb_4bit_use_double_quant) / 8 + quantized_weights(shape) * codebooks
+        )
+    adamw = 0.0 if config.placement.optimizer_offload else lora * 8 + lora_tensors(shape, config) * 4
+    return base + lora * 4 + adamw
+
+
+def quantized_weights(shape: ModelShape) -> int:
+    return shape.layers * len(shape.linear_layers())
+
+
+def lora_tensors(shape: ModelShape, config) -> int:
+    """LoRA's weight tensors: A and B of each adapted linear layer."""
+    targets = config.lora.target_modules
+    adapted = [n for n, _, _ in shape.linear_layers() if targets == "all-linear" or n in targets]
+    return 2 * shape.layers * len(adapted)
+
+
+def parking_buffer_bytes(shape: ModelShape, config) -> float:
+    """The one host buffer parking fills (models/park.py: sized from this figure, kept for the Lab's life): the parked
+    state, each tensor's slot rounded up to SLOT_ALIGN bytes (counted as a whole SLOT_ALIGN per tensor)."""
+    from ..models.park import SLOT_ALIGN
+
+    double = config.model.bnb_4bit_use_double_quant
+    per_weight = (6 if double else 3) if config.model.load_in_4bit else 0  # codes, absmax, code (+ offset, state2's 2)
+    adamw = 0 if config.placement.optimizer_offload else 3  # exp_avg, exp_avg_sq, step per LoRA tensor
+    tensors = quantized_weights(shape) * per_weight + lora_tensors(shape, config) * (1 + adamw)
+    return parked_state_bytes(shape, config) + tensors * SLOT_ALIGN
 
 
 def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape, procs: int) -> None:
@@ -202,15 +237,7 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
     if procs == 1 and decode == "merged":
         add_rollout_copy(lrn, config, shape, kept)
     if procs == 1 and decode == "merged" and gen.park_learner:
-        parked = parked_state_bytes(shape, config)
-        # why both sides: the card is freed of it for the rollout, and host memory (pinned from a GPU) holds it then
-        lrn.add(
-            "learner state parked",
-            -parked,
-            "4-bit base, LoRA, AdamW in host memory (generator.park_learner)",
-            "rollout",
-        )
-        host.add("parked learner state", parked, "from the learner while the copy decodes; back after it", "rollout")
+        add_parking(lrn, host, config, shape)
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
     add_experts_dequant(lrn, config, shape)
@@ -227,6 +254,25 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
         generation_step_bytes(shape, config, sequences),
         "one decoding step: logits, float32 copy, recorded log-softmax, softmax, CDF",
         phase="rollout",
+    )
+
+
+def add_parking(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape) -> None:
+    """generator.park_learner: the learner's state off its device while the copy decodes, into one host buffer."""
+    parked = parked_state_bytes(shape, config)
+    # why both sides: the card is freed of it for the rollout, and one host buffer holds it then, kept for the
+    # Lab's life (models/park.py: made once, reused every rollout)
+    lrn.add(
+        "learner state parked",
+        -parked,
+        "4-bit base, LoRA, AdamW in host memory (generator.park_learner)",
+        "rollout",
+    )
+    host.add(
+        "parking buffer",
+        parking_buffer_bytes(shape, config),
+        "one host buffer per Lab (pinned from a GPU), reused every rollout: the learner's 4-bit base, LoRA and "
+        "AdamW while the copy decodes",
     )
 
 

@@ -18,7 +18,7 @@ from .estimate import (
     base_weight_bytes,
     in_kernel,
 )
-from .learner_items import add_learner
+from .learner_items import add_learner, parking_buffer_bytes
 from .parts import _home, add_engine, capacity_of
 from .sharded import build_sharded
 
@@ -180,6 +180,14 @@ def rollout_copy_mode(config, shape: Optional[ModelShape] = None) -> str:
         if all(d.fits for d in build(kept, shape or load_shape(config.model.name_or_path))[0].values())
         else "release"
     )
+
+
+def parking_reserve(config, shape: Optional[ModelShape] = None) -> int:
+    """generator.park_learner on a merged rollout: the host buffer's planned bytes, which parking makes once
+    (learner_items.parking_buffer_bytes); 0 where nothing is parked."""
+    if not config.generator.park_learner or rollout_decode(config, shape) != "merged":
+        return 0
+    return int(parking_buffer_bytes(shape or load_shape(config.model.name_or_path), config))
 
 
 def sharding_fixes(config) -> list[tuple[str, list[str]]]:
