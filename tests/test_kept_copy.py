@@ -102,6 +102,7 @@ def test_a_kept_copy_samples_what_a_released_one_and_the_learner_sample(tiny_mod
 
 def test_the_plan_holds_a_kept_copy_resident_and_auto_keeps_it_where_it_fits(tiny_model):
     from grpo_lab.planner import plan
+    from grpo_lab.planner.learner_items import RELEASED_COPY_GRAPH_POOL
     from grpo_lab.planner.plan import rollout_copy_mode
 
     def made(copy, *more):  # (a fixed micro-batch: an auto one would shrink to fit a tighter host)
@@ -117,9 +118,13 @@ def test_the_plan_holds_a_kept_copy_resident_and_auto_keeps_it_where_it_fits(tin
     assert line(kept, "host", "generation KV cache").phase == "rollout"  # a CPU's growing cache is not kept
     assert kept.devices["host"].phase_peak("backward") > released.devices["host"].phase_peak("backward")
     assert rollout_copy_mode(made("auto")) == "keep" and "copy kept (auto)" in str(plan(made("auto")))
+    # what a released copy leaves: nothing on the CPU (no CUDA graphs), and the line says so
+    pool = line(released, "host", "released copy: CUDA graph pool")
+    assert pool.bytes == 0 and pool.phase is None and "0 on the CPU" in pool.note
+    assert not [i for i in kept.devices["host"].items if i.what == "released copy: CUDA graph pool"]
     assert rollout_copy_mode(load_config(made("auto"), ["generator.hf_decode=dynamic"])) == "release"
 
-    # a 7B learner (bundled shape): on 20 GiB the copy fits only released (21.4 GiB kept, 19.9 released), and auto
+    # a 7B learner (bundled shape): on 21 GiB the copy fits only released (21.4 GiB kept, 20.2 released), and auto
     # releases it; on 24 GiB it is kept
     def gpu(copy, gib):
         return load_config(
@@ -129,8 +134,11 @@ def test_the_plan_holds_a_kept_copy_resident_and_auto_keeps_it_where_it_fits(tin
 
     assert line(plan(gpu("keep", 24)), "cuda:0", "generation KV cache").phase is None  # kept with the copy on a GPU
     assert plan(gpu("keep", 24)).fits and rollout_copy_mode(gpu("auto", 24)) == "keep"
-    assert not plan(gpu("keep", 20)).fits and plan(gpu("release", 20)).fits
-    assert rollout_copy_mode(gpu("auto", 20)) == "release" and "copy released (auto)" in str(plan(gpu("auto", 20)))
+    assert not plan(gpu("keep", 21)).fits and plan(gpu("release", 21)).fits
+    assert rollout_copy_mode(gpu("auto", 21)) == "release" and "copy released (auto)" in str(plan(gpu("auto", 21)))
+    pool = line(plan(gpu("release", 21)), "cuda:0", "released copy: CUDA graph pool")  # resident: torch keeps it
+    assert pool.bytes == RELEASED_COPY_GRAPH_POOL and pool.phase is None
+    assert not [i for i in plan(gpu("keep", 24)).devices["cuda:0"].items if i.what.startswith("released copy")]
 
 
 def test_a_kept_copy_the_plan_cannot_fit_is_refused_in_one_line_with_its_figure_and_the_fix():
@@ -139,7 +147,7 @@ def test_a_kept_copy_the_plan_cannot_fit_is_refused_in_one_line_with_its_figure_
     def gpu(copy):
         return load_config(
             "qwen2.5-7b-nf4-24gb",
-            ["generator.hf_decode=merged", f"generator.rollout_copy={copy}", "placement.gpu_memory_gib=20"],
+            ["generator.hf_decode=merged", f"generator.rollout_copy={copy}", "placement.gpu_memory_gib=21"],
         )
 
     check_rollout_copy(gpu("release"))  # fits: nothing to say

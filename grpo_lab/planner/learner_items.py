@@ -13,6 +13,7 @@ from .estimate import (
     OFFLOAD_IN_FLIGHT,
     ONEDNN_CPU_CACHES,
     DevicePlan,
+    Item,
     activation_bytes,
     base_weight_bytes,
     base_weight_split,
@@ -29,6 +30,10 @@ from .render import count
 # why 2: the layer computing and the next one, which FSDP2 all-gathers ahead of it (backward prefetch; on CUDA the
 # all-gather stream also runs ahead in forward)
 LAYERS_IN_FLIGHT = 2
+# what a released rollout copy leaves on a GPU: its weights get new addresses at every rollout, so torch's CUDA graph
+# trees record its decode step again and keep the recording's memory pool. A placeholder until bench/gpu measures it
+# (issue 71: calibrated on a GPU, then this figure and its note change together)
+RELEASED_COPY_GRAPH_POOL = 256 * 2**20
 
 
 def add_learner(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape: ModelShape, procs: int = 1) -> int:
@@ -295,11 +300,29 @@ def add_rollout_copy(lrn: DevicePlan, config, shape: ModelShape, kept: bool) -> 
         f"{what}; {held} (generator.hf_decode: {gen.hf_decode}, generator.rollout_copy: {gen.rollout_copy})",
         phase=None if kept else "rollout",
     )
+    if not kept:
+        add_graph_pool(lrn, config)
     lrn.add(
         "rollout copy merge temporaries",
         merge_temporary_bytes(shape),
         "one layer's largest weight in float32 twice while it merges (dequantized, + B @ A), layer by layer",
         phase="rollout",
+    )
+
+
+def add_graph_pool(lrn: DevicePlan, config) -> None:
+    """What a released copy leaves between rollouts: on a GPU the CUDA graph pool of its re-recorded decode step
+    (RELEASED_COPY_GRAPH_POOL, uncalibrated); on the CPU nothing, and the line says why (it reads 0)."""
+    if on_cpu_learner(config):
+        # why a line of 0 bytes (DevicePlan.add drops those): the plan says what a released copy leaves on every device
+        note = "0 on the CPU: merged decodes with the growing cache there, no CUDA graphs, so nothing is recorded"
+        lrn.items.append(Item("released copy: CUDA graph pool", 0.0, note))
+        return
+    lrn.add(
+        "released copy: CUDA graph pool",
+        RELEASED_COPY_GRAPH_POOL,
+        "torch's CUDA graph trees record the copy's decode step again at each rollout (new weight addresses) and keep "
+        "its memory pool; a placeholder, to be calibrated on a GPU (bench/gpu/fast_path_and_moe.sh)",
     )
 
 
