@@ -96,6 +96,12 @@ def test_a_kept_copy_samples_what_a_released_one_and_the_learner_sample(tiny_mod
         result = lab.step()  # the rest of the step, on that rollout
         assert held > 0 and lab.executor.generator.rollout_copy.held_bytes() == 0  # released after the rollout
         assert result.rollout_copy == "released" and result.cudagraph_recordings_expected == 0  # a CPU: no graphs
+        lab.configure({"generator.rollout_copy": "keep"})
+        lab.rollout()
+        assert lab.executor.generator.rollout_copy.held_bytes() > 0
+        lab.configure({"generator.hf_decode": "dynamic", "generator.rollout_copy": "auto"})
+        lab.rollout()  # another path: a kept copy is on none of its plan lines, so it is let go
+        assert lab.executor.generator.rollout_copy.held_bytes() == 0
     finally:
         lab.close()
 

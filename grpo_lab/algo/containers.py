@@ -217,6 +217,11 @@ class GenerationRequest:
     rollout_copy: str = "release"  # generator.rollout_copy, auto resolved by the executor: keep or release the copy
     park_buffer_bytes: int = 0  # generator.park_learner: the host buffer's planned size (the executor reads the plan)
 
+    @property
+    def keeps_copy(self) -> bool:
+        """A merged rollout whose copy (and on a GPU its StaticCache) stays for the next rollout."""
+        return self.decode == "merged" and self.rollout_copy == "keep"
+
     @classmethod
     def from_config(
         cls, config, full_length: bool = False, decode: Optional[str] = None, copy: str = "release"

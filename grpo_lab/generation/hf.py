@@ -74,7 +74,7 @@ class HFGenerator(Generator):
                 return sample_once(self, batch, num_generations, request, seeds, width)
         cuda = self.learner.device.type == "cuda"
         static = "cache_implementation" in DECODES[request.decode](cuda)
-        keep = request.decode == "merged" and request.rollout_copy == "keep"
+        keep = request.keeps_copy
         with self.decoding(request) as model, self.one_cache(keep), CompileCounts() as counted:
 
             def chunk(prompt_ids, rows):
@@ -98,12 +98,11 @@ class HFGenerator(Generator):
         """The model the rollout decodes with (merged: the Lab's one copy). generator.park_learner: the learner's state
         the copy never reads waits in host memory while the copy decodes: parked after the merge (which reads the base
         and LoRA on the device), put back after a released copy is gone (why: never the learner beside it; a kept copy
-        stays, as the plan holds it, resident). What
-        could not be put back (out of memory) stays held in `self.parking` for the Lab's next command."""
+        stays, resident as the plan holds it). What could not be put back (out of memory) stays held in
+        `self.parking` for the Lab's next command."""
         park = request.park_learner and request.decode == "merged"  # (auto resolved to another path: nothing to park)
         try:
-            keep = request.rollout_copy == "keep"  # generator.rollout_copy, as the executor resolved it
-            with self.rollout_copy.model_for(self.learner.model, request.decode, keep) as model:
+            with self.rollout_copy.model_for(self.learner.model, request.decode, request.keeps_copy) as model:
                 if park:
                     tensors = parked_tensors(self.learner.model, self.learner.optimizer)
                     self.parking.park(tensors, request.park_buffer_bytes)  # (the plan's size: one buffer per Lab)
@@ -151,8 +150,7 @@ class HFGenerator(Generator):
         settings = copy.deepcopy(settings)
         settings.max_new_tokens, settings.return_dict_in_generate = max_new_tokens, True
         # why the longest prompt a kept cache can meet: its length, and so its tensors, stay the same every rollout
-        kept = request.decode == "merged" and request.rollout_copy == "keep"
-        length = request.max_prompt_length + max_new_tokens if kept else ids.shape[1] + max_new_tokens
+        length = (request.max_prompt_length if request.keeps_copy else ids.shape[1]) + max_new_tokens
         cache, settings = self.reused_cache(model, settings, cache, length, ids.shape[0])
         out = model.generate(
             input_ids=ids.to(self.learner.device),

@@ -107,6 +107,7 @@ class RolloutCopy:
         """The model a rollout decodes with: the learner's own, or for `merged` the copy, holding the current merge;
         released when the rollout ends (also when it raises) unless `keep`."""
         if decode != "merged":
+            self.release()  # why: a copy kept by an earlier merged rollout is on no plan line of this path
             yield model
             return
         with torch.no_grad():
