@@ -32,7 +32,7 @@ from .render import count
 LAYERS_IN_FLIGHT = 2
 # what a released rollout copy leaves on a GPU: its weights get new addresses at every rollout, so torch's CUDA graph
 # trees record its decode step again and keep the recording's memory pool. A placeholder until bench/gpu measures it
-# (issue 71: calibrated on a GPU, then this figure and its note change together)
+# (calibrated on a GPU, this figure and its line's note change together)
 RELEASED_COPY_GRAPH_POOL = 256 * 2**20
 
 
