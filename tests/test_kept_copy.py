@@ -173,3 +173,21 @@ def test_keep_without_the_merged_copy_is_refused_in_one_line():
     message = str(caught.value)
     assert "generator.rollout_copy: keep" in message and "generator.hf_decode: merged" in message
     assert "\n" not in message
+
+
+def test_a_run_says_whether_auto_keeps_the_copy(capsys):
+    from grpo_lab.runner import say_decode
+
+    def gpu(gib):
+        return load_config("qwen2.5-7b-nf4-24gb", ["generator.hf_decode=merged", f"placement.gpu_memory_gib={gib}"])
+
+    say_decode(gpu(24))
+    say_decode(gpu(21))
+    say_decode(load_config(gpu(21), ["generator.rollout_copy=release"]))  # set, not auto: nothing to say
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "rollout: the merged copy kept between rollouts (generator.rollout_copy: auto; the plan fits it beside the "
+        "learner's phases)",
+        "rollout: the merged copy released after each rollout (generator.rollout_copy: auto; the plan fits it in the "
+        "rollout alone)",
+    ], lines
