@@ -279,3 +279,31 @@ def test_parking_copies_the_same_bytes_into_the_buffer_and_back(lab):
         assert all(torch.equal(host, v) for (_, host), v in zip(parking.held, values))
         assert all(host.data_ptr() % host.element_size() == 0 for _, host in parking.held)
     assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
+def test_on_a_gpu_the_parking_buffer_is_pinned_made_once_and_the_learner_comes_back_bit_for_bit(tiny_model):
+    """The GPU path the CPU cannot run: the one buffer registered as pinned (cudaHostRegister), its non-blocking copies
+    awaited before any storage is given back, at one address for every rollout, the learner back bit for bit."""
+    lab = Lab(
+        {
+            "model": {"name_or_path": tiny_model, "dtype": "float32", "bnb_4bit_compute_dtype": "float32"},
+            "placement": {"learner": "cuda:0"},
+            "generator": {"max_completion_length": 8, "hf_decode": "merged", "park_learner": True},
+            "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 0.05},
+        }
+    ).load()
+    try:
+        parking, addresses = lab.executor.generator.parking, []
+        for _ in range(3):
+            lab.step()
+            addresses.append(parking.buffer.tensor.data_ptr())
+            assert parking.buffer.pinned and parking.buffer.tensor.is_pinned()
+        assert len(set(addresses)) == 1 and parking.buffer.made == 1
+        before = digest(lab)
+        lab.rollout()
+        lab.rollback()
+        assert digest(lab) == before
+    finally:
+        lab.close()
