@@ -409,9 +409,9 @@ def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monk
 
     sizes, real = [], Parking.park
 
-    def watched(self, tensors):
+    def watched(self, tensors, reserve=0):
         sizes.append(len(tensors))
-        return real(self, tensors)
+        return real(self, tensors, reserve)
 
     monkeypatch.setattr(Parking, "park", watched)
     lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})
@@ -420,6 +420,19 @@ def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monk
     lab.configure({"generator.park_learner": True})
     lab.rollout()
     assert sizes and sizes[0] > 0
+
+
+@observes("generator.rollout_copy")
+def test_rollout_copy_keeps_or_releases_the_copy_after_the_next_merged_rollout(lab):
+    """keep: the copy's weights stay after the next merged rollout; release: given back after it
+    (tests/test_kept_copy.py: its addresses, its merge, the plan)."""
+    copy = lab.executor.generator.rollout_copy
+    lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})
+    held = {}
+    for mode in ("keep", "release"):
+        lab.configure({"generator.rollout_copy": mode})
+        held[mode] = (lab.rollout().rollout_copy, copy.held_bytes())
+    assert held["keep"][0] == "kept" and held["keep"][1] > 0 and held["release"] == ("released", 0)
 
 
 @observes("grpo.num_generations", "grpo.prompts_per_step")

@@ -59,7 +59,8 @@ def check_roles(config) -> None:
 
 
 def check_rollout_knobs(place, gen, own: bool) -> None:
-    """The hf rollout's own knobs: rows that leave need a growing cache; parking needs the merged copy."""
+    """The hf rollout's own knobs: rows that leave need a growing cache; parking and a kept copy need the merged
+    copy."""
     static = gen.hf_decode in ("static", "compiled") or (
         place.learner.startswith("cuda") and gen.hf_decode in ("merged", "auto")  # (CUDA graphs over a static cache)
     )
@@ -74,6 +75,12 @@ def check_rollout_knobs(place, gen, own: bool) -> None:
         raise ValueError(
             f"generator.drop_finished_rows: rows leave a growing KV cache, and this rollout {where}; set "
             "generator.hf_decode: dynamic (one process, hf backend), or generator.drop_finished_rows: false"
+        )
+    if gen.rollout_copy == "keep" and (own or gen.hf_decode not in ("merged", "auto")):
+        raise ValueError(
+            "generator.rollout_copy: keep holds the hf backend's merged rollout copy between rollouts, and this "
+            f"rollout {'decodes in its own engine' if own else f'decodes {gen.hf_decode!r}'}; set generator.hf_decode: "
+            "merged (or auto), or generator.rollout_copy: auto"
         )
     if gen.park_learner and (own or gen.hf_decode not in ("merged", "auto")):
         raise ValueError(

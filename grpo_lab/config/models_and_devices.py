@@ -276,10 +276,21 @@ class GeneratorSection(Section):
         "preallocated for the whole rollout (fixed shapes); compiled = static plus CUDA graphs over the 4-bit + LoRA "
         "decode step (torch.compile, mode reduce-overhead; a GPU learner only; the first rollout compiles); merged = "
         "a rollout copy: every 4-bit + LoRA linear dequantized to the compute dtype with the LoRA merged in (W + BA), "
-        "one per Lab, refreshed in place at each rollout and its weights released after it (a planned line; no 4-bit "
-        "dequantization or LoRA wrapper per token; "
-        "on a GPU its decode step runs as CUDA graphs too); auto = merged where the plan fits the copy, else compiled "
-        "on a GPU, else dynamic (the plan and the run say which). Greedy decoding gives the same tokens on every path.",
+        "one per Lab, refreshed at each rollout, kept or released between rollouts (generator.rollout_copy; planned; "
+        "no 4-bit dequantization or LoRA wrapper per token; on a GPU its decode step runs as CUDA graphs too); auto "
+        "= merged where the plan fits the copy, else compiled on a GPU, else dynamic (the plan and the run say "
+        "which). Greedy decoding gives the same tokens on every path.",
+    )
+    rollout_copy: Literal["auto", "keep", "release"] = knob(
+        "live",
+        "auto",
+        planned=True,
+        description="hf backend, generator.hf_decode merged (or auto resolved to it): keep = the rollout copy (and on "
+        "a GPU its StaticCache) stays on the learner's device for the whole step, each rollout writing the fresh "
+        "merge into its storage, so from rollout 2 on every weight and the cache keep their addresses (CUDA graphs "
+        "replay; planned resident); release = its weights given back after each rollout (planned in the rollout "
+        "only; on a GPU a CUDA graph recording per rollout, which the step's metrics say); auto = keep where the "
+        "plan fits it, else release (the plan says which).",
     )
     drop_finished_rows: bool = knob(
         "live",

@@ -26,9 +26,11 @@ def _rollout(ex, state) -> object:
     if ex.generator_behind:  # never sample from weights the learner no longer has
         grpo.sync(ex.generator, ex.learner)
         ex.generator_behind = False
-    from ..planner.plan import rollout_decode
+    from ..planner.plan import parking_reserve, rollout_copy_mode, rollout_decode
 
-    return grpo.rollout(ex.generator, ex.prompts, ex.config, rollout_decode(ex.config))
+    config = ex.config
+    path = rollout_decode(config), rollout_copy_mode(config), parking_reserve(config)
+    return grpo.rollout(ex.generator, ex.prompts, config, *path)
 
 
 def reward_state(ex):

@@ -18,7 +18,7 @@ from .estimate import (
     base_weight_bytes,
     in_kernel,
 )
-from .learner_items import add_learner
+from .learner_items import add_learner, parking_buffer_bytes
 from .parts import _home, add_engine, capacity_of
 from .reward_items import add_reward_models, reward_device
 from .sharded import build_sharded
@@ -126,20 +126,31 @@ def dataparallel_what_if(config, shape: ModelShape, devices: dict[str, DevicePla
 
 def build(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks; an hf
-    rollout's generator.hf_decode: auto planned as the path it resolves to (rollout_decode), and said so."""
+    rollout's generator.hf_decode: auto planned as the path it resolves to (rollout_decode), and a merged copy's
+    generator.rollout_copy: auto as keep or release (rollout_copy_mode), each said so."""
     if config.placement.learner_procs > 1:
         return build_sharded(config, shape)
+    gen = config.generator
     decode = rollout_decode(config, shape)
-    if decode == config.generator.hf_decode:
+    resolved = []
+    if decode != gen.hf_decode:
+        # why park_learner off and rollout_copy auto on another path: they are the merged copy's alone
+        other = ["generator.park_learner=false", "generator.rollout_copy=auto"]
+        resolved += [f"generator.hf_decode={decode}", *([] if decode == "merged" else other)]
+    if decode == "merged" and gen.rollout_copy == "auto":
+        resolved.append(f"generator.rollout_copy={rollout_copy_mode(config, shape)}")
+    if not resolved:
         devices, micro = build_devices(config, shape)
         return devices, {}, micro
     from ..config.loading import load_config
 
-    # why park_learner off on another path: it parks the learner for the merged copy alone (models/park.py)
-    unparked = [] if decode == "merged" else ["generator.park_learner=false"]
-    devices, micro = build_devices(load_config(config, [f"generator.hf_decode={decode}", *unparked]), shape)
+    devices, micro = build_devices(load_config(config, resolved), shape)
+    said = {f"decode {decode}": f"decode {decode} (auto)"} if decode != gen.hf_decode else {}
+    if gen.rollout_copy == "auto":
+        said.update({f"copy {m}": f"copy {m} (auto)" for m in ("kept", "released")})
     for d in devices.values():
-        d.roles = [r.replace(f"decode {decode})", f"decode {decode} (auto))") for r in d.roles]
+        for old, new in said.items():
+            d.roles = [r.replace(old, new) for r in d.roles]
     return devices, {}, micro
 
 
@@ -160,6 +171,31 @@ def rollout_decode(config, shape: Optional[ModelShape] = None) -> str:
     if all(d.fits for d in build(merged, shape)[0].values()):
         return "merged"
     return "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
+
+
+def rollout_copy_mode(config, shape: Optional[ModelShape] = None) -> str:
+    """generator.rollout_copy with auto resolved: keep where the plan fits the merged copy held for the whole step,
+    else release; release where the rollout builds no copy (another decode path)."""
+    if rollout_decode(config, shape) != "merged":
+        return "release"
+    if config.generator.rollout_copy != "auto":
+        return config.generator.rollout_copy
+    from ..config.loading import load_config
+
+    kept = load_config(config, ["generator.hf_decode=merged", "generator.rollout_copy=keep"])
+    return (
+        "keep"
+        if all(d.fits for d in build(kept, shape or load_shape(config.model.name_or_path))[0].values())
+        else "release"
+    )
+
+
+def parking_reserve(config, shape: Optional[ModelShape] = None) -> int:
+    """generator.park_learner on a merged rollout: the host buffer's planned bytes, which parking makes once
+    (learner_items.parking_buffer_bytes); 0 where nothing is parked."""
+    if not config.generator.park_learner or rollout_decode(config, shape) != "merged":
+        return 0
+    return int(parking_buffer_bytes(shape or load_shape(config.model.name_or_path), config))
 
 
 def sharding_fixes(config) -> list[tuple[str, list[str]]]:
