@@ -1,9 +1,8 @@
-"""`Lab`: the notebook's handle on a GRPO run. It holds the config, the step lifecycle, history, the timeline and
-the memory views; each phase of a step is a method a cell can call alone (named as in algo/phases.PHASES), and
-`step()` runs the rest of the current step through `algo.grpo.step`. The phases' work is its executor's
-(execution/: this process's models, or a sharded learner's ranks). The headless runner, the widgets and papermill
-use the same calls. Config edits after load go through config/edits.py.
-"""
+"""`Lab(config, reward_funcs, overrides, train_dataset)`: the notebook's handle on a GRPO run (reward_funcs and
+train_dataset as TRL's GRPOTrainer takes them; None: data.rewards, data.dataset). It holds the config, the step
+lifecycle, history, the timeline and the memory views; each phase of a step is a method a cell can call alone (named
+as in algo/phases.PHASES), and `step()` runs the rest of the current step through `algo.grpo.step`. The phases' work
+is its executor's (execution/: this process's models, or a sharded learner's ranks); config edits: config/edits.py."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from .memory.timeline import Timeline
 from .preflight import preflight
 from .runtime import own_streams
 from .ui.quiet import no_frozen_bars
+from .ui.reprs import step_results_as_tables
 from .ui.views import LabViews
 
 
@@ -38,8 +38,8 @@ class Lab(LabViews):
         overrides: Optional[list[str]] = None,
         train_dataset=None,
     ):
-        """`reward_funcs`, `train_dataset` (Dataset, DatasetDict, IterableDataset, dicts): TRL's; None: the config's"""
         one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
+        step_results_as_tables()  # in a kernel, a step ending a cell shows as a table (ui/reprs.py)
         self._config = load_config(config, overrides)
         self.memory = None
         self.memory_devices: list[str] = []  # the devices the sampler watches

@@ -45,6 +45,11 @@ def preflight(config: LabConfig, train_dataset=None) -> None:
         check_hf_placement(config)
     for name in config.data.rewards:
         resolve_reward(name)
+    if config.data.reward_models:
+        from .models.reward_model import check_reward_model
+
+        for name in config.data.reward_models:
+            check_reward_model(name)
     check_data(config, train_dataset)
 
 
@@ -185,6 +190,8 @@ def check_rollout_copy(config: LabConfig) -> None:
     with_copy = plan(config)
     if with_copy.fits:
         return
+    if config.generator.rollout_copy == "keep":
+        check_kept_copy(config, with_copy)
     fallback = "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
     parks = not config.generator.park_learner and plan(load_config(config, ["generator.park_learner=true"])).fits
     fits = plan(load_config(config, [f"generator.hf_decode={fallback}", "generator.park_learner=false"])).fits
@@ -198,4 +205,22 @@ def check_rollout_copy(config: LabConfig) -> None:
     raise LabError(
         f"generator.hf_decode: merged needs a {copy / gib:.2f} GiB rollout copy on {device.device}, and with it the "
         f"plan does not fit ({device.total / gib:.1f} of {device.capacity / gib:.1f} GiB); use " + "; or ".join(fixes)
+    )
+
+
+def check_kept_copy(config: LabConfig, with_copy) -> None:
+    """generator.rollout_copy: keep holds the copy for the whole step: where only a released copy fits, refused in one
+    line with the copy's figure (a kept copy that fits neither way is left to check_rollout_copy's own line)."""
+    from .config.loading import load_config
+    from .planner import plan
+
+    if not plan(load_config(config, ["generator.rollout_copy=release"])).fits:
+        return
+    device = max(with_copy.failing(), key=lambda d: d.fraction)
+    copy = sum(i.bytes for i in device.items if i.what == "rollout copy (LoRA merged)")
+    gib = 1024**3
+    raise LabError(
+        f"generator.rollout_copy: keep holds the {copy / gib:.2f} GiB rollout copy on {device.device} for the whole "
+        f"step, and with it the plan does not fit ({device.total / gib:.1f} of {device.capacity / gib:.1f} GiB); use "
+        "generator.rollout_copy: release (fits: a CUDA graph recording per rollout), or auto (picks it)"
     )

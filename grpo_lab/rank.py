@@ -155,13 +155,16 @@ class RankWorker:
             dist.destroy_process_group()
 
     # --- commands: each returns (result, boundary state or None) ---
-    def phase(self, name: str, config: dict):
-        """Run this step's phase `name` with this rank's own outputs of the phases before it."""
+    def phase(self, name: str, config: dict, scores: Optional[list] = None):
+        """Run this step's phase `name` with this rank's own outputs of the phases before it; `scores`: the reward
+        models' scores of the rollout, which the driver computed (rewards)."""
         from .algo.phases import BY_NAME
 
         changes = config_changes(self.lab.config.to_dict(), config)
         if changes:
             self.lab.config.update(changes)  # the driver's edits, checked and rebuilt here as in one process
+        if scores is not None:
+            self.lab.executor.take_scores(scores)
         inputs = [getattr(self.lab.current, field) for field in BY_NAME[name].inputs]
         out = getattr(self.lab, name)(*inputs)
         return out, boundary_state(self.lab) if name == "sync" else None

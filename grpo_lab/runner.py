@@ -151,13 +151,22 @@ def run(
 
 
 def say_decode(config: LabConfig) -> None:
-    """generator.hf_decode: auto, as resolved (planner.rollout_decode), once at the start of a run."""
-    if config.generator.backend == "hf" and config.generator.hf_decode == "auto":
-        from .planner.plan import rollout_decode
+    """generator.hf_decode: auto and a merged copy's generator.rollout_copy: auto, as resolved (planner.rollout_decode,
+    planner.rollout_copy_mode), once at the start of a run."""
+    gen = config.generator
+    if gen.backend != "hf" or (gen.hf_decode != "auto" and gen.rollout_copy != "auto"):
+        return
+    from .planner.plan import rollout_copy_mode, rollout_decode
 
-        decode = rollout_decode(config)
+    decode = rollout_decode(config)
+    if gen.hf_decode == "auto":
         why = "the plan fits the rollout copy" if decode == "merged" else "the plan does not fit the rollout copy"
         print(f"rollout: hf decode {decode} (generator.hf_decode: auto; {why})", file=sys.stderr)
+    if decode == "merged" and gen.rollout_copy == "auto":
+        kept = rollout_copy_mode(config) == "keep"
+        why = "the plan fits it beside the learner's phases" if kept else "the plan fits it in the rollout alone"
+        held = "kept between rollouts" if kept else "released after each rollout"
+        print(f"rollout: the merged copy {held} (generator.rollout_copy: auto; {why})", file=sys.stderr)
 
 
 def load_lab(config: LabConfig, force: bool) -> Lab:

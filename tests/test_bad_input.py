@@ -107,6 +107,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
     "placement.host_memory_gib": "this machine's RAM",
     "placement.ray_address": "a Ray on this machine, started by the Lab (for a sharded learner)",
     "placement.rank_memory_gib": "no budget of its own per rank (the driver guards the machine)",
+    "placement.reward_model": "the learner's device",
     "generator.chunk_size": "all sequences in one call",
     "generator.gpu_memory_utilization": "0.9 on a GPU of its own",
     "generator.model": "the learner's base",
@@ -126,6 +127,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
 }
 ALLOWED = {(field, "null", "null"): f"null = {why}" for field, why in NULL_MEANS_DEFAULT.items()}
 ALLOWED[("run.report_to", "empty", "[]")] = "[] = no tracker (the default; TRL's report_to takes it too)"
+ALLOWED[("data.reward_models", "empty", "[]")] = "[] = no reward model (the default)"
 
 
 def case_id(case):

@@ -57,6 +57,8 @@ def hold(prompts, completions, **kwargs):  # a step waits in its rewards phase w
 
 lab.reward_funcs = list(lab.reward_funcs) + [hold]"""
 UI = "panels.append(lab.ui())\npanels[-1]"
+# issue 72: what a cell shows for the plan, a step and the memory table (each must fit the output area)
+TABLES = ["display(lab.plan())", "lab.step()", "lab.memory_table()"]
 # wall time since the panels showed, less the lab's working time. Why 90 s, not the 5 minutes a user reported: the
 # plot squeezes every idle gap over IDLE_KEEP_S (1 s), so 90 s unsqueezed already puts the x axis 60 s past the bound
 # below (work + 30 s), and each idle second here is a second of the suite
@@ -71,7 +73,8 @@ def page(tmp_path_factory, tiny_model):
 
     server = jupyter_server(tmp_path_factory.mktemp("panel"), notebooks=())
     url, token, root = server.__enter__()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP)] + [nbformat.v4.new_code_cell(UI)] * 3)
+    cells = [SETUP] + [UI] * 3 + TABLES
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     (root / "notebooks" / "panel.ipynb").write_text(nbformat.writes(nb))
     state_file = root / "notebooks" / "state.json"
@@ -132,7 +135,7 @@ def wait_for(read_state, check, timeout: float = 120):
 
 
 def panel(pg):
-    return pg.locator(".grpo-lab-controls").last
+    return pg.locator(".grpo-lab-panel").last
 
 
 def editor(pg):
@@ -153,6 +156,84 @@ def test_three_ui_calls_leave_one_redraw_thread(page):
     pg, read_state = page
     state = read_state()
     assert state["threads"].count("grpo-lab-plot") == 1, state["threads"]
+
+
+# the last panel scrolled as a user would (its buttons at the top of the notebook's view), then where its buttons,
+# the latest log line, the plot's x axis and the plot itself are: the view's and each one's [top, bottom]
+ONE_SCREEN = """() => {
+    const panel = [...document.querySelectorAll('.grpo-lab-panel')].pop();
+    const buttons = panel.querySelector('.grpo-lab-controls');
+    let view = buttons.parentElement;
+    const scrolls = e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY) && e.scrollHeight > e.clientHeight;
+    while (view && !scrolls(view)) view = view.parentElement;
+    view.scrollTop += buttons.getBoundingClientRect().top - view.getBoundingClientRect().top - 4;
+    const box = e => { const r = e.getBoundingClientRect(); return [r.top, r.bottom]; };
+    const lines = panel.querySelectorAll('.grpo-lab-log > div > div');
+    const plot = panel.querySelector('.js-plotly-plot');
+    return {view: box(view), buttons: box(buttons), line: box(lines[lines.length - 1]),
+            log: box(panel.querySelector('.grpo-lab-log')), axis: box(plot.querySelector('.xtitle')),
+            plot: box(plot), panel: box(panel), text: lines[lines.length - 1].textContent};
+}"""
+
+
+def test_the_buttons_the_plots_axis_and_the_latest_step_line_fit_one_screen_on_every_editor_tab(page):
+    """Issue 72: the panel was 3.4 screens tall (2,321 px in a 679 px view); the buttons and the plot's axis were never
+    on screen together, and a tab switch moved the buttons and the plot by up to 1,254 px."""
+    from playwright.sync_api import expect
+
+    pg, read_state = page
+    before = read_state()["history"]
+    panel(pg).locator("button", has_text="one step").click()
+    wait_for(read_state, lambda s: s["history"] == before + 1 and not s["panel_running"])
+    pg.wait_for_function(
+        "n => [...document.querySelectorAll('.grpo-lab-log')].pop().innerText.includes(`step ${n}:`)", arg=before
+    )
+    tabs, seen = editor(pg).locator(".lm-TabBar-tab"), []
+    for i in range(tabs.count()):
+        tabs.nth(i).click()
+        expect(tabs.nth(i)).to_have_class(re.compile(r"\blm-mod-current\b"))
+        at = pg.evaluate(ONE_SCREEN)
+        if i == 0:
+            pg.screenshot(path=str(ARTIFACTS / "panel_one_screen_light.png"))
+        (top, bottom), name = at["view"], tabs.nth(i).inner_text()
+        assert at["text"].startswith(f"step {before}:"), at["text"]  # the latest line is the step's
+        for part in ("buttons", "line", "axis", "plot"):
+            assert top - 1 <= at[part][0] and at[part][1] <= bottom + 1, (name, part, at)
+        assert at["log"][0] - 1 <= at["line"][0] and at["line"][1] <= at["log"][1] + 1, (name, at)  # not scrolled off
+        seen.append([round(at[part][0] - at["panel"][0]) for part in ("buttons", "log", "plot")])
+    assert all(abs(a - b) <= 1 for where in seen for a, b in zip(where, seen[0])), seen  # tab switches move nothing
+
+
+def test_the_plan_a_step_and_the_memory_table_are_tables_that_fit_the_output_area(page):
+    """Issue 72: display(lab.plan()) was a 1,821 px wide text block in an 828 px box, lab.memory_table() a quoted
+    string of literal \\n's."""
+    pg, _ = page
+    sizes = pg.evaluate(
+        "() => ['.grpo-lab-plan', '.grpo-lab-step', '.jp-OutputArea-output > .grpo-lab-table, "
+        ".jp-RenderedHTMLCommon > .grpo-lab-table'].map(sel => [...document.querySelectorAll(sel)].map(e => {"
+        " const out = e.closest('.jp-OutputArea-output'); e.scrollIntoView();"
+        " return [e.getBoundingClientRect().width, e.scrollWidth, out.clientWidth, e.querySelectorAll('table').length"
+        " + (e.tagName === 'TABLE')]; }))"
+    )
+    pg.locator(".grpo-lab-plan").first.scroll_into_view_if_needed()
+    pg.screenshot(path=str(ARTIFACTS / "tables_light.png"))
+    for name, found in zip(("plan", "step", "memory table"), sizes):
+        assert found, f"no {name} shown as a table"
+        for width, scrolled, output, tables in found:
+            assert tables >= 1 and width <= output + 1 and scrolled <= output + 1, (name, width, scrolled, output)
+
+
+def test_a_newer_panel_turns_the_older_ones_off_in_the_browser(page):
+    pg, _ = page
+    panels = pg.locator(".grpo-lab-panel")
+    assert panels.count() == 3
+    for i in (0, 1):
+        old = panels.nth(i)
+        assert old.locator("button", has_text="one step").is_disabled()
+        assert not old.locator(".grpo-lab-editor").is_visible()
+        assert f"panel {i + 1} was replaced by panel {i + 2}" in old.inner_text()
+    assert panels.nth(2).locator("button", has_text="one step").is_enabled()
+    assert panels.nth(2).locator(".grpo-lab-editor").is_visible()
 
 
 def test_help_shows_under_every_kind_of_field(page):
@@ -241,9 +322,13 @@ def test_stop_during_one_step_stops_at_the_next_phase_boundary(page):
     before = read_state()
     panel(pg).locator("button", has_text="one step").click()
     panel(pg).locator("button", has_text="stop").click()
-    state = wait_for(read_state, lambda s: "stopped before" in s["log"], timeout=60)
+    state = wait_for(read_state, lambda s: "stop: the run stopped after 0 of 1 steps" in s["log"], timeout=60)
     assert state["history"] == before["history"] and state["next_phase"] != "rollout"
-    assert "stop: the run stops at the next phase boundary" in state["log"]
+    assert "stop: the run stops at the next phase boundary" in state["log"] and "stopped before" in state["log"]
+    from playwright.sync_api import expect
+
+    expect(panel(pg).get_by_text("stopped at 0 of 1")).to_be_visible(timeout=10_000)  # the progress bar's label
+    expect(panel(pg).locator("button", has_text="stop")).to_be_disabled(timeout=10_000)  # nothing runs now
     panel(pg).locator("button", has_text="one step").click()  # finishes the step
     wait_for(read_state, lambda s: s["history"] == before["history"] + 1)
 
@@ -441,6 +526,8 @@ def test_in_the_dark_theme_the_plot_follows_and_help_and_errors_read_at_4_5_to_1
     )
     pg.screenshot(path=str(ARTIFACTS / "panel_dark.png"))
     editor(pg).locator("button", has_text="revert").locator("visible=true").first.click()
+    pg.evaluate(ONE_SCREEN)
+    pg.screenshot(path=str(ARTIFACTS / "panel_one_screen_dark.png"))  # (issue 72: the bands read in the dark)
     cut = cut_in_view(pg)
     assert all(r >= 4.5 for r in ratios.values()), ratios
     assert paper[0] in ("rgba(0, 0, 0, 0)", "transparent") or luminance(paper[0]) < 0.2, paper  # not a white block

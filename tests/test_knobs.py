@@ -152,6 +152,7 @@ EDITS = {
     "generator.quantization": {"generator.quantization": "awq", "generator.backend": "vllm"},
     "generator.sleep_mode": {"generator.sleep_mode": True, "generator.backend": "vllm"},
     "reference.device": {"reference.device": "cpu"},
+    "placement.reward_model": {"placement.reward_model": "cpu"},
     "run.output_dir": {"run.output_dir": "runs/elsewhere"},
     "memory.host_mmap_threshold_mib": {"memory.host_mmap_threshold_mib": 1.0},
 }
@@ -409,9 +410,9 @@ def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monk
 
     sizes, real = [], Parking.park
 
-    def watched(self, tensors):
+    def watched(self, tensors, reserve=0):
         sizes.append(len(tensors))
-        return real(self, tensors)
+        return real(self, tensors, reserve)
 
     monkeypatch.setattr(Parking, "park", watched)
     lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})
@@ -420,6 +421,19 @@ def test_park_learner_parks_the_learner_during_the_next_merged_rollout(lab, monk
     lab.configure({"generator.park_learner": True})
     lab.rollout()
     assert sizes and sizes[0] > 0
+
+
+@observes("generator.rollout_copy")
+def test_rollout_copy_keeps_or_releases_the_copy_after_the_next_merged_rollout(lab):
+    """keep: the copy's weights stay after the next merged rollout; release: given back after it
+    (tests/test_kept_copy.py: its addresses, its merge, the plan)."""
+    copy = lab.executor.generator.rollout_copy
+    lab.configure({"generator.hf_decode": "merged", "generator.max_completion_length": 2})
+    held = {}
+    for mode in ("keep", "release"):
+        lab.configure({"generator.rollout_copy": mode})
+        held[mode] = (lab.rollout().rollout_copy, copy.held_bytes())
+    assert held["keep"][0] == "kept" and held["keep"][1] > 0 and held["release"] == ("released", 0)
 
 
 @observes("grpo.num_generations", "grpo.prompts_per_step")
@@ -732,6 +746,20 @@ def test_rewards_rebuild_the_reward_functions(lab):
     lab.config.generator.max_completion_length = 2
     rewards = lab.rewards(lab.rollout())
     assert rewards.names == ["length"] and rewards.per_function.shape[1] == 1
+
+
+@observes("data.reward_models")
+def test_reward_models_rebuild_the_reward_models(lab, tmp_path):
+    lab.config.data.reward_models = ["builtin:tiny-reward"]
+    [model] = lab.executor.reward_models  # at once
+    lab.config.generator.max_completion_length = 2
+    rewards = lab.rewards(lab.rollout())
+    assert rewards.names[-1] == model.__name__ and rewards.per_function.shape[1] == 4
+    with pytest.raises(LabError, match=r"^data.reward_models: .* does not exist"):
+        lab.config.data.reward_models = [str(tmp_path / "missing")]
+    assert lab.executor.reward_models == [model] and lab.config.data.reward_models == ["builtin:tiny-reward"]
+    lab.config.data.reward_models = []
+    assert lab.executor.reward_models == [] and model.model is None  # released
 
 
 @observes("data.dataset")

@@ -38,6 +38,8 @@ VARIANTS = [
     ["placement.host_memory_gib=0.5"],
     ["generator.backend=vllm", "generator.gpu_memory_utilization=auto"],
     ["generator.hf_decode=merged"],
+    ["data.reward_models=[builtin:tiny-reward]"],
+    ["data.reward_models=[builtin:tiny-reward]", "placement.reward_model=cpu"],
 ]
 # values no type or context offers
 EXTRA = {"lora.target_modules": [["q_proj", "v_proj"]]}

@@ -12,6 +12,7 @@ from grpo_lab.checks.guard import check_learner
 from grpo_lab.errors import ConfigError
 from grpo_lab.planner import load_shape, plan
 from grpo_lab.planner.estimate import base_weight_bytes, generator_weight_bytes
+from grpo_lab.planner.render import render
 
 ROOT = Path(__file__).resolve().parents[1]
 P1 = ROOT / "grpo_lab" / "config" / "presets" / "p1-qwq32b-nf4-2xa100-40gb.yaml"
@@ -253,7 +254,7 @@ def test_a_devices_peak_is_its_resident_items_plus_its_heaviest_phase():
     d.add("head", 5, phase="backward")
     assert d.resident == 100 and d.phase_peak("rollout") == 150 and d.phase_peak("backward") == 145
     assert d.peak_phase == "rollout" and d.total == 150  # phases never overlap: not 100 + 95
-    rendered = _device_block(d)
+    rendered = _device_block(d).text(header=False).splitlines()
     assert any(line.strip().startswith("during rollout:") for line in rendered)
     assert rendered[-1].strip().startswith("peak (during rollout)")
 
@@ -381,21 +382,21 @@ def test_a_cpu_learner_at_glibcs_own_threshold_is_told_what_the_plan_leaves_out(
     default = plan(load_config("tiny-cpu"))
     assert len(default.caveats) == 1 and "memory.host_mmap_threshold_mib" in default.caveats[0]
     assert "1.19x" in default.caveats[0] and "0.125" in default.caveats[0]
-    assert "note: " + default.caveats[0] in str(default).splitlines()
+    assert "note: " + default.caveats[0] in render(default, width=10**6).splitlines()  # (print() wraps it at 120)
     assert plan(load_config("tiny-cpu", ["memory.host_mmap_threshold_mib=0.125"])).caveats == []
     assert plan(load_config("qwen2.5-7b-nf4-24gb")).caveats == []  # a GPU learner's tensors never touch glibc's heap
 
 
-def test_the_plan_in_a_notebook_scrolls_instead_of_wrapping_and_folds_its_notes():
-    """lab.plan() in a cell: one non-wrapping block (long lines scroll sideways), the heap-hole note folded away unless
-    the host is within 10% of its capacity (or over it), where it could change the verdict."""
+def test_the_plan_in_a_notebook_folds_its_notes():
+    """lab.plan() in a cell (tables: tests/test_reprs.py): the heap-hole note folded away unless the host is within 10%
+    of its capacity (or over it), where it could change the verdict."""
     from grpo_lab.planner import plan
 
     cfg = load_config("tiny-cpu", ["memory.host_mmap_threshold_mib=null"])
     result = plan(cfg)
     assert result.caveats, "a CPU learner at glibc's own threshold has the heap-hole note"
     page = result._repr_html_()
-    assert "white-space:pre;overflow-x:auto" in page and "<details>" in page and "note:" not in page
+    assert "<table" in page and "<details>" in page and "note:" not in page
     assert "note: " in str(result)  # the text form (CLI) keeps every note
     result.devices["host"].capacity = result.devices["host"].total / 0.95  # the host at 95%: the note is at stake
     assert "<details open>" in result._repr_html_()

@@ -87,7 +87,11 @@ def test_a_merged_rollout_leaves_the_4bit_base_and_the_lora_bit_for_bit_and_rele
     model = lab.executor.learner.model
     before = digest(model)
     assert any("absmax" in n or "quant_state" in n for n in model.state_dict())  # the 4-bit quant state is in it
-    rollout(lab, "merged")
+    lab.configure({"generator.rollout_copy": "release"})  # (a kept copy: tests/test_kept_copy.py)
+    try:
+        rollout(lab, "merged")
+    finally:
+        lab.configure({"generator.rollout_copy": "auto"})
     assert digest(model) == before
     copy = lab.executor.generator.rollout_copy
     assert copy.module is not None and copy.held_bytes() == 0  # kept for the next rollout, its weights given back
@@ -101,12 +105,13 @@ def test_three_merged_rollouts_in_one_lab_reuse_one_copy_refreshed_to_a_fresh_me
     from grpo_lab.generation.rollout_copy import merged_copy
 
     lab = greedy_lab(tiny_model)
+    lab.configure({"generator.rollout_copy": "release"})  # (kept between rollouts: tests/test_kept_copy.py)
     try:
         copy, model = lab.executor.generator.rollout_copy, lab.executor.learner.model
         real, seen = copy.model_for, []
 
-        def watched(source, decode):  # compares the copy with a fresh merge while the rollout holds it
-            context = real(source, decode)
+        def watched(source, decode, keep):  # compares the copy with a fresh merge while the rollout holds it
+            context = real(source, decode, keep)
 
             class Watch:
                 def __enter__(self):
@@ -176,10 +181,12 @@ def test_the_plan_has_the_copys_line_and_auto_picks_the_copy_where_it_fits(tiny_
         return load_config("tiny-cpu", [*overrides, *more])
 
     copy = [i for i in plan(made("merged")).devices["host"].items if i.what == "rollout copy (LoRA merged)"]
-    assert len(copy) == 1 and copy[0].phase == "rollout"
+    assert len(copy) == 1 and copy[0].phase is None  # kept where it fits (auto): resident (tests/test_kept_copy.py)
     shape = plan(made("merged")).shape
     largest = max(a * b for _, a, b in shape.linear_layers())
-    assert copy[0].bytes == shape.linear_params * DTYPE_BYTES["float32"] + 8 * largest
+    assert copy[0].bytes == shape.linear_params * DTYPE_BYTES["float32"]
+    merging = [i for i in plan(made("merged")).devices["host"].items if i.what == "rollout copy merge temporaries"]
+    assert len(merging) == 1 and merging[0].bytes == 8 * largest and merging[0].phase == "rollout"
     assert not [i for i in plan(made("dynamic")).devices["host"].items if i.what.startswith("rollout copy")]
     assert rollout_decode(made("auto")) == "merged" and "decode merged (auto)" in str(plan(made("auto")))
     # a 7B learner (bundled shape, nothing loaded): a 24 GiB GPU fits the 13 GiB copy, a 16 GiB one only the 4-bit path

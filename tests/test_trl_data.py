@@ -329,3 +329,22 @@ def test_grpo_lab_run_takes_a_dataset_by_path_and_trl_rewards_by_name(tiny_confi
     assert cli.main(argv + ["--set", "data.rewards=[think_format_reward, format]"]) == 0
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "rewards/think_format_reward/mean" in record and "rewards/format/mean" in record
+
+
+def test_a_streamed_datasets_checkpoint_resumes_at_the_exact_row(tiny_config, tmp_path):
+    """A Lab's checkpoint mid-epoch of a streamed dataset: a new Lab restored from it draws the rows the first draws
+    next (the stream re-read up to the row)."""
+    from datasets import Dataset
+
+    def stream():
+        return Dataset.from_list(chat_rows(5)).to_iterable_dataset(num_shards=1)
+
+    cfg = tiny_config(data={"system_prompt": None}, generator={"max_completion_length": 2})
+    first = Lab(cfg, train_dataset=stream()).load()
+    first.step()
+    checkpoint = first.save_checkpoint(tmp_path / "ckpt")
+    expected = [first.prompts.next_batch(2).extra["n"] for _ in range(3)]  # across the epoch's end
+    first.close()
+    again = Lab(cfg, train_dataset=stream()).load().restore_checkpoint(checkpoint)
+    assert [again.prompts.next_batch(2).extra["n"] for _ in range(3)] == expected
+    again.close()

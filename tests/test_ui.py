@@ -82,6 +82,7 @@ def test_editor_on_a_loaded_lab_edits_it_in_place_and_locks_load_time_fields(loa
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
     editor.load(str(tmp_path / "other.yaml"))  # all or nothing: beta is not applied either
     assert "model.dtype: fixed when the Lab loads" in editor.message.value and lab.config.grpo.beta != 0.5
+    lab.close()  # (its plot's redraw thread stops)
 
 
 def test_editor_saves_and_loads_yaml(tiny_config, tmp_path):
@@ -170,10 +171,14 @@ def test_stop_ends_a_run_between_steps_and_errors_keep_the_lab_usable(loaded_lab
 
 
 def test_panel_combines_editor_controls_and_plot(loaded_lab):
-    panel = loaded_lab().ui()
+    lab = loaded_lab()
+    panel = lab.ui()
+    lab.close()  # its plot's redraw thread stops (a test counting them in this process must not find it)
     assert isinstance(panel, Panel) and panel.plot is not None
-    style, row, plot = panel.widget.children  # the theme's style for the plot, editor beside controls, the plot
-    assert "data-jp-theme-light" in style.value and row.children == (panel.editor.widget, panel.controls.widget)
+    # the theme's style for the plot, a stale panel's note (hidden), the buttons, the log, the plot, the editor
+    style, note, buttons, log, plot, editor = panel.widget.children
+    assert "data-jp-theme-light" in style.value and (buttons, editor) == (panel.controls.buttons, panel.editor.widget)
+    assert note.layout.display == "none" and log is panel.controls.log_box
     assert plot is panel.plot.fig and "grpo-lab-plot" in plot._dom_classes
 
 
@@ -229,7 +234,10 @@ def test_any_error_is_one_log_line_with_the_traceback_on_demand(loaded_lab):
     lab.reward_funcs = [broken]
     click_step(controls)
     lines = [line for line in log_text(controls).splitlines() if line]
-    assert lines == ["error: ValueError: the reward server is down (the traceback button shows where)"]
+    # the line names the reward (algo/reward_calls.py), and its own traceback is a button away
+    assert lines == [
+        "error: reward 'broken' raised ValueError: the reward server is down (the traceback button shows where)"
+    ]
     assert "var(--jp-error-color1" in controls.log.value  # the error line in the theme's error colour
     controls.traceback_button.click()  # the traceback in its own box, not in the log
     text = controls.traceback.value
@@ -265,12 +273,14 @@ def test_text_inputs_show_plain_literals_and_apply_on_enter_or_blur(tiny_config)
 
 def test_every_field_shows_its_help_and_when_it_takes_effect_under_it(tiny_config):
     """Tooltips are unreliable in ipywidgets 8 (dropped on text, dropdown and checkbox inputs with a description):
-    each field's help and its live / rebuild / load-time class is a line under it."""
+    each field's help and its live / rebuild / load-time badge is a line under it (issue 72: a badge, not the same
+    80-character note under every field)."""
     from grpo_lab.config.schema import field_when
 
     editor = ConfigEditor(Lab(tiny_config()).config)
     for (section, name), help_line in editor.help.items():
-        assert f"[{field_when(f'{section}.{name}')}:" in help_line.value, (section, name)
+        assert f"grpo-lab-badge-{field_when(f'{section}.{name}')}'" in help_line.value, (section, name)
+        assert "[load:" not in help_line.value and "[live:" not in help_line.value  # (its meaning: the badge title)
     kinds = {type(editor.inputs[key][0]).__name__ for key in editor.help}
     assert kinds == {"Text", "Dropdown", "Checkbox"}  # numbers are typed as text (issue 40)
     assert len(editor.help) == len(editor.inputs)
@@ -323,7 +333,7 @@ def test_one_step_disables_the_buttons_says_what_runs_and_stops_at_a_phase_bound
     controls.clear_button.click()
     assert log_text(controls) == "" and "grpo-lab-log" in controls.log.value
     controls._say("x" * 2000)  # long lines wrap inside the fixed-width box
-    assert "pre-wrap" in controls.log.value and controls.widget.layout.width == "440px"
+    assert "pre-wrap" in controls.log.value and controls.log_box.layout.width == "100%"
 
 
 def test_the_log_is_single_spaced_and_a_long_line_hangs_under_its_first_word(loaded_lab):

@@ -48,6 +48,10 @@ class Rollout:
     # the inputs CUDA graphs recorded (0 = no new recording); a rollout after the first should read 0 and 0
     compiled_graphs: int = 0
     cudagraph_recorded_inputs: int = 0
+    # generator.hf_decode merged: its copy "kept" between rollouts or "released" after each ("": no copy); released on
+    # a GPU, its weights get new addresses at every rollout, so CUDA graphs record again: expected, 1 per rollout
+    rollout_copy: str = ""
+    cudagraph_recordings_expected: int = 0
 
     @property
     def logprob_temperature(self) -> float:
@@ -162,6 +166,8 @@ class StepResult:
     generate_calls: int = 1  # engine calls of the rollout (generator.chunk_size)
     compiled_graphs: int = 0  # graphs torch compiled during the rollout (Rollout.compiled_graphs)
     cudagraph_recorded_inputs: int = 0  # inputs CUDA graphs recorded during it (0: no new recording)
+    rollout_copy: str = ""  # the merged rollout copy "kept" or "released" (Rollout.rollout_copy); "": none
+    cudagraph_recordings_expected: int = 0  # 1: a released copy on a GPU, re-recorded at every rollout by design
     temperature: float = 1.0  # the rollout was sampled at (0 = greedy)
     learning_rate: float = 0.0  # of the step's last update
     iterations: int = 1  # optimizer updates on this rollout
@@ -227,9 +233,18 @@ class GenerationRequest:
     decode: str = "dynamic"  # the hf rollout's decode path (generator.hf_decode; auto resolved by the executor)
     park_learner: bool = False  # generator.park_learner: the learner's state in host memory while the copy decodes
     drop_finished_rows: bool = False  # generator.drop_finished_rows: finished rows leave the batch at bucket boundaries
+    rollout_copy: str = "release"  # generator.rollout_copy, auto resolved by the executor: keep or release the copy
+    park_buffer_bytes: int = 0  # generator.park_learner: the host buffer's planned size (the executor reads the plan)
+
+    @property
+    def keeps_copy(self) -> bool:
+        """A merged rollout whose copy (and on a GPU its StaticCache) stays for the next rollout."""
+        return self.decode == "merged" and self.rollout_copy == "keep"
 
     @classmethod
-    def from_config(cls, config, full_length: bool = False, decode: Optional[str] = None) -> "GenerationRequest":
+    def from_config(
+        cls, config, full_length: bool = False, decode: Optional[str] = None, copy: str = "release"
+    ) -> "GenerationRequest":
         gen = config.generator
         return cls(
             gen.max_completion_length,
@@ -243,4 +258,5 @@ class GenerationRequest:
             decode or gen.hf_decode,
             gen.park_learner,
             gen.drop_finished_rows,
+            copy,
         )

@@ -42,13 +42,18 @@ def step(phases, num_iterations: int) -> StepResult:
     return phases.sync()
 
 
-def rollout(generator, prompts, config, decode: Optional[str] = None) -> Rollout:
+def rollout(
+    generator, prompts, config, decode: Optional[str] = None, copy: str = "release", park_bytes: int = 0
+) -> Rollout:
     """Sample `num_generations` completions for each of `prompts_per_step` prompts (an hf rollout decoding as `decode`
-    says, the executor's resolution of generator.hf_decode)."""
+    says, its merged copy kept or released as `copy` says, a parked learner in a host buffer of `park_bytes`: the
+    executor's resolutions of generator.hf_decode, generator.rollout_copy and the plan's parking buffer)."""
     grpo = config.grpo
     batch = prompts.next_batch(grpo.prompts_per_step)
     # (the worst-case probe's prompts ask for full-length completions: planner/worst_case.py)
-    request = GenerationRequest.from_config(config, full_length=getattr(prompts, "full_length", False), decode=decode)
+    full = getattr(prompts, "full_length", False)
+    request = GenerationRequest.from_config(config, full_length=full, decode=decode, copy=copy)
+    request.park_buffer_bytes = park_bytes
     return generator.generate(batch, grpo.num_generations, request)
 
 
@@ -316,6 +321,8 @@ def summarize(
         generate_calls=rollout_.generate_calls,
         compiled_graphs=rollout_.compiled_graphs,
         cudagraph_recorded_inputs=rollout_.cudagraph_recorded_inputs,
+        rollout_copy=rollout_.rollout_copy,
+        cudagraph_recordings_expected=rollout_.cudagraph_recordings_expected,
         temperature=rollout_.temperature,
         learning_rate=learning_rate,
         is_ratio_min=stats.is_ratio_min,

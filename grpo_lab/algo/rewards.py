@@ -73,7 +73,7 @@ def _trl_reward(name: str) -> Callable:
     return getattr(trl.rewards, name)
 
 
-# TRL's reward functions, by the names `trl grpo` (trl/scripts/grpo.py) gives them, made when named (why lazily: each
+# TRL's reward functions, by the names TRL's `trl grpo` command gives them, made when named (why lazily: each
 # imports trl.rewards, and accuracy_reward needs math-verify)
 TRL_REWARDS: dict[str, Callable[[], Callable]] = {
     "accuracy_reward": lambda: _trl_reward("accuracy_reward"),

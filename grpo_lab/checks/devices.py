@@ -40,6 +40,8 @@ def check_devices(config) -> None:
         check_device(dev, "placement.generator")
     if config.reference.device:
         check_device(config.reference.device, "reference.device")
+    if config.placement.reward_model:
+        check_device(config.placement.reward_model, "placement.reward_model")
 
 
 def ensure_on_device(model, device, field: str) -> None:

@@ -59,7 +59,8 @@ def check_roles(config) -> None:
 
 
 def check_rollout_knobs(place, gen, own: bool) -> None:
-    """The hf rollout's own knobs: rows that leave need a growing cache; parking needs the merged copy."""
+    """The hf rollout's own knobs: rows that leave need a growing cache; parking and a kept copy need the merged
+    copy."""
     static = gen.hf_decode in ("static", "compiled") or (
         place.learner.startswith("cuda") and gen.hf_decode in ("merged", "auto")  # (CUDA graphs over a static cache)
     )
@@ -74,6 +75,12 @@ def check_rollout_knobs(place, gen, own: bool) -> None:
         raise ValueError(
             f"generator.drop_finished_rows: rows leave a growing KV cache, and this rollout {where}; set "
             "generator.hf_decode: dynamic (one process, hf backend), or generator.drop_finished_rows: false"
+        )
+    if gen.rollout_copy == "keep" and (own or gen.hf_decode not in ("merged", "auto")):
+        raise ValueError(
+            "generator.rollout_copy: keep holds the hf backend's merged rollout copy between rollouts, and this "
+            f"rollout {'decodes in its own engine' if own else f'decodes {gen.hf_decode!r}'}; set generator.hf_decode: "
+            "merged (or auto), or generator.rollout_copy: auto"
         )
     if gen.park_learner and (own or gen.hf_decode not in ("merged", "auto")):
         raise ValueError(
@@ -108,6 +115,8 @@ def check_one_process(config) -> None:
 def check_sharding(config) -> None:
     """What a sharded learner cannot do, refused before anything starts (checks/world.py checks its
     devices and engine)."""
+    from ..runtime import rank_devices
+
     procs, gen, g = config.placement.learner_procs, config.generator, config.grpo
     if gen.hf_decode == "merged":
         raise ValueError(
@@ -115,8 +124,6 @@ def check_sharding(config) -> None:
             f"over {procs} ranks; use dynamic (or auto, which picks it here)"
         )
     if gen.own_weights:  # vllm: one engine in the driver's process, never on a rank's device
-        from ..runtime import rank_devices
-
         shared = sorted(
             set(rank_devices(config.placement.learner, procs)) & set(config.placement.generator_devices()) - {"cpu"}
         )
@@ -137,6 +144,13 @@ def check_sharding(config) -> None:
                 "the shards; the vLLM engine has weights of its own and gathers only the LoRA tensors; "
                 "set it to true"
             )
+    scorer = config.placement.reward_model_device()
+    if config.data.reward_models and scorer in rank_devices(config.placement.learner, procs) and scorer != "cpu":
+        raise ValueError(
+            f"placement.reward_model: {scorer} is a learner rank's GPU (placement.learner_procs: {procs} from "
+            f"{config.placement.learner}), and a sharded learner's driver scores with the reward models; place them "
+            "on another GPU or cpu"
+        )
     if config.placement.ray_address not in (None, "auto"):
         try:
             parse_address(config.placement.ray_address)

@@ -48,6 +48,7 @@ REBUILDS: dict[str, Callable] = {
         for name in ("dataset", "dataset_config", "split", "streaming", "num_prompts", "system_prompt")
     },
     "data.rewards": rebuild_rewards,
+    "data.reward_models": lambda loaded: loaded.executor.build_reward_models(),
     "memory.sample_hz": lambda loaded: loaded.memory.set_rate(loaded.executor.config.memory.sample_hz),
     "memory.host_threshold": lambda loaded: setattr(
         loaded.memory, "host_threshold", loaded.executor.config.memory.host_threshold

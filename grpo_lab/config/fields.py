@@ -34,11 +34,13 @@ WHEN = {
 }
 
 
-def knob(when: str, default: Any = ..., *, planned: bool = False, **kwargs) -> Any:
-    """A config field with its help text, when a change takes effect (one of WHEN), and whether the memory plan reads
-    it (`planned`: tests/test_planned_fields.py fails when a marked field moves no plan, or an unmarked one does)."""
+def knob(when: str, default: Any = ..., *, planned: bool = False, cuda_only: bool = False, **kwargs) -> Any:
+    """A config field with its help text, when a change takes effect (one of WHEN), whether the memory plan reads
+    it (`planned`: tests/test_planned_fields.py fails when a marked field moves no plan, or an unmarked one does), and
+    whether it bears only on CUDA devices (`cuda_only`: the panel's editor marks it on a CPU Lab)."""
     assert when in WHEN, when
-    return Field(default, json_schema_extra={"when": when, "planned": planned}, **kwargs)
+    extra = {"when": when, "planned": planned} | ({"cuda_only": True} if cuda_only else {})
+    return Field(default, json_schema_extra=extra, **kwargs)
 
 
 # TRL's spellings of fields grpo_lab names otherwise, accepted everywhere a field is named (YAML, --set, dicts,

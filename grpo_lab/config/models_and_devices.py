@@ -45,6 +45,7 @@ class ModelSection(Section):
     activation_offload: bool = knob(
         "load",
         False,
+        cuda_only=True,
         planned=True,
         description="Keep the checkpointed layer inputs in pinned host memory, brought back a layer ahead of "
         "backward (long completions on one GPU); needs gradient_checkpointing.",
@@ -109,6 +110,7 @@ class PlacementSection(Section):
     optimizer_offload: bool = knob(
         "load",
         False,
+        cuda_only=True,
         planned=True,
         description="Keep AdamW's fp32 master weights and moments in host RAM (frees 12 bytes per LoRA parameter on "
         "the GPU).",
@@ -116,6 +118,7 @@ class PlacementSection(Section):
     gpu_memory_gib: Optional[float] = knob(
         "load",
         None,
+        cuda_only=True,
         gt=0,
         planned=True,
         description="GPU capacity (GiB) the planner assumes for GPUs it cannot see (e.g. 40 for an A100-40GB); null = "
@@ -158,11 +161,30 @@ class PlacementSection(Section):
         description="Sharded learner: the Ray cluster its ranks run on, "
         "'host:port' of its head (`ray start --head`) or 'auto'; null = a Ray on this machine, started by the Lab.",
     )
+    reward_model: Optional[str] = knob(
+        "load",
+        None,
+        planned=True,
+        description="Device of the reward models (data.reward_models, and sequence classifiers passed in "
+        "reward_funcs); null = the learner's device.",
+    )
+    reward_model_4bit: bool = knob(
+        "load",
+        False,
+        planned=True,
+        description="Load the reward models in 4-bit with bitsandbytes (model.bnb_4bit_* settings); false = in "
+        "model.dtype.",
+    )
 
     @field_validator("learner", mode="before")
     @classmethod
     def _learner(cls, v):
         return normalize_device(v)
+
+    @field_validator("reward_model", mode="before")
+    @classmethod
+    def _reward_model(cls, v):
+        return None if v is None else normalize_device(v)
 
     @field_validator("generator", mode="before")
     @classmethod
@@ -176,6 +198,9 @@ class PlacementSection(Section):
 
     def generator_devices(self) -> list[str]:
         return self.generator or [self.learner]
+
+    def reward_model_device(self) -> str:
+        return self.reward_model or self.learner
 
 
 class GeneratorSection(Section):
@@ -211,6 +236,7 @@ class GeneratorSection(Section):
     gpu_memory_utilization: Union[Literal["auto"], Share, None] = knob(
         "load",
         None,
+        cuda_only=True,
         planned=True,
         description="Share of its GPU a "
         "generator with its own weights (vllm) may take; required when it shares the learner's GPU: a number, or auto "
@@ -241,6 +267,7 @@ class GeneratorSection(Section):
     sleep_mode: bool = knob(
         "load",
         False,
+        cuda_only=True,
         planned=True,
         description="Colocated vllm on a GPU: sleep between rollouts, freeing its weights and KV cache for the learner "
         "(not on CPU).",
@@ -264,10 +291,21 @@ class GeneratorSection(Section):
         "preallocated for the whole rollout (fixed shapes); compiled = static plus CUDA graphs over the 4-bit + LoRA "
         "decode step (torch.compile, mode reduce-overhead; a GPU learner only; the first rollout compiles); merged = "
         "a rollout copy: every 4-bit + LoRA linear dequantized to the compute dtype with the LoRA merged in (W + BA), "
-        "one per Lab, refreshed in place at each rollout and its weights released after it (a planned line; no 4-bit "
-        "dequantization or LoRA wrapper per token; "
-        "on a GPU its decode step runs as CUDA graphs too); auto = merged where the plan fits the copy, else compiled "
-        "on a GPU, else dynamic (the plan and the run say which). Greedy decoding gives the same tokens on every path.",
+        "one per Lab, refreshed at each rollout, kept or released between rollouts (generator.rollout_copy; planned; "
+        "no 4-bit dequantization or LoRA wrapper per token; on a GPU its decode step runs as CUDA graphs too); auto "
+        "= merged where the plan fits the copy, else compiled on a GPU, else dynamic (the plan and the run say "
+        "which). Greedy decoding gives the same tokens on every path.",
+    )
+    rollout_copy: Literal["auto", "keep", "release"] = knob(
+        "live",
+        "auto",
+        planned=True,
+        description="hf backend, generator.hf_decode merged (or auto resolved to it): keep = the rollout copy (and on "
+        "a GPU its StaticCache) stays on the learner's device for the whole step, each rollout writing the fresh "
+        "merge into its storage, so from rollout 2 on every weight and the cache keep their addresses (CUDA graphs "
+        "replay; planned resident); release = its weights given back after each rollout (planned in the rollout "
+        "only; on a GPU a CUDA graph recording per rollout, which the step's metrics say); auto = keep where the "
+        "plan fits it, else release (the plan says which).",
     )
     drop_finished_rows: bool = knob(
         "live",

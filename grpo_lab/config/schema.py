@@ -131,10 +131,11 @@ class LabConfig(Section):
                 "set beta: 0 or strategy: adapter-disabled"
             )
         check_roles(self)
-        weights = self.data.reward_weights
-        if weights is not None and len(weights) != len(self.data.rewards):
+        weights, scored = self.data.reward_weights, len(self.data.rewards) + len(self.data.reward_models)
+        if weights is not None and len(weights) != scored:  # why the models too: TRL weighs them as functions
             raise ValueError(
-                f"data.reward_weights: {len(weights)} weights for {len(self.data.rewards)} rewards; give one per reward"
+                f"data.reward_weights: {len(weights)} weights for {scored} rewards (data.rewards, then "
+                "data.reward_models); give one per reward"
             )
         g = self.grpo
         lo, hi = g.importance_sampling_clip_min, g.importance_sampling_clip_max

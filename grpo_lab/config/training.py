@@ -54,7 +54,8 @@ class GRPOSection(Section):
         None,
         gt=0,
         planned=True,
-        description="Sequences per log-prob/backward forward pass; null = the whole batch at once.",
+        description="Sequences per log-prob/backward forward pass, and per reward-model scoring forward; null = the "
+        "whole batch at once.",
     )
     logprob_chunk_size: int = knob(
         "live",
@@ -162,13 +163,17 @@ class MemorySection(Section):
     cuda_expandable_segments: bool = knob(
         "load",
         True,
+        cuda_only=True,
         description="Let torch's CUDA caching allocator grow segments in place (expandable_segments) from load on, "
         "unless PYTORCH_CUDA_ALLOC_CONF already sets it: at long completions its cached-but-free blocks otherwise "
         "fragment (H200, Qwen3-8B's shape at 32K tokens under 24 GiB: out of memory with 20 GiB allocated and 4 GiB "
         "cached; with it, a 22.6 GiB peak fit). CUDA learners only.",
     )
     cuda_snapshots: bool = knob(
-        "load", False, description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only."
+        "load",
+        False,
+        cuda_only=True,
+        description="Record a CUDA allocator snapshot per phase (for pytorch.org/memory_viz); CUDA only.",
     )
 
 
@@ -210,6 +215,13 @@ class DataSection(Section):
     )
     reward_weights: Optional[list[float]] = knob(
         "live", None, description="One weight per reward function; null = all 1."
+    )
+    reward_models: list[str] = knob(
+        "rebuild",
+        default_factory=list,
+        planned=True,
+        description="Reward models scored after the reward functions, as TRL scores a sequence classifier: "
+        "checkpoint paths, hub ids or builtin:tiny-reward; each loaded on placement.reward_model.",
     )
 
     @field_validator("rewards")

@@ -12,16 +12,25 @@ from ..algo import grpo
 from ..checks.guard import check_learner
 from ..errors import LabError
 from ..models.fsdp import FSDP
+from ..models.reward_model import RewardModel, is_reward_model, load_reward_model, wrap_module
 from ..runtime import runtime
+
+
+def scorers(given: Optional[list], config) -> Optional[list]:
+    """The reward functions passed to the Lab, a sequence classifier among them wrapped as TRL takes one (its own
+    tokenizer, its score at the last token); in their order, so reward_weights line up as in TRL."""
+    return None if given is None else [wrap_module(f, config) if is_reward_model(f) else f for f in given]
 
 
 def _rollout(ex, state) -> object:
     if ex.generator_behind:  # never sample from weights the learner no longer has
         grpo.sync(ex.generator, ex.learner)
         ex.generator_behind = False
-    from ..planner.plan import rollout_decode
+    from ..planner.plan import parking_reserve, rollout_copy_mode, rollout_decode
 
-    return grpo.rollout(ex.generator, ex.prompts, ex.config, rollout_decode(ex.config))
+    config = ex.config
+    path = rollout_decode(config), rollout_copy_mode(config), parking_reserve(config)
+    return grpo.rollout(ex.generator, ex.prompts, config, *path)
 
 
 def reward_state(ex):
@@ -49,7 +58,7 @@ def _sync(ex, state) -> None:
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
     "rewards": lambda ex, state, rollout: grpo.rewards(
-        rollout, ex.reward_funcs, ex.config.data.reward_weights, reward_state(ex)
+        rollout, [*ex.reward_funcs, *ex.reward_models], ex.config.data.reward_weights, reward_state(ex)
     ),
     "advantages": lambda ex, state, rewards: grpo.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: grpo.logprobs(ex.learner, ex.reference, rollout, ex.config),
@@ -59,6 +68,15 @@ LOCAL: dict[str, Callable] = {
     "optimizer": _optimizer,
     "sync": _sync,
 }
+
+
+def check_new_reward_models(config, new) -> None:
+    """An edit of data.reward_models is checked before its rebuild, which drops the old models first."""
+    from ..models.reward_model import check_reward_model
+
+    if new.data.reward_models != config.data.reward_models:
+        for name in new.data.reward_models:
+            check_reward_model(name)
 
 
 def put_back(generator, device: str) -> None:
@@ -115,7 +133,8 @@ class LocalExecutor:
         self.config = config
         self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one)
         self.rewards_given = reward_funcs is not None
-        self.reward_funcs = reward_functions(reward_funcs, config)
+        self.reward_funcs = reward_functions(scorers(reward_funcs, config), config)
+        self.reward_models: list = []  # data.reward_models' scorers, after the functions (built at load)
         self.step_index = step_index
         self.learner = self.generator = self.reference = self.prompts = None
         self.reference_strategy: Optional[str] = None  # the strategy the reference was built with
@@ -127,8 +146,11 @@ class LocalExecutor:
 
     # --- memory: what this process watches ---
     def devices(self) -> list[str]:
-        """The devices this process's memory sampler watches (the runtime's answer: a rank its own device)."""
-        return runtime().watched_devices(self.config)
+        """The devices this process's memory sampler watches (the runtime's answer: a rank its own device), and the
+        reward models' (one process)."""
+        scored = self.config.data.reward_models or any(isinstance(f, RewardModel) for f in self.reward_funcs)
+        rewards = [self.config.placement.reward_model_device()] if scored and not runtime().is_rank else []
+        return list(dict.fromkeys([*runtime().watched_devices(self.config), *rewards]))
 
     def memory_sampler(self):
         from ..memory import MemorySampler
@@ -164,6 +186,8 @@ class LocalExecutor:
             on_host.append("the learner (placement.learner=cpu)")
         if config.reference_strategy == "copy" and config.reference_device == "cpu":
             on_host.append("the reference copy (reference.device=cpu)")
+        if self.reward_models and config.placement.reward_model_device() == "cpu" and config.placement.learner != "cpu":
+            on_host.append("the reward models (placement.reward_model=cpu)")
         return "in host RAM: " + ", ".join(on_host) if on_host else ""
 
     @property
@@ -186,6 +210,7 @@ class LocalExecutor:
         self.generator = start_generator(config, self.learner, on_rank=runtime().is_rank)
         attach_engine(memory, self.generator)
         self.build_prompts()
+        self.build_reward_models()
 
     def build_reference(self) -> None:
         """The reference the config asks for (at load, and when grpo.beta or reference.strategy change it)."""
@@ -207,14 +232,39 @@ class LocalExecutor:
         if note and runtime().is_driver:
             print(note)
 
+    def build_reward_models(self) -> None:
+        """data.reward_models loaded on placement.reward_model, and the sequence classifiers passed in reward_funcs
+        moved there (at load, and when data.reward_models changes)."""
+        device = self.config.placement.reward_model_device()
+        for model in self.reward_models:
+            model.release()  # why first: the old models go before the new ones load
+        self.reward_models = []
+        if runtime().is_rank:
+            return  # a sharded learner's driver scores; it hands each rank the scores (take_scores)
+        self.reward_models = [load_reward_model(name, self.config, device) for name in self.config.data.reward_models]
+        for fn in self.reward_funcs:
+            if isinstance(fn, RewardModel):
+                fn.to(device)
+
+    def take_scores(self, scores: list[tuple[str, list[float]]]) -> None:
+        """A rank: the reward models' scores of this step's rollout, as the driver computed them, (name, scores) each;
+        its rewards phase reads them after the reward functions, as one process reads its reward models."""
+        from ..models.reward_model import GivenScores
+
+        self.reward_models = [GivenScores(name, values) for name, values in scores]
+
     def release(self) -> None:
         if self.generator is not None:
             self.generator.close()
+        for model in self.reward_models:
+            model.release()  # why: a caller may still hold the scorer; the model's memory must not stay with it
         self.learner = self.generator = self.reference = self.prompts = None
+        self.reward_models = []
 
     # --- edits (config/edits.py) ---
     def check_live(self, config) -> None:
         self.generator.check_live(config)
+        check_new_reward_models(self.config, config)
 
     def memory_watch(self) -> list[str]:
         """The devices an edit may put a model on without a new Lab (knobs: a reference copy after load)."""

@@ -21,6 +21,7 @@ from ..models.park import Parking, parked_tensors
 from ..models.source import resolve_model_path
 from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
+from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
 
@@ -71,8 +72,10 @@ class HFGenerator(Generator):
 
             if not replicated():
                 return sample_once(self, batch, num_generations, request, seeds, width)
-        static = "cache_implementation" in DECODES[request.decode](self.learner.device.type == "cuda")
-        with self.decoding(request) as model, self.one_cache(), CompileCounts() as counted:
+        cuda = self.learner.device.type == "cuda"
+        static = "cache_implementation" in DECODES[request.decode](cuda)
+        keep = request.keeps_copy
+        with self.decoding(request) as model, self.one_cache(keep), CompileCounts() as counted:
 
             def chunk(prompt_ids, rows):
                 row_seeds_ = seeds[rows.start : rows.stop]
@@ -85,42 +88,52 @@ class HFGenerator(Generator):
 
             out = self.generate_in_chunks(batch, num_generations, request, chunk)
         out.compiled_graphs, out.cudagraph_recorded_inputs = counted.delta()
+        if request.decode == "merged":  # released on a GPU: new weight addresses, so CUDA graphs record again
+            out.rollout_copy = "kept" if keep else "released"
+            out.cudagraph_recordings_expected = int(cuda and not keep)
         return out
 
     @contextmanager
     def decoding(self, request: GenerationRequest):
         """The model the rollout decodes with (merged: the Lab's one copy). generator.park_learner: the learner's state
         the copy never reads waits in host memory while the copy decodes: parked after the merge (which reads the base
-        and LoRA on the device), put back after the copy is released (why: never the learner beside the copy). What
-        could not be put back (out of memory) stays held in `self.parking` for the Lab's next command."""
+        and LoRA on the device), put back after a released copy is gone (why: never the learner beside it; a kept copy
+        stays, resident as the plan holds it). What could not be put back (out of memory) stays held in
+        `self.parking` for the Lab's next command."""
         park = request.park_learner and request.decode == "merged"  # (auto resolved to another path: nothing to park)
         try:
-            with self.rollout_copy.model_for(self.learner.model, request.decode) as model:
+            with self.rollout_copy.model_for(self.learner.model, request.decode, request.keeps_copy) as model:
                 if park:
-                    self.parking.park(parked_tensors(self.learner.model, self.learner.optimizer))
+                    tensors = parked_tensors(self.learner.model, self.learner.optimizer)
+                    self.parking.park(tensors, request.park_buffer_bytes)  # (the plan's size: one buffer per Lab)
                 yield model
         finally:
             self.parking.put_back()
 
     @contextmanager
-    def one_cache(self):
-        """One StaticCache for every generate() call of a rollout (each call resets it), let go as the rollout ends.
-        Why: transformers builds a new one per call, so the KV tensors moved at every chunk, and CUDA graphs re-record
-        when a static input's address changes; why let go: the learner's phases must not hold the rollout's KV."""
+    def one_cache(self, keep: bool = False):
+        """One StaticCache for every generate() call of a rollout (each call resets it), let go as the rollout ends
+        unless `keep` (a kept rollout copy: the cache stays with it, at its addresses, for the next rollout). Why:
+        transformers builds a new one per call, so the KV tensors moved at every chunk, and CUDA graphs re-record when
+        a static input's address changes; why let go: the learner's phases must not hold the rollout's KV, unless the
+        plan holds it beside them (planner/learner_items: resident with a kept copy)."""
         try:
             yield
         finally:
-            self.static_cache = None
+            if not keep:
+                self.static_cache = None
 
-    def reused_cache(self, model, settings, cache, max_cache_len: int):
+    def reused_cache(self, model, settings, cache, max_cache_len: int, rows: int):
         """The cache a generate() call starts from, and its settings: a static decode's first call starts from the
-        rollout's one StaticCache (made at its first call, reset at every later one), its settings then naming no
-        cache_implementation (transformers refuses both); any other call as given."""
+        one StaticCache (made when none of this length and batch size is held, else reset), its settings then naming
+        no cache_implementation (transformers refuses both); any other call as given."""
         if cache is not None or settings.cache_implementation != "static":
             return cache, settings
         from transformers import StaticCache
 
-        if self.static_cache is None:
+        held = self.static_cache
+        layer = held.layers[0] if held is not None else None
+        if layer is None or layer.max_cache_len != max_cache_len or getattr(layer, "batch_size", rows) != rows:
             self.static_cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         else:
             self.static_cache.reset()  # (the same tensors: zeroed, its length back to 0)
@@ -136,7 +149,9 @@ class HFGenerator(Generator):
         # why a copy: transformers warns when generation fields come both in a config and as arguments
         settings = copy.deepcopy(settings)
         settings.max_new_tokens, settings.return_dict_in_generate = max_new_tokens, True
-        cache, settings = self.reused_cache(model, settings, cache, ids.shape[1] + max_new_tokens)
+        # why the longest prompt a kept cache can meet: its length, and so its tensors, stay the same every rollout
+        length = (request.max_prompt_length if request.keeps_copy else ids.shape[1]) + max_new_tokens
+        cache, settings = self.reused_cache(model, settings, cache, length, ids.shape[0])
         out = model.generate(
             input_ids=ids.to(self.learner.device),
             attention_mask=mask.to(self.learner.device),
@@ -230,30 +245,6 @@ class HFGenerator(Generator):
         """Cut at the first stop token (kept); after it generate() only pads. None within the row = truncated."""
         end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), None)
         return Sample(completion_ids=row[:end], logprobs=logprobs[:end], truncated=end is None)
-
-
-class CompileCounts:
-    """What torch compiled within the block, by its own counters: dynamo's unique graphs and the inputs CUDA graph
-    trees recorded (a re-record after a static input moved adds to it). Why in the rollout's result: a recompile or
-    a re-record per rollout is the fast path's cost, and shows nowhere else."""
-
-    KEYS = (("stats", "unique_graphs"), ("inductor", "cudagraph_recorded_non_static_inputs"))
-
-    def __enter__(self) -> "CompileCounts":
-        self.before = self.read()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.after = self.read()
-
-    @classmethod
-    def read(cls) -> tuple[int, ...]:
-        from torch._dynamo.utils import counters
-
-        return tuple(counters[group][key] for group, key in cls.KEYS)
-
-    def delta(self) -> tuple[int, ...]:
-        return tuple(a - b for a, b in zip(self.after, self.before))
 
 
 def _compile_config() -> dict:

@@ -5,10 +5,11 @@ rotary buffers) is the learner's own, shared, not copied.
 
 One copy per Lab (`RolloutCopy`): its module is built at the first merged rollout and kept, so torch.compile and CUDA
 graphs meet the same module at every rollout (a new module each rollout recompiled: 31.5 and 37.6 s for rollouts 1
-and 2 on an H200). Each rollout refreshes the dense weights in place from the current LoRA, bit for bit a fresh merge;
-when it ends their storage is released (0 bytes), so the learner's phases never hold them
-(planner/learner_items.rollout_copy_bytes). Nothing of the learner is written: its 4-bit codes, quant state and LoRA
-stay bit for bit."""
+and 2 on an H200). Each rollout refreshes the dense weights from the current LoRA, bit for bit a fresh merge. Between
+rollouts (generator.rollout_copy) they are kept, the next refresh written into the same storage, so CUDA graphs
+recorded on their addresses replay; or released (0 bytes) where the plan cannot hold them beside the learner's phases
+(planner/learner_items.add_rollout_copy), each rollout then giving them new storage (a recording per rollout).
+Nothing of the learner is written: its 4-bit codes, quant state and LoRA stay bit for bit."""
 
 from __future__ import annotations
 
@@ -21,9 +22,14 @@ from ..errors import LabError
 
 
 def dense_weight(layer, dtype: torch.dtype) -> torch.Tensor:
-    """One linear layer's weight as the copy holds it: the base dequantized (4-bit) or read (16-bit) in float32, plus
-    each active LoRA adapter's delta, then cast once to `dtype`. Why float32 first: the delta is added before the one
-    rounding, as an unmerged forward adds the two outputs."""
+    """One linear layer's weight as the copy holds it: `merged_float`, cast once to `dtype`."""
+    return merged_float(layer).to(dtype)
+
+
+def merged_float(layer) -> torch.Tensor:
+    """One linear layer's merged weight in float32: the base dequantized (4-bit) or read (16-bit), plus each active
+    LoRA adapter's delta. Why float32 first: the delta is added before the one rounding, as an unmerged forward adds
+    the two outputs. Why a temporary, freed once the layer is written: planner/learner_items.merge_temporary_bytes."""
     base_layer = getattr(layer, "base_layer", layer)
     weight = base_layer.weight
     state = getattr(weight, "quant_state", None)
@@ -45,7 +51,7 @@ def dense_weight(layer, dtype: torch.dtype) -> torch.Tensor:
         else:  # why in place: B @ A added into the dense weight, no second weight-sized tensor (PEFT's delta makes one)
             a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
             dense.addmm_(b, a, alpha=layer.scaling[adapter])
-    return dense.to(dtype)
+    return dense
 
 
 def merged_copy(model, dtype: torch.dtype) -> torch.nn.Module:
@@ -84,9 +90,10 @@ def _quantized(module) -> bool:
 
 
 class RolloutCopy:
-    """A Lab's one rollout copy (generator.hf_decode: merged): built at the first merged rollout, refreshed in place at
-    each later one, its dense weights released between rollouts. A learner model other than the one it was built from
-    (a reload) gets a new copy."""
+    """A Lab's one rollout copy (generator.hf_decode: merged): built at the first merged rollout, refreshed at each
+    later one; between rollouts kept (generator.rollout_copy: keep, each refresh written into its storage, so its
+    weights keep their addresses) or released (its weights given back). A learner model other than the one it was built
+    from (a reload) gets a new copy."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -96,10 +103,11 @@ class RolloutCopy:
         self.builds = 0  # modules built: 1 per Lab, whatever the number of rollouts
 
     @contextmanager
-    def model_for(self, model, decode: str) -> Iterator[torch.nn.Module]:
-        """The model a rollout decodes with: the learner's own, or for `merged` the copy, holding the current merge
-        until the rollout ends (also when it raises)."""
+    def model_for(self, model, decode: str, keep: bool = False) -> Iterator[torch.nn.Module]:
+        """The model a rollout decodes with: the learner's own, or for `merged` the copy, holding the current merge;
+        released when the rollout ends (also when it raises) unless `keep`."""
         if decode != "merged":
+            self.release()  # why: a copy kept by an earlier merged rollout is on no plan line of this path
             yield model
             return
         with torch.no_grad():
@@ -111,23 +119,33 @@ class RolloutCopy:
         try:
             yield self.module
         finally:
-            self.release()
+            if not keep:
+                self.release()
 
     def refresh(self) -> None:
-        """Each merged weight re-made from the learner's current base and LoRA, the fresh merge set as the copy's own
-        parameter's data (why set_, not a new parameter: the same tensor objects, so a compiled decode step is reused;
-        nor a copy into kept storage: the merge is the storage, one weight-sized tensor less)."""
+        """Each merged weight re-made from the learner's current base and LoRA, bit for bit a fresh merge, on the
+        copy's own parameters (the same tensor objects, so a compiled decode step is reused). A kept weight is written
+        into its storage (copy_, the one rounding to the compute dtype on the way), so its address stays and a CUDA
+        graph recorded on it replays; a released one (0 bytes) is given the fresh merge as its storage (set_: one
+        weight-sized tensor less than a copy into new storage)."""
         for target, source in self.merged:
-            target.weight.set_(dense_weight(source, self.dtype))
+            if target.weight.untyped_storage().nbytes():
+                target.weight.copy_(merged_float(source))
+            else:
+                target.weight.set_(dense_weight(source, self.dtype))
 
     def release(self) -> None:
         """The dense weights given back, each parameter emptied in place (`set_()`; the module stays): why: the
-        learner's phases never hold the copy, as the plan promises. Why not resize the storage to 0 bytes: one a user
-        shared with NumPy (`.numpy()`) can no longer be resized (models/park.py)."""
+        learner's phases never hold a released copy, as the plan promises. Why not resize the storage to 0 bytes: one
+        a user shared with NumPy (`.numpy()`) can no longer be resized (models/park.py)."""
         with torch.no_grad():
             for target, _ in self.merged:
                 target.weight.set_()
 
     def held_bytes(self) -> int:
-        """Bytes the copy's own weights hold now (0 between rollouts)."""
+        """Bytes the copy's own weights hold now (0 between rollouts when released)."""
         return sum(target.weight.untyped_storage().nbytes() for target, _ in self.merged)
+
+    def addresses(self) -> list[int]:
+        """Where each merged weight's storage is now (the same from rollout 2 on when kept)."""
+        return [target.weight.data_ptr() for target, _ in self.merged]

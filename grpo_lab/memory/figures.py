@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..algo.phases import COLOURS, PHASE_NAMES
 from .readers import MiB, is_host
+from .tables import size_text
 
 HOST_LINES = ("rss", "used")  # the process's RSS, the machine's used RAM
 # a GPU's memory, stacked: sums to NVML's used (readers.gpu_ledger)
@@ -20,7 +21,10 @@ LEDGER_NAMES = {
 FAR = 1.25
 UNDONE = "#d62728"  # a rolled-back attempt's band: red over its phase's colour
 MIN_LABELLED = 0.02  # a phase band narrower than this share of the run gets no label (they would overlap)
-MIN_STEP_GAP = 0.07  # a step label nearer than this share of the view to the last one is left out ("step 4step 5")
+MIN_STEP_GAP = 0.07  # step labels nearer than this share of the view overlap ("step 4step 5"): every n-th is labelled
+# why this strong and under the traces: at 0.12 the bands were faint on a dark theme; drawn between the grid and the
+# lines (plotly's layer "between"), a stronger tint never covers a line
+BAND_OPACITY = 0.3
 
 
 def primary_metric(device: str, metrics) -> str:
@@ -62,7 +66,8 @@ def band_labels(marks, low: bool = False) -> list[dict]:
     label at the top), and each step where it starts, but for a step that starts too close to the last labelled one
     (their labels would overlap)."""
     span = max((end for *_, end in marks), default=1.0) - min((start for _, _, start, _ in marks), default=0.0)
-    out, seen, last = [], set(), float("-inf")
+    labelled, _ = step_stride(marks)
+    out, seen = [], set()
     for step, phase, start, end in marks:
         if span and (end - start) / span >= MIN_LABELLED:
             out.append(
@@ -78,11 +83,8 @@ def band_labels(marks, low: bool = False) -> list[dict]:
                     name="band-label",
                 )
             )
-        if step not in seen:
+        if step not in seen and step in labelled:
             seen.add(step)
-            if span and (start - last) / span < MIN_STEP_GAP:
-                continue
-            last = start
             out.append(
                 dict(
                     x=start,
@@ -97,6 +99,31 @@ def band_labels(marks, low: bool = False) -> list[dict]:
                 )
             )
     return out
+
+
+def step_stride(marks) -> tuple[set, int]:
+    """The steps that get a label, and n: every step, or every n-th from the first in view (the fewest left out) when
+    neighbours' labels would be nearer than MIN_STEP_GAP of the view."""
+    firsts: dict = {}
+    for step, _, start, _ in marks:
+        firsts.setdefault(step, start)
+    span = max((end for *_, end in marks), default=1.0) - min(firsts.values(), default=0.0)
+    steps = list(firsts)
+    for n in range(1, len(steps) + 1):
+        xs = [firsts[s] for s in steps[::n]]
+        if not span or all((b - a) / span >= MIN_STEP_GAP for a, b in zip(xs, xs[1:])):
+            return set(steps[::n]), n
+    return set(steps[:1]), max(len(steps), 1)
+
+
+def step_note(marks) -> str:
+    """What a figure's title says when not every step is labelled: '  ·  every 2nd step labelled'."""
+    _, n = step_stride(marks)
+    return f"  ·  every {ordinal(n)} step labelled" if n > 1 else ""
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 IDLE_KEEP_S = 1.0  # an idle span between phases longer than this is drawn this wide (the live plot's x axis)
@@ -140,13 +167,14 @@ def work_clock(marks, now: float, keep_s: float = IDLE_KEEP_S):
     return x
 
 
-def idle_marks(gaps, clock) -> tuple[list[dict], list[dict]]:
-    """Each squeezed idle gap as a grey band (named: a key says what it is), its real length written in it."""
+def idle_marks(gaps, clock, idle: str = "idle") -> tuple[list[dict], list[dict]]:
+    """Each squeezed idle gap as a grey band (named: a key says what it is), its real length written in it (`idle`:
+    what a gap holds, "other phases + idle" where the figure shows only some phases)."""
     shapes, notes = [], []
     for a, b in gaps:
         x0, x1, seconds = clock(a), clock(b), b - a
         shapes.append(band(x0, x1, IDLE_GREY, 0.2, IDLE))
-        text = f"{'load + idle' if a <= 0 else 'idle'} {seconds:,.{1 if seconds < 10 else 0}f} s"
+        text = f"{'load + ' + idle if a <= 0 else idle} {seconds:,.{1 if seconds < 10 else 0}f} s"
         notes.append(dict(x=(x0 + x1) / 2, y=0.0, yref="paper", text=text, showarrow=False, textangle=-90))
         notes[-1].update(yanchor="bottom", font=dict(size=10), name="idle-label")
     return shapes, notes
@@ -171,7 +199,7 @@ def step_separators(marks) -> list[dict]:
 def band(x0: float, x1: float, colour: str, opacity: float, name: str) -> dict:
     """A shaded span of the x axis, the plot's full height: a phase, an idle gap, an undone attempt. Named: a saved
     figure's key (static.png) names each colour."""
-    span = dict(type="rect", xref="x", yref="paper", x0=x0, x1=x1, y0=0, y1=1, line_width=0)
+    span = dict(type="rect", xref="x", yref="paper", x0=x0, x1=x1, y0=0, y1=1, line_width=0, layer="between")
     return span | dict(fillcolor=colour, opacity=opacity, name=name)
 
 
@@ -228,7 +256,7 @@ def limit_parts(limits: dict, top: float) -> tuple[list, list, float]:
             notes.append(limit_name(name, mib, right=True))  # why right: the step labels are at the top left
             top = max(top, mib)
         else:
-            far.append(f"{name}: {mib:,.0f} MiB")
+            far.append(f"{name}: {size_text(mib * MiB)}")
     if far:
         note = dict(x=0, y=1, xref="paper", yref="paper", xanchor="left", yanchor="bottom", showarrow=False)
         notes.append(dict(note, text="off the scale: " + "; ".join(far), font=dict(size=10), name="far-limits"))
@@ -255,13 +283,18 @@ def undone_parts(marks) -> tuple[list, list]:
     return shapes, notes
 
 
-def timeline_figure(samples, marks, limits: dict | None = None, undone=()):
+def timeline_figure(samples, marks, limits: dict | None = None, undone=(), phases=None):
     """Memory over time: host lines, each GPU's ledger stacked; phases as bands labelled at their foot (a key of
     their colours above; step labels and limit names at the top), steps separated; idle spans (loading too) squeezed
     to narrow grey gaps that say how long they were, so the axis shows work (the live plot's clock, wider gaps).
     Why shapes and annotations are assigned once: plotly's add_vrect / add_annotation copy the layout on every call,
-    which took 12 s of a 25-step run's report."""
+    which took 12 s of a 25-step run's report. `phases`: those phases' samples and bands only (the title names them),
+    the others squeezed as idle is."""
     import plotly.graph_objects as go
+
+    if phases is not None:
+        samples = [s for s in samples if s[2] in phases]
+        marks, undone = [m for m in marks if m[1] in phases], [m for m in undone if m[1] in phases]
 
     now = max((t for t, *_ in samples), default=0.0)
     keep = max(IDLE_KEEP_S, IDLE_SHARE * sum(end - start for *_, start, end in marks))
@@ -276,16 +309,20 @@ def timeline_figure(samples, marks, limits: dict | None = None, undone=()):
         traces.append(kind(x=xs, y=ys, **style))
     worked = [(step, phase, clock(start), clock(end)) for step, phase, start, end in marks]
     undone_shapes, undone_notes = undone_parts([(s, p, clock(a), clock(b)) for s, p, a, b in undone])
-    idle, idle_notes = idle_marks(gaps, clock)
+    idle, idle_notes = idle_marks(gaps, clock, "idle" if phases is None else "other phases + idle")
     used = sorted({phase for _, phase, _, _ in marks}, key=lambda p: PHASE_NAMES.index(p) if p in PHASE_NAMES else 99)
     lines, notes, top = limit_parts(limits or {}, stack_top(series))
-    shapes = band_shapes(worked, opacity=0.2) + undone_shapes + idle + step_separators(worked) + lines
+    shapes = band_shapes(worked, opacity=BAND_OPACITY) + undone_shapes + idle + step_separators(worked) + lines
     squeezed = f"seconds of work: idle over {keep:.1f} s squeezed to {keep:.1f} s grey gaps, labelled with its length"
     axis = squeezed if gaps else "seconds"
     return go.Figure(
         data=traces,
         layout=dict(
-            title="Memory timeline (MiB): phases shaded and labelled, steps separated",
+            title=(
+                "Memory timeline (MiB): phases shaded and labelled, steps separated"
+                + ("" if phases is None else f"  ·  phases: {', '.join(phases)}")
+                + step_note(worked)
+            ),
             xaxis_title=axis,
             yaxis=dict(title="MiB", range=[0, top * 1.08]),
             height=460,
@@ -317,13 +354,13 @@ def limit_line(mib: float, name: str = "") -> dict:
 
 
 def limit_name(name: str, mib: float, right: bool = False) -> dict:
-    """A limit line's name, just above it at the left (or the right)."""
+    """A limit line's name and size (size_text: as the plan writes it), just above it at the left (or the right)."""
     return dict(
         xref="paper",
         x=1 if right else 0,
         y=mib,
         yref="y",
-        text=name,
+        text=f"{name}: {size_text(mib * MiB)}",
         showarrow=False,
         xanchor="right" if right else "left",
         yanchor="bottom",

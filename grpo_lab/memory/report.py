@@ -59,11 +59,11 @@ def capacities_of(sampler) -> dict[str, float]:
     return out
 
 
-def sampler_timeline(sampler):
+def sampler_timeline(sampler, phases=None):
     """The sampler's memory timeline so far with its capacity and threshold lines (samples read under its lock: the
-    sampling thread may be running)."""
+    sampling thread may be running); `phases`: those only."""
     undone = getattr(sampler, "undone", ())  # (a sharded Lab's driver keeps its ranks' marks only)
-    return timeline_figure(sampler.samples_since(0), sampler.marks, host_limits(sampler), undone)
+    return timeline_figure(sampler.samples_since(0), sampler.marks, host_limits(sampler), undone, phases)
 
 
 def host_limits(sampler) -> dict[str, float]:

@@ -13,7 +13,7 @@ BUILTIN = "builtin:"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_model_path(name_or_path: str) -> str:
+def resolve_model_path(name_or_path: str, field: str = "model.name_or_path") -> str:
     """`builtin:tiny-qwen2` -> its directory in the user cache, built on first use; a random-weight real shape
     (`builtin:qwen3-8b-random`, models/random_shapes.py) has no files and stays its name; anything else as given."""
     if not name_or_path.startswith(BUILTIN):
@@ -26,30 +26,30 @@ def resolve_model_path(name_or_path: str) -> str:
     name = name_or_path.removeprefix(BUILTIN)
     if name not in BUILTINS:
         known = [BUILTIN + n for n in [*BUILTINS, *RANDOM_SHAPES]]
-        raise LabError(f"model.name_or_path: unknown built-in model {name_or_path!r}; use one of {known}")
+        raise LabError(f"{field}: unknown built-in model {name_or_path!r}; use one of {known}")
     return str(ensure_tiny_model(builtin_path(name), **BUILTINS[name][1]))
 
 
-def check_model_path(name_or_path: str) -> str:
+def check_model_path(name_or_path: str, field: str = "model.name_or_path") -> str:
     """A local directory must hold config.json; anything else must look like a hub id. Returns what to load:
-    a built-in model is built here and its directory returned."""
+    a built-in model is built here and its directory returned. Errors name `field`."""
     from .random_shapes import parse_random
 
-    name_or_path = resolve_model_path(name_or_path)
+    name_or_path = resolve_model_path(name_or_path, field)
     if parse_random(name_or_path) is not None:
         return name_or_path  # built in memory at load (models/random_shapes.py)
     path = Path(name_or_path)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise LabError(
-                f"model.name_or_path: {name_or_path!r} has no config.json; point it at a checkpoint directory"
-            )
+            raise LabError(f"{field}: {name_or_path!r} has no config.json; point it at a checkpoint directory")
         return name_or_path
     if path.exists() or not _HUB_ID.match(name_or_path) or name_or_path.startswith("."):
-        raise LabError(
-            f"model.name_or_path: {name_or_path!r} does not exist; build the tiny model with "
-            f"`grpo-lab tiny {name_or_path}` or give a checkpoint directory"
+        fix = (
+            f"build the tiny model with `grpo-lab tiny {name_or_path}` or give a checkpoint directory"
+            if field == "model.name_or_path"
+            else "give a checkpoint directory, a hub id or a builtin: name"
         )
+        raise LabError(f"{field}: {name_or_path!r} does not exist; {fix}")
     return name_or_path
 
 

@@ -60,6 +60,9 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # a mixture of experts (Qwen3-MoE, transformers' fused 3-D experts) on the tiny body: 8 experts of width 64, 2 a
     # token, random weights, EOS reachable: the CPU suite's MoE learner (nf4 experts, models/experts.py)
     "tiny-moe": (1, {"experts": 8, "experts_per_token": 2, "expert_intermediate": 64}),
+    # a reward model (Qwen2ForSequenceClassification, one label) on the tiny body, random weights: the CPU suite's
+    # data.reward_models (models/reward_model.py)
+    "tiny-reward": (1, {"eos_probability": None, "reward": True}),
     # Qwen2.5-0.5B's shape with random weights (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936), saved
     # in bfloat16 (1 GB): the GPU check's model (bench/gpu/gpu_check.py), where memory and speed depend on shape alone
     "qwen2.5-0.5b-random": (
@@ -142,13 +145,15 @@ def build_tiny_model(
     experts: int = 0,
     experts_per_token: int = 0,
     expert_intermediate: int = 0,
+    reward: bool = False,
 ) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
     same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
     model vocabulary larger than the tokenizer's (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids
     decode to nothing. `train_steps` > 0 trains it on the arithmetic set's worked solutions (models/tiny_train.py).
     `experts` > 0: a Qwen3-MoE body of that many experts per layer instead (each layer routes every token to
-    `experts_per_token` of them, each of width `expert_intermediate`)."""
+    `experts_per_token` of them, each of width `expert_intermediate`). `reward`: a sequence classifier with one label
+    (a reward model) instead of a causal LM."""
     from ..checks.installed import check_torchvision
 
     check_torchvision()  # why first: transformers' model classes import it
@@ -162,7 +167,7 @@ def build_tiny_model(
     sizes = qwen2_sizes(max(vocab_size, len(tokenizer)), hidden_size, num_layers, intermediate_size,
                         num_attention_heads, num_key_value_heads, max_positions, experts, experts_per_token,
                         expert_intermediate)  # fmt: skip
-    model = _random_qwen2(tokenizer, seed, sizes, dtype)
+    model = _random_qwen2(tokenizer, seed, sizes, dtype, reward)
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
     bar.update()
@@ -179,17 +184,25 @@ def build_tiny_model(
     return path
 
 
-def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str):
+def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str, reward: bool = False):
     """A Qwen2 model (Qwen3-MoE: `sizes` has experts) of `sizes` (qwen2_sizes) with random weights from `seed`,
-    stopping and padding as `tokenizer` does."""
+    stopping and padding as `tokenizer` does; `reward`: a one-label sequence classifier."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     sizes = dict(sizes)
     config_class, model_class = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForSequenceClassification if reward else Qwen2ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[sizes.pop("model_type")]
+    if reward:
+        sizes["num_labels"] = 1
     config = config_class(
         **sizes,
         bos_token_id=None,
@@ -203,8 +216,9 @@ def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str):
 
 def _save(model, tokenizer, path: Path) -> None:
     """Write the model, with a generation config that stops and pads as the tokenizer does, and the tokenizer."""
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:  # (a sequence classifier generates nothing)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -91,7 +91,7 @@ HEAP_HOLES_CAVEAT = (
 VLLM_CPU_ENGINE = 272 * 1024**2
 # the phases with transients worth planning (phases.PHASES order); "load" only in a sharded plan, where every rank
 # loads the whole model before fully_shard keeps its 1/N
-PHASES = ("load", "rollout", "logprobs", "backward", "optimizer")
+PHASES = ("load", "rollout", "rewards", "logprobs", "backward", "optimizer")
 VLLM_SPLIT_SHARE = 0.9  # vLLM's default gpu_memory_utilization on a GPU of its own
 
 

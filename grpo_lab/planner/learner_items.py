@@ -13,6 +13,7 @@ from .estimate import (
     OFFLOAD_IN_FLIGHT,
     ONEDNN_CPU_CACHES,
     DevicePlan,
+    Item,
     activation_bytes,
     base_weight_bytes,
     base_weight_split,
@@ -31,6 +32,10 @@ from .render import count
 # why 2: the layer computing and the next one, which FSDP2 all-gathers ahead of it (backward prefetch; on CUDA the
 # all-gather stream also runs ahead in forward)
 LAYERS_IN_FLIGHT = 2
+# what a released rollout copy leaves on a GPU: its weights get new addresses at every rollout, so torch's CUDA graph
+# trees record its decode step again and keep the recording's memory pool. A placeholder until bench/gpu measures it
+# (calibrated on a GPU, this figure and its line's note change together)
+RELEASED_COPY_GRAPH_POOL = 256 * 2**20
 
 
 def add_learner(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape: ModelShape, procs: int = 1) -> int:
@@ -151,22 +156,63 @@ def load_float_bytes(shape: ModelShape, config) -> float:
 
 def rollout_copy_bytes(shape: ModelShape, config) -> float:
     """generator.hf_decode: merged: every linear layer dense in the compute dtype (the rest is the learner's own
-    tensors, shared), plus one layer's largest weight in float32 twice while it merges (dequantized, + B @ A)."""
-    largest = max(a * b for _, a, b in shape.linear_layers())
-    return shape.linear_params * compute_bytes(config) + 2 * 4 * largest
+    tensors, shared)."""
+    return shape.linear_params * compute_bytes(config)
+
+
+def merge_temporary_bytes(shape: ModelShape) -> float:
+    """What one layer's merge holds beside the copy (generation/rollout_copy.merged_float): its largest weight in
+    float32 twice, dequantized and then + scaling * B @ A (the dequantized 16-bit read counted as a second float32)."""
+    return 2 * 4 * max(a * b for _, a, b in shape.linear_layers())
 
 
 def compute_dtype(config) -> str:
     return config.model.bnb_4bit_compute_dtype if config.model.load_in_4bit else config.model.dtype
 
 
+# a 4-bit weight's quant state beyond its absmax (nf4_bits): the 16-entry nf4 codebook in float32, and with double
+# quantization the absmax's 256-entry 8-bit codebook in float32 and its float32 offset (bitsandbytes' QuantState)
+NF4_CODE_BYTES, NESTED_STATE_BYTES = 16 * 4, 256 * 4 + 4
+
+
 def parked_state_bytes(shape: ModelShape, config) -> float:
     """generator.park_learner: what waits in host memory while the rollout copy decodes (models/park.py): the 4-bit
-    bases with their quant state, LoRA, and AdamW's moments where they are the learner's (not offloaded)."""
+    bases with their quant state, LoRA, and AdamW's moments and step counts where they are the learner's (not
+    offloaded)."""
     lora = planned_lora(shape, config)
     model = config.model
-    base = shape.linear_params * nf4_bits(model.bnb_4bit_use_double_quant) / 8 if model.load_in_4bit else 0.0
-    return base + lora * 4 + (0.0 if config.placement.optimizer_offload else lora * 8)
+    base = 0.0
+    if model.load_in_4bit:
+        codebooks = NF4_CODE_BYTES + (NESTED_STATE_BYTES if model.bnb_4bit_use_double_quant else 0)
+        base = (
+            shape.linear_params * nf4_bits(model.bnb_4bit_use_double_quant) / 8 + quantized_weights(shape) * codebooks
+        )
+    adamw = 0.0 if config.placement.optimizer_offload else lora * 8 + lora_tensors(shape, config) * 4
+    return base + lora * 4 + adamw
+
+
+def quantized_weights(shape: ModelShape) -> int:
+    return shape.layers * len(shape.linear_layers())
+
+
+def lora_tensors(shape: ModelShape, config) -> int:
+    """LoRA's weight tensors: A and B of each adapted linear layer and fused expert tensor (lora.target_experts)."""
+    targets = config.lora.target_modules
+    adapted = [n for n, _, _ in shape.linear_layers() if targets == "all-linear" or n in targets]
+    experts = len(shape.expert_tensors()) if config.lora.target_experts else 0
+    return 2 * shape.layers * (len(adapted) + experts)
+
+
+def parking_buffer_bytes(shape: ModelShape, config) -> float:
+    """The one host buffer parking fills (models/park.py: sized from this figure, kept for the Lab's life): the parked
+    state, each tensor's slot rounded up to SLOT_ALIGN bytes (counted as a whole SLOT_ALIGN per tensor)."""
+    from ..models.park import SLOT_ALIGN
+
+    double = config.model.bnb_4bit_use_double_quant
+    per_weight = (6 if double else 3) if config.model.load_in_4bit else 0  # codes, absmax, code (+ offset, state2's 2)
+    adamw = 0 if config.placement.optimizer_offload else 3  # exp_avg, exp_avg_sq, step per LoRA tensor
+    tensors = quantized_weights(shape) * per_weight + lora_tensors(shape, config) * (1 + adamw)
+    return parked_state_bytes(shape, config) + tensors * SLOT_ALIGN
 
 
 def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape, procs: int) -> None:
@@ -175,7 +221,8 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
     gen, grpo = config.generator, config.grpo
     decode = gen.hf_decode if procs == 1 else "dynamic"  # (auto arrives resolved: plan.build)
     if procs == 1:
-        lrn.roles.append(f"generator ({gen.backend}, shares learner weights; decode {decode})")
+        copy = f", copy {'kept' if gen.rollout_copy == 'keep' else 'released'}" if decode == "merged" else ""
+        lrn.roles.append(f"generator ({gen.backend}, shares learner weights; decode {decode}{copy})")
     else:
         lrn.roles.append("generator (hf, the whole rollout on every rank)")
         layer, root = unit_bytes(shape, config)
@@ -194,34 +241,22 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
                 "every decoding step (slow)",
                 phase="rollout",
             )
+    kept = procs == 1 and decode == "merged" and gen.rollout_copy == "keep"  # (auto arrives resolved: plan.build)
     if procs == 1 and decode == "merged":
-        lrn.add(
-            "rollout copy (LoRA merged)",
-            rollout_copy_bytes(shape, config),
-            f"{count(shape.linear_params)} linear weights dequantized to {compute_dtype(config)} with the LoRA merged "
-            f"in; one per Lab, refreshed in place at each rollout, released after it "
-            f"(generator.hf_decode: {gen.hf_decode})",
-            phase="rollout",
-        )
+        add_rollout_copy(lrn, config, shape, kept)
     if procs == 1 and decode == "merged" and gen.park_learner:
-        parked = parked_state_bytes(shape, config)
-        # why both sides: the card is freed of it for the rollout, and host memory (pinned from a GPU) holds it then
-        lrn.add(
-            "learner state parked",
-            -parked,
-            "4-bit base, LoRA, AdamW in host memory (generator.park_learner)",
-            "rollout",
-        )
-        host.add("parked learner state", parked, "from the learner while the copy decodes; back after it", "rollout")
+        add_parking(lrn, host, config, shape)
     sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
     every = ", the same on every rank" if procs > 1 else ""
     # (a chunk larger than the rollout decodes the rollout's rows)
     add_experts_dequant(lrn, config, shape, min(sequences, grpo.prompts_per_step * grpo.num_generations))
+    # why resident beside a kept copy on a GPU: its one StaticCache stays too, at one address (generation/hf.py)
+    kept_cache = kept and not on_cpu_learner(config)
     lrn.add(
         "generation KV cache",
         kv_cache_bytes(shape, config, sequences),
-        f"{sequences} sequences per call{every}",
-        phase="rollout",
+        f"{sequences} sequences per call{every}" + (", kept with the copy between rollouts" if kept_cache else ""),
+        phase=None if kept_cache else "rollout",
     )
     lrn.add(
         "generation logits step",
@@ -231,10 +266,73 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
     )
 
 
+def add_parking(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape) -> None:
+    """generator.park_learner: the learner's state off its device while the copy decodes, into one host buffer."""
+    parked = parked_state_bytes(shape, config)
+    # why both sides: the card is freed of it for the rollout, and one host buffer holds it then, kept for the
+    # Lab's life (models/park.py: made once, reused every rollout)
+    lrn.add(
+        "learner state parked",
+        -parked,
+        "4-bit base, LoRA, AdamW in host memory (generator.park_learner)",
+        "rollout",
+    )
+    host.add(
+        "parking buffer",
+        parking_buffer_bytes(shape, config),
+        "one host buffer per Lab (pinned from a GPU), reused every rollout: the learner's 4-bit base, LoRA and "
+        "AdamW while the copy decodes",
+    )
+
+
+def on_cpu_learner(config) -> bool:
+    return config.placement.learner == "cpu"
+
+
+def add_rollout_copy(lrn: DevicePlan, config, shape: ModelShape, kept: bool) -> None:
+    """generator.hf_decode: merged: the copy's dense weights, for the whole step when kept (generator.rollout_copy),
+    else the rollout's alone; and one layer's merge temporaries while the copy is refreshed."""
+    gen = config.generator
+    what = f"{count(shape.linear_params)} linear weights dequantized to {compute_dtype(config)} with the LoRA merged in"
+    if kept:
+        held = "one per Lab, kept between rollouts, each refresh written into its storage"
+    else:
+        held = "one per Lab, refreshed at each rollout, released after it"
+    lrn.add(
+        "rollout copy (LoRA merged)",
+        rollout_copy_bytes(shape, config),
+        f"{what}; {held} (generator.hf_decode: {gen.hf_decode}, generator.rollout_copy: {gen.rollout_copy})",
+        phase=None if kept else "rollout",
+    )
+    if not kept:
+        add_graph_pool(lrn, config)
+    lrn.add(
+        "rollout copy merge temporaries",
+        merge_temporary_bytes(shape),
+        "one layer's largest weight in float32 twice while it merges (dequantized, + B @ A), layer by layer",
+        phase="rollout",
+    )
+
+
+def add_graph_pool(lrn: DevicePlan, config) -> None:
+    """What a released copy leaves between rollouts: on a GPU the CUDA graph pool of its re-recorded decode step
+    (RELEASED_COPY_GRAPH_POOL, uncalibrated); on the CPU nothing, and the line says why (it reads 0)."""
+    if on_cpu_learner(config):
+        # why a line of 0 bytes (DevicePlan.add drops those): the plan says what a released copy leaves on every device
+        note = "0 on the CPU: merged decodes with the growing cache there, no CUDA graphs, so nothing is recorded"
+        lrn.items.append(Item("released copy: CUDA graph pool", 0.0, note))
+        return
+    lrn.add(
+        "released copy: CUDA graph pool",
+        RELEASED_COPY_GRAPH_POOL,
+        "torch's CUDA graph trees record the copy's decode step again at each rollout (new weight addresses) and keep "
+        "its memory pool; a placeholder, to be calibrated on a GPU (bench/gpu/fast_path_and_moe.sh)",
+    )
+
+
 def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
-    """A mixture of experts' 4-bit experts: at every decoding step's forward, one layer's routed experts dequantized
-    (models/routed_experts.py; at worst each sequence's token routed to others), and with expert adapters one fused
-    tensor's routed experts again, W + B A beside W (16-bit experts: the whole tensor, as PEFT folds it)."""
+    """At every decoding step's forward, one layer's routed 4-bit experts dequantized (models/routed_experts.py; at
+    worst each row routed to others), and with expert adapters one tensor's of them again, W + B A beside W."""
     share = 1.0  # the routed experts' share of a layer's
     if shape.moe and config.model.load_in_4bit:
         made = experts_dequant_bytes(shape, config, sequences)

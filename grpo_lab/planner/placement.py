@@ -44,6 +44,9 @@ class Placement:
             out.setdefault(config.reference_device, []).append("reference (frozen copy)")
         elif config.reference_strategy == "adapter-disabled":
             out[place.learner].append("reference (adapter disabled, no copy)")
+        for name in config.data.reward_models:
+            nf4 = ", nf4" if place.reward_model_4bit else ""
+            out.setdefault(place.reward_model_device(), []).append(f"reward model ({name}{nf4})")
         return out
 
     @property

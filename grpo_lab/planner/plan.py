@@ -19,8 +19,9 @@ from .estimate import (
     in_kernel,
     planned_lora,
 )
-from .learner_items import add_learner
+from .learner_items import add_learner, parking_buffer_bytes
 from .parts import _home, add_engine, capacity_of
+from .reward_items import add_reward_models, reward_device
 from .sharded import build_sharded
 
 
@@ -57,6 +58,9 @@ class Plan:
 
         return render(self)
 
+    def __repr__(self) -> str:  # why: the dataclass's repr dumped the whole config and every device's items
+        return str(self)
+
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
 
@@ -73,6 +77,8 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
     if config.reference_strategy == "copy":
         names.append(_home(config.reference_device))
+    if config.data.reward_models:
+        names.append(reward_device(config))
     devices = {d: DevicePlan(d, capacity_of(d, config)) for d in dict.fromkeys(names)}
     for d in devices.values():
         if d.device != "host":
@@ -86,6 +92,7 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     micro = add_learner(devices[learner], devices["host"], ref, config, shape)
     if gen.own_weights:
         add_engine(devices, config, shape, gen.chunk_size or grpo.prompts_per_step * grpo.num_generations)
+    add_reward_models(devices, config)
     return devices, micro
 
 
@@ -120,20 +127,31 @@ def dataparallel_what_if(config, shape: ModelShape, devices: dict[str, DevicePla
 
 def build(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dict[str, DevicePlan], int]:
     """(devices, ranks, micro-batch): one process, or a learner sharded over placement.learner_procs ranks; an hf
-    rollout's generator.hf_decode: auto planned as the path it resolves to (rollout_decode), and said so."""
+    rollout's generator.hf_decode: auto planned as the path it resolves to (rollout_decode), and a merged copy's
+    generator.rollout_copy: auto as keep or release (rollout_copy_mode), each said so."""
     if config.placement.learner_procs > 1:
         return build_sharded(config, shape)
+    gen = config.generator
     decode = rollout_decode(config, shape)
-    if decode == config.generator.hf_decode:
+    resolved = []
+    if decode != gen.hf_decode:
+        # why park_learner off and rollout_copy auto on another path: they are the merged copy's alone
+        other = ["generator.park_learner=false", "generator.rollout_copy=auto"]
+        resolved += [f"generator.hf_decode={decode}", *([] if decode == "merged" else other)]
+    if decode == "merged" and gen.rollout_copy == "auto":
+        resolved.append(f"generator.rollout_copy={rollout_copy_mode(config, shape)}")
+    if not resolved:
         devices, micro = build_devices(config, shape)
         return devices, {}, micro
     from ..config.loading import load_config
 
-    # why park_learner off on another path: it parks the learner for the merged copy alone (models/park.py)
-    unparked = [] if decode == "merged" else ["generator.park_learner=false"]
-    devices, micro = build_devices(load_config(config, [f"generator.hf_decode={decode}", *unparked]), shape)
+    devices, micro = build_devices(load_config(config, resolved), shape)
+    said = {f"decode {decode}": f"decode {decode} (auto)"} if decode != gen.hf_decode else {}
+    if gen.rollout_copy == "auto":
+        said.update({f"copy {m}": f"copy {m} (auto)" for m in ("kept", "released")})
     for d in devices.values():
-        d.roles = [r.replace(f"decode {decode})", f"decode {decode} (auto))") for r in d.roles]
+        for old, new in said.items():
+            d.roles = [r.replace(old, new) for r in d.roles]
     return devices, {}, micro
 
 
@@ -154,6 +172,31 @@ def rollout_decode(config, shape: Optional[ModelShape] = None) -> str:
     if all(d.fits for d in build(merged, shape)[0].values()):
         return "merged"
     return "compiled" if config.placement.learner.startswith("cuda") else "dynamic"
+
+
+def rollout_copy_mode(config, shape: Optional[ModelShape] = None) -> str:
+    """generator.rollout_copy with auto resolved: keep where the plan fits the merged copy held for the whole step,
+    else release; release where the rollout builds no copy (another decode path)."""
+    if rollout_decode(config, shape) != "merged":
+        return "release"
+    if config.generator.rollout_copy != "auto":
+        return config.generator.rollout_copy
+    from ..config.loading import load_config
+
+    kept = load_config(config, ["generator.hf_decode=merged", "generator.rollout_copy=keep"])
+    return (
+        "keep"
+        if all(d.fits for d in build(kept, shape or load_shape(config.model.name_or_path))[0].values())
+        else "release"
+    )
+
+
+def parking_reserve(config, shape: Optional[ModelShape] = None) -> int:
+    """generator.park_learner on a merged rollout: the host buffer's planned bytes, which parking makes once
+    (learner_items.parking_buffer_bytes); 0 where nothing is parked."""
+    if not config.generator.park_learner or rollout_decode(config, shape) != "merged":
+        return 0
+    return int(parking_buffer_bytes(shape or load_shape(config.model.name_or_path), config))
 
 
 def sharding_fixes(config) -> list[tuple[str, list[str]]]:
@@ -198,6 +241,8 @@ def candidate_fixes(config) -> list[tuple[str, list[str]]]:
         out.append(("placement.optimizer_offload: true", ["placement.optimizer_offload=true"]))
     if config.reference_strategy == "copy":
         out.append(("reference.strategy: adapter-disabled (no copy)", ["reference.strategy=adapter-disabled"]))
+    if config.data.reward_models and not config.placement.reward_model_4bit:
+        out.append(("placement.reward_model_4bit: true", ["placement.reward_model_4bit=true"]))
     if config.model.dtype == "float32":
         out.append(("model.dtype: bfloat16", ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]))
     return out

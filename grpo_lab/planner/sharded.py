@@ -11,6 +11,7 @@ from ..models.shapes import ModelShape
 from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB, planned_lora
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of
+from .reward_items import add_reward_models
 
 
 def rank_name(learner: str, device: str, k: int) -> str:
@@ -59,7 +60,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
         + (
             f", runs their {config.generator.backend} engine (below)"
             if config.generator.own_weights
-            else ", holds no model"
+            else ", holds no model of the learner's"
         ),
     )
     lora = planned_lora(shape, config)
@@ -96,6 +97,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
             shape,
             config.generator.chunk_size or config.grpo.prompts_per_step * config.grpo.num_generations,
         )
+    add_reward_models(devices, config)  # in the driver, which scores every rollout once (execution/sharded/driver.py)
     return devices, ranks, micro
 
 

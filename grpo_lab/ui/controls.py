@@ -16,9 +16,11 @@ from .editor import _widgets
 MAX_STEPS = 100_000  # the most steps one "run N" click asks for
 LOG_LINES = 500  # why bounded: a long run's log must not grow the notebook's memory (or the widget's state) forever
 # column-reverse keeps a scrolled box anchored at its newest (bottom) line; pre-wrap wraps long lines in the box;
-# line-height: the HTML widget's own is its 28 px row height, which double-spaced a 12 px log
+# line-height: the HTML widget's own is its 28 px row height, which double-spaced a 12 px log; max-height: an empty log
+# is one line tall (it was an empty 440 x 225 box before anything ran), a long one scrolls after 8 lines (the panel's
+# buttons, log and plot fit a 679 px view together)
 LOG_STYLE = (
-    "height:220px;overflow:auto;display:flex;flex-direction:column-reverse;"
+    "max-height:132px;min-height:1.4em;overflow:auto;display:flex;flex-direction:column-reverse;"
     "border:1px solid var(--jp-border-color2, #ddd);font-family:monospace;font-size:12px;line-height:1.35;"
     "padding:2px 4px;white-space:pre-wrap;overflow-wrap:anywhere"
 )
@@ -57,8 +59,8 @@ class StepControls:
         self._offered = self.count.value  # what the box last took from run.steps: any other count there was typed
         self.run_button = w.Button(description="run N", button_style="success")
         self.stop_button = w.Button(
-            description="stop", button_style="warning", tooltip="stop at the next phase boundary"
-        )
+            description="stop", button_style="warning", tooltip="stop at the next phase boundary", disabled=True
+        )  # (enabled only while a run runs: before, it was on with nothing to stop and did nothing visible)
         fit = w.Layout(width="auto")  # (one model for both buttons)
         self.traceback_button = w.Button(
             description="traceback", tooltip="show the last error's full traceback", layout=fit
@@ -66,7 +68,11 @@ class StepControls:
         self.clear_button = w.Button(description="clear log", layout=fit)
         self.last_traceback = ""
         self.status = w.HTML(value="")
-        self.progress = w.IntProgress(value=0, min=0, max=1, description="progress")
+        # the bar's label says how the last run ended: "2 of 5 steps", "stopped at 2 of 5", "error at 2 of 5"
+        self.progress = w.IntProgress(
+            value=0, min=0, max=1, description="no run yet", style={"description_width": "initial"}
+        )
+        self.retired: str | None = None  # why this panel's controls are off (a newer panel replaced it)
         self.lines: list[str] = []
         # why no side margins: ipywidgets' 2 px each side made the log 4 px wider than its box (a scrollbar under it)
         full = dict(width="100%", margin="2px 0")
@@ -80,20 +86,30 @@ class StepControls:
         self.traceback_button.on_click(lambda _: self.show_traceback())
         self.clear_button.on_click(lambda _: self.clear())
         lab.timeline.listeners.append(_RunningLine(self.status))
-        self.widget = w.VBox(
-            [
-                w.HBox([self.next_button, self.step_button]),
-                w.HBox([self.count, self.run_button, self.stop_button]),
-                self.status,
-                self.progress,
-                self.log,
-                w.HBox([self.traceback_button, self.clear_button]),
-                self.traceback,
-            ],
-            layout=w.Layout(width="440px", min_width="440px", flex="0 0 440px"),
-        )  # why fixed: long lines wrap, never squeeze
-        self.widget.add_class("grpo-lab-controls")
+        self._lay_out(w)
+        self.widget = w.VBox([self.buttons, self.log_box], layout=w.Layout(width="100%"))
         self._render()
+
+    def _lay_out(self, w) -> None:
+        # one row of buttons that wraps (two rows in an 848 px output), the log under it at the output's width (in a
+        # 440 px column every step line wrapped onto 3 lines): the panel keeps both above the plot, on one screen
+        self.buttons = w.HBox(
+            [
+                self.next_button,
+                self.step_button,
+                self.count,
+                self.run_button,
+                self.stop_button,
+                self.progress,
+                self.traceback_button,
+                self.clear_button,
+                self.status,
+            ],
+            layout=w.Layout(width="100%", flex_flow="row wrap", align_items="center"),
+        )
+        self.buttons.add_class("grpo-lab-controls")
+        self.log_box = w.VBox([self.log, self.traceback], layout=w.Layout(width="100%"))
+        self.log_box.add_class("grpo-lab-log-box")
 
     # --- the log ---
     def _say(self, text: str) -> None:
@@ -133,19 +149,29 @@ class StepControls:
         except Exception as err:  # why not only LabError: the panel must survive anything a phase raises
             self.last_traceback = traceback.format_exc()
             line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            where = " (the traceback button shows where)"  # (a LabError caused by user code, e.g. a reward's, too)
             self._say(
-                f"error: {line}"
+                f"error: {line}" + (where if err.__cause__ is not None else "")
                 if isinstance(err, LabError)
-                else f"error: {type(err).__name__}: {line} (the traceback button shows where)"
+                else f"error: {type(err).__name__}: {line}{where}"
             )
 
     # --- running ---
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def _unless_running(self, fn):
+    def _refused(self) -> bool:
+        """Whether a start is refused (said in the log): a run in progress, or a panel a newer one replaced."""
+        if self.retired is not None:
+            self._say(f"error: {self.retired}")
+            return True
         if self.running():
             self._say("a run is in progress; wait for it or press stop")
+            return True
+        return False
+
+    def _unless_running(self, fn):
+        if self._refused():
             return None
         self._set_running(True)
         try:
@@ -153,14 +179,25 @@ class StepControls:
         finally:
             self._set_running(False)
 
-    def _set_running(self, running: bool) -> None:
+    def _set_running(self, running: bool, stoppable: bool = False) -> None:
+        """The buttons that start a run are off while one runs (and for good on a replaced panel); stop is on only
+        while a run in the worker thread can hear it (a phase button's phase runs in the kernel: no click gets in)."""
         for button in (self.next_button, self.step_button, self.run_button):
-            button.disabled = running
+            button.disabled = running or self.retired is not None
+        self.count.disabled = self.retired is not None
+        self.stop_button.disabled = not (running and stoppable)
+
+    def retire(self, why: str) -> None:
+        """A newer panel replaced this one: its buttons are off (stop stays on while this panel's own run runs)."""
+        self.retired = why
+        self._set_running(self.running(), stoppable=self.running())
 
     def stop(self) -> None:
         if self.running():
             self._stop.set()
-            self._say("stop: the run stops at the next phase boundary")
+            self._say("stop: the run stops at the next phase boundary (the step's phase under way finishes first)")
+        else:
+            self._say("stop: nothing is running")
 
     def next_phase(self) -> str:
         """Run the current step's next phase (the Lab's lifecycle says which) with its earlier phases' outputs."""
@@ -192,6 +229,20 @@ class StepControls:
         finally:
             self.next_button.description = f"phase: {self.lab.next_phase()}"
 
+    def _ended(self, how: str, steps: int) -> None:
+        """The bar's label and colour say how the run ended; a stop also says in the log where the run stopped."""
+        done = self.progress.value
+        label, style = {
+            "done": (f"{done} of {steps} steps", "success"),
+            "stopped": (f"stopped at {done} of {steps}", "warning"),
+            "error": (f"error at {done} of {steps}", "danger"),
+        }[how]
+        self.progress.description, self.progress.bar_style = label, style
+        if how == "stopped":
+            self._say(f"stop: the run stopped after {done} of {steps} steps")
+        elif how == "done" and self._stop.is_set():  # stop came during the last step: nothing was left to stop
+            self._say(f"stop: the run had finished its {steps} steps before the next phase boundary")
+
     def follow_config(self) -> None:
         """Show run.steps in the step count, unless the user typed another count there (never changed under them)."""
         if self.count.value == self._offered:
@@ -215,20 +266,26 @@ class StepControls:
     def run(self, steps: int) -> threading.Thread:
         """Run `steps` steps in a worker thread ('one step' is a run of 1); `stop` ends it at the next phase
         boundary."""
-        if self.running():
-            self._say("a run is in progress; wait for it or press stop")
+        if self._refused():
             return self.thread
         self._stop.clear()
         self.progress.max, self.progress.value = steps, 0  # why here: the bar belongs to this run, not the last
-        self._set_running(True)  # why before the thread starts: a second click cannot slip in between
+        self.progress.description, self.progress.bar_style = f"0 of {steps} steps", ""
+        self._set_running(True, stoppable=True)  # why before the thread starts: a second click cannot slip in between
 
         def work():
+            ended = "error"
             try:
                 for _ in range(steps):
                     if self._guarded(self.one_step) is None:
+                        ended = "stopped" if self._stop.is_set() else "error"
                         break
                     self.progress.value += 1
+                    self.progress.description = f"{self.progress.value} of {steps} steps"
+                else:
+                    ended = "done"
             finally:
+                self._ended(ended, steps)
                 self._set_running(False)
                 self.follow_config()  # why: run.steps may have been edited while it ran
 

@@ -20,6 +20,7 @@ from ..config.fields import WHEN
 from ..config.loading import load_config, save_config
 from ..config.schema import LabConfig, field_when
 from ..errors import LabError
+from .field_help import help_html, on_the_cpu
 
 
 def _widgets():
@@ -67,7 +68,22 @@ EDITOR_CSS = """<style>
 .grpo-lab-editor .grpo-lab-field-error .widget-html-content { color: var(--jp-error-color1, #c00); font-size: 12px; }
 .grpo-lab-editor .grpo-lab-help { color: var(--jp-ui-font-color2, #555); font-size: 11px; line-height: 1.3; }
 .grpo-lab-editor .grpo-lab-legend { color: var(--jp-ui-font-color1, #222); font-size: 12px; }
+.grpo-lab-editor .grpo-lab-page > * { flex-shrink: 0; }
+.grpo-lab-editor .grpo-lab-help details > summary { cursor: pointer; }
+.grpo-lab-editor .grpo-lab-badge { display: inline-block; font-size: 10px; line-height: 1.2; padding: 0 4px;
+  margin-right: 4px; border-radius: 3px; border: 1px solid var(--jp-border-color1, #999); }
+.grpo-lab-editor .grpo-lab-badge-rebuild { border-color: var(--jp-warn-color1, #f0ad4e); }
+.grpo-lab-editor .grpo-lab-badge-load { border-color: var(--jp-brand-color1, #1976d2); }
+.grpo-lab-editor .grpo-lab-badge-cuda { border-style: dashed; }
+.grpo-lab-editor .grpo-lab-ok { color: var(--jp-success-color1, #2e7d32); font-weight: 600; margin-left: 6px; }
+.grpo-lab-editor .grpo-lab-refused input, .grpo-lab-editor .grpo-lab-refused select {
+  border-color: var(--jp-error-color1, #c00) !important; box-shadow: 0 0 0 1px var(--jp-error-color1, #c00); }
+.grpo-lab-editor .grpo-lab-applied input, .grpo-lab-editor .grpo-lab-applied select {
+  border-color: var(--jp-success-color1, #2e7d32) !important; }
 </style>"""
+
+
+EDITOR_HEIGHT = "300px"  # each tab's page: about 8 fields with their help lines, the rest one scroll away
 
 
 class Looks:
@@ -132,14 +148,11 @@ FIELD_KINDS = {"boolean": "checkbox", "integer": "number", "number": "number", "
 FIELD_INPUTS = {"choice": _choice, "checkbox": _checkbox, "number": _number, "text": _text, "yaml": _yaml}
 
 
-def help_line(prop: dict, looks: Looks):
-    """The field's help and when an edit takes effect, as a line under it (tooltips are unreliable in ipywidgets 8)."""
-    import html
-
+def help_line(prop: dict, looks: Looks, cuda: bool = False):
+    """The field's badge and help as a line under it (tooltips are unreliable in ipywidgets 8); the tooltip keeps the
+    whole help and when an edit applies."""
     w = _widgets()
-    when = prop.get("when", "live")
-    text = html.escape(f"{prop.get('description', '')} [{when}: {WHEN[when]}]", quote=False)
-    line = w.HTML(value=text, layout=looks.help, style=looks.html)
+    line = w.HTML(value=help_html(prop, cuda=cuda), layout=looks.help, style=looks.html)
     line.add_class("grpo-lab-help")
     return line
 
@@ -181,9 +194,10 @@ class FieldError:
 
 
 LEGEND = (
-    "<small>Edits apply to the Lab's config at once: <b>live</b> fields at the next phase that reads them, "
-    "<b>rebuild</b> fields rebuild their part now; <b>load-time</b> fields are read-only once the Lab is loaded "
-    "(make a new Lab to change them). Text fields apply on Enter or when they lose focus.</small>"
+    "<small>Each field's badge says when an edit applies: <b>live</b> at the next phase that reads it, "
+    "<b>rebuild</b> rebuilds its part now, <b>load-time</b> is read-only once the Lab is loaded (make a new Lab to "
+    "change it). Text fields apply on Enter or when they lose focus; an applied value is ticked, a refused one framed "
+    "red with its reason under it.</small>"
 )
 
 
@@ -205,7 +219,13 @@ class ConfigEditor:
         schema = LabConfig.model_json_schema()
         defs, data = schema["$defs"], config.to_dict()
         looks = Looks(label_width(n for p in schema["properties"].values() for n in _resolve(p, defs)["properties"]))
+        self.props: dict[tuple[str, str], dict] = {}  # each field's schema: its help, when it applies, CUDA only
+        self.applied: Optional[tuple[str, str]] = None  # the field whose value was applied last (ticked)
+        on_cpu = on_the_cpu(config)
         self.sections: dict[str, object] = {}  # each tab's box of rows: an input, then its help line
+        # why one fixed height, scrolling inside: tabs of 267 to 1,521 px moved whatever sat under the editor by up to
+        # 1,254 px at each tab switch; at a fixed height the panel keeps its shape (one Layout model for all tabs)
+        page = w.Layout(height=EDITOR_HEIGHT, overflow="auto")
         for section, prop in schema["properties"].items():
             rows = []
             for name, fprop in _resolve(prop, defs)["properties"].items():
@@ -213,9 +233,13 @@ class ConfigEditor:
                 widget.observe(self._changed(section, name), names="value")
                 self.inputs[(section, name)] = (widget, parse)
                 self.errors[(section, name)] = FieldError(self._revert(section, name), self._under(section, name))
-                self.help[(section, name)] = help_line(fprop, looks)
+                self.props[(section, name)] = fprop
+                self.help[(section, name)] = help_line(fprop, looks, cuda=on_cpu and bool(fprop.get("cuda_only")))
                 rows += [widget, self.help[(section, name)]]
-            self.sections[section] = w.VBox(rows)
+            self.sections[section] = w.VBox(rows, layout=page)
+            # why no shrinking: in a page of fixed height a box (overflow: auto, as ipywidgets makes every box) may
+            # shrink to nothing; the refused value's reason row did, out of sight
+            self.sections[section].add_class("grpo-lab-page")
         self.tabs = w.Tab(children=list(self.sections.values()))
         for i, section in enumerate(schema["properties"]):
             self.tabs.set_title(i, section)
@@ -228,14 +252,29 @@ class ConfigEditor:
         style = w.HTML(value=EDITOR_CSS, layout=w.Layout(display="none"))
         self.widget = w.VBox(
             [style, self.tabs, self.message, self.legend, w.HBox([self.path, load, save])],
-            layout=w.Layout(flex="1 1 420px", min_width="0"),  # why: it takes the width the notebook has
+            layout=w.Layout(width="100%", min_width="0"),  # why: it takes the width the notebook has
         )
         self.widget.add_class("grpo-lab-editor")
         self._syncing = False
+        self.retired: Optional[str] = None  # why this editor is off (a newer panel edits the config now)
+        self.buttons = (self.path, load, save)
         self.lock_load_time()
 
+    def retire(self, why: str) -> None:
+        """A newer panel edits this config now: every input is off and the editor hidden, so no two panels show
+        different values for one field (an edit there, or in a cell, would leave this one's values behind)."""
+        self.retired = why
+        for widget, _ in self.inputs.values():
+            widget.disabled = True
+        for widget in self.buttons:
+            widget.disabled = True
+        self.widget.layout.display = "none"
+
     def lock_load_time(self) -> None:
-        """Load-time fields are read-only once the Lab is loaded (and editable again before)."""
+        """Load-time fields are read-only once the Lab is loaded (and editable again before); all are on a retired
+        editor."""
+        if self.retired is not None:
+            return
         locked = self.loaded()
         for (section, name), (widget, _) in self.inputs.items():
             widget.disabled = locked and field_when(f"{section}.{name}") == "load"
@@ -252,20 +291,40 @@ class ConfigEditor:
         field, keeping the typed value in view (the config keeps its own). Returns whether applied."""
         _, parse = self.inputs[(section, name)]
         path = f"{section}.{name}"
+        if self.retired is not None:  # what a disabled input cannot send, set() refuses
+            self.errors[(section, name)].show(self.retired)
+            return False
         try:
             changed = self.config.update({path: parse(raw)})
         except (LabError, yaml.YAMLError, ValueError, TypeError) as err:
             keeps = as_text(self.config.to_dict()[section][name])
             self.errors[(section, name)].show(f"{str(err).strip()} (not applied; stays {keeps})")
             self.message.value = ""
+            self._mark((section, name), refused=True)
             return False
         self.errors[(section, name)].show(None)
+        self._mark((section, name), applied=as_text(self.config.to_dict()[section][name]))
         when = field_when(path)
         self.message.value = f"{path}: {WHEN[when]}" if changed else ""
         self.refresh()
         if self.on_change:
             self.on_change(self.config)
         return True
+
+    def _mark(self, key: tuple[str, str], refused: bool = False, applied: str = "") -> None:
+        """A refused field framed red (till it is corrected or reverted); an applied one framed green with its value
+        ticked in its help line, the last applied field's tick cleared (one tick: the latest edit)."""
+        widget = self.inputs[key][0]
+        if applied and self.applied not in (None, key):
+            self._mark(self.applied)
+        for name, on in (("grpo-lab-refused", refused), ("grpo-lab-applied", bool(applied))):
+            if on and name not in widget._dom_classes:
+                widget.add_class(name)
+            elif not on and name in widget._dom_classes:
+                widget.remove_class(name)
+        cuda = on_the_cpu(self.config) and bool(self.props[key].get("cuda_only"))
+        self.help[key].value = help_html(self.props[key], applied, cuda)
+        self.applied = key if applied else (None if self.applied == key else self.applied)
 
     def _error(self, err) -> None:
         import html
@@ -288,6 +347,7 @@ class ConfigEditor:
     def _revert(self, section: str, name: str) -> Callable[[], None]:
         def revert():
             self.errors[(section, name)].show(None)
+            self._mark((section, name))
             self.refresh()
 
         return revert
@@ -311,6 +371,9 @@ class ConfigEditor:
 
     def load(self, path: str) -> None:
         """Apply a YAML file's values, all at once (a loaded Lab refuses a file whose load-time fields differ)."""
+        if self.retired is not None:
+            self._error(self.retired)
+            return
         try:
             self.config.assign(load_config(Path(path)))
         except LabError as err:

@@ -25,6 +25,7 @@ import time
 from typing import Optional
 
 from ..memory.figures import (
+    BAND_OPACITY,
     FAR,
     band_labels,
     band_shapes,
@@ -34,6 +35,7 @@ from ..memory.figures import (
     merge_twins,
     phase_key_annotation,
     stack_top,
+    step_note,
     step_separators,
     trace_order,
     trace_style,
@@ -41,6 +43,7 @@ from ..memory.figures import (
 )
 from ..memory.readers import MiB
 from ..memory.report import host_limits
+from ..memory.tables import size_text
 
 
 def _needs_notebook_extra():
@@ -131,7 +134,7 @@ class LivePlot:
                 title=dict(text=self._title, x=0.01, xanchor="left", y=0.98, yanchor="top", font=dict(size=14)),
                 xaxis_title=dict(text="seconds of work (idle spans squeezed to 1 s)", font=dict(size=11)),
                 yaxis_title="MiB",
-                height=420,
+                height=380,  # why: with the panel's buttons and log, one 679 px view (1280 x 800, file browser open)
                 autosize=True,
                 # why these margins: the plot area keeps over 70 % of the height; the title, the lines' legend (left)
                 # and the phase key (right) share the top margin, the x axis' title the bottom one; the right one holds
@@ -206,18 +209,20 @@ class LivePlot:
         kept = set(steps[-self.max_steps :])
         return [m for m in marks if m[0] in kept], f"  ·  last {self.max_steps} of {len(steps)} steps"
 
-    def _limits_in_view(self, series, window: str = "") -> dict[str, float]:
-        """Limit lines near the data (figures.FAR) are drawn; farther ones are named in the title."""
+    def _limits_in_view(self, series, window: str = "", marks=()) -> dict[str, float]:
+        """Limit lines near the data (figures.FAR) are drawn; farther ones are named in the title (and whether every
+        step is labelled)."""
         top = stack_top(series) if series else 0.0
         near = {name: mib for name, mib in self._limits.items() if mib <= FAR * top}
-        far = [f"{name} {mib / 1024:.1f} GiB" for name, mib in self._limits.items() if name not in near]
-        self.fig.layout.title.text = self._title + window + (f"  ·  off scale: {', '.join(far)}" if far else "")
+        far = [f"{name}: {size_text(mib * MiB)}" for name, mib in self._limits.items() if name not in near]
+        steps = step_note(marks)
+        self.fig.layout.title.text = self._title + window + steps + (f"  ·  off scale: {', '.join(far)}" if far else "")
         return near
 
     def _shapes(self, marks, running) -> list[dict]:
         """The finished phases' bands, the running phase's band (its index kept: it grows), step separators and
         the drawn limits."""
-        bands = band_shapes(marks + running, opacity=0.12)
+        bands = band_shapes(marks + running, opacity=BAND_OPACITY)
         self._running_band = len(marks) if running else None
         lines = [limit_line(mib, name) for name, mib in self._near.items()]
         return bands + step_separators(marks) + lines
@@ -249,7 +254,7 @@ class LivePlot:
             now = max((xs[-1] for xs, _ in series.values() if xs), default=0.0)
             running = [(s, p, self._clock(a), now) for s, p, a, _ in self._running(self._series_end())]
             marks, window = self._window([(s, p, self._clock(a), self._clock(b)) for s, p, a, b in self.sampler.marks])
-            near = self._limits_in_view(series, window)
+            near = self._limits_in_view(series, window, marks + running)
             grown = running and self._running_band is not None and len(self.sampler.marks) == self._marks_drawn
             if grown and near.keys() == self._near.keys():
                 # why one property: validating every shape is the costly part of a redraw; only this band moved

@@ -135,7 +135,7 @@ def snapshot(lab, phases: Optional[list] = None) -> None:
 
     from ..memory.report import sampler_timeline
 
-    show(sampler_timeline(lab.memory))
+    show(sampler_timeline(lab.memory, phases))  # (`phases`: the image shows those, as the table does)
     display(HTML(peak_table(lab.memory.phase_rows, phases)))
 
 

@@ -69,15 +69,20 @@ class LabViews:
 
     def ui(self):
         """The notebook panel: config editor, step controls and the live memory plot; the controls' step count follows
-        run.steps as the editor changes it (unless one was typed). In a headless run a line that says so, no widget."""
+        run.steps as the editor changes it (unless one was typed). It replaces this Lab's earlier panel, whose editor
+        and buttons go off with a line saying which panel is live. In a headless run a line that says so, no widget."""
         from ..runtime import frontend_is_live
         from . import Panel
         from .live import NotLive
 
         if not frontend_is_live():  # why: as memory_plot(); the panel's widgets would all be saved with the notebook
             return NotLive("The panel (config editor, step controls, live memory plot)")
-        panel = Panel(self)
+        old = getattr(self, "_panel", None)
+        panel = Panel(self, number=old.number + 1 if old else 1)
         panel.editor.on_change = lambda config: panel.controls.follow_config()
+        if old is not None:  # why: one live panel per Lab; the last one says which panel is live and takes no edits
+            old.retire(panel.number)
+        self._panel = panel
         return panel
 
     def save_results(self, path: Union[str, Path]) -> Path:
@@ -99,15 +104,16 @@ class LabViews:
         return write_report(Path(path), self.memory, self.history, title=title, config=self.config.to_dict())
 
     def memory_table(self, step: Optional[int] = None) -> str:
-        """The per-phase memory table (MiB) of `step` (default: the last one)."""
-        from ..memory import format_table
+        """The per-phase memory table (MiB) of `step` (default: the last one): a str, the text `print()` shows, and an
+        HTML table on its own in a cell (memory.tables.MemoryTable)."""
+        from ..memory.tables import MemoryTable
 
         if step is None and not self.history:
             raise LabError(
                 "lab.memory_table(): no step has finished yet; run lab.step() (or a phase walk up to its sync) first"
             )
         step = self.history[-1].step if step is None else step
-        return format_table(self.memory.rows_for(step))
+        return MemoryTable(self.memory.rows_for(step), step)
 
     # --- what a cell shows for the Lab itself ---
     def _summary(self) -> list[tuple[str, str]]:

@@ -60,6 +60,7 @@ class RankExecutor:
         self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
         self.dataset_given = train_dataset is not None  # refused at load: each rank reads data.dataset itself
         self.reward_funcs = reward_functions(reward_funcs, config)
+        self.reward_models: list = []  # data.reward_models, in this process: the driver scores, the ranks are told
         self.step_index = step_index
         self.ranks: Optional[Ranks] = None
         self.generator = None  # the ranks' one vLLM engine, in this process (sharded/remote.py), if any
@@ -102,8 +103,11 @@ class RankExecutor:
     def memory_sampler(self):
         config = self.config
         engine_gpus = [d for d in config.placement.generator_devices() if d != "cpu"] if self.own_engine else []
-        # the driver's own host (its guard is the run's one host guard) and its engine's GPUs; the ranks' arrive
-        return RankMemory(["cpu", *engine_gpus], config.memory.sample_hz, config.memory.host_threshold)
+        scorer = [config.placement.reward_model_device()] if config.data.reward_models else []
+        # the driver's own host (its guard is the run's one host guard), its engine's and reward models' GPUs; the
+        # ranks' arrive
+        watched = list(dict.fromkeys(["cpu", *engine_gpus, *scorer]))
+        return RankMemory(watched, config.memory.sample_hz, config.memory.host_threshold)
 
     def listeners(self) -> list:
         return []  # each rank writes its own allocator snapshots (runtime.snapshot_dir)
@@ -124,6 +128,7 @@ class RankExecutor:
                 "save it (dataset.save_to_disk(PATH) or to_parquet) and name it in data.dataset"
             )
         self.model_path = fetch_once(config.model.name_or_path, local=config.placement.ray_address is None)
+        self.build_reward_models()
         self.ranks = Ranks(
             self.rank_config(),
             config.placement.learner_procs,
@@ -141,17 +146,34 @@ class RankExecutor:
                 raise
             self.ranks.answers.service = self.generator
 
+    def build_reward_models(self) -> None:
+        """data.reward_models in this process, on placement.reward_model (at load, and when they change): the driver
+        scores each rollout once and hands the ranks the scores."""
+        from ...models.reward_model import load_reward_model
+
+        device = self.config.placement.reward_model_device()
+        for model in self.reward_models:
+            model.release()  # why first: the old models go before the new ones load
+        self.reward_models = []
+        self.reward_models = [load_reward_model(name, self.config, device) for name in self.config.data.reward_models]
+
     def release(self) -> None:
         if self.generator is not None:
             self.generator.close()
         if self.ranks is not None:
             self.ranks.close()
+        for model in self.reward_models:
+            model.release()
         self.ranks = self.generator = None
+        self.reward_models = []
 
     # --- edits: refused here as in one process; applied on every rank at its next command ---
     def check_live(self, config) -> None:
+        from ..local import check_new_reward_models
+
         if self.generator is not None:
             self.generator.check_live(config)  # the driver's engine (the ranks' hf generators take every live edit)
+        check_new_reward_models(self.config, config)
 
     def build_reference(self) -> None:
         """Nothing here: each rank builds its own reference from the config it is sent with its next command."""
@@ -169,7 +191,8 @@ class RankExecutor:
         if self.generator is not None and (name == "sync" or (name == "rollout" and self.generator_behind)):
             self.generator.sync(self.adapter)  # the engine's LoRA from the ranks, before they end the step
             self.generator_behind = False
-        out = self.ranks.call("phase", name, self.rank_config(), describe=name)
+        scores = self.score(*inputs) if name == "rewards" and self.reward_models else None
+        out = self.ranks.call("phase", name, self.rank_config(), scores, describe=name)
         if name == "optimizer" and state.snapshot is None:
             state.snapshot = SnapshotsOnRanks()  # why: each rank took its own rollback snapshot
         if name == "sync":
@@ -177,6 +200,14 @@ class RankExecutor:
         if name == "backward":  # each rank keeps the old log-probs its first backward recorded; the driver, the stats
             return BackwardResult(out, None, None)
         return out
+
+    def score(self, rollout) -> list[tuple[str, list[float]]]:
+        """The reward models' scores of `rollout` (rank 0's, which every rank holds), called with the inputs every
+        reward gets: (name, scores) each, for the ranks' rewards phase."""
+        from ...algo.grpo import rewards
+
+        table = rewards(rollout, self.reward_models).per_function  # [N, models]
+        return [(model.__name__, table[:, j].tolist()) for j, model in enumerate(self.reward_models)]
 
     def rank_config(self) -> dict:
         """The config as the ranks run it: the model where the driver fetched it, no reporting (the driver reports)."""

@@ -1,0 +1,158 @@
+"""Tables that read in a notebook and in a terminal: HTML that fits a JupyterLab output (848 px at 1280 px with the
+file browser open: numbers right-aligned, a notes column that wraps in itself) and text that fits 120 columns (a long
+cell wraps at word boundaries inside its own column, never mid-word). The plan, the per-phase memory table and a step
+result are drawn with them."""
+
+from __future__ import annotations
+
+import html
+import textwrap
+from dataclasses import dataclass, field
+
+TEXT_WIDTH = 120  # a terminal's, and a saved notebook's plain-text fallback
+MIN_WRAPPED = 24  # the narrowest a wrapping column gets before the line is let run past TEXT_WIDTH
+GAP = "  "  # between two text columns
+# why these: the output area is 848 px; a table as wide as its content, never wider than the output, its cells a
+# little smaller than the notebook's text so a 7-column table fits; colours are JupyterLab's theme variables
+TABLE_STYLE = "border-collapse:collapse;max-width:100%;font-size:12px;line-height:1.35;margin:2px 0 8px 0"
+CELL_STYLE = "padding:1px 8px;border-bottom:1px solid var(--jp-border-color2, #ddd);vertical-align:top"
+HEAD_STYLE = CELL_STYLE + ";font-weight:600;border-bottom:1px solid var(--jp-border-color1, #999)"
+NUMBER_STYLE = ";text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums"
+TEXT_STYLE = ";text-align:left;white-space:nowrap"
+WRAP_STYLE = ";text-align:left;white-space:normal;min-width:14em;color:var(--jp-ui-font-color2, #555)"
+
+
+def size_text(nbytes: float) -> str:
+    """The one way a size is written in the plan, the live plot and the snapshot (a limit reads the same in all three):
+    GiB with 2 decimals from 1 GiB up, else MiB with 1."""
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+@dataclass
+class Column:
+    name: str
+    numeric: bool = False  # right-aligned
+    wraps: bool = False  # a notes column: wraps at words in itself (at most one per table)
+    min_width: int = 0  # text columns: at least this many characters (blocks of one plan line up)
+
+
+@dataclass
+class Table:
+    """Rows of already-formatted cells under `columns`; a cell's leading spaces indent it (a sub-item). `strong`: the
+    indices of rows that sum up the ones above (a device's peak)."""
+
+    columns: list[Column]
+    rows: list[list[str]]
+    title: str = ""
+    strong: set = field(default_factory=set)
+    indent: int = 0  # text: the rows' indent under the title
+
+    def widths(self, width: int) -> list[int]:
+        """Each column's text width: its widest cell, the wrapping column what is left of `width`."""
+        out = [max([len(c.name), c.min_width, *(len(r[i]) for r in self.rows)]) for i, c in enumerate(self.columns)]
+        for i, column in enumerate(self.columns):
+            if column.wraps:
+                rest = width - sum(w for j, w in enumerate(out) if j != i) - len(GAP) * (len(out) - 1)
+                out[i] = min(out[i], max(rest, MIN_WRAPPED))
+        return out
+
+    def text(self, width: int = TEXT_WIDTH, header: bool = True) -> str:
+        """The table no wider than `width` (but where one word is longer than its column), its title first; `header`:
+        the columns' names under it."""
+        widths = self.widths(width - self.indent)
+        lines = [self.title] if self.title else []
+        for cells in [[c.name for c in self.columns]] * header + self.rows:
+            parts = [
+                textwrap.wrap(cell, w, break_long_words=False, break_on_hyphens=False) or [""]
+                if column.wraps
+                else [cell]
+                for column, cell, w in zip(self.columns, cells, widths)
+            ]
+            for k in range(max(map(len, parts))):
+                line = GAP.join(
+                    (part[k] if k < len(part) else "").rjust(w)
+                    if column.numeric
+                    else (part[k] if k < len(part) else "").ljust(w)
+                    for column, part, w in zip(self.columns, parts, widths)
+                )
+                lines.append((" " * self.indent + line).rstrip())
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        def cell(tag: str, column: Column, text: str, style: str) -> str:
+            indent = len(text) - len(text.lstrip(" "))
+            pad = f";padding-left:{8 + 6 * indent}px" if indent else ""
+            kind = NUMBER_STYLE if column.numeric else WRAP_STYLE if column.wraps else TEXT_STYLE
+            return f"<{tag} style='{style}{kind}{pad}'>{html.escape(text.strip(), quote=False)}</{tag}>"
+
+        head = "".join(cell("th", c, c.name, HEAD_STYLE) for c in self.columns)
+        body = "".join(
+            "<tr>"
+            + "".join(
+                cell("td", c, text, CELL_STYLE + (";font-weight:600" if i in self.strong else ""))
+                for c, text in zip(self.columns, r)
+            )
+            + "</tr>"
+            for i, r in enumerate(self.rows)
+        )
+        caption = (
+            f"<caption style='text-align:left;font-weight:600;padding:2px 0'>{html.escape(self.title)}</caption>"
+            if self.title
+            else ""
+        )
+        table = f"<table class='grpo-lab-table' style='{TABLE_STYLE}'>"
+        return f"{table}{caption}<thead><tr>{head}</tr></thead>{body}</table>"
+
+
+def wrap_line(line: str, width: int = TEXT_WIDTH) -> str:
+    """A line of prose at most `width` wide, wrapped at words; its continuation lines hang two spaces under it."""
+    lead = " " * (len(line) - len(line.lstrip(" ")))
+    return "\n".join(
+        textwrap.wrap(
+            line,
+            width,
+            initial_indent="",
+            subsequent_indent=lead + "  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+            drop_whitespace=True,
+        )
+        or [""]
+    )
+
+
+def phase_table(rows: list[dict], title: str = "") -> Table:
+    """The per-phase rows of a step (phase x device x metric: start, peak, end, delta) in MiB."""
+    from .readers import MiB
+
+    columns = [Column("phase"), Column("device"), Column("metric")]
+    columns += [Column(f"{name} MiB", numeric=True) for name in ("start", "peak", "end", "delta")]
+    cells = [
+        [r["phase"], r["device"], r["metric"]]
+        + [f"{r[k] / MiB:,.1f}" for k in ("start", "peak", "end")]
+        + [f"{r['delta'] / MiB:+,.1f}"]
+        for r in rows
+    ]
+    return Table(columns, cells, title=title)
+
+
+class MemoryTable(str):
+    """`lab.memory_table()`: the text `print()` shows and callers search (memory.format_table, as ever); on its own in a
+    cell, an HTML table (and that same text, unquoted, as its plain-text form)."""
+
+    def __new__(cls, rows: list[dict], step: int | None = None):
+        from .sampler import format_table
+
+        made = super().__new__(cls, format_table(rows))
+        made.rows, made.step = rows, step
+        return made
+
+    def __repr__(self) -> str:  # why: a str's repr is the quoted text with its literal \n
+        return str(self)
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        title = "memory per phase (MiB)" if self.step is None else f"step {self.step}: memory per phase (MiB)"
+        return phase_table(self.rows, title).html()
