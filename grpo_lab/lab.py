@@ -37,8 +37,9 @@ class Lab(LabViews):
         reward_funcs: Optional[list[Callable]] = None,
         overrides: Optional[list[str]] = None,
         train_dataset=None,
+        tools: Optional[list[Callable]] = None,
     ):
-        """`reward_funcs`, `train_dataset` (Dataset, DatasetDict, IterableDataset, dicts): TRL's; None: the config's"""
+        """`reward_funcs`, `train_dataset` (Dataset, DatasetDict, IterableDataset, dicts) and `tools`: TRL's"""
         one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
         self._config = load_config(config, overrides)
         self.memory = None
@@ -52,7 +53,7 @@ class Lab(LabViews):
         self._plots: list = []
         self._rng: Optional[dict] = None  # this Lab's random streams while another Lab's are the process's
         # where the phases run: this process's models, or a sharded learner's ranks (placement.learner_procs > 1)
-        self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index, train_dataset)
+        self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index, train_dataset, tools)
 
     # --- what the executor holds (this process's models; on a sharded driver, its engine) ---
     learner = property(lambda self: self.executor.learner)
@@ -235,9 +236,8 @@ class Lab(LabViews):
         if undone is not None:  # the executor lost the step (its ranks were stopped): it starts again from its rollout
             self._restart_step()
             return undone
-        undone = (
-            "the step's updates were rolled back" if self._step.snapshot is not None else "no update had been applied"
-        )
+        applied = self._step.snapshot is not None
+        undone = "the step's updates were rolled back" if applied else "no update had been applied"
         # (check_order lets no other phase run while updates or gradients are pending, so only these redo the updates)
         self._retire({phase, *UPDATE_PHASES} if phase in UPDATE_PHASES else {phase})
         self.rollback()

@@ -48,6 +48,12 @@ class Rollout:
     # the inputs CUDA graphs recorded (0 = no new recording); a rollout after the first should read 0 and 0
     compiled_graphs: int = 0
     cudagraph_recorded_inputs: int = 0
+    # a tool-calling rollout (tools/loop.py); None without tools
+    tool_mask: Optional[torch.Tensor] = None  # [N, L] 0 on tool-result tokens: they condition, never train (TRL's)
+    conversations: Optional[list[list[dict]]] = None  # [N] TRL's conversational completion: assistant + tool turns
+    tool_calls: Optional[list[int]] = None  # [N] tool calls of each row
+    tool_failures: Optional[list[int]] = None  # [N] of them, those whose result is {"error": ...}
+    turns: Optional[list[int]] = None  # [N] assistant turns of each row
 
     @property
     def logprob_temperature(self) -> float:
@@ -172,6 +178,9 @@ class StepResult:
     memory: list[dict] = field(default_factory=list)  # per phase x device x metric: start/peak/end/delta bytes
     leaks: list[str] = field(default_factory=list)  # devices whose after-step memory keeps climbing
     logged: dict[str, float] = field(default_factory=dict)  # what reward functions logged (log_metric), by name
+    tool_calls_per_row: Optional[float] = None  # TRL's tools/call_frequency (None: no tools)
+    tool_failure_frequency: Optional[float] = None  # TRL's tools/failure_frequency: failed calls / calls
+    turns_mean: Optional[float] = None  # assistant turns per row
 
     def metrics(self) -> dict:
         """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list; what rewards logged

@@ -49,6 +49,13 @@ class ModelSection(Section):
         description="Keep the checkpointed layer inputs in pinned host memory, brought back a layer ahead of "
         "backward (long completions on one GPU); needs gradient_checkpointing.",
     )
+    chat_template: Optional[str] = knob(
+        "load",
+        None,
+        description="The chat template prompts and tool calls are rendered with: null = the tokenizer's own; "
+        "trl:NAME = one TRL ships (trl/chat_templates/NAME.jinja, e.g. trl:qwen2_5, which can run tools); or a path "
+        "to a .jinja file.",
+    )
 
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self):
@@ -185,7 +192,29 @@ class GeneratorSection(Section):
     max_prompt_length: int = knob(
         "live", 256, gt=0, planned=True, description="Prompts longer than this are truncated from the left."
     )
-    max_completion_length: int = knob("live", 64, gt=0, planned=True, description="Maximum new tokens per completion.")
+    max_completion_length: int = knob(
+        "live",
+        64,
+        gt=0,
+        planned=True,
+        description="Maximum new tokens per completion; with tools, the whole trajectory's budget, tool results "
+        "included (a tool result that would pass it is left out and the row ends).",
+    )
+    max_tool_calling_iterations: int = knob(
+        "live",
+        5,
+        ge=0,
+        strict=True,
+        description="With tools (Lab(tools=...)): the most tool-calling rounds a completion gets after its first "
+        "turn (TRL's name); 0 = tools are rendered into the prompt but never called.",
+    )
+    tool_timeout_s: float = knob(
+        "live",
+        30.0,
+        gt=0.0,
+        description="With tools: seconds a tool call may take; one that does not return in time gets an error "
+        "result and the rollout goes on (a hung synchronous tool's thread is left behind).",
+    )
     chunk_size: Optional[int] = knob(
         "live",
         None,

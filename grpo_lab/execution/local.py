@@ -13,6 +13,9 @@ from ..checks.guard import check_learner
 from ..errors import LabError
 from ..models.fsdp import FSDP
 from ..runtime import runtime
+from ..tools import check_tools_config
+from ..tools.loop import ToolLoop
+from ..tools.template import prepare_for_tools, use_chat_template
 
 
 def _rollout(ex, state) -> object:
@@ -109,10 +112,13 @@ class LocalExecutor:
     name = "local"
     sharding = FSDP()  # this process's learner under FSDP2 when it is a rank's shard, else as it is
 
-    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None):
+    def __init__(
+        self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None, toolbox=None
+    ):
         from ..algo.rewards import reward_functions
 
         self.config = config
+        self.toolbox = toolbox  # the Lab's tools (tools/toolbox.Toolbox), None without
         self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one)
         self.rewards_given = reward_funcs is not None
         self.reward_funcs = reward_functions(reward_funcs, config)
@@ -180,10 +186,17 @@ class LocalExecutor:
             from ..runtime import expandable_segments
 
             expandable_segments(config.memory.cuda_expandable_segments)
+        if self.toolbox is not None:  # (the backend and layout may have been edited since construction)
+            check_tools_config(config)
         self.learner = load_learner(config, self.sharding)
+        use_chat_template(self.learner.tokenizer, config.model.chat_template)  # why here: before prompts use it
+        if self.toolbox is not None:
+            prepare_for_tools(self.learner.tokenizer)
         self.check_learner()
         self.build_reference()
         self.generator = start_generator(config, self.learner, on_rank=runtime().is_rank)
+        if self.toolbox is not None:  # the backend's chunks then run turn by turn through the tool loop
+            self.generator.turns = ToolLoop(self.toolbox, self.learner.tokenizer, self.generator.eos_token_ids, config)
         attach_engine(memory, self.generator)
         self.build_prompts()
 

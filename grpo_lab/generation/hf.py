@@ -74,8 +74,8 @@ class HFGenerator(Generator):
         static = "cache_implementation" in DECODES[request.decode](self.learner.device.type == "cuda")
         with self.decoding(request) as model, self.one_cache(), CompileCounts() as counted:
 
-            def chunk(prompt_ids, rows):
-                row_seeds_ = seeds[rows.start : rows.stop]
+            def chunk(prompt_ids, rows, request):
+                row_seeds_ = [seeds[i] for i in rows]  # (a later tool turn's rows: the row's own seed again)
                 short = (request.chunk_size or 0) - len(prompt_ids) if static else 0
                 if short > 0:  # why: a static cache and its CUDA graphs are per batch size: a smaller last chunk
                     # would compile and record once more per rollout; it is filled with copies of its last row,
@@ -120,7 +120,7 @@ class HFGenerator(Generator):
             return cache, settings
         from transformers import StaticCache
 
-        if self.static_cache is None:
+        if self.static_cache is None or self.static_cache.max_cache_len < max_cache_len:  # (a tool turn is longer)
             self.static_cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         else:
             self.static_cache.reset()  # (the same tensors: zeroed, its length back to 0)

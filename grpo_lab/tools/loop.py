@@ -1,0 +1,141 @@
+"""The tool loop, TRL 1.16's `_tool_call_loop` driven through a generator's chunk function, so every backend runs it
+unchanged (generation/base.py calls `ToolLoop.run` for each chunk when the generator has one). A chunk's rows decode;
+each row's turn is parsed for tool calls (template.parse); each call runs (toolbox.py); the tool messages' tokens
+(template.tool_suffix_ids) join the row, masked out of training (tool_mask 0); the rows that called a tool decode on,
+a finished row leaving the chunk; at most generator.max_tool_calling_iterations times.
+
+generator.max_completion_length is the whole trajectory's budget, tool tokens included: a tool result that would pass
+it is left out and the row ends as it is (TRL's rule); a later turn decodes at most what is left of it (TRL decodes
+the full length and cuts; the tokens kept are the same). A turn re-prefills the conversation, as TRL's loop does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+from ..algo.containers import PromptBatch
+from ..generation.base import Sample
+from .template import parse, render_prompt, tool_suffix_ids
+from .toolbox import Toolbox
+
+
+@dataclass
+class Trajectory:
+    """One row's multi-turn completion as it grows."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)  # every completion token: the model's and the tools'
+    logprobs: list[float] = field(default_factory=list)  # the sampler's; 0 on tool tokens
+    mask: list[int] = field(default_factory=list)  # 1 on the model's tokens, 0 on the tools' (TRL's tool_mask)
+    messages: list[dict] = field(default_factory=list)  # TRL's conversational completion: assistant and tool turns
+    truncated: bool = False
+    calls: int = 0
+    failures: int = 0
+    turns: int = 0
+
+    def add_turn(self, ids: list[int], logprobs: list[float], message: dict) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [1] * len(ids)
+        self.turns += 1
+        if message:  # ({}: a turn cut to nothing by the budget adds no message, as in TRL)
+            self.messages.append(message)
+
+    def add_tools(self, messages: list[dict], suffix: list[int]) -> None:
+        self.messages += messages
+        self.ids += suffix
+        self.logprobs += [0.0] * len(suffix)
+        self.mask += [0] * len(suffix)
+
+    def sample(self) -> Sample:
+        return Sample(
+            self.ids,
+            self.logprobs,
+            self.truncated,
+            tool_mask=self.mask,
+            messages=self.messages,
+            tool_calls=self.calls,
+            tool_failures=self.failures,
+            turns=self.turns,
+        )
+
+
+class ToolLoop:
+    """A generator's multi-turn driver (Generator.turns): prompts rendered with the tools, each chunk run turn by
+    turn. The limits are read from the live config at every rollout."""
+
+    def __init__(self, toolbox: Toolbox, tokenizer, eos_token_ids: list[int], config):
+        self.toolbox, self.tokenizer, self.eos_token_ids, self.config = toolbox, tokenizer, eos_token_ids, config
+
+    def render(self, batch: PromptBatch) -> PromptBatch:
+        """The batch with each prompt rendered with the tools' schemas; a standard (text) prompt becomes its user
+        message (with the system prompt), so completions reach rewards as conversations (TRL's tools need them)."""
+        raw = batch.raw if batch.raw is not None else batch.prompts
+        system = self.config.data.system_prompt
+        messages = [as_messages(p, system) for p in raw]
+        prompts = [render_prompt(self.tokenizer, m, self.toolbox.schemas) for m in messages]
+        return replace(batch, prompts=prompts, raw=messages)
+
+    def run(
+        self,
+        prompt_ids: list[list[int]],
+        rows: Sequence[int],
+        sample: Callable[[list[list[int]], Sequence[int], object], list[Sample]],
+        request,
+    ) -> list[Sample]:
+        """The chunk's rows (`rows`: their numbers in the batch), decoded turn by turn with the backend's `sample`."""
+        budget, gen = request.max_completion_length, self.config.generator
+        rows_ = list(rows)
+        trajectories = [Trajectory(p) for p in prompt_ids]
+        self.decode(trajectories, list(range(len(rows_))), rows_, sample, request, budget)
+        waiting = [k for k, t in enumerate(trajectories) if t.messages and t.messages[-1].get("tool_calls")]
+        for _ in range(gen.max_tool_calling_iterations):
+            going = [k for k in waiting if self.call_tools(trajectories[k], budget, gen.tool_timeout_s)]
+            if not going:
+                break
+            self.decode(trajectories, going, rows_, sample, request, budget)
+            waiting = [k for k in going if trajectories[k].messages[-1].get("tool_calls")]
+            if not waiting:
+                break
+        return [t.sample() for t in trajectories]
+
+    def decode(self, trajectories, which: list[int], rows: list, sample, request, budget: int) -> None:
+        """One turn of the rows `which`: each decodes at most what is left of its budget."""
+        left = {k: budget - len(trajectories[k].ids) for k in which}
+        which = [k for k in which if left[k] > 0]  # (a row whose tool result filled the budget exactly ends cut)
+        for k in set(left) - set(which):
+            trajectories[k].truncated = True
+        if not which:
+            return
+        contexts = [trajectories[k].prompt + trajectories[k].ids for k in which]
+        turn = replace(request, max_completion_length=max(left[k] for k in which))
+        for k, context, s in zip(which, contexts, sample(contexts, [rows[k] for k in which], turn)):
+            ids, logprobs = s.completion_ids[: left[k]], s.logprobs[: left[k]]
+            message = parse(self.tokenizer, ids, context, self.toolbox.schemas) if ids else {}
+            trajectories[k].add_turn(ids, logprobs, message)
+            trajectories[k].truncated = not ids or ids[-1] not in self.eos_token_ids
+
+    def call_tools(self, trajectory: Trajectory, budget: int, timeout_s: float) -> bool:
+        """Run the row's last turn's tool calls and append their results; False when the results would pass the
+        budget (left out: the row ends with its tool call, as in TRL)."""
+        results, failures = self.toolbox.run_calls(trajectory.messages[-1]["tool_calls"], timeout_s)
+        trajectory.calls += len(results)
+        trajectory.failures += failures
+        messages = [
+            {"role": "tool", "name": name, "content": r if isinstance(r, list) else str(r)} for name, r in results
+        ]
+        suffix = tool_suffix_ids(self.tokenizer, messages)
+        if len(trajectory.ids) + len(suffix) > budget:
+            return False
+        trajectory.add_tools(messages, suffix)
+        return True
+
+
+def as_messages(prompt, system_prompt) -> list[dict]:
+    """A prompt as chat messages: a conversational one as it is, a standard one as its user message, the system
+    prompt first where the conversation has none."""
+    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return messages
