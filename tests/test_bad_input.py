@@ -102,6 +102,7 @@ def cases() -> list[tuple[str, str, str]]:
 # the widget editor turns an empty box into null), and run.seed is bounded to [0, 2**32) because
 # torch.manual_seed raises past 64 bits.
 NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fields
+    "model.chat_template": "the tokenizer's own chat template",
     "placement.generator": "the learner's device (colocated)",
     "placement.gpu_memory_gib": "read the device",
     "placement.host_memory_gib": "this machine's RAM",
