@@ -1,0 +1,114 @@
+"""TRL 1.16's own tool loop (GRPOTrainer._tool_call_loop, called with the state it reads) as the oracle of ours: the
+same model turns given to both, per row, the same completion ids, tool mask, sampler log-probs, conversation and
+tool-call counts. Only what TRL and grpo_lab do alike is compared here (tests/test_tools.py covers where we depart:
+argument checks, timeouts)."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+from test_tools import add, call_text, explode, long_text, make_loop, tokenizer  # noqa: F401 (tokenizer: a fixture)
+
+from grpo_lab.algo.containers import GenerationRequest, PromptBatch
+
+ANSWER = "<answer>5</answer><|im_end|>"
+ADD = call_text("add", '{"a": 2, "b": 3}')
+SCENARIOS = {  # each row's turns, in order (its last one repeated)
+    "call-then-answer": [ADD, ANSWER],
+    "no-call": [ANSWER],
+    "raises": [call_text("explode", '{"x": 1}'), ANSWER],
+    "unknown-tool": [call_text("nope", '{"x": 1}'), ANSWER],
+    "overlong-result": [call_text("long_text", '{"x": 1}'), ANSWER],
+    "calls-until-the-bound": [ADD],
+    "two-calls-in-a-turn": [ADD.removesuffix("<|im_end|>") + "\n" + ADD, ANSWER],
+    "answer-cut-by-the-budget": [ADD, "a long answer " * 20 + ANSWER],
+}
+BUDGET = 260
+
+
+def row_turns(tok, prompts: list[list[int]], scripts: list[list[str]]):
+    """The model, given: a context's row is the prompt it starts with; its k-th call is that row's k-th turn."""
+    count = [0] * len(prompts)
+
+    def turn(context: list[int]) -> list[int]:
+        row = next(i for i, p in enumerate(prompts) if context[: len(p)] == p)
+        text = scripts[row][min(count[row], len(scripts[row]) - 1)]
+        count[row] += 1
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    return turn
+
+
+def logprobs_of(ids):
+    return [-0.25 - 0.001 * t for t in ids]  # (distinct per token, so a misplaced one shows)
+
+
+def trl_loop(tok, prompts, scripts, tools, iterations):
+    """TRL 1.16's _tool_call_loop on these rows: the first turn decoded as TRL decodes it, later turns given."""
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import parse_response
+
+    turn = row_turns(tok, prompts, scripts)
+    first = [turn(p) for p in prompts]
+
+    def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        ids = [turn(p) for p in prompt_ids]
+        return ids, [logprobs_of(i) for i in ids]
+
+    fake = SimpleNamespace(
+        processing_class=tok,
+        _tokenizer=tok,
+        chat_template=None,
+        chat_template_kwargs={},
+        _is_vlm=False,
+        tools=tools,
+        environment_factories=None,
+        use_vllm=False,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=10**6)),
+        max_completion_length=BUDGET,
+        max_tool_calling_iterations=iterations,
+        _sync_tool_dicts=[{t.__name__: t for t in tools} for _ in prompts],
+        _async_tool_dicts=[{} for _ in prompts],
+        _generate_single_turn=generate_single_turn,
+    )
+    fake._get_tool_suffix_ids = functools.partial(GRPOTrainer._get_tool_suffix_ids, fake)
+    completions = [[parse_response(tok, ids, prefix=p, tools=tools)] for p, ids in zip(prompts, first)]
+    messages = [[{"role": "user", "content": str(i)}] for i in range(len(prompts))]
+    mask, completions, ids, logprobs, calls, failures, _ = GRPOTrainer._tool_call_loop(
+        fake, messages, prompts, first, completions, [logprobs_of(i) for i in first], None, {}
+    )
+    return mask, completions, ids, logprobs, calls, failures
+
+
+def our_loop(tok, tiny_config, prompts, scripts, tools, iterations):
+    from grpo_lab.generation.base import Sample
+
+    loop = make_loop(tok, tiny_config, tools, max_tool_calling_iterations=iterations)
+    turn = row_turns(tok, prompts, scripts)
+
+    def sample(contexts, rows, request):  # the backend's cut at the request's budget, as generate() cuts
+        out = []
+        for context in contexts:
+            ids = turn(context)[: request.max_completion_length]
+            out.append(Sample(ids, logprobs_of(ids), truncated=False))
+        return out
+
+    return loop.run(prompts, range(len(prompts)), sample, GenerationRequest(max_completion_length=BUDGET))
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_the_tool_loop_is_trls(tokenizer, tiny_config, iterations):  # noqa: F811
+    tools = [add, explode, long_text]
+    loop = make_loop(tokenizer, tiny_config, tools)
+    questions = [f"What is {i} + 3?" for i in range(len(SCENARIOS))]
+    rendered = loop.render(PromptBatch(prompts=questions, answers=[None] * len(questions), raw=questions)).prompts
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+    scripts = list(SCENARIOS.values())
+    mask, completions, ids, logprobs, calls, failures = trl_loop(tokenizer, prompts, scripts, tools, iterations)
+    ours = our_loop(tokenizer, tiny_config, prompts, scripts, tools, iterations)
+    for name, s, *trl in zip(SCENARIOS, ours, mask, completions, ids, logprobs):
+        assert (s.tool_mask, s.messages, s.completion_ids, s.logprobs) == tuple(trl), name
+    assert sum(s.tool_calls for s in ours) == calls and sum(s.tool_failures for s in ours) == failures
+    assert calls > len(SCENARIOS) // 2 and failures == 2  # (the scenarios call, and fail, as meant)
