@@ -921,7 +921,8 @@ def test_tool_knobs_apply_at_the_next_rollout(tiny_model):
     tool_lab = Lab(cfg, tools=[add, hang]).load()
     try:
         loop, tok = tool_lab.generator.turns, tool_lab.learner.tokenizer
-        prompt = loop.render(PromptBatch(prompts=["2+3?"], answers=["5"], raw=["2+3?"])).prompts[0]
+        batch = PromptBatch(prompts=["2+3?"], answers=["5"], raw=["2+3?"])
+        prompt = loop.render(batch, GenerationRequest(2000, max_prompt_length=1024)).prompts[0]
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
 
         def run(*turns):

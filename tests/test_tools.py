@@ -126,7 +126,9 @@ def scripted(tokenizer, turns: list[str]):
 def run(loop, tokenizer, turns, budget=400, prompt="What is 2 + 3?"):
     from grpo_lab.algo.containers import GenerationRequest
 
-    text = loop.render(_batch(prompt)).prompts[0]
+    text = loop.render(_batch(prompt), GenerationRequest(max_completion_length=budget, max_prompt_length=1024)).prompts[
+        0
+    ]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     sample = scripted(tokenizer, turns)
     out = loop.run([ids], range(1), sample, GenerationRequest(max_completion_length=budget))
@@ -311,14 +313,15 @@ def tool_lab(tiny_config, reward_funcs, tools=(add,), **generator):
     return Lab(cfg, reward_funcs=reward_funcs, tools=list(tools)).load()
 
 
-def test_a_lab_rollout_trains_on_the_models_tokens_only(tiny_config, forced_call):
+@pytest.mark.parametrize("decode", ["dynamic", "merged"])
+def test_a_lab_rollout_trains_on_the_models_tokens_only(tiny_config, forced_call, decode):
     seen = {}
 
     def reward(prompts, completions, **kwargs):
         seen["prompts"], seen["completions"] = prompts, completions
         return [float(len(c[-1]["content"]) % 7) for c in completions]  # varied, so the advantages are not 0
 
-    lab = tool_lab(tiny_config, [reward])
+    lab = tool_lab(tiny_config, [reward], hf_decode=decode)  # (merged: the turns decode with the rollout copy)
     tok = lab.learner.tokenizer
     call = call_text("add", '{"a": 2, "b": 3}')
     forced_call(tok, call)
@@ -419,6 +422,13 @@ def test_bad_tool_knobs_are_one_line(tiny_config, field, value):
     section, name = field.split(".")
     with pytest.raises(ConfigError, match=field):
         load_config(tiny_config(**{section: {name: value}}))
+
+
+def test_a_max_prompt_length_that_would_cut_the_tools_is_one_line(tiny_config):
+    lab = tool_lab(tiny_config, ["length"], max_prompt_length=128)
+    with pytest.raises(LabError, match=r"generator.max_prompt_length: 128 tokens would cut .* raise it to at least"):
+        lab.rollout()
+    lab.close()
 
 
 def test_an_unknown_trl_template_is_one_line(tokenizer):

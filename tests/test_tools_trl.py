@@ -103,7 +103,8 @@ def test_the_tool_loop_is_trls(tokenizer, tiny_config, iterations):  # noqa: F81
     tools = [add, explode, long_text]
     loop = make_loop(tokenizer, tiny_config, tools)
     questions = [f"What is {i} + 3?" for i in range(len(SCENARIOS))]
-    rendered = loop.render(PromptBatch(prompts=questions, answers=[None] * len(questions), raw=questions)).prompts
+    batch = PromptBatch(prompts=questions, answers=[None] * len(questions), raw=questions)
+    rendered = loop.render(batch, GenerationRequest(BUDGET, max_prompt_length=4096)).prompts
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
     scripts = list(SCENARIOS.values())
     mask, completions, ids, logprobs, calls, failures = trl_loop(tokenizer, prompts, scripts, tools, iterations)

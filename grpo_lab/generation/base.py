@@ -129,7 +129,7 @@ class Generator:
         the batch (what a backend needs to give each row its own seed). With `turns` (the tool loop), the batch's
         prompts are its rendering and each chunk is its run, which calls `sample` once per turn."""
         turns = self.turns
-        batch = turns.render(batch) if turns is not None else batch
+        batch = turns.render(batch, request) if turns is not None else batch
         prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
         samples: list[Sample] = []
         calls = 0

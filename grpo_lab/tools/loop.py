@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from ..algo.containers import PromptBatch
+from ..errors import LabError
 from ..generation.base import Sample
 from .template import parse, render_prompt, tool_suffix_ids
 from .toolbox import Toolbox
@@ -68,13 +69,21 @@ class ToolLoop:
     def __init__(self, toolbox: Toolbox, tokenizer, eos_token_ids: list[int], config):
         self.toolbox, self.tokenizer, self.eos_token_ids, self.config = toolbox, tokenizer, eos_token_ids, config
 
-    def render(self, batch: PromptBatch) -> PromptBatch:
+    def render(self, batch: PromptBatch, request) -> PromptBatch:
         """The batch with each prompt rendered with the tools' schemas; a standard (text) prompt becomes its user
-        message (with the system prompt), so completions reach rewards as conversations (TRL's tools need them)."""
+        message (with the system prompt), so completions reach rewards as conversations (TRL's tools need them). A
+        prompt longer than generator.max_prompt_length is refused: its cut, from the left, would drop the tools."""
         raw = batch.raw if batch.raw is not None else batch.prompts
         system = self.config.data.system_prompt
         messages = [as_messages(p, system) for p in raw]
         prompts = [render_prompt(self.tokenizer, m, self.toolbox.schemas) for m in messages]
+        longest = max(len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"])
+        if longest > request.max_prompt_length:
+            raise LabError(
+                f"generator.max_prompt_length: {request.max_prompt_length} tokens would cut a prompt rendered with the "
+                f"tools ({longest} tokens) from the left, dropping the tools' descriptions; raise it to at least "
+                f"{longest}"
+            )
         return replace(batch, prompts=prompts, raw=messages)
 
     def run(
