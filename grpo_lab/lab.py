@@ -38,22 +38,22 @@ class Lab(LabViews):
         overrides: Optional[list[str]] = None,
         train_dataset=None,
         tools: Optional[list[Callable]] = None,
+        environment_factory=None,
     ):
-        """`reward_funcs`, `train_dataset` (Dataset, DatasetDict, IterableDataset, dicts) and `tools`: TRL's"""
+        """TRL's `reward_funcs`, `train_dataset` (a Dataset, IterableDataset, dicts), `tools`, `environment_factory`"""
         one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
-        self._config = load_config(config, overrides)
-        self.memory = None
+        self._config = config = load_config(config, overrides)
+        self.memory = self.leaks = self.trackers = None  # (trackers: run.report_to, opened at load)
         self.memory_devices: list[str] = []  # the devices the sampler watches
-        self.timeline = Timeline()
-        self.history: list[StepResult] = []
+        self.timeline, self.history = Timeline(), []  # (history: each finished step's StepResult)
         self._step = StepState(index=0)
         self._busy = threading.Lock()  # one phase at a time: a panel run and a cell must not interleave
-        self.leaks = None
-        self.trackers = None  # run.report_to, opened at load
         self._plots: list = []
         self._rng: Optional[dict] = None  # this Lab's random streams while another Lab's are the process's
         # where the phases run: this process's models, or a sharded learner's ranks (placement.learner_procs > 1)
-        self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index, train_dataset, tools)
+        self.executor = executor_for(
+            config, reward_funcs, lambda: self.step_index, train_dataset, tools, environment_factory
+        )
 
     # --- what the executor holds (this process's models; on a sharded driver, its engine) ---
     learner = property(lambda self: self.executor.learner)

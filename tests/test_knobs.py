@@ -922,13 +922,14 @@ def test_tool_knobs_apply_at_the_next_rollout(tiny_model):
     try:
         loop, tok = tool_lab.generator.turns, tool_lab.learner.tokenizer
         batch = PromptBatch(prompts=["2+3?"], answers=["5"], raw=["2+3?"])
-        prompt = loop.render(batch, GenerationRequest(2000, max_prompt_length=1024)).prompts[0]
+        episode = loop.start(batch, 1, GenerationRequest(2000, max_prompt_length=1024))
+        prompt = episode.prompts[0]
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
 
         def run(*turns):
-            return loop.run([ids], range(1), scripted(tok, list(turns)), GenerationRequest(max_completion_length=2000))[
-                0
-            ]
+            return episode.run(
+                [ids], range(1), scripted(tok, list(turns)), GenerationRequest(max_completion_length=2000)
+            )[0]
 
         tool_lab.configure({"generator.max_tool_calling_iterations": 3})
         assert run(call_text("add", '{"a": 1, "b": 2}')).turns == 4

@@ -126,12 +126,11 @@ def scripted(tokenizer, turns: list[str]):
 def run(loop, tokenizer, turns, budget=400, prompt="What is 2 + 3?"):
     from grpo_lab.algo.containers import GenerationRequest
 
-    text = loop.render(_batch(prompt), GenerationRequest(max_completion_length=budget, max_prompt_length=1024)).prompts[
-        0
-    ]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    request = GenerationRequest(max_completion_length=budget, max_prompt_length=1024)
+    episode = loop.start(_batch(prompt), 1, request)
+    ids = tokenizer(episode.prompts[0], add_special_tokens=False)["input_ids"]
     sample = scripted(tokenizer, turns)
-    out = loop.run([ids], range(1), sample, GenerationRequest(max_completion_length=budget))
+    out = episode.run([ids], range(1), sample, request)
     return out[0], sample
 
 

@@ -82,10 +82,10 @@ def trl_loop(tok, prompts, scripts, tools, iterations):
     return mask, completions, ids, logprobs, calls, failures
 
 
-def our_loop(tok, tiny_config, prompts, scripts, tools, iterations):
+def our_loop(tok, tiny_config, episode, prompts, scripts, tools, iterations):
     from grpo_lab.generation.base import Sample
 
-    loop = make_loop(tok, tiny_config, tools, max_tool_calling_iterations=iterations)
+    loop = episode.loop
     turn = row_turns(tok, prompts, scripts)
 
     def sample(contexts, rows, request):  # the backend's cut at the request's budget, as generate() cuts
@@ -95,7 +95,8 @@ def our_loop(tok, tiny_config, prompts, scripts, tools, iterations):
             out.append(Sample(ids, logprobs_of(ids), truncated=False))
         return out
 
-    return loop.run(prompts, range(len(prompts)), sample, GenerationRequest(max_completion_length=BUDGET))
+    loop.config.generator.max_tool_calling_iterations = iterations
+    return episode.run(prompts, range(len(prompts)), sample, GenerationRequest(max_completion_length=BUDGET))
 
 
 @pytest.mark.parametrize("iterations", [1, 3])
@@ -104,11 +105,12 @@ def test_the_tool_loop_is_trls(tokenizer, tiny_config, iterations):  # noqa: F81
     loop = make_loop(tokenizer, tiny_config, tools)
     questions = [f"What is {i} + 3?" for i in range(len(SCENARIOS))]
     batch = PromptBatch(prompts=questions, answers=[None] * len(questions), raw=questions)
-    rendered = loop.render(batch, GenerationRequest(BUDGET, max_prompt_length=4096)).prompts
+    episode = loop.start(batch, 1, GenerationRequest(BUDGET, max_prompt_length=4096))
+    rendered = episode.prompts
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
     scripts = list(SCENARIOS.values())
     mask, completions, ids, logprobs, calls, failures = trl_loop(tokenizer, prompts, scripts, tools, iterations)
-    ours = our_loop(tokenizer, tiny_config, prompts, scripts, tools, iterations)
+    ours = our_loop(tokenizer, tiny_config, episode, prompts, scripts, tools, iterations)
     for name, s, *trl in zip(SCENARIOS, ours, mask, completions, ids, logprobs):
         assert (s.tool_mask, s.messages, s.completion_ids, s.logprobs) == tuple(trl), name
     assert sum(s.tool_calls for s in ours) == calls and sum(s.tool_failures for s in ours) == failures

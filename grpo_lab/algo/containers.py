@@ -54,6 +54,9 @@ class Rollout:
     tool_calls: Optional[list[int]] = None  # [N] tool calls of each row
     tool_failures: Optional[list[int]] = None  # [N] of them, those whose result is {"error": ...}
     turns: Optional[list[int]] = None  # [N] assistant turns of each row
+    # environment_factory: each row's environment instance, and its prompt as rewards get it (reset's observation in)
+    environments: Optional[list] = None  # [N]
+    row_prompts: Optional[list] = None  # [N]
 
     @property
     def logprob_temperature(self) -> float:

@@ -66,7 +66,7 @@ def rewards(
     log = RewardLog()
     lengths = rollout.completion_lengths.tolist()
     kwargs = {
-        "prompts": rollout.repeated(batch.raw if batch.raw is not None else batch.prompts),
+        "prompts": rollout.row_prompts or rollout.repeated(batch.raw if batch.raw is not None else batch.prompts),
         "completions": (
             rollout.conversations  # a tool-calling rollout's: its assistant and tool messages, as TRL's
             or (
@@ -81,6 +81,7 @@ def rewards(
         "trainer_state": state or RewardState(global_step=rollout.step),
         "log_extra": log.log_extra,
         "log_metric": log.log_metric,
+        **({"environments": rollout.environments} if rollout.environments is not None else {}),  # TRL's
     }
     names = [reward_name(f) for f in reward_funcs]
     values = call_rewards(list(zip(names, reward_funcs)), n, kwargs)

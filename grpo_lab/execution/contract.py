@@ -83,16 +83,21 @@ class Executor(Protocol):
 
 
 def executor_for(
-    config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None, tools=None
+    config,
+    reward_funcs: Optional[list],
+    step_index: Callable[[], int],
+    train_dataset=None,
+    tools=None,
+    environment_factory=None,
 ) -> Executor:
     """The executor a config asks for: its ranks' driver when placement.learner_procs > 1 (in the driver; a rank runs
     its phases locally). `reward_funcs`, `train_dataset`: as passed to the Lab (None: data.rewards and data.dataset
-    name them); `tools`: the Lab's functions, checked here (at construction) into a tools.Toolbox, which only the
-    local executor runs (tools/ refuses the rest)."""
-    from ..tools import toolbox_for
+    name them); `tools`, `environment_factory`: TRL's, checked here (at construction) into tools.Tools, which only
+    the local executor runs (tools/ refuses the rest)."""
+    from ..tools import tools_for
 
     name = "ranks" if config.placement.learner_procs > 1 and runtime().is_driver else "local"
     module, _, attr = EXECUTORS[name].partition(":")
-    toolbox = toolbox_for(tools, config)
-    given = {"toolbox": toolbox} if toolbox is not None else {}
+    checked = tools_for(tools, environment_factory, config)
+    given = {"tools": checked} if checked is not None else {}
     return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index, train_dataset, **given)

@@ -14,7 +14,6 @@ from ..errors import LabError
 from ..models.fsdp import FSDP
 from ..runtime import runtime
 from ..tools import check_tools_config
-from ..tools.loop import ToolLoop
 from ..tools.template import prepare_for_tools, use_chat_template
 
 
@@ -35,6 +34,13 @@ def reward_state(ex):
     return RewardState(global_step=ex.step_index(), max_steps=ex.config.run.steps, epoch=epoch)
 
 
+def reward_sources(ex) -> tuple[list, Optional[list]]:
+    """The reward functions and their weights: the run's, then its environments' get_reward (weight 1, as TRL)."""
+    extra = ex.tools.reward_funcs if ex.tools is not None else []
+    weights = ex.config.data.reward_weights
+    return ex.reward_funcs + extra, (weights + [1.0] * len(extra) if weights is not None else None)
+
+
 def _optimizer(ex, state) -> float:
     from ..recovery.rollback import RollbackSnapshot
 
@@ -51,9 +57,7 @@ def _sync(ex, state) -> None:
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
-    "rewards": lambda ex, state, rollout: grpo.rewards(
-        rollout, ex.reward_funcs, ex.config.data.reward_weights, reward_state(ex)
-    ),
+    "rewards": lambda ex, state, rollout: grpo.rewards(rollout, *reward_sources(ex), reward_state(ex)),
     "advantages": lambda ex, state, rewards: grpo.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: grpo.logprobs(ex.learner, ex.reference, rollout, ex.config),
     "backward": lambda ex, state, rollout, advantages, logprobs: grpo.backward(
@@ -113,12 +117,12 @@ class LocalExecutor:
     sharding = FSDP()  # this process's learner under FSDP2 when it is a rank's shard, else as it is
 
     def __init__(
-        self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None, toolbox=None
+        self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None, tools=None
     ):
         from ..algo.rewards import reward_functions
 
         self.config = config
-        self.toolbox = toolbox  # the Lab's tools (tools/toolbox.Toolbox), None without
+        self.tools = tools  # the Lab's tools and environments (tools.Tools), None without
         self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one)
         self.rewards_given = reward_funcs is not None
         self.reward_funcs = reward_functions(reward_funcs, config)
@@ -186,17 +190,17 @@ class LocalExecutor:
             from ..runtime import expandable_segments
 
             expandable_segments(config.memory.cuda_expandable_segments)
-        if self.toolbox is not None:  # (the backend and layout may have been edited since construction)
+        if self.tools is not None:  # (the backend and layout may have been edited since construction)
             check_tools_config(config)
         self.learner = load_learner(config, self.sharding)
         use_chat_template(self.learner.tokenizer, config.model.chat_template)  # why here: before prompts use it
-        if self.toolbox is not None:
+        if self.tools is not None:
             prepare_for_tools(self.learner.tokenizer)
         self.check_learner()
         self.build_reference()
         self.generator = start_generator(config, self.learner, on_rank=runtime().is_rank)
-        if self.toolbox is not None:  # the backend's chunks then run turn by turn through the tool loop
-            self.generator.turns = ToolLoop(self.toolbox, self.learner.tokenizer, self.generator.eos_token_ids, config)
+        if self.tools is not None:  # the backend's chunks then run turn by turn through the tool loop
+            self.generator.turns = self.tools.loop(self.learner.tokenizer, self.generator.eos_token_ids, config)
         attach_engine(memory, self.generator)
         self.build_prompts()
 

@@ -83,8 +83,8 @@ class Generator:
         """`checkpoint`: the learner's checkpoint directory, whose generation_config completes the EOS set."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer, checkpoint)  # one stop set for every backend
-        # what drives each chunk turn by turn (tools/loop.ToolLoop: the executor sets it when a Lab has tools); None:
-        # one turn, the backend's chunk function as it is
+        # what drives each chunk turn by turn (tools/loop.ToolLoop: the executor sets it when a Lab has tools; each
+        # rollout is an episode of it); None: one turn, the backend's chunk function as it is
         self.turns = None
 
     # --- backends implement these ---
@@ -128,17 +128,21 @@ class Generator:
         """The rollout, `sample(prompt_ids, rows, request)` sampling each chunk: its prompts and their row numbers in
         the batch (what a backend needs to give each row its own seed). With `turns` (the tool loop), the batch's
         prompts are its rendering and each chunk is its run, which calls `sample` once per turn."""
-        turns = self.turns
-        batch = turns.render(batch, request) if turns is not None else batch
-        prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
+        episode = self.turns.start(batch, num_generations, request) if self.turns is not None else None
+        if episode is not None:  # each row's prompt rendered with its tools (its environment's, when it has one)
+            batch, prompt_ids = episode.batch, self.encode_prompts(episode.prompts, request.max_prompt_length)
+        else:
+            prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
         samples: list[Sample] = []
         calls = 0
         for rows in chunked(range(len(prompt_ids)), request.chunk_size):
             ids = [prompt_ids[i] for i in rows]
-            samples.extend(turns.run(ids, rows, sample, request) if turns is not None else sample(ids, rows, request))
+            samples.extend(episode.run(ids, rows, sample, request) if episode else sample(ids, rows, request))
             calls += 1
         out = self.to_rollout(batch, num_generations, prompt_ids, samples, request)
         out.generate_calls = calls
+        if episode is not None:
+            episode.finish(out)
         return out
 
     def to_rollout(self, batch, num_generations, prompt_ids, samples, request) -> Rollout:

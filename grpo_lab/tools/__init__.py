@@ -4,6 +4,7 @@ call, `loop.py` the loop a generator's chunks are driven through."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import LabError
@@ -21,12 +22,32 @@ def check_tools_config(config) -> None:
         )
 
 
-def toolbox_for(tools: Optional[list[Callable]], config):
-    """The Lab's tools (None: none): each checked for a schema now, at construction, and the config for where they
-    can run."""
-    if not tools:
+@dataclass
+class Tools:
+    """A Lab's tools and environments, checked at construction: what its executor hands the generator's tool loop."""
+
+    toolbox: Optional[object]  # toolbox.Toolbox of the `tools=` functions (None: none)
+    environments: Optional[object]  # environments.Environments of environment_factory (None: none)
+
+    @property
+    def reward_funcs(self) -> list[Callable]:
+        """The environments' get_reward sources (TRL's extra reward functions, weight 1)."""
+        return self.environments.reward_funcs if self.environments is not None else []
+
+    def loop(self, tokenizer, eos_token_ids: list[int], config):
+        from .loop import ToolLoop
+
+        return ToolLoop(self.toolbox, tokenizer, eos_token_ids, config, self.environments)
+
+
+def tools_for(tools: Optional[list[Callable]], environment_factory, config) -> Optional[Tools]:
+    """The Lab's tools and environments (None: neither), each checked now, at construction (a schema for every tool
+    and environment method, a reset on every environment), and the config for where they can run."""
+    if not tools and environment_factory is None:
         return None
+    from .environments import Environments
     from .toolbox import Toolbox
 
     check_tools_config(config)
-    return Toolbox(list(tools))
+    environments = Environments(environment_factory, list(tools or [])) if environment_factory is not None else None
+    return Tools(Toolbox(list(tools)) if tools else None, environments)
