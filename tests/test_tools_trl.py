@@ -1,7 +1,8 @@
 """TRL 1.16's own tool loop (GRPOTrainer._tool_call_loop, called with the state it reads) as the oracle of ours: the
 same model turns given to both, per row, the same completion ids, tool mask, sampler log-probs, conversation and
-tool-call counts. Only what TRL and grpo_lab do alike is compared here (tests/test_tools.py covers where we depart:
-argument checks, timeouts)."""
+tool-call counts; and TRL's own _compute_loss over a tool rollout (its tool mask in) as the oracle of our loss. Only
+what TRL and grpo_lab do alike is compared here (tests/test_tools.py covers where we depart: argument checks,
+timeouts)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import functools
 from types import SimpleNamespace
 
 import pytest
-from test_tools import add, call_text, explode, long_text, make_loop, tokenizer  # noqa: F401 (tokenizer: a fixture)
+from test_tools import (  # noqa: F401 (tokenizer, forced_call: fixtures)
+    TEMPLATE,
+    add,
+    call_text,
+    explode,
+    forced_call,
+    long_text,
+    make_loop,
+    tokenizer,
+)
 
 from grpo_lab.algo.containers import GenerationRequest, PromptBatch
 
@@ -115,3 +125,66 @@ def test_the_tool_loop_is_trls(tokenizer, tiny_config, iterations):  # noqa: F81
         assert (s.tool_mask, s.messages, s.completion_ids, s.logprobs) == tuple(trl), name
     assert sum(s.tool_calls for s in ours) == calls and sum(s.tool_failures for s in ours) == failures
     assert calls > len(SCENARIOS) // 2 and failures == 2  # (the scenarios call, and fail, as meant)
+
+
+def by_length(prompts, completions, completion_ids, **kwargs):
+    """A reward both sides compute alike (from the token ids), varied within groups."""
+    return [float(len(ids) % 5) for ids in completion_ids]
+
+
+def test_the_loss_over_a_tool_rollout_is_trls(tiny_model, forced_call, tmp_path):  # noqa: F811
+    """TRL's own _compute_loss, its tool mask given as rollout_func's env_mask (which TRL treats as its tool_mask),
+    on the same model, rollout, advantages and reference log-probs as grpo_lab's backward: the same loss (and KL
+    term) and LoRA gradients, both over the model's own tokens only."""
+    import torch
+    from test_trl_parity import lora_grads, trl_loss_and_grads, trl_trainer
+
+    from grpo_lab import Lab
+    from grpo_lab.algo import grpo as phases
+
+    lab = Lab(
+        {  # float32 and not 4-bit, as the other loss parity tests (the loss's arithmetic is the same)
+            "model": {
+                "name_or_path": tiny_model,
+                "dtype": "float32",
+                "load_in_4bit": False,
+                "chat_template": TEMPLATE,
+                "gradient_checkpointing": False,
+            },
+            "lora": {"r": 8, "lora_alpha": 16},
+            "grpo": {"beta": 0.04, "prompts_per_step": 2, "num_generations": 2},
+            "generator": {"max_completion_length": 130, "max_prompt_length": 1024, "max_tool_calling_iterations": 1},
+        },
+        reward_funcs=[by_length],
+        tools=[add],
+    ).load()
+    forced_call(lab.learner.tokenizer, ADD)
+    rollout = lab.rollout()
+    assert (rollout.tool_mask == 0).any() and rollout.tool_calls == [1] * 4
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B != 0: the policy is not the reference, so the KL term is not 0
+        for name, p in lab.learner.trainable_parameters().items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    rewards = phases.rewards(rollout, lab.reward_funcs)
+    advantages = phases.advantages(rewards, lab.config.grpo.scale_rewards)
+    ref = phases.logprobs(lab.learner, lab.reference, rollout, lab.config)
+    ours = phases.backward(lab.learner, rollout, advantages, ref, lab.config).stats
+    our_grads = lora_grads(lab.learner.model)
+    trainer, inputs = trl_trainer(lab, rollout, tmp_path)
+    lengths = rollout.completion_lengths.tolist()
+    masks = [m[:k] for m, k in zip(rollout.tool_mask.tolist(), lengths)]
+    given = trainer.rollout_func
+    trainer.rollout_func = lambda prompts, t: {**given(prompts, t), "env_mask": masks}
+    batch = trainer._generate_and_score_completions(inputs)
+    assert torch.equal(
+        batch["tool_mask"].cpu() * batch["completion_mask"].cpu(), rollout.tool_mask * rollout.completion_mask
+    )
+    torch.testing.assert_close(batch["advantages"].cpu(), advantages.values, rtol=1e-5, atol=1e-6)
+    batch["ref_per_token_logps"] = ref.ref
+    batch.pop("old_per_token_logps", None)
+    theirs, their_grads = trl_loss_and_grads(trainer, lab.learner.model, batch)
+    assert ours.loss == pytest.approx(theirs, abs=1e-5) and ours.kl > 0
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, their_grads[name], rtol=1e-4, atol=1e-6)
+    lab.close()
