@@ -133,6 +133,8 @@ def test_rebuilds_lists_only_rebuild_fields():
 EDITS = {
     "model.name_or_path": {"model.name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"},
     "model.chat_template": {"model.chat_template": "trl:qwen2_5"},
+    "generator.tools": {"generator.tools": ["test_tools:add"]},
+    "generator.environment_factory": {"generator.environment_factory": "test_environments:Guess"},
     "lora.target_modules": {"lora.target_modules": ["q_proj", "v_proj"]},
     # the config accepts cuda:0 on this CPU machine (the device check is at load); the guard refuses before that
     "placement.learner": {"placement.learner": "cuda:0"},

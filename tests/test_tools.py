@@ -430,6 +430,20 @@ def test_a_max_prompt_length_that_would_cut_the_tools_is_one_line(tiny_config):
     lab.close()
 
 
+def test_tools_named_in_the_config(tiny_config):
+    """grpo-lab run and papermill name them as module:name (generator.tools, generator.environment_factory)."""
+    from grpo_lab import Lab
+
+    lab = Lab(tiny_config(generator={"tools": ["test_tools:add"], "environment_factory": "test_environments:Alpha"}))
+    tools = lab.executor.tools
+    assert tools.toolbox.functions == {"add": add} and tools.environments.factories[None].__name__ == "Alpha"
+    assert Lab(
+        tiny_config(generator={"tools": ["test_tools:add"]}), tools=[explode]
+    ).executor.tools.toolbox.functions == {"explode": explode}  # the Lab's own tools win
+    with pytest.raises(LabError, match=r"generator.tools: cannot import 'test_tools:nope' \(.*\); check the module"):
+        Lab(tiny_config(generator={"tools": ["test_tools:nope"]}))
+
+
 def test_an_unknown_trl_template_is_one_line(tokenizer):
     from grpo_lab.tools.template import use_chat_template
 

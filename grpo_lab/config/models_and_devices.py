@@ -208,6 +208,20 @@ class GeneratorSection(Section):
         description="With tools (Lab(tools=...)): the most tool-calling rounds a completion gets after its first "
         "turn (TRL's name); 0 = tools are rendered into the prompt but never called.",
     )
+    tools: list[str] = knob(
+        "load",
+        default_factory=list,
+        description="Tools the model may call, each as 'module:function' (plain functions with type hints and a "
+        "docstring, sync or async; TRL's tools); Lab(tools=[...]) takes the functions instead. Needs a chat template "
+        "that renders tools (model.chat_template).",
+    )
+    environment_factory: Optional[str] = knob(
+        "load",
+        None,
+        description="An environment class as 'module:Class' (TRL's environment_factory: one instance per rollout row, "
+        "reset(**row) starts it, its public methods are the row's tools, an optional get_reward() is a reward); "
+        "Lab(environment_factory=...) takes the class, or a dict of them, instead; null = none.",
+    )
     tool_timeout_s: float = knob(
         "live",
         30.0,
@@ -244,6 +258,14 @@ class GeneratorSection(Section):
         planned=True,
         description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.",
     )
+
+    @field_validator("tools", "environment_factory")
+    @classmethod
+    def _import_paths(cls, v):
+        for spec in [v] if isinstance(v, str) else v or []:
+            if ":" not in spec.strip(":"):
+                raise ValueError(f"got {spec!r}; name it as 'module:name' (e.g. my_tools:calculator)")
+        return v
 
     @field_validator("gpu_memory_utilization", mode="before")
     @classmethod

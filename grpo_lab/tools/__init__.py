@@ -4,6 +4,7 @@ call, `loop.py` the loop a generator's chunks are driven through."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -40,9 +41,23 @@ class Tools:
         return ToolLoop(self.toolbox, tokenizer, eos_token_ids, config, self.environments)
 
 
+def imported(spec: str, field: str):
+    """A 'module:name' the config names, imported; one line when it cannot be."""
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise LabError(f"{field}: cannot import {spec!r} ({err}); check the module path and the name") from None
+
+
 def tools_for(tools: Optional[list[Callable]], environment_factory, config) -> Optional[Tools]:
-    """The Lab's tools and environments (None: neither), each checked now, at construction (a schema for every tool
+    """The Lab's tools and environments (None: neither; the config's generator.tools and environment_factory when
+    the Lab is given none), each checked now, at construction (a schema for every tool
     and environment method, a reset on every environment), and the config for where they can run."""
+    gen = config.generator
+    tools = tools if tools is not None else [imported(s, "generator.tools") for s in gen.tools]
+    if environment_factory is None and gen.environment_factory is not None:
+        environment_factory = imported(gen.environment_factory, "generator.environment_factory")
     if not tools and environment_factory is None:
         return None
     from .environments import Environments
