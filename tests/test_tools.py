@@ -345,6 +345,7 @@ def test_a_lab_rollout_trains_on_the_models_tokens_only(tiny_config, forced_call
     result = lab.sync()
     assert result.tool_calls_per_row == 1.0 and result.tool_failure_frequency == 0.0 and result.turns_mean == 2.0
     assert result.metrics()["tool_calls_per_row"] == 1.0
+    assert "tools 1.00/row (failed 0.00), 2.00 turns" in result.summary()  # the run's and the panel's step line
     lab.close()
 
 

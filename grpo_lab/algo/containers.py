@@ -220,6 +220,12 @@ class StepResult:
             + f"  loss {self.loss:+.4f}  "
             f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s"
             + "".join(f"  {name} {value:.3g}" for name, value in self.logged.items())
+            + (
+                f"  tools {self.tool_calls_per_row:.2f}/row (failed {self.tool_failure_frequency:.2f}), "
+                f"{self.turns_mean:.2f} turns"
+                if self.tool_calls_per_row is not None
+                else ""
+            )
         )
 
 

@@ -1,8 +1,9 @@
 """The tool loop, TRL 1.16's `_tool_call_loop` driven through a generator's chunk function, so every backend runs it
-unchanged (generation/base.py calls `ToolLoop.run` for each chunk when the generator has one). A chunk's rows decode;
-each row's turn is parsed for tool calls (template.parse); each call runs (toolbox.py); the tool messages' tokens
-(template.tool_suffix_ids) join the row, masked out of training (tool_mask 0); the rows that called a tool decode on,
-a finished row leaving the chunk; at most generator.max_tool_calling_iterations times.
+unchanged (generation/base.py starts an `Episode` per rollout when the generator has a loop, and runs each chunk
+through it). A chunk's rows decode; each row's turn is parsed for tool calls (template.parse); each call runs
+(toolbox.py); the tool messages' tokens (template.tool_suffix_ids) join the row, masked out of training (tool_mask
+0); the rows that called a tool decode on, a finished row leaving the chunk; at most
+generator.max_tool_calling_iterations times.
 
 generator.max_completion_length is the whole trajectory's budget, tool tokens included: a tool result that would pass
 it is left out and the row ends as it is (TRL's rule); a later turn decodes at most what is left of it (TRL decodes
@@ -27,7 +28,7 @@ class Trajectory:
     """One row's multi-turn completion as it grows."""
 
     prompt: list[int]
-    toolbox: Toolbox = None  # the row's tools
+    toolbox: Optional[Toolbox] = None  # the row's tools
     ids: list[int] = field(default_factory=list)  # every completion token: the model's and the tools'
     logprobs: list[float] = field(default_factory=list)  # the sampler's; 0 on tool tokens
     mask: list[int] = field(default_factory=list)  # 1 on the model's tokens, 0 on the tools' (TRL's tool_mask)
@@ -109,7 +110,7 @@ class Episode:
     """One rollout of a tool loop: its rows' prompts (rendered, and as rewards get them), tools and environments."""
 
     loop: ToolLoop
-    batch: PromptBatch  # [B] the rendered batch (Rollout.batch)
+    batch: PromptBatch  # [B] the rendered batch (Rollout.batch; with environments, each group's first row's prompt)
     prompts: list[str]  # [N] each row's prompt, rendered with its tools
     messages: list[list[dict]]  # [N] each row's prompt as rewards get it (its environment's observation included)
     toolboxes: list[Toolbox]  # [N] each row's tools
