@@ -19,7 +19,7 @@ from .estimate import (
     in_kernel,
 )
 from .learner_items import add_learner
-from .parts import _home, add_engine, capacity_of
+from .parts import _home, add_engine, capacity_of, line_of
 from .sharded import build_sharded
 
 
@@ -71,7 +71,7 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
     if config.reference_strategy == "copy":
         names.append(_home(config.reference_device))
-    devices = {d: DevicePlan(d, capacity_of(d, config)) for d in dict.fromkeys(names)}
+    devices = {d: DevicePlan(d, capacity_of(d, config), line=line_of(d, config)) for d in dict.fromkeys(names)}
     for d in devices.values():
         if d.device != "host":
             d.add_cuda_runtime()

@@ -27,6 +27,8 @@ def _device_block(d, title_suffix: str = "", shared: str = "") -> list[str]:
     """`shared`: the device is one rank's share of host RAM; its last line says so instead of a verdict."""
     roles = ", ".join(d.roles) or "-"
     lines = [f"{d.device:<8} {roles}{title_suffix}", _item("host RAM" if shared else "capacity", d.capacity)]
+    if d.line < 1.0 and not shared:  # the line this device is judged against: the host guard's, where it stops a phase
+        lines.append(_item("guard's line", d.line_bytes, f"memory.host_threshold {d.line:g}: judged against this"))
     lines += [_item(i.what, i.bytes, i.note) for i in d.items if i.phase is None]
     for phase in PHASES:
         transients = [i for i in d.items if i.phase == phase]
@@ -61,14 +63,14 @@ def _sharding(plan) -> list[str]:
 def render_html(plan) -> str:
     """The plan in a notebook: one block that scrolls sideways instead of wrapping mid-word, its notes (what the plan
     leaves out, e.g. glibc's heap holes) folded away unless the host is within 10% of its capacity or over it, where
-    they could change the verdict."""
+    they could change the verdict (within 10% of its line)."""
     import html
 
     block = f"<pre style='white-space:pre;overflow-x:auto;margin:0'>{html.escape(render(plan, notes=False))}</pre>"
     if not plan.caveats:
         return f"<div class='grpo-lab-plan'>{block}</div>"
     host = plan.devices.get("host")
-    at_stake = host is not None and host.fraction > 0.9
+    at_stake = host is not None and host.fraction > 0.9 * host.line
     notes = "".join(f"<li>{html.escape(c)}</li>" for c in plan.caveats)
     fold = (
         f"<details{' open' if at_stake else ''}><summary>notes: what this plan leaves out ({len(plan.caveats)})"
