@@ -335,6 +335,14 @@ def activation_bytes(
     }
 
 
+def rollout_sequences(config) -> int:
+    """Sequences in flight per generate call: generator.chunk_size, at most the rollout's rows (prompts_per_step x
+    num_generations): a batch smaller than a chunk is one call of its rows (a static cache pads only up to them), so
+    the group size moves the rollout's peak."""
+    rows = config.grpo.prompts_per_step * config.grpo.num_generations
+    return min(config.generator.chunk_size or rows, rows)
+
+
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
     """One decoding step's [sequences, vocab] buffers: the compute-dtype logits, their float32 copy, the sampler
     log-softmax grpo_lab records, the sampling softmax and the sampler's float64 CDF and float32 scores."""

@@ -21,6 +21,7 @@ from .estimate import (
     generation_step_bytes,
     kv_cache_bytes,
     nf4_bits,
+    rollout_sequences,
     unit_bytes,
 )
 from .parts import head_note
@@ -170,7 +171,7 @@ def parked_state_bytes(shape: ModelShape, config) -> float:
 def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """The hf backend's rollout with the learner's own weights: the whole batch (on every rank), through the model
     gathered whole or layer by layer when sharded."""
-    gen, grpo = config.generator, config.grpo
+    gen = config.generator
     decode = gen.hf_decode if procs == 1 else "dynamic"  # (auto arrives resolved: plan.build)
     if procs == 1:
         lrn.roles.append(f"generator ({gen.backend}, shares learner weights; decode {decode})")
@@ -211,7 +212,7 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
             "rollout",
         )
         host.add("parked learner state", parked, "from the learner while the copy decodes; back after it", "rollout")
-    sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
+    sequences = rollout_sequences(config)  # why not chunk_size alone: a smaller batch is one call of its rows
     every = ", the same on every rank" if procs > 1 else ""
     add_experts_dequant(lrn, config, shape)
     lrn.add(

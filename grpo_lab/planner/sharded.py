@@ -8,7 +8,7 @@ each rank's capacity: a CPU rank is then a device of the plan too, checked again
 from __future__ import annotations
 
 from ..models.shapes import ModelShape
-from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB
+from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB, rollout_sequences
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of, line_of
 
@@ -90,12 +90,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
             if d not in devices:
                 devices[d] = DevicePlan(d, capacity_of(d, config))
                 devices[d].add_cuda_runtime()
-        add_engine(
-            devices,
-            config,
-            shape,
-            config.generator.chunk_size or config.grpo.prompts_per_step * config.grpo.num_generations,
-        )
+        add_engine(devices, config, shape, rollout_sequences(config))
     return devices, ranks, micro
 
 
