@@ -6,9 +6,11 @@ bytecode; a crossing inside one long native call (a torch kernel, a C allocation
 Code that swallows every exception in the phase keeps running: the sampler's after-phase veto is the backstop.
 
 Why it never lands outside the phase: the exception is sent only while `run` is armed, at most once per run, under a
-lock; `run`'s `finally` disarms under the same lock and clears one sent but not yet raised, so it is raised between
-the work's start and that clear (inside the work, or in the `finally` itself: either way out of `run`, inside the
-phase), never after `run` returns.
+lock; `run`'s `finally` disarms under the same lock (and clears one sent but not yet raised; CPython raises it at the
+disarm's own calls before that), so it is raised between the work's start and the disarm (inside the work, or in the
+`finally` itself: either way out of `run`, inside the phase), never after `run` returns (tests/test_live_guard.py
+pounds it from another thread). Raised, it is the guard's own error object again, without the work's frames (they
+hold the memory that crossed).
 """
 
 from __future__ import annotations

@@ -48,16 +48,16 @@ def phase_error(
     err: BaseException, phase: str, step: int, device: str, sampler, undone: str, counted: bool = False
 ) -> Optional[LabError]:
     """What a failed phase raises instead of `err`: a one-line OutOfMemory for an out-of-memory error, or for any error
-    while torch's allocator `counted` an OOM (cuda_oom_count rose); the host guard's own error, told what was undone;
-    None for any other (the Lab re-raises `err` itself, told the step where its message names it)."""
+    while torch's allocator `counted` an OOM (cuda_oom_count rose); None for any other (the Lab re-raises `err`
+    itself, told the step, or what was undone, where its message names them)."""
     from ..errors import NonFinite
     from .sampler import HostMemoryExceeded
 
     if isinstance(err, NonFinite):
         err.step = step
     elif isinstance(err, HostMemoryExceeded):
+        err.undone = undone
         err.__context__ = None  # why: the live guard's may land while another error unwinds, holding its frames
-        return err.told(undone)  # a new object: contextlib puts a re-raised object's traceback (the phase's) back
     elif is_oom(err) or counted:
         return as_lab_error(err, phase, step, device, sampler, undone)
     return None

@@ -45,15 +45,6 @@ class HostMemoryExceeded(LabError):
     def __str__(self) -> str:
         return f"{self.where}{', ' + self.undone if self.undone else ''}; {self.fix}"
 
-    def told(self, undone: str) -> "HostMemoryExceeded":
-        """This error again, as a new object told what was undone, to raise in its place: the live guard's is raised
-        inside the phase's work, and its traceback (which contextlib puts back on an object raised again) holds that
-        work's frames and their memory."""
-        again = HostMemoryExceeded(self.where, self.fix)
-        again.__dict__.update({k: v for k, v in vars(self).items() if k not in ("where", "fix")})
-        again.undone = undone
-        return again
-
 
 class MemorySampler:
     def __init__(
