@@ -47,7 +47,7 @@ def planned(point):
     frontier's code."""
     overrides = [f"{field}={'null' if value is None else value}" for field, value in zip(FIELDS, point)]
     result = plan(load_config(config(), overrides))
-    return result, max(result.devices.values(), key=lambda d: d.fraction)
+    return result, max(result.devices.values(), key=lambda d: d.fraction / d.line)
 
 
 def test_every_cell_is_the_plan_of_its_combination(front):
@@ -60,7 +60,7 @@ def test_every_cell_is_the_plan_of_its_combination(front):
         result, d = planned(c.point)
         assert c.refused is None
         assert (c.fits, c.device, c.peak, c.phase) == (result.fits, d.device, d.total, d.peak_phase), c
-        assert (c.headroom, c.fraction) == (d.capacity - d.total, d.fraction)
+        assert (c.headroom, c.fraction) == (d.line_bytes - d.total, d.fraction)
 
 
 def test_cells_get_heavier_with_length_and_generations_and_both_verdicts_show(front):
@@ -270,7 +270,7 @@ def test_the_page_in_chromium_agrees_with_plan_per_combination(front, tmp_path):
                     verdict,
                     f"binding device: {d.device}",
                     f"peak: {size(d.total)} during {d.peak_phase}",
-                    f"headroom: {size(d.capacity - d.total)}",
+                    f"headroom: {size(d.line_bytes - d.total)}",
                 ):
                     assert part in hover, (part, hover)
     # the current point: framed and named in the whole-batch grid (the second subplot), where plan() says it is

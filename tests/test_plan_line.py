@@ -70,3 +70,13 @@ def test_a_cpu_ranks_budget_is_judged_at_its_guards_line():
     assert rank.line == 0.95 and not rank.fits and "over the guard's line" in rank.verdict
     line = rank_lines(held)["host (rank 0)"]
     assert not line["fits"] and line["line_mib"] == pytest.approx(line["capacity_mib"] * 0.95)
+
+
+def test_a_frontier_cell_over_the_guards_line_does_not_fit_and_has_no_headroom():
+    from grpo_lab.planner import frontier
+
+    config = at_share(0.97)
+    length, generations = config.generator.max_completion_length, config.grpo.num_generations
+    front = frontier(config, lengths=[length], generations=[generations])
+    cell = front.cell(*front.current)
+    assert not cell.fits and cell.device == "host" and cell.headroom < 0 and cell.short() == "NO 97%"
