@@ -166,6 +166,8 @@ def test_an_allocation_loop_in_a_reward_function_is_stopped_at_the_line_and_the_
         assert not hog.finished and hog.reached < (line - start) + BOUND, (hog.reached / MiB, (line - start) / MiB)
         row = next(r for r in lab.memory.rows_for(1, failed_attempts=True) if r["metric"] == "used")
         assert row["phase"] == "rewards" and line < row["peak"] < line + BOUND
+        quoted = float(message.split("reached ")[1].split("%")[0]) / 100 * reader.budget
+        assert quoted == pytest.approx(row["peak"], rel=2e-3)  # the line quotes the phase's peak, as the veto's does
         assert lab.current.rewards is None and lab.next_phase() == "rewards"  # the rewards were undone
         assert_same_state(before, state_of(lab))
         hog.on = False
@@ -219,3 +221,43 @@ def test_without_the_live_guard_the_loop_runs_to_its_end_and_the_veto_fails_the_
         assert lab.step().step == 0
     finally:
         lab.close()
+
+
+class RisingHost:
+    """A host reader whose used memory rises 1% of its 1 GiB limit at every reading once `on`: the phase runs on past
+    the crossing while a native call holds the thread."""
+
+    device, budget = "host", None
+
+    def __init__(self):
+        self.on, self.used = False, 0.5
+
+    def read(self) -> dict:
+        if self.on:
+            self.used = min(self.used + 0.01, 1.2)
+        return {"rss": self.used * 1024 * MiB, "used": self.used * 1024 * MiB, "limit": 1024 * MiB}
+
+
+def test_the_stop_quotes_the_phases_peak_when_it_ran_on_past_the_crossing():
+    """Inside one long native call the error lands as the call returns, the phase's memory rising meanwhile: its one
+    line quotes the peak the phase's row records (the after-phase veto's figure), not the first reading over the
+    line."""
+    from grpo_lab.memory import MemorySampler
+    from grpo_lab.memory.timeline import Timeline
+
+    sampler = MemorySampler(["cpu"], hz=50, host_threshold=0.95, live=True)
+    host = sampler.readers[0] = RisingHost()
+    timeline = Timeline()
+    timeline.listeners.append(sampler)
+    sampler.start()
+    try:
+        with pytest.raises(HostMemoryExceeded) as caught:
+            with timeline.phase("rewards", 0):
+                host.on = True
+                sampler.guarded(time.sleep, 0.5)  # C code: the interrupt waits for it to return
+    finally:
+        sampler.stop()
+    row = next(r for r in sampler.phase_rows if r["metric"] == "used")
+    quoted = float(str(caught.value).split("reached ")[1].split("%")[0]) / 100
+    assert row["failed"] and quoted == pytest.approx(row["peak"] / (1024 * MiB), abs=1e-3)
+    assert quoted >= 0.98 and "during phase 'rewards' of step 0" in str(caught.value)  # past the first crossing

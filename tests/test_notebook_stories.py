@@ -100,8 +100,8 @@ def check_static_figures(nb) -> None:
 
 
 def check_crossing(facts: dict) -> None:
-    """The failing setting crosses the line, and the guard fails the phase that crossed it as it ends (issue 51),
-    quoting the figure the trial reads; the fix runs the same step under the same line."""
+    """The failing setting crosses the line, and the guard stops the phase that crossed it, quoting the phase's peak,
+    the figure the trial reads; the fix runs the same step under the same line."""
     failing, fixed = facts["failing"], facts["fixed"]
     assert failing["crossed"] and failing["peak_mib"] > failing["line_mib"], failing
     assert failing["stopped"] and f"during phase '{failing['phase']}'" in failing["stopped"], failing

@@ -166,7 +166,9 @@ class MemorySampler:
         ratio = self.host_ratio(reading)
         if ratio <= self.host_threshold:
             return
-        error = self._exceeded(ratio, reading[("host", "limit")], f"during phase {self.phase!r} of step {self.step}")
+        where = f"during phase {self.phase!r} of step {self.step}"
+        error = self._exceeded(ratio, reading[("host", "limit")], where)
+        error.requote = (reading[("host", "limit")], where)  # (phase_ended quotes the phase's peak, as the veto does)
         # why first: until the next phase starts, the stopped phase's memory is freed, not a crossing (and sent to
         # this very thread, the error is raised as soon as `interrupt` returns)
         self._vetoed = True
@@ -204,6 +206,8 @@ class MemorySampler:
         if opened is None:
             return None
         self.marks.append((record.step, record.phase, opened["t"], time.perf_counter() - self.t0))
+        for key, value in end.items():  # why: the end is a reading of the phase too (a native call after the last)
+            opened["peak"][key] = max(opened["peak"].get(key, value), value)
         for (device, metric), start in opened["start"].items():
             kind = "host" if device == "host" else "cuda"
             if metric not in SUMMARY_METRICS[kind]:
@@ -225,6 +229,11 @@ class MemorySampler:
                     "failed_attempt": None,
                 }
             )
+        if getattr(error, "requote", None) and ("host", "used") in opened["peak"]:
+            # why: the phase ran on past the crossing until the error landed (a native call returns first); its one
+            # line quotes the peak its row records, as the after-phase veto's does
+            limit, where = error.requote
+            error.where = self._exceeded(opened["peak"][("host", "used")] / limit, limit, where).where
         return None if error is not None else self.veto(record, opened["peak"], end)
 
     def veto(self, record, peak: dict, end: dict) -> Optional[HostMemoryExceeded]:
