@@ -302,9 +302,9 @@ class Lab(LabViews):
 
     def _compute(self, name: str, *inputs):
         """A phase's work, by the executor: on this process's models, or on the ranks, drawing from this Lab's own
-        random streams."""
+        random streams; the host guard stops it where host RAM crosses its line (memory/live_guard.py)."""
         own_streams(self)
-        return self.executor.compute(name, self._step, *inputs)
+        return self.memory.guarded(self.executor.compute, name, self._step, *inputs)  # the live host guard
 
     def _kept(self, name: str, **inputs):
         """Run phase `name` and keep what it returns in the step's state (the registry names the field)."""

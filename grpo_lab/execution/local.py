@@ -149,6 +149,7 @@ class LocalExecutor:
             config.memory.host_threshold,
             describe_offload=self.describe_offload,
             host_budget=host_budget(config),
+            live=True,  # why only here: a rank may not stop alone (rank_guard.py); its guard acts as the phase ends
         )
 
     def listeners(self) -> list:

@@ -110,6 +110,9 @@ class DevicePlan:
     roles: list[str] = field(default_factory=list)
     items: list[Item] = field(default_factory=list)
     split: Optional[object] = None  # a GPU a vLLM engine takes a share of: its split.Split
+    # the share of capacity the device may reach: host RAM (or a CPU rank's budget) the host guard's
+    # memory.host_threshold, where it stops a phase, a GPU all of it (planner/parts.line_of)
+    line: float = 1.0
 
     def add(self, what: str, nbytes: float, note: str = "", phase: Optional[str] = None) -> None:
         if nbytes:
@@ -150,14 +153,24 @@ class DevicePlan:
         return self.total / self.capacity
 
     @property
+    def line_bytes(self) -> float:
+        """What the device may hold: its capacity x its line (the host guard's, or the whole GPU)."""
+        return self.capacity * self.line
+
+    @property
     def verdict(self) -> str:
+        """Judged against the line, not the capacity: a host peak the guard would stop is not "fits"."""
         if self.split is not None and not self.split.feasible:
             return "does not fit (no vLLM share leaves the learner room)"
-        return "fits" if self.fraction <= 0.9 else "tight (<10% margin)" if self.fraction <= 1.0 else "does not fit"
+        if self.fraction > 1.0:
+            return "does not fit"
+        if self.fraction > self.line:
+            return f"does not fit (over the guard's line, {self.line:.0%} of capacity)"
+        return "fits" if self.fraction <= 0.9 * self.line else "tight (<10% margin under its line)"
 
     @property
     def fits(self) -> bool:
-        return self.fraction <= 1.0 and (self.split is None or self.split.feasible)
+        return self.fraction <= self.line and (self.split is None or self.split.feasible)
 
 
 def nf4_bits(double_quant: bool) -> float:
@@ -320,6 +333,14 @@ def activation_bytes(
         "tokens": tokens,
         "head in heap": in_heap,
     }
+
+
+def rollout_sequences(config) -> int:
+    """Sequences in flight per generate call: generator.chunk_size, at most the rollout's rows (prompts_per_step x
+    num_generations): a batch smaller than a chunk is one call of its rows (a static cache pads only up to them), so
+    the group size moves the rollout's peak."""
+    rows = config.grpo.prompts_per_step * config.grpo.num_generations
+    return min(config.generator.chunk_size or rows, rows)
 
 
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
