@@ -1,5 +1,5 @@
-"""`Lab(config, reward_funcs, overrides, train_dataset)`: the notebook's handle on a GRPO run (reward_funcs and
-train_dataset as TRL's GRPOTrainer takes them; None: data.rewards, data.dataset). It holds the config, the step
+"""`Lab(config, reward_funcs, overrides, train_dataset, tools, environment_factory)`: the notebook's handle on a GRPO
+run (the last four as TRL's GRPOTrainer takes them; None: data.rewards, data.dataset). It holds the config, the step
 lifecycle, history, the timeline and the memory views; each phase of a step is a method a cell can call alone (named
 as in algo/phases.PHASES), and `step()` runs the rest of the current step through `algo.grpo.step`. The phases' work
 is its executor's (execution/: this process's models, or a sharded learner's ranks); config edits: config/edits.py."""
@@ -37,22 +37,23 @@ class Lab(LabViews):
         reward_funcs: Optional[list[Callable]] = None,
         overrides: Optional[list[str]] = None,
         train_dataset=None,
+        tools: Optional[list[Callable]] = None,
+        environment_factory=None,
     ):
         one_line_in_cells()  # why first: in a kernel, even this Lab's own config refusal is its one line
         step_results_as_tables()  # in a kernel, a step ending a cell shows as a table (ui/reprs.py)
-        self._config = load_config(config, overrides)
-        self.memory = None
+        self._config = config = load_config(config, overrides)
+        self.memory = self.leaks = self.trackers = None  # (trackers: run.report_to, opened at load)
         self.memory_devices: list[str] = []  # the devices the sampler watches
-        self.timeline = Timeline()
-        self.history: list[StepResult] = []
+        self.timeline, self.history = Timeline(), []  # (history: each finished step's StepResult)
         self._step = StepState(index=0)
         self._busy = threading.Lock()  # one phase at a time: a panel run and a cell must not interleave
-        self.leaks = None
-        self.trackers = None  # run.report_to, opened at load
         self._plots: list = []
         self._rng: Optional[dict] = None  # this Lab's random streams while another Lab's are the process's
         # where the phases run: this process's models, or a sharded learner's ranks (placement.learner_procs > 1)
-        self.executor = executor_for(self._config, reward_funcs, lambda: self.step_index, train_dataset)
+        self.executor = executor_for(
+            config, reward_funcs, lambda: self.step_index, train_dataset, tools, environment_factory
+        )
 
     # --- what the executor holds (this process's models; on a sharded driver, its engine) ---
     learner = property(lambda self: self.executor.learner)
@@ -235,9 +236,8 @@ class Lab(LabViews):
         if undone is not None:  # the executor lost the step (its ranks were stopped): it starts again from its rollout
             self._restart_step()
             return undone
-        undone = (
-            "the step's updates were rolled back" if self._step.snapshot is not None else "no update had been applied"
-        )
+        applied = self._step.snapshot is not None
+        undone = "the step's updates were rolled back" if applied else "no update had been applied"
         # (check_order lets no other phase run while updates or gradients are pending, so only these redo the updates)
         self._retire({phase, *UPDATE_PHASES} if phase in UPDATE_PHASES else {phase})
         self.rollback()
@@ -302,9 +302,9 @@ class Lab(LabViews):
 
     def _compute(self, name: str, *inputs):
         """A phase's work, by the executor: on this process's models, or on the ranks, drawing from this Lab's own
-        random streams."""
+        random streams; the host guard stops it where host RAM crosses its line (memory/live_guard.py)."""
         own_streams(self)
-        return self.executor.compute(name, self._step, *inputs)
+        return self.memory.guarded(self.executor.compute, name, self._step, *inputs)  # the live host guard
 
     def _kept(self, name: str, **inputs):
         """Run phase `name` and keep what it returns in the step's state (the registry names the field)."""

@@ -175,8 +175,8 @@ def check_offload_host(config: LabConfig) -> None:
         gib = 1024**3
         raise LabError(
             f"model.activation_offload: the offloaded layer inputs need {offloaded / gib:.1f} GiB of pinned host "
-            f"memory (host peak {host.total / gib:.1f} GiB), above the {host.capacity / gib:.1f} GiB the host may hold "
-            "under memory.host_threshold; shorten generator.max_completion_length, lower grpo.micro_batch_size, "
+            f"memory (host peak {host.total / gib:.1f} GiB), above the {host.line_bytes / gib:.1f} GiB the host may "
+            "hold under memory.host_threshold; shorten generator.max_completion_length, lower grpo.micro_batch_size, "
             "or set model.activation_offload: false"
         )
 
@@ -204,7 +204,8 @@ def check_rollout_copy(config: LabConfig) -> None:
              else []) + ([f"generator.hf_decode: {fallback} (fits), or auto (picks it)"] if fits else [])  # fmt: skip
     raise LabError(
         f"generator.hf_decode: merged needs a {copy / gib:.2f} GiB rollout copy on {device.device}, and with it the "
-        f"plan does not fit ({device.total / gib:.1f} of {device.capacity / gib:.1f} GiB); use " + "; or ".join(fixes)
+        f"plan does not fit ({device.total / gib:.1f} of the {device.line_bytes / gib:.1f} GiB it may hold); use "
+        + "; or ".join(fixes)
     )
 
 

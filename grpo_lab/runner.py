@@ -106,9 +106,11 @@ def check_plan(config: LabConfig) -> None:
     if not result.fits:
         worst = max(result.failing(), key=lambda d: d.fraction)
         fixes = "; ".join(result.fixes) if result.fixes else "a bigger device, a smaller model or shorter sequences"
+        gib = 1024**3
+        line = f", the guard's line: {worst.line:.0%} of {worst.capacity / gib:.1f} GiB" if worst.line < 1 else ""
         raise LabError(
-            f"memory plan: does not fit on {worst.device} ({worst.total / 1024**3:.1f} of "
-            f"{worst.capacity / 1024**3:.1f} GiB); try {fixes}; `grpo-lab plan` shows the table, --force runs anyway"
+            f"memory plan: does not fit on {worst.device} ({worst.total / gib:.1f} of {worst.line_bytes / gib:.1f} "
+            f"GiB{line}); try {fixes}; `grpo-lab plan` shows the table, --force runs anyway"
         )
 
 

@@ -102,6 +102,8 @@ def cases() -> list[tuple[str, str, str]]:
 # the widget editor turns an empty box into null), and run.seed is bounded to [0, 2**32) because
 # torch.manual_seed raises past 64 bits.
 NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fields
+    "model.chat_template": "the tokenizer's own chat template",
+    "generator.environment_factory": "no environments",
     "placement.generator": "the learner's device (colocated)",
     "placement.gpu_memory_gib": "read the device",
     "placement.host_memory_gib": "this machine's RAM",
@@ -128,6 +130,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
 ALLOWED = {(field, "null", "null"): f"null = {why}" for field, why in NULL_MEANS_DEFAULT.items()}
 ALLOWED[("run.report_to", "empty", "[]")] = "[] = no tracker (the default; TRL's report_to takes it too)"
 ALLOWED[("data.reward_models", "empty", "[]")] = "[] = no reward model (the default)"
+ALLOWED[("generator.tools", "empty", "[]")] = "[] = no tools (the default)"
 
 
 def case_id(case):

@@ -71,6 +71,13 @@ def test_a_static_rollout_decodes_every_chunk_at_one_batch_size_with_the_same_to
     finally:
         lab.configure({"generator.hf_decode": "dynamic", "generator.chunk_size": None})
     assert sizes == [3, 3, 3] and len(chunked) == 8
+    sizes.clear()
+    lab.configure({"generator.hf_decode": "static", "generator.chunk_size": 16})  # a chunk larger than the batch
+    try:
+        lab.rollout()
+    finally:
+        lab.configure({"generator.hf_decode": "dynamic", "generator.chunk_size": None})
+    assert sizes == [8]  # one call of the rollout's rows, not padded to 16: the plan's rollout_sequences (issue 68)
     assert torch.equal(whole.completion_ids, chunked.completion_ids)
     torch.testing.assert_close(whole.sampler_logprobs, chunked.sampler_logprobs, rtol=0, atol=1e-5)
 

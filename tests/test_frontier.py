@@ -47,7 +47,7 @@ def planned(point):
     frontier's code."""
     overrides = [f"{field}={'null' if value is None else value}" for field, value in zip(FIELDS, point)]
     result = plan(load_config(config(), overrides))
-    return result, max(result.devices.values(), key=lambda d: d.fraction)
+    return result, max(result.devices.values(), key=lambda d: d.fraction / d.line)
 
 
 def test_every_cell_is_the_plan_of_its_combination(front):
@@ -60,7 +60,7 @@ def test_every_cell_is_the_plan_of_its_combination(front):
         result, d = planned(c.point)
         assert c.refused is None
         assert (c.fits, c.device, c.peak, c.phase) == (result.fits, d.device, d.total, d.peak_phase), c
-        assert (c.headroom, c.fraction) == (d.capacity - d.total, d.fraction)
+        assert (c.headroom, c.fraction) == (d.line_bytes - d.total, d.fraction)
 
 
 def test_cells_get_heavier_with_length_and_generations_and_both_verdicts_show(front):
@@ -270,7 +270,7 @@ def test_the_page_in_chromium_agrees_with_plan_per_combination(front, tmp_path):
                     verdict,
                     f"binding device: {d.device}",
                     f"peak: {size(d.total)} during {d.peak_phase}",
-                    f"headroom: {size(d.capacity - d.total)}",
+                    f"headroom: {size(d.line_bytes - d.total)}",
                 ):
                     assert part in hover, (part, hover)
     # the current point: framed and named in the whole-batch grid (the second subplot), where plan() says it is
@@ -324,3 +324,20 @@ def test_measured_records_that_cannot_be_read_are_refused_in_one_line(tmp_path, 
         err = capsys.readouterr().err.strip()
         assert err.startswith("grpo-lab: error: --measured: ") and why in err and "\n" not in err
         assert not (tmp_path / "x.html").exists()
+
+
+def test_the_group_size_moves_the_rollout_even_when_a_chunk_holds_the_whole_batch():
+    """Issue 68: a generate call holds the rollout's rows (prompts_per_step x num_generations) when they are fewer than
+    generator.chunk_size, so the group size is a live axis of the frontier (it planned chunk_size sequences for every G,
+    and notebook 04's G rows were identical)."""
+    base = load_config(PRESET, ["grpo.prompts_per_step=1", "placement.host_memory_gib=64"])  # chunk_size 16
+    rollouts = []
+    for g in (2, 4, 8, 16):
+        gpu = plan(load_config(base, [f"grpo.num_generations={g}"])).devices["cuda:0"]
+        kv = next(i for i in gpu.items if i.what == "generation KV cache")
+        assert kv.note.startswith(f"{g} sequences per call"), kv.note
+        rollouts.append(gpu.phase_peak("rollout"))
+    assert rollouts == sorted(set(rollouts)), rollouts  # each G holds more
+    front = frontier(base, lengths=[4096], generations=[8, 16], micro_batches=[1])
+    peaks = {c.generations: c.peak for c in front.cells if (c.length, c.micro_batch) == (4096, 1)}
+    assert peaks[16] > peaks[8]

@@ -132,6 +132,9 @@ def test_rebuilds_lists_only_rebuild_fields():
 # another load-time field of their section (the cross-field checks). Each is a value the config accepts.
 EDITS = {
     "model.name_or_path": {"model.name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"},
+    "model.chat_template": {"model.chat_template": "trl:qwen2_5"},
+    "generator.tools": {"generator.tools": ["test_tools:add"]},
+    "generator.environment_factory": {"generator.environment_factory": "test_environments:Guess"},
     "lora.target_modules": {"lora.target_modules": ["q_proj", "v_proj"]},
     "lora.expert_r": {"lora.expert_r": 2},
     # the config accepts cuda:0 on this CPU machine (the device check is at load); the guard refuses before that
@@ -936,3 +939,34 @@ def test_the_log_prob_head_knobs_reach_the_next_scoring_pass(lab, monkeypatch):
     lab.config.grpo.logprob_head = "chunked"
     lab.step()
     assert seen[-1] == 17
+
+
+@observes("generator.max_tool_calling_iterations", "generator.tool_timeout_s")
+def test_tool_knobs_apply_at_the_next_rollout(tiny_model):
+    """The tool loop reads both from the live config at each rollout (its turns driven here with given completions)."""
+    from test_tools import TEMPLATE, add, call_text, hang, scripted
+
+    from grpo_lab.algo.containers import GenerationRequest, PromptBatch
+
+    cfg = tiny(tiny_model, model={"chat_template": TEMPLATE}, generator={"max_prompt_length": 1024})
+    tool_lab = Lab(cfg, tools=[add, hang]).load()
+    try:
+        loop, tok = tool_lab.generator.turns, tool_lab.learner.tokenizer
+        batch = PromptBatch(prompts=["2+3?"], answers=["5"], raw=["2+3?"])
+        episode = loop.start(batch, 1, GenerationRequest(2000, max_prompt_length=1024))
+        prompt = episode.prompts[0]
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+
+        def run(*turns):
+            return episode.run(
+                [ids], range(1), scripted(tok, list(turns)), GenerationRequest(max_completion_length=2000)
+            )[0]
+
+        tool_lab.configure({"generator.max_tool_calling_iterations": 3})
+        assert run(call_text("add", '{"a": 1, "b": 2}')).turns == 4
+        tool_lab.configure({"generator.max_tool_calling_iterations": 1, "generator.tool_timeout_s": 0.2})
+        began = time.monotonic()
+        out = run(call_text("hang", '{"x": 1}'))
+        assert out.turns == 2 and "within 0.2 s" in out.messages[1]["content"] and time.monotonic() - began < 3
+    finally:
+        tool_lab.close()

@@ -50,6 +50,18 @@ def test_quickstart_series_with_one_jump_is_not_a_leak():
     assert not any(flags([687.5, 688.1, 717.4, 717.6, 717.9, 718.1, 718.2]))
 
 
+def test_one_late_jump_in_a_slowly_rising_window_is_kept_quiet_by_the_median():
+    """Every step rises a little, then one late jump (a cell's first figure after four quiet steps): the window rises
+    at every step (rising: 1.0), its later half outgrows its earlier half (sustained) and its mean change is 6.4 MiB,
+    over the 4 MiB floor; only the median change, 0.5 MiB, says its typical step does not grow."""
+    series = [600, 600.5, 601, 601.5, 602, 632]
+    changes = [b - a for a, b in zip(series, series[1:])]
+    assert sum(changes) / len(changes) >= 4  # the mean alone would flag it
+    assert flags(series) == [[]] * 6
+    assert flags([*series[:-1], 602 + 5 * 5])[-1] == []  # still one step's jump, at any size
+    assert flags([600 + 5 * i for i in range(6)])[-1] == ["host"]  # the same mean, every step: a leak
+
+
 def test_warm_up_then_flat_is_not_a_leak():
     warm_up = [600, 640, 660, 670, 675, 678, 680, 681] + [681.2 + 0.1 * i for i in range(20)]
     assert not any(flags(warm_up))

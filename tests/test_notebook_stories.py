@@ -100,8 +100,8 @@ def check_static_figures(nb) -> None:
 
 
 def check_crossing(facts: dict) -> None:
-    """The failing setting crosses the line, and the guard fails the phase that crossed it as it ends (issue 51),
-    quoting the figure the trial reads; the fix runs the same step under the same line."""
+    """The failing setting crosses the line, and the guard stops the phase that crossed it, quoting the phase's peak,
+    the figure the trial reads; the fix runs the same step under the same line."""
     failing, fixed = facts["failing"], facts["fixed"]
     assert failing["crossed"] and failing["peak_mib"] > failing["line_mib"], failing
     assert failing["stopped"] and f"during phase '{failing['phase']}'" in failing["stopped"], failing
@@ -155,7 +155,12 @@ def test_04_the_textbook_head_crosses_the_budget_and_the_chunked_head_fits(tiny_
 def test_05_the_host_crosses_its_line_is_rolled_back_and_micro_batches_fit(tiny_model, tmp_path):
     facts = run_story("05_reference_and_offload.ipynb", tmp_path)
     assert facts["failing"]["phase"] == "backward"
-    assert 0.9 <= facts["plan_ratio"] <= 1.1, facts["plan_ratio"]  # the plan of the failing step, against it
+    failing = facts["failing"]  # the live guard stops the backward at the line: planned over it, stopped just past it
+    assert facts["planned_backward_mib"] > failing["line_mib"], facts["planned_backward_mib"]
+    assert 0 < facts["stopped_past_line_mib"] <= 0.05 * facts["host_budget_gib"] * 1024, facts["stopped_past_line_mib"]
+    # the plan of the fixed step (micro-batch 2), against its run: 0.88 measured on 2026-12-04, under the 0.9 the
+    # failing step's whole backward used to meet (this kernel holds more than the plan's baseline counts)
+    assert 0.85 <= facts["plan_ratio"] <= 1.1, facts["plan_ratio"]
     checkpointed = facts["checkpointed"]  # the second fix, a new Lab with checkpointing: the same line, under it
     assert not checkpointed["crossed"] and checkpointed["stopped"] is None, checkpointed
     assert checkpointed["line_mib"] == facts["failing"]["line_mib"]

@@ -52,6 +52,15 @@ class Rollout:
     # a GPU, its weights get new addresses at every rollout, so CUDA graphs record again: expected, 1 per rollout
     rollout_copy: str = ""
     cudagraph_recordings_expected: int = 0
+    # a tool-calling rollout (tools/loop.py); None without tools
+    tool_mask: Optional[torch.Tensor] = None  # [N, L] 0 on tool-result tokens: they condition, never train (TRL's)
+    conversations: Optional[list[list[dict]]] = None  # [N] TRL's conversational completion: assistant + tool turns
+    tool_calls: Optional[list[int]] = None  # [N] tool calls of each row
+    tool_failures: Optional[list[int]] = None  # [N] of them, those whose result is {"error": ...}
+    turns: Optional[list[int]] = None  # [N] assistant turns of each row
+    # environment_factory: each row's environment instance, and its prompt as rewards get it (reset's observation in)
+    environments: Optional[list] = None  # [N]
+    row_prompts: Optional[list] = None  # [N]
 
     @property
     def logprob_temperature(self) -> float:
@@ -178,6 +187,9 @@ class StepResult:
     memory: list[dict] = field(default_factory=list)  # per phase x device x metric: start/peak/end/delta bytes
     leaks: list[str] = field(default_factory=list)  # devices whose after-step memory keeps climbing
     logged: dict[str, float] = field(default_factory=dict)  # what reward functions logged (log_metric), by name
+    tool_calls_per_row: Optional[float] = None  # TRL's tools/call_frequency (None: no tools)
+    tool_failure_frequency: Optional[float] = None  # TRL's tools/failure_frequency: failed calls / calls
+    turns_mean: Optional[float] = None  # assistant turns per row
 
     def metrics(self) -> dict:
         """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list; what rewards logged
@@ -214,6 +226,12 @@ class StepResult:
             + f"  loss {self.loss:+.4f}  "
             f"kl {kl}  grad {self.grad_norm:.3f}  len {self.completion_length_mean:.1f}  {self.step_seconds:.2f}s"
             + "".join(f"  {name} {value:.3g}" for name, value in self.logged.items())
+            + (
+                f"  tools {self.tool_calls_per_row:.2f}/row (failed {self.tool_failure_frequency:.2f}), "
+                f"{self.turns_mean:.2f} turns"
+                if self.tool_calls_per_row is not None
+                else ""
+            )
         )
 
 

@@ -71,11 +71,14 @@ def rewards(
     log = RewardLog()
     lengths = rollout.completion_lengths.tolist()
     kwargs = {
-        "prompts": rollout.repeated(batch.raw if batch.raw is not None else batch.prompts),
+        "prompts": rollout.row_prompts or rollout.repeated(batch.raw if batch.raw is not None else batch.prompts),
         "completions": (
-            [[{"role": "assistant", "content": c}] for c in rollout.completions]
-            if batch.conversational
-            else rollout.completions
+            rollout.conversations  # a tool-calling rollout's: its assistant and tool messages, as TRL's
+            or (
+                [[{"role": "assistant", "content": c}] for c in rollout.completions]
+                if batch.conversational
+                else rollout.completions
+            )
         ),
         "completion_ids": [ids[:k] for ids, k in zip(rollout.completion_ids.tolist(), lengths)],
         "answer": rollout.repeated(batch.answers),
@@ -83,6 +86,7 @@ def rewards(
         "trainer_state": state or RewardState(global_step=rollout.step),
         "log_extra": log.log_extra,
         "log_metric": log.log_metric,
+        **({"environments": rollout.environments} if rollout.environments is not None else {}),  # TRL's
     }
     names = [reward_name(f) for f in reward_funcs]
     values = call_rewards(list(zip(names, reward_funcs)), n, kwargs)
@@ -141,8 +145,12 @@ def applies_importance_sampling(config) -> bool:
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
-    """[N, L] completion tokens that count in the loss."""
+    """[N, L] completion tokens that count in the loss: the model's own (a tool result's tokens condition the later
+    turns but are not the policy's actions: TRL's completion_mask * tool_mask), so the loss, the KL term, importance
+    sampling and the sampler/learner gap all cover generated tokens only."""
     mask = rollout.completion_mask.float()
+    if rollout.tool_mask is not None:
+        mask = mask * rollout.tool_mask.float()
     if mask_truncated:
         mask = mask * (~rollout.truncated).float().unsqueeze(1)
     return mask
@@ -295,6 +303,8 @@ def summarize(
 ) -> StepResult:
     total = rewards_.total
     lengths = rollout_.completion_lengths.float()
+    if rollout_.tool_mask is not None:  # the model's own tokens, as TRL counts them
+        lengths = (rollout_.completion_mask * rollout_.tool_mask).sum(-1).float()
     means = torch.nanmean(rewards_.per_function, dim=0).tolist()
     return StepResult(
         step=step_index,
@@ -328,4 +338,18 @@ def summarize(
         is_ratio_min=stats.is_ratio_min,
         is_ratio_mean=stats.is_ratio_mean,
         is_ratio_max=stats.is_ratio_max,
+        **tool_metrics(rollout_),
     )
+
+
+def tool_metrics(rollout_: Rollout) -> dict:
+    """A tool-calling rollout's step metrics: calls per row and failed calls per call (TRL's tools/call_frequency and
+    tools/failure_frequency), assistant turns per row; nothing without tools."""
+    if rollout_.tool_calls is None:
+        return {}
+    calls, failures = sum(rollout_.tool_calls), sum(rollout_.tool_failures)
+    return {
+        "tool_calls_per_row": calls / len(rollout_),
+        "tool_failure_frequency": failures / calls if calls else 0.0,
+        "turns_mean": sum(rollout_.turns) / len(rollout_),
+    }

@@ -50,6 +50,13 @@ class ModelSection(Section):
         description="Keep the checkpointed layer inputs in pinned host memory, brought back a layer ahead of "
         "backward (long completions on one GPU); needs gradient_checkpointing.",
     )
+    chat_template: Optional[str] = knob(
+        "load",
+        None,
+        description="The chat template prompts and tool calls are rendered with: null = the tokenizer's own; "
+        "trl:NAME = one TRL ships (trl/chat_templates/NAME.jinja, e.g. trl:qwen2_5, which can run tools); or a path "
+        "to a .jinja file.",
+    )
 
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self):
@@ -72,19 +79,10 @@ class LoraSection(Section):
         description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.",
     )
     target_experts: bool = knob(
-        "load",
-        False,
-        planned=True,
-        description="Also adapt a mixture of experts' fused routed experts (gate_up_proj, down_proj; in nf4 too), "
-        "one adapter per expert, through PEFT's target_parameters; a dense model refuses it.",
+        "load", False, planned=True, description="Adapt a mixture of experts' fused experts too: an adapter per expert."
     )
     expert_r: Optional[int] = knob(
-        "load",
-        None,
-        gt=0,
-        planned=True,
-        description="Each expert's LoRA rank with target_experts (null = r); PEFT suggests r / experts to keep the "
-        "expert adapters' size near one dense adapter's.",
+        "load", None, gt=0, planned=True, description="Each expert's LoRA rank with target_experts (null = r)."
     )
 
     @field_validator("target_modules", mode="before")
@@ -225,7 +223,43 @@ class GeneratorSection(Section):
     max_prompt_length: int = knob(
         "live", 256, gt=0, planned=True, description="Prompts longer than this are truncated from the left."
     )
-    max_completion_length: int = knob("live", 64, gt=0, planned=True, description="Maximum new tokens per completion.")
+    max_completion_length: int = knob(
+        "live",
+        64,
+        gt=0,
+        planned=True,
+        description="Maximum new tokens per completion; with tools, the whole trajectory's budget, tool results "
+        "included (a tool result that would pass it is left out and the row ends).",
+    )
+    max_tool_calling_iterations: int = knob(
+        "live",
+        5,
+        ge=0,
+        strict=True,
+        description="With tools (Lab(tools=...)): the most tool-calling rounds a completion gets after its first "
+        "turn (TRL's name); 0 = tools are rendered into the prompt but never called.",
+    )
+    tools: list[str] = knob(
+        "load",
+        default_factory=list,
+        description="Tools the model may call, each as 'module:function' (plain functions with type hints and a "
+        "docstring, sync or async; TRL's tools); Lab(tools=[...]) takes the functions instead. Needs a chat template "
+        "that renders tools (model.chat_template).",
+    )
+    environment_factory: Optional[str] = knob(
+        "load",
+        None,
+        description="An environment class as 'module:Class' (TRL's environment_factory: one instance per rollout row, "
+        "reset(**row) starts it, its public methods are the row's tools, an optional get_reward() is a reward); "
+        "Lab(environment_factory=...) takes the class, or a dict of them, instead; null = none.",
+    )
+    tool_timeout_s: float = knob(
+        "live",
+        30.0,
+        gt=0.0,
+        description="With tools: seconds a tool call may take; one that does not return in time gets an error "
+        "result and the rollout goes on (a hung synchronous tool's thread is left behind).",
+    )
     chunk_size: Optional[int] = knob(
         "live",
         None,
@@ -256,6 +290,14 @@ class GeneratorSection(Section):
         planned=True,
         description="Weight format of generator.model; null = the model dtype. Backends with their own weights only.",
     )
+
+    @field_validator("tools", "environment_factory")
+    @classmethod
+    def _import_paths(cls, v):
+        for spec in [v] if isinstance(v, str) else v or []:
+            if ":" not in spec.strip(":"):
+                raise ValueError(f"got {spec!r}; name it as 'module:name' (e.g. my_tools:calculator)")
+        return v
 
     @field_validator("gpu_memory_utilization", mode="before")
     @classmethod

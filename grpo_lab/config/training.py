@@ -136,7 +136,9 @@ class MemorySection(Section):
         0.95,
         gt=0.0,
         le=1.0,
-        description="Host RAM used/limit fraction at which the run stops between phases.",
+        planned=True,
+        description="Host RAM used/limit fraction at which the guard stops a phase and undoes the step; the plan "
+        "judges host RAM against the same line.",
     )
     leak_window: int = knob(
         "rebuild", 5, ge=2, description="Steps over which steadily rising after-step memory is flagged as a leak."

@@ -84,10 +84,22 @@ class Executor(Protocol):
     def restore_checkpoint(self, checkpoint) -> None: ...
 
 
-def executor_for(config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None) -> Executor:
+def executor_for(
+    config,
+    reward_funcs: Optional[list],
+    step_index: Callable[[], int],
+    train_dataset=None,
+    tools=None,
+    environment_factory=None,
+) -> Executor:
     """The executor a config asks for: its ranks' driver when placement.learner_procs > 1 (in the driver; a rank runs
     its phases locally). `reward_funcs`, `train_dataset`: as passed to the Lab (None: data.rewards and data.dataset
-    name them)."""
+    name them); `tools`, `environment_factory`: TRL's, checked here (at construction) into tools.Tools, which only
+    the local executor runs (tools/ refuses the rest)."""
+    from ..tools import tools_for
+
     name = "ranks" if config.placement.learner_procs > 1 and runtime().is_driver else "local"
     module, _, attr = EXECUTORS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index, train_dataset)
+    checked = tools_for(tools, environment_factory, config)
+    given = {"tools": checked} if checked is not None else {}
+    return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index, train_dataset, **given)

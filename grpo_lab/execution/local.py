@@ -12,14 +12,11 @@ from ..algo import grpo
 from ..checks.guard import check_learner
 from ..errors import LabError
 from ..models.fsdp import FSDP
-from ..models.reward_model import RewardModel, is_reward_model, load_reward_model, wrap_module
+from ..models.reward_model import RewardModel, load_reward_model
 from ..runtime import runtime
-
-
-def scorers(given: Optional[list], config) -> Optional[list]:
-    """The reward functions passed to the Lab, a sequence classifier among them wrapped as TRL takes one (its own
-    tokenizer, its score at the last token); in their order, so reward_weights line up as in TRL."""
-    return None if given is None else [wrap_module(f, config) if is_reward_model(f) else f for f in given]
+from ..tools import check_tools_config
+from ..tools.template import prepare_for_tools, use_chat_template
+from .reward_inputs import check_new_reward_models, reward_sources, reward_state, scorers
 
 
 def _rollout(ex, state) -> object:
@@ -31,14 +28,6 @@ def _rollout(ex, state) -> object:
     config = ex.config
     path = rollout_decode(config), rollout_copy_mode(config), parking_reserve(config)
     return grpo.rollout(ex.generator, ex.prompts, config, *path)
-
-
-def reward_state(ex):
-    """TRL's `trainer_state` as rewards read it: the step, the run's steps, the epoch of the data drawn so far."""
-    from ..algo.reward_calls import RewardState
-
-    epoch = getattr(ex.prompts, "epoch", 0.0)  # (the worst-case probe's prompts stand outside the epochs)
-    return RewardState(global_step=ex.step_index(), max_steps=ex.config.run.steps, epoch=epoch)
 
 
 def _optimizer(ex, state) -> float:
@@ -57,9 +46,7 @@ def _sync(ex, state) -> None:
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
     "rollout": _rollout,
-    "rewards": lambda ex, state, rollout: grpo.rewards(
-        rollout, [*ex.reward_funcs, *ex.reward_models], ex.config.data.reward_weights, reward_state(ex)
-    ),
+    "rewards": lambda ex, state, rollout: grpo.rewards(rollout, *reward_sources(ex), reward_state(ex)),
     "advantages": lambda ex, state, rewards: grpo.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: grpo.logprobs(ex.learner, ex.reference, rollout, ex.config),
     "backward": lambda ex, state, rollout, advantages, logprobs: grpo.backward(
@@ -68,15 +55,6 @@ LOCAL: dict[str, Callable] = {
     "optimizer": _optimizer,
     "sync": _sync,
 }
-
-
-def check_new_reward_models(config, new) -> None:
-    """An edit of data.reward_models is checked before its rebuild, which drops the old models first."""
-    from ..models.reward_model import check_reward_model
-
-    if new.data.reward_models != config.data.reward_models:
-        for name in new.data.reward_models:
-            check_reward_model(name)
 
 
 def put_back(generator, device: str) -> None:
@@ -127,10 +105,13 @@ class LocalExecutor:
     name = "local"
     sharding = FSDP()  # this process's learner under FSDP2 when it is a rank's shard, else as it is
 
-    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None):
+    def __init__(
+        self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None, tools=None
+    ):
         from ..algo.rewards import reward_functions
 
         self.config = config
+        self.tools = tools  # the Lab's tools and environments (tools.Tools), None without
         self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one)
         self.rewards_given = reward_funcs is not None
         self.reward_funcs = reward_functions(scorers(reward_funcs, config), config)
@@ -168,6 +149,7 @@ class LocalExecutor:
             config.memory.host_threshold,
             describe_offload=self.describe_offload,
             host_budget=host_budget(config),
+            live=True,  # why only here: a rank may not stop alone (rank_guard.py); its guard acts as the phase ends
         )
 
     def listeners(self) -> list:
@@ -204,10 +186,17 @@ class LocalExecutor:
             from ..runtime import expandable_segments
 
             expandable_segments(config.memory.cuda_expandable_segments)
+        if self.tools is not None:  # (the backend and layout may have been edited since construction)
+            check_tools_config(config)
         self.learner = load_learner(config, self.sharding)
+        use_chat_template(self.learner.tokenizer, config.model.chat_template)  # why here: before prompts use it
+        if self.tools is not None:
+            prepare_for_tools(self.learner.tokenizer)
         self.check_learner()
         self.build_reference()
         self.generator = start_generator(config, self.learner, on_rank=runtime().is_rank)
+        if self.tools is not None:  # the backend's chunks then run turn by turn through the tool loop
+            self.generator.turns = self.tools.loop(self.learner.tokenizer, self.generator.eos_token_ids, config)
         attach_engine(memory, self.generator)
         self.build_prompts()
         self.build_reward_models()

@@ -24,6 +24,17 @@ class Sample:
     completion_ids: list[int]  # up to and including EOS (or max_completion_length tokens)
     logprobs: list[float]  # sampler log-prob of each completion token
     truncated: bool
+    # a multi-turn row (Generator.turns: the tool loop): 0 on the tools' tokens, the conversation's assistant and tool
+    # messages, its tool calls, failed calls and turns
+    tool_mask: Optional[list[int]] = None
+    messages: Optional[list[dict]] = None
+    tool_calls: int = 0
+    tool_failures: int = 0
+    turns: int = 1
+
+
+# a backend's chunk function: (prompt ids, their row numbers in the batch, the request) -> one Sample per prompt
+SampleChunk = Callable[[list[list[int]], Sequence[int], GenerationRequest], list[Sample]]
 
 
 def chunked(items: Sequence, chunk_size: Optional[int]) -> Iterator[Sequence]:
@@ -72,6 +83,9 @@ class Generator:
         """`checkpoint`: the learner's checkpoint directory, whose generation_config completes the EOS set."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer, checkpoint)  # one stop set for every backend
+        # what drives each chunk turn by turn (tools/loop.ToolLoop: the executor sets it when a Lab has tools; each
+        # rollout is an episode of it); None: one turn, the backend's chunk function as it is
+        self.turns = None
 
     # --- backends implement these ---
     def generate_chunk(self, prompt_ids: list[list[int]], request: GenerationRequest) -> list[Sample]:
@@ -101,7 +115,7 @@ class Generator:
 
     def generate(self, batch: PromptBatch, num_generations: int, request: GenerationRequest) -> Rollout:
         return self.generate_in_chunks(
-            batch, num_generations, request, lambda prompt_ids, rows: self.generate_chunk(prompt_ids, request)
+            batch, num_generations, request, lambda prompt_ids, rows, request: self.generate_chunk(prompt_ids, request)
         )
 
     def generate_in_chunks(
@@ -109,18 +123,26 @@ class Generator:
         batch: PromptBatch,
         num_generations: int,
         request: GenerationRequest,
-        sample: Callable[[list[list[int]], range], list[Sample]],
+        sample: SampleChunk,
     ) -> Rollout:
-        """The rollout, `sample(prompt_ids, rows)` sampling each chunk: its prompts and their row numbers in the batch
-        (what a backend needs to give each row its own seed)."""
-        prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
+        """The rollout, `sample(prompt_ids, rows, request)` sampling each chunk: its prompts and their row numbers in
+        the batch (what a backend needs to give each row its own seed). With `turns` (the tool loop), the batch's
+        prompts are its rendering and each chunk is its run, which calls `sample` once per turn."""
+        episode = self.turns.start(batch, num_generations, request) if self.turns is not None else None
+        if episode is not None:  # each row's prompt rendered with its tools (its environment's, when it has one)
+            batch, prompt_ids = episode.batch, self.encode_prompts(episode.prompts, request.max_prompt_length)
+        else:
+            prompt_ids = self.prompt_rows(batch, num_generations, request)  # [N]
         samples: list[Sample] = []
         calls = 0
         for rows in chunked(range(len(prompt_ids)), request.chunk_size):
-            samples.extend(sample([prompt_ids[i] for i in rows], rows))
+            ids = [prompt_ids[i] for i in rows]
+            samples.extend(episode.run(ids, rows, sample, request) if episode else sample(ids, rows, request))
             calls += 1
         out = self.to_rollout(batch, num_generations, prompt_ids, samples, request)
         out.generate_calls = calls
+        if episode is not None:
+            episode.finish(out)
         return out
 
     def to_rollout(self, batch, num_generations, prompt_ids, samples, request) -> Rollout:
@@ -132,6 +154,8 @@ class Generator:
         completion = torch.full((n, c_len), pad, dtype=torch.long)
         completion_mask = torch.zeros((n, c_len), dtype=torch.long)
         sampler_logprobs = torch.zeros((n, c_len), dtype=torch.float32)
+        multi_turn = any(s.tool_mask is not None for s in samples)
+        tool_mask = torch.ones((n, c_len), dtype=torch.long) if multi_turn else None
         for i, (p, s) in enumerate(zip(prompt_ids, samples)):
             prompt[i, p_len - len(p) :] = torch.tensor(p)
             prompt_mask[i, p_len - len(p) :] = 1
@@ -140,6 +164,8 @@ class Generator:
                 completion[i, :k] = torch.tensor(s.completion_ids)
                 completion_mask[i, :k] = 1
                 sampler_logprobs[i, :k] = torch.tensor(s.logprobs, dtype=torch.float32)
+                if multi_turn:
+                    tool_mask[i, :k] = torch.tensor(s.tool_mask)
         return Rollout(
             batch=batch,
             num_generations=num_generations,
@@ -152,4 +178,9 @@ class Generator:
             completions=self.tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True),
             temperature=request.temperature,
             max_completion_length=request.max_completion_length,
+            tool_mask=tool_mask,
+            conversations=[s.messages for s in samples] if multi_turn else None,
+            tool_calls=[s.tool_calls for s in samples] if multi_turn else None,
+            tool_failures=[s.tool_failures for s in samples] if multi_turn else None,
+            turns=[s.turns for s in samples] if multi_turn else None,
         )

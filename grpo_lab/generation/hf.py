@@ -75,11 +75,14 @@ class HFGenerator(Generator):
         cuda = self.learner.device.type == "cuda"
         static = "cache_implementation" in DECODES[request.decode](cuda)
         keep = request.keeps_copy
+        rows_total = len(batch) * num_generations
         with self.decoding(request) as model, self.one_cache(keep), CompileCounts() as counted:
 
-            def chunk(prompt_ids, rows):
-                row_seeds_ = seeds[rows.start : rows.stop]
-                short = (request.chunk_size or 0) - len(prompt_ids) if static else 0
+            def chunk(prompt_ids, rows, request):
+                row_seeds_ = [seeds[i] for i in rows]  # (a later tool turn's rows: the row's own seed again)
+                # why at most the rollout's rows: a batch smaller than a chunk is one call of its own size
+                per_call = min(request.chunk_size or rows_total, rows_total)
+                short = per_call - len(prompt_ids) if static else 0
                 if short > 0:  # why: a static cache and its CUDA graphs are per batch size: a smaller last chunk
                     # would compile and record once more per rollout; it is filled with copies of its last row,
                     # whose samples are dropped
@@ -133,7 +136,7 @@ class HFGenerator(Generator):
 
         held = self.static_cache
         layer = held.layers[0] if held is not None else None
-        if layer is None or layer.max_cache_len != max_cache_len or getattr(layer, "batch_size", rows) != rows:
+        if layer is None or layer.max_cache_len < max_cache_len or getattr(layer, "batch_size", rows) != rows:
             self.static_cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         else:
             self.static_cache.reset()  # (the same tensors: zeroed, its length back to 0)

@@ -57,6 +57,7 @@ def phase_error(
         err.step = step
     elif isinstance(err, HostMemoryExceeded):
         err.undone = undone
+        err.__context__ = None  # why: the live guard's may land while another error unwinds, holding its frames
     elif is_oom(err) or counted:
         return as_lab_error(err, phase, step, device, sampler, undone)
     return None

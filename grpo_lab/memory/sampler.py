@@ -3,11 +3,12 @@ step's phase markers (it is a Timeline listener) take a reading at every phase s
 so even a phase shorter than one sampling period has its start, peak and end.
 
 Per phase and device it keeps start / peak / end / delta; on CUDA the peak is torch's exact
-`max_memory_allocated` since the phase began, not just the highest sample. The host-RAM guard
-runs at phase boundaries (P4: stop before the OS or Ray kills the process): a phase whose host `used` peak
-crossed `host_threshold` fails as it ends, so the Lab undoes it, its output included, and the retry runs it again
-with whatever the user changed, as a real out-of-memory would force; the peak it quotes is the phase row's. A
-crossing between phases (a cell's own allocations) stops the next phase before it starts.
+`max_memory_allocated` since the phase began, not just the highest sample. The host-RAM guard (P4: stop before the
+OS or Ray kills the process) runs while a phase's work runs (`live`, memory/live_guard.py): the sample that sees host
+`used` cross `host_threshold` of its limit interrupts the work there, the host read at LIVE_HZ meanwhile; and as the
+phase ends, the backstop: a phase whose host `used` peak crossed fails then. Either way the Lab undoes it, its output
+included, and the retry runs it again with whatever the user changed, as a real out-of-memory would force. A crossing
+between phases (a cell's own allocations) stops the next phase before it starts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from ..errors import LabError
+from .live_guard import LiveGuard
 from .readers import MiB, readers_for
 
 # metrics summarised per phase (the others are still sampled and written to memory.csv)
@@ -25,11 +27,16 @@ SUMMARY_METRICS = {
     "host": ("rss", "used"),
     "cuda": ("allocated", "reserved", "cached", "engine", "device_used", "not_torch"),
 }
+# the host's reading rate while guarded work runs (live guard): a host read costs ~50 us (psutil), so at 200 Hz the
+# sampler thread takes about 1% of a core; a loop allocating 1 GiB/s then passes the line by ~5 MiB before the read
+# that stops it (bench/probes/live_guard_cost.py)
+LIVE_HZ = 200.0
 
 
 class HostMemoryExceeded(LabError):
-    """Host RAM crossed memory.host_threshold; raised between phases. The Lab fills in `undone` (what it
-    put back), as only it knows whether the step had applied an update."""
+    """Host RAM crossed memory.host_threshold: raised in a phase's work as it crosses (the live guard), as a phase
+    ends, or before one starts. The Lab fills in `undone` (what it put back), as only it knows whether the step had
+    applied an update."""
 
     def __init__(self, where: str, fix: str):
         super().__init__(where, fix)
@@ -49,10 +56,13 @@ class MemorySampler:
         max_samples: int = 500_000,
         guard_host: bool = True,
         host_budget: Optional[float] = None,
+        live: bool = False,
     ):
         self.readers = readers_for(devices, host_budget)
         self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
         self.guard_host = guard_host  # False on a sharded learner's rank: the driver guards the one host for all
+        # `live`: stop guarded work (`guarded`) as it crosses, not only as its phase ends (this process's own Lab)
+        self.live = LiveGuard() if live and guard_host else None
         self.samples: deque = deque(maxlen=max_samples)  # (t, step, phase, device, metric, bytes)
         self.total = 0  # samples ever taken (survives the deque's bound)
         self.step, self.phase = 0, "idle"
@@ -88,8 +98,37 @@ class MemorySampler:
             self._thread = None
 
     def _loop(self) -> None:
-        while self.hz > 0 and not self._stop.wait(1.0 / self.hz):  # why read hz each time: memory.sample_hz is editable
+        last = 0.0
+        while self.hz > 0 and not self._stop.wait(self._tick()):  # why read hz each time: memory.sample_hz is editable
+            now = time.perf_counter()
+            if now - last >= 1.0 / max(self.hz, 1e-9):
+                last = now
+                self.read()
+            elif self.live is not None and self.live.armed:
+                self.watch_host()
+
+    def _tick(self) -> float:
+        """Seconds to the next reading: the sampling period, or the live guard's while guarded work runs."""
+        period = 1.0 / max(self.hz, 1e-9)
+        return min(period, 1.0 / LIVE_HZ) if self.live is not None and self.live.armed else period
+
+    def guarded(self, work: Callable, *args):
+        """`work(*args)` (a phase's work, in the thread that runs the phase) under the live guard, when this sampler
+        has one: the reading that sees the host cross its line raises the guard's error in that thread."""
+        return work(*args) if self.live is None else self.live.run(work, *args)
+
+    def watch_host(self) -> None:
+        """The live guard's reading between samples: the host alone, into the open phase's peaks; one over the line
+        is taken as a full sample (recorded, and it interrupts the work)."""
+        host = {("host", k): v for k, v in self.readers[0].read().items()}
+        if self.host_ratio(host) > self.host_threshold:
             self.read()
+            return
+        with self._lock:
+            if self._open is not None:
+                peaks = self._open["peak"]
+                for key, value in host.items():
+                    peaks[key] = max(peaks.get(key, value), value)
 
     def set_rate(self, hz: float) -> None:
         """Change the sampling rate of a running sampler (0 stops the thread; readings stay at phase boundaries)."""
@@ -117,7 +156,23 @@ class MemorySampler:
                     peaks[key] = max(peaks.get(key, value), value)
             elif not self._vetoed:  # why: a crossing inside a phase is that phase's (phase_ended)
                 self._host_max_ratio = max(self._host_max_ratio, self.host_ratio(reading))
+        if self.live is not None and self.live.armed:
+            self._stop_at_line(reading)
         return reading
+
+    def _stop_at_line(self, reading) -> None:
+        """The live guard: host `used` over the line while guarded work runs interrupts that work, with the one-line
+        error the after-phase veto gives."""
+        ratio = self.host_ratio(reading)
+        if ratio <= self.host_threshold:
+            return
+        where = f"during phase {self.phase!r} of step {self.step}"
+        error = self._exceeded(ratio, reading[("host", "limit")], where)
+        error.requote = (reading[("host", "limit")], where)  # (phase_ended quotes the phase's peak, as the veto does)
+        # why first: until the next phase starts, the stopped phase's memory is freed, not a crossing (and sent to
+        # this very thread, the error is raised as soon as `interrupt` returns)
+        self._vetoed = True
+        self.live.interrupt(error)
 
     @staticmethod
     def host_ratio(reading) -> float:
@@ -151,6 +206,8 @@ class MemorySampler:
         if opened is None:
             return None
         self.marks.append((record.step, record.phase, opened["t"], time.perf_counter() - self.t0))
+        for key, value in end.items():  # why: the end is a reading of the phase too (a native call after the last)
+            opened["peak"][key] = max(opened["peak"].get(key, value), value)
         for (device, metric), start in opened["start"].items():
             kind = "host" if device == "host" else "cuda"
             if metric not in SUMMARY_METRICS[kind]:
@@ -172,6 +229,11 @@ class MemorySampler:
                     "failed_attempt": None,
                 }
             )
+        if getattr(error, "requote", None) and ("host", "used") in opened["peak"]:
+            # why: the phase ran on past the crossing until the error landed (a native call returns first); its one
+            # line quotes the peak its row records, as the after-phase veto's does
+            limit, where = error.requote
+            error.where = self._exceeded(opened["peak"][("host", "used")] / limit, limit, where).where
         return None if error is not None else self.veto(record, opened["peak"], end)
 
     def veto(self, record, peak: dict, end: dict) -> Optional[HostMemoryExceeded]:

@@ -110,6 +110,9 @@ class DevicePlan:
     roles: list[str] = field(default_factory=list)
     items: list[Item] = field(default_factory=list)
     split: Optional[object] = None  # a GPU a vLLM engine takes a share of: its split.Split
+    # the share of capacity the device may reach: host RAM (or a CPU rank's budget) the host guard's
+    # memory.host_threshold, where it stops a phase, a GPU all of it (planner/parts.line_of)
+    line: float = 1.0
 
     def add(self, what: str, nbytes: float, note: str = "", phase: Optional[str] = None) -> None:
         if nbytes:
@@ -150,14 +153,24 @@ class DevicePlan:
         return self.total / self.capacity
 
     @property
+    def line_bytes(self) -> float:
+        """What the device may hold: its capacity x its line (the host guard's, or the whole GPU)."""
+        return self.capacity * self.line
+
+    @property
     def verdict(self) -> str:
+        """Judged against the line, not the capacity: a host peak the guard would stop is not "fits"."""
         if self.split is not None and not self.split.feasible:
             return "does not fit (no vLLM share leaves the learner room)"
-        return "fits" if self.fraction <= 0.9 else "tight (<10% margin)" if self.fraction <= 1.0 else "does not fit"
+        if self.fraction > 1.0:
+            return "does not fit"
+        if self.fraction > self.line:
+            return f"does not fit (over the guard's line, {self.line:.0%} of capacity)"
+        return "fits" if self.fraction <= 0.9 * self.line else "tight (<10% margin under its line)"
 
     @property
     def fits(self) -> bool:
-        return self.fraction <= 1.0 and (self.split is None or self.split.feasible)
+        return self.fraction <= self.line and (self.split is None or self.split.feasible)
 
 
 def nf4_bits(double_quant: bool) -> float:
@@ -199,34 +212,25 @@ def unit_bytes(shape: ModelShape, config) -> tuple[float, float]:
 
 
 def planned_lora(shape: ModelShape, config) -> int:
-    """The LoRA parameters config.lora puts on this shape: its target_modules, and each routed expert's adapter
-    (lora.target_experts, rank expert_r or r; models/expert_lora.py)."""
+    """LoRA's parameters on this shape: target_modules', and each routed expert's (lora.target_experts)."""
     lora = config.lora
     return shape.lora_params(lora.r, lora.target_modules, (lora.expert_r or lora.r) if lora.target_experts else 0)
 
 
 def experts_dequant_bytes(shape: ModelShape, config, tokens: Optional[int] = None) -> float:
-    """One mixture-of-experts layer's 4-bit experts dequantized to model.dtype, once per forward of the layer's
-    experts: those `tokens` tokens route to, at worst each to experts_per_token others (models/routed_experts.py);
-    every expert where `tokens` is not given (PEFT's expert adapters, lora.target_experts, are folded into the routed
-    experts alone)."""
+    """One layer's 4-bit experts dequantized to model.dtype per forward: those `tokens` tokens route to, at worst each
+    to experts_per_token others (models/routed_experts.py; expert adapters too); every expert without `tokens`."""
     if not shape.moe or not config.model.load_in_4bit:
         return 0.0
     routed = shape.experts if tokens is None else tokens * shape.experts_per_token
-    return (
-        sum(n for _, n in shape.expert_tensors())
-        * DTYPE_BYTES[config.model.dtype]
-        * min(routed, shape.experts)
-        / shape.experts
-    )
+    layer = sum(n for _, n in shape.expert_tensors()) * DTYPE_BYTES[config.model.dtype]
+    return layer * min(routed, shape.experts) / shape.experts
 
 
 def expert_lora_bytes(shape: ModelShape, config) -> dict[str, float]:
-    """lora.target_experts (models/expert_lora.py), beyond what the frozen experts cost: what autograd keeps per token
-    and layer (each routed copy's inputs to both fused matmuls, h and m, now needed for their weights' gradients) and
-    per layer (PEFT's low-rank factors in model.dtype), counted with saved_tensors_hooks on builtin:tiny-moe
-    (tests/test_expert_lora.py); and the transient one fused tensor adds (its W + B A built beside W in a forward, its
-    whole weight gradient in backward, before A's and B's)."""
+    """lora.target_experts beyond the frozen experts: kept per token and layer (each routed copy's inputs to both fused
+    matmuls, for their weights' gradients) and per layer (PEFT's factors), counted with saved_tensors_hooks
+    (tests/test_expert_lora.py); one fused tensor's transient (W + B A beside W; its whole gradient in backward)."""
     if not (shape.moe and config.lora.target_experts):
         return {"per token": 0.0, "per layer": 0.0, "transient": 0.0}
     e = DTYPE_BYTES[config.model.dtype]
@@ -344,10 +348,9 @@ def activation_bytes(
     if in_heap:  # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if config.model.load_in_4bit else 0
-    # kept by each expert matmul: its weight is a view of the dequantized experts (and expert LoRA's factors)
-    experts = experts_dequant_bytes(shape, config)
+    # kept by each expert matmul (its weight is a view of the dequantized experts; checkpointing: the recomputed
+    experts = experts_dequant_bytes(shape, config)  # layer's), expert LoRA's factors, one fused tensor's gradient
     kept = experts + expert_lora["per layer"]
-    # (checkpointing: the recomputed layer's); one fused tensor's weight gradient at a time, with expert LoRA
     stored += (1 if config.model.gradient_checkpointing else shape.layers) * kept + expert_lora["transient"]
     # no grad (reference log-probs): one layer's intermediates (and its experts dequantized) and the last hidden states
     forward = per_layer * tokens + h * e * tokens + experts
@@ -364,6 +367,14 @@ def activation_bytes(
         "tokens": tokens,
         "head in heap": in_heap,
     }
+
+
+def rollout_sequences(config) -> int:
+    """Sequences in flight per generate call: generator.chunk_size, at most the rollout's rows (prompts_per_step x
+    num_generations): a batch smaller than a chunk is one call of its rows (a static cache pads only up to them), so
+    the group size moves the rollout's peak."""
+    rows = config.grpo.prompts_per_step * config.grpo.num_generations
+    return min(config.generator.chunk_size or rows, rows)
 
 
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:

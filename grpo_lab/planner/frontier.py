@@ -28,10 +28,10 @@ class Cell:
     generations: int  # grpo.num_generations
     micro_batch: Optional[int]  # grpo.micro_batch_size (None: the whole batch in one pass)
     fits: bool = False  # plan.fits: every device fits
-    device: str = ""  # the binding device: the highest fraction of its capacity
+    device: str = ""  # the binding device: the nearest its line (the highest fraction of what it may hold)
     peak: float = 0.0  # its planned peak, bytes
     phase: Optional[str] = None  # the phase of that peak (DevicePlan.peak_phase; None: resident only)
-    headroom: float = 0.0  # its capacity - peak, bytes (negative: it does not fit)
+    headroom: float = 0.0  # its line - peak, bytes (host: the guard's line; negative: it does not fit)
     fraction: float = 0.0  # peak / capacity
     refused: Optional[str] = None  # the config's one-line refusal of this combination; the rest is then empty
     measured: Optional[str] = None  # a measured run of this point (planner/measured.py): "ran, peak ..." or its failure
@@ -138,14 +138,14 @@ def evaluate(config, point: Point, shape: ModelShape) -> Cell:
         result = plan(load_config(config, overrides), shape)
     except LabError as err:
         return Cell(*point, refused=str(err).splitlines()[0])
-    binding = max(result.devices.values(), key=lambda d: d.fraction)
+    binding = max(result.devices.values(), key=lambda d: d.fraction / d.line)  # (host RAM: the guard's line)
     return Cell(
         *point,
         fits=result.fits,
         device=binding.device,
         peak=binding.total,
         phase=binding.peak_phase,
-        headroom=binding.capacity - binding.total,
+        headroom=binding.line_bytes - binding.total,
         fraction=binding.fraction,
     )
 

@@ -24,6 +24,7 @@ from .estimate import (
     kv_cache_bytes,
     nf4_bits,
     planned_lora,
+    rollout_sequences,
     unit_bytes,
 )
 from .parts import head_note
@@ -218,7 +219,7 @@ def parking_buffer_bytes(shape: ModelShape, config) -> float:
 def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape, procs: int) -> None:
     """The hf backend's rollout with the learner's own weights: the whole batch (on every rank), through the model
     gathered whole or layer by layer when sharded."""
-    gen, grpo = config.generator, config.grpo
+    gen = config.generator
     decode = gen.hf_decode if procs == 1 else "dynamic"  # (auto arrives resolved: plan.build)
     if procs == 1:
         copy = f", copy {'kept' if gen.rollout_copy == 'keep' else 'released'}" if decode == "merged" else ""
@@ -246,10 +247,9 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
         add_rollout_copy(lrn, config, shape, kept)
     if procs == 1 and decode == "merged" and gen.park_learner:
         add_parking(lrn, host, config, shape)
-    sequences = gen.chunk_size or grpo.prompts_per_step * grpo.num_generations
+    sequences = rollout_sequences(config)  # why not chunk_size alone: a smaller batch is one call of its rows
     every = ", the same on every rank" if procs > 1 else ""
-    # (a chunk larger than the rollout decodes the rollout's rows)
-    add_experts_dequant(lrn, config, shape, min(sequences, grpo.prompts_per_step * grpo.num_generations))
+    add_experts_dequant(lrn, config, shape, sequences)
     # why resident beside a kept copy on a GPU: its one StaticCache stays too, at one address (generation/hf.py)
     kept_cache = kept and not on_cpu_learner(config)
     lrn.add(

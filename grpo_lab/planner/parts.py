@@ -43,6 +43,12 @@ def capacity_of(device: str, config) -> float:
     )
 
 
+def line_of(device: str, config) -> float:
+    """The share of `device`'s capacity a plan may fill: host RAM (the host, a CPU rank's share) is held by the host
+    guard at memory.host_threshold of its limit, so a peak past it is stopped, not fitted; a GPU to its capacity."""
+    return config.memory.host_threshold if device.startswith("host") else 1.0
+
+
 def head_note(config, shape: ModelShape, on_cpu: bool, in_heap: bool) -> str:
     """`in_heap`: activation_bytes' "head in heap", the one rule that also widened the head's bytes."""
     if config.grpo.logprob_head == "chunked":

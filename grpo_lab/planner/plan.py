@@ -18,9 +18,10 @@ from .estimate import (
     base_weight_bytes,
     in_kernel,
     planned_lora,
+    rollout_sequences,
 )
 from .learner_items import add_learner, parking_buffer_bytes
-from .parts import _home, add_engine, capacity_of
+from .parts import _home, add_engine, capacity_of, line_of
 from .reward_items import add_reward_models, reward_device
 from .sharded import build_sharded
 
@@ -72,14 +73,14 @@ class Plan:
 
 def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int]:
     """(devices, micro-batch) of a one-process learner: its device, the generator's, a reference copy's, the host."""
-    place, gen, grpo = config.placement, config.generator, config.grpo
+    place, gen = config.placement, config.generator
     learner = _home(place.learner)
     names = [learner, *(_home(d) for d in place.generator_devices()), "host"]
     if config.reference_strategy == "copy":
         names.append(_home(config.reference_device))
     if config.data.reward_models:
         names.append(reward_device(config))
-    devices = {d: DevicePlan(d, capacity_of(d, config)) for d in dict.fromkeys(names)}
+    devices = {d: DevicePlan(d, capacity_of(d, config), line=line_of(d, config)) for d in dict.fromkeys(names)}
     for d in devices.values():
         if d.device != "host":
             d.add_cuda_runtime()
@@ -91,7 +92,7 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
     ref = devices[_home(config.reference_device)] if config.reference_strategy == "copy" else devices[learner]
     micro = add_learner(devices[learner], devices["host"], ref, config, shape)
     if gen.own_weights:
-        add_engine(devices, config, shape, gen.chunk_size or grpo.prompts_per_step * grpo.num_generations)
+        add_engine(devices, config, shape, rollout_sequences(config))
     add_reward_models(devices, config)
     return devices, micro
 
@@ -226,7 +227,7 @@ def candidate_fixes(config) -> list[tuple[str, list[str]]]:
         micro //= 2
         out.append((f"grpo.micro_batch_size: {micro}", [f"grpo.micro_batch_size={micro}"]))
     if not config.generator.own_weights:
-        seqs = config.generator.chunk_size or config.grpo.prompts_per_step * config.grpo.num_generations
+        seqs = rollout_sequences(config)
         while seqs > 1:
             seqs //= 2
             out.append((f"generator.chunk_size: {seqs}", [f"generator.chunk_size={seqs}"]))

@@ -30,6 +30,8 @@ def _device_block(d, title_suffix: str = "", shared: str = "") -> Table:
     """`shared`: the device is one rank's share of host RAM; its last line says so instead of a verdict."""
     roles = ", ".join(d.roles) or "-"
     rows = [["host RAM" if shared else "capacity", size(d.capacity), ""]]
+    if d.line < 1.0 and not shared:  # the line this device is judged against: the host guard's, where it stops a phase
+        rows.append(["guard's line", size(d.line_bytes), f"memory.host_threshold {d.line:g}: judged against this"])
     rows += [[i.what, size(i.bytes), i.note] for i in d.items if i.phase is None]
     for phase in PHASES:
         transients = [i for i in d.items if i.phase == phase]
@@ -132,7 +134,7 @@ def render_html(plan) -> str:
     ]
     if plan.caveats:
         host = plan.devices.get("host")
-        at_stake = host is not None and host.fraction > 0.9
+        at_stake = host is not None and host.fraction > 0.9 * host.line  # (within 10% of its line)
         items = "".join(f"<li>{html.escape(c)}</li>" for c in plan.caveats)
         parts.append(
             f"<details{' open' if at_stake else ''}><summary>notes: what this plan leaves out ({len(plan.caveats)})"

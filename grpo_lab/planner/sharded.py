@@ -8,9 +8,9 @@ each rank's capacity: a CPU rank is then a device of the plan too, checked again
 from __future__ import annotations
 
 from ..models.shapes import ModelShape
-from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB, planned_lora
+from .estimate import HOST_BASELINE, PHASES, DevicePlan, GiB, planned_lora, rollout_sequences
 from .learner_items import add_learner
-from .parts import _home, add_engine, capacity_of
+from .parts import _home, add_engine, capacity_of, line_of
 from .reward_items import add_reward_models
 
 
@@ -48,7 +48,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
 
     place, procs = config.placement, config.placement.learner_procs
     on_cpu = place.learner == "cpu"
-    host = DevicePlan("host", capacity_of("host", config))
+    host = DevicePlan("host", capacity_of("host", config), line=line_of("host", config))
     if on_cpu:
         host.roles.append(f"{procs} learner ranks, a process each (their sum)")
         if place.ray_address is None:
@@ -67,7 +67,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
     ranks, micro = {}, 0
     for k, device in enumerate(rank_devices(place.learner, procs)):
         name = rank_name(place.learner, device, k)
-        rank = DevicePlan(name, rank_capacity(config, device, host.capacity))
+        rank = DevicePlan(name, rank_capacity(config, device, host.capacity), line=line_of(name, config))
         rank.roles.append(f"learner rank {k} of {procs} (FSDP2)")
         if place.rank_memory_gib is not None:
             rank.roles.append("its own budget: placement.rank_memory_gib")
@@ -91,21 +91,23 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
             if d not in devices:
                 devices[d] = DevicePlan(d, capacity_of(d, config))
                 devices[d].add_cuda_runtime()
-        add_engine(
-            devices,
-            config,
-            shape,
-            config.generator.chunk_size or config.grpo.prompts_per_step * config.grpo.num_generations,
-        )
+        add_engine(devices, config, shape, rollout_sequences(config))
     add_reward_models(devices, config)  # in the driver, which scores every rollout once (execution/sharded/driver.py)
     return devices, ranks, micro
 
 
 def rank_lines(plan) -> dict[str, dict]:
-    """Each rank's planned peak against its capacity (placement.rank_memory_gib, when set), in MiB: {rank: {peak_mib,
-    phase, capacity_mib, fits}}: what a notebook quotes of a sharded plan."""
+    """Each rank's planned peak against its capacity (placement.rank_memory_gib, when set) and its line (a CPU rank's
+    guard stops it at memory.host_threshold of it), in MiB: {rank: {peak_mib, phase, capacity_mib, line_mib, fits}}:
+    what a notebook quotes of a sharded plan."""
     MiB = 1024**2
     return {
-        name: {"peak_mib": d.total / MiB, "phase": d.peak_phase, "capacity_mib": d.capacity / MiB, "fits": d.fits}
+        name: {
+            "peak_mib": d.total / MiB,
+            "phase": d.peak_phase,
+            "capacity_mib": d.capacity / MiB,
+            "line_mib": d.line_bytes / MiB,
+            "fits": d.fits,
+        }
         for name, d in plan.ranks.items()
     }

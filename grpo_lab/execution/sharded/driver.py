@@ -169,7 +169,7 @@ class RankExecutor:
 
     # --- edits: refused here as in one process; applied on every rank at its next command ---
     def check_live(self, config) -> None:
-        from ..local import check_new_reward_models
+        from ..reward_inputs import check_new_reward_models
 
         if self.generator is not None:
             self.generator.check_live(config)  # the driver's engine (the ranks' hf generators take every live edit)
