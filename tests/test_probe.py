@@ -143,7 +143,9 @@ def test_the_probe_catches_at_load_the_prompt_an_ordinary_run_meets_at_step_5(tm
     short, long, limit = measured["short"], measured["long"], measured["limit"]
     assert long - short > 800 * MiB, (long / MiB, short / MiB)  # the scenario's premise: the long step is heavier
     threshold = f"memory.host_threshold={(short + long) / 2 / limit:.6f}"
-    args = [a for s in sets + [threshold] for a in ("--set", s)]
+    # why --force: the plan judges at the guard's line too, and its worst case (every prompt 990 tokens) is past it;
+    # this test is about what the probe and the run meet, past the plan's refusal
+    args = [a for s in sets + [threshold] for a in ("--set", s)] + ["--force"]
 
     probed = cli(
         "run",

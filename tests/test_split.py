@@ -42,7 +42,7 @@ def test_7b_colocated_on_24gb_with_sleep_mode_takes_the_largest_share_that_leave
     kv = 0.70 * capacity - CUDA_CONTEXT - weights - work
     assert split.kv_tokens == int(kv // kv_token_bytes(p.shape, cfg)) == 1340
     assert split.sequences == 1340 // 1024 == 1 and split.feasible and p.fits
-    text = str(p)
+    text = " ".join(str(p).split())  # (the plan's text wraps its long lines between words at 120 columns)
     assert "vLLM 0.70 (auto)" in text and "1,340 tokens = 1 sequence of 1024" in text
     # the number the plan printed is what a number would plan, and what lab.placement shows before load
     assert (

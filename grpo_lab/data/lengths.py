@@ -48,6 +48,8 @@ def prompt_lengths(source) -> PromptLengths:
     if source.streamed:
         rows = iter(itertools.islice(iter(dataset), STREAM_SAMPLE))
         batches = iter(lambda: list(itertools.islice(rows, TOKENIZE_BATCH)), [])
+    elif isinstance(dataset, list):
+        batches = (dataset[start : start + TOKENIZE_BATCH] for start in range(0, len(dataset), TOKENIZE_BATCH))
     else:
         batches = (
             [dict(zip(batch, values)) for values in zip(*batch.values())]

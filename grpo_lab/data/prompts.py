@@ -10,22 +10,19 @@ from typing import Optional
 
 from ..algo.containers import PromptBatch
 from .formats import check_prompt, format_prompt, reward_prompt
+from .sources import is_streamed
 
 SHUFFLE_BUFFER = 1000  # rows a streamed dataset's shuffle holds (datasets' IterableDataset.shuffle buffer_size)
 
 
 class PromptSource:
-    """Serves batches of a dataset's rows in a seeded, reshuffled-every-epoch order. A map-style dataset is read a
-    row at a time by index (its rows stay in Arrow, not in Python objects); a streamed one is read in order through
-    datasets' buffer shuffle, reseeded every epoch."""
+    """Serves batches of a dataset's rows in a seeded, reshuffled-every-epoch order. A list of rows or a map-style
+    dataset is read a row at a time by index (a Dataset's rows stay in Arrow, not in Python objects); a streamed one
+    is read in order through datasets' buffer shuffle, reseeded every epoch."""
 
     def __init__(self, dataset, tokenizer, system_prompt: Optional[str], seed: int):
-        import datasets
-
-        if isinstance(dataset, list):
-            dataset = datasets.Dataset.from_list(dataset)
         self.dataset, self.tokenizer, self.system_prompt, self.seed = dataset, tokenizer, system_prompt, seed
-        self.streamed = isinstance(dataset, datasets.IterableDataset)
+        self.streamed = is_streamed(dataset)  # (else a list of rows, or a map-style Dataset: both read by index)
         self._rng = random.Random(seed)
         self._order: list[int] = []  # map-style: what is left of this epoch's order
         self._epoch = self._taken = 0  # the epoch (map-style: epochs begun) and a streamed one's rows drawn from it

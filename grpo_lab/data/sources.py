@@ -20,32 +20,42 @@ STREAM_SAMPLE = 256
 
 
 def open_dataset(config, given=None):
-    """The `datasets.Dataset` or `IterableDataset` of config.data, or of `given` (the Lab's `train_dataset`),
-    checked. Nothing is trained on yet: a bad dataset is one line naming what to fix."""
-    import datasets
-
+    """The rows of config.data, or of `given` (the Lab's `train_dataset`), checked: a list of dicts (the built-in set,
+    a list given: kept as Python rows, why: importing `datasets` costs every process ~100 MiB of host RSS, measured),
+    or a `datasets.Dataset` or `IterableDataset`. Nothing is trained on yet: a bad dataset is one line with the fix."""
     data = config.data
+    field = "train_dataset" if given is not None else "data.dataset"
     dataset = from_object(given, data.split) if given is not None else from_config(data, config.run.seed)
-    if data.streaming and given is None and isinstance(dataset, datasets.Dataset):  # (built in memory, or Arrow)
-        dataset = dataset.to_iterable_dataset(num_shards=1)
-    check_dataset(dataset, "train_dataset" if given is not None else "data.dataset")
+    if data.streaming and given is None and not is_streamed(dataset):  # (built in memory, or Arrow)
+        import datasets
+
+        rows = datasets.Dataset.from_list(dataset) if isinstance(dataset, list) else dataset
+        dataset = rows.to_iterable_dataset(num_shards=1)
+    if isinstance(dataset, list):
+        check_rows(dataset, field)
+    else:
+        check_dataset(dataset, field)
     return dataset
 
 
+def is_streamed(dataset) -> bool:
+    """A `datasets.IterableDataset` (without importing `datasets` where nothing has: no object can be one then)."""
+    import sys
+
+    return "datasets" in sys.modules and isinstance(dataset, sys.modules["datasets"].IterableDataset)
+
+
 def from_object(given, split: str):
+    if isinstance(given, list) and all(isinstance(row, dict) for row in given):
+        if not given:
+            raise LabError("train_dataset: the list has no rows; give at least one {'prompt': ...} row")
+        return given
     import datasets
 
     if isinstance(given, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         return pick_split(given, split, "train_dataset")
     if isinstance(given, (datasets.Dataset, datasets.IterableDataset)):
         return given
-    if isinstance(given, list) and all(isinstance(row, dict) for row in given):
-        if not given:
-            raise LabError("train_dataset: the list has no rows; give at least one {'prompt': ...} row")
-        for index, row in enumerate(given):  # why before Arrow: it refuses mixed types with no row named
-            if "prompt" in row:
-                check_prompt(row["prompt"], index, "train_dataset")
-        return datasets.Dataset.from_list(given)
     raise LabError(
         f"train_dataset: got {type(given).__name__}; give a datasets.Dataset, DatasetDict, IterableDataset or a "
         "list of dicts with a 'prompt' key"
@@ -53,11 +63,11 @@ def from_object(given, split: str):
 
 
 def from_config(data, seed: int):
-    import datasets
-
     name = data.dataset
     if name == "arithmetic":
-        return datasets.Dataset.from_list(arithmetic_rows(data.num_prompts, seed))
+        return arithmetic_rows(data.num_prompts, seed)
+    import datasets
+
     path = Path(name).expanduser()
     if path.is_file():
         builder = _BUILDERS.get(path.suffix.lower())
@@ -130,6 +140,17 @@ def _load(name: str, load):
 
 def first_line(err: BaseException, width: int = 200) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:width]
+
+
+def check_rows(rows: list[dict], field: str) -> None:
+    """Python rows: each with a prompt of one of TRL's two formats."""
+    for index, row in enumerate(rows):
+        if "prompt" not in row:
+            raise LabError(
+                f"{field}: no 'prompt' column (row {index} has {sorted(row)}); name the prompt column 'prompt', e.g. "
+                "dataset.rename_column('question', 'prompt')"
+            )
+        check_prompt(row["prompt"], index, field)
 
 
 def check_dataset(dataset, field: str) -> None:
