@@ -238,6 +238,7 @@ def test_a_newer_panel_turns_the_older_ones_off_in_the_browser(page):
 
 def test_help_shows_under_every_kind_of_field(page):
     from grpo_lab.config.schema import LabConfig
+    from grpo_lab.ui.field_help import fold
 
     pg, _ = page
     for section, name, kind in [
@@ -249,7 +250,8 @@ def test_help_shows_under_every_kind_of_field(page):
     ]:
         row = field(pg, section, name)
         assert row.is_visible(), (section, name)
-        help_text = LabConfig.model_fields[section].annotation.model_fields[name].description[:40]
+        description = LabConfig.model_fields[section].annotation.model_fields[name].description
+        help_text = fold(description)[0].removesuffix(" …")[:40]  # what shows: a long help's first sentence
         shown = editor(pg).get_by_text(help_text, exact=False).first
         assert shown.is_visible(), f"{kind} field {section}.{name}: help {help_text!r} not visible"
     pg.screenshot(path=str(ARTIFACTS / "panel_help.png"))
