@@ -48,16 +48,20 @@ def format_validation_error(err) -> str:
     return "; ".join(lines)
 
 
+def ipython_shell():
+    """The running IPython shell (a Jupyter or papermill kernel), or None outside one or without IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
 def one_line_in_cells(shell=None) -> bool:
     """In an IPython kernel (Jupyter, papermill), a LabError shows as its one line, not a traceback; `%tb` prints the
     whole traceback; and `!grpo-lab` finds the kernel's own CLI (cli_on_path). Returns whether it was installed (False
     outside IPython)."""
-    if shell is None:
-        try:
-            from IPython import get_ipython
-        except ImportError:
-            return False
-        shell = get_ipython()
+    shell = ipython_shell() if shell is None else shell
     if shell is None:
         return False
 

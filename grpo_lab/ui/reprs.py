@@ -5,6 +5,7 @@ a kernel, so algo/ never learns about HTML."""
 
 from __future__ import annotations
 
+from ..errors import ipython_shell
 from ..memory.tables import Column, MemoryTable, Table, wrap_line
 
 STEP_RESULT = ("grpo_lab.algo.containers", "StepResult")  # the type IPython formats, by module and name
@@ -42,12 +43,7 @@ def step_text(result, printer, cycle) -> None:
 def step_results_as_tables(shell=None) -> bool:
     """In an IPython kernel: a StepResult ending a cell shows as step_html (and its text wrapped at 120 columns).
     Returns whether it was registered (False outside IPython); idempotent."""
-    if shell is None:
-        try:
-            from IPython import get_ipython
-        except ImportError:
-            return False
-        shell = get_ipython()
+    shell = ipython_shell() if shell is None else shell
     if shell is None:
         return False
     formatters = shell.display_formatter.formatters
