@@ -253,6 +253,7 @@ class GenerationRequest:
     drop_finished_rows: bool = False  # generator.drop_finished_rows: finished rows leave the batch at bucket boundaries
     rollout_copy: str = "release"  # generator.rollout_copy, auto resolved by the executor: keep or release the copy
     park_buffer_bytes: int = 0  # generator.park_learner: the host buffer's planned size (the executor reads the plan)
+    turn_cache: str = "keep"  # generator.turn_cache: a tool loop's turn goes on from the KV cache (hf), or prefills
 
     @property
     def keeps_copy(self) -> bool:
@@ -277,4 +278,5 @@ class GenerationRequest:
             gen.park_learner,
             gen.drop_finished_rows,
             copy,
+            turn_cache=gen.turn_cache,
         )

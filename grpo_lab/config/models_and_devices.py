@@ -357,6 +357,13 @@ class GeneratorSection(Section):
         "a quarter...), their KV cache dropped, so a group whose completions mostly ended stops paying for full width; "
         "each row keeps its own sampling stream, so its tokens are the same. Refused where the cache is static.",
     )
+    turn_cache: Literal["keep", "prefill"] = knob(
+        "live",
+        "keep",
+        description="hf backend with tools, growing cache: keep = each turn goes on from the KV cache of the turns "
+        "before it (only the tool result's tokens prefilled; rows that finish leave the batch between turns, not "
+        "within one); prefill = each turn prefills the whole conversation again (TRL's loop). The same tokens.",
+    )
     park_learner: bool = knob(
         "live",
         False,

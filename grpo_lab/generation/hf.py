@@ -24,6 +24,7 @@ from .base import GenerationRequest, Generator, Sample, row_seeds
 from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
+from .turn_cache import TurnCache
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
 # repetition penalty), then from transformers' defaults (top_k 50): neither is what the request asked for.
@@ -76,6 +77,8 @@ class HFGenerator(Generator):
         static = "cache_implementation" in DECODES[request.decode](cuda)
         keep = request.keeps_copy
         rows_total = len(batch) * num_generations
+        kept = self.turns is not None and request.turn_cache == "keep" and not static  # (a growing cache only)
+        turns = TurnCache(self.tokenizer.pad_token_id) if kept else None  # a tool loop's turns go on from their KV
         with self.decoding(request) as model, self.one_cache(keep), CompileCounts() as counted:
 
             def chunk(prompt_ids, rows, request):
@@ -87,7 +90,8 @@ class HFGenerator(Generator):
                     # would compile and record once more per rollout; it is filled with copies of its last row,
                     # whose samples are dropped
                     prompt_ids, row_seeds_ = prompt_ids + prompt_ids[-1:] * short, row_seeds_ + row_seeds_[-1:] * short
-                return self.generate_chunk(prompt_ids, request, row_seeds_, width, model)[: len(rows)]
+                held = turns.for_rows(rows) if turns else None
+                return self.generate_chunk(prompt_ids, request, row_seeds_, width, model, held)[: len(rows)]
 
             out = self.generate_in_chunks(batch, num_generations, request, chunk)
         out.compiled_graphs, out.cudagraph_recorded_inputs = counted.delta()
@@ -171,10 +175,11 @@ class HFGenerator(Generator):
 
     @torch.no_grad()  # why: a rollout needs no autograd graph
     def generate_chunk(
-        self, prompt_ids, request: GenerationRequest, seeds: Optional[list[int]] = None, width: int = 0, model=None
+        self, prompt_ids, request: GenerationRequest, seeds=None, width: int = 0, model=None, turns=None
     ) -> list[Sample]:
         """Sample `prompt_ids`, row i with `seeds[i]` (None: seeds drawn here), left-padded to at least `width`, with
-        `model` (the learner's own by default; generator.hf_decode: merged, its rollout copy)."""
+        `model` (the learner's own by default; generator.hf_decode: merged, its rollout copy); `turns`: a tool loop's
+        TurnCache (generation/turn_cache.py), going on from the KV of the rows' turns before."""
         model, tok = self.learner.model if model is None else model, self.tokenizer
         seeds = row_seeds(len(prompt_ids)) if seeds is None else seeds
         GENERATED_ROWS[0] += len(prompt_ids)
@@ -187,7 +192,10 @@ class HFGenerator(Generator):
         settings = self._settings(request)
         samplers = sampler(request, seeds)  # per-row streams, kept across the calls of a rollout whose rows leave
         call = partial(self.generate_once, model, settings, synced, request, samplers)
-        leave = request.drop_finished_rows and not synced and settings.cache_implementation is None
+        cache, turns = None, None if synced else turns
+        if turns is not None:  # why no row leaves within a turn: a row that stops may call a tool, its KV going on
+            (input_ids, attention, cache), call = turns.start(prompt_ids, input_ids, attention), turns.recording(call)
+        leave = request.drop_finished_rows and not synced and settings.cache_implementation is None and turns is None
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)
         contiguous = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(),))
@@ -205,6 +213,7 @@ class HFGenerator(Generator):
                     self.eos_token_ids,
                     lambda kept: keep_sampler_rows(samplers, kept),
                     leave,
+                    cache,
                 )
         except RuntimeError as err:
             if "probability tensor contains" not in str(err):  # InverseCdfSampler on inf/nan probabilities

@@ -36,13 +36,15 @@ def decode_leaving(
     eos_ids: list[int],
     keep_rows: Callable[[list[int]], None],
     leave: bool,
+    cache=None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Every row's new tokens and their sampler log-probs. `call(ids, attention, cache, max_new_tokens, stop)` runs one
     generate() and returns (sequences, cache, log-probs of the new tokens); `keep_rows(indices)` narrows the samplers'
-    per-row state to the rows that stay. `leave` False: one call, every row to the end."""
+    per-row state to the rows that stay. `leave` False: one call, every row to the end. `cache`: the first call's
+    (a tool loop's turn going on from the turns before it: generation/turn_cache.py)."""
     n = input_ids.shape[0]
     rows, tokens, logprobs = list(range(n)), [[] for _ in range(n)], [[] for _ in range(n)]
-    ids, mask, cache, left = input_ids, attention, None, max_new_tokens
+    ids, mask, left = input_ids, attention, max_new_tokens
     eos = torch.tensor(eos_ids)
     while True:
         stop = LeaveAtBucket(ids.shape[1], eos_ids, len(rows) // 2 if leave else -1)

@@ -1,0 +1,111 @@
+"""generator.turn_cache keep (generation/turn_cache.py): a tool loop's turn goes on from the KV cache of the turns
+before it, with the same tokens as a full re-prefill (TRL's loop, generator.turn_cache prefill), greedy and seeded
+sampling, over several turns whose rows stop at different places and leave between turns. The rows' tool calls are
+forced by a logits processor (the tiny random model never writes one), after a free prefix of row-dependent length, so
+the rows of a turn end at different columns of the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TEMPLATE = "trl:qwen2_5"
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+WORDS = [" the", " a", " sum", " of", " two"]  # what a free prefix may use (no special token, no stop)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def forced_turns(monkeypatch, tokenizer, turns: int) -> list:
+    """In the tool loop's turn t < `turns` (one generate() call each), the call's row i writes `i % 3` free words then
+    the tool call when i % (t + 1) == 0, and writes freely otherwise (so rows stop calling at different turns); later
+    turns are free. Returns the turns' (rows, input width) as the model's first forward saw them."""
+    import grpo_lab.generation.hf as hf
+
+    call = tokenizer(CALL, add_special_tokens=False)["input_ids"]
+    words = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in WORDS]
+    made: list = []
+
+    class Force:
+        def __init__(self, turn: int):
+            self.turn, self.start = turn, None
+
+        def __call__(self, input_ids, scores):
+            self.start = input_ids.shape[1] if self.start is None else self.start
+            pos = input_ids.shape[1] - self.start
+            out = scores.clone()
+            for i in range(scores.shape[0]):
+                if i % (self.turn + 1):
+                    continue
+                free = i % 3
+                if pos < free:  # a free word, the model's choice among WORDS
+                    keep = out[i, words].clone()
+                    out[i] = -torch.inf
+                    out[i, words] = keep
+                elif pos - free < len(call):
+                    out[i] = -torch.inf
+                    out[i, call[pos - free]] = 0.0
+            return out
+
+    original = hf.sampling_processors
+
+    def processors(request):
+        made.append(request)
+        turn = len(made) - 1
+        return original(request) + ([Force(turn)] if turn < turns else [])
+
+    monkeypatch.setattr(hf, "sampling_processors", processors)
+    return made
+
+
+def rollout(tiny_config, monkeypatch, mode: str, temperature: float, turns: int = 3):
+    """One seeded rollout of 6 rows with up to `turns` forced tool turns, and the tokens each forward was fed."""
+    from grpo_lab import Lab
+
+    cfg = tiny_config(
+        model={"chat_template": TEMPLATE},
+        generator={
+            "max_completion_length": 320,
+            "max_prompt_length": 1024,
+            "max_tool_calling_iterations": turns,
+            "temperature": temperature,
+            "turn_cache": mode,
+        },
+        grpo={"beta": 0.0, "num_generations": 3, "prompts_per_step": 2},
+    )
+    lab = Lab(cfg, reward_funcs=["length"], tools=[add]).load()
+    forced_turns(monkeypatch, lab.learner.tokenizer, turns)
+    fed = []
+    hook = lab.learner.model.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda _, args, out: fed.append(args[0].numel())
+    )
+    torch.manual_seed(7)
+    try:
+        out = lab.rollout()
+    finally:
+        hook.remove()
+        lab.close()
+    return out, sum(fed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_turn_going_on_from_its_cache_samples_what_a_reprefill_samples(tiny_config, monkeypatch, temperature):
+    kept, kept_fed = rollout(tiny_config, monkeypatch, "keep", temperature)
+    monkeypatch.undo()
+    again, again_fed = rollout(tiny_config, monkeypatch, "prefill", temperature)
+    assert kept.turns == again.turns and max(kept.turns) >= 3 and min(kept.turns) < max(kept.turns)
+    assert torch.equal(kept.completion_ids, again.completion_ids)
+    assert torch.equal(kept.completion_mask, again.completion_mask)
+    assert torch.equal(kept.tool_mask, again.tool_mask)
+    assert kept.conversations == again.conversations
+    torch.testing.assert_close(kept.sampler_logprobs, again.sampler_logprobs, atol=1e-4, rtol=0)
+    # the later turns fed the model their new tokens only, not the conversation again
+    assert kept_fed < 0.7 * again_fed, (kept_fed, again_fed)
