@@ -318,7 +318,7 @@ class Lab(LabViews):
 
         s = self._step
         result = self.executor.result(s, self.timeline.seconds(s.index))
-        result.memory = self.memory.rows_for(s.index)
+        result.memory, result.turn_memory = self.memory.rows_for(s.index), self.memory.mark_rows(s.index)
         result.leaks = self.leaks.observe(end_of_step(result.memory))
         self.history.append(result)
         self._step = StepState(index=s.index + 1)  # why: the snapshot goes with the finished step

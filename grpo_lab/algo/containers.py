@@ -190,6 +190,9 @@ class StepResult:
     tool_calls_per_row: Optional[float] = None  # TRL's tools/call_frequency (None: no tools)
     tool_failure_frequency: Optional[float] = None  # TRL's tools/failure_frequency: failed calls / calls
     turns_mean: Optional[float] = None  # assistant turns per row
+    # a tool loop's rollout: per mark inside it (turn 1, tools 1, turn 2, ...) x device x metric, its peak bytes and
+    # seconds (memory/sampler.py mark_rows)
+    turn_memory: list[dict] = field(default_factory=list)
 
     def metrics(self) -> dict:
         """JSON-ready dict: one line of metrics.jsonl (scalars flat, the memory table as a list; what rewards logged

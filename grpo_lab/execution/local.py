@@ -197,6 +197,7 @@ class LocalExecutor:
         self.generator = start_generator(config, self.learner, on_rank=runtime().is_rank)
         if self.tools is not None:  # the backend's chunks then run turn by turn through the tool loop
             self.generator.turns = self.tools.loop(self.learner.tokenizer, self.generator.eos_token_ids, config)
+            self.generator.turns.marker = memory.mark  # (each turn and its tools marked inside the rollout phase)
         attach_engine(memory, self.generator)
         self.build_prompts()
         self.build_reward_models()

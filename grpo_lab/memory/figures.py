@@ -203,6 +203,21 @@ def band(x0: float, x1: float, colour: str, opacity: float, name: str) -> dict:
     return span | dict(fillcolor=colour, opacity=opacity, name=name)
 
 
+def turn_marks(segments, clock) -> tuple[list[dict], list[dict]]:
+    """The marks inside phases (a tool loop's `turn 1`, `tools 1`, `turn 2`...: memory/sampler.py `mark`), each a
+    dotted line where it starts and its name beside it, at the plot's top (shapes, annotations)."""
+    shapes, notes = [], []
+    for m in segments:
+        if m.get("failed_attempt") is not None:
+            continue
+        x = clock(m["start"])
+        line = dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=0.93, name="turn-mark")
+        shapes.append(line | dict(line=dict(color="#555555", width=1, dash="dot")))
+        note = dict(x=x, y=0.93, xref="x", yref="paper", text=m["mark"], showarrow=False, xanchor="left")
+        notes.append(note | dict(yanchor="top", textangle=-90, font=dict(size=9, color="#555555"), name="turn-mark"))
+    return shapes, notes
+
+
 def band_shapes(marks, opacity: float) -> list[dict]:
     """One shaded rectangle per phase (its colour), the plot's full height."""
     return [band(start, end, COLOURS.get(phase, "#cccccc"), opacity, phase) for _, phase, start, end in marks]
@@ -283,18 +298,19 @@ def undone_parts(marks) -> tuple[list, list]:
     return shapes, notes
 
 
-def timeline_figure(samples, marks, limits: dict | None = None, undone=(), phases=None):
+def timeline_figure(samples, marks, limits: dict | None = None, undone=(), phases=None, segments=()):
     """Memory over time: host lines, each GPU's ledger stacked; phases as bands labelled at their foot (a key of
     their colours above; step labels and limit names at the top), steps separated; idle spans (loading too) squeezed
     to narrow grey gaps that say how long they were, so the axis shows work (the live plot's clock, wider gaps).
     Why shapes and annotations are assigned once: plotly's add_vrect / add_annotation copy the layout on every call,
     which took 12 s of a 25-step run's report. `phases`: those phases' samples and bands only (the title names them),
-    the others squeezed as idle is."""
+    the others squeezed as idle is. `segments`: the marks inside phases (a tool loop's turns), dotted lines."""
     import plotly.graph_objects as go
 
     if phases is not None:
         samples = [s for s in samples if s[2] in phases]
         marks, undone = [m for m in marks if m[1] in phases], [m for m in undone if m[1] in phases]
+        segments = [m for m in segments if m["phase"] in phases]
 
     now = max((t for t, *_ in samples), default=0.0)
     keep = max(IDLE_KEEP_S, IDLE_SHARE * sum(end - start for *_, start, end in marks))
@@ -312,7 +328,9 @@ def timeline_figure(samples, marks, limits: dict | None = None, undone=(), phase
     idle, idle_notes = idle_marks(gaps, clock, "idle" if phases is None else "other phases + idle")
     used = sorted({phase for _, phase, _, _ in marks}, key=lambda p: PHASE_NAMES.index(p) if p in PHASE_NAMES else 99)
     lines, notes, top = limit_parts(limits or {}, stack_top(series))
+    turn_shapes, turn_notes = turn_marks(segments, clock)
     shapes = band_shapes(worked, opacity=BAND_OPACITY) + undone_shapes + idle + step_separators(worked) + lines
+    shapes, notes = shapes + turn_shapes, notes + turn_notes
     squeezed = f"seconds of work: idle over {keep:.1f} s squeezed to {keep:.1f} s grey gaps, labelled with its length"
     axis = squeezed if gaps else "seconds"
     return go.Figure(

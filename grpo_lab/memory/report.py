@@ -14,6 +14,8 @@ from .readers import MiB, is_host
 from .step_figures import heatmap_figure, training_figure
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
+MARKS_CSV = "marks.csv"
+MARKS_HEADER = ["step", "phase", "mark", "start", "end", "device", "metric", "peak_bytes", "failed_attempt"]
 
 
 class CsvStream:
@@ -38,6 +40,21 @@ class CsvStream:
                 (f"{t + self.offset:.4f}", max(step, self.floor), phase, dev, metric, int(v))
                 for t, step, phase, dev, metric, v in rows
             )
+        if getattr(self.sampler, "segments", None):  # the marks inside phases: a tool loop's turns and tools
+            write_marks(self.path.with_name(MARKS_CSV), self.sampler.segments, self.offset)
+
+
+def write_marks(path: Path, segments: list[dict], offset: float = 0.0) -> None:
+    """DIR/marks.csv, the timeline's marks inside phases (memory/sampler.py `mark`): one row per mark x device x
+    metric, its start and end on memory.csv's clock and its peak; a rolled-back attempt's marks say which."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(MARKS_HEADER)
+    for m in segments:
+        for (device, metric), peak in m["peak"].items():
+            writer.writerow([m["step"], m["phase"], m["mark"], f"{m['start'] + offset:.4f}", f"{m['end'] + offset:.4f}",
+                             device, metric, int(peak), m["failed_attempt"] or ""])  # fmt: skip
+    atomic_write_text(path, buffer.getvalue())
 
 
 def _rows_before(path: Path, step: int) -> list[list[str]]:
@@ -63,7 +80,8 @@ def sampler_timeline(sampler, phases=None):
     """The sampler's memory timeline so far with its capacity and threshold lines (samples read under its lock: the
     sampling thread may be running); `phases`: those only."""
     undone = getattr(sampler, "undone", ())  # (a sharded Lab's driver keeps its ranks' marks only)
-    return timeline_figure(sampler.samples_since(0), sampler.marks, host_limits(sampler), undone, phases)
+    segments = list(getattr(sampler, "segments", []))
+    return timeline_figure(sampler.samples_since(0), sampler.marks, host_limits(sampler), undone, phases, segments)
 
 
 def host_limits(sampler) -> dict[str, float]:

@@ -69,6 +69,9 @@ class MemorySampler:
         self.phase_rows: list[dict] = []  # per-phase summary rows, all steps
         self.marks: list[tuple[int, str, float, float]] = []  # (step, phase, start, end) for plots
         self.undone: list[tuple[int, str, float, float]] = []  # the marks of phases rolled back and redone
+        # marks inside a phase (`mark`: a tool loop's turns and tools in the rollout), each with its own peaks
+        self.segments: list[dict] = []
+        self._segment: Optional[dict] = None  # the open one
         self._open: Optional[dict] = None  # start reading and running peaks of the current phase
         self._host_max_ratio = 0.0  # the highest host used/limit of the samples taken between phases
         self._vetoed = False  # a phase was just failed for crossing: its memory is being freed, not counted
@@ -126,9 +129,47 @@ class MemorySampler:
             return
         with self._lock:
             if self._open is not None:
-                peaks = self._open["peak"]
-                for key, value in host.items():
-                    peaks[key] = max(peaks.get(key, value), value)
+                self._raise_peaks(host)
+
+    def _raise_peaks(self, reading: dict) -> None:
+        """The open phase's (and its open mark's) running peaks, raised by `reading` (under the lock)."""
+        for peaks in [self._open["peak"]] + ([self._segment["peak"]] if self._segment else []):
+            for key, value in reading.items():
+                peaks[key] = max(peaks.get(key, value), value)
+
+    def mark(self, label: str) -> None:
+        """Start a mark inside the running phase (a tool loop's `turn 2`, `tools 1`): it runs to the next mark or
+        the phase's end, with its own peaks (the reading taken here is the end of the one before and the start of
+        this one). Outside a phase: nothing."""
+        reading = self.read()
+        with self._lock:
+            if self._open is None:
+                return
+            self._close_segment(reading)
+            t = time.perf_counter() - self.t0
+            self._segment = {"step": self.step, "phase": self.phase, "mark": label, "start": t, "end": t,
+                             "peak": dict(reading), "failed_attempt": None}  # fmt: skip
+            self.segments.append(self._segment)
+
+    def _close_segment(self, reading: dict) -> None:
+        if self._segment is not None:
+            for key, value in reading.items():
+                self._segment["peak"][key] = max(self._segment["peak"].get(key, value), value)
+            self._segment["end"] = time.perf_counter() - self.t0
+            self._segment = None
+
+    def mark_rows(self, step: int) -> list[dict]:
+        """The marks of `step`'s completed attempt, one row per mark x device x summary metric: its peak, its
+        seconds (the step's metrics: each turn's peak)."""
+        rows = []
+        for m in self.segments:
+            if m["step"] != step or m["failed_attempt"] is not None:
+                continue
+            for (device, metric), peak in m["peak"].items():
+                if metric in SUMMARY_METRICS["host" if device == "host" else "cuda"]:
+                    rows.append({"step": step, "phase": m["phase"], "mark": m["mark"], "device": device,
+                                 "metric": metric, "peak": peak, "seconds": m["end"] - m["start"]})  # fmt: skip
+        return rows
 
     def set_rate(self, hz: float) -> None:
         """Change the sampling rate of a running sampler (0 stops the thread; readings stay at phase boundaries)."""
@@ -151,9 +192,7 @@ class MemorySampler:
                 self.samples.append((t, self.step, self.phase, device, metric, value))
             self.total += len(reading)
             if self._open is not None:
-                peaks = self._open["peak"]
-                for key, value in reading.items():
-                    peaks[key] = max(peaks.get(key, value), value)
+                self._raise_peaks(reading)
             elif not self._vetoed:  # why: a crossing inside a phase is that phase's (phase_ended)
                 self._host_max_ratio = max(self._host_max_ratio, self.host_ratio(reading))
         if self.live is not None and self.live.armed:
@@ -201,6 +240,7 @@ class MemorySampler:
         it, so the phase fails as it ends and the Lab undoes it)."""
         end = self.read()
         with self._lock:
+            self._close_segment(end)
             opened, self._open = self._open, None
             self.phase = "idle"
         if opened is None:
@@ -276,12 +316,16 @@ class MemorySampler:
                 if r["step"] == step and r["phase"] in phases and r["failed_attempt"] is None:
                     r["failed_attempt"] = attempt
             self.undone += [m for m in self.marks if m[0] == step and m[1] in phases and m not in self.undone]
+            for m in self.segments:
+                if m["step"] == step and m["phase"] in phases and m["failed_attempt"] is None:
+                    m["failed_attempt"] = attempt
 
     def forget(self, step: int) -> list[dict]:
         """Take every per-phase row of `step` out (the worst-case probe's step); returns them."""
         with self._lock:
             rows = [r for r in self.phase_rows if r["step"] == step]
             self.phase_rows[:] = [r for r in self.phase_rows if r["step"] != step]
+            self.segments[:] = [m for m in self.segments if m["step"] != step]
         return rows
 
     def rows_for(self, step: int, failed_attempts: bool = False) -> list[dict]:
@@ -301,15 +345,20 @@ class MemorySampler:
             return list(self.samples)[max(index - held_from, 0) :]
 
 
-def format_table(rows: list[dict]) -> str:
-    """The per-phase table of one step, in MiB: one line per phase x device x metric."""
+def format_table(rows: list[dict], marks: list[dict] = ()) -> str:
+    """The per-phase table of one step, in MiB: one line per phase x device x metric; after a phase's lines, its
+    marks' (`marks`: MemorySampler.mark_rows, a tool loop's turns), indented, with their peak alone."""
     w = max([9, *(len(r["device"]) + 1 for r in rows)])  # a sharded Lab's devices are longer: 'rank1/cuda:1'
     lines = [f"{'phase':<11}{'device':<{w}}{'metric':<12}{'start':>10}{'peak':>10}{'end':>10}{'delta':>10}"]
-    for r in rows:
+    for i, r in enumerate(rows):
         lines.append(
             f"{r['phase']:<11}{r['device']:<{w}}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
             f"{r['peak'] / MiB:>10.1f}{r['end'] / MiB:>10.1f}{r['delta'] / MiB:>+10.1f}"
         )
+        if i + 1 == len(rows) or rows[i + 1]["phase"] != r["phase"]:  # the phase's last line: its marks after it
+            for m in (m for m in marks if m["phase"] == r["phase"]):
+                label = "  " + m["mark"]
+                lines.append(f"{label:<11}{m['device']:<{w}}{m['metric']:<12}{'':>10}{m['peak'] / MiB:>10.1f}")
     return "\n".join(lines)
 
 

@@ -121,18 +121,23 @@ def wrap_line(line: str, width: int = TEXT_WIDTH) -> str:
     )
 
 
-def phase_table(rows: list[dict], title: str = "") -> Table:
-    """The per-phase rows of a step (phase x device x metric: start, peak, end, delta) in MiB."""
+def phase_table(rows: list[dict], title: str = "", marks: list[dict] = ()) -> Table:
+    """The per-phase rows of a step (phase x device x metric: start, peak, end, delta) in MiB; each phase's marks
+    (a tool loop's turns) after its rows, their peak alone."""
     from .readers import MiB
 
     columns = [Column("phase"), Column("device"), Column("metric")]
     columns += [Column(f"{name} MiB", numeric=True) for name in ("start", "peak", "end", "delta")]
-    cells = [
-        [r["phase"], r["device"], r["metric"]]
-        + [f"{r[k] / MiB:,.1f}" for k in ("start", "peak", "end")]
-        + [f"{r['delta'] / MiB:+,.1f}"]
-        for r in rows
-    ]
+    cells = []
+    for i, r in enumerate(rows):
+        cells.append(
+            [r["phase"], r["device"], r["metric"]]
+            + [f"{r[k] / MiB:,.1f}" for k in ("start", "peak", "end")]
+            + [f"{r['delta'] / MiB:+,.1f}"]
+        )
+        if i + 1 == len(rows) or rows[i + 1]["phase"] != r["phase"]:
+            cells += [[f"· {m['mark']}", m["device"], m["metric"], "", f"{m['peak'] / MiB:,.1f}", "", ""]
+                      for m in marks if m["phase"] == r["phase"]]  # fmt: skip
     return Table(columns, cells, title=title)
 
 
@@ -140,11 +145,12 @@ class MemoryTable(str):
     """`lab.memory_table()`: the text `print()` shows and callers search (memory.format_table, as ever); on its own in a
     cell, an HTML table (and that same text, unquoted, as its plain-text form)."""
 
-    def __new__(cls, rows: list[dict], step: int | None = None):
+    def __new__(cls, rows: list[dict], step: int | None = None, marks: list[dict] = ()):
+        """`marks`: the step's marks inside phases (MemorySampler.mark_rows: a tool loop's turns), under their phase."""
         from .sampler import format_table
 
-        made = super().__new__(cls, format_table(rows))
-        made.rows, made.step = rows, step
+        made = super().__new__(cls, format_table(rows, marks))
+        made.rows, made.step, made.marks = rows, step, list(marks)
         return made
 
     def __repr__(self) -> str:  # why: a str's repr is the quoted text with its literal \n
@@ -155,4 +161,4 @@ class MemoryTable(str):
 
     def _repr_html_(self) -> str:
         title = "memory per phase (MiB)" if self.step is None else f"step {self.step}: memory per phase (MiB)"
-        return phase_table(self.rows, title).html()
+        return phase_table(self.rows, title, self.marks).html()

@@ -76,6 +76,9 @@ class ToolLoop:
         """`toolbox`: the Lab's tools (None: none); `environments`: its environment_factory (environments.py)."""
         self.toolbox, self.tokenizer, self.eos_token_ids, self.config = toolbox, tokenizer, eos_token_ids, config
         self.environments: Optional[Environments] = environments
+        # where each turn and each round of tool calls starts (the executor gives the memory sampler's `mark`: the
+        # timeline marks them inside the rollout phase, each with its own peak)
+        self.marker: Callable[[str], None] = lambda label: None
 
     def start(self, batch: PromptBatch, num_generations: int, request) -> "Episode":
         """The rollout's rows: a standard (text) prompt becomes its user message (with the system prompt), so
@@ -134,12 +137,17 @@ class Episode:
         budget, gen = request.max_completion_length, self.loop.config.generator
         rows_ = list(rows)
         trajectories = [Trajectory(p, toolbox=self.toolboxes[r]) for p, r in zip(prompt_ids, rows_)]
+        mark = self.loop.marker
+        mark("turn 1")
         self.decode(trajectories, list(range(len(rows_))), rows_, sample, request, budget)
         waiting = [k for k, t in enumerate(trajectories) if t.messages and t.messages[-1].get("tool_calls")]
-        for _ in range(gen.max_tool_calling_iterations):
+        for turn in range(2, gen.max_tool_calling_iterations + 2):
+            if waiting:
+                mark(f"tools {turn - 1}")
             going = [k for k in waiting if self.call_tools(trajectories[k], budget, gen.tool_timeout_s)]
             if not going:
                 break
+            mark(f"turn {turn}")
             self.decode(trajectories, going, rows_, sample, request, budget)
             waiting = [k for k in going if trajectories[k].messages[-1].get("tool_calls")]
             if not waiting:

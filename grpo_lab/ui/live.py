@@ -39,6 +39,7 @@ from ..memory.figures import (
     step_separators,
     trace_order,
     trace_style,
+    turn_marks,
     work_clock,
 )
 from ..memory.readers import MiB
@@ -124,6 +125,7 @@ class LivePlot:
         self._series: dict[tuple[str, str], Series] = {}
         self._index = 0  # next sampler sample to ingest
         self._marks_drawn = -1  # phase bands are redrawn only when a phase has ended
+        self._turns_drawn = 0  # ... or a turn of a tool loop's rollout has begun
         self._limits = host_limits(sampler)
         self._near: dict[str, float] = {}
         self._clock = lambda t: t  # sample time -> x (figures.work_clock: idle squeezed)
@@ -225,12 +227,16 @@ class LivePlot:
         bands = band_shapes(marks + running, opacity=BAND_OPACITY)
         self._running_band = len(marks) if running else None
         lines = [limit_line(mib, name) for name, mib in self._near.items()]
-        return bands + step_separators(marks) + lines
+        return bands + step_separators(marks) + lines + self._turns()[0]
+
+    def _turns(self) -> tuple[list, list]:
+        """The marks inside the phases drawn (a tool loop's turns: memory/figures.py turn_marks)."""
+        return turn_marks(list(getattr(self.sampler, "segments", [])), self._clock)
 
     def _annotations(self, marks) -> list[dict]:
         """The drawn limit lines' names, then the phase and step labels."""
         names = [limit_name(name, mib) for name, mib in self._near.items()]
-        return [phase_key_annotation()] + names + band_labels(marks)
+        return [phase_key_annotation()] + names + band_labels(marks) + self._turns()[1]
 
     def refresh(self) -> None:
         """Redraw from the sampler's buffer (called by the renderer thread, or by hand)."""
@@ -255,7 +261,10 @@ class LivePlot:
             running = [(s, p, self._clock(a), now) for s, p, a, _ in self._running(self._series_end())]
             marks, window = self._window([(s, p, self._clock(a), self._clock(b)) for s, p, a, b in self.sampler.marks])
             near = self._limits_in_view(series, window, marks + running)
+            turned = len(getattr(self.sampler, "segments", [])) != self._turns_drawn  # (a turn began: drawn now)
+            self._turns_drawn = len(getattr(self.sampler, "segments", []))
             grown = running and self._running_band is not None and len(self.sampler.marks) == self._marks_drawn
+            grown = grown and not turned
             if grown and near.keys() == self._near.keys():
                 # why one property: validating every shape is the costly part of a redraw; only this band moved
                 self.fig.layout.shapes[self._running_band].x1 = now

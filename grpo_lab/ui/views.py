@@ -113,7 +113,7 @@ class LabViews:
                 "lab.memory_table(): no step has finished yet; run lab.step() (or a phase walk up to its sync) first"
             )
         step = self.history[-1].step if step is None else step
-        return MemoryTable(self.memory.rows_for(step), step)
+        return MemoryTable(self.memory.rows_for(step), step, self.memory.mark_rows(step))
 
     # --- what a cell shows for the Lab itself ---
     def _summary(self) -> list[tuple[str, str]]:
