@@ -109,3 +109,31 @@ def test_a_turn_going_on_from_its_cache_samples_what_a_reprefill_samples(tiny_co
     torch.testing.assert_close(kept.sampler_logprobs, again.sampler_logprobs, atol=1e-4, rtol=0)
     # the later turns fed the model their new tokens only, not the conversation again
     assert kept_fed < 0.7 * again_fed, (kept_fed, again_fed)
+
+
+def test_max_tool_response_tokens_cuts_a_tool_result(tiny_model, tiny_config):
+    from test_tools import call_text, long_text, make_loop, run
+    from transformers import AutoTokenizer
+
+    from grpo_lab.tools.template import prepare_for_tools, use_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    use_chat_template(tokenizer, TEMPLATE)
+    prepare_for_tools(tokenizer)
+    turns = [call_text("long_text", '{"x": 1}'), "<answer>5</answer><|im_end|>"]
+    unbounded, _ = run(make_loop(tokenizer, tiny_config, [long_text]), tokenizer, turns, budget=300)
+    assert unbounded.turns == 1  # the whole result would pass the trajectory budget: left out, the row ends (TRL)
+    bounded, _ = run(make_loop(tokenizer, tiny_config, [long_text], max_tool_response_tokens=20), tokenizer, turns, 300)
+    result = bounded.messages[1]
+    assert result["role"] == "tool" and result["content"].startswith("word word")
+    assert 0 < len(tokenizer(result["content"], add_special_tokens=False)["input_ids"]) <= 20
+    assert bounded.turns == 2 and bounded.messages[-1]["content"] == "<answer>5</answer>"
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_a_tool_result_bound_not_above_0_is_one_line(tiny_config, value):
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^generator.max_tool_response_tokens: got {value}; .*greater than 0$"):
+        load_config(tiny_config(generator={"max_tool_response_tokens": value}))

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..generation.registry import BACKENDS, OWN_WEIGHTS
 from .fields import Section, knob, normalize_device
+from .turn_help import TOOL_RESPONSE_HELP, TURN_CACHE_HELP
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Share = Annotated[float, Field(gt=0, le=1)]
@@ -239,6 +240,7 @@ class GeneratorSection(Section):
         description="With tools (Lab(tools=...)): the most tool-calling rounds a completion gets after its first "
         "turn (TRL's name); 0 = tools are rendered into the prompt but never called.",
     )
+    max_tool_response_tokens: Optional[int] = knob("live", None, gt=0, description=TOOL_RESPONSE_HELP)
     tools: list[str] = knob(
         "load",
         default_factory=list,
@@ -357,13 +359,7 @@ class GeneratorSection(Section):
         "a quarter...), their KV cache dropped, so a group whose completions mostly ended stops paying for full width; "
         "each row keeps its own sampling stream, so its tokens are the same. Refused where the cache is static.",
     )
-    turn_cache: Literal["keep", "prefill"] = knob(
-        "live",
-        "keep",
-        description="hf backend with tools, growing cache: keep = each turn goes on from the KV cache of the turns "
-        "before it (only the tool result's tokens prefilled; rows that finish leave the batch between turns, not "
-        "within one); prefill = each turn prefills the whole conversation again (TRL's loop). The same tokens.",
-    )
+    turn_cache: Literal["keep", "prefill"] = knob("live", "keep", description=TURN_CACHE_HELP)
     park_learner: bool = knob(
         "live",
         False,

@@ -171,20 +171,33 @@ class Episode:
             trajectories[k].add_turn(ids, logprobs, message)
             trajectories[k].truncated = not ids or ids[-1] not in eos
 
+    def cut(self, text: str, bound: Optional[int]) -> str:
+        return cut_to_tokens(self.loop.tokenizer, text, bound)
+
     def call_tools(self, trajectory: Trajectory, budget: int, timeout_s: float) -> bool:
         """Run the row's last turn's tool calls and append their results; False when the results would pass the
         budget (left out: the row ends with its tool call, as in TRL)."""
         results, failures = trajectory.toolbox.run_calls(trajectory.messages[-1]["tool_calls"], timeout_s)
         trajectory.calls += len(results)
         trajectory.failures += failures
+        bound = self.loop.config.generator.max_tool_response_tokens
         messages = [
-            {"role": "tool", "name": name, "content": r if isinstance(r, list) else str(r)} for name, r in results
+            {"role": "tool", "name": name, "content": r if isinstance(r, list) else self.cut(str(r), bound)}
+            for name, r in results
         ]
         suffix = tool_suffix_ids(self.loop.tokenizer, messages)
         if len(trajectory.ids) + len(suffix) > budget:
             return False
         trajectory.add_tools(messages, suffix)
         return True
+
+
+def cut_to_tokens(tokenizer, text: str, bound: Optional[int]) -> str:
+    """A tool result's text cut to its first `bound` tokens (generator.max_tool_response_tokens; None: whole)."""
+    if bound is None:
+        return text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if len(ids) <= bound else tokenizer.decode(ids[:bound])
 
 
 def as_messages(prompt, system_prompt) -> list[dict]:
