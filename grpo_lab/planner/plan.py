@@ -38,6 +38,7 @@ class Plan:
     # rank's share of host RAM (devices["host"] is their sum, what the fit is checked against)
     ranks: dict[str, DevicePlan] = field(default_factory=dict)
     prompts: Optional[str] = None  # how the prompt length was planned when the data was read (planned_prompts)
+    turns: Optional[str] = None  # a multi-turn rollout's worst turn and tool-result bound (planner/turns.py)
 
     @property
     def caveats(self) -> list[str]:
@@ -264,10 +265,12 @@ def planned_prompts(config, prompt_tokens: Optional[int]) -> tuple[object, Optio
     return load_config(config, [f"generator.max_prompt_length={max(prompt_tokens, 1)}"]), line
 
 
-def plan(config, shape: Optional[ModelShape] = None, prompt_tokens: Optional[int] = None) -> Plan:
+def plan(config, shape: Optional[ModelShape] = None, prompt_tokens: Optional[int] = None, tools=None) -> Plan:
     """The memory plan of `config`: per device, the DataParallel what-if, and fixes when it does not fit.
-    `prompt_tokens`: the data's longest prompt, when read (planned_prompts)."""
+    `prompt_tokens`: the data's longest prompt, when read (planned_prompts); `tools`: whether the rollout calls tools
+    (None: the config's generator.tools or environment_factory say)."""
     from ..config.loading import load_config
+    from .turns import turns_line
 
     config, prompts_line = planned_prompts(config, prompt_tokens)
     shape = shape or load_shape(config.model.name_or_path)
@@ -275,6 +278,7 @@ def plan(config, shape: Optional[ModelShape] = None, prompt_tokens: Optional[int
     # why no what-if for a sharded learner: FSDP2 is the chosen wrapping, and its ranks are planned above
     what_if = None if ranks else dataparallel_what_if(config, shape, devices)
     result = Plan(config, shape, devices, micro, what_if, ranks=ranks, prompts=prompts_line)
+    result.turns = turns_line(config, tools)
     if not result.fits:
         fixed = set()  # knobs with a fix already: each knob's values come best first, so the first that fits is shown
         for description, overrides in candidate_fixes(config):

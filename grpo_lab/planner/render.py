@@ -75,6 +75,7 @@ def blocks(plan) -> list[Block]:
         f"LoRA r={config.lora.r} ({count(lora)}), generator {config.generator.backend}, "
         f"micro-batch {plan.micro_batch}, reference {config.reference_strategy}",
         *([plan.prompts] if plan.prompts else []),
+        *([plan.turns] if plan.turns else []),
         "",
     ]
     if plan.ranks:

@@ -28,7 +28,8 @@ class LabViews:
 
         source = self.prompts
         longest = source.lengths().longest if source is not None and hasattr(source, "lengths") else None
-        return plan(self.config, prompt_tokens=longest)
+        tools = getattr(self.executor, "tools", None) is not None or None  # (None: the config says)
+        return plan(self.config, prompt_tokens=longest, tools=tools)
 
     def probe(self):
         """One step at the largest shapes the config allows (longest prompt, full-length completions, full
