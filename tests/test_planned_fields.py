@@ -40,9 +40,10 @@ VARIANTS = [
     ["generator.hf_decode=merged"],
     ["data.reward_models=[builtin:tiny-reward]"],
     ["data.reward_models=[builtin:tiny-reward]", "placement.reward_model=cpu"],
+    ["generator.tools=[my_tools:add]", "generator.max_tool_response_tokens=32"],  # a multi-turn rollout's plan
 ]
 # values no type or context offers
-EXTRA = {"lora.target_modules": [["q_proj", "v_proj"]]}
+EXTRA = {"lora.target_modules": [["q_proj", "v_proj"]], "generator.environment_factory": ["my_env:Env"]}
 SECTIONS = {LabConfig.model_fields[s].annotation: s for s in LabConfig.model_fields}
 MARKED = [path for path, _, _ in leaf_fields() if field_planned(path)]
 

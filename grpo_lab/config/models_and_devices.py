@@ -236,14 +236,16 @@ class GeneratorSection(Section):
         "live",
         5,
         ge=0,
+        planned=True,
         strict=True,
         description="With tools (Lab(tools=...)): the most tool-calling rounds a completion gets after its first "
         "turn (TRL's name); 0 = tools are rendered into the prompt but never called.",
     )
-    max_tool_response_tokens: Optional[int] = knob("live", None, gt=0, description=TOOL_RESPONSE_HELP)
+    max_tool_response_tokens: Optional[int] = knob("live", None, gt=0, planned=True, description=TOOL_RESPONSE_HELP)
     tools: list[str] = knob(
         "load",
         default_factory=list,
+        planned=True,
         description="Tools the model may call, each as 'module:function' (plain functions with type hints and a "
         "docstring, sync or async; TRL's tools); Lab(tools=[...]) takes the functions instead. Needs a chat template "
         "that renders tools (model.chat_template).",
@@ -251,6 +253,7 @@ class GeneratorSection(Section):
     environment_factory: Optional[str] = knob(
         "load",
         None,
+        planned=True,
         description="An environment class as 'module:Class' (TRL's environment_factory: one instance per rollout row, "
         "reset(**row) starts it, its public methods are the row's tools, an optional get_reward() is a reward); "
         "Lab(environment_factory=...) takes the class, or a dict of them, instead; null = none.",
@@ -359,7 +362,7 @@ class GeneratorSection(Section):
         "a quarter...), their KV cache dropped, so a group whose completions mostly ended stops paying for full width; "
         "each row keeps its own sampling stream, so its tokens are the same. Refused where the cache is static.",
     )
-    turn_cache: Literal["keep", "prefill"] = knob("live", "keep", description=TURN_CACHE_HELP)
+    turn_cache: Literal["keep", "prefill"] = knob("live", "keep", planned=True, description=TURN_CACHE_HELP)
     park_learner: bool = knob(
         "live",
         False,
