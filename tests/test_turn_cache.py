@@ -137,3 +137,31 @@ def test_a_tool_result_bound_not_above_0_is_one_line(tiny_config, value):
 
     with pytest.raises(ConfigError, match=rf"^generator.max_tool_response_tokens: got {value}; .*greater than 0$"):
         load_config(tiny_config(generator={"max_tool_response_tokens": value}))
+
+
+def test_a_turn_whose_cache_would_pass_the_planned_kv_prefills_afresh():
+    """The cache's columns are the rows' union: when the row that stays used fewer of them than the one that left,
+    going on would hold more KV than the plan's prompt + budget; that turn prefills instead."""
+    from transformers import DynamicCache
+
+    from grpo_lab.algo.containers import GenerationRequest
+    from grpo_lab.generation.turn_cache import TurnCache
+
+    held = TurnCache(0, GenerationRequest(max_completion_length=10, max_prompt_length=4))  # planned: 14 tokens
+    held.rows = [0, 1]
+    held.sequences = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 11, 0, 0, 0, 0, 0]])  # row 1 stopped
+    held.mask = torch.ones(2, 10, dtype=torch.long)
+    context = [1, 2, 3, 4, 11, 21, 22, 23]  # row 1's, with its tool result: 8 tokens where the cache has 9 columns
+
+    def ask(new_tokens):
+        cache = DynamicCache()
+        cache.update(torch.zeros(2, 1, 9, 2), torch.zeros(2, 1, 9, 2), 0)  # 9 cached columns (the last not forwarded)
+        held.cache = cache
+        fresh = torch.tensor([context]), torch.ones(1, len(context), dtype=torch.long)
+        return held.for_rows([1]).inputs([context], *fresh, new_tokens)
+
+    ids, mask, cache = ask(2)  # 9 + 3 new + 2 decoded = 14: within the plan, goes on
+    assert cache is not None and ids.shape == (1, 12) and ids[0, 9:].tolist() == [21, 22, 23]
+    assert mask[0].tolist() == [1] * 5 + [0] * 4 + [1] * 3  # row 1's columns past its stop masked out
+    ids, mask, cache = ask(3)  # 15 > 14, and a prefill's 8 + 3: prefills afresh
+    assert cache is None and ids.tolist() == [context] and held.cache is None

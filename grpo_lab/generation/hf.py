@@ -78,7 +78,7 @@ class HFGenerator(Generator):
         keep = request.keeps_copy
         rows_total = len(batch) * num_generations
         kept = self.turns is not None and request.turn_cache == "keep" and not static  # (a growing cache only)
-        turns = TurnCache(self.tokenizer.pad_token_id) if kept else None  # a tool loop's turns go on from their KV
+        turns = TurnCache(self.tokenizer.pad_token_id, request) if kept else None  # a tool loop's turns go on from KV
         with self.decoding(request) as model, self.one_cache(keep), CompileCounts() as counted:
 
             def chunk(prompt_ids, rows, request):
@@ -194,7 +194,7 @@ class HFGenerator(Generator):
         call = partial(self.generate_once, model, settings, synced, request, samplers)
         cache, turns = None, None if synced else turns
         if turns is not None:  # why no row leaves within a turn: a row that stops may call a tool, its KV going on
-            (input_ids, attention, cache), call = turns.start(prompt_ids, input_ids, attention), turns.recording(call)
+            input_ids, attention, cache, call = turns.start(prompt_ids, input_ids, attention, call, request)
         leave = request.drop_finished_rows and not synced and settings.cache_implementation is None and turns is None
         # why: the prefill scores hidden[:, -1:, :], a strided view that torch's CPU bfloat16 matmul cannot fold: it
         # would copy the LM head once per sequence ([n, hidden, vocab], 311 MB at 8 x Qwen2.5's vocabulary)

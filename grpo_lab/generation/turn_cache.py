@@ -5,7 +5,10 @@ the rows that stay are selected (`DynamicCache.batch_select_indices`: the finish
 row's cached tokens that its context no longer starts with (the pads after its stop token, tokens past its budget)
 are masked out, and only the rest of its context (the tool result's tokens, and the last sampled token, never
 forwarded) is prefilled, left-padded within the new columns. Positions come from the mask (transformers' cumsum), so
-a row's tokens sit where a re-prefill puts them: the same tokens as a full re-prefill (tests/test_turn_cache.py)."""
+a row's tokens sit where a re-prefill puts them: the same tokens as a full re-prefill (tests/test_turn_cache.py).
+The cache's columns are the rows' union (a row that stopped early keeps its masked columns), so a turn whose cache
+would pass the planned KV length (generator.max_prompt_length + max_completion_length: the plan's KV line) prefills
+afresh instead."""
 
 from __future__ import annotations
 
@@ -17,14 +20,14 @@ import torch
 class TurnCache:
     """One rollout's kept KV: the rows of its last generate() call, in the cache's order."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad = pad_token_id
+    def __init__(self, pad_token_id: int, request):
+        """`request`: the rollout's; its prompt length + trajectory budget is the planned KV length, in tokens."""
+        self.pad, self.length = pad_token_id, request.max_prompt_length + request.max_completion_length
         self.rows: list[int] = []  # batch row numbers held
         self.asked: list[int] = []  # the rows of the call being made
         self.sequences: Optional[torch.Tensor] = None  # [n, W] every column the cache was filled from (CPU)
         self.mask: Optional[torch.Tensor] = None  # [n, W] 1 where the cached column is the row's context
         self.cache = None  # the DynamicCache (W - 1 columns: the last token is not forwarded yet)
-        self.continued_tokens = 0  # context tokens not prefilled again, over the rollout (what the bench reports)
 
     def for_rows(self, rows: Sequence[int]) -> "TurnCache":
         self.asked = list(rows)
@@ -34,9 +37,15 @@ class TurnCache:
         """Let the held KV go (why before a fresh prefill: a chunk's cache never lives beside the next one's)."""
         self.rows, self.sequences, self.mask, self.cache = [], None, None, None
 
-    def start(self, contexts: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor):
-        """The generate() call's (input ids, attention mask, cache): continued from the held cache when it holds every
-        asked row, else the fresh, left-padded `input_ids` and `attention` with no cache."""
+    def start(self, contexts: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor, call, request):
+        """The generate() call's (input ids, attention mask, cache, `call` recording its outcome): continued from the
+        held cache when it holds every asked row and the continued cache, the turn's `request` decoded on, stays
+        within the planned length; else the fresh, left-padded `input_ids` and `attention` with no cache."""
+        ids, mask, cache = self.inputs(contexts, input_ids, attention, request.max_completion_length)
+        return ids, mask, cache, self.recording(call)
+
+    def inputs(self, contexts: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor, new_tokens: int):
+        """`start`'s inputs (ids, mask, cache)."""
         held = {r: i for i, r in enumerate(self.rows)}
         if self.cache is None or not self.asked or any(r not in held for r in self.asked):
             self.clear()
@@ -53,8 +62,10 @@ class TurnCache:
             same = min(same, len(context) - 1)  # (at least one token is fed: the next token's logits come from it)
             mask[k, columns[same:]] = 0  # why: cached past where the contexts part (pads after a stop, a cut turn)
             news.append(context[same:])
-            self.continued_tokens += same
         width = max(map(len, news))
+        if cached + width + new_tokens > max(self.length, input_ids.shape[1] + new_tokens):  # (never above a prefill)
+            self.clear()  # why: the rows' union of columns would pass the planned KV; the conversation prefills
+            return input_ids, attention, None
         new_ids = torch.tensor([[self.pad] * (width - len(n)) + n for n in news], dtype=sequences.dtype)
         new_mask = torch.tensor([[0] * (width - len(n)) + [1] * len(n) for n in news], dtype=mask.dtype)
         return torch.cat([sequences, new_ids], 1), torch.cat([mask, new_mask], 1), self.cache
