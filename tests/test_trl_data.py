@@ -275,7 +275,7 @@ def test_bad_config_datasets_are_one_line(tiny_config, tmp_path, monkeypatch):
     from grpo_lab.data.sources import open_dataset
 
     def opened(**data):
-        return open_dataset(load_config(tiny_config(data=data)))
+        return open_dataset(load_config(tiny_config(data=data))).dataset
 
     saved = tmp_path / "dd"
     DatasetDict(
