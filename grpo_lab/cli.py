@@ -87,8 +87,7 @@ def data_prompt_tokens(config):
     disk (a built-in model already built, or a checkpoint folder); None otherwise (the plan takes max_prompt_length)."""
     from pathlib import Path
 
-    from .data.prompts import PromptSource
-    from .data.sources import open_dataset
+    from .data.prompts import prompt_source
     from .models.source import BUILTIN
 
     name = config.model.name_or_path
@@ -103,8 +102,7 @@ def data_prompt_tokens(config):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name)
-    source = PromptSource(open_dataset(config), tokenizer, config.data.system_prompt, config.run.seed)
-    return source.lengths().longest
+    return prompt_source(config, tokenizer, say=None).lengths().longest
 
 
 def _plan_config(args):

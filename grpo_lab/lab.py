@@ -111,7 +111,7 @@ class Lab(LabViews):
 
         config, executor = self.config, self.executor
         own_streams(self)  # why first: loading seeds the process's generators; another Lab's are kept, not reseeded
-        preflight(config, getattr(executor, "train_dataset", None))
+        executor.opened = preflight(config, executor.train_dataset)  # the data it opened: its prompt source reads it
         pin_mmap_threshold(config.memory.host_mmap_threshold_mib)  # why first: RSS holds live tensors (memory/heap.py)
         if self.memory is None:  # why first: the sampler sees the memory that loading itself takes
             self.memory_devices = executor.memory_watch()
@@ -260,7 +260,7 @@ class Lab(LabViews):
                 self._retire(PHASE_NAMES)
                 self._step = StepState(index=self.step_index, attempts=self._step.attempts)
                 if self.prompts is not None:  # why: two settings tried on one step compare on the same prompts
-                    self.prompts.rewind()  # (a sharded driver has none: each rank's Lab rewinds its own)
+                    self.prompts.rewind()  # (a sharded learner's: its driver's, which hands every rank the rows)
             out = self._compute("rollout")
             out.step = self.step_index
         self._step.rollout = out  # why after the phase: a rollout the host guard fails as it ends is not kept

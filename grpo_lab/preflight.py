@@ -10,8 +10,10 @@ from .config.schema import LabConfig
 from .errors import LabError
 
 
-def preflight(config: LabConfig, train_dataset=None) -> None:
-    """Everything that can be checked before a weight is loaded (`train_dataset`: the Lab's own, if given)."""
+def preflight(config: LabConfig, train_dataset=None):
+    """Everything that can be checked before a weight is loaded (`train_dataset`: the Lab's own, if given). Returns
+    the dataset it opened and checked (data.sources.Opened; None: the built-in set, or a rank), which the executor's
+    prompt source takes: the data is opened and checked once."""
     from .checks.devices import check_devices
     from .checks.installed import check_torchvision
     from .checks.world import check_ranks
@@ -50,22 +52,28 @@ def preflight(config: LabConfig, train_dataset=None) -> None:
 
         for name in config.data.reward_models:
             check_reward_model(name)
-    check_data(config, train_dataset)
+    return check_data(config, train_dataset)
 
 
-def check_data(config: LabConfig, given=None) -> None:
-    """The dataset opens and is of TRL's formats (data/sources.py), and holds a step's distinct prompts."""
+def check_data(config: LabConfig, given=None):
+    """The dataset opens and is of TRL's formats (data/sources.py), and holds a step's distinct prompts; returns it
+    opened (data.sources.Opened), or None where nothing is opened here."""
     from .data.sources import open_dataset
+    from .runtime import runtime
 
     if config.data.dataset == "arithmetic" and given is None:
-        return  # built in memory from the config, which checked it (LabConfig's prompts_per_step check)
-    dataset = open_dataset(config, given)
+        return None  # built in memory from the config, which checked it (LabConfig's prompts_per_step check)
+    if runtime().is_rank:
+        return None  # a sharded learner's rank never opens the data: its driver draws each step's rows and hands them
+    opened = open_dataset(config, given)
+    dataset = opened.dataset
     rows = len(dataset) if hasattr(dataset, "__len__") else None  # (a streamed dataset's length is unknown)
     if rows is not None and config.grpo.prompts_per_step > rows:
         raise LabError(
             f"grpo.prompts_per_step: {config.grpo.prompts_per_step} distinct prompts per step, but the dataset has "
             f"{rows} rows; lower it or use a bigger dataset"
         )
+    return opened
 
 
 def check_experts(config: LabConfig) -> None:

@@ -5,8 +5,11 @@ time: a phase, a rollback, a checkpoint. Every reply carries the memory samples 
 last one; while a command runs, the driver polls the rank (`poll`, on a thread of its own) for the samples so far and
 for any question its generator asks (execution/sharded/remote.py).
 
+The rank opens no dataset: the driver draws each step's prompt rows and hands them over with the rollout (its Lab's
+prompts are data.prompts.HandedPrompts), and the data position is the driver's.
+
 At load and after every finished step the rank returns its *boundary state* (its LoRA and AdamW shards, RNG states,
-prompt order, step index) as bytes, which Ray keeps in its object store for the driver. Why: a rank that fails in a
+step index) as bytes, which Ray keeps in its object store for the driver. Why: a rank that fails in a
 phase leaves the others blocked in a collective, where they can only be killed; the driver then starts every rank
 afresh from those states. Why the object store, not files: the driver owns them, so they outlive a killed rank and
 go with the driver; nothing is left on any machine's disk.
@@ -155,9 +158,10 @@ class RankWorker:
             dist.destroy_process_group()
 
     # --- commands: each returns (result, boundary state or None) ---
-    def phase(self, name: str, config: dict, scores: Optional[list] = None):
+    def phase(self, name: str, config: dict, scores: Optional[list] = None, drawn: Optional[tuple] = None):
         """Run this step's phase `name` with this rank's own outputs of the phases before it; `scores`: the reward
-        models' scores of the rollout, which the driver computed (rewards)."""
+        models' scores of the rollout, which the driver computed (rewards); `drawn`: the step's prompt rows and
+        their epoch, which the driver drew (rollout)."""
         from .algo.phases import BY_NAME
 
         changes = config_changes(self.lab.config.to_dict(), config)
@@ -165,6 +169,8 @@ class RankWorker:
             self.lab.config.update(changes)  # the driver's edits, checked and rebuilt here as in one process
         if scores is not None:
             self.lab.executor.take_scores(scores)
+        if drawn is not None:
+            self.lab.prompts.hand(*drawn)
         inputs = [getattr(self.lab.current, field) for field in BY_NAME[name].inputs]
         out = getattr(self.lab, name)(*inputs)
         return out, boundary_state(self.lab) if name == "sync" else None
@@ -172,7 +178,8 @@ class RankWorker:
     def rollback(self):
         return self.lab.rollback(), None
 
-    def save_checkpoint(self, path: str):
+    def save_checkpoint(self, path: str, data: dict):
+        self.lab.prompts.load_state_dict(data)  # the driver's data position, which rank 0 writes
         return self.lab.save_checkpoint(path), None  # the rank's Lab gathers (runtime: a rank); rank 0 writes
 
     def restore_checkpoint(self, path: str):
@@ -209,7 +216,6 @@ def boundary_state(lab) -> bytes:
     state = {
         "step": lab.step_index,
         "rng": rng,
-        "data": lab.prompts.state_dict(),
         "lora": {n: local(p).detach().cpu().clone() for n, p in learner.trainable_parameters().items()},
         "optimizer": local_state(learner.optimizer.state_dict()),
     }
@@ -230,6 +236,5 @@ def restore_boundary(lab, data: bytes) -> None:
         for name, p in learner.trainable_parameters().items():
             local(p).copy_(state["lora"][name])
     load_optimizer_shards(learner, state["optimizer"])
-    lab.prompts.load_state_dict(state["data"])
     restore_rng(state["rng"])
     lab.resume_at(state["step"])

@@ -49,6 +49,28 @@ def test_two_by_two_sweep_summarises_peaks_per_device(tiny_model, tmp_path):
     assert "parameters.micro_batch_size" in page
 
 
+@pytest.mark.slow  # two real kernels, each through the quickstart on the tiny model
+def test_a_sweep_over_datasets_runs_each_point_on_its_own_data(tiny_model, tmp_path):
+    """Notebook 01's `dataset` parameter swept over the built-in set and a JSON-lines file written here: each point's
+    notebook printed a prompt of its own data (the quickstart prints the rollout's first prompt), and no other's."""
+    import json
+    import re
+
+    from test_notebooks import printed
+
+    rows = tmp_path / "zebra.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Say zebra{i}.", "answer": str(i)}) + "\n" for i in range(4)))
+    grid = {"dataset": ["arithmetic", str(rows)]}
+    out = sweep(QUICKSTART, grid, tmp_path / "sweep", fixed={"model_path": tiny_model, "steps": 1})
+    points = {r["dataset"]: r for r in csv.DictReader(open(out / "summary.csv"))}
+    assert set(points) == {"arithmetic", str(rows)}
+    assert all(r["error"] == "" and r["step"] for r in points.values()), points
+    seen = {name: printed(nbformat.read(out / r["notebook"], 4)) for name, r in points.items()}
+    zebra, arithmetic = re.compile(r"^Say zebra[0-3]\.$", re.M), re.compile(r"^\[\{'role': 'system'.*How many", re.M)
+    assert zebra.search(seen[str(rows)]) and not arithmetic.search(seen[str(rows)]), seen[str(rows)][:2000]
+    assert arithmetic.search(seen["arithmetic"]) and not zebra.search(seen["arithmetic"]), seen["arithmetic"][:2000]
+
+
 def test_bad_sweeps_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(LabError, match=r"\['nope'\] are not parameters"):
         sweep(QUICKSTART, {"nope": [1, 2]}, tmp_path / "a")

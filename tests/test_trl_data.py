@@ -275,7 +275,7 @@ def test_bad_config_datasets_are_one_line(tiny_config, tmp_path, monkeypatch):
     from grpo_lab.data.sources import open_dataset
 
     def opened(**data):
-        return open_dataset(load_config(tiny_config(data=data)))
+        return open_dataset(load_config(tiny_config(data=data))).dataset
 
     saved = tmp_path / "dd"
     DatasetDict(
@@ -366,3 +366,24 @@ def test_the_built_in_set_never_imports_datasets(tiny_config, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout[-2000:]
+
+
+def test_grpo_lab_plan_reads_the_datas_longest_prompt_as_the_loaded_lab_plans_it(tiny_config, tmp_path, capsys):
+    """Build 4: `grpo-lab plan` (nothing loaded) tokenizes a dataset on disk with the model's tokenizer and plans the
+    longest prompt, the figure a loaded Lab's plan holds."""
+    import yaml
+
+    from grpo_lab import cli
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "word " * n}) + "\n" for n in (3, 17, 9)))
+    cfg = tiny_config(data={"dataset": str(data), "system_prompt": None})
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["plan", str(config)]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("prompts: planned at the data's"))
+    lab = Lab(cfg).load()
+    try:
+        assert lab.plan().prompts == line and f"longest, {lab.prompts.lengths().longest} tokens" in line
+    finally:
+        lab.close()

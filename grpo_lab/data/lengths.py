@@ -45,8 +45,8 @@ def prompt_lengths(source) -> PromptLengths:
     import itertools
 
     dataset = source.dataset
-    if source.streamed:
-        rows = iter(itertools.islice(iter(dataset), STREAM_SAMPLE))
+    if source.streamed:  # (the rows its check read at open, when it has them: a stream is read once)
+        rows = iter(source.sample if source.sample is not None else itertools.islice(iter(dataset), STREAM_SAMPLE))
         batches = iter(lambda: list(itertools.islice(rows, TOKENIZE_BATCH)), [])
     elif isinstance(dataset, list):
         batches = (dataset[start : start + TOKENIZE_BATCH] for start in range(0, len(dataset), TOKENIZE_BATCH))

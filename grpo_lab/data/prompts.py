@@ -1,6 +1,7 @@
 """The prompt source: a dataset's rows served in batches, in a seeded order reshuffled every epoch (a streamed dataset:
 datasets' buffer shuffle, reseeded each epoch), formatted with the tokenizer's chat template. Its state is the exact
-row, for every kind of source: a resumed run goes on from the row it stopped at."""
+row, for every kind of source: a resumed run goes on from the row it stopped at. A sharded learner's ranks hold none:
+their driver's source draws each step's rows and hands them over (HandedPrompts)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import random
 from typing import Optional
 
 from ..algo.containers import PromptBatch
+from ..errors import LabError
 from .formats import check_prompt, format_prompt, reward_prompt
-from .sources import is_streamed
+from .sources import Opened, is_streamed, open_dataset
 
 SHUFFLE_BUFFER = 1000  # rows a streamed dataset's shuffle holds (datasets' IterableDataset.shuffle buffer_size)
 
@@ -20,9 +22,10 @@ class PromptSource:
     dataset is read a row at a time by index (a Dataset's rows stay in Arrow, not in Python objects); a streamed one
     is read in order through datasets' buffer shuffle, reseeded every epoch."""
 
-    def __init__(self, dataset, tokenizer, system_prompt: Optional[str], seed: int):
+    def __init__(self, dataset, tokenizer, system_prompt: Optional[str], seed: int, sample: Optional[list] = None):
         self.dataset, self.tokenizer, self.system_prompt, self.seed = dataset, tokenizer, system_prompt, seed
         self.streamed = is_streamed(dataset)  # (else a list of rows, or a map-style Dataset: both read by index)
+        self.sample = sample  # a streamed dataset's first rows as its check read them: lengths() measures these
         self._rng = random.Random(seed)
         self._order: list[int] = []  # map-style: what is left of this epoch's order
         self._epoch = self._taken = 0  # the epoch (map-style: epochs begun) and a streamed one's rows drawn from it
@@ -67,6 +70,7 @@ class PromptSource:
             from .lengths import prompt_lengths
 
             self._lengths = prompt_lengths(self)
+            self.sample = None  # (measured: not kept)
         return self._lengths
 
     def rewind(self) -> None:
@@ -109,3 +113,44 @@ class PromptSource:
             extra={k: [r.get(k) for r in picked] for k in keys},
             raw=[reward_prompt(r["prompt"], self.system_prompt) for r in picked],
         )
+
+
+def prompt_source(config, tokenizer, given=None, opened: Optional[Opened] = None, say=print) -> PromptSource:
+    """The prompt source of data.* or of `given` (a Lab's train_dataset): `opened`, the dataset preflight opened and
+    checked, so the data is opened and checked once (None: opened and checked here). `say` gets the one line on the
+    prompts generator.max_prompt_length cuts, if any (None: not said)."""
+    opened = opened if opened is not None else open_dataset(config, given)
+    source = PromptSource(opened.dataset, tokenizer, config.data.system_prompt, config.run.seed, opened.sample)
+    note = source.lengths().cut_note(config.generator.max_prompt_length)
+    if note and say is not None:
+        say(note)
+    return source
+
+
+class HandedPrompts:
+    """A sharded learner's rank's prompts: the rows its driver's PromptSource draws, handed to the rank with each
+    rollout (execution/sharded/driver.py), so no rank opens the dataset. The data position is the driver's too:
+    `position` is what the driver hands for a checkpoint (which rank 0 writes)."""
+
+    def __init__(self):
+        self.batch: Optional[PromptBatch] = None
+        self.epoch = 0.0  # the driver's source's, as it drew this batch (TRL's trainer_state.epoch)
+        self.position: dict = {}
+
+    def hand(self, batch: PromptBatch, epoch: float) -> None:
+        self.batch, self.epoch = batch, epoch
+
+    def next_batch(self, size: int) -> PromptBatch:
+        batch, self.batch = self.batch, None
+        if batch is None:
+            raise LabError("a sharded learner's rank draws no prompts: its driver hands them with each rollout")
+        return batch
+
+    def rewind(self) -> None:
+        """Nothing here: the driver's source rewinds, and hands the redone rollout its rows again."""
+
+    def state_dict(self) -> dict:
+        return self.position
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state

@@ -8,6 +8,7 @@ a `prompt` column, prompts of TRL's two formats (standard: text; conversational:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 from ..errors import LabError
 from .arithmetic import arithmetic_rows
@@ -19,7 +20,15 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "
 STREAM_SAMPLE = 256
 
 
-def open_dataset(config, given=None):
+class Opened(NamedTuple):
+    """A dataset opened and checked (open_dataset): what preflight hands the executor's prompt source, so the data is
+    opened, checked and (a stream's first rows) read once."""
+
+    dataset: object  # a list of rows, a datasets.Dataset or an IterableDataset
+    sample: Optional[list]  # a streamed dataset's first STREAM_SAMPLE rows, as the check read them (else None)
+
+
+def open_dataset(config, given=None) -> Opened:
     """The rows of config.data, or of `given` (the Lab's `train_dataset`), checked: a list of dicts (the built-in set,
     a list given: kept as Python rows, why: importing `datasets` costs every process ~100 MiB of host RSS, measured),
     or a `datasets.Dataset` or `IterableDataset`. Nothing is trained on yet: a bad dataset is one line with the fix."""
@@ -33,9 +42,8 @@ def open_dataset(config, given=None):
         dataset = rows.to_iterable_dataset(num_shards=1)
     if isinstance(dataset, list):
         check_rows(dataset, field)
-    else:
-        check_dataset(dataset, field)
-    return dataset
+        return Opened(dataset, None)
+    return Opened(dataset, check_dataset(dataset, field))
 
 
 def is_streamed(dataset) -> bool:
@@ -153,9 +161,9 @@ def check_rows(rows: list[dict], field: str) -> None:
         check_prompt(row["prompt"], index, field)
 
 
-def check_dataset(dataset, field: str) -> None:
+def check_dataset(dataset, field: str) -> Optional[list]:
     """A `prompt` column, at least one row, and every prompt (a streamed dataset: its first STREAM_SAMPLE rows) of
-    one of TRL's two formats."""
+    one of TRL's two formats. Returns a streamed dataset's rows it read (None for a map-style one)."""
     import datasets
 
     columns = dataset.column_names
@@ -175,6 +183,7 @@ def check_dataset(dataset, field: str) -> None:
             check_prompt(prompt, index, field)
     except UnicodeDecodeError as err:  # (Arrow keeps a non-UTF-8 file's bytes until a row is read)
         raise LabError(f"{field}: its text is not UTF-8 ({err.reason} at byte {err.start}); save it as UTF-8") from None
+    return rows
 
 
 def sample_rows(dataset, n: int = STREAM_SAMPLE) -> list[dict]:

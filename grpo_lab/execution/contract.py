@@ -46,7 +46,9 @@ class Executor(Protocol):
     learner: object  # None until loaded (a driver: its ranks)
     generator: object
     reference: object
-    prompts: object
+    prompts: object  # data.prompts.PromptSource (a rank's: HandedPrompts, the rows its driver draws)
+    train_dataset: object  # the Lab's own dataset object (None: data.dataset names one)
+    opened: object  # the dataset preflight opened and checked (data.sources.Opened), taken by the next build_prompts
     reference_strategy: Optional[str]
     on_cuda: bool  # the phases compute on a GPU here (they then get NVTX ranges too)
     sharding: Sharding  # handed to the learner it loads: how the algorithm's passes run over it

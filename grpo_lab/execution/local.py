@@ -113,6 +113,7 @@ class LocalExecutor:
         self.config = config
         self.tools = tools  # the Lab's tools and environments (tools.Tools), None without
         self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one)
+        self.opened = None  # the dataset preflight opened and checked, which the next build_prompts takes
         self.rewards_given = reward_funcs is not None
         self.reward_funcs = reward_functions(scorers(reward_funcs, config), config)
         self.reward_models: list = []  # data.reward_models' scorers, after the functions (built at load)
@@ -211,16 +212,14 @@ class LocalExecutor:
 
     def build_prompts(self) -> None:
         """The prompt source of data.* or of the Lab's train_dataset (at load, and when a data field changes); says
-        in one line how many prompts generator.max_prompt_length cuts."""
-        from ..data.prompts import PromptSource
-        from ..data.sources import open_dataset
+        in one line how many prompts generator.max_prompt_length cuts. A rank's: the rows its driver hands it."""
+        from ..data.prompts import HandedPrompts, prompt_source
 
-        config = self.config
-        dataset = open_dataset(config, self.train_dataset)
-        self.prompts = PromptSource(dataset, self.learner.tokenizer, config.data.system_prompt, config.run.seed)
-        note = self.prompts.lengths().cut_note(config.generator.max_prompt_length)
-        if note and runtime().is_driver:
-            print(note)
+        if runtime().is_rank:  # why: the driver opens the data once and draws every step's rows (sharded/driver.py)
+            self.prompts = HandedPrompts()
+            return
+        opened, self.opened = self.opened, None
+        self.prompts = prompt_source(self.config, self.learner.tokenizer, self.train_dataset, opened)
 
     def build_reward_models(self) -> None:
         """data.reward_models loaded on placement.reward_model, and the sequence classifiers passed in reward_funcs

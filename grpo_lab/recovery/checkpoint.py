@@ -103,15 +103,21 @@ def restore_checkpoint(learner, prompts, config, checkpoint: Checkpoint) -> None
     state = checkpoint.load_state()
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.optimizer.zero_grad(set_to_none=True)
+    restore_data(prompts, config, checkpoint, state["data"])
+    me = runtime()
+    restore_rng(rank_rng(state["rng"], me.rank, me.size))
+
+
+def restore_data(prompts, config, checkpoint: Checkpoint, data: dict) -> None:
+    """The checkpoint's data position `data` into `prompts` (one process's source, or a sharded learner's driver's),
+    where its data settings are the config's."""
     if checkpoint.data == data_key(config):
-        prompts.load_state_dict(state["data"])
+        prompts.load_state_dict(data)
     else:  # why not refused: a Lab may change data.* between steps; the prompt order then starts afresh
         import warnings
 
         warnings.warn(
             "checkpoint: data settings differ from the checkpoint's; the prompt order starts from the "
             "beginning of the new data",
-            stacklevel=3,
+            stacklevel=4,
         )
-    me = runtime()
-    restore_rng(rank_rng(state["rng"], me.rank, me.size))

@@ -4,6 +4,10 @@ rank (sharded/ranks.py: a Ray actor each), whose own Lab runs it on its shard (g
 the same rollout, rewards and advantages; log-probs and backward are each rank's rows, gathered; results come back from
 rank 0, and every rank's samples and per-phase rows join the driver's memory sampler under 'rank<k>/<device>'.
 
+The data is the driver's: it opens the dataset once (data.* or the Lab's train_dataset object), draws each step's
+rows from its prompt source and hands them to every rank with the rollout; no rank opens the dataset. Its position
+goes into checkpoints (rank 0 writes it) and goes back to the step's start when the ranks lose the step.
+
 A phase that fails on any rank fails on every rank at the same point (runtime.agree), and each undoes its share as
 one process would. A rank that cannot take part in that decision (killed, or blocked in a collective) gets every
 rank stopped and started again from its boundary state, the one it wrote when the step began, so the LoRA weights
@@ -49,7 +53,7 @@ class RankExecutor:
     """The phases on `placement.learner_procs` ranks (see the module docstring)."""
 
     name = "ranks"
-    reference = prompts = None  # each rank holds its own
+    reference = None  # each rank holds its own
     on_cuda = False  # the driver computes nothing; each rank marks its own phases
     sharding = FSDP()  # what each rank's LocalExecutor hands its learner (the driver runs no pass itself)
 
@@ -58,7 +62,11 @@ class RankExecutor:
 
         self.config = config
         self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
-        self.dataset_given = train_dataset is not None  # refused at load: each rank reads data.dataset itself
+        self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one), read here
+        self.opened = None  # the dataset preflight opened and checked, which the next build_prompts takes
+        self.prompts = None  # the run's prompt source, in this process: every step's rows are drawn here (draw)
+        self.tokenizer = None  # the model's, with model.chat_template: the prompts are formatted here, once
+        self.step_start: Optional[tuple[int, dict]] = None  # (step, the source's position as its first rows were drawn)
         self.reward_funcs = reward_functions(reward_funcs, config)
         self.reward_models: list = []  # data.reward_models, in this process: the driver scores, the ranks are told
         self.step_index = step_index
@@ -122,12 +130,9 @@ class RankExecutor:
                 "reward_funcs: a sharded Lab's ranks are processes of their own and cannot take functions "
                 "from this one; name them in data.rewards ('module:function')"
             )
-        if self.dataset_given:
-            raise LabError(
-                "train_dataset: a sharded Lab's ranks are processes of their own and read their data themselves; "
-                "save it (dataset.save_to_disk(PATH) or to_parquet) and name it in data.dataset"
-            )
         self.model_path = fetch_once(config.model.name_or_path, local=config.placement.ray_address is None)
+        self.tokenizer = prompt_tokenizer(self.model_path, config)
+        self.build_prompts()
         self.build_reward_models()
         self.ranks = Ranks(
             self.rank_config(),
@@ -164,7 +169,7 @@ class RankExecutor:
             self.ranks.close()
         for model in self.reward_models:
             model.release()
-        self.ranks = self.generator = None
+        self.ranks = self.generator = self.prompts = None
         self.reward_models = []
 
     # --- edits: refused here as in one process; applied on every rank at its next command ---
@@ -179,7 +184,21 @@ class RankExecutor:
         """Nothing here: each rank builds its own reference from the config it is sent with its next command."""
 
     def build_prompts(self) -> None:
-        """Nothing here: each rank builds its own prompt source from the config it is sent with its next command."""
+        """The prompt source of data.* or of the Lab's train_dataset, in this process only (at load, and when a data
+        field changes): the dataset is opened once, whatever the number of ranks; each rank is handed its rows."""
+        from ...data.prompts import prompt_source
+
+        opened, self.opened = self.opened, None
+        self.prompts = prompt_source(self.config, self.tokenizer, self.train_dataset, opened)
+        self.step_start = None  # (a position in the old source means nothing in the new one)
+
+    def draw(self) -> tuple:
+        """This step's prompt rows for every rank, and the epoch they reach (TRL's trainer_state.epoch). The source's
+        position before the step's first rows is kept: a step the ranks lose starts again from it (take_lost)."""
+        step = self.step_index()
+        if self.step_start is None or self.step_start[0] != step:
+            self.step_start = (step, self.prompts.state_dict())
+        return self.prompts.next_batch(self.config.grpo.prompts_per_step), self.prompts.epoch
 
     # --- the step ---
     def check_learner(self) -> None:
@@ -192,7 +211,8 @@ class RankExecutor:
             self.generator.sync(self.adapter)  # the engine's LoRA from the ranks, before they end the step
             self.generator_behind = False
         scores = self.score(*inputs) if name == "rewards" and self.reward_models else None
-        out = self.ranks.call("phase", name, self.rank_config(), scores, describe=name)
+        drawn = self.draw() if name == "rollout" else None
+        out = self.ranks.call("phase", name, self.rank_config(), scores, drawn, describe=name)
         if name == "optimizer" and state.snapshot is None:
             state.snapshot = SnapshotsOnRanks()  # why: each rank took its own rollback snapshot
         if name == "sync":
@@ -226,6 +246,8 @@ class RankExecutor:
         lost, self.lost = self.lost, False
         if lost:
             self.generator_behind = self.generator is not None
+            if self.step_start is not None and self.step_start[0] == self.step_index():
+                self.prompts.load_state_dict(self.step_start[1])  # why: the step runs again on its own rows
         return lost
 
     def before_command(self) -> bool:
@@ -290,9 +312,26 @@ class RankExecutor:
         return Path(path)
 
     def save_checkpoint(self, path) -> Path:
-        self.ranks.call("save_checkpoint", str(path), describe="save_checkpoint")
+        """Every rank gathers; rank 0 writes, with this process's data position (the ranks hold none)."""
+        self.ranks.call("save_checkpoint", str(path), self.prompts.state_dict(), describe="save_checkpoint")
         return Path(path)
 
     def restore_checkpoint(self, checkpoint) -> None:
+        from ...recovery.checkpoint import restore_data
+
         self.ranks.call("restore_checkpoint", str(checkpoint.path), describe="restore_checkpoint")
+        restore_data(self.prompts, self.config, checkpoint, checkpoint.load_state()["data"])
+        self.step_start = None
         self.generator_behind = self.generator is not None
+
+
+def prompt_tokenizer(model_path: str, config):
+    """The tokenizer each rank's learner loads, with model.chat_template as each rank gives it: the driver formats
+    every step's prompts with it."""
+    from ...models.learner import load_tokenizer
+    from ...models.source import resolve_model_path
+    from ...tools.template import use_chat_template
+
+    tokenizer = load_tokenizer(resolve_model_path(model_path))
+    use_chat_template(tokenizer, config.model.chat_template)
+    return tokenizer

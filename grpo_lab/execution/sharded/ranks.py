@@ -201,8 +201,8 @@ class Ranks:
         self.restart()
         raise RankFailure(
             f"{describe or command} failed on rank {first}: {what}; every rank was restarted from the "
-            "state it had when this step began (LoRA, AdamW, RNG, prompt order); lab.step() runs the step "
-            "again from its rollout",
+            "state it had when this step began (LoRA, AdamW, RNG; the driver's prompt order too); lab.step() "
+            "runs the step again from its rollout",
             restarted=True,
         )
 
