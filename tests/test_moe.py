@@ -196,6 +196,28 @@ def test_a_step_trains_attention_lora_and_keeps_the_4bit_base_and_experts_bit_fo
     assert moved  # the retried step updated the adapters
 
 
+def test_the_steps_metrics_count_the_experts_its_rollout_and_its_backward_dequantized(moe_lab):
+    """Each forward through a layer dequantizes the experts its tokens route to: counted here from the routers' own
+    top-k (a hook on every gate), per phase; the backward's with checkpointing: its forward and the recompute."""
+    routed = []  # each router call's distinct experts
+    gates = [m.mlp.gate for m in moe_lab.learner.model.base_model.model.model.layers]
+    hooks = [g.register_forward_hook(lambda m, i, out: routed.append(out[2].unique().numel())) for g in gates]
+    try:
+        rollout = moe_lab.rollout()
+        in_rollout, routed[:] = sum(routed), []
+        moe_lab.logprobs(rollout)  # (the adapter-disabled reference: not the learner's backward)
+        routed[:] = []
+        result = moe_lab.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert result.rollout_experts_dequantized == in_rollout > 0
+    assert result.learner_experts_dequantized == sum(routed) > 0
+    assert result.metrics()["rollout_experts_dequantized"] == in_rollout
+    decoding_steps = 2 * result.completion_length_max  # a forward a token, in each of the 2 layers
+    assert in_rollout < 8 * decoding_steps  # 8 rows x top-2 of 8 experts: never every expert at every step
+
+
 def test_a_checkpoint_of_a_mixture_of_experts_lab_resumes_to_the_same_adapters(moe_lab, tmp_path):
     moe_lab.step()
     path = moe_lab.save_checkpoint(tmp_path / "ckpt")

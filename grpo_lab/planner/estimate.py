@@ -349,7 +349,8 @@ def activation_bytes(
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if config.model.load_in_4bit else 0
     # kept by each expert matmul (its weight is a view of the dequantized experts; checkpointing: the recomputed
-    experts = experts_dequant_bytes(shape, config)  # layer's), expert LoRA's factors, one fused tensor's gradient
+    experts = experts_dequant_bytes(shape, config, tokens)  # layer's: those its tokens route to), expert LoRA's
+    # factors, one fused tensor's gradient
     kept = experts + expert_lora["per layer"]
     stored += (1 if config.model.gradient_checkpointing else shape.layers) * kept + expert_lora["transient"]
     # no grad (reference log-probs): one layer's intermediates (and its experts dequantized) and the last hidden states
