@@ -13,8 +13,10 @@ from typing import Optional
 
 from ..models.shapes import ModelShape
 
+# (the base weights' bytes, imported by their users from here too)
+from .quant_bytes import DTYPE_BYTES, base_weight_bytes, base_weight_split, codebook_bytes, nf4_bits  # noqa: F401
+
 GiB = 1024**3
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GENERATOR_BITS = {None: None, "awq": 4.25, "gptq": 4.25, "compressed-tensors": 4.25, "fp8": 8.0}
 MiB = 1024**2
 # Per GPU a process touches, measured on an H100 (torch 2.11, CUDA 13; bench/gpu/gpu_check.py's context probe and its
@@ -171,33 +173,6 @@ class DevicePlan:
     @property
     def fits(self) -> bool:
         return self.fraction <= self.line and (self.split is None or self.split.feasible)
-
-
-def nf4_bits(double_quant: bool) -> float:
-    """4-bit codes + one fp32 absmax per 64 weights (double quant: int8 absmax + fp32 per 256 blocks)."""
-    return 4 + (8 / 64 + 32 / (64 * 256) if double_quant else 32 / 64)
-
-
-def base_weight_bytes(shape: ModelShape, model_cfg) -> tuple[float, str]:
-    e = DTYPE_BYTES[model_cfg.dtype]
-    dense = (shape.embedding_params + (2 * shape.layers + 1) * shape.hidden + shape.router_params) * e
-    if model_cfg.load_in_4bit:
-        bits = nf4_bits(model_cfg.bnb_4bit_use_double_quant)
-        return (
-            shape.linear_params * bits / 8 + dense,
-            f"{model_cfg.bnb_4bit_quant_type} {bits:.2f} bit + embeddings {model_cfg.dtype}",
-        )
-    return shape.linear_params * e + dense, model_cfg.dtype
-
-
-def base_weight_split(shape: ModelShape, model_cfg) -> tuple[float, float]:
-    """The base weights as FSDP2 holds them: (what it shards on dim 0: 4-bit codes and the dense weights, what every
-    rank keeps whole: bitsandbytes' quant state, which lives on the module outside the parameters; docs/fsdp2.md)."""
-    total, _ = base_weight_bytes(shape, model_cfg)
-    quant_state = (
-        shape.linear_params * (nf4_bits(model_cfg.bnb_4bit_use_double_quant) - 4) / 8 if model_cfg.load_in_4bit else 0
-    )
-    return total - quant_state, quant_state
 
 
 def unit_bytes(shape: ModelShape, config) -> tuple[float, float]:
