@@ -18,7 +18,14 @@ from grpo_lab.planner.estimate import planned_lora
 pytestmark = pytest.mark.xdist_group("moe")
 
 TINY_MOE = "builtin:tiny-moe"
+TINY_MOES = [TINY_MOE, "builtin:tiny-qwen2-moe"]  # (Qwen2-MoE: with a shared expert)
 EXPERTS = ["model.name_or_path=builtin:tiny-moe", "lora.target_experts=true", "lora.expert_r=2"]
+
+
+def experts_on(name: str) -> list[str]:
+    return [f"model.name_or_path={name}", *EXPERTS[1:]]
+
+
 FLOAT32 = ["model.dtype=float32", "model.bnb_4bit_compute_dtype=float32", "model.gradient_checkpointing=false"]
 
 
@@ -68,13 +75,14 @@ def backward(model, ids) -> dict[tuple, torch.Tensor]:
     return grads
 
 
+@pytest.mark.parametrize("name", TINY_MOES)
 @pytest.mark.parametrize("experts_forward", ["routed", "grouped_mm"])
 def test_both_nf4_expert_targets_get_the_gradients_of_the_same_experts_dequantized_and_the_base_stays_bit_for_bit(
-    experts_forward,
+    experts_forward, name
 ):
     """`routed`: the lab's forward (models/routed_experts.py) folds the adapters into the routed experts; `grouped_mm`:
     transformers' own reads the parametrized parameter whole, through PEFT's proxy (where the gradient was lost)."""
-    config = load_config("tiny-cpu", EXPERTS + FLOAT32)
+    config = load_config("tiny-cpu", experts_on(name) + FLOAT32)
     nf4, plain = learner(config), learner(config, dequantized=True)
     if experts_forward == "grouped_mm":
         nf4.config._experts_implementation = "grouped_mm"
@@ -100,12 +108,13 @@ def test_both_nf4_expert_targets_get_the_gradients_of_the_same_experts_dequantiz
     assert base_digest(nf4) == before
 
 
-def test_the_cpu_plan_saves_what_torch_saves_with_expert_adapters():
+@pytest.mark.parametrize("name", TINY_MOES)
+def test_the_cpu_plan_saves_what_torch_saves_with_expert_adapters(name):
     """Beyond the frozen experts' saved tensors: each routed copy's inputs to both fused matmuls (their weights'
     gradients need them) and PEFT's factors; without them the plan read 0.87 of the count."""
     from test_planner_saved import measured_and_planned
 
-    measured, planned = measured_and_planned(TINY_MOE, ("lora.target_experts=true", "lora.expert_r=2"))
+    measured, planned = measured_and_planned(name, ("lora.target_experts=true", "lora.expert_r=2"))
     assert 0.95 <= measured / planned <= 1.05, (measured / 2**20, planned / 2**20)
 
 
@@ -128,11 +137,16 @@ def test_gradient_checkpointing_recomputes_the_expert_adapters_to_the_same_gradi
             torch.testing.assert_close(grad, theirs[key], rtol=1e-5, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def expert_lab():
+@pytest.fixture(scope="module", params=TINY_MOES)
+def expert_lab(request):
     lab = Lab(
         "tiny-cpu",
-        overrides=[*EXPERTS, "generator.max_completion_length=8", "grpo.num_generations=4", "grpo.prompts_per_step=2"],
+        overrides=[
+            *experts_on(request.param),
+            "generator.max_completion_length=8",
+            "grpo.num_generations=4",
+            "grpo.prompts_per_step=2",
+        ],
         reward_funcs=["length", lambda completions, **kw: [float(i % 3) for i in range(len(completions))]],
     ).load()
     yield lab
@@ -141,7 +155,7 @@ def expert_lab():
 
 def test_the_plan_counts_the_expert_adapters_the_model_trains(expert_lab):
     model, config = expert_lab.learner.model, expert_lab.config
-    shape = load_shape(TINY_MOE)
+    shape = load_shape(config.model.name_or_path)
     experts = sum(p.numel() for p in expert_adapters(model).values())
     assert experts == shape.expert_lora_params(config.lora.expert_r) > 0
     trainable = sum(p.numel() for p in expert_lab.learner.trainable_parameters().values())

@@ -13,12 +13,12 @@ from grpo_lab.models.routed_experts import ROUTED, experts_dequantized
 pytestmark = pytest.mark.xdist_group("moe")
 
 
-def tiny_moe(double_quant: bool):
+def tiny_moe(double_quant: bool, name: str = "builtin:tiny-moe"):
     from grpo_lab.config.models_and_devices import ModelSection
     from grpo_lab.models.learner import load_base
     from grpo_lab.models.source import resolve_model_path
 
-    path = resolve_model_path("builtin:tiny-moe")
+    path = resolve_model_path(name)
     cfg = ModelSection(
         name_or_path=path, dtype="float32", bnb_4bit_compute_dtype="float32", bnb_4bit_use_double_quant=double_quant
     )
@@ -44,9 +44,10 @@ def forward(model, ids, train: bool = False):
     return logits.detach(), embeds.grad
 
 
+@pytest.mark.parametrize("name", ["builtin:tiny-moe", "builtin:tiny-qwen2-moe"])  # (Qwen2-MoE: a shared expert)
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_routed_experts_give_the_logits_and_gradients_of_the_whole_layer_dequantize(double_quant):
-    model = tiny_moe(double_quant)
+def test_routed_experts_give_the_logits_and_gradients_of_the_whole_layer_dequantize(double_quant, name):
+    model = tiny_moe(double_quant, name)
     assert model.config._experts_implementation == ROUTED
     decode = torch.randint(0, 384, (3, 1), generator=torch.Generator().manual_seed(0))  # a decoding step of 3 rows
     before = experts_dequantized(model)
