@@ -98,3 +98,54 @@ def test_the_plans_experts_dequantized_line_follows_what_a_decoding_step_routes(
         config = load_config("qwen2.5-7b-nf4-24gb", [*base, f"grpo.num_generations={rows}", *extra])
         line = next(i for i in plan(config).devices["cuda:0"].items if i.what == "experts dequantized (one layer)")
         assert line.bytes == whole * routed / 128 and f"{routed} of 128 experts" in line.note, (rows, line)
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_a_backward_that_dequantizes_the_experts_again_gives_todays_gradients_and_keeps_no_dequantized_expert(adapters):
+    """Without gradient checkpointing (RedequantizedExperts): the same logits and gradients (the embeddings' and the
+    expert adapters') as autograd keeping the dequantized experts, within 1e-5; what autograd keeps for backward is
+    smaller by at least both layers' dequantized experts; the backward dequantizes the routed experts again."""
+    from grpo_lab import load_config
+    from grpo_lab.models.learner import add_lora
+
+    knobs = ["model.name_or_path=builtin:tiny-moe", "model.dtype=float32", "model.bnb_4bit_compute_dtype=float32"]
+    knobs += ["lora.target_experts=true", "lora.expert_r=2"] if adapters else []
+    models = []
+    for redequantize in (False, True):
+        model = tiny_moe(True)
+        for m in model.modules():
+            if hasattr(m, "redequantize"):
+                m.redequantize = redequantize
+        torch.manual_seed(0)
+        model = add_lora(model, load_config("tiny-cpu", [*knobs, "model.gradient_checkpointing=false"]))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        models.append(model)
+    batch = torch.randint(0, 384, (2, 10), generator=torch.Generator().manual_seed(1))
+    results, kept, counts = [], [], []
+    for model in models:
+        model.train()
+        seen: dict[int, int] = {}
+        pack = lambda t, seen=seen: seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t
+        embeds = model.get_input_embeddings()(batch).detach().requires_grad_(True)
+        start = experts_dequantized(model)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(inputs_embeds=embeds).logits
+        middle = experts_dequantized(model)
+        logits.float().pow(2).mean().backward()
+        counts.append((middle - start, experts_dequantized(model) - middle))  # (forward, backward)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((logits.detach(), embeds.grad, grads))
+        kept.append(sum(seen.values()))
+    (ours, ours_embeds, ours_grads), (theirs, theirs_embeds, theirs_grads) = results[1], results[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_embeds, theirs_embeds, rtol=1e-5, atol=1e-7)
+    assert ours_grads.keys() == theirs_grads.keys() and any(".experts." in n for n in ours_grads) == adapters
+    for name, grad in ours_grads.items():
+        torch.testing.assert_close(grad, theirs_grads[name], rtol=1e-5, atol=1e-7)
+    routed = counts[0][0]  # both layers' routed experts (of 8 each), dequantized to float32 by the forward
+    assert kept[0] - kept[1] >= routed * (2 * 64 * 128 + 128 * 64) * 4, (kept, routed)
+    assert counts == [(routed, 0), (routed, routed)]  # the backward dequantizes the same routed experts again
