@@ -149,3 +149,23 @@ def test_a_backward_that_dequantizes_the_experts_again_gives_todays_gradients_an
     routed = counts[0][0]  # both layers' routed experts (of 8 each), dequantized to float32 by the forward
     assert kept[0] - kept[1] >= routed * (2 * 64 * 128 + 128 * 64) * 4, (kept, routed)
     assert counts == [(routed, 0), (routed, routed)]  # the backward dequantizes the same routed experts again
+
+
+def test_the_experts_forward_again_in_backward_runs_under_the_forwards_autocast():
+    """A learner's forwards run under torch.autocast (bfloat16 on a GPU): backward's forward again must run so too, or
+    its gradients are another precision's. (On the CPU the experts' grouped matmuls are not autocast ops, so the tiny
+    MoE's gradients cannot show it; the state each run saw can.)"""
+    from grpo_lab.models.routed_experts import RedequantizedExperts
+
+    seen = []
+
+    def run(hidden, index, weights, factors):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return hidden * weights.sum(-1, keepdim=True)
+
+    hidden = torch.randn(3, 4, requires_grad=True)
+    weights = torch.rand(3, 2, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = RedequantizedExperts.apply(run, hidden, torch.zeros(3, 2, dtype=torch.long), weights)
+    out.sum().backward()
+    assert seen == [(True, torch.bfloat16)] * 2 and hidden.grad is not None and weights.grad is not None

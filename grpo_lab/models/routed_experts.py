@@ -70,7 +70,9 @@ class RedequantizedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, hidden, index, weights, *factors):
-        ctx.run = run
+        ctx.run, device = run, hidden.device.type
+        # why: backward's forward again must run as this one did (a learner's forwards run under torch.autocast)
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(hidden, index, weights, *factors)
         return run(hidden, index, weights, list(factors))  # (no grad here: nothing it makes is kept)
 
@@ -80,7 +82,8 @@ class RedequantizedExperts(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         inputs = [t.detach().requires_grad_(need) if t.is_floating_point() else t for t, need in
                   zip([hidden, index, weights, *factors], needs)]  # fmt: skip
-        with torch.enable_grad():
+        device, dtype, enabled = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             out = ctx.run(inputs[0], inputs[1], inputs[2], inputs[3:])  # one layer's experts dequantized again
         wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
