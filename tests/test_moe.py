@@ -20,6 +20,9 @@ pytestmark = pytest.mark.xdist_group("moe")  # why: its Lab tests share one load
 
 QWEN3_30B = "Qwen/Qwen3-30B-A3B"
 TINY_MOE = "builtin:tiny-moe"
+# the tiny MoEs the whole lab runs on: Qwen3-MoE (routed experts alone) and Qwen2-MoE (with a shared expert, an MLP
+# of width 96 every token goes through, and its sigmoid gate)
+TINY_MOES = [TINY_MOE, "builtin:tiny-qwen2-moe"]
 
 
 def config_of(hub_id: str) -> dict:
@@ -133,12 +136,12 @@ def varied(completions, **kwargs):
     return [float(i % 3) for i in range(len(completions))]
 
 
-@pytest.fixture(scope="module")
-def moe_lab():
+@pytest.fixture(scope="module", params=TINY_MOES)
+def moe_lab(request):
     lab = Lab(
         "tiny-cpu",
         overrides=[
-            f"model.name_or_path={TINY_MOE}",
+            f"model.name_or_path={request.param}",
             "generator.max_completion_length=16",
             "grpo.num_generations=4",
             "grpo.prompts_per_step=2",
@@ -152,14 +155,15 @@ def moe_lab():
 def test_the_experts_are_nf4_lora_is_on_attention_only_and_the_plan_counts_what_loaded(moe_lab):
     from torch.nn.utils import parametrize
 
-    model = moe_lab.learner.model
+    model, shape = moe_lab.learner.model, load_shape(moe_lab.config.model.name_or_path)
     experts = [m for m in model.modules() if parametrize.is_parametrized(m, "gate_up_proj")]
     assert len(experts) == 2 and all(parametrize.is_parametrized(m, "down_proj") for m in experts)
     codes = experts[0].parametrizations.gate_up_proj.original
     assert codes.dtype == torch.uint8 and codes.numel() == 8 * 2 * 64 * 128 // 2  # two 4-bit codes a byte
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all("self_attn" in n for n in trainable)  # not the routers, not the experts
-    shape = load_shape(TINY_MOE)
+    # attention's and a shared expert's MLP: not the routers, not a shared expert's gate, not the experts
+    assert trainable and all("self_attn" in n or "shared_expert." in n for n in trainable)
+    assert any("shared_expert." in n for n in trainable) == bool(shape.shared_intermediate)
     assert sum(p.numel() for p in trainable.values()) == shape.lora_params(8, "all-linear")
     # the plan's base weights: every parameter and quant-state tensor that loaded, within 5 %
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for n, t in model.state_dict().items()
@@ -169,14 +173,15 @@ def test_the_experts_are_nf4_lora_is_on_attention_only_and_the_plan_counts_what_
     assert 0.95 < loaded / planned < 1.05, (loaded, planned)
 
 
-def test_the_cpu_plan_saves_what_torch_saves_for_a_mixture_of_experts_backward():
-    """The experts' working memory as transformers runs it (grouped_mm) and the dequantized experts every layer's
-    matmuls keep: without checkpointing, nf4 experts cost their 16-bit bytes again in backward."""
+@pytest.mark.parametrize("name", TINY_MOES)
+def test_the_cpu_plan_saves_what_torch_saves_for_a_mixture_of_experts_backward(name):
+    """The experts' working memory as transformers runs it (grouped_mm), a shared expert's as a dense MLP: without
+    checkpointing, the experts keep their input and routing weights alone (their backward dequantizes them again,
+    models/routed_experts.RedequantizedExperts; the dequantized experts are not among what autograd keeps:
+    tests/test_routed_experts.py)."""
     from test_planner_saved import measured_and_planned
 
-    measured, planned = measured_and_planned(TINY_MOE)
-    experts = 2 * 8 * (2 * 64 * 128 + 128 * 64) * 4  # both layers' experts dequantized to float32
-    assert measured > experts  # they are among what autograd keeps
+    measured, planned = measured_and_planned(name)
     assert 0.9 <= measured / planned <= 1.1, (measured / 2**20, planned / 2**20)
 
 
@@ -194,6 +199,29 @@ def test_a_step_trains_attention_lora_and_keeps_the_4bit_base_and_experts_bit_fo
     assert again.step == first.step + 1 and base_digest(model) == base
     moved = [n for n, p in moe_lab.learner.trainable_parameters().items() if not torch.equal(p, lora[n])]
     assert moved  # the retried step updated the adapters
+
+
+def test_the_steps_metrics_count_the_experts_its_rollout_and_its_backward_dequantized(moe_lab):
+    """Each forward through a layer dequantizes the experts its tokens route to: counted here from the routers' own
+    top-k (a hook on every gate), per phase; the backward's with checkpointing: its forward and the recompute."""
+    routed = []  # each router call's distinct experts
+    gates = [m.mlp.gate for m in moe_lab.learner.model.base_model.model.model.layers]  # (the routers, not
+    # a shared expert's gate)
+    hooks = [g.register_forward_hook(lambda m, i, out: routed.append(out[2].unique().numel())) for g in gates]
+    try:
+        rollout = moe_lab.rollout()
+        in_rollout, routed[:] = sum(routed), []
+        moe_lab.logprobs(rollout)  # (the adapter-disabled reference: not the learner's backward)
+        routed[:] = []
+        result = moe_lab.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert result.rollout_experts_dequantized == in_rollout > 0
+    assert result.learner_experts_dequantized == sum(routed) > 0
+    assert result.metrics()["rollout_experts_dequantized"] == in_rollout
+    decoding_steps = 2 * result.completion_length_max  # a forward a token, in each of the 2 layers
+    assert in_rollout < 8 * decoding_steps  # 8 rows x top-2 of 8 experts: never every expert at every step
 
 
 def test_a_checkpoint_of_a_mixture_of_experts_lab_resumes_to_the_same_adapters(moe_lab, tmp_path):

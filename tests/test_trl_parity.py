@@ -21,10 +21,11 @@ from grpo_lab.algo.logprobs import rollout_logprobs, set_logprob_head
 pytestmark = pytest.mark.xdist_group("trl_parity")  # why: its tests share module-scoped state: one worker builds it
 
 
-def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
-    """A GRPOTrainer on the lab's model whose `rollout_func` returns `rollout`'s completions and its sampler
-    log-probs (or `sampler_logprobs` [N, L]; NaN goes to TRL as None, as vLLM sends it); `overrides` are
-    GRPOConfig fields. Returns the trainer and the inputs for its `_generate_and_score_completions`."""
+def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, model=None, peft_config=None, **overrides):
+    """A GRPOTrainer on the lab's model (or TRL's own `model`, which it wraps in `peft_config`) whose `rollout_func`
+    returns `rollout`'s completions and its sampler log-probs (or `sampler_logprobs` [N, L]; NaN goes to TRL as None,
+    as vLLM sends it); `overrides` are GRPOConfig fields. Returns the trainer and the inputs for its
+    `_generate_and_score_completions`."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -71,7 +72,8 @@ def trl_trainer(lab, rollout, tmp_path, sampler_logprobs=None, **overrides):
     )
     dtypes = {name: p.dtype for name, p in lab.learner.model.named_parameters() if p.requires_grad}
     trainer = GRPOTrainer(
-        model=lab.learner.model,
+        model=lab.learner.model if model is None else model,
+        peft_config=peft_config,
         reward_funcs=lab.reward_funcs,
         args=args,
         train_dataset=dataset,

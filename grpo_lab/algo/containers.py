@@ -52,6 +52,7 @@ class Rollout:
     # a GPU, its weights get new addresses at every rollout, so CUDA graphs record again: expected, 1 per rollout
     rollout_copy: str = ""
     cudagraph_recordings_expected: int = 0
+    experts_dequantized: int = 0  # 4-bit experts its forwards dequantized, over layers and decoding steps
     # a tool-calling rollout (tools/loop.py); None without tools
     tool_mask: Optional[torch.Tensor] = None  # [N, L] 0 on tool-result tokens: they condition, never train (TRL's)
     conversations: Optional[list[list[dict]]] = None  # [N] TRL's conversational completion: assistant + tool turns
@@ -112,6 +113,7 @@ class LossStats:
     is_ratio_min: Optional[float] = None  # importance-sampling weights over the loss's tokens (None: not applied)
     is_ratio_mean: Optional[float] = None
     is_ratio_max: Optional[float] = None
+    experts_dequantized: int = 0  # 4-bit experts its forwards, recomputes and backward dequantized (over layers)
 
     def __repr__(self) -> str:  # why: the dataclass's one line of 17-digit floats wrapped mid-word in a cell's output
         return key_values("<LossStats", [(f.name, getattr(self, f.name)) for f in fields(self)]) + ">"
@@ -177,6 +179,10 @@ class StepResult:
     cudagraph_recorded_inputs: int = 0  # inputs CUDA graphs recorded during it (0: no new recording)
     rollout_copy: str = ""  # the merged rollout copy "kept" or "released" (Rollout.rollout_copy); "": none
     cudagraph_recordings_expected: int = 0  # 1: a released copy on a GPU, re-recorded at every rollout by design
+    # a mixture of experts' 4-bit experts dequantized (over layers; models/routed_experts.py): by the rollout's
+    # forwards, and by the learner's last backward (its forwards, their recomputes, the experts' backward)
+    rollout_experts_dequantized: int = 0
+    learner_experts_dequantized: int = 0
     temperature: float = 1.0  # the rollout was sampled at (0 = greedy)
     learning_rate: float = 0.0  # of the step's last update
     iterations: int = 1  # optimizer updates on this rollout

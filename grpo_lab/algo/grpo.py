@@ -333,6 +333,8 @@ def summarize(
         cudagraph_recorded_inputs=rollout_.cudagraph_recorded_inputs,
         rollout_copy=rollout_.rollout_copy,
         cudagraph_recordings_expected=rollout_.cudagraph_recordings_expected,
+        rollout_experts_dequantized=rollout_.experts_dequantized,
+        learner_experts_dequantized=stats.experts_dequantized,
         temperature=rollout_.temperature,
         learning_rate=learning_rate,
         is_ratio_min=stats.is_ratio_min,

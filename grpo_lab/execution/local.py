@@ -16,6 +16,7 @@ from ..models.reward_model import RewardModel, load_reward_model
 from ..runtime import runtime
 from ..tools import check_tools_config
 from ..tools.template import prepare_for_tools, use_chat_template
+from .expert_counts import backward_count, counted, rollout_count
 from .reward_inputs import check_new_reward_models, reward_sources, reward_state, scorers
 
 
@@ -45,12 +46,15 @@ def _sync(ex, state) -> None:
 
 # each phase's work in one process (phases.PHASES order), given the executor, the step's state and its inputs
 LOCAL: dict[str, Callable] = {
-    "rollout": _rollout,
+    "rollout": counted(_rollout, rollout_count),
     "rewards": lambda ex, state, rollout: grpo.rewards(rollout, *reward_sources(ex), reward_state(ex)),
     "advantages": lambda ex, state, rewards: grpo.advantages(rewards, ex.config.grpo.scale_rewards),
     "logprobs": lambda ex, state, rollout: grpo.logprobs(ex.learner, ex.reference, rollout, ex.config),
-    "backward": lambda ex, state, rollout, advantages, logprobs: grpo.backward(
-        ex.learner, rollout, advantages, logprobs, ex.config, state.old_logprobs
+    "backward": counted(
+        lambda ex, state, rollout, advantages, logprobs: grpo.backward(
+            ex.learner, rollout, advantages, logprobs, ex.config, state.old_logprobs
+        ),
+        backward_count,
     ),
     "optimizer": _optimizer,
     "sync": _sync,

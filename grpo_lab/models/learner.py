@@ -98,7 +98,8 @@ def load_base(model_cfg, device: str, seed: int = 0):
     if model_cfg.load_in_4bit:  # why: a forward dequantizes only the experts its tokens route to
         from .routed_experts import use_routed_experts
 
-        use_routed_experts(model)
+        # why redequantize without checkpointing: autograd would keep every layer's dequantized experts for backward
+        use_routed_experts(model, redequantize=not model_cfg.gradient_checkpointing)
     # why: bnb's AVX-512-BF16 repack on eval/no-grad forwards breaks the next training forward
     pin_training_layout(model)
     model.requires_grad_(False)

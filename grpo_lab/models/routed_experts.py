@@ -7,6 +7,10 @@ gathered and dequantized with bitsandbytes' own `dequantize_4bit`, PEFT's expert
 folded into those experts alone, and transformers' grouped_mm experts forward runs on them (registered as the
 experts implementation ROUTED). Where an expert is not whole blocks, or another parametrization sits on the
 parameter, the forward reads the parameter whole as before.
+
+Without gradient checkpointing, autograd would keep every layer's dequantized experts for backward (each matmul saves
+its weight; 54 GiB at 30B-A3B): `RedequantizedExperts` keeps the experts' inputs alone and dequantizes again in
+backward, so a step holds one layer's dequantized experts at a time (bench/probes/experts_backward.py measures it).
 """
 
 from __future__ import annotations
@@ -21,15 +25,17 @@ from .experts import EXPERT_PARAMS
 ROUTED = "grpo_lab_routed_4bit"  # the name transformers' ExpertsInterface knows this forward by
 
 
-def use_routed_experts(model) -> int:
-    """The routed-only forward for every 4-bit experts module of `model` (its config's experts implementation).
-    Returns how many experts modules read it."""
+def use_routed_experts(model, redequantize: bool = False) -> int:
+    """The routed-only forward for every 4-bit experts module of `model` (its config's experts implementation);
+    `redequantize`: their backward dequantizes again (RedequantizedExperts; without gradient checkpointing, where
+    autograd would keep them). Returns how many experts modules read it."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(ROUTED, routed_experts_forward)
     experts = [m for m in model.modules() if all(parametrize.is_parametrized(m, n) for n in EXPERT_PARAMS)]
     for module in experts:
         module.experts_dequantized = 0  # why a count: what the rollout's and a step's forwards dequantized
+        module.redequantize = redequantize
         module.config._experts_implementation = ROUTED
     return len(experts)
 
@@ -46,19 +52,85 @@ def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if not all(routable(self, name) for name in EXPERT_PARAMS):  # another parametrization, or not whole blocks
         count(self, self.num_experts)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    adapters = {name: lora_factors(self, name) for name in EXPERT_PARAMS}  # PEFT's proxies, while they are registered
+
+    def run(hidden, index, weights, factors):
+        return routed_forward(self, hidden, index, weights, rebuilt(adapters, factors))
+
+    if getattr(self, "redequantize", False) and torch.is_grad_enabled():
+        factors = [t for kind, tensors, _ in sum(adapters.values(), []) for t in tensors]
+        return RedequantizedExperts.apply(run, hidden_states, top_k_index, top_k_weights, *factors)
+    return routed_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
+
+
+class RedequantizedExperts(torch.autograd.Function):
+    """The routed experts' forward keeping their inputs (and PEFT's expert factors) alone for backward, never their
+    dequantized weights: backward runs the forward again (dequantizing the routed experts again) and takes its
+    gradients. Why: autograd keeps each matmul's weight, a view of the layer's dequantized experts, until backward."""
+
+    @staticmethod
+    def forward(ctx, run, hidden, index, weights, *factors):
+        ctx.run, device = run, hidden.device.type
+        # why: backward's forward again must run as this one did (a learner's forwards run under torch.autocast)
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        ctx.save_for_backward(hidden, index, weights, *factors)
+        return run(hidden, index, weights, list(factors))  # (no grad here: nothing it makes is kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, index, weights, *factors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:]
+        inputs = [t.detach().requires_grad_(need) if t.is_floating_point() else t for t, need in
+                  zip([hidden, index, weights, *factors], needs)]  # fmt: skip
+        device, dtype, enabled = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            out = ctx.run(inputs[0], inputs[1], inputs[2], inputs[3:])  # one layer's experts dequantized again
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        return (None, *[next(grads) if t.requires_grad else None for t in inputs])
+
+
+def lora_factors(module, name: str) -> list[tuple]:
+    """PEFT's expert adapters on `name` now (lora.target_experts): ("factors", (lhs, rhs), scaling) for one adapter
+    (_LoraFactorsProxy), ("delta", (delta,), 1.0) for several (_LoraParameterProxy)."""
+    from peft.tuners.lora.layer import _LoraFactorsProxy
+
+    if not parametrize.is_parametrized(module, name):
+        return []
+    return [
+        ("factors", (p.lhs, p.rhs), p.scaling)
+        if isinstance(p, _LoraFactorsProxy)
+        else ("delta", (p.delta_weight,), 1.0)
+        for p in list(module.parametrizations[name])[1:]
+    ]
+
+
+def rebuilt(adapters: dict, factors: list) -> dict:
+    """`adapters` (lora_factors by parameter) with their tensors taken in order from `factors`."""
+    it = iter(factors)
+    return {
+        name: [(kind, tuple(next(it) for _ in tensors), scale) for kind, tensors, scale in chain]
+        for name, chain in adapters.items()
+    }
+
+
+def routed_forward(module, hidden_states, top_k_index, top_k_weights, adapters: dict):
+    """transformers' grouped_mm experts forward over the routed experts of `module`, with `adapters` folded in."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
     routed, local = torch.unique(top_k_index, return_inverse=True)  # [k] expert ids; [tokens, top_k] their places
-    count(self, routed.numel())
+    count(module, routed.numel())
     view = SimpleNamespace(
         num_experts=routed.numel(),
-        gate_up_proj=routed_weight(self, "gate_up_proj", routed),  # [k, 2m, h]
-        down_proj=routed_weight(self, "down_proj", routed),  # [k, h, m]
-        has_gate=self.has_gate,
-        has_bias=self.has_bias,
-        is_transposed=self.is_transposed,
+        gate_up_proj=routed_weight(module, "gate_up_proj", routed, adapters["gate_up_proj"]),  # [k, 2m, h]
+        down_proj=routed_weight(module, "down_proj", routed, adapters["down_proj"]),  # [k, h, m]
+        has_gate=module.has_gate,
+        has_bias=module.has_bias,
+        is_transposed=module.is_transposed,
         _is_expert_parallel=False,
-        act_fn=self.act_fn,
+        act_fn=module.act_fn,
     )
-    view._apply_gate = lambda out: self._apply_gate(out)
+    view._apply_gate = lambda out: module._apply_gate(out)
     return grouped_mm_experts_forward(view, hidden_states, local, top_k_weights)
 
 
@@ -67,18 +139,17 @@ def count(module, experts: int) -> None:
         module.experts_dequantized += experts
 
 
-def routed_weight(module, name: str, experts: torch.Tensor) -> torch.Tensor:
+def routed_weight(module, name: str, experts: torch.Tensor, adapters: list) -> torch.Tensor:
     """The routed experts' weight as the parameter's parametrizations make the whole one: dequantized, then PEFT's
-    expert adapters (lora.target_experts) folded in for those experts alone (W + B A per expert, as its proxies do)."""
-    from peft.tuners.lora.layer import _LoraFactorsProxy
-
+    expert adapters (lora_factors) folded in for those experts alone (W + B A per expert, as its proxies do)."""
     weight = dequantize_experts(module, name, experts)
-    for proxy in list(module.parametrizations[name])[1:]:
-        if isinstance(proxy, _LoraFactorsProxy):  # one adapter: its factors, [E, out, r] and [E, r, in]
+    for kind, tensors, scaling in adapters:
+        if kind == "factors":  # one adapter: its factors, [E, out, r] and [E, r, in]
+            lhs, rhs = tensors
             with torch.autocast(device_type=weight.device.type, enabled=False):  # (as PEFT's proxy: in W's dtype)
-                weight = torch.baddbmm(weight, proxy.lhs[experts], proxy.rhs[experts], alpha=proxy.scaling)
-        else:  # _LoraParameterProxy: its whole delta [E, out, in] (several adapters), the routed rows of it
-            weight = weight + proxy.delta_weight[experts]
+                weight = torch.baddbmm(weight, lhs[experts], rhs[experts], alpha=scaling)
+        else:  # several adapters: their whole delta [E, out, in], the routed rows of it
+            weight = weight + tensors[0][experts]
     return weight
 
 

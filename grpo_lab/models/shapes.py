@@ -101,6 +101,13 @@ class ModelShape:
         return self.layers * sum(a * b for _, a, b in self.linear_layers()) + self.expert_params
 
     @property
+    def quantized_tensors(self) -> int:
+        """The 4-bit tensors bitsandbytes makes: every linear layer's weight, each fused experts tensor, and a shared
+        expert's gate (an nn.Linear of one output, planned with the routers' bytes)."""
+        per_layer = len(self.linear_layers()) + len(self.expert_tensors()) + (1 if self.shared_intermediate else 0)
+        return self.layers * per_layer
+
+    @property
     def largest_weight(self) -> int:
         """Elements of the largest weight one read or dequantization makes whole (a fused experts tensor is one)."""
         return max([a * b for _, a, b in self.linear_layers()] + [n for _, n in self.expert_tensors()])

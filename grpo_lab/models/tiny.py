@@ -60,6 +60,12 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # a mixture of experts (Qwen3-MoE, transformers' fused 3-D experts) on the tiny body: 8 experts of width 64, 2 a
     # token, random weights, EOS reachable: the CPU suite's MoE learner (nf4 experts, models/experts.py)
     "tiny-moe": (1, {"experts": 8, "experts_per_token": 2, "expert_intermediate": 64}),
+    # the same with a shared expert every token goes through beside the routed ones (Qwen2-MoE: its MLP of width 96
+    # and its sigmoid gate): the planner's shared-expert terms under test
+    "tiny-qwen2-moe": (
+        1,
+        {"experts": 8, "experts_per_token": 2, "expert_intermediate": 64, "shared_expert_intermediate": 96},
+    ),
     # a reward model (Qwen2ForSequenceClassification, one label) on the tiny body, random weights: the CPU suite's
     # data.reward_models (models/reward_model.py)
     "tiny-reward": (1, {"eos_probability": None, "reward": True}),
@@ -145,6 +151,7 @@ def build_tiny_model(
     experts: int = 0,
     experts_per_token: int = 0,
     expert_intermediate: int = 0,
+    shared_expert_intermediate: int = 0,
     reward: bool = False,
 ) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
@@ -152,7 +159,8 @@ def build_tiny_model(
     model vocabulary larger than the tokenizer's (as Qwen2.5's 151,936 rows for 151,665 tokens): the extra ids
     decode to nothing. `train_steps` > 0 trains it on the arithmetic set's worked solutions (models/tiny_train.py).
     `experts` > 0: a Qwen3-MoE body of that many experts per layer instead (each layer routes every token to
-    `experts_per_token` of them, each of width `expert_intermediate`). `reward`: a sequence classifier with one label
+    `experts_per_token` of them, each of width `expert_intermediate`); with `shared_expert_intermediate` a Qwen2-MoE
+    body, whose every layer also has a shared expert of that width. `reward`: a sequence classifier with one label
     (a reward model) instead of a causal LM."""
     from ..checks.installed import check_torchvision
 
@@ -166,7 +174,7 @@ def build_tiny_model(
     bar.set_postfix_str("initialising the weights")
     sizes = qwen2_sizes(max(vocab_size, len(tokenizer)), hidden_size, num_layers, intermediate_size,
                         num_attention_heads, num_key_value_heads, max_positions, experts, experts_per_token,
-                        expert_intermediate)  # fmt: skip
+                        expert_intermediate, shared_expert_intermediate)  # fmt: skip
     model = _random_qwen2(tokenizer, seed, sizes, dtype, reward)
     if eos_probability is not None:
         _make_eos_reachable(model, tokenizer, eos_probability)
@@ -192,6 +200,8 @@ def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str, reward: bool = 
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen2ForSequenceClassification,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -200,6 +210,7 @@ def _random_qwen2(tokenizer, seed: int, sizes: dict, dtype: str, reward: bool = 
     config_class, model_class = {
         "qwen2": (Qwen2Config, Qwen2ForSequenceClassification if reward else Qwen2ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     }[sizes.pop("model_type")]
     if reward:
         sizes["num_labels"] = 1
@@ -279,16 +290,19 @@ def qwen2_sizes(
     experts: int = 0,
     experts_per_token: int = 0,
     expert_intermediate: int = 0,
+    shared_expert_intermediate: int = 0,
 ) -> dict:
-    """The config.json sizes of a tiny Qwen2 (with `experts`: Qwen3-MoE) of these build arguments: the built model's,
-    and the planner's before it is built."""
+    """The config.json sizes of a tiny Qwen2 (with `experts`: Qwen3-MoE; and a shared expert: Qwen2-MoE) of these build
+    arguments: the built model's, and the planner's before it is built."""
     moe = {
         "num_experts": experts,
         "num_experts_per_tok": experts_per_token,
         "moe_intermediate_size": expert_intermediate,
+        **({"shared_expert_intermediate_size": shared_expert_intermediate} if shared_expert_intermediate else {}),
     }
+    family = ("qwen2_moe" if shared_expert_intermediate else "qwen3_moe") if experts else "qwen2"
     return {
-        "model_type": "qwen3_moe" if experts else "qwen2",
+        "model_type": family,
         **(moe if experts else {}),
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,

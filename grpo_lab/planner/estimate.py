@@ -13,8 +13,10 @@ from typing import Optional
 
 from ..models.shapes import ModelShape
 
+# (the base weights' bytes, imported by their users from here too)
+from .quant_bytes import DTYPE_BYTES, base_weight_bytes, base_weight_split, codebook_bytes, nf4_bits  # noqa: F401
+
 GiB = 1024**3
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GENERATOR_BITS = {None: None, "awq": 4.25, "gptq": 4.25, "compressed-tensors": 4.25, "fp8": 8.0}
 MiB = 1024**2
 # Per GPU a process touches, measured on an H100 (torch 2.11, CUDA 13; bench/gpu/gpu_check.py's context probe and its
@@ -173,33 +175,6 @@ class DevicePlan:
         return self.fraction <= self.line and (self.split is None or self.split.feasible)
 
 
-def nf4_bits(double_quant: bool) -> float:
-    """4-bit codes + one fp32 absmax per 64 weights (double quant: int8 absmax + fp32 per 256 blocks)."""
-    return 4 + (8 / 64 + 32 / (64 * 256) if double_quant else 32 / 64)
-
-
-def base_weight_bytes(shape: ModelShape, model_cfg) -> tuple[float, str]:
-    e = DTYPE_BYTES[model_cfg.dtype]
-    dense = (shape.embedding_params + (2 * shape.layers + 1) * shape.hidden + shape.router_params) * e
-    if model_cfg.load_in_4bit:
-        bits = nf4_bits(model_cfg.bnb_4bit_use_double_quant)
-        return (
-            shape.linear_params * bits / 8 + dense,
-            f"{model_cfg.bnb_4bit_quant_type} {bits:.2f} bit + embeddings {model_cfg.dtype}",
-        )
-    return shape.linear_params * e + dense, model_cfg.dtype
-
-
-def base_weight_split(shape: ModelShape, model_cfg) -> tuple[float, float]:
-    """The base weights as FSDP2 holds them: (what it shards on dim 0: 4-bit codes and the dense weights, what every
-    rank keeps whole: bitsandbytes' quant state, which lives on the module outside the parameters; docs/fsdp2.md)."""
-    total, _ = base_weight_bytes(shape, model_cfg)
-    quant_state = (
-        shape.linear_params * (nf4_bits(model_cfg.bnb_4bit_use_double_quant) - 4) / 8 if model_cfg.load_in_4bit else 0
-    )
-    return total - quant_state, quant_state
-
-
 def unit_bytes(shape: ModelShape, config) -> tuple[float, float]:
     """(one decoder layer, the root) gathered whole: a layer's linear weights (4-bit codes or model.dtype), its two
     norms and its fp32 LoRA; the root's embedding, untied LM head and final norm. layers x layer + root is the
@@ -242,17 +217,31 @@ def expert_lora_bytes(shape: ModelShape, config) -> dict[str, float]:
     }
 
 
-def mlp_saved_bytes(shape: ModelShape, e: int) -> float:
+def redequantizes(shape: ModelShape, config) -> bool:
+    """Whether the experts' backward dequantizes them again (models/routed_experts.RedequantizedExperts): 4-bit
+    experts without gradient checkpointing. It keeps their inputs alone; the routed copies' tensors are remade."""
+    return shape.moe and config.model.load_in_4bit and not config.model.gradient_checkpointing
+
+
+def routed_copy_bytes(shape: ModelShape, e: int) -> float:
+    """Per token and layer, what the routed copies keep for backward in grouped_mm: each copy's gathered input (h),
+    gate/up output (2m), gated activation (m), three int64 indices and its routing weight."""
+    k, h, m = shape.experts_per_token, shape.hidden, shape.expert_intermediate
+    return k * ((h + 3 * m) * e + 3 * 8 + 4)
+
+
+def mlp_saved_bytes(shape: ModelShape, e: int, redequantize: bool = False) -> float:
     """Bytes per token and layer the MLP keeps for backward. Dense: its four [i] tensors (gate and up outputs, the
     activation, their product). A mixture of experts, as transformers' default experts run it (grouped_mm: the routed
     copies sorted by expert, one grouped matmul each way), per routed copy of the token: its gathered input (h), the
     gate/up output (2m), the gated activation (m), three int64 indices and its routing weight; per token the router's
     float32 probabilities and top-k ids (the router is frozen: its input is not kept); a shared expert as a dense MLP.
-    Counted with saved_tensors_hooks on builtin:tiny-moe (tests/test_moe.py)."""
+    `redequantize`: the experts' input, top-k ids and weights alone. Counted with saved_tensors_hooks on
+    builtin:tiny-moe and builtin:tiny-qwen2-moe (tests/test_moe.py)."""
     if not shape.moe:
         return 4 * shape.intermediate * e
-    k, h, m = shape.experts_per_token, shape.hidden, shape.expert_intermediate
-    routed = k * ((h + 3 * m) * e + 3 * 8 + 4)
+    k = shape.experts_per_token
+    routed = shape.hidden * e + k * (8 + e) if redequantize else routed_copy_bytes(shape, e)
     router = shape.experts * 4 + k * 8
     return routed + router + 4 * shape.shared_intermediate * e
 
@@ -301,19 +290,26 @@ def saved_per_token(shape: ModelShape, config, length: int, on_cpu: bool) -> flo
     e = compute_bytes(config)
     h, kv, r = shape.hidden, shape.kv_heads * shape.head_dim, config.lora.r
     q = shape.heads * shape.head_dim  # the query/attention width: the hidden size in most models, not in all
+    adapted = len(
+        shape.linear_layers()
+    )  # LoRA'd linear layers (7 dense; a mixture of experts: 4, or 7 with a shared one)
     if on_cpu:
         # what torch keeps for backward per token and layer on the CPU, counted with saved_tensors_hooks
         # (tests/test_planner_saved.py): the norms' inputs and outputs (4h), four tensors at the query's width (the
         # query, the key and value expanded to it for SDPA, the attention output), the MLP's four (4i), SDPA's float
         # mask row (length) and log-sum-exp (heads), the norms' two scalars, the LoRA A outputs. torch's CPU flash
         # attention keeps no probabilities (an earlier plan counted them, fitting glibc's heap holes instead)
-        per_layer = (4 * h + 4 * q + length + shape.heads + 2) * e + mlp_saved_bytes(shape, e) + 7 * r * 4
+        mlp = mlp_saved_bytes(shape, e, redequantizes(shape, config))
+        per_layer = (4 * h + 4 * q + length + shape.heads + 2) * e + mlp + adapted * r * 4
     else:
         # on a GPU, per token and layer: the norms' and MLP's inputs (4h, 4i), the query path (3q: q, its rotated
         # copy, the attention output o_proj reads) and the key/value path (3kv), the LoRA A outputs (fitted to the
         # H100 records of tests/test_long_sequences.py and tests/test_gpu_check.py)
-        per_layer = (4 * h + 3 * q + 3 * kv) * e + mlp_saved_bytes(shape, e) + 7 * r * 4
-    return per_layer + expert_lora_bytes(shape, config)["per token"]  # (with lora.target_experts)
+        per_layer = (
+            (4 * h + 3 * q + 3 * kv) * e + mlp_saved_bytes(shape, e, redequantizes(shape, config)) + adapted * r * 4
+        )
+    copies = 0.0 if redequantizes(shape, config) else expert_lora_bytes(shape, config)["per token"]
+    return per_layer + copies  # (with lora.target_experts: the routed copies' inputs to both fused matmuls)
 
 
 def activation_bytes(
@@ -349,9 +345,13 @@ def activation_bytes(
         head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if config.model.load_in_4bit else 0
     # kept by each expert matmul (its weight is a view of the dequantized experts; checkpointing: the recomputed
-    experts = experts_dequant_bytes(shape, config)  # layer's), expert LoRA's factors, one fused tensor's gradient
-    kept = experts + expert_lora["per layer"]
+    experts = experts_dequant_bytes(shape, config, tokens)  # layer's: those its tokens route to), expert LoRA's
+    # factors, one fused tensor's gradient
+    redo = redequantizes(shape, config)  # (then no layer keeps its experts: backward dequantizes them again)
+    kept = (0.0 if redo else experts) + expert_lora["per layer"]
     stored += (1 if config.model.gradient_checkpointing else shape.layers) * kept + expert_lora["transient"]
+    if redo:  # backward: one layer's routed experts dequantized again, its routed copies remade
+        stored += experts + (routed_copy_bytes(shape, e) + expert_lora["per token"]) * tokens
     # no grad (reference log-probs): one layer's intermediates (and its experts dequantized) and the last hidden states
     forward = per_layer * tokens + h * e * tokens + experts
     return {

@@ -17,6 +17,7 @@ from .estimate import (
     activation_bytes,
     base_weight_bytes,
     base_weight_split,
+    codebook_bytes,
     compute_bytes,
     expert_lora_bytes,
     experts_dequant_bytes,
@@ -171,11 +172,6 @@ def compute_dtype(config) -> str:
     return config.model.bnb_4bit_compute_dtype if config.model.load_in_4bit else config.model.dtype
 
 
-# a 4-bit weight's quant state beyond its absmax (nf4_bits): the 16-entry nf4 codebook in float32, and with double
-# quantization the absmax's 256-entry 8-bit codebook in float32 and its float32 offset (bitsandbytes' QuantState)
-NF4_CODE_BYTES, NESTED_STATE_BYTES = 16 * 4, 256 * 4 + 4
-
-
 def parked_state_bytes(shape: ModelShape, config) -> float:
     """generator.park_learner: what waits in host memory while the rollout copy decodes (models/park.py): the 4-bit
     bases with their quant state, LoRA, and AdamW's moments and step counts where they are the learner's (not
@@ -184,7 +180,7 @@ def parked_state_bytes(shape: ModelShape, config) -> float:
     model = config.model
     base = 0.0
     if model.load_in_4bit:
-        codebooks = NF4_CODE_BYTES + (NESTED_STATE_BYTES if model.bnb_4bit_use_double_quant else 0)
+        codebooks = codebook_bytes(model)
         base = (
             shape.linear_params * nf4_bits(model.bnb_4bit_use_double_quant) / 8 + quantized_weights(shape) * codebooks
         )

@@ -1,0 +1,31 @@
+"""How many 4-bit experts a phase dequantized (models/routed_experts.py counts them per experts module): the rollout's
+forwards, and the learner's backward (its forwards, their recomputes under gradient checkpointing, and what the
+experts' backward dequantizes again), for the step's metrics. 0 for a model without 4-bit experts."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..models.routed_experts import experts_dequantized
+
+
+def counted(phase: Callable, set_count: Callable) -> Callable:
+    """`phase(ex, state, *inputs)`, its output given the experts the learner's model dequantized while it ran."""
+
+    def run(ex, state, *inputs):
+        model = getattr(ex.learner, "model", None)
+        before = experts_dequantized(model) if model is not None else 0
+        out = phase(ex, state, *inputs)
+        if model is not None:
+            set_count(out, experts_dequantized(model) - before)
+        return out
+
+    return run
+
+
+def rollout_count(rollout, experts: int) -> None:
+    rollout.experts_dequantized = experts
+
+
+def backward_count(result, experts: int) -> None:
+    result.stats.experts_dequantized = experts
