@@ -136,6 +136,25 @@ def phase_table(rows: list[dict], title: str = "") -> Table:
     return Table(columns, cells, title=title)
 
 
+# a tool-calling step's figures (StepResult's tool metrics, TRL's tools/call_frequency and tools/failure_frequency)
+TOOL_COLUMNS = ("tool calls/row", "failed/row", "failed %", "turns/row")
+
+
+def tool_cells(result) -> list[str]:
+    """A step's figures under TOOL_COLUMNS: calls per row, failed calls per row, the failed share, turns per row."""
+    calls, failed = result.tool_calls_per_row, result.tool_failure_frequency
+    return [f"{calls:.2f}", f"{calls * failed:.2f}", f"{failed:.0%}", f"{result.turns_mean:.2f}"]
+
+
+def tool_table(history) -> Table | None:
+    """Tool calls and failures per step (one row each), or None when no step called tools."""
+    rows = [[str(r.step), *tool_cells(r)] for r in history if r.tool_calls_per_row is not None]
+    if not rows:
+        return None
+    columns = [Column("step", numeric=True)] + [Column(name, numeric=True) for name in TOOL_COLUMNS]
+    return Table(columns, rows, title="tool calls and failures per step")
+
+
 class MemoryTable(str):
     """`lab.memory_table()`: the text `print()` shows and callers search (memory.format_table, as ever); on its own in a
     cell, an HTML table (and that same text, unquoted, as its plain-text form)."""

@@ -6,13 +6,14 @@ a kernel, so algo/ never learns about HTML."""
 from __future__ import annotations
 
 from ..errors import ipython_shell
-from ..memory.tables import Column, MemoryTable, Table, wrap_line
+from ..memory.tables import TOOL_COLUMNS, Column, MemoryTable, Table, tool_cells, wrap_line
 
 STEP_RESULT = ("grpo_lab.algo.containers", "StepResult")  # the type IPython formats, by module and name
 
 
 def step_table(result) -> Table:
-    """One row: the step's reward (mean ± std, each function's mean), loss, KL, grad norm, length and seconds."""
+    """One row: the step's reward (mean ± std, each function's mean), loss, KL, grad norm, length and seconds (and with
+    tools its tool calls, failures and turns per row)."""
     each = result.rewards if len(result.rewards) > 1 else {}
     columns = [Column("step", numeric=True), Column("reward", numeric=True)]
     columns += [Column(name, numeric=True) for name in each]
@@ -22,6 +23,9 @@ def step_table(result) -> Table:
     kl = "-" if result.kl is None else f"{result.kl:.4f}"
     row += [f"{result.loss:+.4f}", kl, f"{result.grad_norm:.3f}", f"{result.completion_length_mean:.1f}"]
     row += [f"{result.step_seconds:.2f}"]
+    if result.tool_calls_per_row is not None:
+        columns += [Column(name, numeric=True) for name in TOOL_COLUMNS]
+        row += tool_cells(result)
     return Table(columns, [row])
 
 
