@@ -3,8 +3,10 @@ and the run report (the one `grpo-lab run` writes, a resumed run's too: from met
 tool calls per row, its failed calls and its turns. A Lab with tools on the real hf backend, the first turn's call
 forced (test_tools.forced_call): one call per row to `add`, which answers, or to `explode`, which raises."""
 
+import re
+
 import pytest
-from test_tools import add, call_text, explode, forced_call, tool_lab  # noqa: F401 (forced_call: a fixture)
+from test_tools import TEMPLATE, add, call_text, explode, forced_call, tool_lab  # noqa: F401 (forced_call: a fixture)
 
 
 @pytest.mark.parametrize("tool, failed", [("add", "0.00"), ("explode", "1.00")])
@@ -60,3 +62,29 @@ def test_a_run_without_tools_has_no_tool_figures(loaded_lab, tmp_path):
         assert "Tool calls per step" not in write_report(tmp_path / "r.html", lab.memory, lab.history).read_text()
     finally:
         lab.close()
+
+
+def test_grpo_lab_runs_report_has_each_steps_tool_calls_and_failures(tiny_config, forced_call, tmp_path):  # noqa: F811
+    """`grpo-lab run` with its tool named in the config (module:function): report.html tables the step's calls."""
+    import yaml
+
+    from grpo_lab.cli import main
+
+    config = tiny_config(
+        model={"chat_template": TEMPLATE},
+        generator={"max_completion_length": 120, "max_prompt_length": 1024, "tools": ["test_tools:explode"]},
+        grpo={"beta": 0.0, "num_generations": 2, "prompts_per_step": 2},
+        data={"rewards": ["length"]},
+    )
+    (tmp_path / "tools.yaml").write_text(yaml.safe_dump(config))
+    from transformers import AutoTokenizer
+
+    forced_call(AutoTokenizer.from_pretrained(config["model"]["name_or_path"]), call_text("explode", '{"x": 1}'))
+    out = tmp_path / "run"
+    assert main(["run", str(tmp_path / "tools.yaml"), "--steps", "1", "--out", str(out), "--quiet", "--force"]) == 0
+    report = (out / "report.html").read_text()
+    tools = report.split("<h2>Tool calls per step</h2>")[1].split("</table>")[0]
+    heads = re.findall(r"<th[^>]*>([^<]*)</th>", tools)
+    rows = [re.findall(r"<td[^>]*>([^<]*)</td>", row) for row in tools.split("<tr>")[2:]]
+    assert heads == ["step", "tool calls/row", "failed/row", "failed %", "turns/row"], heads
+    assert len(rows) == 1 and rows[0][:4] == ["0", "1.00", "1.00", "100%"], rows  # each row's one call failed
