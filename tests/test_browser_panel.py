@@ -189,7 +189,8 @@ ONE_SCREEN = """() => {
     const scrolls = e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY) && e.scrollHeight > e.clientHeight;
     while (view && !scrolls(view)) view = view.parentElement;
     view.scrollTop += buttons.getBoundingClientRect().top - view.getBoundingClientRect().top - 4;
-    const box = e => { const r = e.getBoundingClientRect(); return [r.top, r.bottom]; };
+    // (a part not drawn at all is far below the view)
+    const box = e => { if (!e) return [1e9, 1e9]; const r = e.getBoundingClientRect(); return [r.top, r.bottom]; };
     const lines = panel.querySelectorAll('.grpo-lab-log > div > div');
     const plot = panel.querySelector('.js-plotly-plot');
     return {view: box(view), buttons: box(buttons), line: box(lines[lines.length - 1]),
@@ -392,10 +393,15 @@ def test_an_invalid_value_shows_its_reason_right_under_its_field(page):
     assert 0 <= gap < 40, f"the reason sits {gap:.0f} px below its field"
     assert box.input_value() == "1"  # what was typed stays in view...
     pg.screenshot(path=str(ARTIFACTS / "panel_field_error.png"))
-    assert read_state()["config"]["grpo"]["num_generations"] == before  # ...and the config keeps its own
+    seen = time.time()  # ...and the config keeps its own (a state the kernel wrote after the refusal showed)
+    assert wait_for(read_state, lambda s: s["t"] > seen, timeout=20)["config"]["grpo"]["num_generations"] == before
     editor(pg).locator("button", has_text="revert").locator("visible=true").first.click()
+    from playwright.sync_api import expect
+
+    # the error goes and the value comes back in separate updates from the kernel: a wait on each (the value was read
+    # as '1' once on a loaded machine, the error already gone)
+    expect(box).to_have_value(str(before), timeout=10_000)
     pg.wait_for_function("() => !document.querySelector('.grpo-lab-field-error')?.offsetParent", timeout=10_000)
-    assert box.input_value() == str(before)
 
 
 def test_no_label_or_tab_is_cut(page):
