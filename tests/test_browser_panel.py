@@ -58,7 +58,14 @@ def hold(prompts, completions, **kwargs):  # a step waits in its rewards phase w
 lab.reward_funcs = list(lab.reward_funcs) + [hold]"""
 UI = "panels.append(lab.ui())\npanels[-1]"
 # issue 72: what a cell shows for the plan, a step and the memory table (each must fit the output area)
-TABLES = ["display(lab.plan())", "lab.step()", "lab.memory_table()"]
+# and a step result with tool figures (issue 67: four more columns), drawn by the same formatter as a tool Lab's
+TABLES = [
+    "display(lab.plan())",
+    "lab.step()",
+    "lab.memory_table()",
+    "import dataclasses\n"
+    "dataclasses.replace(lab.history[-1], tool_calls_per_row=1.25, tool_failure_frequency=0.2, turns_mean=2.25)",
+]
 # wall time since the panels showed, less the lab's working time. Why 90 s, not the 5 minutes a user reported: the
 # plot squeezes every idle gap over IDLE_KEEP_S (1 s), so 90 s unsqueezed already puts the x axis 60 s past the bound
 # below (work + 30 s), and each idle second here is a second of the suite
@@ -229,8 +236,9 @@ def test_the_plan_a_step_and_the_memory_table_are_tables_that_fit_the_output_are
     string of literal \\n's."""
     pg, _ = page
     tables = ".jp-OutputArea-output > .grpo-lab-table, .jp-RenderedHTMLCommon > .grpo-lab-table"
-    for shown in (".grpo-lab-plan", ".grpo-lab-step", tables):  # the three cells' outputs are drawn
+    for shown in (".grpo-lab-plan", ".grpo-lab-step", tables):  # the cells' outputs are drawn
         pg.locator(shown).first.wait_for(state="attached", timeout=60_000)
+    pg.locator(".grpo-lab-step", has_text="tool calls/row").wait_for(state="attached", timeout=60_000)
     sizes = pg.evaluate(
         "() => ['.grpo-lab-plan', '.grpo-lab-step', '.jp-OutputArea-output > .grpo-lab-table, "
         ".jp-RenderedHTMLCommon > .grpo-lab-table'].map(sel => [...document.querySelectorAll(sel)].map(e => {"
@@ -240,8 +248,9 @@ def test_the_plan_a_step_and_the_memory_table_are_tables_that_fit_the_output_are
     )
     pg.locator(".grpo-lab-plan").first.scroll_into_view_if_needed()
     kept_screenshot(pg, "tables_light.png")
-    pg.locator(tables).last.scroll_into_view_if_needed()
+    pg.locator(".grpo-lab-step").last.scroll_into_view_if_needed()  # the memory table above it
     kept_screenshot(pg, "tables_step_and_memory_light.png")
+    assert len(sizes[1]) == 2, sizes[1]  # the step, and the one with tool figures
     for name, found in zip(("plan", "step", "memory table"), sizes):
         assert found, f"no {name} shown as a table"
         for width, scrolled, output, tables in found:

@@ -17,6 +17,7 @@ GAP = "  "  # between two text columns
 TABLE_STYLE = "border-collapse:collapse;max-width:100%;font-size:12px;line-height:1.35;margin:2px 0 8px 0"
 CELL_STYLE = "padding:1px 8px;border-bottom:1px solid var(--jp-border-color2, #ddd);vertical-align:top"
 HEAD_STYLE = CELL_STYLE + ";font-weight:600;border-bottom:1px solid var(--jp-border-color1, #999)"
+HEAD_WRAP = ";white-space:normal"  # a header may wrap at its spaces ("tool calls/row"): a wide step table still fits
 NUMBER_STYLE = ";text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums"
 TEXT_STYLE = ";text-align:left;white-space:nowrap"
 WRAP_STYLE = ";text-align:left;white-space:normal;min-width:14em;color:var(--jp-ui-font-color2, #555)"
@@ -83,7 +84,8 @@ class Table:
             indent = len(text) - len(text.lstrip(" "))
             pad = f";padding-left:{8 + 6 * indent}px" if indent else ""
             kind = NUMBER_STYLE if column.numeric else WRAP_STYLE if column.wraps else TEXT_STYLE
-            return f"<{tag} style='{style}{kind}{pad}'>{html.escape(text.strip(), quote=False)}</{tag}>"
+            wrap = HEAD_WRAP if tag == "th" else ""
+            return f"<{tag} style='{style}{kind}{pad}{wrap}'>{html.escape(text.strip(), quote=False)}</{tag}>"
 
         head = "".join(cell("th", c, c.name, HEAD_STYLE) for c in self.columns)
         body = "".join(
