@@ -58,6 +58,10 @@ def jupyter_server(tmp_path: Path, notebooks=("01_quickstart.ipynb",)):
     tracker = tmp_path / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
     tracker.parent.mkdir(parents=True, exist_ok=True)
     tracker.write_text(json.dumps({"windowingMode": "none"}))
+    # no news toast: it covered the bottom right of the output in every screenshot (the editor's fields under it)
+    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    news.parent.mkdir(parents=True, exist_ok=True)
+    news.write_text(json.dumps({"fetchNews": "false"}))
     for name in notebooks:
         shutil.copy(ROOT / "notebooks" / name, tmp_path / "notebooks")
     port, token = free_port(), secrets.token_hex(16)

@@ -58,7 +58,14 @@ def hold(prompts, completions, **kwargs):  # a step waits in its rewards phase w
 lab.reward_funcs = list(lab.reward_funcs) + [hold]"""
 UI = "panels.append(lab.ui())\npanels[-1]"
 # issue 72: what a cell shows for the plan, a step and the memory table (each must fit the output area)
-TABLES = ["display(lab.plan())", "lab.step()", "lab.memory_table()"]
+# and a step result with tool figures (issue 67: four more columns), drawn by the same formatter as a tool Lab's
+TABLES = [
+    "display(lab.plan())",
+    "lab.step()",
+    "lab.memory_table()",
+    "import dataclasses\n"
+    "dataclasses.replace(lab.history[-1], tool_calls_per_row=1.25, tool_failure_frequency=0.2, turns_mean=2.25)",
+]
 # wall time since the panels showed, less the lab's working time. Why 90 s, not the 5 minutes a user reported: the
 # plot squeezes every idle gap over IDLE_KEEP_S (1 s), so 90 s unsqueezed already puts the x axis 60 s past the bound
 # below (work + 30 s), and each idle second here is a second of the suite
@@ -138,6 +145,28 @@ def panel(pg):
     return pg.locator(".grpo-lab-panel").last
 
 
+def kept_screenshot(pg, name: str) -> Path:
+    """The view at 1280 x 800 as ARTIFACTS/name, written now (an earlier run's file is removed first) and read back."""
+    from PIL import Image
+
+    path = ARTIFACTS / name
+    path.unlink(missing_ok=True)
+    pg.screenshot(path=str(path))
+    assert path.exists(), f"no screenshot at {path}"
+    with Image.open(path) as image:
+        assert image.size == (1280, 800), image.size
+    return path
+
+
+def assert_in_view(at: dict, name: str) -> None:
+    """ONE_SCREEN's boxes: the buttons, the latest log line, the plot and its x axis inside the view at once, and the
+    line inside its log box (not scrolled off)."""
+    top, bottom = at["view"]
+    for part in ("buttons", "line", "axis", "plot"):
+        assert top - 1 <= at[part][0] and at[part][1] <= bottom + 1, (name, part, at)
+    assert at["log"][0] - 1 <= at["line"][0] and at["line"][1] <= at["log"][1] + 1, (name, at)
+
+
 def editor(pg):
     return pg.locator(".grpo-lab-editor").last
 
@@ -167,7 +196,8 @@ ONE_SCREEN = """() => {
     const scrolls = e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY) && e.scrollHeight > e.clientHeight;
     while (view && !scrolls(view)) view = view.parentElement;
     view.scrollTop += buttons.getBoundingClientRect().top - view.getBoundingClientRect().top - 4;
-    const box = e => { const r = e.getBoundingClientRect(); return [r.top, r.bottom]; };
+    // (a part not drawn at all is far below the view)
+    const box = e => { if (!e) return [1e9, 1e9]; const r = e.getBoundingClientRect(); return [r.top, r.bottom]; };
     const lines = panel.querySelectorAll('.grpo-lab-log > div > div');
     const plot = panel.querySelector('.js-plotly-plot');
     return {view: box(view), buttons: box(buttons), line: box(lines[lines.length - 1]),
@@ -194,12 +224,9 @@ def test_the_buttons_the_plots_axis_and_the_latest_step_line_fit_one_screen_on_e
         expect(tabs.nth(i)).to_have_class(re.compile(r"\blm-mod-current\b"))
         at = pg.evaluate(ONE_SCREEN)
         if i == 0:
-            pg.screenshot(path=str(ARTIFACTS / "panel_one_screen_light.png"))
-        (top, bottom), name = at["view"], tabs.nth(i).inner_text()
+            kept_screenshot(pg, "panel_one_screen_light.png")
         assert at["text"].startswith(f"step {before}:"), at["text"]  # the latest line is the step's
-        for part in ("buttons", "line", "axis", "plot"):
-            assert top - 1 <= at[part][0] and at[part][1] <= bottom + 1, (name, part, at)
-        assert at["log"][0] - 1 <= at["line"][0] and at["line"][1] <= at["log"][1] + 1, (name, at)  # not scrolled off
+        assert_in_view(at, tabs.nth(i).inner_text())
         seen.append([round(at[part][0] - at["panel"][0]) for part in ("buttons", "log", "plot")])
     assert all(abs(a - b) <= 1 for where in seen for a, b in zip(where, seen[0])), seen  # tab switches move nothing
 
@@ -208,6 +235,10 @@ def test_the_plan_a_step_and_the_memory_table_are_tables_that_fit_the_output_are
     """Issue 72: display(lab.plan()) was a 1,821 px wide text block in an 828 px box, lab.memory_table() a quoted
     string of literal \\n's."""
     pg, _ = page
+    tables = ".jp-OutputArea-output > .grpo-lab-table, .jp-RenderedHTMLCommon > .grpo-lab-table"
+    for shown in (".grpo-lab-plan", ".grpo-lab-step", tables):  # the cells' outputs are drawn
+        pg.locator(shown).first.wait_for(state="attached", timeout=60_000)
+    pg.locator(".grpo-lab-step", has_text="tool calls/row").wait_for(state="attached", timeout=60_000)
     sizes = pg.evaluate(
         "() => ['.grpo-lab-plan', '.grpo-lab-step', '.jp-OutputArea-output > .grpo-lab-table, "
         ".jp-RenderedHTMLCommon > .grpo-lab-table'].map(sel => [...document.querySelectorAll(sel)].map(e => {"
@@ -216,7 +247,10 @@ def test_the_plan_a_step_and_the_memory_table_are_tables_that_fit_the_output_are
         " + (e.tagName === 'TABLE')]; }))"
     )
     pg.locator(".grpo-lab-plan").first.scroll_into_view_if_needed()
-    pg.screenshot(path=str(ARTIFACTS / "tables_light.png"))
+    kept_screenshot(pg, "tables_light.png")
+    pg.locator(".grpo-lab-step").last.scroll_into_view_if_needed()  # the memory table above it
+    kept_screenshot(pg, "tables_step_and_memory_light.png")
+    assert len(sizes[1]) == 2, sizes[1]  # the step, and the one with tool figures
     for name, found in zip(("plan", "step", "memory table"), sizes):
         assert found, f"no {name} shown as a table"
         for width, scrolled, output, tables in found:
@@ -224,16 +258,19 @@ def test_the_plan_a_step_and_the_memory_table_are_tables_that_fit_the_output_are
 
 
 def test_a_newer_panel_turns_the_older_ones_off_in_the_browser(page):
+    from playwright.sync_api import expect
+
     pg, _ = page
     panels = pg.locator(".grpo-lab-panel")
     assert panels.count() == 3
-    for i in (0, 1):
+    for i in (0, 1):  # (each expect waits until the kernel's widget state has reached the page)
         old = panels.nth(i)
-        assert old.locator("button", has_text="one step").is_disabled()
-        assert not old.locator(".grpo-lab-editor").is_visible()
-        assert f"panel {i + 1} was replaced by panel {i + 2}" in old.inner_text()
-    assert panels.nth(2).locator("button", has_text="one step").is_enabled()
-    assert panels.nth(2).locator(".grpo-lab-editor").is_visible()
+        expect(old.locator("button", has_text="one step")).to_be_disabled(timeout=10_000)
+        expect(old.locator(".grpo-lab-editor")).to_be_hidden(timeout=10_000)
+        expect(old).to_contain_text(f"panel {i + 1} was replaced by panel {i + 2}", timeout=10_000)
+    expect(panels.nth(2).locator("button", has_text="one step")).to_be_enabled(timeout=10_000)
+    expect(panels.nth(2).locator(".grpo-lab-editor")).to_be_visible(timeout=10_000)
+    expect(panels.nth(2)).not_to_contain_text("was replaced")
 
 
 def test_help_shows_under_every_kind_of_field(page):
@@ -365,10 +402,15 @@ def test_an_invalid_value_shows_its_reason_right_under_its_field(page):
     assert 0 <= gap < 40, f"the reason sits {gap:.0f} px below its field"
     assert box.input_value() == "1"  # what was typed stays in view...
     pg.screenshot(path=str(ARTIFACTS / "panel_field_error.png"))
-    assert read_state()["config"]["grpo"]["num_generations"] == before  # ...and the config keeps its own
+    seen = time.time()  # ...and the config keeps its own (a state the kernel wrote after the refusal showed)
+    assert wait_for(read_state, lambda s: s["t"] > seen, timeout=20)["config"]["grpo"]["num_generations"] == before
     editor(pg).locator("button", has_text="revert").locator("visible=true").first.click()
+    from playwright.sync_api import expect
+
+    # the error goes and the value comes back in separate updates from the kernel: a wait on each (the value was read
+    # as '1' once on a loaded machine, the error already gone)
+    expect(box).to_have_value(str(before), timeout=10_000)
     pg.wait_for_function("() => !document.querySelector('.grpo-lab-field-error')?.offsetParent", timeout=10_000)
-    assert box.input_value() == str(before)
 
 
 def test_no_label_or_tab_is_cut(page):
@@ -470,8 +512,9 @@ def test_typing_a_fraction_or_letters_into_an_int_field_leaves_the_config_and_sa
     lines = text.evaluate("e => e.getBoundingClientRect().height / parseFloat(getComputedStyle(e).lineHeight)")
     pg.screenshot(path=str(ARTIFACTS / f"panel_int_{typed}.png"))
     assert lines <= 2.05, f"the reason takes {lines:.1f} lines"
-    time.sleep(0.5)  # a value the kernel took would be in the state file by then
-    assert read_state()["config"]["grpo"]["num_generations"] == before
+    # the refusal came from the kernel: a state written after it was seen says what the config holds since
+    seen = time.time()
+    assert wait_for(read_state, lambda s: s["t"] > seen, timeout=20)["config"]["grpo"]["num_generations"] == before
     editor(pg).locator("button", has_text="revert").locator("visible=true").first.click()
     expect(box).to_have_value(str(before), timeout=10_000)  # the round trip to the kernel and back
     expect(error).to_be_hidden()
@@ -502,15 +545,24 @@ def contrast(a: str, b: str) -> float:
     return (hi + 0.05) / (lo + 0.05)
 
 
+# the notebook's background is dark (its channels' sum under 200 of 765): the dark theme's stylesheet has applied
+DARK_NOTEBOOK = """() => {
+    const c = getComputedStyle(document.querySelector('.jp-Notebook')).backgroundColor.match(/\\d+/g).map(Number);
+    return c[0] + c[1] + c[2] < 200;
+}"""
+
+
 def test_in_the_dark_theme_the_plot_follows_and_help_and_errors_read_at_4_5_to_1(page):
     """Issue 40: under JupyterLab Dark the plots stayed white blocks, and help (#666) and error (#c00) text read at
     about 3:1. Switched as a user does (Settings > Theme), then read back: nothing cut either."""
+    from playwright.sync_api import expect
+
     pg, _ = page
     pg.locator(".lm-MenuBar-itemLabel", has_text="Settings").first.click()
     pg.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
     pg.locator(".lm-Menu-itemLabel", has_text="JupyterLab Dark").first.click()
     pg.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
-    time.sleep(1)  # the theme's stylesheet applies
+    pg.wait_for_function(DARK_NOTEBOOK, timeout=30_000)  # the theme's stylesheet has applied
     background = pg.evaluate("getComputedStyle(document.querySelector('.jp-Notebook')).backgroundColor")
     assert luminance(background) < 0.2, background
     row = field(pg, "grpo", "num_generations")
@@ -528,8 +580,10 @@ def test_in_the_dark_theme_the_plot_follows_and_help_and_errors_read_at_4_5_to_1
     )
     pg.screenshot(path=str(ARTIFACTS / "panel_dark.png"))
     editor(pg).locator("button", has_text="revert").locator("visible=true").first.click()
-    pg.evaluate(ONE_SCREEN)
-    pg.screenshot(path=str(ARTIFACTS / "panel_one_screen_dark.png"))  # (issue 72: the bands read in the dark)
+    expect(editor(pg).locator(".grpo-lab-field-error:visible")).to_have_count(0, timeout=10_000)
+    at = pg.evaluate(ONE_SCREEN)
+    kept_screenshot(pg, "panel_one_screen_dark.png")  # (issue 72: the bands read in the dark)
+    assert_in_view(at, "dark")
     cut = cut_in_view(pg)
     assert all(r >= 4.5 for r in ratios.values()), ratios
     assert paper[0] in ("rgba(0, 0, 0, 0)", "transparent") or luminance(paper[0]) < 0.2, paper  # not a white block

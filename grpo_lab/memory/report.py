@@ -1,6 +1,6 @@
 """Run reports: DIR/memory.csv (every sample, with step and phase) and a self-contained DIR/report.html
 (a summary of what peaked where and when, the memory timeline, a phase x step heatmap per device, reward
-and loss, the per-phase table; figures.py draws them)."""
+and loss, tool calls and failures per step in a run with tools, the per-phase table; figures.py draws them)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..files import atomic_write_text
 from .figures import LEDGER, LEDGER_NAMES, primary_metric, timeline_figure
 from .readers import MiB, is_host
 from .step_figures import heatmap_figure, training_figure
+from .tables import tool_table
 
 CSV_HEADER = ["seconds", "step", "phase", "device", "metric", "bytes"]
 MARKS_CSV = "marks.csv"
@@ -190,7 +191,8 @@ def _unfinished_table(rows) -> str:
 
 def write_report(path: Path, sampler, history, title: str = "grpo_lab run", config: dict | None = None) -> Path:
     """A self-contained HTML file (plotly.js inlined once): the summary first (per device: peak, where and when,
-    headroom; the leak verdict; the config), then the timeline, a heatmap per device, reward/loss and the table."""
+    headroom; the leak verdict; the config), then the timeline, a heatmap per device, reward/loss, tool calls and
+    failures per step (a run with tools) and the table."""
     import html
 
     import plotly.io as pio
@@ -214,7 +216,9 @@ def write_report(path: Path, sampler, history, title: str = "grpo_lab run", conf
         if history
         else _unfinished_table(rows)
     )
-    body = f"<h1>{html.escape(title)}</h1>{summary}{settings}" + "".join(parts) + last
+    tools = tool_table(history)  # a run with tools: its calls and failures per step, under the reward and loss
+    tools = f"<h2>Tool calls per step</h2>{tools.html()}" if tools is not None else ""
+    body = f"<h1>{html.escape(title)}</h1>{summary}{settings}" + "".join(parts) + tools + last
     return atomic_write_text(
         path,
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

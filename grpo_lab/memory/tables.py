@@ -17,6 +17,7 @@ GAP = "  "  # between two text columns
 TABLE_STYLE = "border-collapse:collapse;max-width:100%;font-size:12px;line-height:1.35;margin:2px 0 8px 0"
 CELL_STYLE = "padding:1px 8px;border-bottom:1px solid var(--jp-border-color2, #ddd);vertical-align:top"
 HEAD_STYLE = CELL_STYLE + ";font-weight:600;border-bottom:1px solid var(--jp-border-color1, #999)"
+HEAD_WRAP = ";white-space:normal"  # a header may wrap at its spaces ("tool calls/row"): a wide step table still fits
 NUMBER_STYLE = ";text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums"
 TEXT_STYLE = ";text-align:left;white-space:nowrap"
 WRAP_STYLE = ";text-align:left;white-space:normal;min-width:14em;color:var(--jp-ui-font-color2, #555)"
@@ -83,7 +84,8 @@ class Table:
             indent = len(text) - len(text.lstrip(" "))
             pad = f";padding-left:{8 + 6 * indent}px" if indent else ""
             kind = NUMBER_STYLE if column.numeric else WRAP_STYLE if column.wraps else TEXT_STYLE
-            return f"<{tag} style='{style}{kind}{pad}'>{html.escape(text.strip(), quote=False)}</{tag}>"
+            wrap = HEAD_WRAP if tag == "th" else ""
+            return f"<{tag} style='{style}{kind}{pad}{wrap}'>{html.escape(text.strip(), quote=False)}</{tag}>"
 
         head = "".join(cell("th", c, c.name, HEAD_STYLE) for c in self.columns)
         body = "".join(
@@ -139,6 +141,25 @@ def phase_table(rows: list[dict], title: str = "", marks: list[dict] = ()) -> Ta
             cells += [[f"· {m['mark']}", m["device"], m["metric"], "", f"{m['peak'] / MiB:,.1f}", "", ""]
                       for m in marks if m["phase"] == r["phase"]]  # fmt: skip
     return Table(columns, cells, title=title)
+
+
+# a tool-calling step's figures (StepResult's tool metrics, TRL's tools/call_frequency and tools/failure_frequency)
+TOOL_COLUMNS = ("tool calls/row", "failed/row", "failed %", "turns/row")
+
+
+def tool_cells(result) -> list[str]:
+    """A step's figures under TOOL_COLUMNS: calls per row, failed calls per row, the failed share, turns per row."""
+    calls, failed = result.tool_calls_per_row, result.tool_failure_frequency
+    return [f"{calls:.2f}", f"{calls * failed:.2f}", f"{failed:.0%}", f"{result.turns_mean:.2f}"]
+
+
+def tool_table(history) -> Table | None:
+    """Tool calls and failures per step (one row each), or None when no step called tools."""
+    rows = [[str(r.step), *tool_cells(r)] for r in history if r.tool_calls_per_row is not None]
+    if not rows:
+        return None
+    columns = [Column("step", numeric=True)] + [Column(name, numeric=True) for name in TOOL_COLUMNS]
+    return Table(columns, rows, title="tool calls and failures per step")
 
 
 class MemoryTable(str):

@@ -1,22 +1,24 @@
-"""How a step result shows in a notebook cell: a table of its figures (each reward function's mean beside the mean)
-with its per-phase memory folded under it, and a plain-text line wrapped at words at 120 columns. StepResult lives in
-algo/, below the notebook's concerns: its HTML is registered with IPython's formatters by name when a Lab is made in
-a kernel, so algo/ never learns about HTML."""
+"""How a step result shows in a notebook cell: a table of its figures (each reward function's mean beside the mean),
+with tools a table of its tool calls, failures and turns, its per-phase memory folded under them, and a plain-text
+line wrapped at words at 120 columns. StepResult lives in algo/, below the notebook's concerns: its HTML is registered
+with IPython's formatters by name when a Lab is made in a kernel, so algo/ never learns about HTML."""
 
 from __future__ import annotations
 
 from ..errors import ipython_shell
-from ..memory.tables import Column, MemoryTable, Table, wrap_line
+from ..memory.tables import Column, MemoryTable, Table, tool_table, wrap_line
 
 STEP_RESULT = ("grpo_lab.algo.containers", "StepResult")  # the type IPython formats, by module and name
 
 
 def step_table(result) -> Table:
-    """One row: the step's reward (mean ± std, each function's mean), loss, KL, grad norm, length and seconds."""
+    """One row: the step's reward (mean ± std, each function's mean), loss, KL, grad norm, completion length and
+    seconds."""
     each = result.rewards if len(result.rewards) > 1 else {}
     columns = [Column("step", numeric=True), Column("reward", numeric=True)]
     columns += [Column(name, numeric=True) for name in each]
-    columns += [Column(name, numeric=True) for name in ("loss", "kl", "grad norm", "length", "seconds")]
+    # why "completion len": a reward function named length (tiny-cpu's) had a column of the same name beside it
+    columns += [Column(name, numeric=True) for name in ("loss", "kl", "grad norm", "completion len", "seconds")]
     row = [str(result.step), f"{result.reward_mean:.3f} ± {result.reward_std:.3f}"]
     row += [f"{mean:.3f}" for mean in each.values()]
     kl = "-" if result.kl is None else f"{result.kl:.4f}"
@@ -33,7 +35,10 @@ def step_html(result) -> str:
         if memory
         else ""
     )
-    return f"<div class='grpo-lab-step'>{step_table(result).html()}{folded}</div>"
+    # why a table of its own: as four more columns of the step's table, a tool step's table was 1,063 px in 848
+    tools = tool_table([result])
+    tools = "" if tools is None else tools.html()
+    return f"<div class='grpo-lab-step'>{step_table(result).html()}{tools}{folded}</div>"
 
 
 def step_text(result, printer, cycle) -> None:
