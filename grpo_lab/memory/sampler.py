@@ -57,8 +57,10 @@ class MemorySampler:
         guard_host: bool = True,
         host_budget: Optional[float] = None,
         live: bool = False,
+        kernel=None,
     ):
-        self.readers = readers_for(devices, host_budget)
+        self.kernel = kernel  # placement.host_limit: cgroup (memory/kernel_limit.py): the limit the host reader reads
+        self.readers = readers_for(devices, host_budget, kernel)
         self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
         self.guard_host = guard_host  # False on a sharded learner's rank: the driver guards the one host for all
         # `live`: stop guarded work (`guarded`) as it crosses, not only as its phase ends (this process's own Lab)
@@ -85,6 +87,8 @@ class MemorySampler:
 
     # --- the thread ---
     def start(self) -> "MemorySampler":
+        if self.kernel is not None and self.kernel.lifted:
+            self.kernel.enforce()  # why: a closed Lab loaded again is held by the kernel again
         if self.hz > 0 and self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="grpo-lab-memory", daemon=True)
@@ -96,6 +100,12 @@ class MemorySampler:
         if self._thread is not None:
             self._thread.join(timeout=2)
             self._thread = None
+
+    def close(self) -> None:
+        """Stop the thread and lift a kernel-enforced limit (the Lab closed; its records stay readable)."""
+        self.stop()
+        if self.kernel is not None:
+            self.kernel.lift()
 
     def _loop(self) -> None:
         last = 0.0
@@ -260,7 +270,13 @@ class MemorySampler:
     def _exceeded(self, ratio: float, limit: float, where: str) -> HostMemoryExceeded:
         gib = limit / 1024**3
         offload = self.describe_offload()
-        budget = " (placement.host_memory_gib, this Lab's processes)" if self.readers[0].budget else ""
+        budget = (
+            " (placement.host_memory_gib, the kernel's limit on this process)"
+            if self.kernel is not None
+            else " (placement.host_memory_gib, this Lab's processes)"
+            if self.readers[0].budget
+            else ""
+        )
         return HostMemoryExceeded(
             f"host RAM reached {ratio:.1%} of {gib:.{1 if gib >= 1 else 2}f} GiB{budget} "
             f"(memory.host_threshold={self.host_threshold}); {where}",
