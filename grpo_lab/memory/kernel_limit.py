@@ -138,7 +138,9 @@ class KernelLimit:
         try:
             (self.path / name).write_text(value)
         except OSError as err:
-            raise LabError(f"placement.host_limit: cgroup: writing {value} to {self.path / name} failed ({err}); {FIX}")
+            raise LabError(
+                f"placement.host_limit: cgroup: writing {value} to {self.path / name} failed ({err}); {FIX}"
+            ) from None
 
     def charged(self) -> Optional[int]:
         """What the kernel counts against the limit that it will not reclaim first: the group's usage less its inactive
