@@ -1,11 +1,13 @@
 """A child process for tests/test_kernel_limit.py and bench/probes/kernel_limit_overshoot.py: a Lab under a
 kernel-enforced host limit (placement.host_limit: cgroup) runs a step that crosses it, with the live guard or without.
 
-    python tests/kernel_limit_child.py hog|03 live|off [MIB]
+    python tests/kernel_limit_child.py hog|03|04 live|unchecked|off [MIB]
 
 hog: the tiny model, its budget MIB (default 600) above this process's RSS after its imports, a reward function that
-allocates 8 MiB at a time up to 1.5 GiB; 03: notebook 03's failing config (64 sequences in one generate call) under
-its 1.0 GiB. Prints one JSON line per event ({"event": ...}); killed by the kernel, it prints nothing more (rc -9).
+allocates 8 MiB at a time up to 1.5 GiB; 03: notebook 03's failing config (64 sequences in one generate call) under a
+budget of MIB (default 870), then its fix (chunks of 16); 04: notebook 04's failing config (the full head on Qwen2.5's
+vocabulary) under its 2.0 GiB, then its fix (the chunked head). live: the live guard; unchecked: the live guard
+without the room check before one big native allocation (algo/room.py); off: neither. Prints one JSON line per event ({"event": ...}); killed by the kernel, it prints nothing more (rc -9).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import psutil
@@ -20,6 +23,12 @@ import torch
 
 MiB = 1024**2
 STEP = 8 * MiB
+NOTEBOOK_04 = [
+    "model.dtype=float32",
+    "model.bnb_4bit_compute_dtype=float32",
+    "generator.max_completion_length=128",
+    "grpo.logprob_head=full",
+]
 NOTEBOOK_03 = [
     "grpo.num_generations=16",
     "grpo.prompts_per_step=4",
@@ -59,11 +68,15 @@ def state_of(lab) -> list:
     ]
 
 
-def lab_for(kind: str, headroom_mib: float):
+def lab_for(kind: str, mib: Optional[float]):
     from grpo_lab import Lab, load_config
 
+    if kind == "04":
+        budget = f"placement.host_memory_gib={(mib or 2048) / 1024:.4f}"
+        return Lab(load_config("logits-heavy-cpu", [*NOTEBOOK_04, budget, "placement.host_limit=cgroup"])).load(), None
     if kind == "03":
-        config = load_config("tiny-cpu", [*NOTEBOOK_03, "placement.host_memory_gib=1.0", "placement.host_limit=cgroup"])
+        budget = f"placement.host_memory_gib={(mib or 870) / 1024:.4f}"
+        config = load_config("tiny-cpu", [*NOTEBOOK_03, budget, "placement.host_limit=cgroup"])
         return Lab(config).load(), None
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from conftest import tiny_dict
@@ -71,18 +84,27 @@ def lab_for(kind: str, headroom_mib: float):
     from grpo_lab.models.source import resolve_model_path
 
     hog = Hog()
-    gib = (psutil.Process().memory_info().rss + headroom_mib * MiB) / 1024**3
+    gib = (psutil.Process().memory_info().rss + (mib or 600) * MiB) / 1024**3
     placement = {"host_limit": "cgroup", "host_memory_gib": round(gib, 3)}
     config = tiny_dict(resolve_model_path("builtin:tiny-random"), placement=placement)
     return Lab(config, reward_funcs=["format", hog]).load(), hog
 
 
-def main(kind: str, live: str, headroom_mib: float = 600.0) -> None:
+def peak_used(lab, since: int) -> dict:
+    """The row of the highest host `used` peak from row `since`."""
+    return max((r for r in lab.memory.phase_rows[since:] if r["metric"] == "used"), key=lambda r: r["peak"], default={})
+
+
+def main(kind: str, live: str, mib: Optional[float] = None) -> None:
     from grpo_lab import LabError
 
-    lab, hog = lab_for(kind, headroom_mib)
+    lab, hog = lab_for(kind, mib)
     kernel = lab.memory.kernel
     say("loaded", group=str(kernel.path), limit_mib=kernel.budget / MiB, held_mib=kernel.held / MiB)
+    if live != "live":
+        import grpo_lab.algo.head as head
+
+        head.before_allocating = lambda nbytes, what: None  # no room check before the full head's buffers
     if live == "off":
         lab.memory.live = None  # the after-phase veto alone: it judges a phase that the kernel lets end
     if hog is not None:
@@ -91,12 +113,10 @@ def main(kind: str, live: str, headroom_mib: float = 600.0) -> None:
     before, first = state_of(lab), len(lab.memory.phase_rows)
     try:
         lab.step()
-        say("ran")
+        say("ran", peak_mib=peak_used(lab, first).get("peak", 0) / MiB)
     except LabError as err:
         after = state_of(lab)
-        row = max(
-            (r for r in lab.memory.phase_rows[first:] if r["metric"] == "used"), key=lambda r: r["peak"], default={}
-        )
+        row = peak_used(lab, first)
         line = kernel.budget * lab.memory.host_threshold
         say(
             "stopped",
@@ -108,6 +128,8 @@ def main(kind: str, live: str, headroom_mib: float = 600.0) -> None:
         )
     if hog is not None:
         hog.on = False
+    elif kind == "04":
+        lab.configure(grpo={"logprob_head": "chunked"})
     else:
         lab.configure(generator={"chunk_size": 16})
     fixed = lab.step()

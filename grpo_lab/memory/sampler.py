@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from ..algo.room import checked_by
 from ..errors import LabError
 from .live_guard import LiveGuard
 from .readers import MiB, readers_for
@@ -125,7 +126,24 @@ class MemorySampler:
     def guarded(self, work: Callable, *args):
         """`work(*args)` (a phase's work, in the thread that runs the phase) under the live guard, when this sampler
         has one: the reading that sees the host cross its line raises the guard's error in that thread."""
-        return work(*args) if self.live is None else self.live.run(work, *args)
+        if self.live is None:
+            return work(*args)
+        with checked_by(self.check_room):  # why: one native call past the line would land only as it returns
+            return self.live.run(work, *args)
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """The live guard before one big native allocation (algo/room.py): `nbytes` more than the room left under
+        the line now raises its one-line error here, before anything is allocated."""
+        host = self.readers[0].read()
+        ratio = (host["used"] + nbytes) / host["limit"]
+        if ratio <= self.host_threshold:
+            return
+        room = max(host["limit"] * self.host_threshold - host["used"], 0) / MiB
+        where = f"during phase {self.phase!r} of step {self.step}, before {what} ({nbytes / MiB:,.0f} MiB; "
+        error = self._exceeded(ratio, host["limit"], f"{where}{room:,.0f} MiB left under the line)")
+        error.where = error.where.replace("host RAM reached", "host RAM would reach", 1)
+        self._vetoed = True  # why: what the stopped phase holds is freed next, not a crossing
+        raise error
 
     def watch_host(self) -> None:
         """The live guard's reading between samples: the host alone, into the open phase's peaks; one over the line
