@@ -7,7 +7,8 @@ hog: the tiny model, its budget MIB (default 600) above this process's RSS after
 allocates 8 MiB at a time up to 1.5 GiB; 03: notebook 03's failing config (64 sequences in one generate call) under a
 budget of MIB (default 870), then its fix (chunks of 16); 04: notebook 04's failing config (the full head on Qwen2.5's
 vocabulary) under its 2.0 GiB, then its fix (the chunked head). live: the live guard; unchecked: the live guard
-without the room check before one big native allocation (algo/room.py); off: neither. Prints one JSON line per event ({"event": ...}); killed by the kernel, it prints nothing more (rc -9).
+without the room check before one big native allocation (algo/room.py); off: neither. Prints one JSON line per
+event ({"event": ...}); killed by the kernel, it prints nothing more (rc -9).
 """
 
 from __future__ import annotations
