@@ -25,16 +25,12 @@ pytestmark = pytest.mark.xdist_group("live_guard")  # why: its children allocate
 
 def cgroup_root() -> Path:
     """The memory controller's root a group can be made under, or skip saying why none can."""
-    from grpo_lab.memory.kernel_limit import controller
+    from grpo_lab.memory.kernel_limit import controller, unavailable
 
-    try:
-        _, root = controller()
-        probe = root / f"grpo-lab-probe-{os.getpid()}"
-        probe.mkdir()
-        probe.rmdir()
-    except (LabError, OSError) as err:
-        pytest.skip(f"no memory cgroup can be made here: {err}")
-    return root
+    why = unavailable()
+    if why:
+        pytest.skip(f"no memory cgroup can be made here: {why}")
+    return controller()[1]
 
 
 def run_child(kind: str, live: str, timeout: float = 240) -> tuple[int, list[dict], str]:

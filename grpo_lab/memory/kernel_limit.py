@@ -58,6 +58,18 @@ def controller() -> tuple[str, Path]:
     )
 
 
+def unavailable() -> Optional[str]:
+    """Why no memory cgroup can be made here (one line), or None when one can (a probe group made and removed)."""
+    try:
+        _, root = controller()
+        probe = root / f"grpo-lab-probe-{os.getpid()}"
+        probe.mkdir()
+        probe.rmdir()
+    except (LabError, OSError) as err:
+        return str(err)
+    return None
+
+
 def process_rss(pid: int) -> int:
     """The RSS of `pid` and its children, as the host guard counts a budget."""
     process = psutil.Process(pid)
