@@ -88,12 +88,12 @@ def check_prose(name: str, nb, facts: dict) -> None:
 
 
 def check_static_figures(nb) -> None:
-    """Every plotly output carries a PNG; every live plot (a widget) is followed by a PNG of its timeline."""
+    """Each figure is saved once, as a PNG (a headless run: no plotly JSON beside it); every live plot (a widget) is
+    followed by a PNG of its timeline."""
     outputs = [o for c in nb.cells for o in c.get("outputs", [])]
     for i, o in enumerate(outputs):
         data = o.get("data", {})
-        if "application/vnd.plotly.v1+json" in data:
-            assert "image/png" in data, f"a plotly figure without its PNG: {data.get('text/plain', '')[:80]}"
+        assert "application/vnd.plotly.v1+json" not in data, f"a figure saved twice: {data.get('text/plain', '')[:80]}"
         if "application/vnd.jupyter.widget-view+json" in data and "FigureWidget" in data.get("text/plain", ""):
             later = outputs[i + 1 :]
             assert any("image/png" in p.get("data", {}) for p in later), "a live plot with no image after it"

@@ -6,8 +6,8 @@ same measurement, fitting.
 - `trial()` runs one step (or one phase) under a memory budget and says whether it crossed.
 - `fact()` records what the cells compute: `end()` shows them as one JSON output, the tests read it, and the prose
   quotes them by name.
-- `show()` and `snapshot()` put a PNG into the output beside each plotly figure or live plot, so a saved notebook, a
-  papermill sweep's output or GitHub shows the explanation too.
+- `show()` puts a figure in its output once: live where a person's frontend draws it, a PNG in a headless run, so a
+  saved papermill output or GitHub shows the explanation too; `snapshot()` puts a live plot's timeline there.
 """
 
 from __future__ import annotations
