@@ -114,13 +114,25 @@ def test_a_kernel_limit_where_none_can_be_made_is_refused_in_one_line():
 @pytest.mark.parametrize(
     "override, says",
     [
-        ("placement.host_limit=cgroup", "placement: host_limit: cgroup has no size; set placement.host_memory_gib"),
         ("memory.host_threshold=0", "memory.host_threshold: got 0; the share of the host limit"),
         ("memory.host_threshold=1.5", "memory.host_threshold: got 1.5; the share of the host limit"),
     ],
-    ids=["no-size", "threshold-0", "threshold-1.5"],
+    ids=["threshold-0", "threshold-1.5"],
 )
 def test_bad_limits_are_one_line_naming_the_field_and_the_fix(override, says):
     with pytest.raises(LabError) as caught:
         load_config("tiny-cpu", [override])
     assert str(caught.value).startswith(says) and "\n" not in str(caught.value)
+
+
+def test_a_kernel_limit_without_a_size_is_refused_at_load_in_one_line(tiny_config):
+    from grpo_lab import Lab
+
+    lab = Lab({**tiny_config(), "placement": {"host_limit": "cgroup"}})
+    with pytest.raises(LabError) as caught:
+        lab.load()
+    assert str(caught.value) == (
+        "placement.host_limit: cgroup has no size; set placement.host_memory_gib (the GiB the kernel kills the Lab at) "
+        "or use placement.host_limit: budget"
+    )
+    assert lab.learner is None and lab.memory is None  # nothing loaded, nothing left behind

@@ -134,10 +134,9 @@ class PlacementSection(Section):
     host_limit: Literal["budget", "cgroup"] = knob(
         "load",
         "budget",
-        description="Who holds placement.host_memory_gib: 'budget' = the host guard alone, reading this Lab's "
-        "processes' RSS; 'cgroup' = the kernel too: the Lab's process moves into a fresh memory cgroup (root, cgroup "
-        "v1's memory controller or v2's memory.max) whose limit kills it at the budget, and the guard reads what the "
-        "kernel counts against it, stopping a phase at its line before the kernel would.",
+        description="Who holds placement.host_memory_gib: 'budget' = the host guard alone (the Lab's RSS); 'cgroup' = "
+        "the kernel too: the Lab's process in a fresh memory cgroup that kills it there, the guard reading what the "
+        "kernel counts (needs root and a memory controller).",
     )
     learner_procs: int = knob(
         "load",
@@ -201,15 +200,6 @@ class PlacementSection(Section):
         if not items:
             raise ValueError("empty list; give at least one device or null for the learner's device")
         return [normalize_device(d) for d in items]
-
-    @model_validator(mode="after")
-    def _limit_needs_a_size(self):
-        if self.host_limit == "cgroup" and self.host_memory_gib is None:
-            raise ValueError(
-                "host_limit: cgroup has no size; set placement.host_memory_gib (the GiB the kernel kills the Lab at) "
-                "or use placement.host_limit: budget"
-            )
-        return self
 
     def generator_devices(self) -> list[str]:
         return self.generator or [self.learner]

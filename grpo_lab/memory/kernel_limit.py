@@ -87,7 +87,12 @@ class KernelLimit:
     bytes of memory in all (its RSS as it moved + the group's charges). `enforce` makes it; the HostReader reads
     `used`; `lift` unsets the limit."""
 
-    def __init__(self, budget: float, threshold: float, pid: Optional[int] = None):
+    def __init__(self, budget: Optional[float], threshold: float, pid: Optional[int] = None):
+        if budget is None:
+            raise LabError(
+                "placement.host_limit: cgroup has no size; set placement.host_memory_gib (the GiB the kernel kills the "
+                "Lab at) or use placement.host_limit: budget"
+            )
         self.pid = pid or os.getpid()
         self.budget, self.threshold = int(budget), threshold
         self.version, root = controller()
