@@ -142,6 +142,7 @@ class MemorySampler:
         where = f"during phase {self.phase!r} of step {self.step}, before {what} ({nbytes / MiB:,.0f} MiB; "
         error = self._exceeded(ratio, host["limit"], f"{where}{room:,.0f} MiB left under the line)")
         error.where = error.where.replace("host RAM reached", "host RAM would reach", 1)
+        error.refused = self.phase  # the phase stopped before its allocation (its peak stays under the line)
         self._vetoed = True  # why: what the stopped phase holds is freed next, not a crossing
         raise error
 

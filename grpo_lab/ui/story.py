@@ -195,26 +195,27 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     peak_mib, line_mib, phase (where the peak was), crossed, phase_peaks_mib (of each phase run to its end),
     generate_calls (a step's)}; prints it in one line. The kernel stays usable."""
     first, since = len(lab.memory.phase_rows), lab.memory.total
-    stopped, result = None, None
+    stopped, result, refused = None, None, None
     try:
         result = (run or lab.step)()
     except LabError as err:
-        stopped = str(err)
+        stopped, refused = str(err), getattr(err, "refused", None)
     top, rows = device_peak(lab, device, first)
     peak, line = top["peak_mib"], top["line_mib"]
-    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=top["phase"])
+    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=refused or top["phase"])
     # each phase this trial ran to its end (an undone attempt's rows are the crossing, not the phase's result)
     out["phase_peaks_mib"] = {r["phase"]: r["peak"] / MiB for r in rows if r["failed_attempt"] is None}
     out["generate_calls"] = getattr(result, "generate_calls", None)  # a step's rollout: how many engine calls
     out["over_line_s"] = seconds_over(lab, device, line, since)
-    # why an OOM counts: an allocation past a card's cap fails, so the measured peak stays under the line it hit
-    out["crossed"] = peak > line or bool(stopped and "out of memory" in stopped.lower())
+    # why an OOM counts: an allocation past a card's cap fails, so the measured peak stays under the line it hit; and
+    # the guard's refusal before one native call that would pass the line (algo/room.py), nothing allocated
+    out["crossed"] = peak > line or bool(refused) or bool(stopped and "out of memory" in stopped.lower())
     # the plan beside the Lab's own figure of that phase (its RSS; the guard's `used` is the machine's unbudgeted)
     mine = rows_of(lab, device, first, TABLE_METRIC[is_host(device)])
     own = [r["peak"] / MiB for r in mine if r["phase"] == top["phase"]]
     planned = planned_peak_mib(lab, device, top["phase"])
     out["plan_ratio"] = round(planned / max(own), 3) if planned and own else None
-    verdict = "over" if out["crossed"] else "under"
+    verdict = "refused before passing" if refused and peak <= line else "over" if out["crossed"] else "under"
     beside = f" (planned {planned:,.0f}: plan / measured {out['plan_ratio']:.2f})" if out["plan_ratio"] else ""
     print(
         f"{label}: peak {peak:,.0f} MiB during {out['phase']}{beside}, {verdict} the {line:,.0f} MiB line"
