@@ -25,6 +25,12 @@ CHILD = ROOT / "tests" / "kernel_limit_child.py"
 MODES = {"hog": ("live", "off"), "03": ("live", "off"), "04": ("live", "unchecked")}
 
 
+def reprint(path: Path) -> None:
+    """The lines of a runs.jsonl again (`--show`)."""
+    for line in path.read_text().splitlines():
+        print(line_of(json.loads(line)))
+
+
 def run(kind: str, mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.perf_counter()
@@ -42,12 +48,19 @@ def line_of(r: dict) -> str:
     if r["rc"] != 0:
         return f"{r['case']} {r['mode']}: rc {r['rc']} (killed), limit {limit:,.0f} MiB, {r['seconds']:.0f} s"
     s, fixed = r.get("stopped"), r.get("fixed", {})
-    where = (
-        f"stopped in {s['phase']} at {s['peak_mib']:,.0f} MiB against the {s['line_mib']:,.0f} MiB line "
-        f"({r['past_line_share']:+.2%} of the limit), undone bit for bit: {s['same']}"
-        if s
-        else f"ran at {r['ran']['peak_mib']:,.0f} MiB"
-    )
+    if s and "would reach" in s["message"]:  # refused before one native call (algo/room.py): its peak stays under
+        before = s["message"].split("before ")[1].split(", no update")[0]
+        where = (
+            f"refused before {before}, its peak {s['peak_mib']:,.0f} MiB under the {s['line_mib']:,.0f} MiB line, "
+            f"undone bit for bit: {s['same']}"
+        )
+    elif s:
+        where = (
+            f"stopped in {s['phase']} at {s['peak_mib']:,.0f} MiB against the {s['line_mib']:,.0f} MiB line "
+            f"({r['past_line_share']:+.2%} of the limit), undone bit for bit: {s['same']}"
+        )
+    else:
+        where = f"ran at {r['ran']['peak_mib']:,.0f} MiB"
     return (
         f"{r['case']} {r['mode']}: rc 0, limit {limit:,.0f} MiB, {where}; the fix {fixed.get('peak_mib', 0):,.0f} "
         f"MiB; {r['seconds']:.0f} s"
@@ -59,7 +72,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each case's live mode")
     parser.add_argument("--cases", default="hog,03,04")
+    parser.add_argument("--show", default=None, help="print the lines of this runs.jsonl and stop")
     args = parser.parse_args(argv)
+    if args.show:
+        return reprint(Path(args.show))
     out = Path(args.out or tempfile.mkdtemp(prefix="grpo-lab-kernel-limit-"))
     out.mkdir(parents=True, exist_ok=True)
     with (out / "runs.jsonl").open("a") as raw:
