@@ -80,11 +80,12 @@ def test_story_facts_are_returned_and_shown_as_one_json_output_at_the_end(monkey
     assert s.fact("peak_mib", 612.5) == 612.5
     s.fact("steps", 3)
     s.fact("loss", torch.tensor(0.25))  # a tensor is written as its float
+    s.fact("line", {"mib": 1.4 * 1024 * 0.95, "diff": [3.2e-7 + 1e-20]})  # as printed: 1361.92, 3.2e-07
     s.end()
     ((bundle, raw),) = shown
-    facts = {"peak_mib": 612.5, "steps": 3, "loss": 0.25}
+    facts = {"peak_mib": 612.5, "steps": 3, "loss": 0.25, "line": {"mib": 1361.92, "diff": [3.2e-7]}}
     assert raw and bundle[FACTS_MIME] == facts and json.dumps(bundle[FACTS_MIME])
-    assert bundle["text/plain"] == "facts: peak_mib, steps, loss (recorded for the story's test)"
+    assert bundle["text/plain"] == "facts: peak_mib, steps, loss, line (recorded for the story's test)"
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("story.end()")])
     nb.cells[0].outputs = [nbformat.v4.new_output("display_data", {k: v for k, v in bundle.items()})]
     assert facts_in(nbformat.reads(nbformat.writes(nb), as_version=4)) == facts  # as a saved notebook holds it
