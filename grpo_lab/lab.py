@@ -135,7 +135,7 @@ class Lab(LabViews):
         for plot in self._plots:
             plot.stop()
         if self.memory is not None:
-            self.memory.stop()
+            self.memory.close()
         self.executor.release()
         if self.trackers is not None:
             self.trackers.close()

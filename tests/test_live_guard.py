@@ -261,3 +261,28 @@ def test_the_stop_quotes_the_phases_peak_when_it_ran_on_past_the_crossing():
     quoted = float(str(caught.value).split("reached ")[1].split("%")[0]) / 100
     assert row["failed"] and quoted == pytest.approx(row["peak"] / (1024 * MiB), abs=1e-3)
     assert quoted >= 0.98 and "during phase 'rewards' of step 0" in str(caught.value)  # past the first crossing
+
+
+def test_the_full_heads_buffers_past_the_room_left_are_refused_before_they_are_allocated():
+    """One native call cannot be interrupted (the backward over the textbook head's [rows, vocab] logits): the head
+    says their size first (algo/room.py) and the guarded phase's guard raises its one line there, nothing allocated;
+    with room left, the same head runs."""
+    from grpo_lab.algo.head import full_logprobs
+    from grpo_lab.memory import MemorySampler
+
+    sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.95, live=True)
+    reader = sampler.readers[0]
+    rows, vocab = 512, 32_000  # 3 float32 [rows, vocab] buffers with a graph: 187.5 MiB
+    hidden = torch.randn(rows, 16, requires_grad=True)
+    weight, targets = torch.randn(vocab, 16), torch.randint(0, vocab, (rows,))
+    reader.budget = (reader.read()["rss"] + 64 * MiB) / 0.95  # 64 MiB left under the line
+    start = reader.read()["rss"]
+    with pytest.raises(HostMemoryExceeded) as caught:
+        sampler.guarded(full_logprobs, hidden, weight, None, targets, 1.0, 0)
+    message = str(caught.value)
+    assert message.startswith("host RAM would reach") and "\n" not in message
+    assert "before the full head's 3 float32 [rows, vocab] buffers (188 MiB; " in message
+    assert reader.read()["rss"] - start < 32 * MiB  # refused before the buffers were made
+    reader.budget = (reader.read()["rss"] + 1024 * MiB) / 0.95
+    assert sampler.guarded(full_logprobs, hidden, weight, None, targets, 1.0, 0).shape == (rows,)
+    assert full_logprobs(hidden, weight, None, targets, 1.0, 0).shape == (rows,)  # unguarded: no check at all

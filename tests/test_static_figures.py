@@ -257,6 +257,7 @@ def test_every_png_fits_a_notebooks_output_width(monkeypatch):
 
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda bundle, raw=False: shown.append(bundle))
+    monkeypatch.setenv("GRPO_LAB_LIVE_WIDGETS", "0")  # headless: the PNG form
     static.show(timeline_figure(samples(500, 100), MARKS, LIMITS))
     static.show(scatter_and_bars([1, 2, 3]))
     assert len(shown) == 2
@@ -289,12 +290,13 @@ def test_a_png_is_transparent_and_its_text_reads_on_a_light_and_a_dark_theme(fig
     assert all(ratio >= 4.0 for ratio in worst.values()), worst
 
 
-def test_show_gives_the_live_figure_beside_the_png_the_same_transparent_look(monkeypatch):
-    """plotly's JupyterLab renderer draws the live figure in place of the PNG once the pointer enters it."""
+def test_show_gives_the_live_figure_the_pngs_transparent_look(monkeypatch):
+    """A person's frontend gets the live figure (plotly's JupyterLab renderer), with the PNG's look."""
     from grpo_lab.memory import static
 
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda bundle, raw=False: shown.append(bundle))
+    monkeypatch.setenv("GRPO_LAB_LIVE_WIDGETS", "1")
     static.show(timeline_figure(samples(500, 100), MARKS, LIMITS))
     layout = shown[0]["application/vnd.plotly.v1+json"]["layout"]
     assert layout["paper_bgcolor"] == layout["plot_bgcolor"] == "rgba(0,0,0,0)"

@@ -80,11 +80,12 @@ def test_story_facts_are_returned_and_shown_as_one_json_output_at_the_end(monkey
     assert s.fact("peak_mib", 612.5) == 612.5
     s.fact("steps", 3)
     s.fact("loss", torch.tensor(0.25))  # a tensor is written as its float
+    s.fact("line", {"mib": 1.4 * 1024 * 0.95, "diff": [3.2e-7 + 1e-20]})  # as printed: 1361.92, 3.2e-07
     s.end()
     ((bundle, raw),) = shown
-    facts = {"peak_mib": 612.5, "steps": 3, "loss": 0.25}
+    facts = {"peak_mib": 612.5, "steps": 3, "loss": 0.25, "line": {"mib": 1361.92, "diff": [3.2e-7]}}
     assert raw and bundle[FACTS_MIME] == facts and json.dumps(bundle[FACTS_MIME])
-    assert bundle["text/plain"] == "facts: peak_mib, steps, loss (recorded for the story's test)"
+    assert bundle["text/plain"] == "facts: peak_mib, steps, loss, line (recorded for the story's test)"
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("story.end()")])
     nb.cells[0].outputs = [nbformat.v4.new_output("display_data", {k: v for k, v in bundle.items()})]
     assert facts_in(nbformat.reads(nbformat.writes(nb), as_version=4)) == facts  # as a saved notebook holds it
@@ -128,21 +129,24 @@ def test_peak_table_shows_each_devices_peak_in_mib_and_marks_rolled_back_rows():
     assert "cuda:0" not in only
 
 
-def test_show_puts_the_png_and_the_live_figure_in_one_output(monkeypatch):
+def test_show_puts_one_form_of_a_figure_in_its_output_the_live_one_or_the_png(monkeypatch):
+    """A person's frontend gets plotly's live figure, a headless run (papermill) the PNG: never both, so a saved
+    notebook holds each figure once."""
     import IPython.display
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append((obj, kw)))
     fig = go.Figure([go.Scatter(x=[0, 1], y=[1, 2], name="a"), go.Bar(x=["p", "q"], y=[2, 1], name="b")])
     fig.update_layout(title="two traces")
-    show(fig, width=500)
-    assert len(shown) == 1
-    bundle, kw = shown[0]
+    for live in ("1", "0"):
+        monkeypatch.setenv("GRPO_LAB_LIVE_WIDGETS", live)
+        show(fig, width=500)
+    (live, kw), (headless, _) = shown
     assert kw == {"raw": True}
-    assert {"image/png", "application/vnd.plotly.v1+json", "text/plain"} <= bundle.keys()
-    assert bundle["image/png"].startswith(b"\x89PNG") and bundle["text/plain"] == "two traces"
-    assert bundle["application/vnd.plotly.v1+json"]["data"][1]["type"] == "bar"
-    assert Image.open(io.BytesIO(bundle["image/png"])).size[0] == 500
+    assert live.keys() == {"application/vnd.plotly.v1+json", "text/plain"} and live["text/plain"] == "two traces"
+    assert live["application/vnd.plotly.v1+json"]["data"][1]["type"] == "bar"
+    assert headless.keys() == {"image/png", "text/plain"} and headless["image/png"].startswith(b"\x89PNG")
+    assert Image.open(io.BytesIO(headless["image/png"])).size[0] == 500
 
 
 @pytest.fixture(scope="module")
@@ -248,11 +252,12 @@ def test_snapshot_shows_the_timeline_and_the_peak_table(free_lab, monkeypatch):
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append(obj))
+    monkeypatch.setenv("GRPO_LAB_LIVE_WIDGETS", "0")  # headless, as papermill runs a story: the PNG
     if not free_lab.memory.phase_rows:
         free_lab.step()
     story.snapshot(free_lab, ["backward"])
     bundle, table = shown
-    assert bundle["image/png"].startswith(b"\x89PNG") and "application/vnd.plotly.v1+json" in bundle
+    assert bundle["image/png"].startswith(b"\x89PNG") and "application/vnd.plotly.v1+json" not in bundle
     assert isinstance(table, IPython.display.HTML) and "<td>backward</td>" in table.data
     assert "<td>rollout" not in table.data
 

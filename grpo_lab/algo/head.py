@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from .room import before_allocating
+
 
 class ChunkedSelectiveLogProbs(torch.autograd.Function):
     """Per-row log-prob of `targets` under logits = (hidden @ weight.T + bias) / temperature, `chunk` rows at a time."""
@@ -116,9 +118,18 @@ def trl_logprobs(hidden, weight, bias, targets, temperature: float, chunk: int, 
     )[0]
 
 
+# float32 [M, V] buffers the textbook head holds at its peak: with a graph, the backward's (the planner's
+# FULL_HEAD_FLOAT32_COPIES, measured 12.07 bytes per logit); without one, the logits and their log-softmax
+FULL_HEAD_COPIES = {True: 3, False: 2}
+
+
 def full_logprobs(hidden, weight, bias, targets, temperature: float, chunk: int):
     """The textbook pass, for comparison: every row's logits at once ([M, V] in float32) and their log-softmax,
-    which autograd keeps for backward: the [B, L, V] peak the chunked head exists to avoid (`chunk` is unused)."""
+    which autograd keeps for backward: the [B, L, V] peak the chunked head exists to avoid (`chunk` is unused).
+    Its size is said first (algo/room.py): the backward over it is one native call the live guard cannot stop."""
+    copies = FULL_HEAD_COPIES[torch.is_grad_enabled()]
+    what = f"the full head's {copies} float32 [rows, vocab] buffers"
+    before_allocating(copies * hidden.shape[0] * weight.shape[0] * 4, what)
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
     # why a copy of the [M] result: FSDP2 warns of a sharded root's output that is a view (squeeze's would be one)
     return logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1).clone()

@@ -132,6 +132,13 @@ class PlacementSection(Section):
         "machine's RAM, the host guard and the live plot hold the Lab's processes (RSS) to it, as a cgroup limit "
         "would; null = this machine's (or its cgroup limit).",
     )
+    host_limit: Literal["budget", "cgroup"] = knob(
+        "load",
+        "budget",
+        description="Who holds placement.host_memory_gib: 'budget' = the host guard alone (the Lab's RSS); 'cgroup' = "
+        "the kernel too: the Lab's process in a fresh memory cgroup that kills it there, the guard reading what the "
+        "kernel counts (needs root and a memory controller).",
+    )
     learner_procs: int = knob(
         "load",
         1,

@@ -149,6 +149,14 @@ class MemorySection(Section):
         gt=0.0,
         description="Growth per step (MiB; the window's mean and median) below which a rise is noise, not a leak.",
     )
+
+    @field_validator("host_threshold", mode="before")
+    @classmethod
+    def _a_share_of_the_limit(cls, v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v <= 1:
+            raise ValueError(f"got {v}; the share of the host limit the guard stops a phase at is in (0, 1], e.g. 0.95")
+        return v
+
     host_mmap_threshold_mib: Optional[float] = knob(
         "load",
         None,

@@ -148,6 +148,11 @@ class LocalExecutor:
 
             return rank_sampler(config, self.devices(), self.describe_offload)
         # why the driver guards the machine: one host, one guard; a rank's own budget is the rank's (above)
+        kernel = None
+        if config.placement.host_limit == "cgroup":  # why: the kernel kills at the budget, the guard reads its count
+            from ..memory.kernel_limit import KernelLimit
+
+            kernel = KernelLimit(host_budget(config), config.memory.host_threshold)
         return MemorySampler(
             self.devices(),
             config.memory.sample_hz,
@@ -155,6 +160,7 @@ class LocalExecutor:
             describe_offload=self.describe_offload,
             host_budget=host_budget(config),
             live=True,  # why only here: a rank may not stop alone (rank_guard.py); its guard acts as the phase ends
+            kernel=kernel,
         )
 
     def listeners(self) -> list:

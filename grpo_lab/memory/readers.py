@@ -75,14 +75,17 @@ class HostReader:
     `limit` is the cgroup's limit, else the host's total. `cgroup_root`: where the cgroup tree is mounted.
     `budget` (placement.host_memory_gib, bytes): a budget smaller than that limit is held as a cgroup limit would
     be: `limit` is the budget and `used` this process tree's RSS (a budget above it leaves the machine's figures).
+    `kernel` (placement.host_limit: cgroup, memory/kernel_limit.py): the budget the kernel enforces, `used` what it
+    counts against it.
     """
 
     device = "host"
 
     CHILDREN_REFRESH_S = 2.0
 
-    def __init__(self, cgroup_root: Path = CGROUP_ROOT, budget: Optional[float] = None):
+    def __init__(self, cgroup_root: Path = CGROUP_ROOT, budget: Optional[float] = None, kernel=None):
         self.process = psutil.Process()
+        self.kernel = kernel
         self.cgroup_root = Path(cgroup_root)
         self.limit = cgroup_limit(self.cgroup_root)
         self.machine = self.limit if self.limit is not None else psutil.virtual_memory().total  # `limit` unbudgeted
@@ -106,7 +109,10 @@ class HostReader:
                 rss += child.memory_info().rss
             except psutil.Error:
                 pass  # a child that just exited
-        if self.budget is not None:
+        used = self.kernel.used() if self.kernel is not None else None
+        if used is not None:
+            limit = self.kernel.budget
+        elif self.budget is not None:
             used, limit = rss, self.budget
         elif self.limit is not None:
             working_set = cgroup_working_set(self.cgroup_root)
@@ -179,10 +185,10 @@ def is_host(device: str) -> bool:
     return device == "host" or device.endswith("/host")
 
 
-def readers_for(devices: list[str], host_budget: Optional[float] = None) -> list:
-    """A host reader (held to `host_budget` bytes, if given: HostReader) plus one reader per distinct CUDA device of
-    the placement."""
-    out: list = [HostReader(budget=host_budget)]
+def readers_for(devices: list[str], host_budget: Optional[float] = None, kernel=None) -> list:
+    """A host reader (held to `host_budget` bytes, if given, or to the `kernel`'s limit: HostReader) plus one reader
+    per distinct CUDA device of the placement."""
+    out: list = [HostReader(budget=None if kernel else host_budget, kernel=kernel)]
     for dev in dict.fromkeys(devices):
         if dev.startswith("cuda"):
             out.append(CudaReader(dev))

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from ..algo.room import checked_by
 from ..errors import LabError
 from .live_guard import LiveGuard
 from .readers import MiB, readers_for
@@ -57,8 +58,10 @@ class MemorySampler:
         guard_host: bool = True,
         host_budget: Optional[float] = None,
         live: bool = False,
+        kernel=None,
     ):
-        self.readers = readers_for(devices, host_budget)
+        self.kernel = kernel  # placement.host_limit: cgroup (memory/kernel_limit.py): the limit the host reader reads
+        self.readers = readers_for(devices, host_budget, kernel)
         self.hz, self.host_threshold, self.describe_offload = hz, host_threshold, describe_offload
         self.guard_host = guard_host  # False on a sharded learner's rank: the driver guards the one host for all
         # `live`: stop guarded work (`guarded`) as it crosses, not only as its phase ends (this process's own Lab)
@@ -88,6 +91,8 @@ class MemorySampler:
 
     # --- the thread ---
     def start(self) -> "MemorySampler":
+        if self.kernel is not None and self.kernel.lifted:
+            self.kernel.enforce()  # why: a closed Lab loaded again is held by the kernel again
         if self.hz > 0 and self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="grpo-lab-memory", daemon=True)
@@ -99,6 +104,12 @@ class MemorySampler:
         if self._thread is not None:
             self._thread.join(timeout=2)
             self._thread = None
+
+    def close(self) -> None:
+        """Stop the thread and lift a kernel-enforced limit (the Lab closed; its records stay readable)."""
+        self.stop()
+        if self.kernel is not None:
+            self.kernel.lift()
 
     def _loop(self) -> None:
         last = 0.0
@@ -118,7 +129,25 @@ class MemorySampler:
     def guarded(self, work: Callable, *args):
         """`work(*args)` (a phase's work, in the thread that runs the phase) under the live guard, when this sampler
         has one: the reading that sees the host cross its line raises the guard's error in that thread."""
-        return work(*args) if self.live is None else self.live.run(work, *args)
+        if self.live is None:
+            return work(*args)
+        with checked_by(self.check_room):  # why: one native call past the line would land only as it returns
+            return self.live.run(work, *args)
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """The live guard before one big native allocation (algo/room.py): `nbytes` more than the room left under
+        the line now raises its one-line error here, before anything is allocated."""
+        host = self.readers[0].read()
+        ratio = (host["used"] + nbytes) / host["limit"]
+        if ratio <= self.host_threshold:
+            return
+        room = max(host["limit"] * self.host_threshold - host["used"], 0) / MiB
+        where = f"during phase {self.phase!r} of step {self.step}, before {what} ({nbytes / MiB:,.0f} MiB; "
+        error = self._exceeded(ratio, host["limit"], f"{where}{room:,.0f} MiB left under the line)")
+        error.where = error.where.replace("host RAM reached", "host RAM would reach", 1)
+        error.refused = self.phase  # the phase stopped before its allocation (its peak stays under the line)
+        self._vetoed = True  # why: what the stopped phase holds is freed next, not a crossing
+        raise error
 
     def watch_host(self) -> None:
         """The live guard's reading between samples: the host alone, into the open phase's peaks; one over the line
@@ -300,7 +329,13 @@ class MemorySampler:
     def _exceeded(self, ratio: float, limit: float, where: str) -> HostMemoryExceeded:
         gib = limit / 1024**3
         offload = self.describe_offload()
-        budget = " (placement.host_memory_gib, this Lab's processes)" if self.readers[0].budget else ""
+        budget = (
+            " (placement.host_memory_gib, the kernel's limit on this process)"
+            if self.kernel is not None
+            else " (placement.host_memory_gib, this Lab's processes)"
+            if self.readers[0].budget
+            else ""
+        )
         return HostMemoryExceeded(
             f"host RAM reached {ratio:.1%} of {gib:.{1 if gib >= 1 else 2}f} GiB{budget} "
             f"(memory.host_threshold={self.host_threshold}); {where}",

@@ -315,9 +315,14 @@ def neutral(data: dict) -> dict:
 
 
 def show(fig, width: int = WIDTH) -> None:
-    """Display a plotly figure live where plotly renders and as a PNG everywhere else (one output, both forms)."""
+    """Display a plotly figure in one form: live (plotly's JSON) where a person's frontend draws it, a PNG where no
+    one is there (papermill, nbconvert: runtime.frontend_is_live), so a saved run, a sweep's output or GitHub shows
+    it. Why not both: a saved notebook then held every figure twice."""
     from IPython.display import display
 
-    data = neutral(fig.to_dict())  # why once: the PNG and the live figure are drawn from the same copy of the figure
+    from ..runtime import frontend_is_live
+
+    data = neutral(fig.to_dict())
     title = _title(_get(data, "layout", "title")) or "figure"
-    display({"image/png": png(data, width), "text/plain": title, "application/vnd.plotly.v1+json": data}, raw=True)
+    form = {"application/vnd.plotly.v1+json": data} if frontend_is_live() else {"image/png": png(data, width)}
+    display({**form, "text/plain": title}, raw=True)

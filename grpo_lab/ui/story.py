@@ -6,8 +6,8 @@ same measurement, fitting.
 - `trial()` runs one step (or one phase) under a memory budget and says whether it crossed.
 - `fact()` records what the cells compute: `end()` shows them as one JSON output, the tests read it, and the prose
   quotes them by name.
-- `show()` and `snapshot()` put a PNG into the output beside each plotly figure or live plot, so a saved notebook, a
-  papermill sweep's output or GitHub shows the explanation too.
+- `show()` puts a figure in its output once: live where a person's frontend draws it, a PNG in a headless run, so a
+  saved papermill output or GitHub shows the explanation too; `snapshot()` puts a live plot's timeline there.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "budget_line",
     "facts_in",
     "peak_metric",
+    "host_limit",
 ]
 
 
@@ -56,6 +57,20 @@ def check_parameters(config, overrides=(), field: str = "config"):
             "the notebook with a CPU config (its default), or on a GPU machine"
         )
     return loaded
+
+
+def host_limit(limit: str) -> list[str]:
+    """The override that holds a story's host budget: placement.host_limit `limit`; 'cgroup' where this machine can
+    make a memory cgroup (the kernel kills at the budget, the live guard stops the phase at its line first), elsewhere
+    one line saying why, and the guard alone holds the budget."""
+    if limit == "cgroup":
+        from ..memory.kernel_limit import unavailable
+
+        why = unavailable()
+        if why:
+            print(f"host limit: the kernel cannot enforce the budget here ({why}); the guard alone holds it")
+            return []
+    return [f"placement.host_limit={limit}"]
 
 
 class Story:
@@ -115,9 +130,16 @@ class Story:
         """The facts as one output: JSON for the tests (and JupyterLab's tree view), one short line as its text."""
         from IPython.display import display
 
-        facts = json.loads(json.dumps(self.facts, default=float))  # why the round trip: numpy and torch scalars
+        # why the round trip: numpy and torch scalars, and floats as printed (1361.92, not 1361.9199999999998)
+        facts = json.loads(json.dumps(self.facts, default=float), parse_float=rounded)
         text = f"{FACTS}{', '.join(facts)} (recorded for the story's test)"
         display({FACTS_MIME: facts, "text/plain": text}, raw=True)
+
+
+def rounded(text: str) -> float:
+    """A fact's float as a story prints it: 2 decimals from 1 up, 6 significant digits below (a max abs diff)."""
+    x = float(text)
+    return round(x, 2) if abs(x) >= 1 else float(f"{x:.6g}")
 
 
 def facts_in(nb) -> dict:
@@ -172,32 +194,42 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
     peak_mib, line_mib, phase (where the peak was), crossed, phase_peaks_mib (of each phase run to its end),
     generate_calls (a step's)}; prints it in one line. The kernel stays usable."""
-    first = len(lab.memory.phase_rows)
-    stopped, result = None, None
+    first, since = len(lab.memory.phase_rows), lab.memory.total
+    stopped, result, refused = None, None, None
     try:
         result = (run or lab.step)()
     except LabError as err:
-        stopped = str(err)
+        stopped, refused = str(err), getattr(err, "refused", None)
     top, rows = device_peak(lab, device, first)
     peak, line = top["peak_mib"], top["line_mib"]
-    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=top["phase"])
+    out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=refused or top["phase"])
     # each phase this trial ran to its end (an undone attempt's rows are the crossing, not the phase's result)
     out["phase_peaks_mib"] = {r["phase"]: r["peak"] / MiB for r in rows if r["failed_attempt"] is None}
     out["generate_calls"] = getattr(result, "generate_calls", None)  # a step's rollout: how many engine calls
-    # why an OOM counts: an allocation past a card's cap fails, so the measured peak stays under the line it hit
-    out["crossed"] = peak > line or bool(stopped and "out of memory" in stopped.lower())
+    out["over_line_s"] = seconds_over(lab, device, line, since)
+    # why an OOM counts: an allocation past a card's cap fails, so the measured peak stays under the line it hit; and
+    # the guard's refusal before one native call that would pass the line (algo/room.py), nothing allocated
+    out["crossed"] = peak > line or bool(refused) or bool(stopped and "out of memory" in stopped.lower())
     # the plan beside the Lab's own figure of that phase (its RSS; the guard's `used` is the machine's unbudgeted)
     mine = rows_of(lab, device, first, TABLE_METRIC[is_host(device)])
     own = [r["peak"] / MiB for r in mine if r["phase"] == top["phase"]]
     planned = planned_peak_mib(lab, device, top["phase"])
     out["plan_ratio"] = round(planned / max(own), 3) if planned and own else None
-    verdict = "over" if out["crossed"] else "under"
+    verdict = "refused before passing" if refused and peak <= line else "over" if out["crossed"] else "under"
     beside = f" (planned {planned:,.0f}: plan / measured {out['plan_ratio']:.2f})" if out["plan_ratio"] else ""
     print(
         f"{label}: peak {peak:,.0f} MiB during {out['phase']}{beside}, {verdict} the {line:,.0f} MiB line"
         + (f" -> {stopped}" if stopped else " -> the step ran")
     )
     return out
+
+
+def seconds_over(lab, device: str, line_mib: float, since: int) -> float:
+    """How long `device`'s peak figure stayed over `line_mib` in the samples from index `since`: from the first sample
+    over it to the last (0 for one sample, or none)."""
+    metric, line = peak_metric(device), line_mib * MiB
+    over = [t for t, _, _, d, m, v in lab.memory.samples_since(since) if d == device and m == metric and v > line]
+    return round(over[-1] - over[0], 3) if over else 0.0
 
 
 def planned_peak_mib(lab, device: str, phase: str) -> Optional[float]:
