@@ -1,5 +1,5 @@
-"""The config's sections for the models a run loads and the devices they sit on: model, lora, placement, generator and
-reference (training.py has the other four; schema.py joins the nine into the one LabConfig). Knobs TRL also has keep
+"""The config's sections for the models a run loads and the devices they sit on: model, lora, placement and generator
+(training.py has the other five; schema.py joins the nine into the one LabConfig). Knobs TRL also has keep
 TRL's names (`num_generations`, `beta`, `loss_type`, `epsilon`, `scale_rewards`, ...), so a TRL user feels at home.
 Unknown keys are errors; every field carries its own help text.
 """
@@ -385,21 +385,3 @@ class GeneratorSection(Section):
         """Whether the backend holds its own copy of the weights (vllm), and so a memory share of its GPU and an adapter
         to sync; hf samples with the learner itself."""
         return self.backend in OWN_WEIGHTS
-
-
-class ReferenceSection(Section):
-    strategy: Optional[Literal["none", "adapter-disabled", "copy"]] = knob(
-        "rebuild",
-        None,
-        planned=True,
-        description="Reference policy: 'adapter-disabled' (no extra memory), 'copy' (frozen model), 'none' (beta must "
-        "be 0); null = auto.",
-    )
-    device: Optional[str] = knob(
-        "load", None, planned=True, description="Device for strategy 'copy'; null = the learner's device."
-    )
-
-    @field_validator("device", mode="before")
-    @classmethod
-    def _device(cls, v):
-        return None if v is None else normalize_device(v)

@@ -1,5 +1,5 @@
 """The one typed config behind the notebook, the CLI, the widget editor and papermill: `LabConfig`, the nine sections
-of models_and_devices.py (model, lora, placement, generator, reference) and training.py (grpo, memory, data, run) under
+of models_and_devices.py (model, lora, placement, generator) and training.py (grpo, reference, memory, data, run) under
 one root whose `update` is the one path every edit takes (checked together, all or nothing, and
 by a loaded Lab's guard, config/edits.py).
 """
@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 from ..checks.roles import check_roles
 from ..errors import ConfigError, format_validation_error
 from .fields import Section, canonical, resolve_aliases
-from .models_and_devices import GeneratorSection, LoraSection, ModelSection, PlacementSection, ReferenceSection
-from .training import DataSection, GRPOSection, MemorySection, RunSection
+from .models_and_devices import GeneratorSection, LoraSection, ModelSection, PlacementSection
+from .training import DataSection, GRPOSection, MemorySection, ReferenceSection, RunSection
 
 
 def _at(data: dict, path: str):

@@ -1,5 +1,5 @@
-"""The config's sections for how a run trains, reads its data and is watched: grpo (TRL's names), memory, data and
-run (schema.py joins them with models_and_devices.py's sections into the one LabConfig).
+"""The config's sections for how a run trains, reads its data and is watched: grpo (TRL's names), reference, memory,
+data and run (schema.py joins them with models_and_devices.py's sections into the one LabConfig).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pydantic import field_validator
 from ..algo.losses import LOSSES, RATIO_LEVELS
 from ..algo.rewards import REWARDS, TRL_REWARDS
 from ..data.arithmetic import SYSTEM_PROMPT
-from .fields import Section, knob
+from .fields import Section, knob, normalize_device
 
 
 class GRPOSection(Section):
@@ -282,3 +282,21 @@ class RunSection(Section):
         from ..checks.installed import resolve_trackers
 
         return resolve_trackers(v)
+
+
+class ReferenceSection(Section):
+    strategy: Optional[Literal["none", "adapter-disabled", "copy"]] = knob(
+        "rebuild",
+        None,
+        planned=True,
+        description="Reference policy: 'adapter-disabled' (no extra memory), 'copy' (frozen model), 'none' (beta must "
+        "be 0); null = auto.",
+    )
+    device: Optional[str] = knob(
+        "load", None, planned=True, description="Device for strategy 'copy'; null = the learner's device."
+    )
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v):
+        return None if v is None else normalize_device(v)

@@ -9,6 +9,8 @@ import html
 import textwrap
 from dataclasses import dataclass, field
 
+from .readers import MiB
+
 TEXT_WIDTH = 120  # a terminal's, and a saved notebook's plain-text fallback
 MIN_WRAPPED = 24  # the narrowest a wrapping column gets before the line is let run past TEXT_WIDTH
 GAP = "  "  # between two text columns
@@ -168,8 +170,6 @@ class MemoryTable(str):
 
     def __new__(cls, rows: list[dict], step: int | None = None, marks: list[dict] = ()):
         """`marks`: the step's marks inside phases (MemorySampler.mark_rows: a tool loop's turns), under their phase."""
-        from .sampler import format_table
-
         made = super().__new__(cls, format_table(rows, marks))
         made.rows, made.step, made.marks = rows, step, list(marks)
         return made
@@ -183,3 +183,49 @@ class MemoryTable(str):
     def _repr_html_(self) -> str:
         title = "memory per phase (MiB)" if self.step is None else f"step {self.step}: memory per phase (MiB)"
         return phase_table(self.rows, title, self.marks).html()
+
+
+def format_table(rows: list[dict], marks: list[dict] = ()) -> str:
+    """The per-phase table of one step, in MiB: one line per phase x device x metric; after a phase's lines, its
+    marks' (`marks`: MemorySampler.mark_rows, a tool loop's turns), indented, with their peak alone."""
+    w = max([9, *(len(r["device"]) + 1 for r in rows)])  # a sharded Lab's devices are longer: 'rank1/cuda:1'
+    lines = [f"{'phase':<11}{'device':<{w}}{'metric':<12}{'start':>10}{'peak':>10}{'end':>10}{'delta':>10}"]
+    for i, r in enumerate(rows):
+        lines.append(
+            f"{r['phase']:<11}{r['device']:<{w}}{r['metric']:<12}{r['start'] / MiB:>10.1f}"
+            f"{r['peak'] / MiB:>10.1f}{r['end'] / MiB:>10.1f}{r['delta'] / MiB:>+10.1f}"
+        )
+        if i + 1 == len(rows) or rows[i + 1]["phase"] != r["phase"]:  # the phase's last line: its marks after it
+            for m in (m for m in marks if m["phase"] == r["phase"]):
+                label = "  " + m["mark"]
+                lines.append(f"{label:<11}{m['device']:<{w}}{m['metric']:<12}{'':>10}{m['peak'] / MiB:>10.1f}")
+    return "\n".join(lines)
+
+
+def peak_rows(rows: list[dict]) -> list[dict]:
+    """Per phase x device x metric, the row (of any step) with the highest peak: a run's table in one."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["phase"], r["device"], r["metric"])
+        if key not in best or r["peak"] > best[key]["peak"]:
+            best[key] = r
+    return list(best.values())
+
+
+def format_compact(rows: list[dict], title: str = "memory MiB") -> str:
+    """One line per phase: each device/metric as 'peak (delta)' MiB, for the CLI."""
+    keys = list(dict.fromkeys((r["device"], r["metric"]) for r in rows))
+    by_phase: dict[str, dict] = {}
+    for r in rows:
+        by_phase.setdefault(r["phase"], {})[(r["device"], r["metric"])] = r
+    head = f"  {title:<12}" + "".join(f"{d + ' ' + m + ' peak (delta)':>28}" for d, m in keys)
+    lines = [head]
+    for phase, cells in by_phase.items():
+        lines.append(
+            f"  {phase:<11} "
+            + "".join(
+                f"{cells[k]['peak'] / MiB:>18.1f} ({cells[k]['delta'] / MiB:+7.1f})" if k in cells else " " * 28
+                for k in keys
+            )
+        )
+    return "\n".join(lines)
