@@ -102,8 +102,13 @@ def data_prompt_tokens(config):
         return None
     from transformers import AutoTokenizer
 
+    from .tools import named_schemas
+    from .tools.template import use_chat_template
+
     tokenizer = AutoTokenizer.from_pretrained(name)
-    source = PromptSource(open_dataset(config), tokenizer, config.data.system_prompt, config.run.seed)
+    use_chat_template(tokenizer, config.model.chat_template)
+    tools = named_schemas(config)  # why: the tools' schemas lengthen every prompt, as a loaded Lab's plan counts them
+    source = PromptSource(open_dataset(config), tokenizer, config.data.system_prompt, config.run.seed, tools)
     return source.lengths().longest
 
 

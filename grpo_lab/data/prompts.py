@@ -20,8 +20,11 @@ class PromptSource:
     dataset is read a row at a time by index (a Dataset's rows stay in Arrow, not in Python objects); a streamed one
     is read in order through datasets' buffer shuffle, reseeded every epoch."""
 
-    def __init__(self, dataset, tokenizer, system_prompt: Optional[str], seed: int):
+    def __init__(self, dataset, tokenizer, system_prompt: Optional[str], seed: int, tools: Optional[list] = None):
+        """`tools`: the run's tools' JSON schemas, rendered into every prompt as the tool loop renders them (why: they
+        make a prompt longer, and the plan holds the longest; tools/__init__.py's Tools.schemas)."""
         self.dataset, self.tokenizer, self.system_prompt, self.seed = dataset, tokenizer, system_prompt, seed
+        self.tools = tools
         self.streamed = is_streamed(dataset)  # (else a list of rows, or a map-style Dataset: both read by index)
         self._rng = random.Random(seed)
         self._order: list[int] = []  # map-style: what is left of this epoch's order
@@ -104,7 +107,7 @@ class PromptSource:
         on as the dataset has them (TRL's reward keywords)."""
         keys = sorted({k for r in picked for k in r} - {"prompt"})
         return PromptBatch(
-            prompts=[format_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in picked],
+            prompts=[format_prompt(self.tokenizer, r["prompt"], self.system_prompt, self.tools) for r in picked],
             answers=[None if r.get("answer") is None else str(r["answer"]) for r in picked],
             extra={k: [r.get(k) for r in picked] for k in keys},
             raw=[reward_prompt(r["prompt"], self.system_prompt) for r in picked],

@@ -216,7 +216,8 @@ class LocalExecutor:
 
         config = self.config
         dataset = open_dataset(config, self.train_dataset)
-        self.prompts = PromptSource(dataset, self.learner.tokenizer, config.data.system_prompt, config.run.seed)
+        tools = self.tools.schemas if self.tools is not None else None  # why: they lengthen every prompt the plan holds
+        self.prompts = PromptSource(dataset, self.learner.tokenizer, config.data.system_prompt, config.run.seed, tools)
         note = self.prompts.lengths().cut_note(config.generator.max_prompt_length)
         if note and runtime().is_driver:
             print(note)
