@@ -24,7 +24,7 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # Qwen2.5 chat template (models/tiny_tools.py): the `tiny-tools` preset's model
     "tiny-tools": (
         1,
-        {"vocab_size": 768, "num_layers": 3, "eos_probability": None, "train_steps": 300, "tool_calls": True},
+        {"vocab_size": 768, "num_layers": 3, "eos_probability": None, "train_steps": 500, "tool_calls": True},
     ),
     # random weights, EOS reachable at ~10% a token: the test suite's model (varied lengths, near-flat logits)
     "tiny-random": (1, {}),

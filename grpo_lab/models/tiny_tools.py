@@ -16,7 +16,7 @@ import random
 from ..data.arithmetic import SYSTEM_PROMPT, arithmetic_problems
 from ..data.calculator import calculator
 
-STEPS = 300  # see BUILTINS["tiny-tools"]
+STEPS = 500  # see BUILTINS["tiny-tools"]
 BATCH = 32
 LEARNING_RATE = 3e-3
 WARMUP = 30
