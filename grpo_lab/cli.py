@@ -101,8 +101,13 @@ def data_prompt_tokens(config):
         return None
     from transformers import AutoTokenizer
 
+    from .tools import named_schemas
+    from .tools.template import use_chat_template
+
     tokenizer = AutoTokenizer.from_pretrained(name)
-    return prompt_source(config, tokenizer, say=None).lengths().longest
+    use_chat_template(tokenizer, config.model.chat_template)
+    tools = named_schemas(config)  # why: the tools' schemas lengthen every prompt, as a loaded Lab's plan counts them
+    return prompt_source(config, tokenizer, say=None, tools=tools).lengths().longest
 
 
 def _plan_config(args):

@@ -123,11 +123,12 @@ def test_tiny_command_is_deterministic(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
-def test_a_trained_build_is_deterministic(tmp_path):
-    """The built-in trained model's recipe (models.tiny.BUILTINS), cut to 4 training steps, twice: the same bytes."""
-    from grpo_lab.models.tiny import BUILTINS, TINY, build_tiny_model
+@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-tools"])
+def test_a_trained_build_is_deterministic(tmp_path, model):
+    """A built-in trained model's recipe (models.tiny.BUILTINS), cut to 4 training steps, twice: the same bytes."""
+    from grpo_lab.models.tiny import BUILTINS, build_tiny_model
 
-    recipe = {**BUILTINS[TINY][1], "train_steps": 4}
+    recipe = {**BUILTINS[model][1], "train_steps": 4}
     for name in ("a", "b"):
         build_tiny_model(tmp_path / name, **recipe)
     for file in ("model.safetensors", "tokenizer.json", "config.json"):

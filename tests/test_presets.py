@@ -16,7 +16,14 @@ def test_presets_command_lists_every_preset_with_its_description(capsys):
     assert (
         [line.split()[0] for line in lines]
         == preset_names()
-        == ["logits-heavy-cpu", "p1-qwq32b-nf4-2xa100-40gb", "qwen2.5-7b-nf4-24gb", "tiny-cpu", "tiny-demo"]
+        == [
+            "logits-heavy-cpu",
+            "p1-qwq32b-nf4-2xa100-40gb",
+            "qwen2.5-7b-nf4-24gb",
+            "tiny-cpu",
+            "tiny-demo",
+            "tiny-tools",
+        ]
     )
     assert all(len(line.split(None, 1)[1]) > 20 for line in lines)  # a real one-line description each
 

@@ -8,13 +8,14 @@ from typing import Optional, Union
 from ..errors import LabError
 
 
-def format_prompt(tokenizer, prompt, system_prompt: Optional[str]) -> str:
-    """Chat-template the prompt when the tokenizer has a template; plain text otherwise."""
+def format_prompt(tokenizer, prompt, system_prompt: Optional[str], tools: Optional[list[dict]] = None) -> str:
+    """Chat-template the prompt when the tokenizer has a template, with the tools' schemas (`tools`: JSON schemas, as
+    the tool loop renders them); plain text otherwise."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if system_prompt and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
     return "\n".join(m["content"] for m in messages) + "\n"
 
 

@@ -1,6 +1,7 @@
-"""How long a dataset's prompts really are, in tokens, as the rollout will see them (chat template and system prompt
-applied): the plan holds the longest one rather than generator.max_prompt_length alone, and the load says how many
-prompts that length cuts. A streamed dataset is measured on its first rows (sources.STREAM_SAMPLE)."""
+"""How long a dataset's prompts really are, in tokens, as the rollout will see them (chat template, system prompt and
+the run's tools' schemas applied): the plan holds the longest one rather than generator.max_prompt_length alone, and
+the load says how many prompts that length cuts. A streamed dataset is measured on its first rows
+(sources.STREAM_SAMPLE)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def prompt_lengths(source) -> PromptLengths:
     tokens: list[int] = []
     longest_row, longest = None, -1
     for batch in batches:
-        texts = [format_prompt(source.tokenizer, r["prompt"], source.system_prompt) for r in batch]
+        texts = [format_prompt(source.tokenizer, r["prompt"], source.system_prompt, source.tools) for r in batch]
         counts = [len(ids) for ids in source.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         if max(counts) > longest:  # (the first of equals, as max over the rows gives)
             longest = max(counts)

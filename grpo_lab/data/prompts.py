@@ -22,8 +22,19 @@ class PromptSource:
     dataset is read a row at a time by index (a Dataset's rows stay in Arrow, not in Python objects); a streamed one
     is read in order through datasets' buffer shuffle, reseeded every epoch."""
 
-    def __init__(self, dataset, tokenizer, system_prompt: Optional[str], seed: int, sample: Optional[list] = None):
+    def __init__(
+        self,
+        dataset,
+        tokenizer,
+        system_prompt: Optional[str],
+        seed: int,
+        sample: Optional[list] = None,
+        tools: Optional[list] = None,
+    ):
+        """`tools`: the run's tools' JSON schemas, rendered into every prompt as the tool loop renders them (why: they
+        make a prompt longer, and the plan holds the longest; tools/__init__.py's Tools.schemas)."""
         self.dataset, self.tokenizer, self.system_prompt, self.seed = dataset, tokenizer, system_prompt, seed
+        self.tools = tools
         self.streamed = is_streamed(dataset)  # (else a list of rows, or a map-style Dataset: both read by index)
         self.sample = sample  # a streamed dataset's first rows as its check read them: lengths() measures these
         self._rng = random.Random(seed)
@@ -108,19 +119,21 @@ class PromptSource:
         on as the dataset has them (TRL's reward keywords)."""
         keys = sorted({k for r in picked for k in r} - {"prompt"})
         return PromptBatch(
-            prompts=[format_prompt(self.tokenizer, r["prompt"], self.system_prompt) for r in picked],
+            prompts=[format_prompt(self.tokenizer, r["prompt"], self.system_prompt, self.tools) for r in picked],
             answers=[None if r.get("answer") is None else str(r["answer"]) for r in picked],
             extra={k: [r.get(k) for r in picked] for k in keys},
             raw=[reward_prompt(r["prompt"], self.system_prompt) for r in picked],
         )
 
 
-def prompt_source(config, tokenizer, given=None, opened: Optional[Opened] = None, say=print) -> PromptSource:
+def prompt_source(
+    config, tokenizer, given=None, opened: Optional[Opened] = None, say=print, tools: Optional[list] = None
+) -> PromptSource:
     """The prompt source of data.* or of `given` (a Lab's train_dataset): `opened`, the dataset preflight opened and
     checked, so the data is opened and checked once (None: opened and checked here). `say` gets the one line on the
-    prompts generator.max_prompt_length cuts, if any (None: not said)."""
+    prompts generator.max_prompt_length cuts, if any (None: not said). `tools`: the tools' schemas (PromptSource)."""
     opened = opened if opened is not None else open_dataset(config, given)
-    source = PromptSource(opened.dataset, tokenizer, config.data.system_prompt, config.run.seed, opened.sample)
+    source = PromptSource(opened.dataset, tokenizer, config.data.system_prompt, config.run.seed, opened.sample, tools)
     note = source.lengths().cut_note(config.generator.max_prompt_length)
     if note and say is not None:
         say(note)

@@ -229,7 +229,8 @@ class LocalExecutor:
             self.prompts = HandedPrompts()
             return
         opened, self.opened = self.opened, None
-        self.prompts = prompt_source(self.config, self.learner.tokenizer, self.train_dataset, opened)
+        tools = self.tools.schemas if self.tools is not None else None  # why: they lengthen every prompt the plan holds
+        self.prompts = prompt_source(self.config, self.learner.tokenizer, self.train_dataset, opened, tools=tools)
 
     def build_reward_models(self) -> None:
         """data.reward_models loaded on placement.reward_model, and the sequence classifiers passed in reward_funcs

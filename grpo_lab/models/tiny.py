@@ -20,6 +20,12 @@ BUILTINS: dict[str, tuple[int, dict]] = {
     # trained ~1 min on worked solutions when first built (models/tiny_train.py); 3 layers got more sums right
     # than 2 in it
     TINY: (2, {"vocab_size": 768, "num_layers": 3, "eos_probability": None, "train_steps": 700}),
+    # TINY's body trained ~1 min to answer the arithmetic set with and without a calculator tool, through TRL's
+    # Qwen2.5 chat template (models/tiny_tools.py): the `tiny-tools` preset's model
+    "tiny-tools": (
+        1,
+        {"vocab_size": 768, "num_layers": 3, "eos_probability": None, "train_steps": 500, "tool_calls": True},
+    ),
     # random weights, EOS reachable at ~10% a token: the test suite's model (varied lengths, near-flat logits)
     "tiny-random": (1, {}),
     # Qwen2.5's vocabulary (151,936) on the tiny body: the logits dominate memory as in every real model.
@@ -94,13 +100,29 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _train_tokenizer(vocab_size: int, seed: int, worked: bool = False):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+def _train_tokenizer(vocab_size: int, seed: int, worked: bool = False, tool_calls: bool = False):
+    """A byte-level BPE tokenizer of `vocab_size` trained on the arithmetic set (`worked`: with its worked solutions,
+    and Qwen2's split); `tool_calls`: also on its tool-calling conversations, with TRL's Qwen2.5 chat template
+    (models/tiny_tools.py)."""
     rows = arithmetic_problems(2000, seed, worked=worked)
     corpus = [f"{r['prompt']} {r.get('solution', '')} <answer>{r['answer']}</answer>" for r in rows]
     corpus += [SYSTEM_PROMPT, "system user assistant"]
+    if not tool_calls:
+        return _bpe(corpus, vocab_size, worked, CHAT_TEMPLATE)
+    from . import tiny_tools
+
+    # why twice: the conversations are rendered by a tokenizer's chat template, here the first one's
+    template, added = tiny_tools.chat_template(), tiny_tools.ADDED_TOKENS
+    first = _bpe(corpus, vocab_size, worked, template, added)
+    return _bpe(corpus + tiny_tools.corpus(first, 2000, seed), vocab_size, worked, template, added)
+
+
+def _bpe(corpus: list[str], vocab_size: int, worked: bool, chat_template: str, added: tuple = ()):
+    """A BPE trained on `corpus`, then `added`'s strings as whole tokens (matched before the split, as Qwen's
+    `<tool_call>`)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     if worked:  # why: transformers rebuilds a qwen2 checkpoint's tokenizer with Qwen2's own split (digits one by
         # one) at load, so the trained model must learn on the same tokens as it is later given
@@ -123,13 +145,14 @@ def _train_tokenizer(vocab_size: int, seed: int, worked: bool = False):
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
+    tok.add_tokens([AddedToken(text, normalized=False, special=False) for text in added])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         bos_token=None,
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         padding_side="left",
     )
 
@@ -153,6 +176,7 @@ def build_tiny_model(
     expert_intermediate: int = 0,
     shared_expert_intermediate: int = 0,
     reward: bool = False,
+    tool_calls: bool = False,
 ) -> Path:
     """Write a tiny Qwen2 checkpoint + tokenizer to `path`; the same seed gives the same files (training: on the
     same machine and thread count). A `vocab_size` beyond what the tokenizer learns from its small corpus gives a
@@ -161,7 +185,8 @@ def build_tiny_model(
     `experts` > 0: a Qwen3-MoE body of that many experts per layer instead (each layer routes every token to
     `experts_per_token` of them, each of width `expert_intermediate`); with `shared_expert_intermediate` a Qwen2-MoE
     body, whose every layer also has a shared expert of that width. `reward`: a sequence classifier with one label
-    (a reward model) instead of a causal LM."""
+    (a reward model) instead of a causal LM. `tool_calls`: TRL's Qwen2.5 chat template, and the training teaches it to
+    call a calculator (models/tiny_tools.py)."""
     from ..checks.installed import check_torchvision
 
     check_torchvision()  # why first: transformers' model classes import it
@@ -169,7 +194,7 @@ def build_tiny_model(
     bar = _progress(label or f"building {path.name}", train_steps)
     bar.set_postfix_str("training the tokenizer")
     # why 384 untrained: all the tiny corpus has merges for; a trained model's corpus adds the worked solutions
-    tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, worked=bool(train_steps))
+    tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, bool(train_steps), tool_calls)
     bar.update()
     bar.set_postfix_str("initialising the weights")
     sizes = qwen2_sizes(max(vocab_size, len(tokenizer)), hidden_size, num_layers, intermediate_size,
@@ -180,10 +205,12 @@ def build_tiny_model(
         _make_eos_reachable(model, tokenizer, eos_probability)
     bar.update()
     if train_steps:
+        from .tiny_tools import train_with_tools
         from .tiny_train import train_on_arithmetic
 
-        bar.set_postfix_str(f"training on the arithmetic set ({train_steps} steps)")
-        train_on_arithmetic(model, tokenizer, train_steps, seed, on_step=bar.update)
+        bar.set_postfix_str(f"training on the arithmetic set{' with a calculator' * tool_calls} ({train_steps} steps)")
+        train = train_with_tools if tool_calls else train_on_arithmetic
+        train(model, tokenizer, train_steps, seed, on_step=bar.update)
     bar.set_postfix_str("saving")
     _save(model, tokenizer, path)
     bar.update()

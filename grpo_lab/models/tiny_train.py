@@ -54,19 +54,26 @@ def worked_examples(tokenizer, n: int, seed: int):
 def train_on_arithmetic(model, tokenizer, steps: int = STEPS, seed: int = 0, on_step=None) -> float:
     """AdamW with warm-up and cosine decay over `steps` batches of BATCH; returns the last batch's loss. `on_step()`
     is called after each step (the build's progress bar)."""
+    examples = worked_examples(tokenizer, steps * BATCH, DATA_SEED + seed)
+    return supervised(model, examples, steps, BATCH, LEARNING_RATE, WARMUP, on_step)
+
+
+def supervised(model, examples, steps: int, batch_size: int, learning_rate: float, warmup: int, on_step=None) -> float:
+    """`steps` batches of `batch_size` of `examples` ((input_ids, attention_mask, labels), right-padded) with AdamW,
+    warm-up and cosine decay; returns the last batch's loss."""
     import math
 
     import torch
 
-    ids, mask, labels = worked_examples(tokenizer, steps * BATCH, DATA_SEED + seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    ids, mask, labels = examples
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * s / steps))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
     model.train()
     loss = torch.tensor(float("nan"))
     for step in range(steps):
-        batch = slice(step * BATCH, (step + 1) * BATCH)
+        batch = slice(step * batch_size, (step + 1) * batch_size)
         width = int(mask[batch].sum(1).max())  # why: the batch's own width, not the longest row of all
         hidden = model.model(input_ids=ids[batch, :width], attention_mask=mask[batch, :width]).last_hidden_state
         # why only the answer's positions through the head: the prompt's logits would be computed and thrown away

@@ -35,6 +35,15 @@ class Tools:
         """The environments' get_reward sources (TRL's extra reward functions, weight 1)."""
         return self.environments.reward_funcs if self.environments is not None else []
 
+    @property
+    def schemas(self) -> list[dict]:
+        """The JSON schemas a prompt renders: the tools', then each environment class's methods (with a dict of
+        environments, all of theirs: the longest a row's prompt can be, what the plan holds)."""
+        found = list(self.toolbox.schemas) if self.toolbox is not None else []
+        for pool in self.environments.pools.values() if self.environments is not None else []:
+            found += [s for s in self.environments.toolbox(pool[0]).schemas if s not in found]
+        return found
+
     def loop(self, tokenizer, eos_token_ids: list[int], config):
         from .loop import ToolLoop
 
@@ -48,6 +57,21 @@ def imported(spec: str, field: str):
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
         raise LabError(f"{field}: cannot import {spec!r} ({err}); check the module path and the name") from None
+
+
+def named_schemas(config) -> Optional[list[dict]]:
+    """The schemas of the tools and environment the config names (generator.tools, generator.environment_factory),
+    for a plan made without a Lab; None: none."""
+    from .environments import Environments
+    from .toolbox import Toolbox
+
+    gen = config.generator
+    tools = [imported(s, "generator.tools") for s in gen.tools]
+    factory = gen.environment_factory
+    environments = Environments(imported(factory, "generator.environment_factory"), tools) if factory else None
+    if not tools and environments is None:
+        return None
+    return Tools(Toolbox(tools) if tools else None, environments).schemas
 
 
 def tools_for(tools: Optional[list[Callable]], environment_factory, config) -> Optional[Tools]:
