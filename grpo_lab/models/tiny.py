@@ -191,7 +191,9 @@ def build_tiny_model(
 
     check_torchvision()  # why first: transformers' model classes import it
     path = Path(path)
-    bar = _progress(label or f"building {path.name}", train_steps)
+    from .tiny_train import build_progress
+
+    bar = build_progress(label or f"building {path.name}", train_steps)
     bar.set_postfix_str("training the tokenizer")
     # why 384 untrained: all the tiny corpus has merges for; a trained model's corpus adds the worked solutions
     tokenizer = _train_tokenizer(min(vocab_size, 768 if train_steps else 384), seed, bool(train_steps), tool_calls)
@@ -260,26 +262,6 @@ def _save(model, tokenizer, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-
-
-def _progress(label: str, train_steps: int):
-    """A progress bar over the build's stages (tokenizer, weights, each training step, saving), with tqdm's estimate
-    of the time left: a widget in a notebook, a line on stderr in a terminal or a log; in a headless run (papermill,
-    nbconvert) one printed line, as the saved notebook would keep the widget as a frozen "0%"."""
-    from tqdm.auto import tqdm
-
-    from ..runtime import frontend_is_live
-
-    live = frontend_is_live()
-    if not live:
-        print(f"{label}{f', {train_steps} training steps' if train_steps else ''}", flush=True)
-    bar = tqdm(
-        total=3 + train_steps, desc=label, unit="stage" if not train_steps else "step", leave=True, disable=not live
-    )
-    container = getattr(bar, "container", None)  # tqdm.notebook's widget: [label, bar, figures]
-    if container is not None:  # why: the label wrapped at its name's hyphen ("building tiny-qwen2- / v2")
-        container.children[0].layout.min_width = "max-content"
-    return bar
 
 
 def _make_eos_reachable(model, tokenizer, probability: float) -> None:

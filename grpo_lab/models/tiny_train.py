@@ -7,6 +7,8 @@ What GRPO then has to learn in the demo's 25 steps: 85% of the training answers 
 those 0 and `format` 0.5, so a sampled completion is right about 6% of the time at first, while its arithmetic
 is right about 40% of the time. Dropping the unit is one decision shared by every
 prompt, which a few LoRA updates can learn; the sums themselves barely improve in 25 steps.
+
+Also the progress bar a built-in model's build shows (build_progress).
 """
 
 from __future__ import annotations
@@ -88,3 +90,23 @@ def supervised(model, examples, steps: int, batch_size: int, learning_rate: floa
             on_step()
     model.eval()
     return float(loss.detach())
+
+
+def build_progress(label: str, train_steps: int):
+    """A progress bar over the build's stages (tokenizer, weights, each training step, saving), with tqdm's estimate
+    of the time left: a widget in a notebook, a line on stderr in a terminal or a log; in a headless run (papermill,
+    nbconvert) one printed line, as the saved notebook would keep the widget as a frozen "0%"."""
+    from tqdm.auto import tqdm
+
+    from ..runtime import frontend_is_live
+
+    live = frontend_is_live()
+    if not live:
+        print(f"{label}{f', {train_steps} training steps' if train_steps else ''}", flush=True)
+    bar = tqdm(
+        total=3 + train_steps, desc=label, unit="stage" if not train_steps else "step", leave=True, disable=not live
+    )
+    container = getattr(bar, "container", None)  # tqdm.notebook's widget: [label, bar, figures]
+    if container is not None:  # why: the label wrapped at its name's hyphen ("building tiny-qwen2- / v2")
+        container.children[0].layout.min_width = "max-content"
+    return bar
