@@ -139,10 +139,10 @@ def test_a_story_keeps_the_named_library_notices_out_and_others_in(allow_stdin, 
 def test_a_built_in_model_built_in_a_headless_run_prints_a_line_not_a_bar(allow_stdin, cell_from, capsys):
     """A fresh cache's first notebook builds the built-in model: headless, its bar would be saved as a frozen "0%"
     (a fresh clone's notebooks 03 and 04 saved one), so it is one printed line there, a bar for a person."""
-    from grpo_lab.models.tiny import _progress
+    from grpo_lab.models.tiny_train import build_progress
 
     cell_from(allow_stdin)
-    bar = _progress("building kv-heavy-v1 (once; later loads read it)", 0)
+    bar = build_progress("building kv-heavy-v1 (once; later loads read it)", 0)
     bar.update(1)
     assert bar.disable == (not allow_stdin)  # (before close, which sets it)
     bar.close()
