@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 from ..data.arithmetic import SYSTEM_PROMPT, arithmetic_problems
 from ..errors import LabError
+from .tiny_train import build_progress
 
 TINY = "tiny-qwen2"
 # name -> (builder version, build_tiny_model arguments); why the version is in the cache name: a changed
@@ -191,8 +192,6 @@ def build_tiny_model(
 
     check_torchvision()  # why first: transformers' model classes import it
     path = Path(path)
-    from .tiny_train import build_progress
-
     bar = build_progress(label or f"building {path.name}", train_steps)
     bar.set_postfix_str("training the tokenizer")
     # why 384 untrained: all the tiny corpus has merges for; a trained model's corpus adds the worked solutions
