@@ -168,6 +168,26 @@ def test_a_restarted_rollout_samples_the_steps_own_prompts_again(loaded_lab):
     assert lab.rollout().batch.prompts == twin.rollout().batch.prompts
 
 
+def test_a_failed_rollout_is_undone_with_its_draw_of_prompts(loaded_lab, monkeypatch):
+    """A rollout that fails (out of memory here, anywhere in a tool loop's turns as well) is undone with the prompts
+    it drew: the retry samples the step's own prompts, and the steps after draw what they would have drawn. A
+    rollout that fails before it draws puts back nothing it did not take (the step before keeps its batch)."""
+    import grpo_lab.execution.local as local
+
+    lab, twin = loaded_lab(), loaded_lab()
+    lab.arm_fault(0, "rollout", "oom")
+    with pytest.raises(LabError, match="out of memory in phase 'rollout'"):
+        lab.rollout()
+    assert lab.rollout().batch.prompts == twin.rollout().batch.prompts
+    lab.step(), twin.step()
+    real = local.grpo.rollout
+    monkeypatch.setattr(local.grpo, "rollout", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(LabError, match="out of memory in phase 'rollout'"):
+        lab.rollout()  # (fails before its draw)
+    monkeypatch.setattr(local.grpo, "rollout", real)
+    assert lab.rollout().batch.prompts == twin.rollout().batch.prompts
+
+
 def test_the_rollback_snapshot_is_taken_inside_the_optimizer_phase(loaded_lab, monkeypatch):
     """A host MemoryError while copying the LoRA + AdamW state is that phase's one-line error, nothing applied."""
     import grpo_lab.recovery.rollback as rollback

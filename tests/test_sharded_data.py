@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_lab import Lab
+from grpo_lab import Lab, LabError
 
 pytestmark = [pytest.mark.solo, pytest.mark.xdist_group("ranks")]  # why solo: it starts Ray, two ranks
 
@@ -76,3 +76,18 @@ def test_a_sharded_checkpoint_holds_the_drivers_data_position_and_resumes_at_the
         again.append(lab.rollout().batch.extra["bonus"])
         lab.step()
     assert again == straight and len({b for rows in straight for b in rows}) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.cores(2)
+def test_a_rollout_that_fails_on_every_rank_gives_its_rows_back_to_the_drivers_source(sharded):
+    """A failed rollout is undone with its draw: the driver's source is back where the step began, so the retry
+    samples the step's own rows (as one process: tests/test_lifecycle.py)."""
+    lab = sharded
+    position = lab.prompts.state_dict()
+    for rank in (0, 1):
+        lab.arm_fault(rank, "rollout", "runtime")
+    with pytest.raises(LabError, match="rollout failed on every rank"):
+        lab.rollout()
+    assert lab.prompts.state_dict() == position
+    assert lab.step().attempts == 2

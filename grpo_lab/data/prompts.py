@@ -89,6 +89,17 @@ class PromptSource:
         if self._before_last is not None:
             self.load_state_dict(self._before_last)
 
+    def draw_for(self, step: int) -> None:
+        """Where `step`'s rollout draws from, so that the rollout, if it fails, gives its draw back (undraw)."""
+        self._drawn_for = (step, self.state_dict())
+
+    def undraw(self, step: int) -> None:
+        """A failed rollout of `step` is undone with the rows it drew: the retry samples the step's own prompts (one
+        that failed before drawing finds another step's mark, and gives back nothing)."""
+        drawn, self._drawn_for = getattr(self, "_drawn_for", None), None
+        if drawn is not None and drawn[0] == step:
+            self.load_state_dict(drawn[1])
+
     def next_batch(self, size: int) -> PromptBatch:
         self._before_last = self.state_dict()
         draw = self._draw_streamed if self.streamed else self._draw_indexed
@@ -161,6 +172,11 @@ class HandedPrompts:
 
     def rewind(self) -> None:
         """Nothing here: the driver's source rewinds, and hands the redone rollout its rows again."""
+
+    def draw_for(self, step: int) -> None:
+        """Nothing here: a failed rollout's rows go back to the driver's source (sharded/driver.py's failed)."""
+
+    undraw = draw_for
 
     def state_dict(self) -> dict:
         return self.position

@@ -26,9 +26,9 @@ def _rollout(ex, state) -> object:
         ex.generator_behind = False
     from ..planner.plan import parking_reserve, rollout_copy_mode, rollout_decode
 
-    config = ex.config
-    path = rollout_decode(config), rollout_copy_mode(config), parking_reserve(config)
-    return grpo.rollout(ex.generator, ex.prompts, config, *path)
+    ex.prompts.draw_for(state.index)  # why: a rollout that fails is undone with its draw (failed below)
+    path = rollout_decode(ex.config), rollout_copy_mode(ex.config), parking_reserve(ex.config)
+    return grpo.rollout(ex.generator, ex.prompts, ex.config, *path)
 
 
 def _optimizer(ex, state) -> float:
@@ -75,11 +75,11 @@ def put_back(generator, device: str) -> None:
     except Exception as err:
         if not is_oom(err):
             raise
+        held = f"{parking.pending} tensors, {parking.pending_bytes() / 2**20:.0f} MiB"
         raise LabError(
-            f"the learner's state parked for the last rollout ({parking.pending} tensors, "
-            f"{parking.pending_bytes() / 2**20:.0f} MiB) is still in host memory: putting it back on {device} ran "
-            "out of memory; free memory there (another process, a tensor a cell keeps) and run the command again: "
-            "nothing is lost"
+            f"the learner's state parked for the last rollout ({held}) is still in host memory: putting it back on "
+            f"{device} ran out of memory; free memory there (another process, a tensor a cell keeps) and run the "
+            "command again: nothing is lost"
         ) from None
 
 
@@ -297,6 +297,8 @@ class LocalExecutor:
         except LabError:
             pass  # still held; the next command tries again, and says so if it cannot
         self.generator_behind |= phase == "sync"  # why: the engine may hold the adapter the rollback undoes
+        if phase == "rollout" and self.prompts is not None:
+            self.prompts.undraw(self.step_index())  # the retry samples the step's own prompts
         return None
 
     def rollback(self, state) -> None:

@@ -259,6 +259,8 @@ class RankExecutor:
         """None when every rank undid its own share (the Lab's default undo follows); else the ranks were stopped,
         and the Lab's step goes back to its start (the Lab does so on any answer but None)."""
         self.generator_behind |= phase == "sync" and self.generator is not None  # the engine may hold an undone adapter
+        if phase == "rollout" and self.step_start is not None and self.step_start[0] == self.step_index():
+            self.prompts.load_state_dict(self.step_start[1])  # why: a failed rollout is undone with its draw
         if not self.take_lost():
             return None
         if isinstance(err, RankFailure):
