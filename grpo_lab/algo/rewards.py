@@ -60,10 +60,18 @@ def length_reward(prompts, completions, completion_ids=None, target_length: int 
     return [max(-1.0, 1.0 - abs(n - target_length) / target_length) for n in lengths]
 
 
+def concise_reward(prompts, completions, target_chars: int = 200, **kwargs) -> list[float]:
+    """1 for a completion of at most `target_chars` characters, target_chars / its characters above: shorter text
+    scores more. Unlike `length` (tokens), it tells apart completions cut at the same max_completion_length (a random
+    model's, which never samples EOS), so a group's rewards differ and the step has a gradient."""
+    return [min(1.0, target_chars / max(len(completion_text(c)), 1)) for c in completions]
+
+
 REWARDS: dict[str, Callable] = {
     "exact_answer": exact_answer,
     "format": format_reward,
     "length": length_reward,
+    "concise": concise_reward,
 }
 
 
