@@ -61,6 +61,7 @@ def test_06_a_gathered_rollout_crosses_its_rank_s_line_and_layer_by_layer_runs_u
         "optimizer",
         "sync",
     }
+    assert 0.9 <= fixed["plan_ratio"] <= 1.1, fixed  # the plan within 10 % of the fix's measured peak (rank 0)
     # the gather is what crossed: each rank's gathered rollout stood above its layer-by-layer whole step
     for device in per_rank:
         assert per_rank[device]["peak_mib"] > facts["fixed_per_rank"][device]["peak_mib"]
@@ -100,8 +101,9 @@ def test_06_explains_the_driver_s_rss_and_keeps_its_other_sections(story):
 
 @pytest.mark.slow
 def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_run_the_fix(story):
-    """P4 for real: Ray's own monitor (RAY_memory_usage_threshold, set low and said so) kills a rank as the machine's
-    used RAM passes its line; the plan against that line and the ranks' budgets within it run the fix to its end."""
+    """P4 for real: Ray's own monitor (RAY_memory_usage_threshold, set low and said so, between the two heads' planned
+    peaks) kills a rank as the machine's used RAM passes its line; the plan against that line and the ranks' budgets
+    within it run the fix to its end, a step with a gradient; the figure shows both runs against the line."""
     nb, facts = story
     line = facts["ray_line_gib"]
     killed = facts["ray_killed"]
@@ -121,5 +123,11 @@ def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_r
     assert set(fixed["ranks"]) == {"rank0/host", "rank1/host"}
     for device, rank in fixed["ranks"].items():
         assert not rank["over"] and rank["line_mib"] == pytest.approx(budget_mib * 0.95), (device, rank)
+    # the fixed step learns something: its group's rewards differ, so the loss has a gradient the update applies
+    assert fixed["reward_std"] > 0 and fixed["grad_norm"] > 0, fixed
+    for device, ratio in facts["ray_plan_ratios"].items():
+        assert 0.9 <= ratio <= 1.1, (device, ratio)  # the plan within 10 % of each rank's measured peak
+    figures = [o["data"] for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert any("against Ray's kill line" in f.get("text/plain", "") for f in figures)  # the section's figure, saved
     text = printed(nb)
     assert "RAY_memory_usage_threshold=" in text and "under Ray's line" in text
