@@ -190,9 +190,13 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     mine = rows_of(lab, device, first, TABLE_METRIC[is_host(device)])
     own = [r["peak"] / MiB for r in mine if r["phase"] == top["phase"]]
     planned = planned_peak_mib(lab, device, top["phase"])
-    out["plan_ratio"] = round(planned / max(own), 3) if planned and own else None
+    # why only a phase run to its end: one the guard stopped peaked where it was stopped, at the line, not where the
+    # plan puts the phase's peak (its planned figure is printed alone)
+    ran = not (stopped and f"during phase '{top['phase']}'" in stopped)
+    out["plan_ratio"] = round(planned / max(own), 3) if planned and own and ran else None
     verdict = "over" if out["crossed"] else "under"
     beside = f" (planned {planned:,.0f}: plan / measured {out['plan_ratio']:.2f})" if out["plan_ratio"] else ""
+    beside = beside or (f" (planned {planned:,.0f}; stopped there, so no plan / measured)" if planned else "")
     print(
         f"{label}: peak {peak:,.0f} MiB during {out['phase']}{beside}, {verdict} the {line:,.0f} MiB line"
         + (f" -> {stopped}" if stopped else " -> the step ran")
