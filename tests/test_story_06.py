@@ -35,18 +35,22 @@ def test_06_a_gathered_rollout_crosses_its_rank_s_line_and_layer_by_layer_runs_u
             rank["phase"] == "rollout" and not rank["fits"] and rank["capacity_mib"] == facts["rank_budget_gib"] * 1024
         )
     assert all(rank["fits"] for rank in facts["planned"]["layered"].values())
-    # gathered: stopped as it ended, in one line naming the rank and the field, over that rank's line
+    # gathered: stopped by the rank's live guard as it crossed, in one line naming the rank and the field, at that
+    # rank's line (the live guard: within a few MiB of it, not the phase's end)
     stopped = failing["stopped"]
     assert stopped and stopped.startswith("rollout failed on rank ") and "\n" not in stopped, failing
     assert "(placement.rank_memory_gib; memory.host_threshold=0.95); during phase 'rollout' of step 0" in stopped
     named = f"rank{stopped.split()[4].rstrip(':')}/host"  # 'rollout failed on rank K: ...'
     per_rank = facts["failing_per_rank"]
-    assert set(per_rank) == {"rank0/host", "rank1/host"}
+    assert named in per_rank and set(per_rank) <= {"rank0/host", "rank1/host"}
     assert per_rank[named]["over"] and per_rank[named]["phase"] == "rollout"
-    assert per_rank[named]["peak_mib"] > per_rank[named]["line_mib"] == pytest.approx(line)
-    # undone on every rank: both gathered, both put back, neither kept the rollout or moved on
-    undone = facts["undone"]
-    assert undone["gathered_on_every_rank"] == [1, 1] and undone["layout_restored"] == [True, True]
+    assert line < per_rank[named]["peak_mib"] < line + 64, per_rank[named]
+    assert per_rank[named]["line_mib"] == pytest.approx(line) and failing["plan_ratio"] is None  # (stopped there)
+    # undone on every rank, neither kept the rollout or moved on: each undid it (the others crossed too, or reached
+    # their next decision), or, where one waited inside the gather's collectives, every rank was restarted
+    undone, restarted = facts["undone"], "every rank was restarted" in stopped
+    assert undone["gathered_on_every_rank"] == ([0, 0] if restarted else [1, 1]), (undone, stopped)
+    assert undone["layout_restored"] == [True, True]
     assert undone["steps"] == [0, 0] and undone["next_phase"] == "rollout"
     # layer by layer: the whole step ran, every rank under the same line in every phase
     assert fixed["stopped"] is None and not fixed["crossed"] and fixed["line_mib"] == failing["line_mib"]

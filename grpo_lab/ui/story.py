@@ -169,15 +169,19 @@ def peak_table(rows, phases: Optional[list] = None) -> str:
 
 def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host") -> dict:
     """Run `run` (default: one step) and measure it against the budget on `device` (host: the guard's line, limit x
-    memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
-    peak_mib, line_mib, phase (where the peak was), crossed, phase_peaks_mib (of each phase run to its end),
-    generate_calls (a step's)}; prints it in one line. The kernel stays usable."""
+    memory.host_threshold; a GPU: its capacity; "rank": the CPU rank the stop names, else rank 0). Returns {label,
+    stopped (the guard's or the OOM's line, or None), peak_mib, line_mib, phase (where the peak was), crossed,
+    phase_peaks_mib (of each phase run to its end), generate_calls (a step's)}; prints it in one line. The kernel
+    stays usable."""
     first = len(lab.memory.phase_rows)
     stopped, result = None, None
     try:
         result = (run or lab.step)()
     except LabError as err:
         stopped = str(err)
+    if device == "rank":  # a sharded CPU Lab's: the rank its stop names ('... failed on rank K: ...'), else rank 0
+        named = stopped.split(" failed on rank ")[1].split(":")[0] if stopped and " on rank " in stopped else "0"
+        device = f"rank{named if named.isdigit() else 0}/host"
     top, rows = device_peak(lab, device, first)
     peak, line = top["peak_mib"], top["line_mib"]
     out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=top["phase"])
