@@ -61,10 +61,10 @@ def length_reward(prompts, completions, completion_ids=None, target_length: int 
 
 
 def concise_reward(prompts, completions, target_chars: int = 200, **kwargs) -> list[float]:
-    """1 for a completion of at most `target_chars` characters, target_chars / its characters above: shorter text
-    scores more. Unlike `length` (tokens), it tells apart completions cut at the same max_completion_length (a random
+    """target_chars / (target_chars + its characters): 1 for empty text, 0.5 at `target_chars`, shorter text always
+    scoring more. Unlike `length` (tokens), it tells apart completions cut at the same max_completion_length (a random
     model's, which never samples EOS), so a group's rewards differ and the step has a gradient."""
-    return [min(1.0, target_chars / max(len(completion_text(c)), 1)) for c in completions]
+    return [target_chars / (target_chars + len(completion_text(c))) for c in completions]
 
 
 REWARDS: dict[str, Callable] = {

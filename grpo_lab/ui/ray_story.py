@@ -13,6 +13,7 @@ from typing import Optional
 from ..memory.readers import MiB
 
 GiB = 1024 * MiB
+POINTS = 200  # a run's trace in the figure, at most (thinned)
 PLAN_SLACK = 1.1  # the plan's bound on its peaks (plan / measured within 0.9-1.1): a budget leaves this much above it
 
 
@@ -59,8 +60,17 @@ def ray_run(lab, since: float, died: Optional[int] = None) -> dict:
         xs, ys = series.setdefault(name, ([], []))
         xs.append(round(t - since, 3))
         ys.append(value / GiB)
+    series = {name: thinned(xs, ys) for name, (xs, ys) in series.items()}
     machine = series.pop("machine", ([], []))
     return {"machine": machine, "ranks": dict(sorted(series.items())), "died": died}
+
+
+def thinned(xs: list, ys: list, most: int = POINTS) -> tuple[list, list]:
+    """At most `most` points of a series, evenly, its last one kept (where a dead rank's samples end). Why: the figure
+    is saved in the notebook, and every sample of a step at the sampler's rate made it megabytes."""
+    stride = max(1, -(-len(xs) // most))
+    keep = sorted({*range(0, len(xs), stride), len(xs) - 1}) if xs else []
+    return [xs[i] for i in keep], [round(ys[i], 4) for i in keep]
 
 
 def ray_line_figure(runs: dict[str, dict], line_gib: float):
