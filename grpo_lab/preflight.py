@@ -129,43 +129,35 @@ class RayLine(NamedTuple):
     share: float  # RAY_memory_usage_threshold
     machine_gib: float  # this machine's RAM, or its cgroup's limit (what Ray reads too)
     used_gib: float  # what the machine uses now, the figure Ray's monitor reads (memory the kernel cannot reclaim)
-    starting_gib: float = 0.0  # Ray's own processes, where the ranks start a Ray of their own (not running yet)
 
     @classmethod
     def now(cls, share: Optional[float] = None) -> "RayLine":
-        import sys
-
         from .checks.world import ray_kill_share
         from .memory.readers import HostReader
-        from .planner.estimate import RAY_PROCESSES
 
         reader = HostReader()
         share = ray_kill_share() if share is None else share
-        ray = sys.modules.get("ray")
-        running = ray is not None and ray.is_initialized()  # why: a Ray already up is in `used`; one to start is not
-        starting = 0.0 if running else RAY_PROCESSES / 1024**3
-        return cls(share or 1.0, reader.machine / 1024**3, reader.read()["used"] / 1024**3, starting)
+        return cls(share or 1.0, reader.machine / 1024**3, reader.read()["used"] / 1024**3)
 
     @property
     def gib(self) -> float:
         return self.share * self.machine_gib
 
     def room_per_rank(self, procs: int) -> float:
-        """The placement.rank_memory_gib that keeps `procs` CPU ranks, on top of what runs now and Ray's own processes
-        to start, under the line (GiB, rounded down to 0.01)."""
-        return int(max(self.gib - self.used_gib - self.starting_gib, 0.0) / procs * 100) / 100
+        """The placement.rank_memory_gib that keeps `procs` CPU ranks, on top of what runs now, under the line (GiB,
+        rounded down to 0.01)."""
+        return int(max(self.gib - self.used_gib, 0.0) / procs * 100) / 100
 
 
 def check_ray_line(place, line: RayLine) -> None:
     """CPU ranks whose budgets, on top of what this machine uses now, pass the line above which the memory monitor
     of the Ray they start on kills a worker: refused. Why: the monitor kills mid-phase, a rank's guard acts as a
     phase ends, so a budget above Ray's line is a line no guard ever holds (P4)."""
-    if line.used_gib + line.starting_gib + place.rank_memory_gib * place.learner_procs <= line.gib:
+    if line.used_gib + place.rank_memory_gib * place.learner_procs <= line.gib:
         return
-    ray = f" and Ray's own {line.starting_gib:.2f} GiB to start" if line.starting_gib else ""
     raise LabError(
         f"placement.rank_memory_gib: {place.learner_procs} CPU ranks x {place.rank_memory_gib} GiB on top of the "
-        f"{line.used_gib:.2f} GiB this machine uses now{ray} pass Ray's kill line, {line.gib:.2f} GiB "
+        f"{line.used_gib:.2f} GiB this machine uses now pass Ray's kill line, {line.gib:.2f} GiB "
         f"(RAY_memory_usage_threshold {line.share:g} of {line.machine_gib:.1f} GiB): its memory monitor would kill a "
         f"rank before the rank's guard stopped the phase; give each rank at most "
         f"{line.room_per_rank(place.learner_procs):.2f} GiB"

@@ -105,9 +105,9 @@ def test_06_explains_the_driver_s_rss_and_keeps_its_other_sections(story):
 
 @pytest.mark.slow
 def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_run_the_fix(story):
-    """P4 for real: Ray's own monitor (RAY_memory_usage_threshold, set low and said so, between the two heads' planned
-    peaks) kills a rank as the machine's used RAM passes its line; the plan against that line and the ranks' budgets
-    within it run the fix to its end, a step with a gradient; the figure shows both runs against the line."""
+    """P4 for real: Ray's own monitor (RAY_memory_usage_threshold, set low and said so) kills a rank as the machine's
+    used RAM passes its line; the plan against that line and the ranks' budgets within it run the fix to its end, a
+    step with a gradient; the figure shows both runs against the line."""
     nb, facts = story
     line = facts["ray_line_gib"]
     killed = facts["ray_killed"]

@@ -1,12 +1,9 @@
-"""Notebook 06's Ray section: where its story sets Ray's kill line (`story_line`: from the plans of the two heads, so
-the textbook head crosses it and the chunked head's ranks fit under it whatever the machine uses as the section
-starts), and its figure: the machine's used RAM (what Ray's memory monitor reads) against that line, one panel per
-run, each rank's RSS beneath it, a rank that died marked where its samples end (`ray_run`, read from a Lab's own
-samples before it closes)."""
+"""Notebook 06's Ray figure: the machine's used RAM (what Ray's memory monitor reads) against Ray's kill line, one
+panel per run, each rank's RSS beneath it, a rank that died marked where its samples end (`ray_run`, read from a
+Lab's own samples before it closes)."""
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Optional
 
@@ -14,28 +11,6 @@ from ..memory.readers import MiB
 
 GiB = 1024 * MiB
 POINTS = 200  # a run's trace in the figure, at most (thinned)
-PLAN_SLACK = 1.1  # the plan's bound on its peaks (plan / measured within 0.9-1.1): a budget leaves this much above it
-
-
-def rank_need_gib(planned) -> float:
-    """The placement.rank_memory_gib each rank of `planned` (a sharded CPU plan) needs: its planned peak with the
-    plan's 10 %, over the guard's line (memory.host_threshold), rounded up to 0.01 GiB."""
-    rank = max(planned.ranks.values(), key=lambda d: d.total)
-    return math.ceil(rank.total * PLAN_SLACK / rank.line / GiB * 100) / 100
-
-
-def story_line(fixed, failing, used_gib: float, machine_gib: float) -> tuple[float, float]:
-    """(RAY_memory_usage_threshold, the line in GiB) halfway between the machine's planned peaks under the two plans,
-    on top of what it uses now: the ranks' budgets `fixed` needs (rank_need_gib) and `failing`'s rank peaks, each
-    beside Ray's own processes (the plan's line). Why halfway: the failing run crosses by half the gap, and the fix
-    keeps half of it for what the machine's other processes add meanwhile."""
-    procs = len(fixed.ranks)
-    ray = sum(i.bytes for i in fixed.devices["host"].items if i.what == "Ray's own processes") / GiB
-    need = procs * rank_need_gib(fixed)
-    crossing = sum(d.total for d in failing.ranks.values()) / GiB
-    line = used_gib + ray + (need + crossing) / 2
-    share = round(line / machine_gib, 4)
-    return share, round(share * machine_gib, 2)
 
 
 def clock(lab) -> float:
