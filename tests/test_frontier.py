@@ -94,9 +94,9 @@ def test_the_table_and_figure_mark_the_current_point_and_show_every_cell(front):
     assert row.split()[1:3] == ["ok", f"{front.cell(64, 16, 2).fraction:.0%}"]
     fig = front.figure()
     assert [t.name for t in fig.data] == ["refused", "micro-batch 2", "refused", "micro-batch whole batch"]
-    colour = fig.data[1]  # x the lengths, y the group sizes, z[row][column] that cell's fraction
+    colour = fig.data[1]  # x the lengths, y the group sizes, z[row][column] that cell's peak over its line
     assert (list(colour.x), list(colour.y)) == ([str(v) for v in LENGTHS], [str(v) for v in GENERATIONS])
-    assert colour.z[4][0] == front.cell(64, 16, 2).fraction and colour.z[1][5] == front.cell(1024, 2, 2).fraction
+    assert colour.z[4][0] == front.cell(64, 16, 2).of_line and colour.z[1][5] == front.cell(1024, 2, 2).of_line
     (shape,), annotation = fig.layout.shapes, fig.layout.annotations[-1]
     assert (annotation.text, annotation.xref, annotation.yref) == ("<b>current</b>", "x2", "y2")
     assert (LENGTHS[annotation.x], GENERATIONS[annotation.y]) == (768, 8)
@@ -227,7 +227,8 @@ def test_cli_frontier_prints_the_table_and_the_pages_absolute_path(tmp_path, mon
 
 READ_PAGE = """() => {
     const gd = document.querySelector('.plotly-graph-div');
-    return {traces: gd.data.map(t => ({name: t.name, x: t.x, y: t.y, z: t.z, text: t.text, xaxis: t.xaxis || 'x'})),
+    return {traces: gd.data.map(t => ({name: t.name, x: t.x, y: t.y, z: t.z, text: t.text, customdata: t.customdata,
+                                       xaxis: t.xaxis || 'x'})),
             annotations: gd.layout.annotations.map(a => ({text: a.text, x: a.x, y: a.y, xref: a.xref})),
             shapes: gd.layout.shapes.map(s => ({name: s.name, x0: s.x0, y0: s.y0, xref: s.xref})),
             title: gd.layout.title.text, table: document.getElementById('frontier-table').textContent};
@@ -257,14 +258,15 @@ def test_the_page_in_chromium_agrees_with_plan_per_combination(front, tmp_path):
         assert [int(v) for v in colour["x"]] == LENGTHS and [int(v) for v in colour["y"]] == GENERATIONS
         for i, g in enumerate(GENERATIONS):
             for j, length in enumerate(LENGTHS):
-                hover = colour["text"][i][j]
+                hover = colour["customdata"][i][j]
                 assert refused["text"][i][j] == hover
                 if g == 1:
                     assert colour["z"][i][j] is None and refused["z"][i][j] is not None
                     assert "<b>refused</b>: grpo.num_generations: got 1" in hover
                     continue
                 result, d = planned((length, g, micro))
-                assert refused["z"][i][j] is None and colour["z"][i][j] == pytest.approx(d.fraction)
+                assert refused["z"][i][j] is None and colour["z"][i][j] == pytest.approx(d.fraction / d.line)
+                assert colour["text"][i][j] == f"{d.fraction:.0%}"  # the label: of capacity
                 verdict = "<b>fits</b>" if result.fits else "<b>does not fit</b>"
                 for part in (
                     verdict,
@@ -341,3 +343,26 @@ def test_the_group_size_moves_the_rollout_even_when_a_chunk_holds_the_whole_batc
     front = frontier(base, lengths=[4096], generations=[8, 16], micro_batches=[1])
     peaks = {c.generations: c.peak for c in front.cells if (c.length, c.micro_batch) == (4096, 1)}
     assert peaks[16] > peaks[8]
+
+
+def test_a_host_cell_over_the_guards_line_is_red_though_under_its_capacity():
+    """The colour breaks where the verdict does: a host peak at 97% of its capacity, past the guard's 95% line, is
+    "does not fit" and red (amber was "tight" on a scale broken at the capacity); one at 90% of the line is amber."""
+    from grpo_lab.planner.frontier import COLOURS, ZMAX
+
+    base = load_config("tiny-cpu", ["placement.host_memory_gib=64"])
+    host = plan(base).devices["host"].total
+    for share, colour in [(0.97, "red"), (0.93, "amber")]:
+        config = load_config(base, [f"placement.host_memory_gib={host / share / 1024**3:.6f}"])
+        length, gens, micro = own = (
+            config.generator.max_completion_length,
+            config.grpo.num_generations,
+            config.grpo.micro_batch_size,
+        )
+        front = frontier(config, lengths=[length], generations=[gens], micro_batches=[micro])  # one cell: its own
+        cell = front.cell(*own)
+        assert cell.device == "host" and cell.fraction == pytest.approx(share, abs=1e-4) and cell.line == 0.95
+        assert cell.fits is (colour != "red")
+        z = front.figure().data[1].z[0][0] / ZMAX  # where the cell's colour sits on the scale
+        amber, red = COLOURS[2][0], COLOURS[4][0]  # the scale's breaks: 90% of the line and the line
+        assert (amber <= z < red) if colour == "amber" else z >= red, (share, z)

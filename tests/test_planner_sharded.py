@@ -5,7 +5,7 @@ import pytest
 
 from grpo_lab import load_config
 from grpo_lab.planner import plan
-from grpo_lab.planner.estimate import HOST_BASELINE, PHASES
+from grpo_lab.planner.estimate import HOST_BASELINE, PHASES, RANK_BASELINE_CPU, RAY_PROCESSES
 
 GiB = 1024**3
 PRESET = "qwen2.5-7b-nf4-24gb"  # Qwen2.5-7B-Instruct, nf4 + double quant, bf16 embeddings, LoRA r 16 all-linear
@@ -108,16 +108,19 @@ def test_cpu_ranks_share_host_ram_each_with_its_own_runtime(procs):
     result = sharded(procs, "placement.learner=cpu")
     host = result.devices["host"]
     assert list(result.devices) == ["host"] and list(result.ranks) == [f"host (rank {k})" for k in range(procs)]
-    baseline = HOST_BASELINE["cpu"]
+    baseline, driver = RANK_BASELINE_CPU, HOST_BASELINE["cpu"] + RAY_PROCESSES  # (the driver: a local Ray beside it)
     for rank in result.ranks.values():
         assert items(rank)[("Python, torch, libraries", None)] == baseline
+    assert items(host)[("Ray's own processes", None)] == RAY_PROCESSES
     rank = result.ranks["host (rank 0)"]
-    for phase in PHASES:  # the driver's process plus every rank's, all in the same phase at once
-        assert host.phase_peak(phase) == pytest.approx(baseline + procs * rank.phase_peak(phase), rel=1e-12)
+    for phase in PHASES:  # the driver's process and Ray's plus every rank's, all in the same phase at once
+        assert host.phase_peak(phase) == pytest.approx(driver + procs * rank.phase_peak(phase), rel=1e-12)
     runtimes = sum(i.bytes for r in result.ranks.values() for i in r.items if i.what == "Python, torch, libraries")
     assert runtimes == procs * baseline
+    joined = sharded(procs, "placement.learner=cpu", "placement.ray_address=10.0.0.5:6379").devices["host"]
+    assert ("Ray's own processes", None) not in items(joined)  # a cluster's Ray: its processes are not this machine's
     # the fit is the sum's: a host with room for one rank's peak (and the driver) but not for all of them
-    room = (baseline + rank.total * 1.5) / GiB
+    room = (driver + rank.total * 1.5) / GiB
     squeezed = sharded(procs, "placement.learner=cpu", f"placement.host_memory_gib={room}")
     assert not squeezed.fits and [d.device for d in squeezed.failing()] == ["host"]
     assert all(r.fraction < 1 for r in squeezed.ranks.values())

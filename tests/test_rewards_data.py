@@ -25,6 +25,14 @@ def test_format_and_length_rewards():
     assert length_reward([""] * 3, ["", "", ""], completion_ids=[[1] * 16, [1] * 8, [1] * 40]) == [1.0, 0.5, -0.5]
 
 
+def test_the_concise_reward_tells_apart_completions_of_one_token_count_by_their_text():
+    cut = [[1] * 192] * 3  # three completions cut at the same max_completion_length
+    texts = ["x" * 150, "x" * 400, [{"role": "assistant", "content": "x" * 800}]]
+    assert resolve_reward("concise")([""] * 3, texts, completion_ids=cut) == pytest.approx([200 / 350, 1 / 3, 0.2])
+    assert resolve_reward("concise")([""] * 2, ["", " 9"]) == pytest.approx([1.0, 200 / 202])  # no flat region
+    assert len(set(length_reward([""] * 3, texts, completion_ids=cut))) == 1  # what `length` cannot
+
+
 def test_resolve_reward_by_name_path_and_callable():
     assert resolve_reward("format") is format_reward
     assert resolve_reward("grpo_lab.algo.rewards:length_reward") is length_reward

@@ -221,7 +221,7 @@ def test_a_step_over_a_tiny_budget_is_a_trial_that_crosses_and_stops(budget_lab)
     assert out["crossed"] is True and out["phase"] == "the guard's reading"
 
 
-def test_a_phase_whose_rss_rises_over_the_budgets_line_is_a_crossed_trial(budget_lab):
+def test_a_phase_whose_rss_rises_over_the_budgets_line_is_a_crossed_trial(budget_lab, capsys):
     """The budget put just above the Lab's RSS (on its reader: placement.host_memory_gib is fixed at load), then a
     phase that holds 400 MiB more: its peak is over the line, and the guard fails that phase as it ends (issue 51: no
     later phase needs to be there), quoting the figure the trial reads."""
@@ -245,6 +245,8 @@ def test_a_phase_whose_rss_rises_over_the_budgets_line_is_a_crossed_trial(budget
     assert quoted * reader.budget / MiB == pytest.approx(out["peak_mib"], rel=1e-3)  # one figure, the row's
     assert out["line_mib"] == pytest.approx(reader.budget * 0.95 / MiB)
     assert out["peak_mib"] > out["line_mib"] and out["crossed"] is True
+    # a phase the guard stopped peaked where it was stopped: no plan / measured beside it (the plan's is no peak of it)
+    assert out["plan_ratio"] is None and "plan / measured" not in capsys.readouterr().out.replace("no plan /", "")
 
 
 def test_snapshot_shows_the_timeline_and_the_peak_table(free_lab, monkeypatch):

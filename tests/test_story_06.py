@@ -35,18 +35,22 @@ def test_06_a_gathered_rollout_crosses_its_rank_s_line_and_layer_by_layer_runs_u
             rank["phase"] == "rollout" and not rank["fits"] and rank["capacity_mib"] == facts["rank_budget_gib"] * 1024
         )
     assert all(rank["fits"] for rank in facts["planned"]["layered"].values())
-    # gathered: stopped as it ended, in one line naming the rank and the field, over that rank's line
+    # gathered: stopped by the rank's live guard as it crossed, in one line naming the rank and the field, at that
+    # rank's line (the live guard: within a few MiB of it, not the phase's end)
     stopped = failing["stopped"]
     assert stopped and stopped.startswith("rollout failed on rank ") and "\n" not in stopped, failing
     assert "(placement.rank_memory_gib; memory.host_threshold=0.95); during phase 'rollout' of step 0" in stopped
     named = f"rank{stopped.split()[4].rstrip(':')}/host"  # 'rollout failed on rank K: ...'
     per_rank = facts["failing_per_rank"]
-    assert set(per_rank) == {"rank0/host", "rank1/host"}
+    assert named in per_rank and set(per_rank) <= {"rank0/host", "rank1/host"}
     assert per_rank[named]["over"] and per_rank[named]["phase"] == "rollout"
-    assert per_rank[named]["peak_mib"] > per_rank[named]["line_mib"] == pytest.approx(line)
-    # undone on every rank: both gathered, both put back, neither kept the rollout or moved on
-    undone = facts["undone"]
-    assert undone["gathered_on_every_rank"] == [1, 1] and undone["layout_restored"] == [True, True]
+    assert line < per_rank[named]["peak_mib"] < line + 64, per_rank[named]
+    assert per_rank[named]["line_mib"] == pytest.approx(line) and failing["plan_ratio"] is None  # (stopped there)
+    # undone on every rank, neither kept the rollout or moved on: each undid it (the others crossed too, or reached
+    # their next decision), or, where one waited inside the gather's collectives, every rank was restarted
+    undone, restarted = facts["undone"], "every rank was restarted" in stopped
+    assert undone["gathered_on_every_rank"] == ([0, 0] if restarted else [1, 1]), (undone, stopped)
+    assert undone["layout_restored"] == [True, True]
     assert undone["steps"] == [0, 0] and undone["next_phase"] == "rollout"
     # layer by layer: the whole step ran, every rank under the same line in every phase
     assert fixed["stopped"] is None and not fixed["crossed"] and fixed["line_mib"] == failing["line_mib"]
@@ -61,6 +65,7 @@ def test_06_a_gathered_rollout_crosses_its_rank_s_line_and_layer_by_layer_runs_u
         "optimizer",
         "sync",
     }
+    assert 0.9 <= fixed["plan_ratio"] <= 1.1, fixed  # the plan within 10 % of the fix's measured peak (rank 0)
     # the gather is what crossed: each rank's gathered rollout stood above its layer-by-layer whole step
     for device in per_rank:
         assert per_rank[device]["peak_mib"] > facts["fixed_per_rank"][device]["peak_mib"]
@@ -101,7 +106,8 @@ def test_06_explains_the_driver_s_rss_and_keeps_its_other_sections(story):
 @pytest.mark.slow
 def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_run_the_fix(story):
     """P4 for real: Ray's own monitor (RAY_memory_usage_threshold, set low and said so) kills a rank as the machine's
-    used RAM passes its line; the plan against that line and the ranks' budgets within it run the fix to its end."""
+    used RAM passes its line; the plan against that line and the ranks' budgets within it run the fix to its end, a
+    step with a gradient; the figure shows both runs against the line."""
     nb, facts = story
     line = facts["ray_line_gib"]
     killed = facts["ray_killed"]
@@ -121,5 +127,11 @@ def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_r
     assert set(fixed["ranks"]) == {"rank0/host", "rank1/host"}
     for device, rank in fixed["ranks"].items():
         assert not rank["over"] and rank["line_mib"] == pytest.approx(budget_mib * 0.95), (device, rank)
+    # the fixed step learns something: its group's rewards differ, so the loss has a gradient the update applies
+    assert fixed["reward_std"] > 0 and fixed["grad_norm"] > 0, fixed
+    for device, ratio in facts["ray_plan_ratios"].items():
+        assert 0.9 <= ratio <= 1.1, (device, ratio)  # the plan within 10 % of each rank's measured peak
+    figures = [o["data"] for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert any("against Ray's kill line" in f.get("text/plain", "") for f in figures)  # the section's figure, saved
     text = printed(nb)
     assert "RAY_memory_usage_threshold=" in text and "under Ray's line" in text

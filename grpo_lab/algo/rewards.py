@@ -60,10 +60,18 @@ def length_reward(prompts, completions, completion_ids=None, target_length: int 
     return [max(-1.0, 1.0 - abs(n - target_length) / target_length) for n in lengths]
 
 
+def concise_reward(prompts, completions, target_chars: int = 200, **kwargs) -> list[float]:
+    """target_chars / (target_chars + its characters): 1 for empty text, 0.5 at `target_chars`, shorter text always
+    scoring more. Unlike `length` (tokens), it tells apart completions cut at the same max_completion_length (a random
+    model's, which never samples EOS), so a group's rewards differ and the step has a gradient."""
+    return [target_chars / (target_chars + len(completion_text(c))) for c in completions]
+
+
 REWARDS: dict[str, Callable] = {
     "exact_answer": exact_answer,
     "format": format_reward,
     "length": length_reward,
+    "concise": concise_reward,
 }
 
 

@@ -159,7 +159,7 @@ class LocalExecutor:
             config.memory.host_threshold,
             describe_offload=self.describe_offload,
             host_budget=host_budget(config),
-            live=True,  # why only here: a rank may not stop alone (rank_guard.py); its guard acts as the phase ends
+            live=True,  # why: stop a phase at the line, before the OS kills the process (a rank's: rank_guard.py)
             kernel=kernel,
         )
 

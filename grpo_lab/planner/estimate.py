@@ -38,12 +38,16 @@ GPU_LAYER_RECOMPUTE = 1.4
 # model.activation_offload: layer inputs on the GPU at once in backward: the one recomputing and the one prefetched
 # (models/activation_offload.py); the rest wait in pinned host memory
 OFFLOAD_IN_FLIGHT = 2
-# Python and the libraries, with the one-off state a process gains in its first step: torch, transformers, peft,
-# bitsandbytes and grpo_lab (CPU build of torch 2.13) and what the first step adds for good (lazily imported
-# generation code, thread pools, oneDNN caches): 510 MiB after a tiny-cpu step and a heap trim (2026-12-01; 600 MiB
-# while the advantages imported TRL's trainer utilities for nanstd; bench/probes/process_baseline.py). A CUDA build
-# maps its libraries and context into host memory too (not measured: 1 GiB).
-HOST_BASELINE = {"cpu": 0.5 * GiB, "cuda": 1.0 * GiB}
+# Python and the libraries with the one-off state of a first step, by the kind of process that plans: tiny-cpu's RSS
+# as its second step starts, less the plan's other lines (bench/probes/process_baseline.py, 2026-12-05, CPU torch
+# 2.13): a plain process 571 MiB, `grpo-lab run` 572, a Jupyter kernel 659 (KERNEL_BASELINE more), a CPU rank 678
+# (Ray's worker runtime and gloo too). A CUDA build maps its libraries and context into host RAM too (not measured)
+HOST_BASELINE = {"cpu": 572 * MiB, "cuda": 1.0 * GiB}
+RANK_BASELINE_CPU = 680 * MiB
+# a local Ray's own processes (GCS, raylet, agents, idle workers) beside two CPU ranks after two steps, in the
+# driver's process tree: 1,038 MiB (bench/probes/process_baseline.py; notebook 06's cell read 641.5 after one step:
+# fewer idle workers); on the machine's plan where placement.ray_address is unset
+RAY_PROCESSES = 1040 * MiB
 # A Jupyter kernel's own share beside HOST_BASELINE: ipykernel and IPython (+23 MiB), then ipywidgets, anywidget and
 # plotly's FigureWidget, which the live plot and the panel import (+63 MiB); measured 2026-11-27 on the CPU build: a
 # kernel read 644 MiB where a plain process with the same grpo_lab stack read 559 (notebook 01 had planned 610 and

@@ -14,10 +14,11 @@ from ..models.shapes import ModelShape, load_shape
 from .grid import FIELDS, Point, grid, micro_label, micro_order
 from .render import size
 
-# colour = the binding device's fraction on one scale broken at 90% and 100%: the verdict (green fits, fading to yellow
-# near the edge; amber tight; red does not fit) and how close to the edge, in one glance; a discrete fits/tight/no
-# scale would hide that 85% and 20% are not the same "fits"
-ZMAX = 2.0  # the colour saturates at twice the capacity; the cell label and hover give the real fraction
+# colour = the binding device's peak over its line (host RAM: memory.host_threshold of its capacity, where the guard
+# stops a phase; a GPU: all of it) on one scale broken at 90% and 100% of that line, as the plan's verdict is: green
+# fits, fading to yellow near the edge; amber tight; red does not fit (a host peak between the line and the capacity
+# is red: the guard would stop it). A discrete fits/tight/no scale would hide that 85% and 20% are not the same "fits"
+ZMAX = 2.0  # the colour saturates at twice the line; the cell label (of capacity) and hover give the real fraction
 COLOURS = [[0.0, "#1a9850"], [0.45, "#d9ef8b"], [0.45, "#fdb863"], [0.5, "#f08a24"], [0.5, "#d73027"], [1.0, "#67001f"]]
 REFUSED_GREY = "#d9d9d9"
 
@@ -33,8 +34,14 @@ class Cell:
     phase: Optional[str] = None  # the phase of that peak (DevicePlan.peak_phase; None: resident only)
     headroom: float = 0.0  # its line - peak, bytes (host: the guard's line; negative: it does not fit)
     fraction: float = 0.0  # peak / capacity
+    line: float = 1.0  # the binding device's line, a share of its capacity (DevicePlan.line)
     refused: Optional[str] = None  # the config's one-line refusal of this combination; the rest is then empty
     measured: Optional[str] = None  # a measured run of this point (planner/measured.py): "ran, peak ..." or its failure
+
+    @property
+    def of_line(self) -> float:
+        """peak / the binding device's line: the figure's colour (1.0 is where the verdict turns to "does not fit")."""
+        return self.fraction / self.line
 
     @property
     def point(self) -> Point:
@@ -147,6 +154,7 @@ def evaluate(config, point: Point, shape: ModelShape) -> Cell:
         phase=binding.peak_phase,
         headroom=binding.line_bytes - binding.total,
         fraction=binding.fraction,
+        line=binding.line,
     )
 
 
@@ -238,22 +246,23 @@ def _micro_traces(front: Frontier, micro: Optional[int], colour_bar: bool) -> li
     colour = go.Heatmap(
         x=x,
         y=y,
-        z=[[None if c.refused else c.fraction for c in row] for row in rows],
+        z=[[None if c.refused else c.of_line for c in row] for row in rows],
         name=f"micro-batch {micro_label(micro)}",
         zmin=0,
         zmax=ZMAX,
         colorscale=COLOURS,
         hoverongaps=False,
-        text=hover,
-        hovertemplate="%{text}<extra></extra>",
-        texttemplate="%{z:.0%}",
+        text=[["" if c.refused else f"{c.fraction:.0%}" for c in row] for row in rows],  # the label: of capacity
+        customdata=hover,
+        hovertemplate="%{customdata}<extra></extra>",
+        texttemplate="%{text}",
         xgap=2,
         ygap=2,
         showscale=colour_bar,
         colorbar=dict(
-            title="peak / capacity",
+            title="peak / its line",
             tickvals=[0, 0.5, 0.9, 1.0, 1.5, 2.0],
-            ticktext=["0%", "50%", "90% tight", "100%", "150%", ">= 200%"],
+            ticktext=["0%", "50%", "90% tight", "100% line", "150%", ">= 200%"],
         ),
     )
     return [refused, colour]
@@ -283,9 +292,10 @@ def build_figure(front: Frontier):
             _mark_current(fig, front, i + 1)
     fig.update_layout(
         title=dict(
-            text=f"{html.escape(front.title())}<br><sup>colour: the binding device's planned "
-            "peak / capacity (green fits, amber tight: under 10% margin, red does not fit; grey: "
-            "the config refuses it); hover a cell for its device, peak, phase and headroom</sup>"
+            text=f"{html.escape(front.title())}<br><sup>colour: the binding device's planned peak / its line "
+            "(host RAM: memory.host_threshold of it; green fits, amber tight: under 10% margin, red does not fit; "
+            "grey: the config refuses it); label: peak / capacity; hover a cell for its device, peak, phase and "
+            "headroom</sup>"
         ),
         height=360 * nrows + 140,
         template="plotly_white",

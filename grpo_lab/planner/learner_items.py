@@ -9,9 +9,9 @@ from __future__ import annotations
 from ..models.shapes import ModelShape
 from .estimate import (
     DTYPE_BYTES,
-    HOST_BASELINE,
     OFFLOAD_IN_FLIGHT,
     ONEDNN_CPU_CACHES,
+    RANK_BASELINE_CPU,
     DevicePlan,
     Item,
     activation_bytes,
@@ -77,7 +77,7 @@ def add_state(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shape:
     lora = planned_lora(shape, config)
     part = "" if procs == 1 else f" (1/{procs})"
     if procs > 1 and on_cpu:  # a CPU rank is a process of its own in host RAM
-        lrn.add("Python, torch, libraries", HOST_BASELINE["cpu"], "this rank's own process")
+        lrn.add("Python, torch, libraries", RANK_BASELINE_CPU, "this rank's own process: Ray's worker and gloo too")
     elif procs > 1:
         lrn.add_cuda_runtime()
     if procs == 1 and on_cpu and compute_bytes(config) == 2:  # why: oneDNN's kernel caches (estimate.ONEDNN_CPU_CACHES)

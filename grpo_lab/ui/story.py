@@ -191,15 +191,19 @@ def peak_table(rows, phases: Optional[list] = None) -> str:
 
 def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host") -> dict:
     """Run `run` (default: one step) and measure it against the budget on `device` (host: the guard's line, limit x
-    memory.host_threshold; a GPU: its capacity). Returns {label, stopped (the guard's or the OOM's line, or None),
-    peak_mib, line_mib, phase (where the peak was), crossed, phase_peaks_mib (of each phase run to its end),
-    generate_calls (a step's)}; prints it in one line. The kernel stays usable."""
+    memory.host_threshold; a GPU: its capacity; "rank": the CPU rank the stop names, else rank 0). Returns {label,
+    stopped (the guard's or the OOM's line, or None), peak_mib, line_mib, phase (where the peak was), crossed,
+    phase_peaks_mib (of each phase run to its end), generate_calls (a step's)}; prints it in one line. The kernel
+    stays usable."""
     first, since = len(lab.memory.phase_rows), lab.memory.total
     stopped, result, refused = None, None, None
     try:
         result = (run or lab.step)()
     except LabError as err:
         stopped, refused = str(err), getattr(err, "refused", None)
+    if device == "rank":  # a sharded CPU Lab's: the rank its stop names ('... failed on rank K: ...'), else rank 0
+        named = stopped.split(" failed on rank ")[1].split(":")[0] if stopped and " on rank " in stopped else "0"
+        device = f"rank{named if named.isdigit() else 0}/host"
     top, rows = device_peak(lab, device, first)
     peak, line = top["peak_mib"], top["line_mib"]
     out = dict(label=label, stopped=stopped, peak_mib=peak, line_mib=line, phase=refused or top["phase"])
@@ -214,9 +218,13 @@ def trial(lab, label: str, run: Optional[Callable] = None, device: str = "host")
     mine = rows_of(lab, device, first, TABLE_METRIC[is_host(device)])
     own = [r["peak"] / MiB for r in mine if r["phase"] == top["phase"]]
     planned = planned_peak_mib(lab, device, top["phase"])
-    out["plan_ratio"] = round(planned / max(own), 3) if planned and own else None
+    # why only a phase run to its end: one the guard stopped peaked where it was stopped, at the line, not where the
+    # plan puts the phase's peak (its planned figure is printed alone)
+    ran = not (stopped and f"during phase '{top['phase']}'" in stopped)
+    out["plan_ratio"] = round(planned / max(own), 3) if planned and own and ran else None
     verdict = "refused before passing" if refused and peak <= line else "over" if out["crossed"] else "under"
     beside = f" (planned {planned:,.0f}: plan / measured {out['plan_ratio']:.2f})" if out["plan_ratio"] else ""
+    beside = beside or (f" (planned {planned:,.0f}; stopped there, so no plan / measured)" if planned else "")
     print(
         f"{label}: peak {peak:,.0f} MiB during {out['phase']}{beside}, {verdict} the {line:,.0f} MiB line"
         + (f" -> {stopped}" if stopped else " -> the step ran")

@@ -3,7 +3,11 @@ process's RSS against the budget (`RankGuard`), a GPU rank's CUDA allocator is c
 
 Where it departs from the one-process guard: a rank may not stop alone (the others would wait for it in a
 collective), so its guard's word, at a phase's start and at its end, is agreed by every rank (runtime.agree): a phase
-one rank's guard fails fails on every rank, each undoes it, and the driver reports the rank that crossed.
+one rank's guard fails fails on every rank, each undoes it, and the driver reports the rank that crossed. While a
+phase's work runs, the rank's live guard (memory/live_guard.py) stops it where its RSS crosses the line, so the rank
+stops before Ray's memory monitor (whose line the budgets sit under, preflight.check_ray_line) kills it: the others
+learn it at their next decision (the phase's end: they undo it too), or, blocked in a collective it left, are
+restarted by the driver from the step's start (runtime.agree's RanksBlocked).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def rank_sampler(config, devices: list[str], describe_offload) -> MemorySampler:
         describe_offload=describe_offload,
         guard_host=budget is not None,
         host_budget=budget,
+        live=True,  # why: stop the phase at the line, before Ray's monitor kills the process (the module docstring)
     )
 
 
