@@ -111,6 +111,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
     "placement.rank_memory_gib": "no budget of its own per rank (the driver guards the machine)",
     "placement.reward_model": "the learner's device",
     "generator.chunk_size": "all sequences in one call",
+    "generator.max_tool_response_tokens": "no bound of its own (the trajectory budget is the bound)",
     "generator.gpu_memory_utilization": "0.9 on a GPU of its own",
     "generator.model": "the learner's base",
     "generator.quantization": "the model dtype",

@@ -941,19 +941,26 @@ def test_the_log_prob_head_knobs_reach_the_next_scoring_pass(lab, monkeypatch):
     assert seen[-1] == 17
 
 
-@observes("generator.max_tool_calling_iterations", "generator.tool_timeout_s")
-def test_tool_knobs_apply_at_the_next_rollout(tiny_model):
-    """The tool loop reads both from the live config at each rollout (its turns driven here with given completions)."""
-    from test_tools import TEMPLATE, add, call_text, hang, scripted
+@observes(
+    "generator.max_tool_calling_iterations",
+    "generator.tool_timeout_s",
+    "generator.max_tool_response_tokens",
+    "generator.turn_cache",
+)
+def test_tool_knobs_apply_at_the_next_rollout(tiny_model, monkeypatch):
+    """The tool loop reads them from the live config at each rollout (its turns driven here with given completions);
+    the hf backend's turn cache follows generator.turn_cache at the next rollout."""
+    from test_tools import TEMPLATE, add, call_text, hang, long_text, scripted
 
+    import grpo_lab.generation.hf as hf
     from grpo_lab.algo.containers import GenerationRequest, PromptBatch
 
-    cfg = tiny(tiny_model, model={"chat_template": TEMPLATE}, generator={"max_prompt_length": 1024})
-    tool_lab = Lab(cfg, tools=[add, hang]).load()
+    cfg = tiny(tiny_model, model={"chat_template": TEMPLATE}, generator={"max_prompt_length": 2048})
+    tool_lab = Lab(cfg, tools=[add, hang, long_text]).load()
     try:
         loop, tok = tool_lab.generator.turns, tool_lab.learner.tokenizer
         batch = PromptBatch(prompts=["2+3?"], answers=["5"], raw=["2+3?"])
-        episode = loop.start(batch, 1, GenerationRequest(2000, max_prompt_length=1024))
+        episode = loop.start(batch, 1, GenerationRequest(2000, max_prompt_length=2048))
         prompt = episode.prompts[0]
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
 
@@ -968,5 +975,16 @@ def test_tool_knobs_apply_at_the_next_rollout(tiny_model):
         began = time.monotonic()
         out = run(call_text("hang", '{"x": 1}'))
         assert out.turns == 2 and "within 0.2 s" in out.messages[1]["content"] and time.monotonic() - began < 3
+        tool_lab.configure({"generator.max_tool_response_tokens": 5})
+        cut = run(call_text("long_text", '{"x": 1}')).messages[1]["content"]
+        assert 0 < len(tok(cut, add_special_tokens=False)["input_ids"]) <= 5
+        made = []
+        real = hf.TurnCache
+        monkeypatch.setattr(hf, "TurnCache", lambda *args: made.append(args) or real(*args))
+        tool_lab.rollout()
+        assert len(made) == 1  # keep (the default): the rollout's turns go on from their cache
+        tool_lab.configure({"generator.turn_cache": "prefill"})
+        tool_lab.rollout()
+        assert len(made) == 1  # prefill: every turn prefills again, no turn cache made
     finally:
         tool_lab.close()

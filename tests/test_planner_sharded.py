@@ -38,8 +38,9 @@ def test_each_rank_holds_1_over_n_of_the_weights_and_optimizer_but_all_of_the_qu
     assert list(split.devices) == [f"cuda:{k}" for k in range(procs)] + ["host"]
     assert list(split.ranks) == [f"cuda:{k}" for k in range(procs)]
     single = items(one.devices["cuda:0"])
-    # bitsandbytes' quant state (double quant: an int8 absmax per 64 weights + fp32 per 256 blocks) stays whole
-    quant_state = shape.linear_params * (8 / 64 + 32 / (64 * 256)) / 8
+    # bitsandbytes' quant state (double quant: an int8 absmax per 64 weights + fp32 per 256 blocks; per 4-bit tensor,
+    # the nf4 codebook's 16 floats, the absmax's 256-float codebook and its float offset) stays whole
+    quant_state = shape.linear_params * (8 / 64 + 32 / (64 * 256)) / 8 + shape.quantized_tensors * (16 + 256 + 1) * 4
     for name, rank in split.ranks.items():
         per_rank = items(rank)
         assert per_rank[(f"base weights (1/{procs} shard)", None)] == pytest.approx(
@@ -76,7 +77,10 @@ def test_gather_for_generation_costs_the_whole_model_minus_the_layers_in_flight(
     whole = shape.layers * layer + root
     one = items(plan(load_config(PRESET)).devices["cuda:0"])
     assert whole == pytest.approx(
-        one[("base weights", None)] - shape.linear_params * (8 / 64 + 32 / 16384) / 8 + one[("LoRA weights", None)],
+        one[("base weights", None)]
+        - shape.linear_params * (8 / 64 + 32 / 16384) / 8
+        - shape.quantized_tensors * (16 + 256 + 1) * 4  # (the quant state, codebooks too, is not gathered)
+        + one[("LoRA weights", None)],
         rel=1e-12,
     )  # the same bytes, counted two ways
     for name in gathered.ranks:

@@ -310,12 +310,13 @@ def test_a_png_says_nothing_about_hovering(frontier_figure, drawn):
 
 
 def test_a_frontier_png_writes_each_cells_percentage_as_the_live_heatmap_does(frontier_figure, drawn):
-    """The live heatmap writes peak / capacity in each cell (texttemplate "%{z:.0%}"); the PNG a saved notebook keeps
-    wrote none, so a reader saw colours without their numbers. Refused (grey) cells have no number."""
+    """The live heatmap writes peak / capacity in each cell (its text, texttemplate "%{text}", while the colour is
+    peak / its line); the PNG a saved notebook keeps wrote none, so a reader saw colours without their numbers.
+    Refused (grey) cells have no number."""
     canvas, _ = drawn(frontier_figure)
     written = [t.get_text() for t in texts(canvas)]
     colour = [t for t in frontier_figure.data if t.texttemplate]
-    want = [f"{v:.0%}" for t in colour for row in t.z for v in row if v is not None]
+    want = [label for t in colour for row in t.text for label in row if label]
     assert want and sorted(w for w in written if w in set(want)) == sorted(want)
 
 

@@ -98,23 +98,28 @@ def _heatmap(ax, trace, fig, placed: bool) -> None:
         ax.set_xticks(range(len(xs)), [str(x) for x in xs], rotation=60, fontsize=7)
     if ys is not None:
         ax.set_yticks(range(len(ys)), [str(y) for y in ys], fontsize=7)
-    _cell_texts(ax, z, trace.get("texttemplate"))
+    _cell_texts(ax, z, trace.get("texttemplate"), trace.get("text"))
     if trace.get("showscale", True):  # why at the page's right when placed: beside one panel it covers the next one
         beside = fig.add_axes((PAPER[0] + PAPER[2] + 0.003, PAPER[1], 0.008, PAPER[3])) if placed else None
         bar = fig.colorbar(image, ax=ax, cax=beside)
         bar.ax.tick_params(labelsize=7)
 
 
-def _cell_texts(ax, z, template) -> None:
-    """Each cell's value as the trace's texttemplate writes it ("%{z:.0%}": a frontier cell's peak / capacity), so a
-    PNG says what the live heatmap says in each cell. Why dark text: every colour of the scale is a light or mid one."""
-    match = re.fullmatch(r"%\{z(?::([^}]*))?\}", template or "")
-    if match is None:
-        return
+def _cell_texts(ax, z, template, text=None) -> None:
+    """Each cell's label as the trace's texttemplate writes it ("%{z:.0%}", or "%{text}": a frontier cell's peak /
+    capacity, its colour being peak / its line), so a PNG says what the live heatmap says in each cell. Why dark
+    text: every colour of the scale is a light or mid one."""
+    if template == "%{text}" and text is not None:
+        labels = [[str(t) for t in row] for row in text]
+    else:
+        match = re.fullmatch(r"%\{z(?::([^}]*))?\}", template or "")
+        if match is None:
+            return
+        labels = [[format(v, match.group(1) or "") if v == v else "" for v in row] for row in z]
     for row, values in enumerate(z):
         for column, value in enumerate(values):
-            if value == value:  # why: NaN (a gap, a refused cell) has no text
-                ax.text(column, row, format(value, match.group(1) or ""), ha="center", va="center", fontsize=6)
+            if value == value and labels[row][column]:  # why: NaN (a gap, a refused cell) has no text
+                ax.text(column, row, labels[row][column], ha="center", va="center", fontsize=6)
 
 
 def _on_canvas(x: float, y: float) -> tuple[float, float]:

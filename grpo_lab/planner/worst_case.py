@@ -43,6 +43,11 @@ class WorstCasePrompts:
     def rewind(self) -> None:
         """Every batch is the same: nothing to go back to (the real source's position is untouched by the probe)."""
 
+    def draw_for(self, step: int) -> None:
+        """As rewind: a failed probe rollout has no draw to give back."""
+
+    undraw = draw_for
+
 
 class _NoTrackers:
     def log(self, result) -> None:  # why: a probe is not a step of the run; no tracker sees it
