@@ -117,7 +117,9 @@ def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_r
     assert facts["ray_killed_machine_peak_gib"] > line
     refused = facts["ray_budget_refused"]
     assert refused.startswith("placement.rank_memory_gib: 2 CPU ranks x ") and "pass Ray's kill line" in refused
-    assert refused.endswith(f"give each rank at most {facts['ray_rank_budget_gib']:.2f} GiB")
+    offered = float(refused.rsplit("give each rank at most ", 1)[1].removesuffix(" GiB"))
+    # (what the machine uses is read again as the refusal is made: the room it offers moves with it by a few MiB)
+    assert offered == pytest.approx(facts["ray_rank_budget_gib"], abs=0.05), (offered, refused)
     planned = facts["ray_planned"]
     assert not any(r["fits"] for r in planned["full"].values()) and all(r["fits"] for r in planned["chunked"].values())
     budget_mib = facts["ray_rank_budget_gib"] * 1024
