@@ -128,7 +128,8 @@ def test_06_rays_memory_monitor_kills_a_rank_and_the_ranks_held_under_its_line_r
     assert fixed["step"] == 0 and fixed["machine_peak_gib"] < line  # the same step, now applied, under Ray's line
     assert set(fixed["ranks"]) == {"rank0/host", "rank1/host"}
     for device, rank in fixed["ranks"].items():
-        assert not rank["over"] and rank["line_mib"] == pytest.approx(budget_mib * 0.95), (device, rank)
+        # (the facts are printed at 2 decimals: the line within 0.01 MiB of the budget's 95 %)
+        assert not rank["over"] and rank["line_mib"] == pytest.approx(budget_mib * 0.95, abs=0.01), (device, rank)
     # the fixed step learns something: its group's rewards differ, so the loss has a gradient the update applies
     assert fixed["reward_std"] > 0 and fixed["grad_norm"] > 0, fixed
     for device, ratio in facts["ray_plan_ratios"].items():
