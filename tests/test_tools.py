@@ -10,8 +10,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
+from bench.forced import ForcedTokens
 from grpo_lab.errors import ConfigError, LabError
 
 TEMPLATE = "trl:qwen2_5"
@@ -273,23 +273,11 @@ def forced_call(monkeypatch):
 
     def force(tokenizer, text):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-
-        class Force:
-            start = None
-
-            def __call__(self, input_ids, scores):
-                self.start = input_ids.shape[1] if self.start is None else self.start
-                pos = input_ids.shape[1] - self.start
-                if pos < len(ids):
-                    scores = torch.full_like(scores, -torch.inf)
-                    scores[:, ids[pos]] = 0.0
-                return scores
-
         original = hf.sampling_processors
 
         def processors(request):
             made.append(request)
-            return original(request) + ([Force()] if len(made) == 1 else [])
+            return original(request) + ([ForcedTokens(ids)] if len(made) == 1 else [])
 
         monkeypatch.setattr(hf, "sampling_processors", processors)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_tools import call_text, tool_lab
 
+from bench.forced import ForcedTokens
 from grpo_lab.errors import LabError
 
 BUDGET = 160  # the forced call and its result take ~118 of tiny-random's tokens: the second turn decodes the rest
@@ -39,20 +40,8 @@ def first_turn_calls(monkeypatch):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         original = hf.sampling_processors
 
-        class Force:
-            def __init__(self):
-                self.start = None
-
-            def __call__(self, input_ids, scores):
-                self.start = input_ids.shape[1] if self.start is None else self.start
-                pos = input_ids.shape[1] - self.start
-                if pos < len(ids):
-                    scores = torch.full_like(scores, -torch.inf)
-                    scores[:, ids[pos]] = 0.0
-                return scores
-
         def processors(request):
-            return original(request) + ([Force()] if request.max_completion_length == budget else [])
+            return original(request) + ([ForcedTokens(ids)] if request.max_completion_length == budget else [])
 
         monkeypatch.setattr(hf, "sampling_processors", processors)
 

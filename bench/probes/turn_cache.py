@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from bench.forced import ForcedTokens
+
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call><|im_end|>'
 ANSWER_WORDS = [40]
 
@@ -42,20 +44,9 @@ def force_calls(tokenizer, calls: int) -> list:
     ids = tokenizer(CALL, add_special_tokens=False)["input_ids"]
     original, made = hf.sampling_processors, []
 
-    class Force:
-        start = None
-
-        def __call__(self, input_ids, scores):
-            self.start = input_ids.shape[1] if self.start is None else self.start
-            pos = input_ids.shape[1] - self.start
-            if pos < len(ids):
-                scores = torch.full_like(scores, -torch.inf)
-                scores[:, ids[pos]] = 0.0
-            return scores
-
     def processors(request):
         made.append(request)
-        return original(request) + ([Force()] if len(made) <= calls else [])
+        return original(request) + ([ForcedTokens(ids)] if len(made) <= calls else [])
 
     hf.sampling_processors = processors
     return made
