@@ -240,14 +240,18 @@ class RankExecutor:
         """Ranks calls this when it stopped or restarted the ranks."""
         self.lost = True
 
+    def back_to_step_start(self) -> None:
+        """The data source back where this step first drew (nothing, if this step drew nothing yet)."""
+        if self.step_start is not None and self.step_start[0] == self.step_index():
+            self.prompts.load_state_dict(self.step_start[1])
+
     def take_lost(self) -> bool:
         """Whether the ranks lost the step's progress since the last look (the engine then may hold an adapter they
         undid)."""
         lost, self.lost = self.lost, False
         if lost:
             self.generator_behind = self.generator is not None
-            if self.step_start is not None and self.step_start[0] == self.step_index():
-                self.prompts.load_state_dict(self.step_start[1])  # why: the step runs again on its own rows
+            self.back_to_step_start()  # why: the step runs again on its own rows
         return lost
 
     def before_command(self) -> bool:
@@ -259,8 +263,8 @@ class RankExecutor:
         """None when every rank undid its own share (the Lab's default undo follows); else the ranks were stopped,
         and the Lab's step goes back to its start (the Lab does so on any answer but None)."""
         self.generator_behind |= phase == "sync" and self.generator is not None  # the engine may hold an undone adapter
-        if phase == "rollout" and self.step_start is not None and self.step_start[0] == self.step_index():
-            self.prompts.load_state_dict(self.step_start[1])  # why: a failed rollout is undone with its draw
+        if phase == "rollout":
+            self.back_to_step_start()  # why: a failed rollout is undone with its draw
         if not self.take_lost():
             return None
         if isinstance(err, RankFailure):
