@@ -376,7 +376,6 @@ def test_a_tool_without_hints_or_docstring_is_refused_at_construction(tiny_confi
 @pytest.mark.parametrize(
     "sections, words",
     [
-        ({"generator": {"backend": "vllm"}}, "generator.backend vllm does not run the tool loop"),
         ({"placement": {"learner_procs": 2}}, "placement.learner_procs: 1"),
     ],
 )

@@ -196,6 +196,9 @@ class VLLMGenerator(Generator):
             # why: vLLM adds this generation_config's EOS ids to every request's stop ids; the learner's,
             # as eos_token_ids read them, so a generator.model with other ones cannot widen the set
             generation_config=checkpoint,
+            # why on: a tool loop's later turn sends the conversation so far again; its full KV blocks come from the
+            # cache (hash-matched, this adapter's only) instead of a re-prefill, so a turn prefills the tool result
+            enable_prefix_caching=True,
         )
         if on_cpu:
             kwargs["enforce_eager"] = (
@@ -212,6 +215,7 @@ class VLLMGenerator(Generator):
         self._remove_adapters = weakref.finalize(self, shutil.rmtree, self.adapter_root, ignore_errors=True)
         self.engine_device = None if on_cpu else devices[0]
         self.asleep, self._books = False, 0.0
+        self.prompt_tokens = self.cached_tokens = 0  # the last rollout's prompt tokens, and those the prefix cache held
         before = _allocated(self.engine_device)
         try:
             self.llm = start_engine(vllm, kwargs, engine_env(config))
@@ -246,26 +250,29 @@ class VLLMGenerator(Generator):
             self.llm.llm_engine.remove_lora(old.lora_int_id)  # why: a superseded adapter must not hold engine memory
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
-    def generate_chunk(self, prompt_ids, request: GenerationRequest) -> list[Sample]:
-        return self.sample(prompt_ids, [next(self._seeds) for _ in prompt_ids], request)
+    def generate_chunk(self, prompt_ids, request: GenerationRequest, seeds=None) -> list[Sample]:
+        """Sample `prompt_ids`, row i with `seeds[i]` (None: drawn here)."""
+        return self.sample(prompt_ids, list(draw_seeds(len(prompt_ids))) if seeds is None else seeds, request)
 
     def sample(self, prompt_ids: list[list[int]], seeds: list[int], request: GenerationRequest) -> list[Sample]:
         """One completion per prompt, each with its own seed (also what a sharded learner's ranks ask for)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # a tool loop's later turn: its context holds the turns before, so the engine's length bounds what is left
+        most = [min(request.max_completion_length, self.max_model_len - len(p)) for p in prompt_ids]
         params = [
             SamplingParams(
                 temperature=request.temperature,
                 top_p=request.top_p,
                 top_k=request.top_k or 0,
-                max_tokens=request.max_completion_length,
+                max_tokens=n,
                 logprobs=0,
                 seed=seed,
-                min_tokens=request.max_completion_length if request.full_length else 0,
+                min_tokens=n if request.full_length else 0,
                 stop_token_ids=self.eos_token_ids,
             )
-            for seed in seeds
+            for seed, n in zip(seeds, most)
         ]
         # why fork_rng: vLLM's sampler draws from torch's global generator even for seeded requests; in-process it is
         # the learner's, whose randomness must not depend on the engine (or on whether the engine is in-process)
@@ -278,6 +285,8 @@ class VLLMGenerator(Generator):
             )
         samples = []
         for out in outputs:
+            self.prompt_tokens += len(out.prompt_token_ids)
+            self.cached_tokens += out.num_cached_tokens or 0  # the prompt's tokens read from the prefix cache
             o = out.outputs[0]
             ids = list(o.token_ids)
             logprobs = [step[token].logprob for token, step in zip(ids, o.logprobs)]
@@ -285,9 +294,16 @@ class VLLMGenerator(Generator):
         return samples
 
     def generate(self, batch, num_generations, request):
-        self._seeds = draw_seeds(len(batch) * num_generations)
+        """One seed per row, drawn before chunking; a tool loop's later turn samples its rows with their own seeds
+        again (as the hf backend does), its contexts' cached blocks read from the prefix cache."""
+        seeds = list(draw_seeds(len(batch) * num_generations))
+        self.cached_tokens = self.prompt_tokens = 0
+
+        def chunk(prompt_ids, rows, request):
+            return self.sample(prompt_ids, [seeds[r] for r in rows], request)
+
         with self.awake():  # why around the whole rollout: a sleeping engine wakes once, not once per chunk
-            return super().generate(batch, num_generations, request)
+            return self.generate_in_chunks(batch, num_generations, request, chunk)
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], with_lora: bool = True) -> list[float]:
         """The engine's log-probs of a fixed completion (temperature 1): what it would assign, not sample."""

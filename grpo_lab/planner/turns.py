@@ -25,6 +25,9 @@ def turns_line(config, tools: Optional[bool] = None) -> Optional[str]:
     prefill = (
         f"the tool result's tokens alone, at most {largest} (generator.turn_cache: keep)"
         if gen.turn_cache == "keep" and gen.backend == "hf"
+        else f"only what vLLM's prefix cache does not hold (prefix caching on): the tool result's tokens, at most "
+        f"{largest}, and the conversation's last, partly filled KV block"
+        if gen.backend == "vllm"
         else f"the whole conversation again, up to {prompt + budget} tokens at turn {last} (TRL's loop)"
     )
     return (

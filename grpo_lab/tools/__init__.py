@@ -12,10 +12,8 @@ from ..errors import LabError
 
 
 def check_tools_config(config) -> None:
-    """Where tools cannot run yet, one line each: the vllm backend (its engine is not driven by the loop yet) and a
-    sharded learner (its ranks sample their share of the rows in one turn)."""
-    if config.generator.backend == "vllm":
-        raise LabError("tools: generator.backend vllm does not run the tool loop yet; use generator.backend: hf")
+    """Where tools cannot run yet, one line: a sharded learner (its ranks sample their share of the rows in one
+    turn)."""
     if config.placement.learner_procs > 1:
         raise LabError(
             f"tools: a sharded learner (placement.learner_procs {config.placement.learner_procs}) does not run the "
