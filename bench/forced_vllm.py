@@ -12,33 +12,39 @@ from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 
 class ForcedRequests(AdapterLogitsProcessor):
-    """The next `armed` requests the engine takes each write `ids` first (each as the only token they may sample),
-    then sample freely; later requests are left alone."""
+    """A request whose prompt holds `ids` fewer than `times` times writes `ids` first (each as the only token it may
+    sample), then samples freely: with a tool call's tokens, each row of a tool loop calls the tool in its first
+    `times` turns, however the rows are chunked. Disarmed (`times` 0), it leaves every request alone."""
 
     ids: list[int] = []
-    armed = 0
+    times = 0
 
     @classmethod
-    def arm(cls, ids: list[int], requests: int) -> None:
-        cls.ids, cls.armed = list(ids), requests
+    def arm(cls, ids: list[int], times: int) -> None:
+        cls.ids, cls.times = list(ids), times
 
     def is_argmax_invariant(self) -> bool:
         return False  # why: it changes the argmax, so greedy requests must go through it too
 
     def new_req_logits_processor(self, params):
-        if ForcedRequests.armed <= 0:
+        if ForcedRequests.times <= 0:
             return None
-        ForcedRequests.armed -= 1
-        ids = list(ForcedRequests.ids)
+        ids, times, seen = list(ForcedRequests.ids), ForcedRequests.times, []
 
-        def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        def force(prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
             pos = len(output_ids)
-            if pos < len(ids):
+            seen[:] = seen or [occurrences(prompt_ids, ids)]  # (counted once, at the request's first token)
+            if pos < len(ids) and seen[0] < times:
                 logits = torch.full_like(logits, -torch.inf)
                 logits[ids[pos]] = 0.0
             return logits
 
         return force
+
+
+def occurrences(seq: list[int], sub: list[int]) -> int:
+    n = len(sub)
+    return sum(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
 
 
 @contextlib.contextmanager

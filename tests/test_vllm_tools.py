@@ -69,7 +69,7 @@ def forced(tiny_model):
             return out
 
         patch.setattr(generator, "sample", recorded)
-        on_vllm.arm(ids, requests=8)  # the first two turns' 4 rows each (2 prompts x 2 generations, one chunk)
+        on_vllm.arm(ids, times=2)  # every row's first two turns
         rollouts = {b: lab.rollout() for b, lab in labs.items()}
         patch.undo()  # (later rollouts sample freely, unrecorded)
         yield SimpleNamespace(labs=labs, rollouts=rollouts, call=ids, turns=turns, tokenizer=tok)
@@ -116,6 +116,25 @@ def test_prefix_caching_is_on_and_a_later_turn_reads_the_conversations_blocks(fo
     assert held > sum(len(c) // bs * bs for c in first.contexts)  # the turns' blocks, past the prompts' own
     assert held <= third.cached <= sum((len(c) - 1) // bs * bs for c in third.contexts)
     assert third.sent - third.cached < third.sent / 4  # most of the later turn's prefill was not repeated
+
+
+@slow
+def test_seeded_tool_rollouts_on_vllm_do_not_depend_on_the_chunks(forced):
+    """Each row samples every turn with its own seed (drawn per row before chunking): one row per chunk samples what
+    the whole batch in one call samples."""
+    from grpo_lab.generation.base import GenerationRequest
+
+    lab = forced.labs["vllm"]
+    batch = lab.prompts.next_batch(2)
+    out = {}
+    for chunk_size in (None, 1):
+        torch.manual_seed(3)
+        request = GenerationRequest(256, temperature=1.0, max_prompt_length=700, chunk_size=chunk_size)
+        out[chunk_size] = lab.generator.generate(batch, 2, request)
+    assert out[1].tool_calls == [2] * 4 and out[1].generate_calls == 4
+    assert torch.equal(out[None].completion_ids, out[1].completion_ids)
+    assert torch.equal(out[None].tool_mask, out[1].tool_mask)
+    assert len({tuple(row) for row in out[1].completion_ids.tolist()}) == 4  # sampled: each row its own tokens
 
 
 @slow

@@ -10,6 +10,11 @@ Sampler log-probs are vLLM's `processed_logprobs`: those of the distribution sam
 temperature, top-k and top-p, renormalised; greedy: log_softmax of the logits), as TRL uses for its
 importance-sampling correction and as the hf backend records. It stops on `eos_token_ids`, the hf
 backend's set too. Each request carries its own seed, so the samples do not depend on how requests are chunked.
+
+A tool loop (tools/loop.py) runs through `generate` as on hf: each turn sends the rows' whole contexts (prompt and
+trajectory so far), each row with its own seed again; prefix caching is on, so a later turn's full KV blocks of the
+conversation come from the cache and only the rest (the tool result, the last partly filled block) is prefilled.
+`prompt_tokens` / `cached_tokens` count, per rollout, the prompt tokens sent and those the prefix cache held.
 """
 
 from __future__ import annotations
@@ -259,20 +264,18 @@ class VLLMGenerator(Generator):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        # a tool loop's later turn: its context holds the turns before, so the engine's length bounds what is left
-        most = [min(request.max_completion_length, self.max_model_len - len(p)) for p in prompt_ids]
         params = [
             SamplingParams(
                 temperature=request.temperature,
                 top_p=request.top_p,
                 top_k=request.top_k or 0,
-                max_tokens=n,
+                max_tokens=request.max_completion_length,
                 logprobs=0,
                 seed=seed,
-                min_tokens=n if request.full_length else 0,
+                min_tokens=request.max_completion_length if request.full_length else 0,
                 stop_token_ids=self.eos_token_ids,
             )
-            for seed, n in zip(seeds, most)
+            for seed in seeds
         ]
         # why fork_rng: vLLM's sampler draws from torch's global generator even for seeded requests; in-process it is
         # the learner's, whose randomness must not depend on the engine (or on whether the engine is in-process)

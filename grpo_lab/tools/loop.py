@@ -8,8 +8,9 @@ generator.max_tool_calling_iterations times.
 generator.max_completion_length is the whole trajectory's budget, tool tokens included: a tool result that would pass
 it is left out and the row ends as it is (TRL's rule); a later turn decodes at most what is left of it (TRL decodes
 the full length and cuts; the tokens kept are the same). Each turn asks for the rows' whole contexts; the hf backend
-goes on from the turns' KV cache where it holds them (generator.turn_cache keep: generation/turn_cache.py), any other
-re-prefills the conversation, as TRL's loop does.
+goes on from the turns' KV cache where it holds them (generator.turn_cache keep: generation/turn_cache.py), the vllm
+backend reads the conversation's KV blocks from its prefix cache (generation/vllm_engine.py), any other re-prefills
+the conversation, as TRL's loop does.
 """
 
 from __future__ import annotations
