@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from test_sampler_semantics import GREEDY_LOGPROB_TOLERANCE
 from test_tools import add, call_text, trl_suffix_ids
 
