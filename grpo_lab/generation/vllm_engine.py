@@ -201,8 +201,7 @@ class VLLMGenerator(Generator):
             # why: vLLM adds this generation_config's EOS ids to every request's stop ids; the learner's,
             # as eos_token_ids read them, so a generator.model with other ones cannot widen the set
             generation_config=checkpoint,
-            # why on: a tool loop's later turn sends the conversation so far again; its full KV blocks come from the
-            # cache (hash-matched, this adapter's only) instead of a re-prefill, so a turn prefills the tool result
+            # why on: a tool loop's later turn reads the conversation's full KV blocks (this adapter's) from the cache
             enable_prefix_caching=True,
         )
         if on_cpu:
@@ -219,8 +218,7 @@ class VLLMGenerator(Generator):
         # removed at close(), or at exit for a generator never closed (a killed process's: by the next one's start)
         self._remove_adapters = weakref.finalize(self, shutil.rmtree, self.adapter_root, ignore_errors=True)
         self.engine_device = None if on_cpu else devices[0]
-        self.asleep, self._books = False, 0.0
-        self.prompt_tokens = self.cached_tokens = 0  # the last rollout's prompt tokens, and those the prefix cache held
+        self.asleep, self._books, self.prompt_tokens, self.cached_tokens = False, 0.0, 0, 0
         before = _allocated(self.engine_device)
         try:
             self.llm = start_engine(vllm, kwargs, engine_env(config))
