@@ -21,3 +21,4 @@ def test_tiny_tools_calls_its_calculator_on_vllm(user_cache, tmp_path):
     assert len(rows) == 2
     for row in rows:  # (the preset's model calls it on ~0.3-0.7 of its rows: docs/benchmarks.md, "tiny-tools")
         assert 0 < row["tool_calls_per_row"] and row["turns_mean"] > 1, row
+        assert 0.5 < row["prefix_cache_hit_rate"] < 1  # the shared system prompt and tools, and the turns before

@@ -115,6 +115,9 @@ def test_prefix_caching_is_on_and_a_later_turn_reads_the_conversations_blocks(fo
     assert held > sum(len(c) // bs * bs for c in first.contexts)  # the turns' blocks, past the prompts' own
     assert held <= third.cached <= sum((len(c) - 1) // bs * bs for c in third.contexts)
     assert third.sent - third.cached < third.sent / 4  # most of the later turn's prefill was not repeated
+    rate = sum(t.cached for t in forced.turns) / sum(t.sent for t in forced.turns)
+    assert forced.rollouts["vllm"].prefix_cache_hit_rate == pytest.approx(rate)  # the step's metric
+    assert forced.rollouts["hf"].prefix_cache_hit_rate is None
 
 
 @slow

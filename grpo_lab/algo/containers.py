@@ -53,6 +53,8 @@ class Rollout:
     rollout_copy: str = ""
     cudagraph_recordings_expected: int = 0
     experts_dequantized: int = 0  # 4-bit experts its forwards dequantized, over layers and decoding steps
+    # vllm: the share of the prompt tokens it sent (every turn's context) that vLLM's prefix cache held; None: hf
+    prefix_cache_hit_rate: Optional[float] = None
     # a tool-calling rollout (tools/loop.py); None without tools
     tool_mask: Optional[torch.Tensor] = None  # [N, L] 0 on tool-result tokens: they condition, never train (TRL's)
     conversations: Optional[list[list[dict]]] = None  # [N] TRL's conversational completion: assistant + tool turns
@@ -183,6 +185,7 @@ class StepResult:
     # forwards, and by the learner's last backward (its forwards, their recomputes, the experts' backward)
     rollout_experts_dequantized: int = 0
     learner_experts_dequantized: int = 0
+    prefix_cache_hit_rate: Optional[float] = None  # vllm: the rollout's prompt tokens read from its prefix cache
     temperature: float = 1.0  # the rollout was sampled at (0 = greedy)
     learning_rate: float = 0.0  # of the step's last update
     iterations: int = 1  # optimizer updates on this rollout

@@ -335,6 +335,7 @@ def summarize(
         cudagraph_recordings_expected=rollout_.cudagraph_recordings_expected,
         rollout_experts_dequantized=rollout_.experts_dequantized,
         learner_experts_dequantized=stats.experts_dequantized,
+        prefix_cache_hit_rate=rollout_.prefix_cache_hit_rate,
         temperature=rollout_.temperature,
         learning_rate=learning_rate,
         is_ratio_min=stats.is_ratio_min,

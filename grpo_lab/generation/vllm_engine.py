@@ -14,7 +14,8 @@ backend's set too. Each request carries its own seed, so the samples do not depe
 A tool loop (tools/loop.py) runs through `generate` as on hf: each turn sends the rows' whole contexts (prompt and
 trajectory so far), each row with its own seed again; prefix caching is on, so a later turn's full KV blocks of the
 conversation come from the cache and only the rest (the tool result, the last partly filled block) is prefilled.
-`prompt_tokens` / `cached_tokens` count, per rollout, the prompt tokens sent and those the prefix cache held.
+`prompt_tokens` / `cached_tokens` count, per rollout, the prompt tokens sent and those the prefix cache held; their
+ratio is the rollout's (and the step's) `prefix_cache_hit_rate`.
 """
 
 from __future__ import annotations
@@ -304,7 +305,9 @@ class VLLMGenerator(Generator):
             return self.sample(prompt_ids, [seeds[r] for r in rows], request)
 
         with self.awake():  # why around the whole rollout: a sleeping engine wakes once, not once per chunk
-            return self.generate_in_chunks(batch, num_generations, request, chunk)
+            out = self.generate_in_chunks(batch, num_generations, request, chunk)
+        out.prefix_cache_hit_rate = self.cached_tokens / max(self.prompt_tokens, 1)
+        return out
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], with_lora: bool = True) -> list[float]:
         """The engine's log-probs of a fixed completion (temperature 1): what it would assign, not sample."""
