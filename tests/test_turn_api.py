@@ -218,3 +218,17 @@ def test_turn_by_turn_where_the_rollout_cannot_pause_is_one_line(tiny_config, se
         check_pauses(load_config(tiny_config(**sections)), "lab.rollout(turns=1)")
     assert str(err.value).startswith(f"lab.rollout(turns=1): {words}")
     assert str(err.value).endswith("; call lab.rollout() for the whole rollout")
+
+
+def test_lab_step_finishes_a_pending_rollout_and_the_step(fresh):
+    lab = fresh()
+    lab.rollout(turns=1)
+    index = lab.step_index
+    result = lab.step()  # the rest of the step: the pending rollout's turns first
+    assert lab.step_index == index + 1 and result.turns_mean > 1
+    assert [r["mark"] for r in result.turn_memory if r["device"] == "host" and r["metric"] == "used"][:3] == [
+        "turn 1",
+        "tools 1",
+        "turn 2",
+    ]  # the marks of the pending rollout's calls, in order
+    assert "rollout" in result.phase_seconds and "rollout" in lab.memory_table()
