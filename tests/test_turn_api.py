@@ -11,6 +11,8 @@ import gc
 
 import pytest
 import torch
+from test_environments import Guess
+from test_tools import call_text, scripted, tokenizer  # noqa: F401 (a fixture)
 from test_turn_cache import add, forced_turns
 
 from grpo_lab.errors import LabError
@@ -232,3 +234,36 @@ def test_lab_step_finishes_a_pending_rollout_and_the_step(fresh):
         "turn 2",
     ]  # the marks of the pending rollout's calls, in order
     assert "rollout" in result.phase_seconds and "rollout" in lab.memory_table()
+
+
+def test_a_paused_episode_keeps_its_environments_and_ends_as_one_run(tokenizer, tiny_config):  # noqa: F811
+    """Through the loop with given turns: an environment_factory row's environment is reset once, keeps its state
+    between the calls, and the row ends as in one uninterrupted run."""
+    from grpo_lab.algo.containers import GenerationRequest, PromptBatch
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.tools.environments import Environments
+    from grpo_lab.tools.loop import ToolLoop
+
+    turns = [call_text("guess", '{"n": 1}'), call_text("guess", '{"n": 5}'), "<answer>5</answer><|im_end|>"]
+    batch = PromptBatch(prompts=["What is 2 + 3?"], answers=["5"], extra={"answer": ["5"]}, raw=["What is 2 + 3?"])
+    request = GenerationRequest(400, max_prompt_length=2048)
+
+    def calls(stops):
+        config = load_config(tiny_config(generator={"max_tool_calling_iterations": 3}))
+        loop = ToolLoop(None, tokenizer, [tokenizer.eos_token_id], config, Environments(Guess, []))
+        given, episodes = scripted(tokenizer, turns), []
+        for stop in stops:
+            with loop.continuing(stop):
+                episodes.append(loop.start(batch, 1, request))
+                ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in episodes[-1].prompts]
+                out = episodes[-1].run(ids, range(1), given, request)
+        assert all(e is episodes[0] for e in episodes)  # each call goes on from the paused episode
+        return out[0], episodes[0]
+
+    whole, _ = calls([None])
+    Guess.made.clear()
+    out, episode = calls([1, 2, None])
+    (env,) = episode.environments
+    assert Guess.made == [env] and len(env.resets) == 1 and env.guesses == [1, 5]  # one reset; its state kept
+    assert (out.completion_ids, out.tool_mask, out.messages) == (whole.completion_ids, whole.tool_mask, whole.messages)
+    assert out.turns == 3 and out.tool_calls == 2
