@@ -15,7 +15,7 @@ import torch
 
 from .algo import grpo
 from .algo.containers import Advantages, LogProbs, LossStats, Rewards, Rollout, StepResult
-from .algo.lifecycle import RestOfStep, StepState, check_order, next_phase
+from .algo.lifecycle import RestOfStep, StepState, check_between_steps, check_order, next_phase
 from .algo.phases import BY_NAME, PHASE_NAMES, UPDATE_PHASES
 from .config.edits import LoadedLabGuard
 from .config.loading import load_config
@@ -25,6 +25,7 @@ from .execution.contract import executor_for
 from .memory.timeline import Timeline
 from .preflight import preflight
 from .runtime import own_streams
+from .turns_api import drop_turns, rollout_phase
 from .ui.quiet import no_frozen_bars
 from .ui.reprs import step_results_as_tables
 from .ui.views import LabViews
@@ -252,19 +253,11 @@ class Lab(LabViews):
         s.attempts += 1
 
     # --- the phases of a step (phases.PHASES), each checked, timed and marked ---
-    def rollout(self) -> Rollout:
+    def rollout(self, turns: Optional[int] = None) -> Rollout:
         """Start the step (or restart it, when no update was applied yet) with a fresh rollout; a restart samples
-        the step's own prompts again."""
-        with self._phase("rollout"):
-            if self._step.started:  # a restart: the earlier rollout's phases become a failed attempt
-                self._retire(PHASE_NAMES)
-                self._step = StepState(index=self.step_index, attempts=self._step.attempts)
-                if self.prompts is not None:  # why: two settings tried on one step compare on the same prompts
-                    self.prompts.rewind()  # (a sharded learner's: its driver's, which hands every rank the rows)
-            out = self._compute("rollout")
-            out.step = self.step_index
-        self._step.rollout = out  # why after the phase: a rollout the host guard fails as it ends is not kept
-        return out
+        the step's own prompts again. `turns` (a Lab with tools): run that many more turns and leave the rollout
+        pending, returning what each row called and each tool answered; `lab.rollout()` then ends it (turns_api.py)."""
+        return rollout_phase(self, turns)
 
     def rewards(self, rollout: Rollout) -> Rewards:
         return self._kept("rewards", rollout=rollout)
@@ -344,6 +337,7 @@ class Lab(LabViews):
     def rollback(self) -> None:
         """Undo the current step's updates (if any) and drop its gradients; its rollout, rewards,
         advantages and log-probs are kept, so the step goes on from backward."""
+        drop_turns(self)  # (and a pending rollout's turns go)
         s = self._step
         self.executor.rollback(s)
         s.snapshot, s.updates, s.gradients, s.stats, s.grad_norm = None, 0, False, None, None
@@ -382,8 +376,7 @@ class Lab(LabViews):
 
     def between_steps(self, what: str) -> None:
         self._require_loaded()
-        if self._step.started:
-            raise LabError(f"{what}: step {self.step_index} is under way (next: {self.next_phase()}); lab.step() first")
+        check_between_steps(self._step, what, self.next_phase())
 
     # --- failures on demand (the worst-case probe, lab.probe(), is a view: ui/views.py) ---
     def arm_fault(self, rank: int, phase: str, error: str = "oom") -> None:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 from ..errors import LabError
 from .phases import BY_NAME, PHASE_NAMES, PHASES, UPDATE_PHASES
 
+PENDING_HOW = "finish them with lab.rollout() or drop them with lab.rollback()"
+
 
 @dataclass
 class StepState:
@@ -34,10 +36,11 @@ class StepState:
     # rollback.SnapshotsOnRanks)
     snapshot: Any = None
     attempts: int = 1  # 1 + rolled-back attempts
+    turns: Any = None  # a rollout run turn by turn, pending between its calls (grpo_lab/turns_api.PendingTurns)
 
     @property
     def started(self) -> bool:
-        return self.rollout is not None
+        return self.rollout is not None or self.turns is not None
 
 
 def next_phase(step: StepState, num_iterations: int) -> str:
@@ -49,6 +52,8 @@ def _same(step: StepState, phase: str, name: str, given) -> None:
     """`given` (an input named after the phase that produced it) must be what this step's `name` phase returned; a
     refusal starts with the phase that was called (`phase`), the one the user's line names."""
     expected = getattr(step, name)
+    if expected is None and name == "rollout" and step.turns is not None:
+        raise LabError(f"{phase}: step {step.index}'s rollout has turns pending; {PENDING_HOW}, first")
     if expected is None and name == "rollout" and getattr(given, "step", step.index) != step.index:
         raise LabError(
             f"{phase}: this is step {given.step}'s rollout, and step {step.index} has none yet; "
@@ -76,6 +81,14 @@ def _inputs_fixed(step: StepState, phase: str) -> None:
             f"{phase}: step {step.index} has {done}, so its inputs are fixed; "
             "finish it (lab.step() runs the rest), or undo it with lab.rollback() first"
         )
+
+
+def check_between_steps(step: StepState, what: str, next_phase: str) -> None:
+    """Refuse, in one line, `what` (a call that needs a step boundary) while a step is under way."""
+    if step.turns is not None:
+        raise LabError(f"{what}: step {step.index}'s rollout has turns pending; {PENDING_HOW}, first")
+    if step.started:
+        raise LabError(f"{what}: step {step.index} is under way (next: {next_phase}); lab.step() first")
 
 
 def check_order(step: StepState, phase: str, num_iterations: int, **inputs) -> None:

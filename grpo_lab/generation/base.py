@@ -100,7 +100,10 @@ class Generator:
 
     def check_live(self, config) -> None:
         """Refuse (LabError) a config edit this running engine cannot honour (e.g. a length beyond what it was
-        started for); called before the edit is applied. Backends without such limits accept everything."""
+        started for); called before the edit is applied. Backends without such limits accept everything but what a
+        paused turn-by-turn rollout cannot honour (tools/loop.ToolLoop.check_live)."""
+        if self.turns is not None:
+            self.turns.check_live(config)
 
     # --- shared ---
     def encode_prompts(self, prompts: list[str], max_prompt_length: int) -> list[list[int]]:

@@ -15,6 +15,7 @@ the conversation, as TRL's loop does.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -22,6 +23,7 @@ from ..algo.containers import PromptBatch
 from ..errors import LabError
 from ..generation.base import Sample
 from .environments import Environments
+from .stepwise import PAUSED, check_paused, view
 from .template import parse, render_prompt, tool_suffix_ids
 from .toolbox import Toolbox
 
@@ -71,7 +73,8 @@ class Trajectory:
 class ToolLoop:
     """A generator's multi-turn driver (Generator.turns): each rollout starts an Episode, whose rows' prompts are
     rendered with their tools and whose chunks run turn by turn. The limits are read from the live config at every
-    rollout."""
+    turn. A turn-by-turn rollout (grpo_lab/turns_api.py) runs inside `continuing`: its episode is kept (`paused`)
+    between its calls, and each call goes on from it."""
 
     def __init__(self, toolbox: Optional[Toolbox], tokenizer, eos_token_ids: list[int], config, environments=None):
         """`toolbox`: the Lab's tools (None: none); `environments`: its environment_factory (environments.py)."""
@@ -80,12 +83,40 @@ class ToolLoop:
         # where each turn and each round of tool calls starts (the executor gives the memory sampler's `mark`: the
         # timeline marks them inside the rollout phase, each with its own peak)
         self.marker: Callable[[str], None] = lambda label: None
+        # a turn-by-turn rollout: its episode between calls, and the turn a call stops after (None: the rollout's end)
+        self.paused: Optional[Episode] = None
+        self.stop_after: Optional[int] = None
+        self._continuing = False
+
+    @contextmanager
+    def continuing(self, stop_after: Optional[int]):
+        """Within: a rollout goes on from the paused episode (none: starts one, and keeps it paused) and stops after
+        turn `stop_after` (None: runs to its end)."""
+        self.stop_after, self._continuing = stop_after, True
+        try:
+            yield
+        finally:
+            self.stop_after, self._continuing = None, False
+
+    def view(self, step: int):
+        """What the paused rollout's rows called and their tools answered so far (tools/stepwise.TurnsView)."""
+        return view(self.paused, step)
+
+    def check_live(self, new) -> None:
+        """Refuse an edit the paused rollout's next turns cannot honour (tools/stepwise.py)."""
+        if self.paused is not None:
+            check_paused(self.paused.rounds(), self.config, new)
 
     def start(self, batch: PromptBatch, num_generations: int, request) -> "Episode":
         """The rollout's rows: a standard (text) prompt becomes its user message (with the system prompt), so
         completions reach rewards as conversations (TRL's tools need them); each row's environment, drawn and reset
         with its dataset row; each prompt rendered with its row's tools. A prompt longer than
-        generator.max_prompt_length is refused: its cut, from the left, would drop the tools."""
+        generator.max_prompt_length is refused: its cut, from the left, would drop the tools. Within `continuing`,
+        the paused episode, when there is one."""
+        if self.paused is not None:
+            if not self._continuing:  # (lab.rollout() finishes a paused rollout; nothing else may start one)
+                raise LabError(PAUSED)
+            return self.paused
         raw = batch.raw if batch.raw is not None else batch.prompts
         system = self.config.data.system_prompt
         messages = [as_messages(p, system) for p in raw for _ in range(num_generations)]  # [N]
@@ -108,7 +139,10 @@ class ToolLoop:
                 f"{longest}"
             )
         rendered = replace(batch, prompts=texts[::num_generations], raw=messages[::num_generations])
-        return Episode(self, rendered, texts, messages, toolboxes, envs)
+        episode = Episode(self, rendered, texts, messages, toolboxes, envs)
+        if self._continuing:
+            self.paused = episode
+        return episode
 
 
 @dataclass
@@ -121,6 +155,8 @@ class Episode:
     messages: list[list[dict]]  # [N] each row's prompt as rewards get it (its environment's observation included)
     toolboxes: list[Toolbox]  # [N] each row's tools
     environments: Optional[list]  # [N] each row's environment instance (None: no environment_factory)
+    rows: dict = field(default_factory=dict)  # row number -> its Trajectory so far
+    going: set = field(default_factory=set)  # the rows whose next turn is still to run (their tools answered)
 
     def finish(self, rollout) -> None:
         """What the rollout carries of the episode: the rows' own prompts and environments (rewards get them)."""
@@ -134,26 +170,40 @@ class Episode:
         sample: Callable[[list[list[int]], Sequence[int], object], list[Sample]],
         request,
     ) -> list[Sample]:
-        """The chunk's rows (`rows`: their numbers in the batch), decoded turn by turn with the backend's `sample`."""
-        budget, gen = request.max_completion_length, self.loop.config.generator
+        """The chunk's rows (`rows`: their numbers in the batch), decoded turn by turn with the backend's `sample`; a
+        turn-by-turn rollout's later calls find each row's trajectory so far here and go on from it."""
         rows_ = list(rows)
-        trajectories = [Trajectory(p, toolbox=self.toolboxes[r]) for p, r in zip(prompt_ids, rows_)]
-        mark = self.loop.marker
-        mark("turn 1")
-        self.decode(trajectories, list(range(len(rows_))), rows_, sample, request, budget)
-        waiting = [k for k, t in enumerate(trajectories) if t.messages and t.messages[-1].get("tool_calls")]
-        for turn in range(2, gen.max_tool_calling_iterations + 2):
-            if waiting:
-                mark(f"tools {turn - 1}")
-            going = [k for k in waiting if self.call_tools(trajectories[k], budget, gen.tool_timeout_s)]
-            if not going:
-                break
-            mark(f"turn {turn}")
-            self.decode(trajectories, going, rows_, sample, request, budget)
-            waiting = [k for k in going if trajectories[k].messages[-1].get("tool_calls")]
-            if not waiting:
-                break
+        for p, r in zip(prompt_ids, rows_):
+            if r not in self.rows:  # the row's first turn
+                self.rows[r] = Trajectory(p, toolbox=self.toolboxes[r])
+                self.going.add(r)
+        trajectories = [self.rows[r] for r in rows_]
+        going = self.turns(trajectories, [k for k, r in enumerate(rows_) if r in self.going], rows_, sample, request)
+        self.going.difference_update(rows_)
+        self.going.update(rows_[k] for k in going)
         return [t.sample() for t in trajectories]
+
+    def turns(self, trajectories, going: list[int], rows: list, sample, request) -> list[int]:
+        """The next turns of the rows `going` (each turn: a decode, then the tool calls it made, at most
+        generator.max_tool_calling_iterations rounds, read at every turn), until no row goes on or the turn the loop
+        stops after (ToolLoop.stop_after: a turn-by-turn rollout's call). Returns the rows that go on."""
+        budget, mark = request.max_completion_length, self.loop.marker
+        turn = max((trajectories[k].turns for k in going), default=0)  # (the rows that go on are all at one turn)
+        while going and (self.loop.stop_after is None or turn < self.loop.stop_after):
+            turn += 1
+            mark(f"turn {turn}")
+            self.decode(trajectories, going, rows, sample, request, budget)
+            waiting = [k for k in going if trajectories[k].messages and trajectories[k].messages[-1].get("tool_calls")]
+            gen, going = self.loop.config.generator, []
+            if waiting and turn <= gen.max_tool_calling_iterations:
+                mark(f"tools {turn}")
+                going = [k for k in waiting if self.call_tools(trajectories[k], budget, gen.tool_timeout_s)]
+        return going
+
+    def rounds(self) -> int:
+        """The rounds of tool calls the rollout has run (a row that goes on ran its last turn's; a finished one did
+        not, or made none)."""
+        return max((t.turns - (r not in self.going) for r, t in self.rows.items()), default=0)
 
     def decode(self, trajectories, which: list[int], rows: list, sample, request, budget: int) -> None:
         """One turn of the rows `which`: each decodes at most what is left of its budget."""
