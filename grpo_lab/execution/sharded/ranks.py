@@ -80,8 +80,10 @@ class Ranks:
         memory: RankMemory,
         step: Callable[[], int] = lambda: 0,
         stopped: Callable[[], None] = lambda: None,
+        tools: Optional[bytes] = None,
     ):
         self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
+        self.tools = tools  # the Lab's own tools, pickled for every rank's Lab (sharded/shipped.py; None: none)
         self.down = False  # stopped by halt(): started again, from the driver's step, at the next command
         self.threads = 1  # each rank's torch threads: fitted to the Ray the ranks join, at their first start
         self.cluster = self.group = None
@@ -134,7 +136,7 @@ class Ranks:
         except lost_process() as err:
             raise LabError(f"rank 0 did not start: {died(err)}") from None
         calls = [
-            a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
+            a.start.options(num_returns=2).remote(master, self.config, s, self.threads, self.tools)
             for a, s in zip(self.actors, states)
         ]
         replies = self._collect({rank: c[0] for rank, c in enumerate(calls)}, START_TIMEOUT_S)
