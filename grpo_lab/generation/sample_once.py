@@ -102,10 +102,12 @@ def tools_in_step(generator, episode, part, prompt_ids, request, seeds, width) -
 def environments_of(episode, rows) -> Optional[list]:
     """This rank's rows' environments as its tool calls left them, pickled for the others (None: no environments);
     one that cannot be pickled is said, so every rank raises the same line after the gather."""
+    import cloudpickle  # why not pickle: a class the Lab was given by value (made in a notebook cell) has no module
+
     if episode is None or episode.environments is None:
         return None
     try:
-        return [pickle.dumps(episode.environments[i]) for i in rows]
+        return [cloudpickle.dumps(episode.environments[i]) for i in rows]
     except Exception as err:  # why every Exception: pickling raises TypeError, PicklingError, AttributeError...
         name = type(episode.environments[rows[0]]).__name__
         return f"{name} cannot be pickled ({type(err).__name__}: {err})"
