@@ -15,13 +15,13 @@ def check_tools_config(config) -> None:
     """Where tools cannot run yet, one line each: the vllm backend (its engine is not driven by the loop yet). A
     sharded learner runs the loop on its ranks' hf generators (each rank its share of the rows:
     generation/sample_once.py)."""
-    if config.generator.backend == "vllm":
-        raise LabError("tools: generator.backend vllm does not run the tool loop yet; use generator.backend: hf")
     if config.placement.learner_procs > 1 and config.generator.backend != "hf":
         raise LabError(
             f"tools: a sharded learner (placement.learner_procs {config.placement.learner_procs}) runs the tool loop "
             f"on its ranks' hf generators, not generator.backend {config.generator.backend}; use generator.backend: hf"
         )
+    if config.generator.backend == "vllm":
+        raise LabError("tools: generator.backend vllm does not run the tool loop yet; use generator.backend: hf")
 
 
 @dataclass
