@@ -104,6 +104,15 @@ def test_two_ranks_run_the_tool_loop_on_their_rows_like_one_process(one_process,
     assert got_stats.loss == pytest.approx(stats.loss, **LOSS_TOL)
     assert got_result.loss == pytest.approx(result.loss, **LOSS_TOL)
     assert got_result.tool_calls_per_row == result.tool_calls_per_row > 0
+    # each rank's turns reach the driver's timeline, under the rank's devices (rank 0's rows needed one turn)
+    marks = {(r["device"], r["mark"]) for r in got_result.turn_memory if r["metric"] == "rss"}
+    assert {
+        ("rank0/host", "turn 1"),
+        ("rank1/host", "turn 1"),
+        ("rank1/host", "tools 1"),
+        ("rank1/host", "turn 2"),
+    } <= marks
+    assert ("rank0/host", "turn 2") not in marks
     assert (got_result.tool_failure_frequency, got_result.turns_mean) == (
         result.tool_failure_frequency,
         result.turns_mean,

@@ -67,6 +67,13 @@ class RankMemory(MemorySampler):
                 for row in delta["rows"]
                 if (row["device"], row["metric"]) not in machine
             )
+            self.segments.extend(ranks_mark(m, label, shift, machine) for m in delta.get("marks", []))
+
+
+def ranks_mark(mark: dict, label: Callable[[str], str], shift: float, machine: set) -> dict:
+    """A rank's mark inside a phase (a tool loop's `turn 2`) on the driver's time axis, its peaks under its devices."""
+    peak = {(label(d), metric): v for (d, metric), v in mark["peak"].items() if (d, metric) not in machine}
+    return {**mark, "start": mark["start"] + shift, "end": mark["end"] + shift, "peak": peak}
 
 
 class Ranks:
