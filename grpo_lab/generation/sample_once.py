@@ -78,12 +78,11 @@ def tools_in_step(generator, episode, part, prompt_ids, request, seeds, width) -
     turns (or that has none) samples a one-token stand-in row for as long as another rank still calls, so every
     rank makes as many calls as the one with the most turns. generator.turn_cache keep goes on from each row's KV
     here too (not through the shards: a synced decode prefills each turn)."""
-    from .hf import DECODES
     from .turn_cache import TurnCache
 
     me = runtime()
     synced = me.sharded and not request.gather_for_generation
-    static = "cache_implementation" in DECODES[request.decode](generator.learner.device.type == "cuda")
+    static = generator._settings(request).cache_implementation is not None  # (hf_decode static or compiled)
     keep = request.turn_cache == "keep" and not (synced or static)  # (a growing cache only, as one process)
     kept = TurnCache(generator.tokenizer.pad_token_id, request) if keep else None
 
