@@ -87,6 +87,8 @@ def test_two_ranks_run_the_tool_loop_on_their_rows_like_one_process(one_process,
         assert type(lab.executor).__name__ == "RankExecutor"
         mine = one_step(lab)
         rows = [rank["generated_rows"] for rank in lab.inspect()]
+        lab.configure(generator={"gather_for_generation": False})  # through the shards: every forward synced
+        synced = lab.rollout()  # (its turns prefill; a rank's one-token stand-ins run beside the other's turns)
     finally:
         lab.close()
     got, got_rewards, got_stats, got_result = mine
@@ -113,6 +115,9 @@ def test_two_ranks_run_the_tool_loop_on_their_rows_like_one_process(one_process,
         ("rank1/host", "turn 2"),
     } <= marks
     assert ("rank0/host", "turn 2") not in marks
+    called = [i for i, c in enumerate(synced.tool_calls) if c]
+    assert called == [1, 3], synced.tool_calls  # rank 0's group alone this time: rank 1 stands in, synced
+    assert called == [i for i in range(len(synced)) if (synced.tool_mask[i] == 0).any()], synced.tool_calls
     assert (got_result.tool_failure_frequency, got_result.turns_mean) == (
         result.tool_failure_frequency,
         result.turns_mean,
