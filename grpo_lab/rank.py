@@ -55,14 +55,16 @@ class RankWorker:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
-    def start(self, master: tuple[str, int], config: dict, restore: Optional[bytes], threads: int):
-        """Join the group and load; `restore`: the boundary state this rank starts from (a restart), or None. Returns
+    def start(self, master: tuple, config: dict, restore: Optional[bytes], threads: int, tools: Optional[bytes] = None):
+        """Join the group and load; `restore`: the boundary state this rank starts from (a restart), or None; `tools`:
+        the Lab's own tools, pickled (execution/sharded/shipped.py; None: none, or the config names them). Returns
         (the reply, the boundary state at load, or None after a restore)."""
         import torch.distributed as dist
         from transformers.utils import logging as hf_logging
 
         from .checks.world import backend_for
         from .execution.sharded.rank_guard import cap_rank_gpu
+        from .execution.sharded.shipped import unshipped
         from .lab import Lab
         from .runtime import Runtime, init_decisions, runtime, set_runtime
 
@@ -85,7 +87,7 @@ class RankWorker:
                 timeout=timedelta(seconds=TIMEOUT_S),
             )
             init_decisions()  # the group every cross-rank decision is agreed on (runtime.agree)
-            self.lab = Lab(config).load()
+            self.lab = Lab(config, **unshipped(tools)).load()
             if restore is not None:
                 restore_boundary(self.lab, restore)
             state = None if restore is not None else boundary_state(self.lab)

@@ -376,7 +376,10 @@ def test_a_tool_without_hints_or_docstring_is_refused_at_construction(tiny_confi
 @pytest.mark.parametrize(
     "sections, words",
     [
-        ({"placement": {"learner_procs": 2}}, "placement.learner_procs: 1"),
+        (
+            {"placement": {"learner_procs": 2}, "generator": {"backend": "vllm"}},
+            "a sharded learner .* runs the tool loop on its ranks' hf generators, not generator.backend vllm",
+        ),
     ],
 )
 def test_tools_where_they_cannot_run_are_refused(tiny_config, sections, words):

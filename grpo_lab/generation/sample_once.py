@@ -14,6 +14,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import pickle
+from dataclasses import replace
+from typing import Optional
 
 from ..algo.containers import Rollout
 from ..errors import LabError
@@ -33,15 +36,24 @@ def sample_once(generator, batch, num_generations: int, request, seeds: list[int
     """This rank samples its share of the groups and gets every rank's; `generator.generate_chunk` samples, with
     `seeds[i]` for row i, left-padded to the whole batch's prompt `width`. Every rank makes the same number of engine
     calls (each one's `generation` context gathers collectively, and through the shards every forward does): its rows
-    in `calls` near-equal chunks, each within chunk_size, and a rank with no rows samples a stand-in row, discarded."""
+    in `calls` near-equal chunks, each within chunk_size, and a rank with no rows samples a stand-in row, discarded.
+    With a tool loop (generator.turns), each rank runs it on its own rows, their tools called here (tools_in_step)."""
     me, g = runtime(), num_generations
-    prompt_ids = generator.prompt_rows(batch, g, request)  # [N], every rank alike
+    episode = generator.turns.start(batch, g, request) if generator.turns is not None else None
+    if episode is not None:  # each row's prompt rendered with its tools, every rank alike
+        batch, prompt_ids = episode.batch, generator.encode_prompts(episode.prompts, request.max_prompt_length)
+    else:
+        prompt_ids = generator.prompt_rows(batch, g, request)  # [N], every rank alike
     shares = [me.share(len(batch), k) for k in range(me.size)]
     rows = [range(s.start * g, s.stop * g) for s in shares]  # each rank's rows
     per_call = request.chunk_size or max(map(len, rows))
     calls = max(math.ceil(len(r) / per_call) for r in rows)
     samples, made = [], 0
     for part in split(rows[me.rank], calls):
+        if episode is not None:
+            samples.extend(tools_in_step(generator, episode, part, prompt_ids, request, seeds, width))
+            made += bool(part)
+            continue
         if not part:  # why: the others' engine calls need this rank's (a collective gather or a synced forward)
             generator.generate_chunk([prompt_ids[0]], request, [0], width)
             continue
@@ -49,11 +61,69 @@ def sample_once(generator, batch, num_generations: int, request, seeds: list[int
             generator.generate_chunk([prompt_ids[i] for i in part], request, seeds[part.start : part.stop], width)
         )
         made += 1
-    everyone = me.gather_objects((samples, made))  # why objects: each rank's rows are ragged lists until padded
-    out = generator.to_rollout(batch, g, prompt_ids, [s for part, _ in everyone for s in part], request)
-    out.generate_calls = sum(n for _, n in everyone)
+    mine = environments_of(episode, rows[me.rank])
+    everyone = me.gather_objects((samples, made, mine))  # why objects: each rank's rows are ragged lists until padded
+    out = generator.to_rollout(batch, g, prompt_ids, [s for part, *_ in everyone for s in part], request)
+    out.generate_calls = sum(n for _, n, _ in everyone)
+    if episode is not None:
+        episode.environments = stepped_environments(episode, [e for *_, e in everyone])
+        episode.finish(out)
     agree_on(out)
     return out
+
+
+def tools_in_step(generator, episode, part, prompt_ids, request, seeds, width) -> list:
+    """This rank's rows `part` through the tool loop (tools/loop.py Episode.run), its engine calls kept in step with
+    every other rank's: before each call a rank says whether it makes one (a gather); a rank whose rows need no more
+    turns (or that has none) samples a one-token stand-in row for as long as another rank still calls, so every
+    rank makes as many calls as the one with the most turns. generator.turn_cache keep goes on from each row's KV
+    here too (not through the shards: a synced decode prefills each turn)."""
+    from .turn_cache import TurnCache
+
+    me = runtime()
+    synced = me.sharded and not request.gather_for_generation
+    static = generator._settings(request).cache_implementation is not None  # (hf_decode static or compiled)
+    keep = request.turn_cache == "keep" and not (synced or static)  # (a growing cache only, as one process)
+    kept = TurnCache(generator.tokenizer.pad_token_id, request) if keep else None
+
+    def sample(contexts, rows, turn):
+        me.gather_objects(True)  # (this rank calls the engine: the others call with it)
+        held = kept.for_rows(rows) if kept is not None else None
+        return generator.generate_chunk(contexts, turn, [seeds[i] for i in rows], width, None, held)
+
+    samples = episode.run([prompt_ids[i] for i in part], part, sample, request) if part else []
+    stand_in = replace(request, max_completion_length=1, full_length=False)
+    while any(me.gather_objects(False)):  # why: another rank's turn needs this rank's engine call beside it
+        generator.generate_chunk([prompt_ids[0]], stand_in, [0], width)
+    return samples
+
+
+def environments_of(episode, rows) -> Optional[list]:
+    """This rank's rows' environments as its tool calls left them, pickled for the others (None: no environments);
+    one that cannot be pickled is said, so every rank raises the same line after the gather."""
+    import cloudpickle  # why not pickle: a class the Lab was given by value (made in a notebook cell) has no module
+
+    if episode is None or episode.environments is None:
+        return None
+    try:
+        return [cloudpickle.dumps(episode.environments[i]) for i in rows]
+    except Exception as err:  # why every Exception: pickling raises TypeError, PicklingError, AttributeError...
+        name = type(episode.environments[rows[0]]).__name__
+        return f"{name} cannot be pickled ({type(err).__name__}: {err})"
+
+
+def stepped_environments(episode, parts: list) -> Optional[list]:
+    """Every row's environment as the rank that ran its tools left it (the rewards' `environments=`, alike on every
+    rank; get_reward reads them)."""
+    if episode.environments is None:
+        return None
+    failed = [p for p in parts if isinstance(p, str)]
+    if failed:
+        raise LabError(
+            f"environment_factory: {failed[0]}; each rank's environments reach the others' rewards pickled: keep "
+            "what an environment holds picklable (no locks, open files or sockets)"
+        )
+    return [pickle.loads(e) for part in parts for e in part]
 
 
 def digest(rollout: Rollout) -> str:

@@ -195,7 +195,7 @@ class MemorySampler:
             if m["step"] != step or m["failed_attempt"] is not None:
                 continue
             for (device, metric), peak in m["peak"].items():
-                if metric in SUMMARY_METRICS["host" if device == "host" else "cuda"]:
+                if metric in SUMMARY_METRICS["host" if device.split("/")[-1] == "host" else "cuda"]:  # (rank<k>/host)
                     rows.append({"step": step, "phase": m["phase"], "mark": m["mark"], "device": device,
                                  "metric": metric, "peak": peak, "seconds": m["end"] - m["start"]})  # fmt: skip
         return rows
@@ -378,3 +378,10 @@ class MemorySampler:
         with self._lock:
             held_from = self.total - len(self.samples)
             return list(self.samples)[max(index - held_from, 0) :]
+
+    def segments_since(self, index: int) -> list[dict]:
+        """The marks from the `index`-th on that have ended (a running one is left for the next look), copied (for a
+        rank's reply to its driver)."""
+        with self._lock:
+            ended = self.segments[index : len(self.segments) - (self._segment is not None)]
+            return [{**m, "peak": dict(m["peak"])} for m in ended]

@@ -57,10 +57,15 @@ class RankExecutor:
     on_cuda = False  # the driver computes nothing; each rank marks its own phases
     sharding = FSDP()  # what each rank's LocalExecutor hands its learner (the driver runs no pass itself)
 
-    def __init__(self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None):
+    def __init__(
+        self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None, tools=None
+    ):
         from ...algo.rewards import reward_functions
+        from .shipped import shipped
 
         self.config = config
+        self.tools = tools  # the Lab's tools (tools.Tools): each rank runs the tool loop on its rows with its own copy
+        self.shipped = shipped(tools)  # those passed as objects, pickled for the ranks (None: the config names them)
         self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
         self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one), read here
         self.opened = None  # the dataset preflight opened and checked, which the next build_prompts takes
@@ -132,6 +137,12 @@ class RankExecutor:
             )
         self.model_path = fetch_once(config.model.name_or_path, local=config.placement.ray_address is None)
         self.tokenizer = prompt_tokenizer(self.model_path, config)
+        if self.tools is not None:  # why here: the template's one line before any rank starts (each checks it again)
+            from ...tools import check_tools_config
+            from ...tools.template import prepare_for_tools
+
+            check_tools_config(config)
+            prepare_for_tools(self.tokenizer)
         self.build_prompts()
         self.build_reward_models()
         self.ranks = Ranks(
@@ -140,6 +151,7 @@ class RankExecutor:
             memory,
             step=self.step_index,
             stopped=self.on_ranks_stopped,
+            tools=self.shipped,
         ).start()
         if self.own_engine:  # the ranks' one engine, here: it starts with their adapter, gathered
             try:
@@ -189,7 +201,8 @@ class RankExecutor:
         from ...data.prompts import prompt_source
 
         opened, self.opened = self.opened, None
-        self.prompts = prompt_source(self.config, self.tokenizer, self.train_dataset, opened)
+        tools = self.tools.schemas if self.tools is not None else None  # the ranks render the same (tools/loop.py)
+        self.prompts = prompt_source(self.config, self.tokenizer, self.train_dataset, opened, tools=tools)
         self.step_start = None  # (a position in the old source means nothing in the new one)
 
     def draw(self) -> tuple:

@@ -67,6 +67,13 @@ class RankMemory(MemorySampler):
                 for row in delta["rows"]
                 if (row["device"], row["metric"]) not in machine
             )
+            self.segments.extend(ranks_mark(m, label, shift, machine) for m in delta.get("marks", []))
+
+
+def ranks_mark(mark: dict, label: Callable[[str], str], shift: float, machine: set) -> dict:
+    """A rank's mark inside a phase (a tool loop's `turn 2`) on the driver's time axis, its peaks under its devices."""
+    peak = {(label(d), metric): v for (d, metric), v in mark["peak"].items() if (d, metric) not in machine}
+    return {**mark, "start": mark["start"] + shift, "end": mark["end"] + shift, "peak": peak}
 
 
 class Ranks:
@@ -80,8 +87,10 @@ class Ranks:
         memory: RankMemory,
         step: Callable[[], int] = lambda: 0,
         stopped: Callable[[], None] = lambda: None,
+        tools: Optional[bytes] = None,
     ):
         self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
+        self.tools = tools  # the Lab's own tools, pickled for every rank's Lab (sharded/shipped.py; None: none)
         self.down = False  # stopped by halt(): started again, from the driver's step, at the next command
         self.threads = 1  # each rank's torch threads: fitted to the Ray the ranks join, at their first start
         self.cluster = self.group = None
@@ -134,7 +143,7 @@ class Ranks:
         except lost_process() as err:
             raise LabError(f"rank 0 did not start: {died(err)}") from None
         calls = [
-            a.start.options(num_returns=2).remote(master, self.config, s, self.threads)
+            a.start.options(num_returns=2).remote(master, self.config, s, self.threads, self.tools)
             for a, s in zip(self.actors, states)
         ]
         replies = self._collect({rank: c[0] for rank, c in enumerate(calls)}, START_TIMEOUT_S)

@@ -18,14 +18,19 @@ def one_line(err: BaseException) -> str:
 
 
 def memory_since(sampler, sent: dict) -> dict:
-    """The samples and per-phase rows taken since the last reply (and advance `sent`). `wall0`: the wall-clock time
-    of the sampler's start, so the driver places a rank's samples on its own time axis across machines (each
-    machine's perf_counter is its own)."""
+    """The samples, per-phase rows and ended marks (a tool loop's turns) taken since the last reply (and advance
+    `sent`). `wall0`: the wall-clock time of the sampler's start, so the driver places a rank's samples on its own
+    time axis across machines (each machine's perf_counter is its own)."""
     if sampler is None:
         return {}
     samples = sampler.samples_since(sent["samples"])
     rows = [dict(r) for r in sampler.phase_rows[sent["rows"] :]]
-    sent["samples"], sent["rows"] = sampler.total, len(sampler.phase_rows)
+    marks = sampler.segments_since(sent.get("marks", 0))  # (a tool loop's turns: each with its own peaks)
+    sent["samples"], sent["rows"], sent["marks"] = (
+        sampler.total,
+        len(sampler.phase_rows),
+        sent.get("marks", 0) + len(marks),
+    )
     wall0 = time.time() - (time.perf_counter() - sampler.t0)
     own = sampler.readers[0].budget is not None  # a rank held to its own budget: its host `used` is its own RSS
-    return {"wall0": wall0, "samples": samples, "rows": rows, "own_host": own}
+    return {"wall0": wall0, "samples": samples, "rows": rows, "marks": marks, "own_host": own}
