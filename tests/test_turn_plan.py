@@ -71,6 +71,7 @@ def test_the_rollout_s_planned_peak_is_its_worst_turn_s(tiny_config):
         line = "turn prefill beyond the logits step" if mode == "prefill" else "generation logits step"
         assert f"worst at turn {worst}:" in next(i for i in host.items if i.what == line).note
         assert "worst at the last turn, 4" in next(i for i in host.items if i.what == "generation KV cache").note
+        assert result.turns.endswith("the rollout planned at its worst turn, 4")
         assert any(i.what.startswith("TRL's chat-template") and i.bytes == TOOLS_IMPORTS for i in host.items)
     # TRL's loop prefills the whole conversation at its last turn: [rows, heads, 1199, 1199] float32 scores
     keep, prefill = (_turns_plan(tiny_config, turn_cache=m, max_tool_response_tokens=64).devices["host"] for m in

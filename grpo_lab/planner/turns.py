@@ -86,6 +86,10 @@ def add_turn_items(plan, tools: Optional[bool] = None) -> None:
     if config.generator.own_weights or config.placement.learner != "cpu" or config.placement.learner_procs > 1:
         return
     turns = worst_turns(config)
+    peaks = [turn_bytes(shape, config, t)["peak"] for t in turns]
+    top = max(range(len(turns)), key=lambda k: (peaks[k], k))  # (the last of equals)
+    if plan.turns:
+        plan.turns += f"; the rollout planned at its worst turn, {turns[top].number}"
     worst = max(
         reversed(turns), key=lambda t: prefill_bytes(shape, t.rows, t.prefill, t.context)
     )  # (the last of equals)
