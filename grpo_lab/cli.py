@@ -57,6 +57,7 @@ def _plan(args) -> int:
         "--micro-batches": args.micro_batches,
         "--out": args.out,
         "--measured": args.measured,
+        "--turns": args.turns,
     }
     given = [flag for flag, value in ranges.items() if value is not None]
     if given and not args.frontier:
@@ -71,6 +72,8 @@ def _plan(args) -> int:
     from .planner.grid import parse_range
 
     axes = [None if value is None else parse_range(value, flag) for flag, value in list(ranges.items())[:3]]
+    if args.turns is not None:
+        return _plan_turns(args, config, axes)
     front = frontier(config, *axes)
     if args.measured:
         from .planner.measured import mark, read_records
@@ -79,6 +82,20 @@ def _plan(args) -> int:
     path = front.to_html(args.out or "frontier.html", "--out")  # why last: an error above leaves no page behind
     print(front)
     print(f"frontier page: open {path} in a browser (hover a cell for its binding device, peak, phase and headroom)")
+    return 0
+
+
+def _plan_turns(args, config, axes) -> int:
+    """`grpo-lab plan --frontier --turns`: one frontier per number of turns, each printed, all on one page."""
+    from .planner.grid import parse_range
+    from .planner.turn_axis import frontiers_by_turns, write_pages
+
+    if args.measured:
+        raise LabError("--measured: not with --turns (bench/gpu/frontier.py's points have one turn); drop one")
+    fronts = frontiers_by_turns(config, *axes, turns=parse_range(args.turns, "--turns"))
+    path = write_pages(fronts, args.out or "frontier.html")  # why last: an error above leaves no page behind
+    print("\n\n".join(map(str, fronts)))
+    print(f"frontier page: open {path} in a browser (one frontier per number of turns)")
     return 0
 
 
@@ -231,6 +248,7 @@ def _add_plan(sub) -> None:
         ("--lengths", "generator.max_completion_length (default: 64:1024)"),
         ("--generations", "grpo.num_generations (default: 2,4,8,16)"),
         ("--micro-batches", "grpo.micro_batch_size (default: the config's)"),
+        ("--turns", "a tool loop's turns, generator.max_tool_calling_iterations + 1 (one frontier each; tools only)"),
     ):
         p.add_argument(
             flag,

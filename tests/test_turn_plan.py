@@ -1,8 +1,11 @@
 """The plan of a multi-turn rollout (planner/turns.py): the turn each rollout line is worst at, the tool-result bound it
-takes (generator.max_tool_response_tokens, or the trajectory budget, said), and what a later turn prefills."""
+takes (generator.max_tool_response_tokens, or the trajectory budget, said), what a later turn prefills, the rollout's
+planned peak its worst turn's, and each turn of a 2- and a 4-turn rollout planned against its measured host peak
+(bench/plan_accuracy/turn_plan.py, in a fresh process)."""
 
 from __future__ import annotations
 
+import pytest
 from test_turn_cache import add
 
 
@@ -42,3 +45,55 @@ def test_a_lab_with_tools_plans_its_turns(tiny_config):
     lab = Lab(tiny_config(model={"chat_template": "trl:qwen2_5"}), reward_funcs=["length"], tools=[add])
     assert "at most 6 turns" in lab.plan().turns  # (max_tool_calling_iterations 5, the default)
     lab.close()
+
+
+def _turns_plan(tiny_config, **generator):
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.planner import plan
+
+    gen = {"tools": ["my_tools:add"], "max_tool_calling_iterations": 3, "max_prompt_length": 300,
+           "max_completion_length": 900, **generator}  # fmt: skip
+    return plan(load_config(tiny_config(model={"name_or_path": "builtin:qwen2-152k"}, generator=gen)))
+
+
+def test_the_rollout_s_planned_peak_is_its_worst_turn_s(tiny_config):
+    from grpo_lab.planner.turns import TOOLS_IMPORTS, turn_peaks, worst_turns
+
+    # keep: a later turn prefills at most a 64-token tool result (1 x 64 x 1,200 scores < turn 1's 300 x 300); TRL's
+    # loop prefills the whole conversation again at the last turn
+    for mode, worst in (("keep", 1), ("prefill", 4)):
+        result = _turns_plan(tiny_config, turn_cache=mode, max_tool_response_tokens=64)
+        host = result.devices["host"]
+        turns = worst_turns(result.config)
+        assert [t.number for t in turns] == [1, 2, 3, 4]
+        assert max(turn_peaks(result, turns)) == pytest.approx(host.phase_peak("rollout"), rel=1e-9)
+        # the prefill's worst turn: its own line where it passes the logits step (TRL's loop), else said on that line
+        line = "turn prefill beyond the logits step" if mode == "prefill" else "generation logits step"
+        assert f"worst at turn {worst}:" in next(i for i in host.items if i.what == line).note
+        assert "worst at the last turn, 4" in next(i for i in host.items if i.what == "generation KV cache").note
+        assert result.turns.endswith("the rollout planned at its worst turn, 4")
+        assert any(i.what.startswith("TRL's chat-template") and i.bytes == TOOLS_IMPORTS for i in host.items)
+    # TRL's loop prefills the whole conversation at its last turn: [rows, heads, 1199, 1199] float32 scores
+    keep, prefill = (_turns_plan(tiny_config, turn_cache=m, max_tool_response_tokens=64).devices["host"] for m in
+                     ("keep", "prefill"))  # fmt: skip
+    assert prefill.phase_peak("rollout") > keep.phase_peak("rollout")
+
+
+def test_a_config_without_tools_plans_no_turn_lines(tiny_config):
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.planner import plan
+
+    items = [i.what for i in plan(load_config(tiny_config())).devices["host"].items]
+    assert not any("turn" in w or "TRL's chat-template" in w for w in items), items
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("turns", [2, 4])
+def test_each_turn_is_planned_within_ten_percent_of_its_measured_peak(turns):
+    """A 2- and a 4-turn rollout on Qwen2.5's 152k vocabulary (generator.turn_cache keep, glibc's own mmap
+    threshold), each turn's planned host peak against its measured one (StepResult.turn_memory's RSS)."""
+    from bench.plan_accuracy.turn_plan import one
+
+    rows = one(turns, 512, "keep", 8, None)
+    assert [r["turn"] for r in rows] == list(range(1, turns + 1)), rows
+    assert all(0.9 <= r["plan_over_measured"] <= 1.1 for r in rows), rows

@@ -75,6 +75,7 @@ class Frontier:
     cells: list[Cell]  # one per (length, generations, micro-batch), in that sort order
     current: Point  # the config's own point (always in the grid)
     capacities: dict[str, float]  # the devices of the config's own plan and their capacities, bytes
+    turns: Optional[int] = None  # a tool loop's turns (generator.max_tool_calling_iterations + 1): planner/turn_axis.py
 
     @property
     def lengths(self) -> list[int]:
@@ -96,7 +97,8 @@ class Frontier:
 
     def title(self) -> str:
         devices = ", ".join(f"{d} {size(c).strip()}" for d, c in self.capacities.items())
-        return f"Fit frontier: {self.config.model.name_or_path} on {devices}"
+        turns = "" if self.turns is None else f", {self.turns} turns (a tool loop)"
+        return f"Fit frontier: {self.config.model.name_or_path} on {devices}{turns}"
 
     def __str__(self) -> str:
         return render_table(self)

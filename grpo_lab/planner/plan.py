@@ -270,7 +270,7 @@ def plan(config, shape: Optional[ModelShape] = None, prompt_tokens: Optional[int
     `prompt_tokens`: the data's longest prompt, when read (planned_prompts); `tools`: whether the rollout calls tools
     (None: the config's generator.tools or environment_factory say)."""
     from ..config.loading import load_config
-    from .turns import turns_line
+    from .turns import add_turn_items, turns_line
 
     config, prompts_line = planned_prompts(config, prompt_tokens)
     shape = shape or load_shape(config.model.name_or_path)
@@ -279,6 +279,7 @@ def plan(config, shape: Optional[ModelShape] = None, prompt_tokens: Optional[int
     what_if = None if ranks else dataparallel_what_if(config, shape, devices)
     result = Plan(config, shape, devices, micro, what_if, ranks=ranks, prompts=prompts_line)
     result.turns = turns_line(config, tools)
+    add_turn_items(result, tools)
     if not result.fits:
         fixed = set()  # knobs with a fix already: each knob's values come best first, so the first that fits is shown
         for description, overrides in candidate_fixes(config):
@@ -287,7 +288,9 @@ def plan(config, shape: Optional[ModelShape] = None, prompt_tokens: Optional[int
                 continue
             try:  # a change the config refuses, or more ranks than GPUs here without placement.gpu_memory_gib
                 trial = load_config(config, overrides)
-                fits = all(d.fits for d in build(trial, shape)[0].values())
+                tried = Plan(trial, shape, build(trial, shape)[0], micro)
+                add_turn_items(tried, tools)  # (a tool loop's lines, as the plan's own)
+                fits = tried.fits
             except LabError:
                 continue
             if fits:

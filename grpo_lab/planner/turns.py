@@ -1,17 +1,119 @@
-"""A multi-turn rollout's worst case, said in the plan (a Lab with tools): which turn each rollout line is worst at,
-the tool-result bound the plan takes, and what a later turn prefills. Every rollout line is planned at its worst,
-the last turn's: the KV cache then holds the prompt and the whole trajectory budget (generator.max_completion_length
-is the trajectory's budget, tool results included), however the turns and tool results split it."""
+"""A multi-turn rollout's plan (a Lab with tools), turn by turn. Turn k of the hf tool loop holds, beside the plan's
+resident lines: the KV cache of the prompt and every token so far (earlier turns, tool results, this turn's decoded
+tokens), and either its prefill's working memory or one decoding step's [rows, vocab] buffers, never both at once.
+The rollout's planned peak is its worst turn's. Before a run the plan takes every turn at its worst: the KV cache
+at the prompt and the whole trajectory budget (generator.max_completion_length, tool results included) at the last
+turn; a turn's prefill the prompt (turn 1), the largest tool result (generator.turn_cache keep) or the whole
+conversation again (TRL's loop, turn_cache prefill) at the last turn. `turn_peaks` plans the turns a rollout made,
+given their tokens (bench/plan_accuracy/turn_plan.py, tests/test_turn_plan.py: each against its measured peak)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
+
+from ..models.shapes import ModelShape
+from .estimate import MiB, compute_bytes, generation_step_bytes, rollout_sequences
+
+# A Lab with tools imports TRL's chat-template utilities (tools/template.py: trl.chat_template_utils, which loads
+# TRL's trainers with it) and keeps them: host RSS at the first rollout's start, a tools Lab less a plain one, both
+# builtin:qwen2-152k, CPU torch 2.13, TRL 1.16: 648 and 556 MiB (bench/plan_accuracy/turn_plan.py --baseline,
+# 2026-12-05). Measured, not modelled: what an import holds is no function of the shapes planned here
+TOOLS_IMPORTS = 92 * MiB
+
+
+@dataclass
+class Turn:
+    """One turn of the rows in flight: `prefill` tokens fed at once, `context` tokens in the KV cache after that
+    prefill, then `decode` tokens decoded one step at a time."""
+
+    number: int
+    rows: int
+    prefill: int
+    context: int
+    decode: int
+
+
+def uses_tools(config, tools: Optional[bool] = None) -> bool:
+    gen = config.generator
+    return tools if tools is not None else bool(gen.tools or gen.environment_factory)
+
+
+def prefill_bytes(shape: ModelShape, rows: int, new: int, context: int) -> float:
+    """One layer's prefill working memory on a CPU learner: attention's float32 scores [rows, heads, new, context]
+    (torch's CPU attention with a padding mask materializes them; a layer frees them before the next)."""
+    return rows * shape.heads * new * context * 4
+
+
+def turn_bytes(shape: ModelShape, config, turn: Turn) -> dict[str, float]:
+    """Turn `turn`'s transient host bytes, by term; "peak" is what it holds at its worst."""
+    e = compute_bytes(config)
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * e * turn.rows * (turn.context + turn.decode)
+    prefill = prefill_bytes(shape, turn.rows, turn.prefill, turn.context)
+    step = generation_step_bytes(shape, config, turn.rows) if turn.decode else 0.0
+    # why max, not sum: the prefill's scores are freed layer by layer before the first decoding step's logits
+    return {"kv": kv, "prefill": prefill, "step": step, "peak": kv + max(prefill, step)}
+
+
+def worst_turns(config) -> list[Turn]:
+    """Every turn the config allows at its worst (the plan before a run): KV at the prompt and the whole budget."""
+    gen = config.generator
+    rows, prompt, budget = rollout_sequences(config), gen.max_prompt_length, gen.max_completion_length
+    result = min(gen.max_tool_response_tokens or budget, budget)
+    keep = gen.turn_cache == "keep" and gen.backend == "hf"
+    turns = [Turn(1, rows, prompt, prompt, budget)]
+    for k in range(2, gen.max_tool_calling_iterations + 2):
+        # why budget - 1 decoded: a later turn comes after at least one decoded token and a tool result
+        context = prompt + budget - 1
+        turns.append(Turn(k, rows, result + 1 if keep else context, context, 1))
+    return turns
+
+
+def turn_peaks(plan, turns: list[Turn]) -> list[float]:
+    """Each turn's planned host peak (bytes): the plan's resident lines and that turn's transients."""
+    host = plan.devices["host"]
+    return [host.resident + turn_bytes(plan.shape, plan.config, t)["peak"] for t in turns]
+
+
+def add_turn_items(plan, tools: Optional[bool] = None) -> None:
+    """The plan's lines of a tool loop: TRL's imports on the host; on a CPU learner with the hf backend, the worst
+    turn's prefill beyond the decoding step it never lives beside, and each rollout line's worst turn."""
+    config, shape = plan.config, plan.shape
+    if not uses_tools(config, tools):
+        return
+    host = plan.devices["host"]
+    host.add("TRL's chat-template utilities (tools)", TOOLS_IMPORTS, "measured, not modelled")
+    if config.generator.own_weights or config.placement.learner != "cpu" or config.placement.learner_procs > 1:
+        return
+    turns = worst_turns(config)
+    peaks = [turn_bytes(shape, config, t)["peak"] for t in turns]
+    top = max(range(len(turns)), key=lambda k: (peaks[k], k))  # (the last of equals)
+    if plan.turns:
+        plan.turns += f"; the rollout planned at its worst turn, {turns[top].number}"
+    worst = max(
+        reversed(turns), key=lambda t: prefill_bytes(shape, t.rows, t.prefill, t.context)
+    )  # (the last of equals)
+    step = generation_step_bytes(shape, config, worst.rows)
+    prefill = prefill_bytes(shape, worst.rows, worst.prefill, worst.context)
+    scores = (
+        f"worst at turn {worst.number}: float32 attention scores [{worst.rows}, {shape.heads}, {worst.prefill}, "
+        f"{worst.context}] of one layer"
+    )
+    for item in host.items:
+        if item.what == "generation KV cache":
+            item.note += f"; worst at the last turn, {turns[-1].number}"
+        elif item.what == "generation logits step":
+            below = f" (a turn's prefill below it, {scores}: {prefill / MiB:.1f} MiB)" if prefill <= step else ""
+            item.note += f"; every turn alike{below}"
+    if prefill > step:  # why the excess alone: the scores never live beside the logits step
+        host.add("turn prefill beyond the logits step", prefill - step, f"{scores}, never beside the logits step",
+                 phase="rollout")  # fmt: skip
 
 
 def turns_line(config, tools: Optional[bool] = None) -> Optional[str]:
     """The plan's line on the turns (None without tools: `tools` None reads generator.tools/environment_factory)."""
     gen = config.generator
-    if not (tools if tools is not None else bool(gen.tools or gen.environment_factory)):
+    if not uses_tools(config, tools):
         return None
     last = gen.max_tool_calling_iterations + 1
     budget, prompt = gen.max_completion_length, gen.max_prompt_length
@@ -31,8 +133,8 @@ def turns_line(config, tools: Optional[bool] = None) -> Optional[str]:
         else f"the whole conversation again, up to {prompt + budget} tokens at turn {last} (TRL's loop)"
     )
     return (
-        f"multi-turn rollout: at most {last} turns (generator.max_tool_calling_iterations {last - 1} + 1); every "
-        f"rollout line is at its worst at the last, turn {last}: the KV cache of the prompt and the whole trajectory "
-        f"budget ({budget} tokens, tool results included); a tool result {result}; a turn after the first "
-        f"prefills {prefill}"
+        f"multi-turn rollout: at most {last} turns (generator.max_tool_calling_iterations {last - 1} + 1); the "
+        f"rollout's peak is its worst turn's: the KV cache at its worst at the last, turn {last}, of the prompt and "
+        f"the whole trajectory budget ({budget} tokens, tool results included); a tool result {result}; a turn after "
+        f"the first prefills {prefill}"
     )
