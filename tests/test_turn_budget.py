@@ -1,8 +1,9 @@
 """A turn that crosses a host budget (issue 69, item 5): a tool whose answers grow pushes a tool loop's rollout over
 its line at turn 3. The live guard stops the rollout there, in one line that names the turn and the knobs that lower
-a multi-turn rollout's memory; the step is undone bit for bit (LoRA weights, AdamW state, data position); the fix, the tool-result bound, runs the rollout again (the tool is called again: nothing of the stopped
-rollout is kept) under the same line, and the step completes. The model's calls are forced (the random model never
-writes one); its memory is real: `builtin:kv-heavy` keeps 32 KiB of KV cache a token."""
+a multi-turn rollout's memory; the step is undone bit for bit (LoRA weights, AdamW state, data position); the fix, the
+tool-result bound, runs the rollout again (the tool is called again: nothing of the stopped rollout is kept) under
+the same line, and the step completes. The model's calls are forced (the random model never writes one); its memory
+is real: `builtin:kv-heavy` keeps 32 KiB of KV cache a token."""
 
 from __future__ import annotations
 
