@@ -142,3 +142,43 @@ def test_a_turn_that_crosses_the_budget_is_stopped_there_undone_and_the_bound_ru
         assert done == ["turn 1", "tools 1", "turn 2", "tools 2", "turn 3"], done
     finally:
         lab.close()
+
+
+class SteppedHost:
+    """A host reader whose used memory is set by the test (a fraction of its 1 GiB limit)."""
+
+    device, budget = "host", None
+
+    def __init__(self):
+        self.used = 0.5
+
+    def read(self) -> dict:
+        return {"rss": self.used * 1024 * MiB, "used": self.used * 1024 * MiB, "limit": 1024 * MiB}
+
+
+def test_a_phase_that_ran_to_its_end_is_vetoed_at_the_mark_of_its_peak():
+    """Without the live guard, the after-phase veto names the mark whose peak crossed (turn 2, not the last mark), and
+    offers that mark's fixes; a phase without marks keeps its plain line."""
+    from grpo_lab.memory import MemorySampler
+    from grpo_lab.memory.timeline import Timeline
+
+    sampler = MemorySampler(["cpu"], hz=0, host_threshold=0.95)
+    host = sampler.readers[0] = SteppedHost()
+    timeline = Timeline()
+    timeline.listeners.append(sampler)
+    with pytest.raises(HostMemoryExceeded) as caught:
+        with timeline.phase("rollout", 0):
+            for mark, used in (("turn 1", 0.6), ("tools 1", 0.7), ("turn 2", 0.99), ("tools 2", 0.8), ("turn 3", 0.7)):
+                host.used = 0.55
+                sampler.mark(mark)
+                host.used = used
+                sampler.read()  # a reading inside the mark
+    assert caught.value.mark == "turn 2" and "during phase 'rollout' of step 0, at turn 2" in str(caught.value)
+    assert all(knob in caught.value.fix for knob in KNOBS)
+    host.used = 0.5
+    with pytest.raises(HostMemoryExceeded) as plain:
+        with timeline.phase("rewards", 0):
+            host.used = 0.99
+            sampler.read()
+    assert plain.value.mark is None and str(plain.value).count("during phase 'rewards' of step 0;") == 1
+    assert not any(knob in plain.value.fix for knob in KNOBS)
