@@ -39,6 +39,7 @@ PROSE = {
         ("copy_cost_gib", "the copy adds {:.2f} GiB"),
     ],
     "06_sharded_learner.ipynb": [],
+    "07_agent_turns.ipynb": [("stopped_at", "stopped at {}")],
 }
 # what a number in prose may also be: a chunk size the text names as a setting, not a measurement
 SETTING_NUMBERS = {"03_chunked_generation.ipynb": {"16"}}

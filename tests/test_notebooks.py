@@ -11,13 +11,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
-# run once, by their own tests: 02-05 in test_notebook_stories.py, 06 in test_story_06.py (three sharded Labs, ~2 min)
+# run once, by their own tests: 02-05 in test_notebook_stories.py, 06 in test_story_06.py (three sharded Labs, ~2 min),
+# 07 in test_story_07.py
 OWN_TEST = {
     "02_placement_dataparallel.ipynb",
     "03_chunked_generation.ipynb",
     "04_logprob_memory.ipynb",
     "05_reference_and_offload.ipynb",
     "06_sharded_learner.ipynb",
+    "07_agent_turns.ipynb",
 }
 
 

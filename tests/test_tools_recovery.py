@@ -71,6 +71,9 @@ def one_step(tiny_config, first_turn_calls, middle: bool):
         with pytest.raises(LabError, match=r"out of memory in phase 'rollout'") as err:
             lab.step()
         assert "\n" not in str(err.value) and not ARMED  # (middle: the tool ran, the fault fired after it)
+        # named at the turn it failed in, with the knobs that lower a turn's memory (memory/mark_fixes.py)
+        assert f"of step 0, at turn {2 if middle else 1} on cpu" in str(err.value), str(err.value)
+        assert "generator.max_tool_response_tokens (the tool-result bound)" in str(err.value)
         assert all(torch.equal(p, before[n]) for n, p in trained(lab).items())  # nothing of the step applied
         result = lab.step()
         after = trained(lab)

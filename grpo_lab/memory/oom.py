@@ -12,6 +12,7 @@ import re
 from typing import Optional
 
 from ..errors import LabError
+from .mark_fixes import at_mark, last_mark, mark_fix
 from .readers import MiB
 
 
@@ -90,10 +91,12 @@ def as_lab_error(
             if k in ("rss", "used", "limit", "allocated", "cached", "not_torch", "total")
         ]
         at = f" ({', '.join(figures)})" if figures else ""
+    # (a tool loop's turn it failed in: named, with the knobs that lower that turn's memory)
+    mark = last_mark(sampler.segments, step, phase) if sampler is not None else None
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     if not is_oom(err):  # an OOM the allocator counted that reached Python as another error (phase_error)
         first = f"CUDA out of memory (torch's allocator counted it; Python saw {type(err).__name__}: {first})"
     return OutOfMemory(
-        f"out of memory in phase {phase!r} of step {step} on {device}{at}: {first}; "
-        f"{undone}; lower grpo.micro_batch_size or generator.chunk_size and run it again"
+        f"out of memory in phase {phase!r} of step {step}{at_mark(mark)} on {device}{at}: {first}; {undone}; "
+        f"{mark_fix(mark) or 'lower grpo.micro_batch_size or generator.chunk_size'} and run it again"
     )

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 from ..algo.room import checked_by
 from ..errors import LabError
 from .live_guard import LiveGuard
+from .mark_fixes import at_mark, mark_fix, peak_mark
 from .readers import MiB, readers_for
 
 # metrics summarised per phase (the others are still sampled and written to memory.csv)
@@ -42,6 +43,7 @@ class HostMemoryExceeded(LabError):
     def __init__(self, where: str, fix: str):
         super().__init__(where, fix)
         self.where, self.fix, self.undone = where, fix, None
+        self.mark: Optional[str] = None  # the mark of its phase it crossed in (a tool loop's "turn 3"), if any
 
     def __str__(self) -> str:
         return f"{self.where}{', ' + self.undone if self.undone else ''}; {self.fix}"
@@ -141,9 +143,11 @@ class MemorySampler:
         ratio = (host["used"] + nbytes) / host["limit"]
         if ratio <= self.host_threshold:
             return
-        room = max(host["limit"] * self.host_threshold - host["used"], 0) / MiB
-        where = f"during phase {self.phase!r} of step {self.step}, before {what} ({nbytes / MiB:,.0f} MiB; "
-        error = self._exceeded(ratio, host["limit"], f"{where}{room:,.0f} MiB left under the line)")
+        room, mark = max(host["limit"] * self.host_threshold - host["used"], 0) / MiB, self.open_mark()
+        where = (
+            f"during phase {self.phase!r} of step {self.step}{at_mark(mark)}, before {what} ({nbytes / MiB:,.0f} MiB; "
+        )
+        error = self._exceeded(ratio, host["limit"], f"{where}{room:,.0f} MiB left under the line)", mark)
         error.where = error.where.replace("host RAM reached", "host RAM would reach", 1)
         error.refused = self.phase  # the phase stopped before its allocation (its peak stays under the line)
         self._vetoed = True  # why: what the stopped phase holds is freed next, not a crossing
@@ -234,8 +238,9 @@ class MemorySampler:
         ratio = self.host_ratio(reading)
         if ratio <= self.host_threshold:
             return
-        where = f"during phase {self.phase!r} of step {self.step}"
-        error = self._exceeded(ratio, reading[("host", "limit")], where)
+        mark = self.open_mark()  # (a tool loop's turn: the line names it, and the knobs that lower it)
+        where = f"during phase {self.phase!r} of step {self.step}{at_mark(mark)}"
+        error = self._exceeded(ratio, reading[("host", "limit")], where, mark)
         error.requote = (reading[("host", "limit")], where)  # (phase_ended quotes the phase's peak, as the veto does)
         # why first: until the next phase starts, the stopped phase's memory is freed, not a crossing (and sent to
         # this very thread, the error is raised as soon as `interrupt` returns)
@@ -313,7 +318,9 @@ class MemorySampler:
         if ratio <= self.host_threshold:
             return None
         self._vetoed = True  # why: until the next phase starts, the undone phase's memory is freed, not a new crossing
-        return self._exceeded(ratio, end[("host", "limit")], f"during phase {record.phase!r} of step {record.step}")
+        mark = peak_mark(self.segments, record.step, record.phase)  # (the mark of its peak: where it crossed)
+        where = f"during phase {record.phase!r} of step {record.step}{at_mark(mark)}"
+        return self._exceeded(ratio, end[("host", "limit")], where, mark)
 
     def check_host(self, step: int, phase: str) -> None:
         """Refuse to start `phase` when host RAM is over the threshold now, or crossed it between phases."""
@@ -326,9 +333,14 @@ class MemorySampler:
         if ratio > self.host_threshold:
             raise self._exceeded(ratio, reading[("host", "limit")], f"stopped before phase {phase!r} of step {step}")
 
-    def _exceeded(self, ratio: float, limit: float, where: str) -> HostMemoryExceeded:
+    def open_mark(self) -> Optional[str]:
+        """The label of the mark under way in the running phase (None: none)."""
+        segment = self._segment
+        return segment["mark"] if segment is not None else None
+
+    def _exceeded(self, ratio: float, limit: float, where: str, mark: Optional[str] = None) -> HostMemoryExceeded:
         gib = limit / 1024**3
-        offload = self.describe_offload()
+        offload = "; ".join(f for f in (mark_fix(mark), self.describe_offload()) if f)
         budget = (
             " (placement.host_memory_gib, the kernel's limit on this process)"
             if self.kernel is not None
@@ -336,12 +348,14 @@ class MemorySampler:
             if self.readers[0].budget
             else ""
         )
-        return HostMemoryExceeded(
+        error = HostMemoryExceeded(
             f"host RAM reached {ratio:.1%} of {gib:.{1 if gib >= 1 else 2}f} GiB{budget} "
             f"(memory.host_threshold={self.host_threshold}); {where}",
             f"{offload + '; ' if offload else ''}free host memory, move state off the host, "
             "or raise memory.host_threshold with care",
         )
+        error.mark = mark
+        return error
 
     # --- views ---
     def retire(self, step: int, phases, attempt: int) -> None:

@@ -36,6 +36,8 @@ __all__ = [
     "facts_in",
     "peak_metric",
     "host_limit",
+    "turn_peaks",
+    "format_turn_peaks",
 ]
 
 
@@ -312,3 +314,28 @@ def card_share(device: str) -> float:
 
     share = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # why getattr: newer torch only
     return share(torch.device(device)) if share is not None else 1.0
+
+
+def turn_peaks(lab, step: int, device: str = "host") -> list[dict]:
+    """Each mark of `step`'s phases (a tool loop's turns and tools), its attempts undone included, in order: {mark,
+    phase, peak_mib (the Lab's own figure: a host's RSS), undone}; the plan's peak of its phase beside it (planned_mib,
+    the plan's worst turn: planner/turns.py)."""
+    metric = TABLE_METRIC[is_host(device)]
+    out = []
+    for m in lab.memory.segments:
+        if m["step"] == step and (device, metric) in m["peak"]:
+            peak, planned = m["peak"][(device, metric)] / MiB, planned_peak_mib(lab, device, m["phase"])
+            out.append(dict(mark=m["mark"], phase=m["phase"], peak_mib=round(peak, 2), undone=m["failed_attempt"]
+                            is not None, planned_mib=round(planned, 2) if planned else None))  # fmt: skip
+    return out
+
+
+def format_turn_peaks(peaks: list[dict]) -> str:
+    """turn_peaks() as a table, one line per mark, the plan beside each measured peak."""
+    lines = [f"{'mark':<10}{'measured MiB':>13}{'planned MiB':>13}{'plan/measured':>15}  attempt"]
+    for p in peaks:
+        ratio = f"{p['planned_mib'] / p['peak_mib']:.2f}" if p["planned_mib"] else "-"
+        planned = f"{p['planned_mib']:,.0f}" if p["planned_mib"] else "-"
+        attempt = "undone" if p["undone"] else "kept"
+        lines.append(f"{p['mark']:<10}{p['peak_mib']:>13,.0f}{planned:>13}{ratio:>15}  {attempt}")
+    return "\n".join(lines)
