@@ -11,12 +11,17 @@ reported), seeds 1000 + rollout before each.
 
 Tokens: the completion tokens a rollout returns, tool-result tokens included (grpo_lab: completion_mask's sum; TRL:
 the lengths of `_generate`'s completion_ids), the same count on both sides; tokens/s = tokens / the rollout's wall
-seconds (`lab.rollout()`; `trainer._generate(prompts)`). Peak: this process's RSS (psutil, a daemon thread at 200 Hz)
-during the rollout less its RSS just before it (after gc and malloc_trim, both sides). grpo_lab's side also prints
+seconds (`lab.rollout()`; `trainer._generate(prompts)`), and per CPU second (the process's, `time.process_time`: the
+machine is shared, so wall seconds follow its load; the same tokens, so ours / TRL is TRL's CPU seconds / ours).
+Peak: this process's RSS (psutil, a daemon thread at 200 Hz) during the rollout less its RSS just before it (after
+gc and malloc_trim, both sides). grpo_lab's side also prints
 the plan's rollout peak (planner.plan, tools on) against each turn's measured peak (the memory sampler's marks,
 `turn 1`, `tools 1`, ...: absolute RSS), planned / measured.
 
-    OMP_NUM_THREADS=1 python -m bench.vs_trl.tool_loop --out bench/results/tool_loop_vs_trl_cpu_2026-12-05
+    OMP_NUM_THREADS=1 python -m bench.vs_trl.tool_loop --turn-counts 2 --length 384 --out DIR
+    OMP_NUM_THREADS=1 python -m bench.vs_trl.tool_loop --turn-counts 4 --length 512 --out DIR
+
+(4 turns need 512 tokens: a forced call and its 8-word result take 141 of the budget per turn.)
 
 docs/benchmarks.md "A tool-calling rollout beside TRL's tool loop" keeps the figures.
 """
@@ -63,6 +68,7 @@ class RSSPeak:
         gc.collect()
         trim_host_heap()  # why: both sides start each rollout from a trimmed heap, so the rise is the rollout's
         self.base = self.peak = self.now()
+        self.cpu = time.process_time()  # (the process's CPU seconds: wall time on a shared machine follows its load)
 
     def rise(self) -> int:
         return max(self.peak, self.now()) - self.base
@@ -87,7 +93,8 @@ def line(args, side, index, seconds, tokens, model_tokens, prompt_tokens, turns,
     return {"side": side, "turns": args.turns, "rollout": index, "seconds": round(seconds, 3), "tokens": tokens,
             "model_tokens": model_tokens, "tokens_per_s": round(tokens / seconds, 1), "prompt_tokens": prompt_tokens,
             "turns_mean": turns, "rss_base_mib": round(rss.base / MiB, 1),
-            "peak_over_base_mib": round(rss.rise() / MiB, 1)}  # fmt: skip
+            "peak_over_base_mib": round(rss.rise() / MiB, 1), "cpu_seconds": round(time.process_time() - rss.cpu, 3),
+            "load_average_1min": round(os.getloadavg()[0], 2)}  # fmt: skip
 
 
 def turn_peaks(lab) -> dict:
@@ -225,6 +232,7 @@ def summary(lines: list[dict], turns: int) -> dict:
     for side in ("keep", "prefill"):
         pairs = list(zip(by[side], by["trl"]))
         out[f"{side}_over_trl_tokens_per_s"] = [round(a["tokens_per_s"] / b["tokens_per_s"], 2) for a, b in pairs]
+        out[f"{side}_over_trl_tokens_per_cpu_s"] = [round(b["cpu_seconds"] / a["cpu_seconds"], 2) for a, b in pairs]
         out[f"{side}_over_trl_peak"] = [
             round(a["peak_over_base_mib"] / b["peak_over_base_mib"], 2) if b["peak_over_base_mib"] > 0 else None
             for a, b in pairs
@@ -258,9 +266,11 @@ def orchestrate(args) -> int:
         print(json.dumps(summaries[-1]), flush=True)
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"command": " ".join(sys.argv), "model": args.model, "length": args.length, "rows": len(PROMPTS)
-                * args.generations, "answer_words": args.answer_words, "load_average": os.getloadavg()}  # fmt: skip
-        with open(out / "tool_loop.jsonl", "w") as f:
+        meta = {"command": "python -m bench.vs_trl.tool_loop " + " ".join(sys.argv[1:]), "model": args.model,
+                "length": args.length, "rows": len(PROMPTS) * args.generations, "answer_words": args.answer_words,
+                "load_average": os.getloadavg()}  # fmt: skip
+        name = f"tool_loop_{'_'.join(map(str, args.turn_counts))}turns_len{args.length}.jsonl"
+        with open(out / name, "w") as f:
             for record in [meta] + lines + summaries:
                 f.write(json.dumps(record) + "\n")
     table(lines, args.turn_counts)
