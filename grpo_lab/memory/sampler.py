@@ -19,7 +19,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from ..algo.room import checked_by
-from ..errors import LabError
+from .exceeded import HostMemoryExceeded
 from .live_guard import LiveGuard
 from .mark_fixes import at_mark, mark_fix, peak_mark
 from .readers import MiB, readers_for
@@ -33,20 +33,6 @@ SUMMARY_METRICS = {
 # sampler thread takes about 1% of a core; a loop allocating 1 GiB/s then passes the line by ~5 MiB before the read
 # that stops it (bench/probes/live_guard_cost.py)
 LIVE_HZ = 200.0
-
-
-class HostMemoryExceeded(LabError):
-    """Host RAM crossed memory.host_threshold: raised in a phase's work as it crosses (the live guard), as a phase
-    ends, or before one starts. The Lab fills in `undone` (what it put back), as only it knows whether the step had
-    applied an update."""
-
-    def __init__(self, where: str, fix: str):
-        super().__init__(where, fix)
-        self.where, self.fix, self.undone = where, fix, None
-        self.mark: Optional[str] = None  # the mark of its phase it crossed in (a tool loop's "turn 3"), if any
-
-    def __str__(self) -> str:
-        return f"{self.where}{', ' + self.undone if self.undone else ''}; {self.fix}"
 
 
 class MemorySampler:
