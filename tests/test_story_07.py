@@ -18,6 +18,9 @@ KNOBS = [  # the rows in flight, the turns, the tool-result bound, the trajector
     "generator.max_completion_length",
 ]
 MARKS = ["turn 1", "tools 1", "turn 2"]
+# the plan of a kept turn as it ran over its measured peak (host RSS, the sampler's): 0.87-0.93 measured (CPU,
+# builtin:tiny-tools); the band leaves room for the sampler's reading of a short turn
+RAN_BAND = (0.8, 1.1)
 
 
 @pytest.mark.slow
@@ -42,7 +45,13 @@ def test_07_the_turn_after_grown_answers_crosses_the_line_and_the_bound_runs_und
     assert [p["mark"] for p in kept] == MARKS and not any(p["undone"] for p in kept), kept
     assert all(p["peak_mib"] < fixed["line_mib"] for p in kept) and all(p["planned_mib"] for p in kept + undone), kept
     assert facts["fix_called_again"] is True and fixed["plan_ratio"] is not None
+    # the plan of each turn as it ran (its recorded shapes): beside each kept turn, near its measured peak; none
+    # beside a round of tools, nor beside the turn the guard stopped (its generate() call never ended)
+    ran = {p["mark"]: p["ran_mib"] and p["ran_mib"] / p["peak_mib"] for p in kept}
+    assert ran["tools 1"] is None and all(RAN_BAND[0] <= ran[m] <= RAN_BAND[1] for m in ("turn 1", "turn 2")), ran
+    assert undone[0]["ran_mib"] and undone[2]["ran_mib"] is None, undone
     text = printed(nb)
+    assert "planned (worst)" in text and "planned (as run)" in text
     assert "plan/measured" in text and "stopped at turn 2; the step to run: 1, its next phase: rollout" in text
     check_prose(NAME, nb, facts)
     check_static_figures(nb)

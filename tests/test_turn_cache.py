@@ -165,3 +165,41 @@ def test_a_turn_whose_cache_would_pass_the_planned_kv_prefills_afresh():
     assert mask[0].tolist() == [1] * 5 + [0] * 4 + [1] * 3  # row 1's columns past its stop masked out
     ids, mask, cache = ask(3)  # 15 > 14, and a prefill's 8 + 3: prefills afresh
     assert cache is None and ids.tolist() == [context] and held.cache is None
+
+
+@pytest.mark.parametrize("mode", ["keep", "prefill"])
+def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_config, monkeypatch, mode):
+    """Rollout.turn_shapes, against the forwards spied as bench/plan_accuracy/turn_plan.py spies them (each
+    generate() call's forwards, its first the prefill): the rows, the tokens fed at once, the KV context after them
+    (the attention mask's width) and the forwards after the prefill; each labelled with its turn's mark, in order."""
+    from grpo_lab import Lab
+
+    cfg = tiny_config(
+        model={"chat_template": TEMPLATE},
+        generator={"max_completion_length": 320, "max_prompt_length": 1024, "max_tool_calling_iterations": 3,
+                   "temperature": 1.0, "turn_cache": mode},
+        grpo={"beta": 0.0, "num_generations": 3, "prompts_per_step": 2},
+    )  # fmt: skip
+    lab = Lab(cfg, reward_funcs=["length"], tools=[add]).load()
+    made = forced_turns(monkeypatch, lab.learner.tokenizer, 3)
+    forwards = []  # (generate call, rows, tokens fed, mask width)
+
+    def spy(_, args, kwargs):
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        forwards.append((len(made), *ids.shape, kwargs["attention_mask"].shape[1]))
+
+    hook = lab.learner.model.get_base_model().model.register_forward_pre_hook(spy, with_kwargs=True)
+    torch.manual_seed(7)
+    try:
+        out = lab.rollout()
+    finally:
+        hook.remove()
+        lab.close()
+    spied = []
+    for call in sorted({f[0] for f in forwards}):
+        fed = [f for f in forwards if f[0] == call]
+        spied.append(dict(rows=fed[0][1], prefill=fed[0][2], context=fed[0][3], decode=len(fed) - 1))
+    assert max(out.turns) >= 3 and len(spied) >= 3
+    assert [{k: v for k, v in s.items() if k != "mark"} for s in out.turn_shapes] == spied, (out.turn_shapes, spied)
+    numbers = [int(s["mark"].split()[1]) for s in out.turn_shapes]
+    assert numbers == sorted(numbers) and set(numbers) == set(range(1, max(out.turns) + 1)), numbers

@@ -61,6 +61,10 @@ class Rollout:
     tool_calls: Optional[list[int]] = None  # [N] tool calls of each row
     tool_failures: Optional[list[int]] = None  # [N] of them, those whose result is {"error": ...}
     turns: Optional[list[int]] = None  # [N] assistant turns of each row
+    # each turn's generate() calls as the model's forwards saw them, in order: {mark ("turn k"), rows in flight,
+    # prefill (tokens fed at once, padded), context (KV tokens after it), decode (tokens decoded after it)}, the
+    # planner's Turn (planner/turns.py); None where the backend does not record them (hf does)
+    turn_shapes: Optional[list[dict]] = None
     # environment_factory: each row's environment instance, and its prompt as rewards get it (reset's observation in)
     environments: Optional[list] = None  # [N]
     row_prompts: Optional[list] = None  # [N]

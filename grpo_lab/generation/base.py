@@ -86,6 +86,8 @@ class Generator:
         # what drives each chunk turn by turn (tools/loop.ToolLoop: the executor sets it when a Lab has tools; each
         # rollout is an episode of it); None: one turn, the backend's chunk function as it is
         self.turns = None
+        # records each generate() call's shape for the loop's turns (generation/turn_shapes.py); None: not known
+        self.shapes = None
 
     # --- backends implement these ---
     def generate_chunk(self, prompt_ids: list[list[int]], request: GenerationRequest) -> list[Sample]:
@@ -131,6 +133,8 @@ class Generator:
         """The rollout, `sample(prompt_ids, rows, request)` sampling each chunk: its prompts and their row numbers in
         the batch (what a backend needs to give each row its own seed). With `turns` (the tool loop), the batch's
         prompts are its rendering and each chunk is its run, which calls `sample` once per turn."""
+        if self.turns is not None:
+            self.turns.recorder = self.shapes  # (the turns' shapes: Rollout.turn_shapes)
         episode = self.turns.start(batch, num_generations, request) if self.turns is not None else None
         if episode is not None:  # each row's prompt rendered with its tools (its environment's, when it has one)
             batch, prompt_ids = episode.batch, self.encode_prompts(episode.prompts, request.max_prompt_length)

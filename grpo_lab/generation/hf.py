@@ -25,6 +25,7 @@ from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
 from .turn_cache import TurnCache
+from .turn_shapes import TurnShapes
 
 # why every field set: generate() fills each field left None from the checkpoint's generation_config (e.g. a
 # repetition penalty), then from transformers' defaults (top_k 50): neither is what the request asked for.
@@ -57,6 +58,7 @@ class HFGenerator(Generator):
         self.rollout_copy = RolloutCopy(dtype)  # generator.hf_decode: merged: one copy for the Lab's rollouts
         self.static_cache = None  # a static rollout's one StaticCache, for all its generate() calls
         self.parking = Parking()  # generator.park_learner: what waits in host memory, until it is back
+        self.shapes = TurnShapes()  # each generate() call's shape, for a tool loop's turns (Rollout.turn_shapes)
 
     def sync(self, learner) -> None:
         """Nothing to do: generation reads the learner's own LoRA weights."""
@@ -75,8 +77,7 @@ class HFGenerator(Generator):
                 return sample_once(self, batch, num_generations, request, seeds, width)
         cuda = self.learner.device.type == "cuda"
         static = "cache_implementation" in DECODES[request.decode](cuda)
-        keep = request.keeps_copy
-        rows_total = len(batch) * num_generations
+        keep, rows_total = request.keeps_copy, len(batch) * num_generations
         kept = self.turns is not None and request.turn_cache == "keep" and not static  # (a growing cache only)
         turns = TurnCache(self.tokenizer.pad_token_id, request) if kept else None  # a tool loop's turns go on from KV
         with self.decoding(request) as model, self.one_cache(keep), CompileCounts() as counted:
@@ -191,7 +192,7 @@ class HFGenerator(Generator):
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         settings = self._settings(request)
         samplers = sampler(request, seeds)  # per-row streams, kept across the calls of a rollout whose rows leave
-        call = partial(self.generate_once, model, settings, synced, request, samplers)
+        call = self.shapes.wrap(partial(self.generate_once, model, settings, synced, request, samplers))
         cache, turns = None, None if synced else turns
         if turns is not None:  # why no row leaves within a turn: a row that stops may call a tool, its KV going on
             input_ids, attention, cache, call = turns.start(prompt_ids, input_ids, attention, call, request)
@@ -374,9 +375,7 @@ class SampledLogprobs:
         if self.previous is not None and len(self.columns) < new_tokens.shape[1]:
             self.columns.append(self.previous.gather(-1, new_tokens[:, -1:].to(self.previous.device)).squeeze(-1))
         self.previous = None  # why: drop the last [n, V] log-softmax as soon as it is used
-        if not self.columns:
-            return torch.zeros(new_tokens.shape, dtype=torch.float32)
-        return torch.stack(self.columns, dim=1)
+        return torch.stack(self.columns, dim=1) if self.columns else torch.zeros(new_tokens.shape, dtype=torch.float32)
 
 
 class TrimHeapEvery:

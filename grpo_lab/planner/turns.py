@@ -5,7 +5,8 @@ The rollout's planned peak is its worst turn's. Before a run the plan takes ever
 at the prompt and the whole trajectory budget (generator.max_completion_length, tool results included) at the last
 turn; a turn's prefill the prompt (turn 1), the largest tool result (generator.turn_cache keep) or the whole
 conversation again (TRL's loop, turn_cache prefill) at the last turn. `turn_peaks` plans the turns a rollout made,
-given their tokens (bench/plan_accuracy/turn_plan.py, tests/test_turn_plan.py: each against its measured peak)."""
+given their tokens (bench/plan_accuracy/turn_plan.py, tests/test_turn_plan.py: each against its measured peak; the hf
+backend records them, Rollout.turn_shapes, and notebook 07 prints each turn's beside its measured peak)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ the conversation, as TRL's loop does.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -87,6 +87,10 @@ class ToolLoop:
         self.paused: Optional[Episode] = None
         self.stop_after: Optional[int] = None
         self._continuing = False
+        # the generator's recorder of its calls' shapes (generation/turn_shapes.py; None: not recorded), and the
+        # turns' shapes of the latest episode, as they ran (Rollout.turn_shapes; the story's plan of each turn)
+        self.recorder = None
+        self.shapes: Optional[list[dict]] = None
 
     @contextmanager
     def continuing(self, stop_after: Optional[int]):
@@ -142,6 +146,7 @@ class ToolLoop:
         episode = Episode(self, rendered, texts, messages, toolboxes, envs)
         if self._continuing:
             self.paused = episode
+        self.shapes = episode.shapes if self.recorder is not None else None
         return episode
 
 
@@ -157,11 +162,13 @@ class Episode:
     environments: Optional[list]  # [N] each row's environment instance (None: no environment_factory)
     rows: dict = field(default_factory=dict)  # row number -> its Trajectory so far
     going: set = field(default_factory=set)  # the rows whose next turn is still to run (their tools answered)
+    shapes: list = field(default_factory=list)  # each turn's generate() calls' shapes (generation/turn_shapes.py)
 
     def finish(self, rollout) -> None:
         """What the rollout carries of the episode: the rows' own prompts and environments (rewards get them)."""
         if self.environments is not None:
             rollout.row_prompts, rollout.environments = self.messages, self.environments
+        rollout.turn_shapes = list(self.shapes) if self.loop.recorder is not None else None
 
     def run(
         self,
@@ -192,7 +199,7 @@ class Episode:
         while going and (self.loop.stop_after is None or turn < self.loop.stop_after):
             turn += 1
             mark(f"turn {turn}")
-            self.decode(trajectories, going, rows, sample, request, budget)
+            self.decode(trajectories, going, rows, sample, request, budget, turn)
             waiting = [k for k in going if trajectories[k].messages and trajectories[k].messages[-1].get("tool_calls")]
             gen, going = self.loop.config.generator, []
             if waiting and turn <= gen.max_tool_calling_iterations:
@@ -205,8 +212,8 @@ class Episode:
         not, or made none)."""
         return max((t.turns - (r not in self.going) for r, t in self.rows.items()), default=0)
 
-    def decode(self, trajectories, which: list[int], rows: list, sample, request, budget: int) -> None:
-        """One turn of the rows `which`: each decodes at most what is left of its budget."""
+    def decode(self, trajectories, which: list[int], rows: list, sample, request, budget: int, number: int) -> None:
+        """Turn `number` of the rows `which`: each decodes at most what is left of its budget."""
         left = {k: budget - len(trajectories[k].ids) for k in which}
         which = [k for k in which if left[k] > 0]  # (a row whose tool result filled the budget exactly ends cut)
         for k in set(left) - set(which):
@@ -216,7 +223,10 @@ class Episode:
         contexts = [trajectories[k].prompt + trajectories[k].ids for k in which]
         turn = replace(request, max_completion_length=max(left[k] for k in which))
         tokenizer, eos = self.loop.tokenizer, self.loop.eos_token_ids
-        for k, context, s in zip(which, contexts, sample(contexts, [rows[k] for k in which], turn)):
+        recorder = self.loop.recorder
+        with recorder.recording(f"turn {number}", self.shapes) if recorder is not None else nullcontext():
+            samples = sample(contexts, [rows[k] for k in which], turn)
+        for k, context, s in zip(which, contexts, samples):
             ids, logprobs = s.completion_ids[: left[k]], s.logprobs[: left[k]]
             message = parse(tokenizer, ids, context, trajectories[k].toolbox.schemas) if ids else {}
             trajectories[k].add_turn(ids, logprobs, message)

@@ -319,23 +319,51 @@ def card_share(device: str) -> float:
 def turn_peaks(lab, step: int, device: str = "host") -> list[dict]:
     """Each mark of `step`'s phases (a tool loop's turns and tools), its attempts undone included, in order: {mark,
     phase, peak_mib (the Lab's own figure: a host's RSS), undone}; the plan's peak of its phase beside it (planned_mib,
-    the plan's worst turn: planner/turns.py)."""
+    the plan's worst turn: planner/turns.py); and, for each turn of the step's latest attempt that ran to its end, the
+    plan of that turn as it ran (ran_mib: its generate() calls' shapes, Rollout.turn_shapes, the largest; else None)."""
     metric = TABLE_METRIC[is_host(device)]
+    marks = [m for m in lab.memory.segments if m["step"] == step and (device, metric) in m["peak"]]
+    ran = ran_peaks_mib(lab, device)
+    latest = marks[-1]["failed_attempt"] if marks else None
     out = []
-    for m in lab.memory.segments:
-        if m["step"] == step and (device, metric) in m["peak"]:
-            peak, planned = m["peak"][(device, metric)] / MiB, planned_peak_mib(lab, device, m["phase"])
-            out.append(dict(mark=m["mark"], phase=m["phase"], peak_mib=round(peak, 2), undone=m["failed_attempt"]
-                            is not None, planned_mib=round(planned, 2) if planned else None))  # fmt: skip
+    for m in marks:
+        peak, planned = m["peak"][(device, metric)] / MiB, planned_peak_mib(lab, device, m["phase"])
+        as_run = ran.get(m["mark"]) if m["failed_attempt"] == latest else None
+        out.append(dict(mark=m["mark"], phase=m["phase"], peak_mib=round(peak, 2), undone=m["failed_attempt"]
+                        is not None, planned_mib=round(planned, 2) if planned else None,
+                        ran_mib=round(as_run, 2) if as_run else None))  # fmt: skip
+    return out
+
+
+def ran_peaks_mib(lab, device: str = "host") -> dict[str, float]:
+    """The latest rollout's turns as they ran ({"turn k": MiB}): each turn's generate() calls planned
+    (planner.turns.turn_peaks on their shapes), the largest; empty where the shapes are not recorded (a backend
+    other than hf) or the device is not the host the turns are planned on."""
+    from ..planner.turns import Turn
+    from ..planner.turns import turn_peaks as planned_turns
+
+    shapes = getattr(getattr(lab.generator, "turns", None), "shapes", None)
+    if not shapes or device != "host":
+        return {}
+    plan = lab.plan()
+    out: dict[str, float] = {}
+    for s in shapes:
+        number = int(s["mark"].split()[1])
+        peak = planned_turns(plan, [Turn(number, s["rows"], s["prefill"], s["context"], s["decode"])])[0] / MiB
+        out[s["mark"]] = max(out.get(s["mark"], 0.0), peak)
     return out
 
 
 def format_turn_peaks(peaks: list[dict]) -> str:
-    """turn_peaks() as a table, one line per mark, the plan beside each measured peak."""
-    lines = [f"{'mark':<10}{'measured MiB':>13}{'planned MiB':>13}{'plan/measured':>15}  attempt"]
+    """turn_peaks() as a table, one line per mark: the plan at its worst turn and the plan of the turn as it ran,
+    each beside the measured peak."""
+    lines = [f"{'mark':<10}{'measured MiB':>13}{'planned (worst)':>16}{'plan/measured':>14}{'planned (as run)':>17}"
+             f"{'plan/measured':>14}  attempt"]  # fmt: skip
     for p in peaks:
-        ratio = f"{p['planned_mib'] / p['peak_mib']:.2f}" if p["planned_mib"] else "-"
-        planned = f"{p['planned_mib']:,.0f}" if p["planned_mib"] else "-"
+        cells = []
+        for key, width in (("planned_mib", 16), ("ran_mib", 17)):
+            cells.append(f"{p[key]:,.0f}".rjust(width) if p.get(key) else "-".rjust(width))
+            cells.append((f"{p[key] / p['peak_mib']:.2f}" if p.get(key) else "-").rjust(14))
         attempt = "undone" if p["undone"] else "kept"
-        lines.append(f"{p['mark']:<10}{p['peak_mib']:>13,.0f}{planned:>13}{ratio:>15}  {attempt}")
+        lines.append(f"{p['mark']:<10}{p['peak_mib']:>13,.0f}{''.join(cells)}  {attempt}")
     return "\n".join(lines)
