@@ -960,11 +960,11 @@ def test_tool_knobs_apply_at_the_next_rollout(tiny_model, monkeypatch):
     try:
         loop, tok = tool_lab.generator.turns, tool_lab.learner.tokenizer
         batch = PromptBatch(prompts=["2+3?"], answers=["5"], raw=["2+3?"])
-        episode = loop.start(batch, 1, GenerationRequest(2000, max_prompt_length=2048))
-        prompt = episode.prompts[0]
+        prompt = loop.start(batch, 1, GenerationRequest(2000, max_prompt_length=2048)).prompts[0]
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
 
-        def run(*turns):
+        def run(*turns):  # a rollout of its own: a new episode (an episode keeps its rows' trajectories between calls)
+            episode = loop.start(batch, 1, GenerationRequest(2000, max_prompt_length=2048))
             return episode.run(
                 [ids], range(1), scripted(tok, list(turns)), GenerationRequest(max_completion_length=2000)
             )[0]
