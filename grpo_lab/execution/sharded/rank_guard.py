@@ -73,15 +73,22 @@ class RankGuard(MemorySampler):
         err.agreed = True  # why: the phase's own decision (runtime.settle) must not wait for the others again
         return err
 
-    def _exceeded(self, ratio: float, limit: float, where: str) -> HostMemoryExceeded:
+    def _exceeded(self, ratio: float, limit: float, where: str, mark: Optional[str] = None) -> HostMemoryExceeded:
+        """The rank's one line (MemorySampler._exceeded's, for a rank's budget); `mark`: the tool loop's turn it
+        crossed in, whose knobs lead the fixes."""
+        from ...memory.mark_fixes import mark_fix
         from ...runtime import runtime
 
-        return HostMemoryExceeded(
+        turn = mark_fix(mark)
+        error = HostMemoryExceeded(
             f"rank {runtime().rank}'s process reached {ratio:.1%} of its {limit / GiB:.2f} GiB "
             f"(placement.rank_memory_gib; memory.host_threshold={self.host_threshold}); {where}",
-            "lower this rank's peak (a gathered rollout: generator.gather_for_generation: false; a pass: "
-            "grpo.micro_batch_size; or more ranks), or raise placement.rank_memory_gib",
+            f"{turn + '; ' if turn else ''}lower this rank's peak (a gathered rollout: "
+            "generator.gather_for_generation: false; a pass: grpo.micro_batch_size; or more ranks), or raise "
+            "placement.rank_memory_gib",
         )
+        error.mark = mark
+        return error
 
 
 def cap_rank_gpu(gib: Optional[float], device: str) -> Optional[float]:
