@@ -429,6 +429,7 @@ def test_diverged_sampling_is_one_line_naming_the_knobs():
     from grpo_lab import LabError
     from grpo_lab.generation.base import GenerationRequest
     from grpo_lab.generation.hf import HFGenerator
+    from grpo_lab.generation.turn_shapes import TurnShapes
     from grpo_lab.models.fsdp import FSDP
 
     class Diverged(torch.nn.Module):
@@ -442,6 +443,7 @@ def test_diverged_sampling_is_one_line_naming_the_knobs():
     generator.learner = SimpleNamespace(model=Diverged(), device=torch.device("cpu"), sharding=FSDP())
     generator.tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     generator.eos_token_ids = [1]
+    generator.shapes = TurnShapes()  # (what __init__ gives every hf generator: its calls' shapes for a tool loop)
     with pytest.raises(LabError, match="grpo.learning_rate") as err:
         generator.generate_chunk([[5, 6]], GenerationRequest(max_completion_length=4))
     assert "\n" not in str(err.value)
