@@ -35,32 +35,22 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from bench.vs_trl.compare_trl import PeakRSS
 
 MiB = 2**20
 SIDES = ("trl", "keep", "prefill")  # TRL's GRPOTrainer; grpo_lab with generator.turn_cache keep / prefill
 PROMPTS = ["Look up the word 'river' and use it in a sentence.", "What does the word 'lantern' mean? Look it up."]
 
 
-class RSSPeak:
-    """This process's RSS, sampled on a daemon thread at `hz`; `start()` resets the peak to the RSS at that moment."""
+class RSSPeak(PeakRSS):
+    """compare_trl's RSS sampler (a daemon thread at `hz`), with `start()` resetting the peak to the RSS then."""
 
     def __init__(self, hz: float = 200):
-        import psutil
-
-        self.proc, self.interval = psutil.Process(), 1 / hz
-        self.base = self.peak = self.now()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def now(self) -> int:
-        return self.proc.memory_info().rss
-
-    def _run(self):
-        while True:
-            self.peak = max(self.peak, self.now())
-            time.sleep(self.interval)
+        super().__init__(hz)
+        self.base = self.peak
 
     def start(self) -> None:
         from grpo_lab.memory.heap import trim_host_heap
