@@ -41,6 +41,22 @@ def test_resolve_reward_by_name_path_and_callable():
         resolve_reward("no_such_module:f")
 
 
+def test_a_named_reward_may_take_columns_and_environments_by_name_as_trls_do():
+    """A 'module:function' reward is checked against what every call passes (TRL's prompts, completions,
+    completion_ids, trainer_state, log_extra, log_metric); a parameter it names beyond them (a column such as TRL's
+    `solution`, or `environments`) is the data's to supply, so it is not refused for it."""
+    from tests import column_reward
+
+    assert resolve_reward("tests.column_reward:solution_match") is column_reward.solution_match
+    assert resolve_reward("tests.column_reward:environment_reward") is column_reward.environment_reward
+    assert column_reward.solution_match(completions=[" 4", "5"], solution=["4", "4"], prompts=[], log_metric=None) == [
+        1.0,
+        0.0,
+    ]
+    with pytest.raises(LabError, match=r"data.rewards: 'tests.column_reward:no_trainer_state' .*trainer_state"):
+        resolve_reward("tests.column_reward:no_trainer_state")
+
+
 def test_arithmetic_set_is_deterministic_and_correct():
     rows = arithmetic_problems(50, seed=3)
     assert rows == arithmetic_problems(50, seed=3) and rows != arithmetic_problems(50, seed=4)

@@ -128,16 +128,27 @@ def resolve_reward(spec: Union[str, Callable]) -> Callable:
     return fn
 
 
+# What every reward call passes, whatever the data (TRL's GRPOTrainer._calculate_rewards: the dataset's columns beside)
+EVERY_CALL = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
 def check_reward_signature(spec: str, fn: Callable) -> None:
-    """A named function must take the keywords every reward call passes, or the first step would fail on it."""
+    """A named function must take the keywords every reward call passes, or the first step would fail on it. A
+    parameter it names beyond them (a column, as TRL's accuracy_reward names `solution`, or `environments`) is the
+    data's to supply: bound here as given, and a missing one is the call's one-line error naming the reward."""
     import inspect
 
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # no introspectable signature (some builtins): called as it is
+    data = {
+        name: []
+        for name, p in signature.parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and name not in EVERY_CALL
+    }
     try:
-        signature.bind(prompts=[], completions=[], completion_ids=[], answer=[])
+        signature.bind(**dict.fromkeys(EVERY_CALL, []), **data)
     except TypeError as err:
         raise LabError(
             f"data.rewards: {spec!r} does not take the reward arguments ({err}); "
