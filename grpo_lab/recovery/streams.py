@@ -1,5 +1,5 @@
 """A failed phase is undone with its random draws: the Lab keeps a copy of its random streams (torch's CPU and CUDA
-generators, Python's; runtime.capture_rng) from before each phase until the step moves past it, and puts back the one
+generators, Python's; runtime.capture_rng) from before each phase of the step until the step ends, and puts back the one
 its retry starts from, so the retry draws what a Lab that never failed draws (a rollout's rows' seeds,
 generation/base.row_seeds; a backward's LoRA dropout masks). Which phase the retry starts from is the lifecycle's word
 after the undo (lab.next_phase()): the failed phase itself, or the step's first backward when the undo rolled back the
@@ -12,11 +12,14 @@ def phase_streams(lab, name: str) -> dict:
     """The random streams phase `name` starts from, this Lab's (runtime.own_streams); a rollout pending between its
     turns started from those before its first call (turns_api.PendingTurns). The step keeps the first of each phase:
     where a retry that redoes the step's updates starts (its first backward's)."""
-    from ..runtime import capture_rng, own_streams
+    from ..runtime import capture_rng, own_streams, runtime
 
     own_streams(lab)
     step = lab.current
-    streams = step.turns.streams if name == "rollout" and step.turns is not None else capture_rng()
+    if name == "rollout" and step.turns is not None:
+        streams = step.turns.streams
+    else:  # (the CUDA generators this process owns: a rank's own GPU's, as its checkpoint's)
+        streams = capture_rng(runtime().cuda_indices(lab.config))
     step.streams.setdefault(name, streams)
     return streams
 
