@@ -191,6 +191,7 @@ class Lab(LabViews):
         from .memory.oom import cuda_oom_count, phase_error, release_memory
         from .memory.profiling import phase_range
         from .recovery.faults import set_phase
+        from .recovery.streams import phase_streams, put_streams_back
         from .runtime import RanksBlocked, runtime, settle
 
         self._require_loaded()
@@ -201,6 +202,7 @@ class Lab(LabViews):
             )
         try:
             check_order(self._step, name, self.config.grpo.num_iterations, **inputs)  # a refusal changes nothing
+            streams = phase_streams(self, name)  # why a copy (a few KiB): a retry draws what the failed phase drew
             trim_host_heap()  # why: a phase starts from live host memory, not the heap holes earlier phases left
             device = runtime().device(self.config)  # this process's (a rank's own): an OOM line names it
             ooms = cuda_oom_count(device)  # why: a CUDA OOM can reach Python as another error; the allocator counts it
@@ -216,6 +218,7 @@ class Lab(LabViews):
                     except RanksBlocked as blocked:  # they are stuck in a collective: the driver restarts every rank
                         err.add_note(str(blocked))
                 undone = self._failed(name)
+                put_streams_back(self, name, streams)
                 counted = cuda_oom_count(device) > ooms
                 error = phase_error(err, name, self.step_index, device, self.memory, undone, counted)
                 if error is None:

@@ -206,6 +206,35 @@ def test_a_crossing_after_the_update_is_undone_bit_for_bit(tiny_config, monkeypa
         lab.close()
 
 
+def test_a_rollout_the_guard_stops_is_undone_with_its_random_draws(tiny_config, monkeypatch):
+    """The rollout samples (its rows' seeds drawn from torch's generator), then allocates past the line: the guard
+    stops it there, and the retry samples what a Lab that never failed samples (recovery/streams.py)."""
+    import grpo_lab.algo.grpo as step_module
+
+    hog, real = Hog(), step_module.rollout
+
+    def sampled(*args, **kwargs):
+        out = real(*args, **kwargs)
+        hog.allocate()
+        return out
+
+    monkeypatch.setattr(step_module, "rollout", sampled)
+    lab, _ = budget_lab(tiny_config)
+    twin = Lab(tiny_config()).load()
+    try:
+        hog.on = True
+        with pytest.raises(HostMemoryExceeded, match=r"during phase 'rollout' of step 0, no update had been applied"):
+            lab.rollout()
+        assert not hog.finished and lab.next_phase() == "rollout"
+        hog.on = False
+        got, expected = lab.rollout(), twin.rollout()
+        assert got.batch.prompts == expected.batch.prompts
+        assert torch.equal(got.completion_ids, expected.completion_ids)
+        assert torch.equal(got.sampler_logprobs, expected.sampler_logprobs)
+    finally:
+        lab.close(), twin.close()
+
+
 def test_without_the_live_guard_the_loop_runs_to_its_end_and_the_veto_fails_the_phase_as_it_ends(tiny_config):
     """The backstop, and what the live guard changes: with it off, the same loop allocates all it meant to, far past
     the line, and only then is the phase failed."""

@@ -1,6 +1,7 @@
 """Issue 67's tool figures where a person reads a run: the panel's log line per step, a step result's table in a cell
 and the run report (the one `grpo-lab run` writes, a resumed run's too: from metrics.jsonl's lines) each show the step's
-tool calls per row, its failed calls and its turns. A Lab with tools on the real hf backend, the first turn's call
+tool calls per row, its failed calls and its turns, and a vllm step's prefix cache hit rate beside them (none on hf:
+nothing shown). A Lab with tools on the real hf backend, the first turn's call
 forced (test_tools.forced_call): one call per row to `add`, which answers, or to `explode`, which raises."""
 
 import re
@@ -46,11 +47,22 @@ def test_the_panels_log_a_step_table_and_the_report_show_tool_calls_failures_and
             for r in history:
                 assert f">{r.step}</td>" in tools
             assert f">{failed}</td>" in tools and f">{turns}</td>" in tools
+        # hf measures no prefix cache: no figure anywhere (not a 0)
+        assert result.prefix_cache_hit_rate is None and "prefix cache" not in line[0] + page + report
+        # a vllm step's metrics line (its rollout's prompt tokens read from the prefix cache): the same three places
+        cached = StepResult.from_metrics({**result.metrics(), "prefix_cache_hit_rate": 0.875})
+        assert cached.summary() == f"{line[0]}  prefix cache 88%"  # the panel's log line is the step's summary()
+        assert ">prefix cache hit</th>" in step_html(cached) and ">88%</td>" in step_html(cached)
+        report = write_report(tmp_path / "report.html", lab.memory, [cached]).read_text()
+        tools = report.split("<h2>Tool calls per step</h2>")[1].split("</table>")[0]
+        assert re.findall(r"<th[^>]*>([^<]*)</th>", tools)[-1] == "prefix cache hit"
+        assert re.findall(r"<td[^>]*>([^<]*)</td>", tools)[-1] == "88%"
     finally:
         lab.close()
 
 
 def test_a_run_without_tools_has_no_tool_figures(loaded_lab, tmp_path):
+    from grpo_lab.algo.containers import StepResult
     from grpo_lab.memory.report import write_report
     from grpo_lab.ui.reprs import step_html
 
@@ -59,7 +71,17 @@ def test_a_run_without_tools_has_no_tool_figures(loaded_lab, tmp_path):
         result = lab.step()
         assert result.tool_calls_per_row is None and "tools" not in result.summary()
         assert "tool calls/row" not in step_html(result)
-        assert "Tool calls per step" not in write_report(tmp_path / "r.html", lab.memory, lab.history).read_text()
+        report = write_report(tmp_path / "r.html", lab.memory, lab.history).read_text()
+        assert "Tool calls per step" not in report and "prefix cache" not in report.lower()
+        # vllm without tools measures its prefix cache too (a group's rows share their prompt): a table of it alone
+        cached = StepResult.from_metrics({**result.metrics(), "step": result.step + 1, "prefix_cache_hit_rate": 0.5})
+        assert cached.summary().endswith("  prefix cache 50%") and "tools" not in cached.summary()
+        page = step_html(cached)
+        assert ">prefix cache hit</th>" in page and ">50%</td>" in page and "tool calls/row" not in page
+        report = write_report(tmp_path / "r.html", lab.memory, lab.history + [cached]).read_text()
+        table = report.split("<h2>Prefix cache hits per step</h2>")[1].split("</table>")[0]
+        assert re.findall(r"<th[^>]*>([^<]*)</th>", table) == ["step", "prefix cache hit"]
+        assert re.findall(r"<td[^>]*>([^<]*)</td>", table) == [str(cached.step), "50%"]  # hf's step: no row
     finally:
         lab.close()
 

@@ -1,9 +1,11 @@
 """A tool-calling run recovers as any run does: an OOM injected in a middle turn (armed by the tool itself, between
 the first turn and the second) is one line, nothing of the step is applied, and the Lab steps again bit for bit as a
-Lab whose rollout failed in its first turn, before any tool ran: the failed turns and tool calls leave nothing
-behind (no weights, random draws or loop state)."""
+Lab whose rollout failed in its first turn, before any tool ran, and as a Lab that never failed: the failed turns and
+tool calls leave nothing behind (no weights, random draws or loop state)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import pytest
 import torch
@@ -57,13 +59,16 @@ def trained(lab) -> dict:
     return {n: p.detach().clone() for n, p in lab.learner.trainable_parameters().items()}
 
 
-def one_step(tiny_config, first_turn_calls, middle: bool):
+def one_step(tiny_config, first_turn_calls, middle: Optional[bool]):
     """(LoRA weights, rewards, turns, attempts) after a tool Lab's step whose first attempt ran out of memory in its
-    second turn (`middle`) or in its first."""
+    second turn (`middle`) or in its first; None: a step that never failed."""
     lab = tool_lab(tiny_config, [varied], tools=[add_arming], max_completion_length=BUDGET)
     try:
         first_turn_calls(lab.learner.tokenizer, call_text("add_arming", '{"a": 2, "b": 3}'), budget=BUDGET)
         before = trained(lab)
+        if middle is None:
+            result = lab.step()
+            return trained(lab), result.reward_mean, result.turns_mean, result.attempts
         if middle:
             ARMED["on"] = True
         else:
@@ -87,6 +92,7 @@ def one_step(tiny_config, first_turn_calls, middle: bool):
 def test_an_oom_in_a_middle_turn_leaves_the_lab_stepping_again_bit_for_bit(tiny_config, first_turn_calls):
     middle, reward, turns, attempts = one_step(tiny_config, first_turn_calls, middle=True)
     first, first_reward, first_turns, _ = one_step(tiny_config, first_turn_calls, middle=False)
-    assert attempts == 2 and turns == first_turns == 2.0  # the retry called the tool and decoded a second turn
-    assert reward == first_reward
-    assert all(torch.equal(p, first[n]) for n, p in middle.items())
+    never, never_reward, never_turns, never_attempts = one_step(tiny_config, first_turn_calls, middle=None)
+    assert attempts == 2 and turns == first_turns == never_turns == 2.0  # the retry called the tool, decoded turn 2
+    assert reward == first_reward == never_reward and never_attempts == 1
+    assert all(torch.equal(p, first[n]) and torch.equal(p, never[n]) for n, p in middle.items())

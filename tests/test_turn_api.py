@@ -121,8 +121,10 @@ def test_the_rows_in_flight_edited_between_turns_apply_to_the_next(fresh):
     assert len(lab.made) == 3 and view.going  # the second turn: 2 calls of 2 rows
 
 
-def test_a_failure_in_turn_two_undoes_the_whole_rollout_phase(fresh):
-    lab = fresh()
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_failure_in_turn_two_undoes_the_whole_rollout_phase(fresh, temperature):
+    expected = fresh(temperature).rollout()  # what the step's rollout samples where nothing fails
+    lab = fresh(temperature)
     lab.rollout(turns=1)
     attempts, prompts = lab.current.attempts, lab.generator.turns.paused.batch.prompts
     lab.arm_fault(0, "rollout", "oom")  # the 3rd decoding step of the next call: inside turn 2
@@ -133,8 +135,9 @@ def test_a_failure_in_turn_two_undoes_the_whole_rollout_phase(fresh):
     assert "rollout" not in lab.timeline.seconds(lab.step_index)  # both calls filed as the failed attempt
     assert lab.current.attempts == attempts + 1
     lab.made.clear()  # (the forced calls count the turns from the first again)
-    out = lab.rollout()  # the step goes on from its rollout, on its own prompts
+    out = lab.rollout()  # the step goes on from its rollout, on its own prompts, drawing its seeds again
     assert out.batch.prompts == prompts and max(out.turns) == CAP + 1
+    assert torch.equal(out.completion_ids, expected.completion_ids) and out.turns == expected.turns
 
 
 def test_lab_rollback_drops_the_pending_turns(fresh):

@@ -248,6 +248,8 @@ class StepResult:
                 if self.tool_calls_per_row is not None
                 else ""
             )
+            # vllm's rollout: its prompt tokens read from the prefix cache (hf measures none: nothing shown)
+            + (f"  prefix cache {self.prefix_cache_hit_rate:.0%}" if self.prefix_cache_hit_rate is not None else "")
         )
 
 

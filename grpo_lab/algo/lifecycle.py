@@ -9,7 +9,7 @@ first optimizer phase, restored on a failure, dropped when the step ends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import LabError
@@ -37,6 +37,9 @@ class StepState:
     snapshot: Any = None
     attempts: int = 1  # 1 + rolled-back attempts
     turns: Any = None  # a rollout run turn by turn, pending between its calls (grpo_lab/turns_api.PendingTurns)
+    # the random streams each phase of the step first started from, kept until the step ends: a failed phase's retry
+    # draws from them again (recovery/streams.py)
+    streams: dict = field(default_factory=dict)
 
     @property
     def started(self) -> bool:

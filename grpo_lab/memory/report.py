@@ -216,8 +216,10 @@ def write_report(path: Path, sampler, history, title: str = "grpo_lab run", conf
         if history
         else _unfinished_table(rows)
     )
-    tools = tool_table(history)  # a run with tools: its calls and failures per step, under the reward and loss
-    tools = f"<h2>Tool calls per step</h2>{tools.html()}" if tools is not None else ""
+    # a run with tools: its calls and failures per step, under the reward and loss; on vllm its prefix cache's hits
+    tools = tool_table(history)
+    heading = "Tool calls per step" if tools and tools.title.startswith("tool") else "Prefix cache hits per step"
+    tools = f"<h2>{heading}</h2>{tools.html()}" if tools is not None else ""
     body = f"<h1>{html.escape(title)}</h1>{summary}{settings}" + "".join(parts) + tools + last
     return atomic_write_text(
         path,

@@ -147,21 +147,39 @@ def phase_table(rows: list[dict], title: str = "", marks: list[dict] = ()) -> Ta
 
 # a tool-calling step's figures (StepResult's tool metrics, TRL's tools/call_frequency and tools/failure_frequency)
 TOOL_COLUMNS = ("tool calls/row", "failed/row", "failed %", "turns/row")
+# a vllm rollout's prompt tokens read from its prefix cache (StepResult.prefix_cache_hit_rate; hf has none: no column)
+PREFIX_COLUMN = "prefix cache hit"
 
 
-def tool_cells(result) -> list[str]:
-    """A step's figures under TOOL_COLUMNS: calls per row, failed calls per row, the failed share, turns per row."""
-    calls, failed = result.tool_calls_per_row, result.tool_failure_frequency
-    return [f"{calls:.2f}", f"{calls * failed:.2f}", f"{failed:.0%}", f"{result.turns_mean:.2f}"]
+def rollout_columns(history) -> list[str]:
+    """The columns the steps of `history` have figures for: the tool columns where a step called tools, the prefix
+    cache's hit rate where a step measured it."""
+    tools = any(r.tool_calls_per_row is not None for r in history)
+    cached = any(r.prefix_cache_hit_rate is not None for r in history)
+    return [*TOOL_COLUMNS] * tools + [PREFIX_COLUMN] * cached
+
+
+def tool_cells(result, names=TOOL_COLUMNS) -> list[str]:
+    """A step's figures under `names` (rollout_columns): calls per row, failed calls per row, the failed share, turns
+    per row; the prefix cache's hit rate. "-" where the step lacks the figure (a resumed run on another backend)."""
+    calls, failed, rate = result.tool_calls_per_row, result.tool_failure_frequency, result.prefix_cache_hit_rate
+    cells = {} if rate is None else {PREFIX_COLUMN: f"{rate:.0%}"}
+    if calls is not None:
+        figures = [f"{calls:.2f}", f"{calls * failed:.2f}", f"{failed:.0%}", f"{result.turns_mean:.2f}"]
+        cells.update(zip(TOOL_COLUMNS, figures))
+    return [cells.get(name, "-") for name in names]
 
 
 def tool_table(history) -> Table | None:
-    """Tool calls and failures per step (one row each), or None when no step called tools."""
-    rows = [[str(r.step), *tool_cells(r)] for r in history if r.tool_calls_per_row is not None]
+    """Tool calls and failures per step (one row each) and the prefix cache's hit rate, where the steps have them; None
+    when no step called tools or measured its prefix cache."""
+    names = rollout_columns(history)
+    rows = [[str(r.step), *cells] for r in history if set(cells := tool_cells(r, names)) - {"-"}]
     if not rows:
         return None
-    columns = [Column("step", numeric=True)] + [Column(name, numeric=True) for name in TOOL_COLUMNS]
-    return Table(columns, rows, title="tool calls and failures per step")
+    columns = [Column("step", numeric=True)] + [Column(name, numeric=True) for name in names]
+    title = "tool calls and failures per step" if TOOL_COLUMNS[0] in names else "prefix cache hits per step"
+    return Table(columns, rows, title=title)
 
 
 class MemoryTable(str):
