@@ -31,7 +31,7 @@ SMALL = [
     "generator.tools=[]",  # the calculator comes as the environment's method instead (by value, below)
     "data.rewards=[exact_answer,tests.tool_reward:tool_messages,tests.tool_reward:environment_calls]",
     # why seed 2: rank 1's group calls the calculator (rows 4 and 7), rank 0's does not; so rank 0 samples a stand-in
-    # beside rank 1's second turn, and its rewards read environments that only rank 1 stepped
+    # beside rank 1's second turn, and its rewards read copies of environments that only rank 1's calls stepped
     "run.seed=2",
 ]
 
