@@ -55,16 +55,16 @@ class RankWorker:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
-    def start(self, master: tuple, config: dict, restore: Optional[bytes], threads: int, tools: Optional[bytes] = None):
+    def start(self, master: tuple, config: dict, restore: Optional[bytes], threads: int, tools: Optional[dict] = None):
         """Join the group and load; `restore`: the boundary state this rank starts from (a restart), or None; `tools`:
-        the Lab's own tools, pickled (execution/sharded/shipped.py; None: none, or the config names them). Returns
-        (the reply, the boundary state at load, or None after a restore)."""
+        the driver's tools as a rank holds them, their schemas (execution/sharded/driven.py; None: none): the driver
+        runs them. Returns (the reply, the boundary state at load, or None after a restore)."""
         import torch.distributed as dist
         from transformers.utils import logging as hf_logging
 
         from .checks.world import backend_for
+        from .execution.sharded.driven import RankTools
         from .execution.sharded.rank_guard import cap_rank_gpu
-        from .execution.sharded.shipped import unshipped
         from .lab import Lab
         from .runtime import Runtime, init_decisions, runtime, set_runtime
 
@@ -87,7 +87,9 @@ class RankWorker:
                 timeout=timedelta(seconds=TIMEOUT_S),
             )
             init_decisions()  # the group every cross-rank decision is agreed on (runtime.agree)
-            self.lab = Lab(config, **unshipped(tools)).load()
+            self.lab = Lab(config)
+            self.lab.executor.tools = RankTools(tools) if tools is not None else None  # (none of its own: the driver's)
+            self.lab.load()
             if restore is not None:
                 restore_boundary(self.lab, restore)
             state = None if restore is not None else boundary_state(self.lab)
@@ -160,10 +162,18 @@ class RankWorker:
             dist.destroy_process_group()
 
     # --- commands: each returns (result, boundary state or None) ---
-    def phase(self, name: str, config: dict, scores: Optional[list] = None, drawn: Optional[tuple] = None):
+    def phase(
+        self,
+        name: str,
+        config: dict,
+        scores: Optional[list] = None,
+        drawn: Optional[tuple] = None,
+        tools: Optional[dict] = None,
+    ):
         """Run this step's phase `name` with this rank's own outputs of the phases before it; `scores`: the reward
         models' scores of the rollout, which the driver computed (rewards); `drawn`: the step's prompt rows and
-        their epoch, which the driver drew (rollout)."""
+        their epoch, which the driver drew (rollout); `tools`: the driver's environments' copies and get_reward
+        scores (rewards; execution/sharded/driven.py)."""
         from .algo.phases import BY_NAME
 
         changes = config_changes(self.lab.config.to_dict(), config)
@@ -173,6 +183,8 @@ class RankWorker:
             self.lab.executor.take_scores(scores)
         if drawn is not None:
             self.lab.prompts.hand(*drawn)
+        if tools is not None:
+            self.lab.executor.tools.take(tools, self.lab.current.rollout)
         inputs = [getattr(self.lab.current, field) for field in BY_NAME[name].inputs]
         out = getattr(self.lab, name)(*inputs)
         return out, boundary_state(self.lab) if name == "sync" else None

@@ -18,7 +18,10 @@ MAX_TOP_LEVEL = 15  # modules directly in grpo_lab/: the rest live in a package 
 DOC = ROOT.parent / "docs" / "architecture.md"
 # the Ray side of a sharded learner: its driver's modules and the rank's entry point (Ray imports it in each actor)
 RAY_SIDE = (
-    *(f"grpo_lab.execution.sharded.{m}" for m in ("driver", "ranks", "ray_cluster", "remote", "wire", "interrupts")),
+    *(
+        f"grpo_lab.execution.sharded.{m}"
+        for m in ("driver", "driven", "ranks", "ray_cluster", "remote", "wire", "interrupts")
+    ),
     "grpo_lab.rank",
 )
 # floors that algo/ and the floors the algorithm stands on never import an executor from: they reach a sharded

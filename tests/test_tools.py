@@ -378,7 +378,8 @@ def test_a_tool_without_hints_or_docstring_is_refused_at_construction(tiny_confi
     [
         (
             {"placement": {"learner_procs": 2}, "generator": {"backend": "vllm"}},
-            "a sharded learner .* runs the tool loop on its ranks' hf generators, not generator.backend vllm",
+            "a sharded learner .* decodes the tool loop's turns on its ranks' hf generators, not generator.backend "
+            "vllm",
         ),
     ],
 )

@@ -102,6 +102,7 @@ def executor_for(
 
     name = "ranks" if config.placement.learner_procs > 1 and runtime().is_driver else "local"
     module, _, attr = EXECUTORS[name].partition(":")
-    checked = tools_for(tools, environment_factory, config)
+    # a rank holds no tools: its driver runs them, and gives the rank their schemas (execution/sharded/driven.py)
+    checked = tools_for(tools, environment_factory, config) if not runtime().is_rank else None
     given = {"tools": checked} if checked is not None else {}
     return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index, train_dataset, **given)

@@ -14,9 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import pickle
 from dataclasses import replace
-from typing import Optional
 
 from ..algo.containers import Rollout
 from ..errors import LabError
@@ -37,7 +35,8 @@ def sample_once(generator, batch, num_generations: int, request, seeds: list[int
     `seeds[i]` for row i, left-padded to the whole batch's prompt `width`. Every rank makes the same number of engine
     calls (each one's `generation` context gathers collectively, and through the shards every forward does): its rows
     in `calls` near-equal chunks, each within chunk_size, and a rank with no rows samples a stand-in row, discarded.
-    With a tool loop (generator.turns), each rank runs it on its own rows, their tools called here (tools_in_step)."""
+    With a tool loop (generator.turns), each rank runs it on its own rows (tools_in_step); their environments and
+    tool calls are the driver's (execution/sharded/driven.py)."""
     me, g = runtime(), num_generations
     episode = generator.turns.start(batch, g, request) if generator.turns is not None else None
     if episode is not None:  # each row's prompt rendered with its tools, every rank alike
@@ -61,12 +60,10 @@ def sample_once(generator, batch, num_generations: int, request, seeds: list[int
             generator.generate_chunk([prompt_ids[i] for i in part], request, seeds[part.start : part.stop], width)
         )
         made += 1
-    mine = environments_of(episode, rows[me.rank])
-    everyone = me.gather_objects((samples, made, mine))  # why objects: each rank's rows are ragged lists until padded
-    out = generator.to_rollout(batch, g, prompt_ids, [s for part, *_ in everyone for s in part], request)
-    out.generate_calls = sum(n for _, n, _ in everyone)
+    everyone = me.gather_objects((samples, made))  # why objects: each rank's rows are ragged lists until padded
+    out = generator.to_rollout(batch, g, prompt_ids, [s for part, _ in everyone for s in part], request)
+    out.generate_calls = sum(n for _, n in everyone)
     if episode is not None:
-        episode.environments = stepped_environments(episode, [e for *_, e in everyone])
         episode.finish(out)
     agree_on(out)
     return out
@@ -96,34 +93,6 @@ def tools_in_step(generator, episode, part, prompt_ids, request, seeds, width) -
     while any(me.gather_objects(False)):  # why: another rank's turn needs this rank's engine call beside it
         generator.generate_chunk([prompt_ids[0]], stand_in, [0], width)
     return samples
-
-
-def environments_of(episode, rows) -> Optional[list]:
-    """This rank's rows' environments as its tool calls left them, pickled for the others (None: no environments);
-    one that cannot be pickled is said, so every rank raises the same line after the gather."""
-    import cloudpickle  # why not pickle: a class the Lab was given by value (made in a notebook cell) has no module
-
-    if episode is None or episode.environments is None:
-        return None
-    try:
-        return [cloudpickle.dumps(episode.environments[i]) for i in rows]
-    except Exception as err:  # why every Exception: pickling raises TypeError, PicklingError, AttributeError...
-        name = type(episode.environments[rows[0]]).__name__
-        return f"{name} cannot be pickled ({type(err).__name__}: {err})"
-
-
-def stepped_environments(episode, parts: list) -> Optional[list]:
-    """Every row's environment as the rank that ran its tools left it (the rewards' `environments=`, alike on every
-    rank; get_reward reads them)."""
-    if episode.environments is None:
-        return None
-    failed = [p for p in parts if isinstance(p, str)]
-    if failed:
-        raise LabError(
-            f"environment_factory: {failed[0]}; each rank's environments reach the others' rewards pickled: keep "
-            "what an environment holds picklable (no locks, open files or sockets)"
-        )
-    return [pickle.loads(e) for part in parts for e in part]
 
 
 def digest(rollout: Rollout) -> str:

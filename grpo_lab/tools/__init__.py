@@ -12,12 +12,13 @@ from ..errors import LabError
 
 
 def check_tools_config(config) -> None:
-    """Where tools cannot run yet, one line: a sharded learner with another backend than hf (its ranks run the loop
-    on their hf generators, each its share of the rows: generation/sample_once.py)."""
+    """Where tools cannot run yet, one line: a sharded learner with another backend than hf (its ranks decode the
+    turns on their hf generators, each its share of the rows: generation/sample_once.py; its driver runs the tools)."""
     if config.placement.learner_procs > 1 and config.generator.backend != "hf":
         raise LabError(
-            f"tools: a sharded learner (placement.learner_procs {config.placement.learner_procs}) runs the tool loop "
-            f"on its ranks' hf generators, not generator.backend {config.generator.backend}; use generator.backend: hf"
+            f"tools: a sharded learner (placement.learner_procs {config.placement.learner_procs}) decodes the tool "
+            f"loop's turns on its ranks' hf generators, not generator.backend {config.generator.backend}; use "
+            "generator.backend: hf"
         )
 
 
@@ -27,9 +28,6 @@ class Tools:
 
     toolbox: Optional[object]  # toolbox.Toolbox of the `tools=` functions (None: none)
     environments: Optional[object]  # environments.Environments of environment_factory (None: none)
-    # what the Lab was given as Python objects, (tools, environment_factory), None where the config names them: what a
-    # sharded learner's driver sends its ranks (execution/sharded/shipped.py); named ones are imported there by name
-    given: tuple = (None, None)
 
     @property
     def reward_funcs(self) -> list[Callable]:
@@ -80,7 +78,6 @@ def tools_for(tools: Optional[list[Callable]], environment_factory, config) -> O
     the Lab is given none), each checked now, at construction (a schema for every tool
     and environment method, a reset on every environment), and the config for where they can run."""
     gen = config.generator
-    given = (tools, environment_factory)
     tools = tools if tools is not None else [imported(s, "generator.tools") for s in gen.tools]
     if environment_factory is None and gen.environment_factory is not None:
         environment_factory = imported(gen.environment_factory, "generator.environment_factory")
@@ -91,4 +88,4 @@ def tools_for(tools: Optional[list[Callable]], environment_factory, config) -> O
 
     check_tools_config(config)
     environments = Environments(environment_factory, list(tools or [])) if environment_factory is not None else None
-    return Tools(Toolbox(list(tools)) if tools else None, environments, given)
+    return Tools(Toolbox(list(tools)) if tools else None, environments)

@@ -111,6 +111,11 @@ class ToolLoop:
         if self.paused is not None:
             check_paused(self.paused.rounds(), self.config, new)
 
+    def rows(self, raw: list, extra: dict, num_generations: int, messages: list[list[dict]]) -> tuple:
+        """The rows' tool side, in this process (rows_of); a sharded learner's rank asks its driver instead
+        (execution/sharded/driven.py)."""
+        return rows_of(self.toolbox, self.environments, raw, extra, num_generations, messages)
+
     def start(self, batch: PromptBatch, num_generations: int, request) -> "Episode":
         """The rollout's rows: a standard (text) prompt becomes its user message (with the system prompt), so
         completions reach rewards as conversations (TRL's tools need them); each row's environment, drawn and reset
@@ -124,16 +129,7 @@ class ToolLoop:
         raw = batch.raw if batch.raw is not None else batch.prompts
         system = self.config.data.system_prompt
         messages = [as_messages(p, system) for p in raw for _ in range(num_generations)]  # [N]
-        envs, toolboxes = None, [self.toolbox] * len(messages)
-        if self.environments is not None:
-            names = [n for n in self.environments.names(batch.extra, len(batch)) for _ in range(num_generations)]
-            envs = self.environments.draw(names)
-            rows = [
-                {"prompt": raw[i // num_generations], **{k: v[i // num_generations] for k, v in batch.extra.items()}}
-                for i in range(len(messages))
-            ]
-            messages = [self.environments.reset(e, r, m) for e, r, m in zip(envs, rows, messages)]
-            toolboxes = [self.environments.toolbox(e) for e in envs]
+        messages, toolboxes, envs = self.rows(raw, batch.extra, num_generations, messages)
         texts = [render_prompt(self.tokenizer, m, t.schemas) for m, t in zip(messages, toolboxes)]
         longest = max(len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"])
         if longest > request.max_prompt_length:
@@ -251,6 +247,19 @@ class Episode:
             return False
         trajectory.add_tools(messages, suffix)
         return True
+
+
+def rows_of(toolbox, environments: Optional[Environments], raw: list, extra: dict, g: int, messages: list) -> tuple:
+    """Each row's (prompt messages, toolbox, environment): with environment_factory, each row's environment drawn
+    and reset with its dataset row (its observation appended to the prompt), its methods the row's tools; else the
+    Lab's tools, and no environments (None)."""
+    if environments is None:
+        return messages, [toolbox] * len(messages), None
+    names = [n for n in environments.names(extra, len(raw)) for _ in range(g)]
+    envs = environments.draw(names)
+    rows = [{"prompt": raw[i // g], **{k: v[i // g] for k, v in extra.items()}} for i in range(len(messages))]
+    messages = [environments.reset(e, r, m) for e, r, m in zip(envs, rows, messages)]
+    return messages, [environments.toolbox(e) for e in envs], envs
 
 
 def cut_to_tokens(tokenizer, text: str, bound: Optional[int]) -> str:

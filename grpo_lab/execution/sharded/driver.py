@@ -61,11 +61,11 @@ class RankExecutor:
         self, config, reward_funcs: Optional[list], step_index: Callable[[], int], train_dataset=None, tools=None
     ):
         from ...algo.rewards import reward_functions
-        from .shipped import shipped
+        from .driven import DriverTools
 
         self.config = config
-        self.tools = tools  # the Lab's tools (tools.Tools): each rank runs the tool loop on its rows with its own copy
-        self.shipped = shipped(tools)  # those passed as objects, pickled for the ranks (None: the config names them)
+        self.tools = tools  # the Lab's tools (tools.Tools), here only: this process runs every call (sharded/driven.py)
+        self.driven = DriverTools(tools) if tools is not None else None  # each rollout's rows' environments
         self.rewards_given = reward_funcs is not None  # refused at load: a rank cannot take this process's functions
         self.train_dataset = train_dataset  # the Lab's own dataset object (None: data.dataset names one), read here
         self.opened = None  # the dataset preflight opened and checked, which the next build_prompts takes
@@ -151,8 +151,9 @@ class RankExecutor:
             memory,
             step=self.step_index,
             stopped=self.on_ranks_stopped,
-            tools=self.shipped,
+            tools=self.driven.description() if self.driven is not None else None,
         ).start()
+        self.ranks.answers.tools = self.driven  # (what the ranks' tool loops ask: their rows, their calls)
         if self.own_engine:  # the ranks' one engine, here: it starts with their adapter, gathered
             try:
                 self.adapter = RankAdapter(self)
@@ -225,7 +226,10 @@ class RankExecutor:
             self.generator_behind = False
         scores = self.score(*inputs) if name == "rewards" and self.reward_models else None
         drawn = self.draw() if name == "rollout" else None
-        out = self.ranks.call("phase", name, self.rank_config(), scores, drawn, describe=name)
+        given = self.driven.for_rewards(*inputs) if name == "rewards" and self.driven is not None else None
+        out = self.ranks.call("phase", name, self.rank_config(), scores, drawn, given, describe=name)
+        if name == "rollout" and self.driven is not None:
+            self.driven.finish(out)  # (the rollout's environments are this process's)
         if name == "optimizer" and state.snapshot is None:
             state.snapshot = SnapshotsOnRanks()  # why: each rank took its own rollback snapshot
         if name == "sync":

@@ -87,10 +87,10 @@ class Ranks:
         memory: RankMemory,
         step: Callable[[], int] = lambda: 0,
         stopped: Callable[[], None] = lambda: None,
-        tools: Optional[bytes] = None,
+        tools: Optional[dict] = None,
     ):
         self.config, self.size, self.memory, self.step, self.stopped = config, size, memory, step, stopped
-        self.tools = tools  # the Lab's own tools, pickled for every rank's Lab (sharded/shipped.py; None: none)
+        self.tools = tools  # the tools' schemas for every rank's Lab (sharded/driven.py: the driver runs them)
         self.down = False  # stopped by halt(): started again, from the driver's step, at the next command
         self.threads = 1  # each rank's torch threads: fitted to the Ray the ranks join, at their first start
         self.cluster = self.group = None

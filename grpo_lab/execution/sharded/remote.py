@@ -15,18 +15,22 @@ from ...generation.base import GenerationRequest, Generator, Sample
 from ...generation.vllm_engine import draw_seeds
 from ...models.source import resolve_model_path
 
-_driver = {"rank": None, "asked": 0}
+TOOL_QUESTIONS = {"tool_rows", "tool_calls"}  # what a rank's tool loop asks the driver (sharded/driven.py)
+_driver = {"rank": None, "asked": 0, "mine": 0}
 
 
 def serve_questions_on(rank) -> None:
     """The rank (worker.RankWorker) that holds this command's questions until the driver's poll answers them."""
-    _driver.update(rank=rank, asked=0)
+    _driver.update(rank=rank, asked=0, mine=0)
 
 
-def ask(method: str, *args):
-    """The driver's answer to `method(*args)`, asked while the driver waits for this rank's reply to a command."""
-    _driver["asked"] += 1
-    status, value = _driver["rank"].ask(_driver["asked"], (method, args))
+def ask(method: str, *args, mine: bool = False):
+    """The driver's answer to `method(*args)`, asked while the driver waits for this rank's reply to a command.
+    Every rank asks the same questions in the same order (numbered 1, 2, ...), answered once for all; a question of
+    this rank's own (`mine`: its rows' tool calls) is numbered -1, -2, ... and answered for this rank alone."""
+    key = "mine" if mine else "asked"
+    _driver[key] += 1
+    status, value = _driver["rank"].ask(-_driver[key] if mine else _driver[key], (method, args))
     if status != "ok":
         raise RuntimeError(value)
     return value
@@ -54,24 +58,30 @@ class Answers:
     ranks ask the same questions in the same order, which is checked."""
 
     def __init__(self, service):
-        self.service = service
+        self.service = service  # the driver's vLLM engine (sample), if any
+        self.tools = None  # the driver's side of the tool loop (sharded/driven.py: rows, calls), if the Lab has tools
         self.given: dict[int, tuple[bytes, tuple]] = {}
 
     def answer(self, number: int, method: str, args: tuple) -> tuple:
+        if number < 0:  # a rank's own question (its rows' tool calls): answered for it alone, never compared
+            return self.reply(method, args)
         key = pickle.dumps((method, args))
         if number in self.given:
             asked, reply = self.given[number]
             if asked != key:
                 return ("error", f"the ranks asked different questions ({method}): their rollouts diverged")
             return reply
+        reply = self.reply(method, args)
+        self.given[number] = (key, reply)
+        return reply
+
+    def reply(self, method: str, args: tuple) -> tuple:
         try:
-            reply = ("ok", getattr(self.service, method)(*args))
+            return ("ok", getattr(self.tools if method in TOOL_QUESTIONS else self.service, method)(*args))
         except Exception as err:  # why so broad: the rank must get an answer; the error comes back as its failure
             from .wire import one_line
 
-            reply = ("error", one_line(err))
-        self.given[number] = (key, reply)
-        return reply
+            return ("error", one_line(err))
 
     def clear(self) -> None:
         self.given.clear()
