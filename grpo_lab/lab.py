@@ -24,6 +24,7 @@ from .errors import ConfigError, LabError, one_line_in_cells
 from .execution.contract import executor_for
 from .memory.timeline import Timeline
 from .preflight import preflight
+from .recovery.streams import rewind_streams
 from .runtime import own_streams
 from .turns_api import drop_turns, rollout_phase
 from .ui.quiet import no_frozen_bars
@@ -344,6 +345,7 @@ class Lab(LabViews):
         s = self._step
         self.executor.rollback(s)
         s.snapshot, s.updates, s.gradients, s.stats, s.grad_norm = None, 0, False, None, None
+        rewind_streams(self, "backward")  # (the redone backward draws the dropout masks the first drew)
 
     def run(self, steps: Optional[int] = None) -> list[StepResult]:
         """`steps` steps (default: run.steps, read now)."""

@@ -82,3 +82,19 @@ def test_a_failed_phase_leaves_the_random_streams_as_a_lab_that_never_failed(loa
         assert lab.history[0].attempts == 2 and twin.history[0].attempts == 1
     finally:
         lab.close(), twin.close()
+
+
+def test_a_rollback_by_hand_redoes_the_steps_backward_with_its_first_dropout_masks(loaded_lab):
+    """lab.rollback() undoes the step's updates and goes on from backward: the redone backward draws the dropout masks
+    the first drew (a Lab that never rolled back trains the same), as a failed phase's retry does."""
+    lab, twin = loaded_lab(**SECTIONS), loaded_lab(**SECTIONS)
+    try:
+        while lab.next_phase() != "sync":  # through both backwards and updates: every dropout mask drawn
+            lab.run_next_phase()
+        lab.rollback()
+        assert lab.next_phase() == "backward" and lab.current.updates == 0
+        got, expected = rest_of_step(lab), rest_of_step(twin)
+        assert_same_state(lab, train_state(twin))
+        assert got["sync"].loss == expected["sync"].loss
+    finally:
+        lab.close(), twin.close()

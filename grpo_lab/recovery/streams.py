@@ -34,3 +34,14 @@ def put_streams_back(lab, name: str, streams: dict) -> None:
     streams = lab.current.streams.get(resume, streams if resume == name else None)
     if streams is not None:
         restore_rng(streams)
+
+
+def rewind_streams(lab, name: str) -> None:
+    """Back to the random streams phase `name` of the current step first started from, where a hand-made undo
+    (lab.rollback(): the step goes on from backward) redoes it; nothing when the step never ran it."""
+    from ..runtime import own_streams, restore_rng
+
+    own_streams(lab)
+    streams = lab.current.streams.get(name)
+    if streams is not None:
+        restore_rng(streams)
