@@ -112,12 +112,12 @@ def _live_peak(trace: Path) -> float:
     return peak
 
 
-@pytest.mark.parametrize("rows, new", [(32, 96), (4, 400)])
+@pytest.mark.parametrize("rows, new", [(32, 96), (4, 1000)])
 def test_a_turn_s_prefill_is_planned_as_torch_s_profiler_counts_it(tiny_config, tmp_path, rows, new):
     """A left-padded prefill into an empty KV cache, as a tool loop's first turn runs it on the CPU: the live tensors'
     peak (torch.profiler, profile_memory) against the plan's KV of its context and its prefill (planner/turns.py):
-    an MLP-bound batch and a long, attention-bound one (measured 18.3 and 10.2 MiB; the [rows, heads, new, context]
-    scores the plan took before, which CPU sdpa never makes, planned 5.3 and 6.4)."""
+    an MLP-bound batch and a long, attention-bound one (measured 18.3 and 33.8 MiB, planned 18.3 and 32.7; the
+    [rows, heads, new, context] scores the plan took before, which CPU sdpa never makes, planned 5.3 at the first)."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
