@@ -1,6 +1,7 @@
 """A multi-turn rollout's plan (a Lab with tools), turn by turn. Turn k of the hf tool loop holds, beside the plan's
 resident lines: the KV cache of the prompt and every token so far (earlier turns, tool results, this turn's decoded
-tokens), and either its prefill's working memory or one decoding step's [rows, vocab] buffers, never both at once.
+tokens), and either its prefill's working memory (beside the KV of its context alone) or one decoding step's [rows,
+vocab] buffers, never both at once.
 The rollout's planned peak is its worst turn's. Before a run the plan takes every turn at its worst: the KV cache
 at the prompt and the whole trajectory budget (generator.max_completion_length, tool results included) at the last
 turn; a turn's prefill the prompt (turn 1), the largest tool result (generator.turn_cache keep) or the whole
