@@ -5,6 +5,9 @@ planned peak its worst turn's, and each turn of a 2- and a 4-turn rollout planne
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from test_turn_cache import add
 
@@ -97,3 +100,42 @@ def test_each_turn_is_planned_within_ten_percent_of_its_measured_peak(turns):
     rows = one(turns, 512, "keep", 8, None)
     assert [r["turn"] for r in rows] == list(range(1, turns + 1)), rows
     assert all(0.9 <= r["plan_over_measured"] <= 1.1 for r in rows), rows
+
+
+def _live_peak(trace: Path) -> float:
+    """The most bytes torch's CPU allocator held at once in a profiler trace, over what it held at the start."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    held = peak = 0
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        held += e["args"]["Bytes"]
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("rows, new", [(32, 96), (4, 1000)])
+def test_a_turn_s_prefill_is_planned_as_torch_s_profiler_counts_it(tiny_config, tmp_path, rows, new):
+    """A left-padded prefill into an empty KV cache, as a tool loop's first turn runs it on the CPU: the live tensors'
+    peak (torch.profiler, profile_memory) against the plan's KV of its context and its prefill (planner/turns.py):
+    an MLP-bound batch and a long, attention-bound one (measured 18.3 and 33.8 MiB, planned 18.3 and 32.7; the
+    [rows, heads, new, context] scores the plan took before, which CPU sdpa never makes, planned 5.3 at the first)."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.models.shapes import load_shape
+    from grpo_lab.planner.turns import Turn, turn_bytes
+
+    config = load_config(tiny_config())
+    model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (rows, new))
+    mask = torch.ones(rows, new, dtype=torch.long)
+    mask[: rows // 2, : new // 4] = 0  # (half the rows left-padded: the mask the forward takes)
+    with (
+        torch.no_grad(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
+    prof.export_chrome_trace(str(tmp_path / "prefill.json"))
+    measured = _live_peak(tmp_path / "prefill.json")
+    planned = turn_bytes(load_shape(config.model.name_or_path), config, Turn(1, rows, new, new, 0))["at_prefill"]
+    assert 0.95 <= planned / measured <= 1.05, (planned / 2**20, measured / 2**20)

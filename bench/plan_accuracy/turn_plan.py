@@ -2,8 +2,9 @@ r"""A tool loop's rollout planned turn by turn against each turn's measured host
 the tiny body (builtin:qwen2-152k, float32, 8 rows). Each rollout in a fresh process (its first step: nothing
 warmed): every row's tool call forced in each turn but the last (the tiny body never writes one; bench/forced.py),
 the tool answering `--answer-words` words, the last turn free to the trajectory budget. The turns' tokens (prefilled,
-in the KV cache, decoded) are read from the model's forwards; the plan (planner/turns.py turn_peaks) takes them; the
-measured peak is the step's `turn_memory` host RSS of each "turn k" mark (the sampler at 200 Hz).
+in the KV cache, decoded) are the hf backend's record of its generate() calls, one a turn (Rollout.turn_shapes); the
+plan (planner/turns.py turn_peaks) takes them; the measured peak is the step's `turn_memory` host RSS of each "turn k"
+mark (the sampler at 200 Hz).
 
     OMP_NUM_THREADS=1 python -m bench.plan_accuracy.turn_plan                       # 2 and 4 turns, keep and prefill
     OMP_NUM_THREADS=1 python -m bench.plan_accuracy.turn_plan --baseline            # TOOLS_IMPORTS' measurement
@@ -35,18 +36,12 @@ def lab_config(turns: int, length: int, mode: str, mmap, model: str = "builtin:q
     }  # fmt: skip
 
 
-def turns_made(forwards: list[tuple[int, int, int]], mode: str):
-    """The rollout's Turns from its forwards ((generate call, rows, tokens fed) in order)."""
+def turns_made(shapes: list[dict]):
+    """The rollout's Turns from its generate() calls' shapes (Rollout.turn_shapes: rows, tokens prefilled, context,
+    decoded), each labelled with its turn's mark."""
     from grpo_lab.planner.turns import Turn
 
-    turns, cached = [], 0
-    for call in sorted({f[0] for f in forwards}):
-        fed = [f for f in forwards if f[0] == call]
-        rows, new = fed[0][1], fed[0][2]
-        context = (cached if mode == "keep" else 0) + new  # (keep: the tokens forwarded before stay in the cache)
-        turns.append(Turn(call, rows, new, context, len(fed) - 1))
-        cached = context + len(fed) - 1
-    return turns
+    return [Turn(int(s["mark"].split()[1]), s["rows"], s["prefill"], s["context"], s["decode"]) for s in shapes]
 
 
 def worker(turns: int, length: int, mode: str, words: int, mmap) -> list[dict]:
@@ -56,14 +51,11 @@ def worker(turns: int, length: int, mode: str, words: int, mmap) -> list[dict]:
 
     probe.ANSWER_WORDS[0] = words
     lab = Lab(lab_config(turns, length, mode, mmap), reward_funcs=["length"], tools=[probe.lookup]).load()
-    made = probe.force_calls(lab.learner.tokenizer, turns - 1)
-    forwards = []
-    embed = lab.learner.model.get_base_model().get_input_embeddings()
-    embed.register_forward_pre_hook(lambda _, args: forwards.append((len(made), *args[0].shape)))
+    probe.force_calls(lab.learner.tokenizer, turns - 1)
     plan = lab.plan()
     result = lab.step()
+    made_turns = turns_made(lab.generator.turns.shapes)  # (the tool loop's latest episode: this step's rollout)
     lab.close()
-    made_turns = turns_made(forwards, mode)
     planned = turn_peaks(plan, made_turns)
     measured = {r["mark"]: r["peak"] for r in result.turn_memory if r["device"] == "host" and r["metric"] == "rss"}
     rows = []

@@ -1,6 +1,7 @@
 """A multi-turn rollout's plan (a Lab with tools), turn by turn. Turn k of the hf tool loop holds, beside the plan's
 resident lines: the KV cache of the prompt and every token so far (earlier turns, tool results, this turn's decoded
-tokens), and either its prefill's working memory or one decoding step's [rows, vocab] buffers, never both at once.
+tokens), and either its prefill's working memory (beside the KV of its context alone) or one decoding step's [rows,
+vocab] buffers, never both at once.
 The rollout's planned peak is its worst turn's. Before a run the plan takes every turn at its worst: the KV cache
 at the prompt and the whole trajectory budget (generator.max_completion_length, tool results included) at the last
 turn; a turn's prefill the prompt (turn 1), the largest tool result (generator.turn_cache keep) or the whole
@@ -40,20 +41,35 @@ def uses_tools(config, tools: Optional[bool] = None) -> bool:
     return tools if tools is not None else bool(gen.tools or gen.environment_factory)
 
 
-def prefill_bytes(shape: ModelShape, rows: int, new: int, context: int) -> float:
-    """One layer's prefill working memory on a CPU learner: attention's float32 scores [rows, heads, new, context]
-    (torch's CPU attention with a padding mask materializes them; a layer frees them before the next)."""
-    return rows * shape.heads * new * context * 4
+def prefill_bytes(shape: ModelShape, config, rows: int, new: int, context: int) -> float:
+    """A prefill's working memory on a CPU learner beyond the KV cache, at its last layer, as torch's profiler counts
+    its tensors (profile_memory; builtin:tiny-tools, 128 x 136 tokens, float32: 87.3 of a 112.8 MiB peak, the rest the
+    KV cache): the boolean padding mask [rows, 1, new, context] for the whole forward; then the larger of the
+    attention (the embeddings, the layer's input and its normed copy [rows, new, hidden], the query and sdpa's output
+    [rows, heads, new, head_dim], the mask as sdpa's additive float mask: its flash kernel makes no [rows, heads, new,
+    context] scores) and the MLP (the embeddings, the layer's input, the residual and the normed copy, with its three
+    [rows, new, intermediate]: the gate's activation, the up projection and their product)."""
+    e, tokens = compute_bytes(config), rows * new
+    hidden, query = tokens * shape.hidden * e, tokens * shape.heads * shape.head_dim * e
+    width = shape.intermediate or shape.shared_intermediate  # (a MoE's routed experts are not measured here)
+    attention = 3 * hidden + 2 * query + tokens * context * e
+    mlp = 4 * hidden + 3 * tokens * width * e
+    return tokens * context + max(attention, mlp)
+
+
+def kv_bytes(shape: ModelShape, config, rows: int, tokens: int) -> float:
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * compute_bytes(config) * rows * tokens
 
 
 def turn_bytes(shape: ModelShape, config, turn: Turn) -> dict[str, float]:
     """Turn `turn`'s transient host bytes, by term; "peak" is what it holds at its worst."""
-    e = compute_bytes(config)
-    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * e * turn.rows * (turn.context + turn.decode)
-    prefill = prefill_bytes(shape, turn.rows, turn.prefill, turn.context)
+    kv = kv_bytes(shape, config, turn.rows, turn.context + turn.decode)
+    prefill = prefill_bytes(shape, config, turn.rows, turn.prefill, turn.context)
     step = generation_step_bytes(shape, config, turn.rows) if turn.decode else 0.0
-    # why max, not sum: the prefill's scores are freed layer by layer before the first decoding step's logits
-    return {"kv": kv, "prefill": prefill, "step": step, "peak": kv + max(prefill, step)}
+    # why two sums: the prefill runs beside the KV of its context alone and is freed before the first decoding step,
+    # whose buffers then sit beside the KV the turn's decoded tokens grow
+    at_prefill = kv_bytes(shape, config, turn.rows, turn.context) + prefill
+    return {"kv": kv, "prefill": prefill, "step": step, "at_prefill": at_prefill, "peak": max(at_prefill, kv + step)}
 
 
 def worst_turns(config) -> list[Turn]:
@@ -78,7 +94,8 @@ def turn_peaks(plan, turns: list[Turn]) -> list[float]:
 
 def add_turn_items(plan, tools: Optional[bool] = None) -> None:
     """The plan's lines of a tool loop: TRL's imports on the host; on a CPU learner with the hf backend, the worst
-    turn's prefill beyond the decoding step it never lives beside, and each rollout line's worst turn."""
+    turn's prefill beyond the KV cache and decoding step the plan's other lines hold, and each rollout line's worst
+    turn."""
     config, shape = plan.config, plan.shape
     if not uses_tools(config, tools):
         return
@@ -87,27 +104,25 @@ def add_turn_items(plan, tools: Optional[bool] = None) -> None:
     if config.generator.own_weights or config.placement.learner != "cpu" or config.placement.learner_procs > 1:
         return
     turns = worst_turns(config)
-    peaks = [turn_bytes(shape, config, t)["peak"] for t in turns]
-    top = max(range(len(turns)), key=lambda k: (peaks[k], k))  # (the last of equals)
+    terms = [turn_bytes(shape, config, t) for t in turns]
+    top = max(range(len(turns)), key=lambda k: (terms[k]["peak"], k))  # (the last of equals)
     if plan.turns:
         plan.turns += f"; the rollout planned at its worst turn, {turns[top].number}"
-    worst = max(
-        reversed(turns), key=lambda t: prefill_bytes(shape, t.rows, t.prefill, t.context)
-    )  # (the last of equals)
-    step = generation_step_bytes(shape, config, worst.rows)
-    prefill = prefill_bytes(shape, worst.rows, worst.prefill, worst.context)
-    scores = (
-        f"worst at turn {worst.number}: float32 attention scores [{worst.rows}, {shape.heads}, {worst.prefill}, "
-        f"{worst.context}] of one layer"
+    # the KV cache and logits step lines hold the last turn's decoding; a turn's prefill may pass them
+    decoding = terms[-1]["kv"] + terms[-1]["step"]
+    k = max(range(len(turns)), key=lambda k: (terms[k]["at_prefill"], k))  # (the last of equals)
+    worst, excess = turns[k], terms[k]["at_prefill"] - decoding
+    prefill = (
+        f"worst at turn {worst.number}: {worst.rows} rows prefilling {worst.prefill} tokens over {worst.context}, "
+        f"one layer's activations and the padding mask ({terms[k]['prefill'] / MiB:.1f} MiB) beside the KV cache so far"
     )
     for item in host.items:
         if item.what == "generation KV cache":
             item.note += f"; worst at the last turn, {turns[-1].number}"
         elif item.what == "generation logits step":
-            below = f" (a turn's prefill below it, {scores}: {prefill / MiB:.1f} MiB)" if prefill <= step else ""
-            item.note += f"; every turn alike{below}"
-    if prefill > step:  # why the excess alone: the scores never live beside the logits step
-        host.add("turn prefill beyond the logits step", prefill - step, f"{scores}, never beside the logits step",
+            item.note += f"; every turn alike{f' (a turn prefill below them, {prefill})' if excess <= 0 else ''}"
+    if excess > 0:  # why the excess alone: a prefill is freed before its decoding steps and their grown KV cache
+        host.add("turn prefill beyond the logits step", excess, f"{prefill}, freed before the decoding step",
                  phase="rollout")  # fmt: skip
 
 
