@@ -93,11 +93,14 @@ def test_a_config_without_tools_plans_no_turn_lines(tiny_config):
 @pytest.mark.slow
 @pytest.mark.parametrize("turns", [2, 4])
 def test_each_turn_is_planned_within_ten_percent_of_its_measured_peak(turns):
-    """A 2- and a 4-turn rollout on Qwen2.5's 152k vocabulary (generator.turn_cache keep, glibc's own mmap
-    threshold), each turn's planned host peak against its measured one (StepResult.turn_memory's RSS)."""
+    """A 2- and a 4-turn rollout on Qwen2.5's 152k vocabulary (generator.turn_cache keep), each turn's planned host
+    peak against its measured one (StepResult.turn_memory's RSS). The heap's threshold pinned at 128 KiB, where the
+    plan holds within 1.1 (0.98-1.00 measured): at glibc's own, a 2-turn rollout's decoding read 801-810 or 860-895 MiB
+    run to run with the same 185 MiB in use (mallinfo2: 62 MiB or 122-205 free in the heap), the holes the plan's
+    note at that threshold names (bench/plan_accuracy/turn_plan.py measures both thresholds)."""
     from bench.plan_accuracy.turn_plan import one
 
-    rows = one(turns, 512, "keep", 8, None)
+    rows = one(turns, 512, "keep", 8, 0.125)
     assert [r["turn"] for r in rows] == list(range(1, turns + 1)), rows
     assert all(0.9 <= r["plan_over_measured"] <= 1.1 for r in rows), rows
 
