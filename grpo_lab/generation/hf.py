@@ -93,7 +93,10 @@ class HFGenerator(Generator):
                     # whose samples are dropped
                     prompt_ids, row_seeds_ = prompt_ids + prompt_ids[-1:] * short, row_seeds_ + row_seeds_[-1:] * short
                 held = turns.for_rows(rows) if turns else None
-                return self.generate_chunk(prompt_ids, request, row_seeds_, width, model, held)[: len(rows)]
+                samples = self.generate_chunk(prompt_ids, request, row_seeds_, width, model, held)[: len(rows)]
+                if turns and self.learner.device.type == "cpu":  # why: a turn's freed [rows, vocab] buffers would
+                    trim_host_heap()  # stay resident as heap holes through the tool calls and the next turn's prefill
+                return samples
 
             out = self.generate_in_chunks(batch, num_generations, request, chunk)
         out.compiled_graphs, out.cudagraph_recorded_inputs = counted.delta()
