@@ -208,7 +208,7 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
 def test_a_cpu_turn_s_freed_buffers_leave_the_heap_before_its_tools_run(tiny_config, monkeypatch):
     """The hf backend trims the C heap as each turn's generate() call ends (a CPU learner), so the turn's freed
     [rows, vocab] buffers are not held as heap holes through the tool calls and the next turn's prefill: a trim comes
-    between every turn's last forward and its `tools k` mark (the per-step trims put out of reach: every 10**9 steps)."""
+    between every turn's last forward and its `tools k` mark (per-step trims set to every 10**9 steps)."""
     import grpo_lab.generation.hf as hf
     from grpo_lab import Lab
 
