@@ -7,6 +7,11 @@ start (after gc and malloc_trim, as the bench starts it) and, per label, the lar
 
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --turns 2 --length 384
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --turns 2 --length 384 --mmap 0.125   # pinned threshold
+    OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --profile     # rollout 2's live tensors at their peak
+
+`--profile`: rollout 2 under torch.profiler(profile_memory=True, record_shapes=True); the CPU allocator's events
+replayed in order give the live tensor bytes over the rollout's start and, at their peak, the tensors live then,
+grouped by the op that allocated them and its input shapes (one JSON line).
 
 docs/benchmarks.md "A tool-calling rollout beside TRL's tool loop" keeps the breakdown.
 """
@@ -77,6 +82,45 @@ def instrument(lab, timeline: Timeline) -> None:
     lab.generator.turns.marker = lambda label: (marker(label), timeline.set(label.split()[0]))
 
 
+def live_at_peak(prof) -> dict:
+    """The profiled allocations replayed: the peak of live bytes over the start, and what was live then (MiB by the
+    allocating op and its first two inputs' shapes)."""
+    nodes = []
+
+    def walk(node, op):
+        alloc = type(node.extra_fields).__name__ == "_ExtraFields_Allocation"
+        if alloc:
+            nodes.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, op))
+        for child in node.children:
+            walk(child, op if alloc else node)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    events = sorted(nodes, key=lambda n: n[0])
+    # the whole rollout's peak (turn 1's prefill), and the decoding steps' (the events after the first tenth)
+    return {"whole": peak_of(events, 0), "after_first_tenth": peak_of(events, len(events) // 10)}
+
+
+def peak_of(events: list, start: int) -> dict:
+    """The peak of live bytes over the start, among events[start:], and the tensors live then, by allocating op."""
+    live, now, peak, at_peak = {}, 0, 0, {}
+    for k, (_, ptr, size, op) in enumerate(events):
+        if size > 0:
+            live[ptr] = (size, op)
+        else:
+            live.pop(ptr, None)
+        now += size
+        if k >= start and now > peak:
+            peak, at_peak = now, dict(live)
+    groups: dict = {}
+    for size, op in at_peak.values():
+        shapes = [list(getattr(i, "sizes", []) or []) for i in getattr(op.extra_fields, "inputs", [])[:2]] if op else []
+        key = f"{op.name if op else '?'} {shapes}"
+        groups[key] = groups.get(key, 0) + size
+    top = sorted(groups.items(), key=lambda kv: -kv[1])[:12]
+    return {"live_peak_mib": round(peak / MiB, 1), "live_at_peak_mib": {k: round(v / MiB, 2) for k, v in top}}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=2)
@@ -84,6 +128,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mode", default="keep")
     parser.add_argument("--mmap", type=float, default=None, help="memory.host_mmap_threshold_mib")
     parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="rollout 2 profiled: its live tensors at their peak")
     args = parser.parse_args(argv)
     import torch
 
@@ -106,6 +151,14 @@ def main(argv=None) -> None:
         timeline.set("start")
         base = rss()
         timeline.peaks = {}
+        profiling = args.profile and index == 2
+        if profiling:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+                lab.rollout()
+            print(json.dumps({"rollout": index, "profiled": True} | live_at_peak(prof)), flush=True)
+            continue
         lab.rollout()
         timeline.set("idle")
         peaks = {k: round((v - base) / MiB, 1) for k, v in sorted(timeline.peaks.items(), key=lambda kv: -kv[1])}
