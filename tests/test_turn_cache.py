@@ -205,7 +205,8 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
     assert numbers == sorted(numbers) and set(numbers) == set(range(1, max(out.turns) + 1)), numbers
 
 
-def test_a_cpu_turn_s_freed_buffers_leave_the_heap_before_its_tools_run(tiny_config, monkeypatch):
+@pytest.mark.parametrize("mode", ["keep", "prefill"])
+def test_a_cpu_turn_s_freed_buffers_leave_the_heap_before_its_tools_run(tiny_config, monkeypatch, mode):
     """The hf backend trims the C heap as each turn's generate() call ends (a CPU learner), so the turn's freed
     [rows, vocab] buffers are not held as heap holes through the tool calls and the next turn's prefill: a trim comes
     between every turn's last forward and its `tools k` mark (per-step trims set to every 10**9 steps)."""
@@ -215,7 +216,7 @@ def test_a_cpu_turn_s_freed_buffers_leave_the_heap_before_its_tools_run(tiny_con
     cfg = tiny_config(
         model={"chat_template": TEMPLATE},
         generator={"max_completion_length": 320, "max_prompt_length": 1024, "max_tool_calling_iterations": 2,
-                   "temperature": 1.0},
+                   "temperature": 1.0, "turn_cache": mode},
         grpo={"beta": 0.0, "num_generations": 3, "prompts_per_step": 2},
     )  # fmt: skip
     lab = Lab(cfg, reward_funcs=["length"], tools=[add]).load()

@@ -94,8 +94,8 @@ class HFGenerator(Generator):
                     prompt_ids, row_seeds_ = prompt_ids + prompt_ids[-1:] * short, row_seeds_ + row_seeds_[-1:] * short
                 held = turns.for_rows(rows) if turns else None
                 samples = self.generate_chunk(prompt_ids, request, row_seeds_, width, model, held)[: len(rows)]
-                if turns and self.learner.device.type == "cpu":  # why: a turn's freed [rows, vocab] buffers would
-                    trim_host_heap()  # stay resident as heap holes through the tool calls and the next turn's prefill
+                if self.turns is not None and self.learner.device.type == "cpu":  # why: a turn's freed [rows,
+                    trim_host_heap()  # vocab] buffers would stay resident as heap holes through the tool calls
                 return samples
 
             out = self.generate_in_chunks(batch, num_generations, request, chunk)
