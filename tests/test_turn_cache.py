@@ -203,3 +203,39 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
     assert [{k: v for k, v in s.items() if k != "mark"} for s in out.turn_shapes] == spied, (out.turn_shapes, spied)
     numbers = [int(s["mark"].split()[1]) for s in out.turn_shapes]
     assert numbers == sorted(numbers) and set(numbers) == set(range(1, max(out.turns) + 1)), numbers
+
+
+@pytest.mark.parametrize("mode", ["keep", "prefill"])
+def test_a_cpu_turn_s_freed_buffers_leave_the_heap_before_its_tools_run(tiny_config, monkeypatch, mode):
+    """The hf backend trims the C heap as each turn's generate() call ends (a CPU learner), so the turn's freed
+    [rows, vocab] buffers are not held as heap holes through the tool calls and the next turn's prefill: a trim comes
+    between every turn's last forward and its `tools k` mark (per-step trims set to every 10**9 steps)."""
+    import grpo_lab.generation.hf as hf
+    from grpo_lab import Lab
+
+    cfg = tiny_config(
+        model={"chat_template": TEMPLATE},
+        generator={"max_completion_length": 320, "max_prompt_length": 1024, "max_tool_calling_iterations": 2,
+                   "temperature": 1.0, "turn_cache": mode},
+        grpo={"beta": 0.0, "num_generations": 3, "prompts_per_step": 2},
+    )  # fmt: skip
+    lab = Lab(cfg, reward_funcs=["length"], tools=[add]).load()
+    forced_turns(monkeypatch, lab.learner.tokenizer, 2)
+    events: list[str] = []
+    monkeypatch.setattr(hf, "TRIM_EVERY", 10**9)  # (TrimHeapEvery then trims at a call's first step alone)
+    trim = hf.trim_host_heap
+    monkeypatch.setattr(hf, "trim_host_heap", lambda: (events.append("trim"), trim())[1])
+    marker = lab.generator.turns.marker
+    monkeypatch.setattr(lab.generator.turns, "marker", lambda label: (events.append(label), marker(label))[1])
+    hook = lab.learner.model.get_base_model().model.register_forward_hook(lambda *_: events.append("forward"))
+    torch.manual_seed(7)
+    try:
+        lab.rollout()
+    finally:
+        hook.remove()
+        lab.close()
+    tools = [i for i, e in enumerate(events) if e.startswith("tools")]
+    assert tools, events[-5:]
+    for i in tools:
+        last_forward = max(k for k in range(i) if events[k] == "forward")
+        assert "trim" in events[last_forward:i], (events[i], events[last_forward : i + 1])

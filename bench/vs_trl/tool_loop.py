@@ -15,8 +15,9 @@ seconds (`lab.rollout()`; `trainer._generate(prompts)`), and per CPU second (the
 machine is shared, so wall seconds follow its load; the same tokens, so ours / TRL is TRL's CPU seconds / ours).
 Peak: this process's RSS (psutil, a daemon thread at 200 Hz) during the rollout less its RSS just before it (after
 gc and malloc_trim, both sides). grpo_lab's side also prints
-the plan's rollout peak (planner.plan, tools on) against each turn's measured peak (the memory sampler's marks,
-`turn 1`, `tools 1`, ...: absolute RSS), planned / measured.
+each turn's plan as it ran (planner/turns.py turn_peaks over the rollout's Rollout.turn_shapes, the largest of a
+turn's generate() calls, as notebook 07's table does) against that turn's measured peak (the memory sampler's `turn k`
+marks at 200 Hz: absolute RSS), planned / measured; and the plan's worst-turn rollout peak (the plan before a run).
 
     OMP_NUM_THREADS=1 python -m bench.vs_trl.tool_loop --turn-counts 2 --length 384 --out DIR
     OMP_NUM_THREADS=1 python -m bench.vs_trl.tool_loop --turn-counts 4 --length 512 --out DIR
@@ -72,6 +73,7 @@ def lab_config(args, mode: str) -> dict:
                       "max_tool_calling_iterations": args.turns - 1, "turn_cache": mode},
         "grpo": {"num_generations": args.generations, "prompts_per_step": len(PROMPTS), "beta": 0.0},
         "data": {"system_prompt": None},
+        "memory": {"sample_hz": 200},  # (each turn's mark peak, as bench/plan_accuracy/turn_plan.py reads it)
     }  # fmt: skip
 
 
@@ -96,6 +98,19 @@ def turn_peaks(lab) -> dict:
     }
 
 
+def turn_plans(plan, shapes: list[dict]) -> dict:
+    """Each turn's plan as it ran ({"turn k": MiB}): planner/turns.py turn_peaks over the turn's generate() calls'
+    shapes (Rollout.turn_shapes), the largest (grpo_lab/ui/story.py ran_peaks_mib's rule)."""
+    from grpo_lab.planner.turns import Turn
+    from grpo_lab.planner.turns import turn_peaks as planned_turns
+
+    out: dict[str, float] = {}
+    for s in shapes:
+        turn = Turn(int(s["mark"].split()[1]), s["rows"], s["prefill"], s["context"], s["decode"])
+        out[s["mark"]] = max(out.get(s["mark"], 0.0), planned_turns(plan, [turn])[0] / MiB)
+    return {mark: round(mib, 1) for mark, mib in out.items()}
+
+
 def ours(args, rss: RSSPeak) -> None:
     from bench.probes.turn_cache import ANSWER_WORDS, force_calls, lookup
     from grpo_lab import Lab
@@ -114,13 +129,14 @@ def ours(args, rss: RSSPeak) -> None:
         prompt_lengths = out.prompt_mask.sum(1)
         planned = plan(lab.config, prompt_tokens=int(prompt_lengths.max()), tools=True)
         planned_peak = planned.devices["host"].phase_peak("rollout") / MiB
-        peaks = turn_peaks(lab)
+        peaks, as_run = turn_peaks(lab), turn_plans(planned, out.turn_shapes)
         record = line(args, args.worker, index, seconds, int(out.completion_mask.sum()),
                       int((out.completion_mask * out.tool_mask).sum()), int(prompt_lengths.sum()),
                       sum(out.turns) / len(out.turns), rss)  # fmt: skip
-        record |= {"generate_calls": len(made), "turn_peaks_mib": peaks,
+        record |= {"generate_calls": len(made), "turn_peaks_mib": peaks, "turn_plans_mib": as_run,
+                   "plan_over_measured": {m: round(as_run[m] / peaks[m], 3) for m in as_run},
                    "planned_rollout_peak_mib": round(planned_peak, 1),
-                   "plan_over_measured": {m: round(planned_peak / p, 3) for m, p in peaks.items()}}  # fmt: skip
+                   "worst_plan_over_measured": {m: round(planned_peak / peaks[m], 3) for m in as_run}}  # fmt: skip
         print(json.dumps(record), flush=True)
     lab.close()
 
@@ -268,20 +284,22 @@ def orchestrate(args) -> int:
 
 
 def table(lines: list[dict], turn_counts: list[int]) -> None:
-    """The markdown rows of docs/benchmarks.md: per turn count and rollout, each side's tokens/s and peak rise."""
+    """The markdown rows of docs/benchmarks.md: per turn count and rollout, each side's tokens/s and peak rise, and
+    keep's plan / measured per turn (the turn's plan as it ran)."""
     print(
         "| turns | rollout | tokens/s TRL / keep / prefill | keep / TRL | peak over base MiB TRL / keep / prefill "
-        "| keep / TRL |"
+        "| keep / TRL | plan / measured per turn (keep) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for turns in turn_counts:
         for index in (1, 2, 3):
             r = {x["side"]: x for x in lines if x["turns"] == turns and x["rollout"] == index}
             speed = [r[s]["tokens_per_s"] for s in SIDES]
             peak = [r[s]["peak_over_base_mib"] for s in SIDES]
+            ratios = r["keep"]["plan_over_measured"].values()
             print(
                 f"| {turns} | {index} | {' / '.join(map(str, speed))} | {speed[1] / speed[0]:.2f} | "
-                f"{' / '.join(map(str, peak))} | {peak[1] / peak[0]:.2f} |"
+                f"{' / '.join(map(str, peak))} | {peak[1] / peak[0]:.2f} | {min(ratios):.2f}-{max(ratios):.2f} |"
             )
 
 

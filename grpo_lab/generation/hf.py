@@ -24,6 +24,7 @@ from .base import GenerationRequest, Generator, Sample, row_seeds
 from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
+from .sampling import InverseCdfSampler, SampledLogprobs
 from .turn_cache import TurnCache
 from .turn_shapes import TurnShapes
 
@@ -92,7 +93,10 @@ class HFGenerator(Generator):
                     # whose samples are dropped
                     prompt_ids, row_seeds_ = prompt_ids + prompt_ids[-1:] * short, row_seeds_ + row_seeds_[-1:] * short
                 held = turns.for_rows(rows) if turns else None
-                return self.generate_chunk(prompt_ids, request, row_seeds_, width, model, held)[: len(rows)]
+                samples = self.generate_chunk(prompt_ids, request, row_seeds_, width, model, held)[: len(rows)]
+                if self.turns is not None and self.learner.device.type == "cpu":  # why: a turn's freed [rows,
+                    trim_host_heap()  # vocab] buffers would stay resident as heap holes through the tool calls
+                return samples
 
             out = self.generate_in_chunks(batch, num_generations, request, chunk)
         out.compiled_graphs, out.cudagraph_recorded_inputs = counted.delta()
@@ -316,66 +320,6 @@ def sampling_processors(request: GenerationRequest) -> list:
 def sampler(request: GenerationRequest, seeds: Optional[list[int]] = None) -> list:
     """The token choice: InverseCdfSampler when sampling (one stream per row); greedy needs none (the argmax)."""
     return [InverseCdfSampler(seeds)] if request.temperature > 0 else []
-
-
-class InverseCdfSampler:
-    """A logits processor that draws each sequence's next token from softmax(scores) by inverting its CDF with one
-    uniform draw (float64 cumulative sums: exact to double precision; a token of probability 0, i.e. filtered by
-    top-k/top-p, is never drawn), then returns scores whose only finite entry is that token, so generate()'s
-    greedy choice takes it. One uniform per sequence instead of torch.multinomial's vocabulary-sized exponential
-    draw (faster on the CPU). Same distribution, another random stream: tokens for a given seed differ from
-    multinomial's. Its two [sequences, vocab] buffers live for the whole rollout. Why: allocated afresh every decoding
-    step they fragment a CPU learner's heap (figures: docs/benchmarks.md, "The CPU rollout's heap").
-    `seeds`: one CPU generator per row, so row i's t-th token uses the t-th uniform of its own stream whatever the
-    rows beside it (a rank's share samples what one process samples); None: one draw over the batch from torch's RNG."""
-
-    def __init__(self, seeds: Optional[list[int]] = None):
-        self.cdf: Optional[torch.Tensor] = None  # float64 [n, V]
-        self.out: Optional[torch.Tensor] = None  # the returned scores
-        self.rows = None if seeds is None else [torch.Generator().manual_seed(seed) for seed in seeds]
-
-    def __call__(self, input_ids, scores):
-        if self.out is None or self.out.shape != scores.shape or self.out.device != scores.device:
-            self.cdf = torch.empty(scores.shape, dtype=torch.float64, device=scores.device)
-            self.out = torch.empty_like(scores)
-        torch.cumsum(torch.softmax(scores, dim=-1), dim=-1, dtype=torch.float64, out=self.cdf)
-        total = self.cdf[:, -1:]
-        if not torch.isfinite(total).all() or (total <= 0).any():
-            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        if self.rows is None:
-            u = torch.rand(total.shape, dtype=torch.float64, device=scores.device)
-        else:  # why on the CPU: a CPU generator's stream is the same on every device; n draws, one copy per step
-            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in self.rows]).to(scores.device)[
-                :, None
-            ]
-        u = u * total
-        token = torch.searchsorted(self.cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)  # first cdf > u: p > 0
-        return self.out.fill_(float("-inf")).scatter_(-1, token, 0.0)
-
-
-class SampledLogprobs:
-    """A logits processor that records log_softmax(scores) of each sampled token; placed last, after
-    `sampling_processors`, the scores are those sampled from (filtered tokens at -inf).
-
-    It keeps one step's [n, V] log-softmax only: the token sampled from step t is known at step t+1's call.
-    (`output_scores=True` would keep every step's [n, V] scores: O(n x length x vocab).)"""
-
-    def __init__(self):
-        self.previous = None
-        self.columns: list[torch.Tensor] = []  # [n] per generated token
-
-    def __call__(self, input_ids, scores):
-        if self.previous is not None:
-            self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.previous = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def finish(self, new_tokens) -> torch.Tensor:
-        """[n, T] log-probs of `new_tokens` (the last token's comes from the last stored step)."""
-        if self.previous is not None and len(self.columns) < new_tokens.shape[1]:
-            self.columns.append(self.previous.gather(-1, new_tokens[:, -1:].to(self.previous.device)).squeeze(-1))
-        self.previous = None  # why: drop the last [n, V] log-softmax as soon as it is used
-        return torch.stack(self.columns, dim=1) if self.columns else torch.zeros(new_tokens.shape, dtype=torch.float32)
 
 
 class TrimHeapEvery:
