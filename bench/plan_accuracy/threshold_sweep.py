@@ -90,10 +90,10 @@ def table(path: str) -> None:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "failed" not in r]
     head = "| config | threshold MiB | plan MiB | measured peak MiB | plan / measured (min-max) | s / step | CPU s |"
-    print(head + " vs null |")
+    print(head + " vs null (wall / CPU) |")
     print("|---|---|---|---|---|---|---|---|")
     for name in dict.fromkeys(r["config"] for r in rows):
-        base = [seconds(r)[0] for r in rows if r["config"] == name and r["mmap"] is None]
+        base = [seconds(r) for r in rows if r["config"] == name and r["mmap"] is None]
         for mmap in dict.fromkeys(r["mmap"] for r in rows if r["config"] == name):
             own = [r for r in rows if r["config"] == name and r["mmap"] == mmap]
             ratios = [v for r in own for v in r["ratios"].values()]
@@ -105,9 +105,10 @@ def table(path: str) -> None:
                 peaks = ", ".join(f"{r['measured_total_mib']:.0f}" for r in own)
             wall = [seconds(r)[0] for r in own]
             cpu = [seconds(r)[1] for r in own]
-            vs = sum(wall) / len(wall) / (sum(base) / len(base)) if base else float("nan")
+            vs = [sum(x) / len(x) / (sum(b[i] for b in base) / len(base)) for i, x in enumerate((wall, cpu))]
+            times = ["/".join(f"{x:.2f}" for x in xs) for xs in (wall, cpu)]
             cells = [name, "null" if mmap is None else mmap, plan, peaks, f"{min(ratios):.3f}-{max(ratios):.3f}",
-                     "/".join(f"{w:.2f}" for w in wall), "/".join(f"{c:.2f}" for c in cpu), f"{vs:.2f}"]  # fmt: skip
+                     *times, f"{vs[0]:.2f} / {vs[1]:.2f}"]  # fmt: skip
             print("| " + " | ".join(map(str, cells)) + " |")
 
 
