@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--first-run", type=int, default=1, help="the first run's number (a later sweep's lines)")
     parser.add_argument("--thresholds", nargs="+", default=["null", "0.125", "1", "4", "16"])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", help="append every line here too")
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
     if args.worker:
         print(json.dumps(worker(args.worker[0], json.loads(args.worker[1]))))
         return
-    for run in range(1, args.runs + 1):
+    for run in range(args.first_run, args.first_run + args.runs):
         for name in args.configs:
             for mmap in map(json.loads, args.thresholds):
                 line = json.dumps(one(name, mmap, run))
