@@ -66,8 +66,9 @@ def forced_turns(monkeypatch, tokenizer, turns: int) -> list:
     return made
 
 
-def rollout(tiny_config, monkeypatch, mode: str, temperature: float, turns: int = 3):
-    """One seeded rollout of 6 rows with up to `turns` forced tool turns, and the tokens each forward was fed."""
+def forced_lab(tiny_config, monkeypatch, mode: str, temperature: float, turns: int):
+    """A loaded tools Lab of 6 rows (2 prompts x 3) whose every row calls `add` in each of its first `turns` generate()
+    calls (forced_turns), going on from its cache or prefilling afresh (`mode`); and the forced calls' record."""
     from grpo_lab import Lab
 
     cfg = tiny_config(
@@ -82,7 +83,12 @@ def rollout(tiny_config, monkeypatch, mode: str, temperature: float, turns: int 
         grpo={"beta": 0.0, "num_generations": 3, "prompts_per_step": 2},
     )
     lab = Lab(cfg, reward_funcs=["length"], tools=[add]).load()
-    forced_turns(monkeypatch, lab.learner.tokenizer, turns)
+    return lab, forced_turns(monkeypatch, lab.learner.tokenizer, turns)
+
+
+def rollout(tiny_config, monkeypatch, mode: str, temperature: float, turns: int = 3):
+    """One seeded rollout of 6 rows with up to `turns` forced tool turns, and the tokens each forward was fed."""
+    lab, _ = forced_lab(tiny_config, monkeypatch, mode, temperature, turns)
     fed = []
     hook = lab.learner.model.get_base_model().model.embed_tokens.register_forward_hook(
         lambda _, args, out: fed.append(args[0].numel())
@@ -172,16 +178,7 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
     """Rollout.turn_shapes, against the forwards spied as bench/plan_accuracy/turn_plan.py spies them (each
     generate() call's forwards, its first the prefill): the rows, the tokens fed at once, the KV context after them
     (the attention mask's width) and the forwards after the prefill; each labelled with its turn's mark, in order."""
-    from grpo_lab import Lab
-
-    cfg = tiny_config(
-        model={"chat_template": TEMPLATE},
-        generator={"max_completion_length": 320, "max_prompt_length": 1024, "max_tool_calling_iterations": 3,
-                   "temperature": 1.0, "turn_cache": mode},
-        grpo={"beta": 0.0, "num_generations": 3, "prompts_per_step": 2},
-    )  # fmt: skip
-    lab = Lab(cfg, reward_funcs=["length"], tools=[add]).load()
-    made = forced_turns(monkeypatch, lab.learner.tokenizer, 3)
+    lab, made = forced_lab(tiny_config, monkeypatch, mode, 1.0, 3)
     forwards = []  # (generate call, rows, tokens fed, mask width)
 
     def spy(_, args, kwargs):
@@ -211,16 +208,8 @@ def test_a_cpu_turn_s_freed_buffers_leave_the_heap_before_its_tools_run(tiny_con
     [rows, vocab] buffers are not held as heap holes through the tool calls and the next turn's prefill: a trim comes
     between every turn's last forward and its `tools k` mark (per-step trims set to every 10**9 steps)."""
     import grpo_lab.generation.hf as hf
-    from grpo_lab import Lab
 
-    cfg = tiny_config(
-        model={"chat_template": TEMPLATE},
-        generator={"max_completion_length": 320, "max_prompt_length": 1024, "max_tool_calling_iterations": 2,
-                   "temperature": 1.0, "turn_cache": mode},
-        grpo={"beta": 0.0, "num_generations": 3, "prompts_per_step": 2},
-    )  # fmt: skip
-    lab = Lab(cfg, reward_funcs=["length"], tools=[add]).load()
-    forced_turns(monkeypatch, lab.learner.tokenizer, 2)
+    lab, _ = forced_lab(tiny_config, monkeypatch, mode, 1.0, 2)
     events: list[str] = []
     monkeypatch.setattr(hf, "TRIM_EVERY", 10**9)  # (TrimHeapEvery then trims at a call's first step alone)
     trim = hf.trim_host_heap
