@@ -1,19 +1,24 @@
 """One decoding step through one mixture-of-experts layer of Qwen3-30B-A3B's shape (128 experts of width 768, hidden
-2048, top-8; random nf4 weights, double-quantized scales, bfloat16): every expert dequantized (bitsandbytes'
-parametrization, transformers' grouped_mm) against the routed experts alone (models/routed_experts.py). Prints the
-experts and bytes dequantized per step, the median seconds of each, their ratios, and the largest output difference.
+2048, top-8; random nf4 weights, double-quantized scales, bfloat16), three ways: every expert dequantized
+(bitsandbytes' parametrization, transformers' grouped_mm), the routed experts alone dequantized
+(models/routed_experts.py), and the routed experts' matmuls from their 4-bit codes (models/experts_gemv.py, here at
+any tokens an expert). Prints, per batch, the experts and bytes dequantized, the median seconds of each way, their
+ratios to the whole layer, the largest output differences, and a JSON line.
 
-    OMP_NUM_THREADS=1 python -m bench.probes.routed_experts --rows 8 --rounds 5
+    OMP_NUM_THREADS=1 python -m bench.probes.routed_experts --rows 1 4 8 16 64 256 1024 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 
 import torch
+
+from grpo_lab.models.experts_gemv import GEMV_TOKENS, gemv_kernel
 
 
 def one_layer(dtype=torch.bfloat16):
@@ -39,15 +44,6 @@ def one_layer(dtype=torch.bfloat16):
     return experts, config
 
 
-def median_seconds(call, rounds: int) -> float:
-    seconds = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-
 def timed(experts, config, implementation: str, hidden, index, weights, rounds: int):
     config._experts_implementation = implementation
     seconds, out = [], None
@@ -59,34 +55,81 @@ def timed(experts, config, implementation: str, hidden, index, weights, rounds: 
     return statistics.median(seconds), out
 
 
+@contextlib.contextmanager
+def only(path: str):
+    """The routed experts' forward `path` alone (routed_experts.EXPERT_PATHS); the fused one at any tokens an expert
+    (experts_gemv.GEMV_TOKENS lifted, so larger batches show where it stops paying)."""
+    from grpo_lab.models import experts_gemv, routed_experts
+
+    paths = dict(routed_experts.EXPERT_PATHS)
+    routed_experts.EXPERT_PATHS.clear()
+    routed_experts.EXPERT_PATHS[path] = paths[path]
+    experts_gemv.GEMV_TOKENS = 1 << 30
+    try:
+        yield
+    finally:
+        routed_experts.EXPERT_PATHS.clear()
+        routed_experts.EXPERT_PATHS.update(paths)
+        experts_gemv.GEMV_TOKENS = GEMV_TOKENS
+
+
+def one_batch(experts, config, rows: int, rounds: int) -> dict:
+    """Every way through the layer for one batch of `rows` tokens: experts dequantized, seconds, largest difference."""
+    from grpo_lab.models import experts_gemv
+    from grpo_lab.models.routed_experts import ROUTED
+
+    k, count = config.num_experts_per_tok, config.num_experts
+    g = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(rows, config.hidden_size, generator=g, dtype=torch.bfloat16)
+    index = torch.stack([torch.randperm(count, generator=g)[:k] for _ in range(rows)])  # [rows, top-k]
+    weights = torch.softmax(torch.randn(rows, k, generator=g), -1).to(torch.bfloat16)
+    record = {"rows": rows, "top_k": k, "experts": count, "routed": torch.unique(index).numel()}
+    record["max_tokens_per_expert"] = int(torch.bincount(index.reshape(-1)).max())
+    record["whole_s"], whole = timed(experts, config, "grouped_mm", hidden, index, weights, rounds)
+    with only("dequantize"):
+        before = experts.experts_dequantized
+        record["routed_s"], routed = timed(experts, config, ROUTED, hidden, index, weights, rounds)
+        record["routed_dequantized"] = (experts.experts_dequantized - before) // rounds
+    with only("gemv"):
+        experts_gemv.blockwise(experts)  # (every expert's codes back blockwise: the first fused step permutes them)
+        before, fused_before = experts.experts_dequantized, experts.experts_fused
+        start = time.perf_counter()
+        with torch.no_grad():
+            experts(hidden, index, weights)
+        record["fused_first_s"] = time.perf_counter() - start  # (permutes the routed experts' codes to the kernel's)
+        record["fused_s"], fused = timed(experts, config, ROUTED, hidden, index, weights, rounds)
+        record["fused_dequantized"] = (experts.experts_dequantized - before) // (rounds + 1)
+        record["fused_experts"] = (experts.experts_fused - fused_before) // (rounds + 1)
+    record["routed_diff"] = (whole.float() - routed.float()).abs().max().item()
+    record["fused_diff"] = (fused.float() - routed.float()).abs().max().item()
+    record["out_max"] = routed.float().abs().max().item()
+    return record
+
+
+def report(record: dict, per_expert: int) -> None:
+    rows, count, whole = record["rows"], record["experts"], record["whole_s"]
+    print(f"rows {rows} x top-{record['top_k']} of {count} experts: {record['routed']} routed, at most "
+          f"{record['max_tokens_per_expert']} tokens an expert")  # fmt: skip
+    ways = [("whole layer", count, whole), ("routed dequantize", record["routed_dequantized"], record["routed_s"])]
+    for name, n, s in [*ways, ("fused 4-bit matmuls", record["fused_dequantized"], record["fused_s"])]:
+        print(f"  {name}: {n} experts, {n * per_expert / 2**30:.3f} GiB dequantized, {s:.4f} s, "
+              f"ratio bytes {n / count:.3f}, time {s / whole:.3f}")  # fmt: skip
+    print(f"  fused: {record['fused_experts']} experts from their codes; first step {record['fused_first_s']:.4f} s "
+          f"(permutes their codes); largest difference to routed {record['fused_diff']:.3e} (outputs up to "
+          f"{record['out_max']:.3e}), routed to whole {record['routed_diff']:.3e}")  # fmt: skip
+    print("JSON " + json.dumps(record))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=8, help="sequences in the decoding step (one token each)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8], help="tokens in the step (one a sequence)")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    from grpo_lab.models.experts import EXPERT_PARAMS
-    from grpo_lab.models.routed_experts import ROUTED, dequantize_experts
-
     experts, config = one_layer()
-    k, count = config.num_experts_per_tok, config.num_experts
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(args.rows, config.hidden_size, generator=g, dtype=torch.bfloat16)
-    index = torch.stack([torch.randperm(count, generator=g)[:k] for _ in range(args.rows)])  # [rows, top-k]
-    weights = torch.softmax(torch.randn(args.rows, k, generator=g), -1).to(torch.bfloat16)
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2  # bytes of one expert in bfloat16
-    whole_s, whole = timed(experts, config, "grouped_mm", hidden, index, weights, args.rounds)
-    before = experts.experts_dequantized
-    routed_s, routed = timed(experts, config, ROUTED, hidden, index, weights, args.rounds)
-    routed_n = (experts.experts_dequantized - before) // args.rounds
-    print(f"rows {args.rows} x top-{k} of {count} experts, one layer, bfloat16, median of {args.rounds}")
-    print(f"whole layer: {count} experts, {count * per_expert / 2**30:.3f} GiB dequantized, {whole_s:.3f} s")
-    print(f"routed only: {routed_n} experts, {routed_n * per_expert / 2**30:.3f} GiB dequantized, {routed_s:.3f} s")
-    print(f"ratio routed/whole: bytes {routed_n / count:.3f}, time {routed_s / whole_s:.3f}")
-    ids = torch.unique(index)
-    whole_d = median_seconds(lambda: [getattr(experts, n) for n in EXPERT_PARAMS], args.rounds)
-    routed_d = median_seconds(lambda: [dequantize_experts(experts, n, ids) for n in EXPERT_PARAMS], args.rounds)
-    print(f"dequantize alone: whole {whole_d:.3f} s, routed {routed_d:.3f} s, ratio {routed_d / whole_d:.3f}")
-    print(f"largest output difference: {(whole.float() - routed.float()).abs().max().item():.3e}")
+    print(f"one layer, bfloat16, median of {args.rounds}; fused kernel: {gemv_kernel()}")
+    for rows in args.rows:
+        report(one_batch(experts, config, rows, args.rounds), per_expert)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ folded into those experts alone, and transformers' grouped_mm experts forward ru
 experts implementation ROUTED). Where an expert is not whole blocks, or another parametrization sits on the
 parameter, the forward reads the parameter whole as before.
 
+At decode (no gradients, bfloat16, a few tokens an expert, a CPU with bitsandbytes' fused kernel) the routed
+experts are not dequantized at all: experts_gemv.py runs their matmuls from their 4-bit codes (EXPERT_PATHS chooses).
+
 Without gradient checkpointing, autograd would keep every layer's dequantized experts for backward (each matmul saves
 its weight; 54 GiB at 30B-A3B): `RedequantizedExperts` keeps the experts' inputs alone and dequantizes again in
 backward, so a step holds one layer's dequantized experts at a time (bench/probes/experts_backward.py measures it).
@@ -20,6 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch.nn.utils import parametrize
 
+from . import experts_gemv
 from .experts import EXPERT_PARAMS
 
 ROUTED = "grpo_lab_routed_4bit"  # the name transformers' ExpertsInterface knows this forward by
@@ -35,14 +39,16 @@ def use_routed_experts(model, redequantize: bool = False) -> int:
     experts = [m for m in model.modules() if all(parametrize.is_parametrized(m, n) for n in EXPERT_PARAMS)]
     for module in experts:
         module.experts_dequantized = 0  # why a count: what the rollout's and a step's forwards dequantized
+        module.experts_fused = 0  # and the experts its decoding steps ran from their codes (experts_gemv.py)
         module.redequantize = redequantize
         module.config._experts_implementation = ROUTED
     return len(experts)
 
 
-def experts_dequantized(model) -> int:
-    """How many experts `model`'s forwards dequantized so far (summed over layers and forwards)."""
-    return sum(getattr(m, "experts_dequantized", 0) for m in model.modules())
+def experts_dequantized(model, what: str = "experts_dequantized") -> int:
+    """How many experts `model`'s forwards dequantized so far (summed over layers and forwards); `what`:
+    "experts_fused", how many they ran from their 4-bit codes instead."""
+    return sum(getattr(m, what, 0) for m in model.modules())
 
 
 def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -53,6 +59,11 @@ def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         count(self, self.num_experts)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     adapters = {name: lora_factors(self, name) for name in EXPERT_PARAMS}  # PEFT's proxies, while they are registered
+    path = next(name for name, fits in EXPERT_PATHS.items() if fits(self, hidden_states, top_k_index))
+    if path == "gemv":
+        return experts_gemv.gemv_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
+    if torch.is_grad_enabled():  # why whole: a training step reads every routed expert blockwise, several times
+        experts_gemv.blockwise(self)
 
     def run(hidden, index, weights, factors):
         return routed_forward(self, hidden, index, weights, rebuilt(adapters, factors))
@@ -112,6 +123,17 @@ def rebuilt(adapters: dict, factors: list) -> dict:
         name: [(kind, tuple(next(it) for _ in tensors), scale) for kind, tensors, scale in chain]
         for name, chain in adapters.items()
     }
+
+
+def gemv_fits(module, hidden_states, top_k_index) -> bool:
+    routed, local = torch.unique(top_k_index, return_inverse=True)
+    return experts_gemv.gemv_fits(module, hidden_states, local, routed.numel())
+
+
+# The routed experts' forwards, the first that fits a call runs it: bitsandbytes' fused 4-bit matmuls at decode
+# (experts_gemv.py: nothing dequantized), else the routed experts dequantized (prefill, training, float32, CUDA, a CPU
+# without AVX512-BF16)
+EXPERT_PATHS = {"gemv": gemv_fits, "dequantize": lambda module, hidden_states, top_k_index: True}
 
 
 def routed_forward(module, hidden_states, top_k_index, top_k_weights, adapters: dict):
@@ -175,12 +197,30 @@ def routable(module, name: str) -> bool:
 def dequantize_experts(module, name: str, experts: torch.Tensor) -> torch.Tensor:
     """The experts `experts` (ids) of `module`'s 4-bit `name`, dequantized to its dtype: [len(experts), out, in].
     Their codes and scales are gathered from the blockwise layout, then bitsandbytes dequantizes just those."""
-    from bitsandbytes.functional import QuantState, dequantize_4bit, dequantize_blockwise
+    from bitsandbytes.functional import QuantState, dequantize_4bit
 
     chain = module.parametrizations[name]
     state, codes = chain[0].quant_state, chain.original
+    picked = gather_rows(codes.view(state.shape[0], -1), experts)  # two 4-bit codes a byte, per expert
+    picked = experts_gemv.unpacked_slices(module, name, experts, picked).reshape(-1, 1)  # (if decode permuted them)
+    sliced = QuantState(
+        absmax=routed_absmax(module, name, experts).reshape(-1),
+        shape=torch.Size([experts.numel(), *state.shape[1:]]),
+        code=state.code,
+        blocksize=state.blocksize,
+        quant_type=state.quant_type,
+        dtype=state.dtype,
+    )
+    return dequantize_4bit(picked, sliced)
+
+
+@torch.no_grad()
+def routed_absmax(module, name: str, experts: torch.Tensor) -> torch.Tensor:
+    """The blockwise scales of the experts `experts` of `module`'s 4-bit `name`, float32 [len(experts), blocks]."""
+    from bitsandbytes.functional import QuantState, dequantize_blockwise
+
+    state = module.parametrizations[name][0].quant_state
     count = state.shape[0]
-    picked = gather_rows(codes.view(count, -1), experts).reshape(-1, 1)  # two 4-bit codes a byte, per expert
     absmax = state.absmax.view(count, -1)[experts].reshape(-1)
     if state.nested and (absmax.numel() // experts.numel()) % state.state2.blocksize == 0:
         # the scales are themselves 8-bit blockwise, each expert's a whole number of their blocks: gathered alike
@@ -190,15 +230,7 @@ def dequantize_experts(module, name: str, experts: torch.Tensor) -> torch.Tensor
         absmax = dequantize_blockwise(absmax, nested) + state.offset
     elif state.nested:  # why whole: an expert's scales straddle their blocks; they are 1/blocksize of the codes
         absmax = (dequantize_blockwise(state.absmax, state.state2) + state.offset).view(count, -1)[experts].reshape(-1)
-    sliced = QuantState(
-        absmax=absmax.float(),
-        shape=torch.Size([experts.numel(), *state.shape[1:]]),
-        code=state.code,
-        blocksize=state.blocksize,
-        quant_type=state.quant_type,
-        dtype=state.dtype,
-    )
-    return dequantize_4bit(picked, sliced)
+    return absmax.float().view(experts.numel(), -1)
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
