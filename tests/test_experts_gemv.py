@@ -67,33 +67,34 @@ def test_a_decoding_step_from_the_codes_gives_the_dequantize_paths_logits_and_de
 ):
     model = bf16_moe(name, adapters)
     decode = torch.randint(0, 384, (3, 1), generator=torch.Generator().manual_seed(0))  # 3 rows, one token each
+    with monkeypatch.context() as patched, torch.no_grad():
+        dequantize_only(patched)
+        theirs = model(input_ids=decode).logits  # (first: from the blockwise codes, as bitsandbytes stores them)
+    ran, fused_before = counts(model)
+    assert fused_before == 0 and 2 <= ran <= 2 * 3 * 2  # 2 layers, 3 tokens x top-2 of 8 experts
     with torch.no_grad():
         fused = model(input_ids=decode).logits
-    dequantized, ran = counts(model)
-    assert dequantized == 0 and 2 <= ran <= 2 * 3 * 2  # 2 layers, 3 tokens x top-2 of 8 experts
-    dequantize_only(monkeypatch)
-    with torch.no_grad():
-        theirs = model(input_ids=decode).logits
-    assert counts(model) == (ran, ran)  # the same routed experts, dequantized this time (from the permuted codes)
+    assert counts(model) == (ran, ran)  # the same routed experts, run from their codes, none dequantized
     close(fused, theirs)
 
 
 @pytest.mark.parametrize("adapters", [False, True])
-def test_one_layer_with_many_tokens_an_expert_matches_the_routed_dequantize(adapters):
-    """The kernel takes several rows an expert (a prefill's): 48 tokens x top-2 of 8 experts, about 12 each."""
-    from grpo_lab.models.routed_experts import EXPERT_PARAMS, lora_factors, routed_forward
-
+def test_one_layer_with_many_tokens_an_expert_matches_the_routed_dequantize(adapters, monkeypatch):
+    """The kernel takes several rows an expert (a prefill's): 48 tokens x top-2 of 8 experts, about 12 each, through
+    the first layer's experts (PEFT's wrapper, with adapters: it registers them for the forward)."""
     model = bf16_moe("builtin:tiny-moe", adapters)
-    layer = next(m for m in model.modules() if hasattr(m, "experts_fused"))
-    adapters = {n: lora_factors(layer, n) for n in EXPERT_PARAMS}
+    layer = model.get_decoder().layers[0].mlp.experts
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(48, model.config.hidden_size, generator=g).to(torch.bfloat16)
     index = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(48)])
     weights = torch.softmax(torch.randn(48, 2, generator=g), -1).to(torch.bfloat16)
+    with monkeypatch.context() as patched, torch.no_grad():
+        dequantize_only(patched)
+        theirs = layer(hidden, index, weights)
+    assert counts(model) == (8, 0)
     with torch.no_grad():
-        assert experts_gemv.gemv_fits(layer, hidden, torch.unique(index, return_inverse=True)[1], 8)
-        ours = experts_gemv.gemv_forward(layer, hidden, index, weights, adapters)
-        theirs = routed_forward(layer, hidden, index, weights, adapters)
+        ours = layer(hidden, index, weights)
+    assert counts(model) == (8, 8)
     close(ours, theirs)
 
 
