@@ -5,7 +5,7 @@
 any tokens an expert). Prints, per batch, the experts and bytes dequantized, the median seconds of each way, their
 ratios to the whole layer, the largest output differences, and a JSON line.
 
-    OMP_NUM_THREADS=1 python -m bench.probes.routed_experts --rows 1 4 8 16 64 256 1024 --rounds 5
+    OMP_NUM_THREADS=1 python -m bench.probes.routed_experts --rows 1 4 8 16 64 256 1024 4096 --rounds 5 --tiny-rollout
 """
 
 from __future__ import annotations
@@ -120,16 +120,45 @@ def report(record: dict, per_expert: int) -> None:
     print("JSON " + json.dumps(record))
 
 
+def tiny_rollout(rounds: int) -> None:
+    """builtin:tiny-moe in bfloat16: a Lab's greedy rollout (8 rows, 32 tokens) from the codes and dequantized."""
+    from grpo_lab import Lab
+
+    knobs = ["model.name_or_path=builtin:tiny-moe", "model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]
+    knobs += ["generator.temperature=0", "generator.max_completion_length=32", "grpo.num_generations=8"]
+    lab = Lab("tiny-cpu", overrides=[*knobs, "grpo.prompts_per_step=1"], reward_funcs=["length"]).load()
+    try:
+        for path in ("gemv", "dequantize"):
+            with only(path) if path == "dequantize" else contextlib.nullcontext():  # (fused: at its own cut-off)
+                lab.rollout()  # (warm: the first fused rollout permutes the routed experts' codes)
+                seconds, counted = [], []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    rollout = lab.rollout()
+                    seconds.append(time.perf_counter() - start)
+                    counted.append(rollout.experts_dequantized)
+            record = {"tiny_rollout": path, "seconds": statistics.median(seconds), "experts_dequantized": counted[0],
+                      "tokens": int(rollout.completion_mask.sum())}  # fmt: skip
+            print(f"tiny-moe rollout, {path}: {record['seconds']:.3f} s, {record['experts_dequantized']} experts "
+                  f"dequantized, {record['tokens']} completion tokens")  # fmt: skip
+            print("JSON " + json.dumps(record))
+    finally:
+        lab.close()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[8], help="tokens in the step (one a sequence)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tiny-rollout", action="store_true", help="also builtin:tiny-moe's rollout both ways")
     args = parser.parse_args(argv)
     experts, config = one_layer()
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2  # bytes of one expert in bfloat16
     print(f"one layer, bfloat16, median of {args.rounds}; fused kernel: {gemv_kernel()}")
     for rows in args.rows:
         report(one_batch(experts, config, rows, args.rounds), per_expert)
+    if args.tiny_rollout:
+        tiny_rollout(args.rounds)
 
 
 if __name__ == "__main__":
