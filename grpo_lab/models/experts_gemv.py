@@ -51,8 +51,6 @@ def gemv_fits(module, hidden_states: torch.Tensor, local: torch.Tensor, routed: 
 def gemv_forward(module, hidden_states, top_k_index, top_k_weights, adapters: dict):
     """transformers' grouped_mm experts forward (the same order of its sums), each routed expert's two matmuls by
     bitsandbytes' gemv_4bit on its 4-bit codes; `adapters`: PEFT's expert adapters (routed_experts.lora_factors)."""
-    from .routed_experts import routed_absmax
-
     routed, local = torch.unique(top_k_index, return_inverse=True)
     top_k = top_k_index.shape[-1]
     pairs = local.reshape(-1)  # (token, slot) pairs, token-major as grouped_mm orders them
@@ -98,6 +96,25 @@ def kernel_scales(module, name: str, absmax: torch.Tensor) -> torch.Tensor:
     """The routed experts' scales [k, out x in / blocksize] as the kernel reads them: [k, in / blocksize, out] bf16."""
     out = module.parametrizations[name][0].quant_state.shape[1]
     return absmax.view(absmax.shape[0], out, -1).transpose(1, 2).to(torch.bfloat16).contiguous()
+
+
+@torch.no_grad()
+def routed_absmax(module, name: str, experts: torch.Tensor) -> torch.Tensor:
+    """The blockwise scales of the experts `experts` of `module`'s 4-bit `name`, float32 [len(experts), blocks]."""
+    from bitsandbytes.functional import QuantState, dequantize_blockwise
+
+    state = module.parametrizations[name][0].quant_state
+    count = state.shape[0]
+    absmax = state.absmax.view(count, -1)[experts].reshape(-1)
+    if state.nested and (absmax.numel() // experts.numel()) % state.state2.blocksize == 0:
+        # the scales are themselves 8-bit blockwise, each expert's a whole number of their blocks: gathered alike
+        inner = state.state2
+        scales = inner.absmax.view(count, -1)[experts].reshape(-1)
+        nested = QuantState(absmax=scales, code=inner.code, blocksize=inner.blocksize, dtype=torch.float32)
+        absmax = dequantize_blockwise(absmax, nested) + state.offset
+    elif state.nested:  # why whole: an expert's scales straddle their blocks; they are 1/blocksize of the codes
+        absmax = (dequantize_blockwise(state.absmax, state.state2) + state.offset).view(count, -1)[experts].reshape(-1)
+    return absmax.float().view(experts.numel(), -1)
 
 
 # --- the codes' layout: bitsandbytes' blockwise one, or its CPU kernel's, per expert ---

@@ -204,7 +204,7 @@ def dequantize_experts(module, name: str, experts: torch.Tensor) -> torch.Tensor
     picked = gather_rows(codes.view(state.shape[0], -1), experts)  # two 4-bit codes a byte, per expert
     picked = experts_gemv.unpacked_slices(module, name, experts, picked).reshape(-1, 1)  # (if decode permuted them)
     sliced = QuantState(
-        absmax=routed_absmax(module, name, experts).reshape(-1),
+        absmax=experts_gemv.routed_absmax(module, name, experts).reshape(-1),
         shape=torch.Size([experts.numel(), *state.shape[1:]]),
         code=state.code,
         blocksize=state.blocksize,
@@ -212,25 +212,6 @@ def dequantize_experts(module, name: str, experts: torch.Tensor) -> torch.Tensor
         dtype=state.dtype,
     )
     return dequantize_4bit(picked, sliced)
-
-
-@torch.no_grad()
-def routed_absmax(module, name: str, experts: torch.Tensor) -> torch.Tensor:
-    """The blockwise scales of the experts `experts` of `module`'s 4-bit `name`, float32 [len(experts), blocks]."""
-    from bitsandbytes.functional import QuantState, dequantize_blockwise
-
-    state = module.parametrizations[name][0].quant_state
-    count = state.shape[0]
-    absmax = state.absmax.view(count, -1)[experts].reshape(-1)
-    if state.nested and (absmax.numel() // experts.numel()) % state.state2.blocksize == 0:
-        # the scales are themselves 8-bit blockwise, each expert's a whole number of their blocks: gathered alike
-        inner = state.state2
-        scales = inner.absmax.view(count, -1)[experts].reshape(-1)
-        nested = QuantState(absmax=scales, code=inner.code, blocksize=inner.blocksize, dtype=torch.float32)
-        absmax = dequantize_blockwise(absmax, nested) + state.offset
-    elif state.nested:  # why whole: an expert's scales straddle their blocks; they are 1/blocksize of the codes
-        absmax = (dequantize_blockwise(state.absmax, state.state2) + state.offset).view(count, -1)[experts].reshape(-1)
-    return absmax.float().view(experts.numel(), -1)
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
