@@ -119,13 +119,13 @@ def test_the_codes_are_bitsandbytes_cpu_layout_and_go_back_blockwise_before_a_bl
     digest, whole, trained = base_digest(model), layer.gate_up_proj.clone(), model(input_ids=ids).logits.detach()
     with torch.no_grad():
         model(input_ids=ids[:, :1])
-    assert layer.experts_fused > 0 and layer._gemv_packed["gate_up_proj"].any()
+    assert layer.experts_fused > 0 and layer.parametrizations.gate_up_proj[0].packed.any()
     assert torch.equal(layer.gate_up_proj, whole)  # bitsandbytes' dequantize of the whole parameter
     assert base_digest(model) == digest  # state_dict: the blockwise codes
     with torch.no_grad():
         model(input_ids=ids[:, :1])
     assert torch.equal(model(input_ids=ids).logits.detach(), trained)  # (a forward with gradients: dequantized)
-    assert not layer._gemv_packed["gate_up_proj"].any() and base_digest(model) == digest
+    assert not layer.parametrizations.gate_up_proj[0].packed.any() and base_digest(model) == digest
 
 
 def test_the_fused_path_is_for_decode_alone(monkeypatch):

@@ -6,7 +6,7 @@ writes and reads 2 bytes an element to multiply a few rows. bitsandbytes registe
 (`bitsandbytes.functional.has_avx512bf16`); it reads the codes in its own CPU layout (bitsandbytes'
 `_convert_weight_packed_for_cpu`: 32 rows' nibbles interleaved, the scales [in / blocksize, out] in bfloat16). Each
 expert's codes are permuted into that layout in place the first time it runs here (a nibble shuffle, lossless and
-memory-neutral; `PACKED` marks which), and back before anything reads them blockwise: the routed dequantize gathers
+memory-neutral; `KernelLayout.packed` marks which), and back before anything reads them blockwise: the routed dequantize gathers
 them back per slice, a forward with gradients, bitsandbytes' whole-parameter dequantize and `state_dict` restore the
 whole parameter. The scales stay as bitsandbytes keeps them (double-quantized too); the routed experts' are
 dequantized per step (1/blocksize of the weights). PEFT's expert adapters (lora.target_experts) run beside the base
@@ -16,13 +16,13 @@ matmul as their low-rank product, x A^T B^T, rather than folded into a weight.
 from __future__ import annotations
 
 import torch
+from bitsandbytes.nn.parametrize import Bnb4bitParametrization
 
 BLOCK_N = 32  # rows whose nibbles bitsandbytes' CPU layout interleaves (its block_n)
 # why 256: the fused kernel's time grows with its rows while a dequantize's does not; on one layer of Qwen3-30B-A3B's
 # shape (bench/probes/routed_experts.py) the fused matmuls beat dequantize + grouped matmul up to about 300 tokens an
 # expert (a 4096-token prefill), so a step whose busiest routed expert has more than 256 (a long prefill) dequantizes
 GEMV_TOKENS = 256
-PACKED = "_gemv_packed"  # module attribute: {parameter name: bool [experts], whose codes are in the CPU layout}
 
 
 def gemv_kernel() -> bool:
@@ -126,57 +126,56 @@ def codes(module, name: str) -> torch.Tensor:
 
 def pack(module, name: str, experts: torch.Tensor) -> torch.Tensor:
     """The codes of `name` with `experts` in the kernel's layout (permuted in place the first time)."""
-    packed = packed_mask(module, name)
-    fresh = experts[~packed[experts]]
+    param = module.parametrizations[name][0]
+    if not isinstance(param, KernelLayout):  # (the first fused forward: its blockwise readers guarded from now on)
+        param.__class__, param.packed = KernelLayout, torch.zeros(param.quant_state.shape[0], dtype=torch.bool)
+        if not hasattr(module, "_gemv_state_dict_hook"):
+            module._gemv_state_dict_hook = module.register_state_dict_pre_hook(lambda m, prefix, keep: blockwise(m))
+    fresh = experts[~param.packed[experts]]
     every = codes(module, name)
     if fresh.numel():
         every[fresh] = to_kernel_layout(every[fresh])
-        packed[fresh] = True
+        param.packed[fresh] = True
     return every
-
-
-def packed_mask(module, name: str) -> torch.Tensor:
-    """Which experts of `name` are in the kernel's layout; the first call guards the parameter's blockwise readers."""
-    masks = module.__dict__.setdefault(PACKED, {})
-    if name not in masks:
-        masks[name] = torch.zeros(module.parametrizations[name][0].quant_state.shape[0], dtype=torch.bool)
-        guard(module, name)
-    return masks[name]
 
 
 def blockwise(module) -> None:
     """Every expert of `module` back in bitsandbytes' blockwise layout (before anything reads the codes whole)."""
-    for name, packed in module.__dict__.get(PACKED, {}).items():
-        if packed.any():
-            ids = packed.nonzero().squeeze(1)
-            every = codes(module, name)
-            every[ids] = to_blockwise_layout(every[ids])
-            packed.zero_()
-
-
-def guard(module, name: str) -> None:
-    """bitsandbytes' whole-parameter dequantize and `state_dict` read the codes blockwise: restore them first."""
-    param = module.parametrizations[name][0]
-    dequantize = param.forward
-
-    def forward(quantized):
-        blockwise(module)
-        return dequantize(quantized)
-
-    param.forward = forward
-    if not hasattr(module, "_gemv_state_dict_hook"):
-        module._gemv_state_dict_hook = module.register_state_dict_pre_hook(lambda m, prefix, keep: blockwise(m))
+    for name in ("gate_up_proj", "down_proj"):
+        param = module.parametrizations[name][0]
+        if isinstance(param, KernelLayout):
+            param.restore(module.parametrizations[name].original)
 
 
 def unpacked_slices(module, name: str, experts: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """`picked`: the codes of `experts` gathered [k, bytes]; those in the kernel's layout put back blockwise."""
-    packed = module.__dict__.get(PACKED, {}).get(name)
-    if packed is None or not packed[experts].any():
+    param = module.parametrizations[name][0]
+    if not isinstance(param, KernelLayout) or not param.packed[experts].any():
         return picked
-    mine = packed[experts]
-    shaped = picked.view(experts.numel(), module.parametrizations[name][0].quant_state.shape[1], -1).clone()
+    mine = param.packed[experts]
+    shaped = picked.view(experts.numel(), param.quant_state.shape[1], -1).clone()
     shaped[mine] = to_blockwise_layout(shaped[mine])
     return shaped.view(picked.shape)
+
+
+class KernelLayout(Bnb4bitParametrization):
+    """bitsandbytes' parametrization over experts' codes some of which (`packed`, per expert) are in its CPU kernel's
+    layout: put back blockwise before it dequantizes the whole parameter (a fused forward made it this class)."""
+
+    packed: torch.Tensor
+
+    @torch.no_grad()
+    def forward(self, quantized_param: torch.Tensor) -> torch.Tensor:
+        self.restore(quantized_param)
+        return super().forward(quantized_param)
+
+    @torch.no_grad()
+    def restore(self, quantized_param: torch.Tensor) -> None:
+        if self.packed.any():
+            ids = self.packed.nonzero().squeeze(1)
+            every = quantized_param.view(self.quant_state.shape[0], self.quant_state.shape[1], -1)
+            every[ids] = to_blockwise_layout(every[ids])
+            self.packed.zero_()
 
 
 def to_kernel_layout(blocks: torch.Tensor) -> torch.Tensor:
