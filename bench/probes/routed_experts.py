@@ -121,14 +121,16 @@ def report(record: dict, per_expert: int) -> None:
 
 
 def tiny_rollout(rounds: int) -> None:
-    """builtin:tiny-moe in bfloat16: a Lab's greedy rollout (8 rows, 32 tokens) from the codes and dequantized."""
+    """builtin:tiny-moe in bfloat16, each way: a Lab's rollout (8 rows x 32 tokens, sampled) timed, then 3 steps'
+    learner-sampler log-prob mismatch (the learner's forward dequantizes; the sampler's decode may not)."""
     from grpo_lab import Lab
 
     knobs = ["model.name_or_path=builtin:tiny-moe", "model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]
-    knobs += ["generator.temperature=0", "generator.max_completion_length=32", "grpo.num_generations=8"]
-    lab = Lab("tiny-cpu", overrides=[*knobs, "grpo.prompts_per_step=1"], reward_funcs=["length"]).load()
-    try:
-        for path in ("gemv", "dequantize"):
+    knobs += ["generator.max_completion_length=32", "grpo.num_generations=8", "grpo.prompts_per_step=1"]
+    for path in ("gemv", "dequantize"):
+        torch.manual_seed(0)
+        lab = Lab("tiny-cpu", overrides=knobs, reward_funcs=["length"]).load()
+        try:
             with only(path) if path == "dequantize" else contextlib.nullcontext():  # (fused: at its own cut-off)
                 lab.rollout()  # (warm: the first fused rollout permutes the routed experts' codes)
                 seconds, counted = [], []
@@ -137,26 +139,30 @@ def tiny_rollout(rounds: int) -> None:
                     rollout = lab.rollout()
                     seconds.append(time.perf_counter() - start)
                     counted.append(rollout.experts_dequantized)
-            record = {"tiny_rollout": path, "seconds": statistics.median(seconds), "experts_dequantized": counted[0],
-                      "tokens": int(rollout.completion_mask.sum())}  # fmt: skip
-            print(f"tiny-moe rollout, {path}: {record['seconds']:.3f} s, {record['experts_dequantized']} experts "
-                  f"dequantized, {record['tokens']} completion tokens")  # fmt: skip
-            print("JSON " + json.dumps(record))
-    finally:
-        lab.close()
+                steps = [lab.step() for _ in range(3)]
+        finally:
+            lab.close()
+        record = {"tiny_rollout": path, "seconds": statistics.median(seconds), "experts_dequantized": counted,
+                  "tokens": int(rollout.completion_mask.sum()),
+                  "logprob_mismatch": [s.metrics()["logprob_mismatch"] for s in steps]}  # fmt: skip
+        print(f"tiny-moe rollout, {path}: {record['seconds']:.3f} s, {counted[0]} experts dequantized, "
+              f"{record['tokens']} completion tokens; learner-sampler |log-prob gap| over 3 steps "
+              f"{', '.join(f'{m:.1e}' for m in record['logprob_mismatch'])}")  # fmt: skip
+        print("JSON " + json.dumps(record))
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[8], help="tokens in the step (one a sequence)")
+    parser.add_argument("--rows", type=int, nargs="*", default=[8], help="tokens in the step (one a sequence)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiny-rollout", action="store_true", help="also builtin:tiny-moe's rollout both ways")
     args = parser.parse_args(argv)
-    experts, config = one_layer()
-    per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2  # bytes of one expert in bfloat16
-    print(f"one layer, bfloat16, median of {args.rounds}; fused kernel: {gemv_kernel()}")
-    for rows in args.rows:
-        report(one_batch(experts, config, rows, args.rounds), per_expert)
+    print(f"bfloat16, median of {args.rounds}; fused kernel: {gemv_kernel()}")
+    if args.rows:
+        experts, config = one_layer()
+        per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2  # bytes of one expert in bfloat16
+        for rows in args.rows:
+            report(one_batch(experts, config, rows, args.rounds), per_expert)
     if args.tiny_rollout:
         tiny_rollout(args.rounds)
 

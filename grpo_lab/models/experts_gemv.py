@@ -6,17 +6,18 @@ writes and reads 2 bytes an element to multiply a few rows. bitsandbytes registe
 (`bitsandbytes.functional.has_avx512bf16`); it reads the codes in its own CPU layout (bitsandbytes'
 `_convert_weight_packed_for_cpu`: 32 rows' nibbles interleaved, the scales [in / blocksize, out] in bfloat16). Each
 expert's codes are permuted into that layout in place the first time it runs here (a nibble shuffle, lossless and
-memory-neutral; `KernelLayout.packed` marks which), and back before anything reads them blockwise: the routed dequantize gathers
-them back per slice, a forward with gradients, bitsandbytes' whole-parameter dequantize and `state_dict` restore the
-whole parameter. The scales stay as bitsandbytes keeps them (double-quantized too); the routed experts' are
-dequantized per step (1/blocksize of the weights). PEFT's expert adapters (lora.target_experts) run beside the base
-matmul as their low-rank product, x A^T B^T, rather than folded into a weight.
+memory-neutral; the parametrization's `packed` marks which), and back before anything reads them blockwise: the routed
+dequantize puts its gathered slices back, and a forward with gradients, bitsandbytes' whole-parameter dequantize and
+`state_dict` put the whole parameter back. The scales stay as bitsandbytes keeps them (double-quantized too); the
+routed experts' are dequantized at each step (1/blocksize of the weights). PEFT's expert adapters
+(lora.target_experts) run beside the base matmul as their low-rank product, x A^T B^T, not folded into a weight.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
-from bitsandbytes.nn.parametrize import Bnb4bitParametrization
 
 BLOCK_N = 32  # rows whose nibbles bitsandbytes' CPU layout interleaves (its block_n)
 # why 256: the fused kernel's time grows with its rows while a dequantize's does not; on one layer of Qwen3-30B-A3B's
@@ -127,14 +128,14 @@ def codes(module, name: str) -> torch.Tensor:
 def pack(module, name: str, experts: torch.Tensor) -> torch.Tensor:
     """The codes of `name` with `experts` in the kernel's layout (permuted in place the first time)."""
     param = module.parametrizations[name][0]
-    if not isinstance(param, KernelLayout):  # (the first fused forward: its blockwise readers guarded from now on)
-        param.__class__, param.packed = KernelLayout, torch.zeros(param.quant_state.shape[0], dtype=torch.bool)
+    if packed(param) is None:  # (the first fused forward: its blockwise readers guarded from now on)
+        param.__class__, param.packed = kernel_layout(), torch.zeros(param.quant_state.shape[0], dtype=torch.bool)
         if not hasattr(module, "_gemv_state_dict_hook"):
             module._gemv_state_dict_hook = module.register_state_dict_pre_hook(lambda m, prefix, keep: blockwise(m))
     fresh = experts[~param.packed[experts]]
     every = codes(module, name)
     if fresh.numel():
-        every[fresh] = to_kernel_layout(every[fresh])
+        permute_experts(every, fresh, to_kernel_layout)
         param.packed[fresh] = True
     return every
 
@@ -143,14 +144,14 @@ def blockwise(module) -> None:
     """Every expert of `module` back in bitsandbytes' blockwise layout (before anything reads the codes whole)."""
     for name in ("gate_up_proj", "down_proj"):
         param = module.parametrizations[name][0]
-        if isinstance(param, KernelLayout):
+        if packed(param) is not None:
             param.restore(module.parametrizations[name].original)
 
 
 def unpacked_slices(module, name: str, experts: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """`picked`: the codes of `experts` gathered [k, bytes]; those in the kernel's layout put back blockwise."""
     param = module.parametrizations[name][0]
-    if not isinstance(param, KernelLayout) or not param.packed[experts].any():
+    if packed(param) is None or not param.packed[experts].any():
         return picked
     mine = param.packed[experts]
     shaped = picked.view(experts.numel(), param.quant_state.shape[1], -1).clone()
@@ -158,24 +159,44 @@ def unpacked_slices(module, name: str, experts: torch.Tensor, picked: torch.Tens
     return shaped.view(picked.shape)
 
 
-class KernelLayout(Bnb4bitParametrization):
+def packed(param):
+    """Which experts' codes are in the kernel's layout (bool [experts]); None: none ever were (blockwise)."""
+    return getattr(param, "packed", None)
+
+
+@cache
+def kernel_layout() -> type:
     """bitsandbytes' parametrization over experts' codes some of which (`packed`, per expert) are in its CPU kernel's
-    layout: put back blockwise before it dequantizes the whole parameter (a fused forward made it this class)."""
+    layout: put back blockwise before it dequantizes the whole parameter (a fused forward makes it this class).
+    Why made here: bitsandbytes is imported when a model is quantized, not when grpo_lab is."""
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
 
-    packed: torch.Tensor
+    class KernelLayout(Bnb4bitParametrization):
+        packed: torch.Tensor
 
-    @torch.no_grad()
-    def forward(self, quantized_param: torch.Tensor) -> torch.Tensor:
-        self.restore(quantized_param)
-        return super().forward(quantized_param)
+        @torch.no_grad()
+        def forward(self, quantized_param: torch.Tensor) -> torch.Tensor:
+            self.restore(quantized_param)
+            return super().forward(quantized_param)
 
-    @torch.no_grad()
-    def restore(self, quantized_param: torch.Tensor) -> None:
-        if self.packed.any():
-            ids = self.packed.nonzero().squeeze(1)
-            every = quantized_param.view(self.quant_state.shape[0], self.quant_state.shape[1], -1)
-            every[ids] = to_blockwise_layout(every[ids])
-            self.packed.zero_()
+        @torch.no_grad()
+        def restore(self, quantized_param: torch.Tensor) -> None:
+            if self.packed.any():
+                ids = self.packed.nonzero().squeeze(1)
+                every = quantized_param.view(self.quant_state.shape[0], self.quant_state.shape[1], -1)
+                permute_experts(every, ids, to_blockwise_layout)
+                self.packed.zero_()
+
+    return KernelLayout
+
+
+def permute_experts(every: torch.Tensor, ids: torch.Tensor, layout) -> None:
+    """every[ids] = layout(every[ids]) for [experts, out, in / 2] codes, in place, copied 8 bytes at a time where an
+    expert's bytes allow (index_select / index_copy_ on bytes run about 2x slower on the CPU)."""
+    count, shape = every.shape[0], every.shape[1:]
+    wide = every.view(count, -1).view(torch.int64) if shape.numel() % 8 == 0 else every.view(count, -1)
+    picked = wide.index_select(0, ids).view(torch.uint8).view(ids.numel(), *shape)
+    wide.index_copy_(0, ids, layout(picked).view(ids.numel(), -1).view(wide.dtype))
 
 
 def to_kernel_layout(blocks: torch.Tensor) -> torch.Tensor:
