@@ -98,10 +98,10 @@ def test_one_layer_with_many_tokens_an_expert_matches_the_routed_dequantize(adap
     close(ours, theirs)
 
 
-def test_the_codes_are_bitsandbytes_cpu_layout_and_go_back_blockwise_before_a_blockwise_read():
+def test_the_codes_are_bitsandbytes_cpu_layout_and_go_back_blockwise_before_a_blockwise_read(monkeypatch):
     """The permutation is bitsandbytes' own `_convert_weight_packed_for_cpu` (its private converter, the oracle) and
-    is undone exactly; after a fused step, the whole-parameter dequantize, `state_dict` and a training forward read
-    what they read before it, bit for bit."""
+    is undone exactly; after a fused step, the routed dequantize (its gathered slices put back), the whole-parameter
+    dequantize, `state_dict` and a training forward read what they read before it, bit for bit."""
     import copy
 
     from bitsandbytes import functional
@@ -117,9 +117,16 @@ def test_the_codes_are_bitsandbytes_cpu_layout_and_go_back_blockwise_before_a_bl
     layer = next(m for m in model.modules() if hasattr(m, "experts_fused"))
     ids = torch.randint(0, 384, (2, 6), generator=torch.Generator().manual_seed(4))
     digest, whole, trained = base_digest(model), layer.gate_up_proj.clone(), model(input_ids=ids).logits.detach()
+    with monkeypatch.context() as patched, torch.no_grad():
+        dequantize_only(patched)
+        decoded = model(input_ids=ids[:, :1]).logits
     with torch.no_grad():
         model(input_ids=ids[:, :1])
-    assert layer.experts_fused > 0 and layer.parametrizations.gate_up_proj[0].packed.any()
+    packed = layer.parametrizations.gate_up_proj[0].packed
+    assert layer.experts_fused > 0 and packed.any()
+    with monkeypatch.context() as patched, torch.no_grad():
+        dequantize_only(patched)
+        assert torch.equal(model(input_ids=ids[:, :1]).logits, decoded) and packed.any()  # (slices put back alone)
     assert torch.equal(layer.gate_up_proj, whole)  # bitsandbytes' dequantize of the whole parameter
     assert base_digest(model) == digest  # state_dict: the blockwise codes
     with torch.no_grad():
