@@ -135,6 +135,18 @@ def test_the_codes_are_bitsandbytes_cpu_layout_and_go_back_blockwise_before_a_bl
     assert not layer.parametrizations.gate_up_proj[0].packed.any() and base_digest(model) == digest
 
 
+def test_a_decode_under_inference_mode_leaves_the_experts_usable_outside_it():
+    """torch.inference_mode (a reward model's, a user's): what the fused step marks is a normal tensor, so a training
+    forward after it puts the codes back blockwise and reads the weights it read before."""
+    model = bf16_moe("builtin:tiny-moe", adapters=False)
+    ids = torch.randint(0, 384, (2, 4), generator=torch.Generator().manual_seed(6))
+    trained = model(input_ids=ids).logits.detach()
+    with torch.inference_mode():
+        model(input_ids=ids[:, :1])
+    assert counts(model)[1] > 0
+    assert torch.equal(model(input_ids=ids).logits.detach(), trained)
+
+
 def test_the_fused_path_is_for_decode_alone(monkeypatch):
     """Gradients on (a learner's forward), more tokens an expert than the cut-off (a long prefill), float32, a CPU
     without the kernel: each dequantizes the routed experts."""

@@ -129,7 +129,8 @@ def pack(module, name: str, experts: torch.Tensor) -> torch.Tensor:
     """The codes of `name` with `experts` in the kernel's layout (permuted in place the first time)."""
     param = module.parametrizations[name][0]
     if packed(param) is None:  # (the first fused forward: its blockwise readers guarded from now on)
-        param.__class__, param.packed = kernel_layout(), torch.zeros(param.quant_state.shape[0], dtype=torch.bool)
+        with torch.inference_mode(False):  # why: a mask made under inference_mode could not be cleared outside it
+            param.__class__, param.packed = kernel_layout(), torch.zeros(param.quant_state.shape[0], dtype=torch.bool)
         if not hasattr(module, "_gemv_state_dict_hook"):
             module._gemv_state_dict_hook = module.register_state_dict_pre_hook(lambda m, prefix, keep: blockwise(m))
     fresh = experts[~param.packed[experts]]
