@@ -177,7 +177,8 @@ def test_a_greedy_rollout_from_the_codes_gives_the_dequantize_paths_tokens_and_c
     """builtin:tiny-moe in bfloat16, greedy: the same completions both ways, and their log-probs within bfloat16's
     tolerance (the random tiny model greedily repeats one token, so the tokens alone would say little). The rollout's
     metric counts the experts its forwards dequantized: none from the codes; with the cut-off at 4 tokens an expert,
-    the prefill's alone (its busiest expert gets more)."""
+    the prefill's alone (its busiest expert gets more). The reference's log-probs (no gradients either) dequantize,
+    as the policy's training forward does, so the two are computed alike."""
     from grpo_lab import Lab
 
     overrides = ["model.name_or_path=builtin:tiny-moe", *BF16, "generator.temperature=0",
@@ -190,6 +191,9 @@ def test_a_greedy_rollout_from_the_codes_gives_the_dequantize_paths_tokens_and_c
         hooks = [g.register_forward_hook(hook) for g in gates]
         fused = lab.rollout()
         assert fused.experts_dequantized == 0 and busy
+        model, ran = lab.learner.model, experts_dequantized(lab.learner.model, "experts_fused")
+        lab.logprobs(fused)  # the reference's pass (grad off): scored as the policy's training forward runs
+        assert experts_dequantized(model, "experts_fused") == ran and experts_dequantized(model) > 0
         monkeypatch.setattr(experts_gemv, "GEMV_TOKENS", 4)  # (a decoding step: 4 rows x top-2, at most 4 an expert)
         busy.clear()
         prefill = lab.rollout()

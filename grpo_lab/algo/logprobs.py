@@ -12,6 +12,7 @@ so a left-padded prompt is scored at the positions it was sampled at.
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Optional
@@ -92,6 +93,11 @@ def micro_batches(n: int, size: Optional[int], within: Optional[slice] = None) -
         yield slice(start, min(start + size, end))
 
 
+# whether a pass scores completions (the policy's, the reference's): its layers run as the training forward does, so
+# the reference's log-probs are computed as the policy's are (models/experts_gemv.py keeps its kernel to rollouts)
+SCORING: ContextVar[bool] = ContextVar("grpo_lab_scoring", default=False)
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     """Log-prob of every completion token under `model`: [n, L] (0 where completion_mask is 0). Inputs must be
     on the model's device."""
@@ -102,7 +108,11 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     mask = completion_mask.bool()
     # a sharded model runs the pass through its registered method, so FSDP gathers the root's embedding and head
     score = getattr(base, "grpo_lab_score", None) or partial(score_completions, base)
-    per_token = score(input_ids, attention, position_ids, completion_ids, mask)
+    scoring = SCORING.set(True)
+    try:
+        per_token = score(input_ids, attention, position_ids, completion_ids, mask)
+    finally:
+        SCORING.reset(scoring)
     # masked_scatter keeps the result connected to the graph even when no token is real
     return per_token.new_zeros(mask.shape).masked_scatter(mask, per_token)
 

@@ -34,9 +34,14 @@ def gemv_kernel() -> bool:
 
 
 def gemv_fits(module, hidden_states: torch.Tensor, local: torch.Tensor, routed: int) -> bool:
-    """Whether this forward runs the fused kernel: rollout decode (no gradients) in bfloat16 on a CPU with the kernel,
-    every routed expert given at most GEMV_TOKENS tokens, and each expert's codes in whole rows of 32 and blocks."""
-    if torch.is_grad_enabled() or hidden_states.device.type != "cpu" or hidden_states.dtype != torch.bfloat16:
+    """Whether this forward runs the fused kernel: rollout decode (no gradients, not a pass that scores completions) in
+    bfloat16 on a CPU with the kernel, every routed expert given at most GEMV_TOKENS tokens, and each expert's codes in
+    whole rows of 32 and blocks."""
+    from ..algo.logprobs import SCORING
+
+    if torch.is_grad_enabled() or SCORING.get() or hidden_states.device.type != "cpu":
+        return False
+    if hidden_states.dtype != torch.bfloat16:
         return False
     if module.is_transposed or not module.has_gate or module.has_bias or not gemv_kernel():
         return False
