@@ -59,9 +59,12 @@ def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         count(self, self.num_experts)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     adapters = {name: lora_factors(self, name) for name in EXPERT_PARAMS}  # PEFT's proxies, while they are registered
-    path = next(name for name, fits in EXPERT_PATHS.items() if fits(self, hidden_states, top_k_index))
-    if path == "gemv":
-        return experts_gemv.gemv_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
+    forward = next(run for fits, run in EXPERT_PATHS.values() if fits(self, hidden_states, top_k_index))
+    return forward(self, hidden_states, top_k_index, top_k_weights, adapters)
+
+
+def dequantized_forward(self, hidden_states, top_k_index, top_k_weights, adapters: dict):
+    """The routed experts dequantized (routed_forward); with gradients and `redequantize`, in RedequantizedExperts."""
     if torch.is_grad_enabled():  # why whole: a training step reads every routed expert blockwise, several times
         experts_gemv.blockwise(self)
 
@@ -133,7 +136,10 @@ def gemv_fits(module, hidden_states, top_k_index) -> bool:
 # The routed experts' forwards, the first that fits a call runs it: bitsandbytes' fused 4-bit matmuls at decode
 # (experts_gemv.py: nothing dequantized), else the routed experts dequantized (prefill, training, float32, CUDA, a CPU
 # without AVX512-BF16)
-EXPERT_PATHS = {"gemv": gemv_fits, "dequantize": lambda module, hidden_states, top_k_index: True}
+EXPERT_PATHS = {
+    "gemv": (gemv_fits, experts_gemv.gemv_forward),
+    "dequantize": (lambda module, hidden_states, top_k_index: True, dequantized_forward),
+}
 
 
 def routed_forward(module, hidden_states, top_k_index, top_k_weights, adapters: dict):
