@@ -337,7 +337,8 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: i
             "experts dequantized (one layer)",
             made,
             f"{round(share * shape.experts)} of {shape.experts} experts of a layer in {config.model.dtype} (at most "
-            f"{sequences} tokens x {shape.experts_per_token} routed), made at every decoding step's forward",
+            f"{sequences} tokens x {shape.experts_per_token} routed), made at a decoding step's forward "
+            "(a CPU in bfloat16 runs them from their codes, models/experts_gemv.py: then at a long prefill's)",
             phase="rollout",
         )
     if shape.moe and config.lora.target_experts:
