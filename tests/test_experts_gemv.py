@@ -131,8 +131,8 @@ def test_the_codes_are_bitsandbytes_cpu_layout_and_go_back_blockwise_before_a_bl
     assert base_digest(model) == digest  # state_dict: the blockwise codes
     with torch.no_grad():
         model(input_ids=ids[:, :1])
-    assert torch.equal(model(input_ids=ids).logits.detach(), trained)  # (a forward with gradients: dequantized)
-    assert not layer.parametrizations.gate_up_proj[0].packed.any() and base_digest(model) == digest
+    assert torch.equal(model(input_ids=ids).logits.detach(), trained)  # (a forward with gradients: its slices back)
+    assert layer.parametrizations.gate_up_proj[0].packed.any() and base_digest(model) == digest
 
 
 def test_a_decode_under_inference_mode_leaves_the_experts_usable_outside_it():
@@ -208,3 +208,78 @@ def test_a_greedy_rollout_from_the_codes_gives_the_dequantize_paths_tokens_and_c
         for h in locals().get("hooks", []):
             h.remove()
         lab.close()
+
+
+def test_a_training_step_reads_the_kept_kernel_layout_bit_for_bit():
+    """After a fused decode the codes stay in the kernel's layout through a training forward and backward (each reads
+    its routed experts' slices back into a temporary): the same logits and expert-adapter gradients, bit for bit, as
+    from the blockwise codes, and the experts still in the kernel's layout after it."""
+    model = bf16_moe("builtin:tiny-moe", adapters=True)
+    layer = next(m for m in model.modules() if hasattr(m, "experts_fused"))
+    ids = torch.randint(0, 384, (2, 6), generator=torch.Generator().manual_seed(7))
+
+    def trained():
+        model.zero_grad()
+        logits = model(input_ids=ids).logits
+        logits.float().square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lora" in n and p.grad is not None}
+        return logits.detach(), grads
+
+    logits, grads = trained()
+    assert any("experts" in n for n in grads)
+    with torch.no_grad():
+        model(input_ids=ids[:, :1])
+    packed = layer.parametrizations.gate_up_proj[0].packed.clone()
+    assert packed.any()
+    again, regrads = trained()
+    assert torch.equal(again, logits) and grads.keys() == regrads.keys()
+    assert all(torch.equal(regrads[n], g) for n, g in grads.items())
+    assert torch.equal(layer.parametrizations.gate_up_proj[0].packed, packed)  # kept: nothing permuted back
+
+
+@pytest.mark.parametrize("fault", ["first", "middle", "last"])
+def test_a_permutation_interrupted_at_an_expert_leaves_the_codes_as_they_were(fault, monkeypatch):
+    """A permutation's write stopping at the first, a middle or the last expert (the copy interrupted there), both
+    ways: the codes go back and the mask still says their layout, so every reader reads what it read before, bit for
+    bit (the whole-parameter dequantize, state_dict, the routed dequantize, the fused decode)."""
+    from test_moe import base_digest
+
+    model = bf16_moe("builtin:tiny-moe", adapters=False)
+    layer = next(m for m in model.modules() if hasattr(m, "experts_fused"))
+    every = torch.arange(layer.num_experts)
+    at = {"first": 0, "middle": layer.num_experts // 2, "last": layer.num_experts - 1}[fault]
+    ids = torch.randint(0, 384, (2, 4), generator=torch.Generator().manual_seed(8))
+    digest, whole, blockwise = base_digest(model), layer.gate_up_proj.clone(), experts_gemv.codes(layer, "gate_up_proj")
+    blockwise = blockwise.clone()
+    with monkeypatch.context() as patched, torch.no_grad():
+        dequantize_only(patched)
+        decoded = model(input_ids=ids[:, :1]).logits
+
+    def interrupted(action):
+        real, armed = torch.Tensor.index_copy_, [True]
+
+        def partial(self, dim, index, source):
+            if armed.pop() if armed else False:  # the first write: the experts before `at` written, then a failure
+                real(self, dim, index[:at], source[:at])
+                raise RuntimeError("injected: the copy stopped at an expert")
+            return real(self, dim, index, source)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "index_copy_", partial)
+            with pytest.raises(RuntimeError, match="injected"):
+                action()
+
+    param = layer.parametrizations.gate_up_proj[0]
+    interrupted(lambda: experts_gemv.pack(layer, "gate_up_proj", every))
+    assert not param.packed.any() and torch.equal(experts_gemv.codes(layer, "gate_up_proj"), blockwise)
+    experts_gemv.pack(layer, "gate_up_proj", every)
+    kernel = experts_gemv.codes(layer, "gate_up_proj").clone()
+    interrupted(lambda: layer.gate_up_proj)  # a whole read: every expert put back blockwise
+    assert param.packed.all() and torch.equal(experts_gemv.codes(layer, "gate_up_proj"), kernel)
+    with monkeypatch.context() as patched, torch.no_grad():
+        dequantize_only(patched)
+        assert torch.equal(model(input_ids=ids[:, :1]).logits, decoded)  # (the routed slices read back)
+    with torch.no_grad():
+        close(model(input_ids=ids[:, :1]).logits, decoded)  # fused, from the kernel's layout
+    assert torch.equal(layer.gate_up_proj, whole) and not param.packed.any()
+    assert base_digest(model) == digest

@@ -6,11 +6,13 @@ writes and reads 2 bytes an element to multiply a few rows. bitsandbytes registe
 (`bitsandbytes.functional.has_avx512bf16`); it reads the codes in its own CPU layout (bitsandbytes'
 `_convert_weight_packed_for_cpu`: 32 rows' nibbles interleaved, the scales [in / blocksize, out] in bfloat16). Each
 expert's codes are permuted into that layout in place the first time it runs here (a nibble shuffle, lossless and
-memory-neutral; the parametrization's `packed` marks which), and back before anything reads them blockwise: the routed
-dequantize puts its gathered slices back, and a forward with gradients, bitsandbytes' whole-parameter dequantize and
-`state_dict` put the whole parameter back. The scales stay as bitsandbytes keeps them (double-quantized too); the
-routed experts' are dequantized at each step (1/blocksize of the weights). PEFT's expert adapters
-(lora.target_experts) run beside the base matmul as their low-rank product, x A^T B^T, not folded into a weight.
+memory-neutral; the parametrization's `packed` marks which) and kept so: the routed dequantize (a training forward
+and backward, a long prefill) reads its gathered slices back blockwise into its own temporary, and only a read of the
+whole parameter (bitsandbytes' whole dequantize, so a merge or a copy of the weights, and `state_dict`, so a save)
+puts the codes back. A permutation keeps the codes it moves until they and the mask agree again. The scales stay as
+bitsandbytes keeps them (double-quantized too); the routed experts' are dequantized at each step (1/blocksize of the
+weights). PEFT's expert adapters (lora.target_experts) run beside the base matmul as their low-rank product,
+x A^T B^T, not folded into a weight.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ BLOCK_N = 32  # rows whose nibbles bitsandbytes' CPU layout interleaves (its blo
 # shape (bench/probes/routed_experts.py) the fused matmuls beat dequantize + grouped matmul up to about 300 tokens an
 # expert (a 4096-token prefill), so a step whose busiest routed expert has more than 256 (a long prefill) dequantizes
 GEMV_TOKENS = 256
+# why kept: permuting every expert back at each training forward and again at the next rollout's decode costs a
+# layer's codes twice a step; kept, a training forward reads its routed experts' slices back into a temporary instead
+# (bench/probes/routed_experts_steps.py measures both), and only a whole-parameter read puts the codes back
+KERNEL_LAYOUT_KEPT = True
 
 
 def gemv_kernel() -> bool:
@@ -141,8 +147,7 @@ def pack(module, name: str, experts: torch.Tensor) -> torch.Tensor:
     fresh = experts[~param.packed[experts]]
     every = codes(module, name)
     if fresh.numel():
-        permute_experts(every, fresh, to_kernel_layout)
-        param.packed[fresh] = True
+        permute_experts(every, fresh, to_kernel_layout, lambda: param.packed.index_fill_(0, fresh, True))
     return every
 
 
@@ -155,14 +160,17 @@ def blockwise(module) -> None:
 
 
 def unpacked_slices(module, name: str, experts: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    """`picked`: the codes of `experts` gathered [k, bytes]; those in the kernel's layout put back blockwise."""
+    """`picked`: the codes of `experts` gathered [k, bytes] (a copy, written here); those in the kernel's layout put
+    back blockwise."""
     param = module.parametrizations[name][0]
     if packed(param) is None or not param.packed[experts].any():
         return picked
-    mine = param.packed[experts]
-    shaped = picked.view(experts.numel(), param.quant_state.shape[1], -1).clone()
-    shaped[mine] = to_blockwise_layout(shaped[mine])
-    return shaped.view(picked.shape)
+    mine, shaped = param.packed[experts], picked.view(experts.numel(), param.quant_state.shape[1], -1)
+    if mine.all():  # (a training forward after a rollout: its routed experts ran fused; about 1.7x faster unmasked)
+        return to_blockwise_layout(shaped).view(picked.shape)
+    ids = mine.nonzero().squeeze(1)
+    shaped.index_copy_(0, ids, to_blockwise_layout(shaped.index_select(0, ids)))
+    return picked
 
 
 def packed(param):
@@ -190,19 +198,25 @@ def kernel_layout() -> type:
             if self.packed.any():
                 ids = self.packed.nonzero().squeeze(1)
                 every = quantized_param.view(self.quant_state.shape[0], self.quant_state.shape[1], -1)
-                permute_experts(every, ids, to_blockwise_layout)
-                self.packed.zero_()
+                permute_experts(every, ids, to_blockwise_layout, self.packed.zero_)
 
     return KernelLayout
 
 
-def permute_experts(every: torch.Tensor, ids: torch.Tensor, layout) -> None:
-    """every[ids] = layout(every[ids]) for [experts, out, in / 2] codes, in place, copied 8 bytes at a time where an
-    expert's bytes allow (index_select / index_copy_ on bytes run about 2x slower on the CPU)."""
+def permute_experts(every: torch.Tensor, ids: torch.Tensor, layout, mark) -> None:
+    """every[ids] = layout(every[ids]) for [experts, out, in / 2] codes, in place, then `mark()` (the mask saying
+    which layout they are in), copied 8 bytes at a time where an expert's bytes allow (index_select / index_copy_ on
+    bytes run about 2x slower on the CPU). A failure anywhere leaves the codes and the mask as they were."""
     count, shape = every.shape[0], every.shape[1:]
     wide = every.view(count, -1).view(torch.int64) if shape.numel() % 8 == 0 else every.view(count, -1)
-    picked = wide.index_select(0, ids).view(torch.uint8).view(ids.numel(), *shape)
-    wide.index_copy_(0, ids, layout(picked).view(ids.numel(), -1).view(wide.dtype))
+    before = wide.index_select(0, ids)  # why kept until marked: the codes go back if the write or the mark fails
+    moved = layout(before.view(torch.uint8).view(ids.numel(), *shape)).view(ids.numel(), -1).view(wide.dtype)
+    try:
+        wide.index_copy_(0, ids, moved)
+        mark()
+    except BaseException:
+        wide.index_copy_(0, ids, before)
+        raise
 
 
 def to_kernel_layout(blocks: torch.Tensor) -> torch.Tensor:
