@@ -131,8 +131,8 @@ def test_the_codes_are_bitsandbytes_cpu_layout_and_go_back_blockwise_before_a_bl
     assert base_digest(model) == digest  # state_dict: the blockwise codes
     with torch.no_grad():
         model(input_ids=ids[:, :1])
-    assert torch.equal(model(input_ids=ids).logits.detach(), trained)  # (a forward with gradients: its slices back)
-    assert layer.parametrizations.gate_up_proj[0].packed.any() and base_digest(model) == digest
+    assert torch.equal(model(input_ids=ids).logits.detach(), trained)  # (a forward with gradients: dequantized)
+    assert not layer.parametrizations.gate_up_proj[0].packed.any() and base_digest(model) == digest
 
 
 def test_a_decode_under_inference_mode_leaves_the_experts_usable_outside_it():
@@ -210,10 +210,11 @@ def test_a_greedy_rollout_from_the_codes_gives_the_dequantize_paths_tokens_and_c
         lab.close()
 
 
-def test_a_training_step_reads_the_kept_kernel_layout_bit_for_bit():
-    """After a fused decode the codes stay in the kernel's layout through a training forward and backward (each reads
-    its routed experts' slices back into a temporary): the same logits and expert-adapter gradients, bit for bit, as
-    from the blockwise codes, and the experts still in the kernel's layout after it."""
+def test_a_training_step_reads_the_kept_kernel_layout_bit_for_bit(monkeypatch):
+    """With KERNEL_LAYOUT_KEPT, after a fused decode the codes stay in the kernel's layout through a training forward
+    and backward (each reads its routed experts' slices back into a temporary): the same logits and expert-adapter
+    gradients, bit for bit, as from the blockwise codes, and the experts still in the kernel's layout after it."""
+    monkeypatch.setattr(experts_gemv, "KERNEL_LAYOUT_KEPT", True)
     model = bf16_moe("builtin:tiny-moe", adapters=True)
     layer = next(m for m in model.modules() if hasattr(m, "experts_fused"))
     ids = torch.randint(0, 384, (2, 6), generator=torch.Generator().manual_seed(7))

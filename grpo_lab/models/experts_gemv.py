@@ -6,10 +6,11 @@ writes and reads 2 bytes an element to multiply a few rows. bitsandbytes registe
 (`bitsandbytes.functional.has_avx512bf16`); it reads the codes in its own CPU layout (bitsandbytes'
 `_convert_weight_packed_for_cpu`: 32 rows' nibbles interleaved, the scales [in / blocksize, out] in bfloat16). Each
 expert's codes are permuted into that layout in place the first time it runs here (a nibble shuffle, lossless and
-memory-neutral; the parametrization's `packed` marks which) and kept so: the routed dequantize (a training forward
-and backward, a long prefill) reads its gathered slices back blockwise into its own temporary, and only a read of the
-whole parameter (bitsandbytes' whole dequantize, so a merge or a copy of the weights, and `state_dict`, so a save)
-puts the codes back. A permutation keeps the codes it moves until they and the mask agree again. The scales stay as
+memory-neutral; the parametrization's `packed` marks which). The routed dequantize (a long prefill, a log-prob pass)
+reads its gathered slices back blockwise into its own temporary; a forward with gradients puts the whole parameter
+back (unless KERNEL_LAYOUT_KEPT: then it too reads its slices back), and so does any read of the whole parameter
+(bitsandbytes' whole dequantize, so a merge or a copy of the weights, and `state_dict`, so a save). A permutation
+keeps the codes it moves until they and the mask agree again. The scales stay as
 bitsandbytes keeps them (double-quantized too); the routed experts' are dequantized at each step (1/blocksize of the
 weights). PEFT's expert adapters (lora.target_experts) run beside the base matmul as their low-rank product,
 x A^T B^T, not folded into a weight.
@@ -26,10 +27,11 @@ BLOCK_N = 32  # rows whose nibbles bitsandbytes' CPU layout interleaves (its blo
 # shape (bench/probes/routed_experts.py) the fused matmuls beat dequantize + grouped matmul up to about 300 tokens an
 # expert (a 4096-token prefill), so a step whose busiest routed expert has more than 256 (a long prefill) dequantizes
 GEMV_TOKENS = 256
-# why kept: permuting every expert back at each training forward and again at the next rollout's decode costs a
-# layer's codes twice a step; kept, a training forward reads its routed experts' slices back into a temporary instead
-# (bench/probes/routed_experts_steps.py measures both), and only a whole-parameter read puts the codes back
-KERNEL_LAYOUT_KEPT = True
+# why put back: kept in the kernel's layout (True), a rollout after the first permutes nothing (one 30B-A3B layer:
+# 0.2 s against 1.1 s), but each training read of the routed experts reads their slices back into a temporary, about
+# 1.9 s a read there, more than the one put-back (1.5 s) and the next rollout's permutation it saves once a step reads
+# them twice (its backward dequantizes again, or checkpointing reruns the forward): bench/probes/routed_experts_steps.py
+KERNEL_LAYOUT_KEPT = False
 
 
 def gemv_kernel() -> bool:
@@ -168,8 +170,10 @@ def unpacked_slices(module, name: str, experts: torch.Tensor, picked: torch.Tens
     mine, shaped = param.packed[experts], picked.view(experts.numel(), param.quant_state.shape[1], -1)
     if mine.all():  # (a training forward after a rollout: its routed experts ran fused; about 1.7x faster unmasked)
         return to_blockwise_layout(shaped).view(picked.shape)
-    ids = mine.nonzero().squeeze(1)
-    shaped.index_copy_(0, ids, to_blockwise_layout(shaped.index_select(0, ids)))
+    ids, rows = mine.nonzero().squeeze(1), param.quant_state.shape[1]
+    wide = picked.view(torch.int64) if picked.shape[1] % 8 == 0 else picked  # (8 bytes at a time, as permute_experts)
+    mixed = wide.index_select(0, ids).view(torch.uint8).view(ids.numel(), rows, -1)
+    wide.index_copy_(0, ids, to_blockwise_layout(mixed).view(ids.numel(), -1).view(wide.dtype))
     return picked
 
 

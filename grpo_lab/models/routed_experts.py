@@ -65,7 +65,7 @@ def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 def dequantized_forward(self, hidden_states, top_k_index, top_k_weights, adapters: dict):
     """The routed experts dequantized (routed_forward); with gradients and `redequantize`, in RedequantizedExperts."""
-    if torch.is_grad_enabled() and not experts_gemv.KERNEL_LAYOUT_KEPT:  # (else its slices are read back alone)
+    if torch.is_grad_enabled() and not experts_gemv.KERNEL_LAYOUT_KEPT:  # why whole: a step reads them several times
         experts_gemv.blockwise(self)
 
     def run(hidden, index, weights, factors):
