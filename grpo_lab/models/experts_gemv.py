@@ -27,10 +27,11 @@ BLOCK_N = 32  # rows whose nibbles bitsandbytes' CPU layout interleaves (its blo
 # shape (bench/probes/routed_experts.py) the fused matmuls beat dequantize + grouped matmul up to about 300 tokens an
 # expert (a 4096-token prefill), so a step whose busiest routed expert has more than 256 (a long prefill) dequantizes
 GEMV_TOKENS = 256
-# why put back: kept in the kernel's layout (True), a rollout after the first permutes nothing (one 30B-A3B layer:
-# 0.2 s against 1.1 s), but each training read of the routed experts reads their slices back into a temporary, about
-# 1.9 s a read there, more than the one put-back (1.5 s) and the next rollout's permutation it saves once a step reads
-# them twice (its backward dequantizes again, or checkpointing reruns the forward): bench/probes/routed_experts_steps.py
+# why put back: kept in the kernel's layout (True), a rollout after the first permutes almost nothing (one 30B-A3B
+# layer, 4 decoding steps of 8 rows: 0.1-0.2 s against 0.9-1.1 s), but every training read of the routed experts reads
+# their slices back into a temporary (about 1.3 s a read of 127 experts there), about what the one put-back and the
+# next rollout's permutation cost (2.1-3.1 s) at two reads a micro-batch (forward, and backward's dequantize again or
+# checkpointing's forward again), and more with several micro-batches a step (bench/probes/routed_experts_steps.py)
 KERNEL_LAYOUT_KEPT = False
 
 

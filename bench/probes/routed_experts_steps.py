@@ -1,0 +1,178 @@
+"""The routed experts across GRPO steps: each rollout's decoding steps, the time spent in the experts modules and the
+bytes dequantized a decoding step, the codes' permutations to and from the fused kernel's layout
+(models/experts_gemv.py) and each phase's seconds.
+
+`--tiny`: builtin:tiny-moe in bfloat16, a Lab's steps 1, 2, 3 (8 rows x 32 sampled tokens; rollout, then the rest
+of the step) each way: every expert of a layer dequantized (bitsandbytes' parametrization under transformers'
+grouped_mm, the first build), the routed experts dequantized (models/routed_experts.py), fused from their codes with
+the kernel's layout put back by each training forward (`experts_gemv.KERNEL_LAYOUT_KEPT` off) and kept (on).
+`--layer`: one experts layer of Qwen3-30B-A3B's shape (bench/probes/routed_experts.py), rollout -> training ->
+rollout -> training -> rollout (a rollout: 4 decoding steps of 8 rows x top-8, fused; training: a forward of 64
+rows with gradients and its backward, which dequantizes the routed experts again), the layout put back and kept.
+
+    OMP_NUM_THREADS=1 python -m bench.probes.routed_experts_steps --tiny --layer
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+
+from grpo_lab.models import experts_gemv
+
+WAYS = ("whole", "dequantize", "fused, put back", "fused, kept")
+
+
+class Meter:
+    """Hooks on each experts module and on bitsandbytes' dequantize: a decoding step's forward (no gradients, at most
+    `rows` tokens) timed, and the bytes it dequantized; the time spent permuting the codes in place and reading
+    permuted slices back into a routed dequantize's temporary, by phase."""
+
+    def __init__(self, experts: list, rows: int):
+        from bitsandbytes import functional
+
+        self.rows, self.layers, self.phase, self.decoding = rows, len(experts), "rollout", False
+        self.totals: dict = {}
+        self.hooks = [m.register_forward_pre_hook(self.pre) for m in experts]
+        self.hooks += [m.register_forward_hook(self.post) for m in experts]
+        self.functional, self.dequantize, self.permute = functional, functional.dequantize_4bit, None
+        functional.dequantize_4bit = self.counted
+        self.permute, experts_gemv.permute_experts = experts_gemv.permute_experts, self.timed_permute
+        self.unpack, experts_gemv.unpacked_slices = experts_gemv.unpacked_slices, self.timed_unpack
+
+    def add(self, key: str, value: float) -> None:
+        self.totals[key] = self.totals.get(key, 0) + value
+
+    def pre(self, module, args):
+        self.decoding = not torch.is_grad_enabled() and args[0].shape[0] <= self.rows
+        self.start = time.perf_counter()
+
+    def post(self, module, args, out):
+        if self.decoding:
+            self.add("decode_s", time.perf_counter() - self.start)
+            self.add("decode_calls", 1)
+        self.decoding = False
+
+    def counted(self, *args, **kwargs):
+        out = self.dequantize(*args, **kwargs)
+        if self.decoding:
+            self.add("decode_bytes", out.numel() * out.element_size())
+        return out
+
+    def timed_permute(self, *args, **kwargs):
+        start = time.perf_counter()
+        self.permute(*args, **kwargs)
+        self.add(f"permute_{self.phase}_s", time.perf_counter() - start)
+
+    def timed_unpack(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.unpack(*args, **kwargs)
+        self.add(f"slices_back_{self.phase}_s", time.perf_counter() - start)  # (a routed dequantize's temporary)
+        return out
+
+    def take(self) -> dict:
+        totals, self.totals = self.totals, {}
+        steps = totals.pop("decode_calls", 0) // self.layers
+        totals["decode_steps"], totals["decode_bytes_per_step"] = steps, totals.pop("decode_bytes", 0) // max(steps, 1)
+        totals["decode_experts_s_per_step"] = totals.get("decode_s", 0) / max(steps, 1)
+        return totals
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.functional.dequantize_4bit, experts_gemv.permute_experts = self.dequantize, self.permute
+        experts_gemv.unpacked_slices = self.unpack
+
+
+@contextlib.contextmanager
+def way(name: str, experts: list):
+    """`name` (WAYS) for these experts modules."""
+    from bench.probes.routed_experts import only
+
+    kept = experts_gemv.KERNEL_LAYOUT_KEPT
+    experts_gemv.KERNEL_LAYOUT_KEPT = name == "fused, kept"
+    if name == "whole":
+        for m in experts:
+            m.config._experts_implementation = "grouped_mm"
+    try:
+        with only("dequantize") if name == "dequantize" else contextlib.nullcontext():
+            yield
+    finally:
+        experts_gemv.KERNEL_LAYOUT_KEPT = kept
+
+
+def tiny(steps: int) -> None:
+    from grpo_lab import Lab
+
+    knobs = ["model.name_or_path=builtin:tiny-moe", "model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]
+    knobs += ["generator.max_completion_length=32", "grpo.num_generations=8", "grpo.prompts_per_step=1"]
+    for name in WAYS:
+        torch.manual_seed(0)
+        lab = Lab("tiny-cpu", overrides=knobs, reward_funcs=["length"]).load()
+        experts = [m for m in lab.learner.model.modules() if hasattr(m, "experts_fused")]
+        meter = Meter(experts, rows=8)
+        try:
+            with way(name, experts):
+                for step in range(1, steps + 1):
+                    meter.phase, start = "rollout", time.perf_counter()
+                    lab.rollout()
+                    middle, meter.phase = time.perf_counter(), "training"
+                    lab.step()
+                    record = {"tiny": name, "step": step, "rollout_s": middle - start}
+                    record |= {"training_s": time.perf_counter() - middle, **meter.take()}
+                    print("JSON " + json.dumps(record), flush=True)
+        finally:
+            meter.close()
+            lab.close()
+
+
+def layer(sequences: int) -> None:
+    from bench.probes.routed_experts import one_layer
+
+    experts, config = one_layer()
+    experts.redequantize = True  # why: a learner's backward reads the routed experts again (or checkpointing's forward)
+    meter = Meter([experts], rows=8)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(rows: int):
+        hidden = torch.randn(rows, config.hidden_size, generator=g, dtype=torch.bfloat16)
+        index = torch.stack([torch.randperm(config.num_experts, generator=g)[:8] for _ in range(rows)])
+        return hidden, index, torch.softmax(torch.randn(rows, 8, generator=g), -1).to(torch.bfloat16)
+
+    for name in ("fused, put back", "fused, kept"):
+        experts_gemv.blockwise(experts)  # (each way from the blockwise codes)
+        meter.take()
+        with way(name, [experts]):
+            for phase in ["rollout", "training"] * sequences + ["rollout"]:
+                meter.phase, start = phase, time.perf_counter()
+                if phase == "rollout":
+                    with torch.no_grad():
+                        for _ in range(4):
+                            experts(*batch(8))
+                else:
+                    hidden, index, weights = batch(64)
+                    experts(hidden.requires_grad_(True), index, weights).float().square().sum().backward()
+                record = {"layer": name, "phase": phase, "seconds": time.perf_counter() - start, **meter.take()}
+                print("JSON " + json.dumps(record), flush=True)
+    meter.close()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="builtin:tiny-moe's Lab steps, each way")
+    parser.add_argument("--layer", action="store_true", help="one 30B-A3B layer, the layout put back and kept")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(f"bfloat16; fused kernel: {experts_gemv.gemv_kernel()}", flush=True)
+    if args.tiny:
+        tiny(args.steps)
+    if args.layer:
+        layer(2)
+
+
+if __name__ == "__main__":
+    main()
