@@ -43,6 +43,9 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
             logprobs[rows] = target - log_z[rows]
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, lora_in, lora_b)
         ctx.temperature, ctx.chunk = temperature, chunk
+        # why kept for backward (which runs next, the loss between): its chunks reuse the same blocks rather than
+        # new ones that the blocks freed here, split by the small tensors made in between, would no longer fit
+        ctx.buffers = buffers if any(ctx.needs_input_grad) else None
         return logprobs
 
     @staticmethod
@@ -56,7 +59,7 @@ class ChunkedSelectiveLogProbs(torch.autograd.Function):
         grad_in = torch.empty_like(lora_in) if need_in else None
         grad_b = torch.zeros(lora_b.shape, dtype=torch.float32, device=lora_b.device) if need_b else None
         grad = grad.float()
-        buffers = ChunkBuffers(min(ctx.chunk, hidden.shape[0]), weight)
+        buffers, ctx.buffers = ctx.buffers or ChunkBuffers(min(ctx.chunk, hidden.shape[0]), weight), None
         low_rank = (lora_in, None if lora_b is None else lora_b.float())  # (once a pass, not once a chunk)
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, hidden.shape[0]))
