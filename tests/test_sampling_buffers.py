@@ -53,3 +53,39 @@ def test_the_tokens_and_log_probs_are_the_plain_formulas():
     got = recorder.finish(ids[:, 1:])
     assert torch.equal(got, torch.stack(expected_logprobs, 1))
     assert recorder.previous is None  # (the last [rows, vocab] log-softmax let go once read)
+
+
+def recorded_steps(recorder, scores, ids, first: int, last: int):
+    for t in range(first, last):
+        recorder(ids[:, : t + 1], scores[t])
+
+
+def test_a_decoding_step_leaves_no_allocation_alive():
+    # why: a small tensor kept per step (the recorder's log-prob column, as it once was) lands in a freed [rows, vocab]
+    # block's heap hole at glibc's own mmap threshold, and the rollout's heap then grows by one such block a step
+    # (docs/benchmarks.md, "The rollout's heap holes at glibc's own threshold")
+    steps, g = 32, torch.Generator().manual_seed(2)
+    scores = [step_scores(g, False) for _ in range(steps + 2)]
+    ids = torch.randint(0, VOCAB, (ROWS, steps + 2), generator=g)
+    recorder = SampledLogprobs(steps=steps + 1)
+    recorded_steps(recorder, scores, ids, 0, 2)  # the first steps: its buffers
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        recorded_steps(recorder, scores, ids, 2, steps + 2)
+    assert sum(e.self_cpu_memory_usage for e in prof.events()) == 0  # (bytes allocated less bytes freed)
+    got = recorder.finish(ids[:, 1:])  # (the last call's log-softmax scores no token of these)
+    expected = [
+        torch.log_softmax(s, -1).gather(-1, ids[:, t + 1 : t + 2]).squeeze(-1) for t, s in enumerate(scores[:-1])
+    ]
+    assert torch.equal(got, torch.stack(expected, 1))
+
+
+def test_the_recorded_log_probs_outgrow_their_buffer():
+    g = torch.Generator().manual_seed(3)
+    scores = [step_scores(g, True) for _ in range(11)]
+    ids = torch.randint(VOCAB // 2, VOCAB, (ROWS, 12), generator=g)
+    recorder = SampledLogprobs(steps=2)  # (grown twice: 2 -> 4 -> 8 -> 16 columns)
+    recorded_steps(recorder, scores, ids, 0, 11)
+    got = recorder.finish(ids[:, 1:])
+    expected = [torch.log_softmax(s, -1).gather(-1, ids[:, t + 1 : t + 2]).squeeze(-1) for t, s in enumerate(scores)]
+    assert got.shape == (ROWS, 11) and torch.equal(got, torch.stack(expected, 1))
+    assert recorder.recorded is None and recorder.count == 0  # (ready for the next call's rows)

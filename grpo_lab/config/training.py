@@ -167,8 +167,9 @@ class MemorySection(Section):
         "threshold at load (whole process): host blocks of this size (MiB) or more are mapped on their own and given "
         "back when freed, so host RSS follows the live tensors, as planned, instead of keeping heap holes; 0.125 is "
         "what the planner's CPU grid was measured with. Costs page faults: CPU steps 1.2-2.5x slower "
-        "(bench/plan_accuracy/mmap_threshold_step.py). null = glibc's own, which rises up to 32 MiB (the plan adds "
-        "the head's holes; a CPU learner then trims the heap before each layer's full-sequence forward).",
+        "(bench/plan_accuracy/mmap_threshold_step.py). null = glibc's own, which rises up to 32 MiB (the log-prob head "
+        "and the rollout's recorder hold their buffers, so leave no holes; a CPU learner trims the heap before each "
+        "layer's full-sequence forward).",
     )
     cuda_expandable_segments: bool = knob(
         "load",

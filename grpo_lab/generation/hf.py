@@ -157,7 +157,7 @@ class HFGenerator(Generator):
         sequences, its KV cache and the sampler log-probs of its new tokens."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        recorder = SampledLogprobs()
+        recorder = SampledLogprobs(max_new_tokens)  # (its log-prob columns: one buffer, made once)
         # why a copy: transformers warns when generation fields come both in a config and as arguments
         settings = copy.deepcopy(settings)
         settings.max_new_tokens, settings.return_dict_in_generate = max_new_tokens, True

@@ -55,15 +55,29 @@ class SampledLogprobs:
 
     It keeps one step's [n, V] log-softmax only, in one buffer: the token sampled from step t is known at step t+1's
     call, which reads it before writing step t+1's. (`output_scores=True` would keep every step's [n, V] scores:
-    O(n x length x vocab).)"""
+    O(n x length x vocab).) The recorded log-probs go into one [n, steps] buffer, made at the first call (doubled if a
+    call runs past `steps`). Why not a [n] tensor per step: each lived to the rollout's end, and glibc carved such small
+    blocks out of the freed [n, V] blocks' holes, so no [n, V] block fitted a hole again and the heap grew by one a step
+    (docs/benchmarks.md, "The rollout's heap holes at glibc's own threshold")."""
 
-    def __init__(self):
+    def __init__(self, steps: int = 64):
         self.previous: Optional[torch.Tensor] = None  # [n, V] float32: the last step's log-softmax
-        self.columns: list[torch.Tensor] = []  # [n] per generated token
+        self.recorded: Optional[torch.Tensor] = None  # [n, >= steps] float32: column t is step t's token's log-prob
+        self.steps, self.count = steps, 0
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        """Write the last step's log-prob of `tokens` ([n, 1]) into the next column (the temporary [n, 1] is freed)."""
+        if self.recorded is None or self.count == self.recorded.shape[1]:
+            grown = self.previous.new_empty(self.previous.shape[0], max(self.steps, 2 * self.count))
+            if self.recorded is not None:
+                grown[:, : self.count] = self.recorded
+            self.recorded = grown
+        self.recorded[:, self.count : self.count + 1] = self.previous.gather(-1, tokens)
+        self.count += 1
 
     def __call__(self, input_ids, scores):
         if self.previous is not None:
-            self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+            self._record(input_ids[:, -1:])
         scores32 = scores.float()
         if self.previous is None or self.previous.shape != scores32.shape or self.previous.device != scores.device:
             self.previous = torch.empty_like(scores32)
@@ -73,7 +87,10 @@ class SampledLogprobs:
 
     def finish(self, new_tokens) -> torch.Tensor:
         """[n, T] log-probs of `new_tokens` (the last token's comes from the last stored step)."""
-        if self.previous is not None and len(self.columns) < new_tokens.shape[1]:
-            self.columns.append(self.previous.gather(-1, new_tokens[:, -1:].to(self.previous.device)).squeeze(-1))
+        if self.previous is not None and self.count < new_tokens.shape[1]:
+            self._record(new_tokens[:, -1:].to(self.previous.device))
         self.previous = None  # why: drop the last [n, V] log-softmax as soon as it is used
-        return torch.stack(self.columns, dim=1) if self.columns else torch.zeros(new_tokens.shape, dtype=torch.float32)
+        if not self.count:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32)
+        recorded, self.recorded, self.count = self.recorded[:, : self.count].clone(), None, 0
+        return recorded

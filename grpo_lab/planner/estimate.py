@@ -76,19 +76,19 @@ FULL_HEAD_FLOAT32_COPIES = 3
 # not modelled: 24-63 MiB at rest over bench/plan_accuracy/planner_accuracy.py's grid against the float32 baseline
 # above.
 ONEDNN_CPU_CACHES = 48 * 1024**2
-# glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) serves blocks under 32 MiB from its heap once it has
-# risen, and their holes stay resident: the head's chunks held 8-22 bytes of RSS per element where the tensors are 6
-# (bench/plan_accuracy/head_heap.py; tests/test_heap.py's passes after a loaded Lab read medians of 10.1 and 19.1).
-# Planned as 22/6 on such chunks, the most a pass's median was seen to take; a pinned threshold needs none.
-HEAP_HOLE_FACTOR, HEAP_MMAP_CEILING = 22 / 6, 32 * 1024**2
-# The holes the plan cannot model at that threshold (the rollout's, the layers' activations): they come and go from run
+# The log-prob head needs no widening for glibc's own mmap threshold (memory.host_mmap_threshold_mib: null), which
+# serves blocks under 32 MiB from its heap: each pass writes every chunk into buffers it holds (algo/head.py), and its
+# chunks held 6.1-6.2 bytes of RSS per element there, as pinned (bench/plan_accuracy/head_heap.py, docs/benchmarks.md
+# "The rollout's heap holes at glibc's own threshold").
+# The holes the plan cannot model at that threshold (the layers' activations between trims): they come and go from run
 # to run, so they are said, not planned; measured by bench/plan_accuracy/planner_accuracy.py's grid at null
-# (docs/benchmarks.md)
+# (docs/benchmarks.md), before the rollout's log-prob recorder and the head held their buffers (their holes were part
+# of those figures)
 HEAP_HOLES_CAVEAT = (
-    "host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) leaves heap holes this "
-    "plan widens only for the log-prob head; a CPU learner's phases measured up to 1.19x their plan "
-    "(the peak up to 1.10x), with one-off spikes to 1.58x, and a wide model's backward without checkpointing "
-    "1.36x (builtin:kv-heavy). 0.125 holds them within 1.1, at 1.2-2.5x "
+    "host: glibc's own mmap threshold (memory.host_mmap_threshold_mib: null) can leave heap holes this "
+    "plan does not model (the layers' activations between heap trims); a CPU learner's phases measured "
+    "up to 1.19x their plan (the peak up to 1.10x), with one-off spikes to 1.58x, and a wide model's "
+    "backward without checkpointing 1.36x (builtin:kv-heavy). 0.125 holds them within 1.1, at 1.2-2.5x "
     "the CPU step time"
 )
 # vLLM on the CPU, in this process: its modules and engine state beside its weights and the KV cache it reserves
@@ -277,18 +277,6 @@ def full_head_bytes(rows: int, shape: ModelShape, e: int, chunk: int, on_cpu: bo
 HEAD_BYTES = {"chunked": chunked_head_bytes, "trl": trl_head_bytes, "full": full_head_bytes}
 
 
-def head_in_heap(config, shape: ModelShape, rows: int, on_cpu: bool) -> bool:
-    """The chunked head's float32 chunk (as many rows as it scores, at most a chunk) lands in glibc's heap: on the CPU,
-    with glibc's own threshold (null), under its 32 MiB ceiling."""
-    chunk_logits = min(config.grpo.logprob_chunk_size, rows) * shape.vocab * 4
-    return (
-        on_cpu
-        and config.grpo.logprob_head == "chunked"
-        and config.memory.host_mmap_threshold_mib is None
-        and chunk_logits < HEAP_MMAP_CEILING
-    )
-
-
 def saved_per_token(shape: ModelShape, config, length: int, on_cpu: bool) -> float:
     """Bytes a training forward keeps for backward per token and layer (`length`: the sequence's tokens)."""
     e = compute_bytes(config)
@@ -344,9 +332,6 @@ def activation_bytes(
         stored = (shape.layers + CPU_BACKWARD_GRADIENTS) * per_layer * tokens
     else:
         stored = shape.layers * per_layer * tokens + per_layer * tokens
-    in_heap = head_in_heap(config, shape, rows, on_cpu)
-    if in_heap:  # why: the chunks' heap holes stay resident (HEAP_HOLE_FACTOR)
-        head += (HEAP_HOLE_FACTOR - 1) * min(grpo.logprob_chunk_size, rows) * shape.vocab * (4 + (e if e != 4 else 0))
     dequant = max(a * b for _, a, b in shape.linear_layers()) * e if config.model.load_in_4bit else 0
     # kept by each expert matmul (its weight is a view of the dequantized experts; checkpointing: the recomputed
     experts = experts_dequant_bytes(shape, config, tokens)  # layer's: those its tokens route to), expert LoRA's
@@ -369,7 +354,6 @@ def activation_bytes(
         "forward activations": forward,
         "micro_batch": n,
         "tokens": tokens,
-        "head in heap": in_heap,
     }
 
 

@@ -375,7 +375,7 @@ def add_passes(
             f"{shape_note}, one layer at a time",
             phase="logprobs",
         )
-        head = head_note(config, shape, ref_on_cpu, ref_act["head in heap"])
+        head = head_note(config, shape, ref_on_cpu)
         ref.add("log-prob head", ref_act["log-prob head"], head, phase="logprobs")
     if procs > 1:
         lrn.add(
@@ -390,7 +390,7 @@ def add_passes(
         # why resident: torch's pinned-memory allocator keeps the blocks for the next step's copies
         host.add("offloaded layer inputs (pinned)", act["offloaded inputs"] * procs, f"{shape_note} x {shape.layers}")
     lrn.add("activations (backward peak)", act["activations"], f"{shape_note}, {ckpt}", phase="backward")
-    head = head_note(config, shape, on_cpu, act["head in heap"])
+    head = head_note(config, shape, on_cpu)
     lrn.add("log-prob head", act["log-prob head"], head, phase="backward")
     lrn.add("4-bit dequant buffer", act["4-bit dequant buffer"], "largest layer, transient", phase="backward")
     return act["micro_batch"]

@@ -49,13 +49,11 @@ def line_of(device: str, config) -> float:
     return config.memory.host_threshold if device.startswith("host") else 1.0
 
 
-def head_note(config, shape: ModelShape, on_cpu: bool, in_heap: bool) -> str:
-    """`in_heap`: activation_bytes' "head in heap", the one rule that also widened the head's bytes."""
+def head_note(config, shape: ModelShape, on_cpu: bool) -> str:
     if config.grpo.logprob_head == "chunked":
-        holes = "; with glibc's heap holes (memory.host_mmap_threshold_mib: null)" if in_heap else ""
         return (
             f"chunks of {config.grpo.logprob_chunk_size} completion tokens x {shape.vocab} vocab, recomputed in "
-            f"backward; no [B, L, vocab] logits{holes}"
+            "backward; no [B, L, vocab] logits"
         )
     if config.grpo.logprob_head == "full":
         return f"all [tokens, {shape.vocab}] logits at once in float32, kept for backward (the textbook pass)"
