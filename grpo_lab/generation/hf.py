@@ -23,8 +23,9 @@ from ..runtime import runtime
 from .base import GenerationRequest, Generator, Sample, row_seeds
 from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
+from .prefill import prefill_chunk
 from .rollout_copy import RolloutCopy
-from .sampling import InverseCdfSampler, SampledLogprobs
+from .sampling import DecodeStep, InverseCdfSampler, SampledLogprobs
 from .turn_cache import TurnCache
 from .turn_shapes import TurnShapes
 
@@ -164,6 +165,7 @@ class HFGenerator(Generator):
         # why the longest prompt a kept cache can meet: its length, and so its tensors, stay the same every rollout
         length = (request.max_prompt_length if request.keeps_copy else ids.shape[1]) + max_new_tokens
         cache, settings = self.reused_cache(model, settings, cache, length, ids.shape[0])
+        settings.prefill_chunk_size = prefill_chunk(self.learner.device.type, cache)  # (generation/prefill.py)
         out = model.generate(
             input_ids=ids.to(self.learner.device),
             attention_mask=mask.to(self.learner.device),
@@ -172,7 +174,7 @@ class HFGenerator(Generator):
             past_key_values=cache,
             stopping_criteria=StoppingCriteriaList([stop]),
             logits_processor=LogitsProcessorList(
-                [*sampling_processors(request), recorder, *samplers, *self._step_hooks()]
+                [*sampling_processors(request), DecodeStep(recorder, *samplers), *self._step_hooks()]
             ),
         )
         new = out.sequences[:, ids.shape[1] :]

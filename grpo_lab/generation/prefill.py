@@ -1,0 +1,20 @@
+"""A fresh prefill on a CPU learner runs in chunks of PREFILL_CHUNK tokens (transformers' `prefill_chunk_size`): only
+the last position's logits are kept (generate()'s `logits_to_keep=1`), so a chunk's activations and padding mask are
+the prefill's working memory, not the whole prompt's (planner/turns.py prefill_bytes follows). Why: at 8 rows x 647
+prompt tokens the one-forward prefill's [rows, tokens, intermediate] activations were the rollout's largest live set
+(41 MiB on builtin:qwen2-152k, docs/benchmarks.md "A tool-calling rollout beside TRL's tool loop"); a GPU learner
+prefills in one forward (its kernels' launches, not its activations, are what it pays for)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# tokens per prefill forward: the MLP's [8, 128, intermediate] float32 activations of the tiny body are 1 MiB each
+PREFILL_CHUNK = 128
+
+
+def prefill_chunk(device_type: str, cache) -> Optional[int]:
+    """The generate() call's `prefill_chunk_size`: PREFILL_CHUNK for a CPU learner's call that prefills afresh; None
+    (one forward) on a GPU, or going on from `cache` (transformers' chunks start at position 0, so a call continuing a
+    kept cache, generation/turn_cache.py, or a static one prefills in one forward)."""
+    return PREFILL_CHUNK if device_type == "cpu" and cache is None else None
