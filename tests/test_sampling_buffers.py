@@ -7,7 +7,8 @@ cumulative sum, log_softmax), sampled and greedy."""
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from grpo_lab.generation.sampling import DecodeStep, InverseCdfSampler, SampledLogprobs, block_rows
+from grpo_lab.generation.sampling import DecodeStep, InverseCdfSampler, SampledLogprobs
+from grpo_lab.generation.step_memory import block_rows
 
 ROWS, VOCAB = 4, 50_000
 
@@ -97,3 +98,49 @@ def test_unseeded_draws_take_torchs_stream_and_greedy_the_argmax():
     assert DecodeStep(greedy)(None, scores) is scores  # (greedy: generate()'s argmax over the scores as they are)
     expected = torch.log_softmax(scores, -1).gather(-1, scores.argmax(-1, keepdim=True))
     assert torch.equal(greedy.finish(scores.argmax(-1, keepdim=True)), expected)
+
+
+def test_generate_holds_no_step_scores_through_the_next_forward(tiny_config):
+    """Through transformers' generate() with the hf backend's processors (temperature and top-k written over the
+    scores, DecodeStep, its release as a stopping criterion): when a decoding step's forward starts, no [rows, vocab]
+    float32 tensor of the last step is alive beside the decoding step's own buffers (generate() kept its logits' copy
+    and the processed scores through the forward: one or two more [rows, vocab])."""
+    import gc
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+    from grpo_lab.config.loading import load_config
+    from grpo_lab.generation.hf import sampling_processors
+
+    config = load_config(tiny_config())
+    model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, dtype=torch.float32).eval()
+    rows, vocab = 5, model.config.vocab_size
+    ids = torch.randint(3, vocab, (rows, 7), generator=torch.Generator().manual_seed(0))
+    step = DecodeStep(SampledLogprobs(), InverseCdfSampler(seeds=list(range(rows))))
+    held = []  # per decoding forward: the [rows, vocab] float32 tensors alive, less the step's own buffers
+
+    def alive() -> set:
+        return {id(o) for o in gc.get_objects() if type(o) is torch.Tensor and tuple(o.shape) == (rows, vocab)}
+
+    before = alive()  # (any left by the tests before this one)
+
+    def count(_, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            held.append(len(alive() - before - {id(step.buffers.row), id(step.buffers.cdf)}))
+
+    request = SimpleNamespace(temperature=0.7, top_k=40, top_p=1.0)
+    settings = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    hook = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=settings,
+                logits_processor=LogitsProcessorList([*sampling_processors(request), step]),
+                stopping_criteria=StoppingCriteriaList([step.release]),
+            )
+    finally:
+        hook.remove()
+    assert held == [0] * 5, held

@@ -179,10 +179,10 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
     generate() call's forwards, the prefill's those inside transformers' `_prefill`): the rows, the tokens prefilled,
     the KV context after them (the attention mask's width) and the forwards after the prefill; each labelled with its
     turn's mark, in order. A fresh prefill (a call's tokens all new) is fed in chunks of PREFILL_CHUNK tokens on the
-    CPU (generation/prefill.py), a call going on from the kept cache in one forward."""
+    CPU (generation/step_memory.py), a call going on from the kept cache in one forward."""
     from transformers.generation.utils import GenerationMixin
 
-    from grpo_lab.generation.prefill import PREFILL_CHUNK
+    from grpo_lab.generation.step_memory import PREFILL_CHUNK
 
     lab, made = forced_lab(tiny_config, monkeypatch, mode, 1.0, 3)
     forwards, inside = [], [False]  # (generate call, in the prefill, rows, tokens fed, mask width)

@@ -1,8 +1,9 @@
 """The hf backend's decoding step: one logits processor that picks each row's token (InverseCdfSampler's draw, or the
 argmax when greedy), records its log-prob (SampledLogprobs) and writes generate()'s choice over the step's scores.
-Every [vocab]-wide result is made a block of rows at a time (block_rows: one row of Qwen2.5's vocabulary) in buffers
-held for the rollout, so a step allocates nothing of [rows, vocab] width (a CPU learner's RSS rise over a rollout's start is these buffers, transformers' logits
-and the heap's holes between them: docs/benchmarks.md, "A tool-calling rollout beside TRL's tool loop")."""
+Every [vocab]-wide result is made a block of rows at a time (generation/step_memory.py block_rows: one row of
+Qwen2.5's vocabulary) in buffers held for the rollout, so a step allocates nothing of [rows, vocab] width (a CPU
+learner's RSS rise over a rollout's start is transformers' logits, these buffers and the heap's holes between them:
+docs/benchmarks.md, "A tool-calling rollout beside TRL's tool loop")."""
 
 from __future__ import annotations
 
@@ -10,14 +11,7 @@ from typing import Optional
 
 import torch
 
-
-# a block's float64 CDF at most this many bytes: one row of Qwen2.5's vocabulary (1.2 MiB), many rows of a small one
-BLOCK_BYTES = 2**20
-
-
-def block_rows(vocab: int) -> int:
-    """Rows a decoding step processes at once: its [block, vocab] buffers' float64 CDF within BLOCK_BYTES."""
-    return max(1, BLOCK_BYTES // (8 * vocab))
+from .step_memory import block_rows
 
 
 class RowBuffers:
@@ -51,7 +45,7 @@ class InverseCdfSampler:
     drawn). One uniform per sequence instead of torch.multinomial's vocabulary-sized exponential draw (faster on the
     CPU). Same distribution, another random stream: tokens for a given seed differ from multinomial's. A block of rows
     at a time (block_rows): its softmax and CDF go into RowBuffers (the same kernels per row, so the same bits as over
-    the batch). Why: [rows, vocab] float32 + float64 buffers were 13.9 MiB of a decoding step at 8 x Qwen2.5's vocabulary.
+    the batch). Why: [rows, vocab] float32 + float64 buffers were 13.9 MiB of a step at 8 x Qwen2.5's vocabulary.
     `seeds`: one CPU generator per row, so row i's t-th token uses the t-th uniform of its own stream whatever the
     rows beside it (a rank's share samples what one process samples); None: one draw over the batch from torch's RNG."""
 
@@ -109,9 +103,11 @@ class DecodeStep:
 
     def __init__(self, recorder: SampledLogprobs, sampler: Optional[InverseCdfSampler] = None):
         self.recorder, self.sampler, self.buffers = recorder, sampler, RowBuffers()
+        self.scores: Optional[torch.Tensor] = None  # the step's, until generate() has chosen from them
 
     def __call__(self, input_ids, scores):
         buffers = self.buffers.ready(scores)
+        self.scores = scores
         if self.sampler is None:  # greedy: generate()'s own argmax (the first of equal maxima), scores left as they are
             tokens = scores.argmax(-1, keepdim=True)
             self.recorder.record(scores, tokens, buffers)
@@ -119,3 +115,24 @@ class DecodeStep:
         tokens = self.sampler.draw(scores, buffers)
         self.recorder.record(scores, tokens, buffers)
         return scores.fill_(float("-inf")).scatter_(-1, tokens, 0.0)
+
+    def release(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        """A stopping criterion that stops nothing: generate() has taken its token from the step's scores when its
+        stopping criteria run, so their storage is let go here (`set_()`: every name generate() holds them by now
+        points at an empty tensor). Why: generate() keeps them until the next step's logits are copied, one more
+        [rows, vocab] float32 through each forward (4.6 MiB at 8 x Qwen2.5's vocabulary)."""
+        if self.scores is not None:
+            self.scores.set_()
+            self.scores = None
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class InPlace:
+    """A transformers logits processor whose result is written over its input (the same values: its temporaries freed
+    as it returns), so the scores generate() holds through a step stay its logits' copy."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __call__(self, input_ids, scores):
+        return scores.copy_(self.processor(input_ids, scores))

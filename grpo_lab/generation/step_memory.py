@@ -1,4 +1,7 @@
-"""A fresh prefill on a CPU learner runs in chunks of PREFILL_CHUNK tokens (transformers' `prefill_chunk_size`): only
+"""How much of a rollout's width its forwards and decoding steps work over at once (no torch here: the planner reads
+these without it).
+
+A fresh prefill on a CPU learner runs in chunks of PREFILL_CHUNK tokens (transformers' `prefill_chunk_size`): only
 the last position's logits are kept (generate()'s `logits_to_keep=1`), so a chunk's activations and padding mask are
 the prefill's working memory, not the whole prompt's (planner/turns.py prefill_bytes follows). Why: at 8 rows x 647
 prompt tokens the one-forward prefill's [rows, tokens, intermediate] activations were the rollout's largest live set
@@ -18,3 +21,13 @@ def prefill_chunk(device_type: str, cache) -> Optional[int]:
     (one forward) on a GPU, or going on from `cache` (transformers' chunks start at position 0, so a call continuing a
     kept cache, generation/turn_cache.py, or a static one prefills in one forward)."""
     return PREFILL_CHUNK if device_type == "cpu" and cache is None else None
+
+
+# a decoding step's block of rows (generation/sampling.py), its float64 CDF at most this many bytes: one row of
+# Qwen2.5's vocabulary (1.2 MiB), many of a small one
+BLOCK_BYTES = 2**20
+
+
+def block_rows(vocab: int) -> int:
+    """Rows a decoding step processes at once: its [block, vocab] buffers' float64 CDF within BLOCK_BYTES."""
+    return max(1, BLOCK_BYTES // (8 * vocab))
