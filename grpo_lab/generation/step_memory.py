@@ -31,3 +31,11 @@ BLOCK_BYTES = 2**20
 def block_rows(vocab: int) -> int:
     """Rows a decoding step processes at once: its [block, vocab] buffers' float64 CDF within BLOCK_BYTES."""
     return max(1, BLOCK_BYTES // (8 * vocab))
+
+
+def decode_step_bytes(rows: int, vocab: int, logits_bytes: int) -> int:
+    """One decoding step's [rows, vocab] tensors: the LM head's logits (`logits_bytes` an element) and generate()'s
+    float32 copy of them (the sampler writes its choice over it; the last step's is let go once generate() has chosen:
+    generation/sampling.py DecodeStep.release), and the step's held [block, vocab] buffers: a block of rows' float32
+    softmax / recorded log-softmax and float64 CDF."""
+    return rows * vocab * (logits_bytes + 4) + min(block_rows(vocab), rows) * vocab * (4 + 8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..generation.step_memory import decode_step_bytes
 from ..models.shapes import ModelShape
 
 # (the base weights' bytes, imported by their users from here too)
@@ -382,14 +383,8 @@ def rollout_sequences(config) -> int:
 
 
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
-    """One decoding step's [sequences, vocab] tensors: the compute-dtype logits and their float32 copy (the sampler
-    writes its choice over it; the last step's is let go once generate() has chosen), and the decoding step's [block,
-    vocab] buffers: a block of rows' float32 softmax / recorded log-softmax and float64 CDF (generation/sampling.py:
-    one row at Qwen2.5's vocabulary)."""
-    from ..generation.step_memory import block_rows
-
-    block = min(block_rows(shape.vocab), sequences)
-    return sequences * shape.vocab * (compute_bytes(config) + 4) + block * shape.vocab * (4 + 8)
+    """One decoding step's [sequences, vocab] tensors and buffers (generation/step_memory.py decode_step_bytes)."""
+    return decode_step_bytes(sequences, shape.vocab, compute_bytes(config))
 
 
 def kv_cache_bytes(shape: ModelShape, config, sequences: int) -> float:
