@@ -21,9 +21,7 @@ def _one_line_error(capsys, argv) -> str:
 TOOLS = [
     "model.name_or_path=builtin:qwen2-152k",
     "generator.tools=[my_tools:add]",
-    # a later turn prefills its tool result, up to the whole budget (no max_tool_response_tokens), in one forward after
-    # the kept cache (TRL's loop, turn_cache prefill, re-prefills the conversation in chunks on a CPU learner)
-    "generator.turn_cache=keep",
+    "generator.turn_cache=prefill",  # TRL's loop: a later turn prefills the whole conversation again
     "generator.max_prompt_length=1024",
     "grpo.micro_batch_size=1",
     "placement.host_memory_gib=64",
@@ -32,8 +30,8 @@ TOOLS = [
 
 def test_the_turns_axis_plans_one_frontier_per_number_of_turns():
     """`--turns 1,2,4`: each frontier is its config at generator.max_tool_calling_iterations = turns - 1; a second
-    turn's prefill of a tool result of up to 2,048 tokens moves the long cell from backward to the rollout
-    (planner/turns.py), a later turn plans as the second (any may take the largest result)."""
+    turn's re-prefill of 3,071 tokens moves the long cell from backward to the rollout (planner/turns.py), a later
+    turn plans as the second (any may be the conversation's longest)."""
     from grpo_lab.planner.turn_axis import frontiers_by_turns
 
     base = load_config("tiny-cpu", TOOLS)

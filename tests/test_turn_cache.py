@@ -178,8 +178,8 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
     """Rollout.turn_shapes, against the forwards spied as bench/plan_accuracy/turn_plan.py spies them (each
     generate() call's forwards, the prefill's those inside transformers' `_prefill`): the rows, the tokens prefilled,
     the KV context after them (the attention mask's width) and the forwards after the prefill; each labelled with its
-    turn's mark, in order. A fresh prefill (a call's tokens all new) is fed in chunks of PREFILL_CHUNK tokens on the
-    CPU (generation/step_memory.py), a call going on from the kept cache in one forward."""
+    turn's mark, in order. Turn 1's prefill of the prompts is fed in chunks of PREFILL_CHUNK tokens on the CPU
+    (generation/step_memory.py); a later turn's, going on from the kept cache or afresh, in one forward."""
     from transformers.generation.utils import GenerationMixin
 
     from grpo_lab.generation.step_memory import PREFILL_CHUNK
@@ -208,10 +208,10 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
         hook.remove()
         lab.close()
     spied = []
-    for call in sorted({f[0] for f in forwards}):
+    for call, shape in zip(sorted({f[0] for f in forwards}), out.turn_shapes):
         chunks = [f for f in forwards if f[0] == call and f[1]]
         fed, context = sum(f[3] for f in chunks), chunks[-1][4]
-        fresh = fed == context  # (nothing cached: a chunked prefill; else one forward after the kept cache)
+        fresh = fed == context and shape["mark"] == "turn 1"  # (the prompts: chunked; else one forward)
         whole, rest = divmod(fed, PREFILL_CHUNK)
         expected = [PREFILL_CHUNK] * whole + [rest][:rest] if fresh else [fed]
         assert [f[3] for f in chunks] == expected, chunks

@@ -166,7 +166,8 @@ class HFGenerator(Generator):
         # why the longest prompt a kept cache can meet: its length, and so its tensors, stay the same every rollout
         length = (request.max_prompt_length if request.keeps_copy else ids.shape[1]) + max_new_tokens
         cache, settings = self.reused_cache(model, settings, cache, length, ids.shape[0])
-        settings.prefill_chunk_size = prefill_chunk(self.learner.device.type, cache)  # (generation/step_memory.py)
+        first = self.shapes.mark in (None, "turn 1")  # (not a tool loop's later turn: generation/step_memory.py)
+        settings.prefill_chunk_size = prefill_chunk(self.learner.device.type, cache, first)
         out = model.generate(
             input_ids=ids.to(self.learner.device),
             attention_mask=mask.to(self.learner.device),

@@ -16,11 +16,14 @@ from typing import Optional
 PREFILL_CHUNK = 128
 
 
-def prefill_chunk(device_type: str, cache) -> Optional[int]:
-    """The generate() call's `prefill_chunk_size`: PREFILL_CHUNK for a CPU learner's call that prefills afresh; None
-    (one forward) on a GPU, or going on from `cache` (transformers' chunks start at position 0, so a call continuing a
-    kept cache, generation/turn_cache.py, or a static one prefills in one forward)."""
-    return PREFILL_CHUNK if device_type == "cpu" and cache is None else None
+def prefill_chunk(device_type: str, cache, first_turn: bool = True) -> Optional[int]:
+    """The generate() call's `prefill_chunk_size`: PREFILL_CHUNK for a CPU learner's prefill of the prompts (a
+    rollout's, or a tool loop's first turn); None (one forward) on a GPU, going on from `cache` (transformers' chunks
+    start at position 0, so a call continuing a kept cache, generation/turn_cache.py, or a static one prefills in one
+    forward), or at a tool loop's later turn: its fresh prefill of the whole conversation (TRL's loop, turn_cache
+    prefill, and keep's past the planned KV length) is one forward as TRL's loop makes it, the control the benches
+    compare with (and notebook 07's tool result that grows over the line)."""
+    return PREFILL_CHUNK if device_type == "cpu" and cache is None and first_turn else None
 
 
 # a decoding step's block of rows (generation/sampling.py), its float64 CDF at most this many bytes: one row of

@@ -27,7 +27,7 @@ TOOLS_IMPORTS = 92 * MiB
 
 @dataclass
 class Turn:
-    """One turn of the rows in flight: `prefill` tokens prefilled (in chunks when the cache starts empty), `context`
+    """One turn of the rows in flight: `prefill` tokens prefilled (turn 1's in chunks: prefill_forwards), `context`
     tokens in the KV cache after that prefill, then `decode` tokens decoded one step at a time."""
 
     number: int
@@ -58,11 +58,12 @@ def prefill_bytes(shape: ModelShape, config, rows: int, new: int, context: int) 
     return tokens * context + max(attention, mlp)
 
 
-def prefill_forwards(new: int, context: int) -> list[tuple[int, int]]:
-    """The prefill's forwards that can be its worst, (tokens fed, KV context after): a fresh prefill (`new` ==
-    `context`: nothing cached) feeds PREFILL_CHUNK tokens a forward on a CPU learner (generation/step_memory.py), so
-    its last whole chunk and the rest after it; one going on from a kept cache, one forward."""
-    if new != context or new <= PREFILL_CHUNK:
+def prefill_forwards(turn: Turn) -> list[tuple[int, int]]:
+    """The turn's prefill forwards that can be its worst, (tokens fed, KV context after): turn 1's prefill of the
+    prompts feeds PREFILL_CHUNK tokens a forward on a CPU learner (generation/step_memory.py), so its last whole chunk
+    and the rest after it; a later turn's prefill, from the kept cache or afresh, is one forward."""
+    new, context = turn.prefill, turn.context
+    if turn.number != 1 or new != context or new <= PREFILL_CHUNK:
         return [(new, context)]
     whole = new // PREFILL_CHUNK * PREFILL_CHUNK
     return [(PREFILL_CHUNK, whole)] + ([(new - whole, new)] if new > whole else [])
@@ -80,7 +81,7 @@ def turn_bytes(shape: ModelShape, config, turn: Turn) -> dict[str, float]:
     # whose buffers then sit beside the KV the turn's decoded tokens grow
     at_prefill = max(
         kv_bytes(shape, config, turn.rows, end) + prefill_bytes(shape, config, turn.rows, fed, end)
-        for fed, end in prefill_forwards(turn.prefill, turn.context)
+        for fed, end in prefill_forwards(turn)
     )
     prefill = at_prefill - kv_bytes(shape, config, turn.rows, turn.context)
     return {"kv": kv, "prefill": prefill, "step": step, "at_prefill": at_prefill, "peak": max(at_prefill, kv + step)}
