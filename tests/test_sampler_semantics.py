@@ -258,13 +258,13 @@ def test_inverse_cdf_sampler_draws_from_the_softmax_and_never_a_filtered_token()
     """The hf backend's token draw (InverseCdfSampler): the empirical frequencies of 200k draws match
     softmax(scores) (chi-square, 9 degrees of freedom, p > 0.001), -inf (filtered) tokens are never drawn, the
     returned scores leave the drawn token as the only finite one, and inf/nan probabilities are refused."""
-    from grpo_lab.generation.hf import InverseCdfSampler
+    from grpo_lab.generation.sampling import DecodeStep, InverseCdfSampler, SampledLogprobs
 
     torch.manual_seed(0)
     scores = torch.randn(1, 12) * 2
     scores[0, [3, 7]] = float("-inf")  # filtered by top-k/top-p
     n = 200_000
-    out = InverseCdfSampler()(None, scores.expand(n, -1).contiguous())
+    out = DecodeStep(SampledLogprobs(), InverseCdfSampler())(None, scores.expand(n, -1).contiguous())
     assert (torch.isfinite(out).sum(dim=1) == 1).all() and (out.max(dim=1).values == 0).all()
     drawn = torch.bincount(out.argmax(dim=1), minlength=12)
     assert drawn[3] == 0 and drawn[7] == 0
@@ -274,4 +274,4 @@ def test_inverse_cdf_sampler_draws_from_the_softmax_and_never_a_filtered_token()
     chi2 = ((drawn[keep].double() - expected) ** 2 / expected).sum().item()
     assert chi2 < 27.88, chi2  # the chi-square distribution's 0.999 quantile at 9 degrees of freedom
     with pytest.raises(RuntimeError, match="probability tensor contains"):
-        InverseCdfSampler()(None, torch.full((2, 5), float("nan")))
+        DecodeStep(SampledLogprobs(), InverseCdfSampler())(None, torch.full((2, 5), float("nan")))

@@ -176,15 +176,30 @@ def test_a_turn_whose_cache_would_pass_the_planned_kv_prefills_afresh():
 @pytest.mark.parametrize("mode", ["keep", "prefill"])
 def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_config, monkeypatch, mode):
     """Rollout.turn_shapes, against the forwards spied as bench/plan_accuracy/turn_plan.py spies them (each
-    generate() call's forwards, its first the prefill): the rows, the tokens fed at once, the KV context after them
-    (the attention mask's width) and the forwards after the prefill; each labelled with its turn's mark, in order."""
+    generate() call's forwards, the prefill's those inside transformers' `_prefill`): the rows, the tokens prefilled,
+    the KV context after them (the attention mask's width) and the forwards after the prefill; each labelled with its
+    turn's mark, in order. Turn 1's prefill of the prompts is fed in chunks of PREFILL_CHUNK tokens on the CPU
+    (generation/step_memory.py); a later turn's, going on from the kept cache or afresh, in one forward."""
+    from transformers.generation.utils import GenerationMixin
+
+    from grpo_lab.generation.step_memory import PREFILL_CHUNK
+
     lab, made = forced_lab(tiny_config, monkeypatch, mode, 1.0, 3)
-    forwards = []  # (generate call, rows, tokens fed, mask width)
+    forwards, inside = [], [False]  # (generate call, in the prefill, rows, tokens fed, mask width)
+    prefill = GenerationMixin._prefill
+
+    def prefilling(self, *args, **kwargs):
+        inside[0] = True
+        try:
+            return prefill(self, *args, **kwargs)
+        finally:
+            inside[0] = False
 
     def spy(_, args, kwargs):
         ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
-        forwards.append((len(made), *ids.shape, kwargs["attention_mask"].shape[1]))
+        forwards.append((len(made), inside[0], *ids.shape, kwargs["attention_mask"].shape[1]))
 
+    monkeypatch.setattr(GenerationMixin, "_prefill", prefilling)
     hook = lab.learner.model.get_base_model().model.register_forward_pre_hook(spy, with_kwargs=True)
     torch.manual_seed(7)
     try:
@@ -193,9 +208,15 @@ def test_each_turn_s_recorded_shapes_are_what_the_model_s_forwards_saw(tiny_conf
         hook.remove()
         lab.close()
     spied = []
-    for call in sorted({f[0] for f in forwards}):
-        fed = [f for f in forwards if f[0] == call]
-        spied.append(dict(rows=fed[0][1], prefill=fed[0][2], context=fed[0][3], decode=len(fed) - 1))
+    for call, shape in zip(sorted({f[0] for f in forwards}), out.turn_shapes):
+        chunks = [f for f in forwards if f[0] == call and f[1]]
+        fed, context = sum(f[3] for f in chunks), chunks[-1][4]
+        fresh = fed == context and shape["mark"] == "turn 1"  # (the prompts: chunked; else one forward)
+        whole, rest = divmod(fed, PREFILL_CHUNK)
+        expected = [PREFILL_CHUNK] * whole + [rest][:rest] if fresh else [fed]
+        assert [f[3] for f in chunks] == expected, chunks
+        decoded = len([f for f in forwards if f[0] == call and not f[1]])
+        spied.append(dict(rows=chunks[0][2], prefill=fed, context=context, decode=decoded))
     assert max(out.turns) >= 3 and len(spied) >= 3
     assert [{k: v for k, v in s.items() if k != "mark"} for s in out.turn_shapes] == spied, (out.turn_shapes, spied)
     numbers = [int(s["mark"].split()[1]) for s in out.turn_shapes]

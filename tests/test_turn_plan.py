@@ -62,16 +62,18 @@ def _turns_plan(tiny_config, **generator):
 def test_the_rollout_s_planned_peak_is_its_worst_turn_s(tiny_config):
     from grpo_lab.planner.turns import TOOLS_IMPORTS, turn_peaks, worst_turns
 
-    # keep: a later turn prefills at most a 64-token tool result (1 x 64 x 1,200 scores < turn 1's 300 x 300); TRL's
-    # loop prefills the whole conversation again at the last turn
-    for mode, worst in (("keep", 1), ("prefill", 4)):
+    # keep: a later turn prefills at most a 64-token tool result in one forward over the conversation (65 x 1,199 mask
+    # > turn 1's 300-token prompt fed in chunks of 128: 128 x 300); TRL's loop prefills the whole conversation again at
+    # the last turn
+    for mode, worst in (("keep", 4), ("prefill", 4)):
         result = _turns_plan(tiny_config, turn_cache=mode, max_tool_response_tokens=64)
         host = result.devices["host"]
         turns = worst_turns(result.config)
         assert [t.number for t in turns] == [1, 2, 3, 4]
         assert max(turn_peaks(result, turns)) == pytest.approx(host.phase_peak("rollout"), rel=1e-9)
         # the prefill's worst turn: its own line where it passes the logits step (TRL's loop), else said on that line
-        line = "turn prefill beyond the logits step" if mode == "prefill" else "generation logits step"
+        beyond = [i for i in host.items if i.what == "turn prefill beyond the logits step"]
+        line = "turn prefill beyond the logits step" if beyond else "generation logits step"
         assert f"worst at turn {worst}:" in next(i for i in host.items if i.what == line).note
         assert "worst at the last turn, 4" in next(i for i in host.items if i.what == "generation KV cache").note
         assert result.turns.endswith("the rollout planned at its worst turn, 4")
@@ -117,14 +119,15 @@ def _live_peak(trace: Path) -> float:
 
 @pytest.mark.parametrize("rows, new", [(32, 96), (4, 1000)])
 def test_a_turn_s_prefill_is_planned_as_torch_s_profiler_counts_it(tiny_config, tmp_path, rows, new):
-    """A left-padded prefill into an empty KV cache, as a tool loop's first turn runs it on the CPU: the live tensors'
-    peak (torch.profiler, profile_memory) against the plan's KV of its context and its prefill (planner/turns.py):
-    an MLP-bound batch and a long, attention-bound one (measured 18.3 and 33.8 MiB, planned 18.3 and 32.7; the
-    [rows, heads, new, context] scores the plan took before, which CPU sdpa never makes, planned 5.3 at the first)."""
+    """A left-padded prefill into an empty KV cache, as a tool loop's first turn runs it on the CPU (generate()'s
+    chunked prefill: PREFILL_CHUNK tokens a forward, generation/step_memory.py): the live tensors' peak (torch.profiler,
+    profile_memory) against the plan's KV of its context and its prefill (planner/turns.py): an MLP-bound batch and a
+    long, attention-bound one."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from grpo_lab.config.loading import load_config
+    from grpo_lab.generation.step_memory import PREFILL_CHUNK
     from grpo_lab.models.shapes import load_shape
     from grpo_lab.planner.turns import Turn, turn_bytes
 
@@ -137,7 +140,10 @@ def test_a_turn_s_prefill_is_planned_as_torch_s_profiler_counts_it(tiny_config, 
         torch.no_grad(),
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
-        model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
+        cache = DynamicCache(config=model.config)
+        for start in range(0, new, PREFILL_CHUNK):  # (transformers' GenerationMixin._prefill with prefill_chunk_size)
+            stop = min(start + PREFILL_CHUNK, new)
+            model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache, logits_to_keep=1)
     prof.export_chrome_trace(str(tmp_path / "prefill.json"))
     measured = _live_peak(tmp_path / "prefill.json")
     planned = turn_bytes(load_shape(config.model.name_or_path), config, Turn(1, rows, new, new, 0))["at_prefill"]

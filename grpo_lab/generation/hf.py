@@ -24,7 +24,8 @@ from .base import GenerationRequest, Generator, Sample, row_seeds
 from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
-from .sampling import InverseCdfSampler, SampledLogprobs
+from .sampling import DecodeStep, InPlace, InverseCdfSampler, SampledLogprobs
+from .step_memory import prefill_chunk
 from .turn_cache import TurnCache
 from .turn_shapes import TurnShapes
 
@@ -157,23 +158,24 @@ class HFGenerator(Generator):
         sequences, its KV cache and the sampler log-probs of its new tokens."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        recorder = SampledLogprobs(max_new_tokens)  # (its log-prob columns: one buffer, made once)
+        recorder = SampledLogprobs(max_new_tokens)  # (its log-prob rows: one buffer, made once)
+        step = DecodeStep(recorder, *samplers)
         # why a copy: transformers warns when generation fields come both in a config and as arguments
         settings = copy.deepcopy(settings)
         settings.max_new_tokens, settings.return_dict_in_generate = max_new_tokens, True
         # why the longest prompt a kept cache can meet: its length, and so its tensors, stay the same every rollout
         length = (request.max_prompt_length if request.keeps_copy else ids.shape[1]) + max_new_tokens
         cache, settings = self.reused_cache(model, settings, cache, length, ids.shape[0])
+        first = self.shapes.mark in (None, "turn 1")  # (not a tool loop's later turn: generation/step_memory.py)
+        settings.prefill_chunk_size = prefill_chunk(self.learner.device.type, cache, first)
         out = model.generate(
             input_ids=ids.to(self.learner.device),
             attention_mask=mask.to(self.learner.device),
             generation_config=settings,
             synced_gpus=synced,
             past_key_values=cache,
-            stopping_criteria=StoppingCriteriaList([stop]),
-            logits_processor=LogitsProcessorList(
-                [*sampling_processors(request), recorder, *samplers, *self._step_hooks()]
-            ),
+            stopping_criteria=StoppingCriteriaList([stop, step.release]),
+            logits_processor=LogitsProcessorList([*sampling_processors(request), step, *self._step_hooks()]),
         )
         new = out.sequences[:, ids.shape[1] :]
         return out.sequences, out.past_key_values, recorder.finish(new).cpu()  # why CPU: a Rollout lives there
@@ -304,7 +306,8 @@ def compiled_decode(model, decode: str):
 def sampling_processors(request: GenerationRequest) -> list:
     """Temperature, then top-k, then top-p (vLLM's and transformers' order) as logits processors of our own:
     transformers runs a caller's processors before its own warpers, so the recorder placed after these sees
-    the distribution sampled from. Greedy: none (the argmax of the raw logits)."""
+    the distribution sampled from. Each writes its result over the step's scores (InPlace), so the scores generate()
+    holds are its logits' copy, let go by DecodeStep.release. Greedy: none (the argmax of the raw logits)."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     if request.temperature == 0:
@@ -314,7 +317,7 @@ def sampling_processors(request: GenerationRequest) -> list:
         processors.append(TopKLogitsWarper(request.top_k))
     if request.top_p < 1:
         processors.append(TopPLogitsWarper(request.top_p))
-    return processors
+    return [InPlace(p) for p in processors]
 
 
 def sampler(request: GenerationRequest, seeds: Optional[list[int]] = None) -> list:

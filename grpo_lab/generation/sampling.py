@@ -1,7 +1,9 @@
-"""The hf backend's token draw and its log-prob recorder, two logits processors that write every decoding step's
-[sequences, vocab] results into buffers they hold, so a step allocates none of that width (a CPU learner's RSS rise
-over a rollout's start is these buffers, the LM head's logits and the heap's holes between them: docs/benchmarks.md,
-"A tool-calling rollout beside TRL's tool loop")."""
+"""The hf backend's decoding step: one logits processor that picks each row's token (InverseCdfSampler's draw, or the
+argmax when greedy), records its log-prob (SampledLogprobs) and writes generate()'s choice over the step's scores.
+Every [vocab]-wide result is made a block of rows at a time (generation/step_memory.py block_rows: one row of
+Qwen2.5's vocabulary) in buffers held for the rollout, so a step allocates nothing of [rows, vocab] width (a CPU
+learner's RSS rise over a rollout's start is transformers' logits, these buffers and the heap's holes between them:
+docs/benchmarks.md, "A tool-calling rollout beside TRL's tool loop")."""
 
 from __future__ import annotations
 
@@ -9,88 +11,145 @@ from typing import Optional
 
 import torch
 
+from .step_memory import block_rows
+
+
+class RowBuffers:
+    """A block of rows' float32 softmax / log-softmax and float64 CDF, [block_rows(vocab), vocab], held across steps."""
+
+    def __init__(self):
+        self.row: Optional[torch.Tensor] = None  # float32 [block, V]
+        self.cdf: Optional[torch.Tensor] = None  # float64 [block, V]
+
+    def ready(self, scores: torch.Tensor) -> "RowBuffers":
+        shape = (min(block_rows(scores.shape[-1]), scores.shape[0]), scores.shape[-1])
+        if (
+            self.row is None
+            or self.row.shape[-1] != shape[-1]
+            or self.row.shape[0] < shape[0]
+            or self.row.device != scores.device
+        ):
+            self.row = torch.empty(shape, dtype=torch.float32, device=scores.device)
+            self.cdf = torch.empty(shape, dtype=torch.float64, device=scores.device)
+        return self
+
+    def blocks(self, n: int):
+        """(start, stop) of each block of `n` rows."""
+        step = self.row.shape[0]
+        return [(i, min(i + step, n)) for i in range(0, n, step)]
+
 
 class InverseCdfSampler:
-    """A logits processor that draws each sequence's next token from softmax(scores) by inverting its CDF with one
-    uniform draw (float64 cumulative sums: exact to double precision; a token of probability 0, i.e. filtered by
-    top-k/top-p, is never drawn), then returns scores whose only finite entry is that token, so generate()'s
-    greedy choice takes it. One uniform per sequence instead of torch.multinomial's vocabulary-sized exponential
-    draw (faster on the CPU). Same distribution, another random stream: tokens for a given seed differ from
-    multinomial's. Its two [sequences, vocab] buffers live for the whole rollout, and every step's softmax and CDF are
-    written into them. Why: allocated afresh every decoding step they fragment a CPU learner's heap (figures:
-    docs/benchmarks.md, "The CPU rollout's heap").
+    """Draws each sequence's next token from softmax(scores) by inverting its CDF with one uniform draw (float64
+    cumulative sums: exact to double precision; a token of probability 0, i.e. filtered by top-k/top-p, is never
+    drawn). One uniform per sequence instead of torch.multinomial's vocabulary-sized exponential draw (faster on the
+    CPU). Same distribution, another random stream: tokens for a given seed differ from multinomial's. A block of rows
+    at a time (block_rows): its softmax and CDF go into RowBuffers (the same kernels per row, so the same bits as over
+    the batch). Why: [rows, vocab] float32 + float64 buffers were 13.9 MiB of a step at 8 x Qwen2.5's vocabulary.
     `seeds`: one CPU generator per row, so row i's t-th token uses the t-th uniform of its own stream whatever the
     rows beside it (a rank's share samples what one process samples); None: one draw over the batch from torch's RNG."""
 
     def __init__(self, seeds: Optional[list[int]] = None):
-        self.cdf: Optional[torch.Tensor] = None  # float64 [n, V]
-        self.out: Optional[torch.Tensor] = None  # the step's softmax, then the returned scores
         self.rows = None if seeds is None else [torch.Generator().manual_seed(seed) for seed in seeds]
 
-    def __call__(self, input_ids, scores):
-        if self.out is None or self.out.shape != scores.shape or self.out.device != scores.device:
-            self.cdf = torch.empty(scores.shape, dtype=torch.float64, device=scores.device)
-            self.out = torch.empty_like(scores)
-        # why into the held buffers: torch.softmax allocated an [n, V] result and cumsum(dtype=float64) a float64 copy
-        # of it, 4.6 + 9.3 MiB a step at 8 x Qwen2.5's vocabulary; the same kernels, so the same bits
-        torch.ops.aten._softmax.out(scores, -1, False, out=self.out)
-        self.cdf.copy_(self.out).cumsum_(-1)
-        total = self.cdf[:, -1:]
-        if not torch.isfinite(total).all() or (total <= 0).any():
-            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    def uniforms(self, n: int, device) -> torch.Tensor:
+        """[n] float64 uniforms, one per row."""
         if self.rows is None:
-            u = torch.rand(total.shape, dtype=torch.float64, device=scores.device)
-        else:  # why on the CPU: a CPU generator's stream is the same on every device; n draws, one copy per step
-            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in self.rows]).to(scores.device)[
-                :, None
-            ]
-        u = u * total
-        token = torch.searchsorted(self.cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)  # first cdf > u: p > 0
-        return self.out.fill_(float("-inf")).scatter_(-1, token, 0.0)
+            return torch.rand((n, 1), dtype=torch.float64, device=device)[:, 0]
+        # why on the CPU: a CPU generator's stream is the same on every device; n draws, one copy per step
+        return torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in self.rows]).to(device)
+
+    def draw(self, scores: torch.Tensor, buffers: RowBuffers) -> torch.Tensor:
+        """[n, 1] tokens drawn from softmax(scores), a block of rows at a time in `buffers`."""
+        u, tokens = self.uniforms(scores.shape[0], scores.device)[:, None], []
+        for i, j in buffers.blocks(scores.shape[0]):
+            torch.ops.aten._softmax.out(scores[i:j], -1, False, out=buffers.row[: j - i])
+            cdf = buffers.cdf[: j - i].copy_(buffers.row[: j - i]).cumsum_(-1)
+            total = cdf[:, -1:]
+            if not torch.isfinite(total).all() or (total <= 0).any():
+                raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+            tokens.append(torch.searchsorted(cdf, u[i:j] * total, right=True))  # the first cdf > u: a token of p > 0
+        return torch.cat(tokens).clamp_(max=scores.shape[-1] - 1)
 
 
 class SampledLogprobs:
-    """A logits processor that records log_softmax(scores) of each sampled token; placed last, after
-    `sampling_processors`, the scores are those sampled from (filtered tokens at -inf).
-
-    It keeps one step's [n, V] log-softmax only, in one buffer: the token sampled from step t is known at step t+1's
-    call, which reads it before writing step t+1's. (`output_scores=True` would keep every step's [n, V] scores:
-    O(n x length x vocab).) The recorded log-probs go into one [n, steps] buffer, made at the first call (doubled if a
-    call runs past `steps`). Why not a [n] tensor per step: each lived to the rollout's end, and glibc carved such small
-    blocks out of the freed [n, V] blocks' holes, so no [n, V] block fitted a hole again and the heap grew by one a step
-    (docs/benchmarks.md, "The rollout's heap holes at glibc's own threshold")."""
+    """Records log_softmax(scores) at each step's chosen token, a block of rows at a time in RowBuffers; the scores are
+    those sampled from (after `sampling_processors`: filtered tokens at -inf). (`output_scores=True` would keep every
+    step's [n, V] scores: O(n x length x vocab).) The log-probs go into one [steps, n] buffer made at the first call
+    (doubled if a call runs past `steps`). Why not a [n] tensor per step: each lived to the rollout's end, and glibc
+    carved such small blocks out of the freed [n, V] blocks' holes, so no [n, V] block fitted a hole again and the heap
+    grew by one a step (docs/benchmarks.md, "The rollout's heap holes at glibc's own threshold")."""
 
     def __init__(self, steps: int = 64):
-        self.previous: Optional[torch.Tensor] = None  # [n, V] float32: the last step's log-softmax
-        self.recorded: Optional[torch.Tensor] = None  # [n, >= steps] float32: column t is step t's token's log-prob
+        self.recorded: Optional[torch.Tensor] = None  # [>= steps, n] float32: row t is step t's tokens' log-probs
         self.steps, self.count = steps, 0
 
-    def _record(self, tokens: torch.Tensor) -> None:
-        """Write the last step's log-prob of `tokens` ([n, 1]) into the next column (the temporary [n, 1] is freed)."""
-        if self.recorded is None or self.count == self.recorded.shape[1]:
-            grown = self.previous.new_empty(self.previous.shape[0], max(self.steps, 2 * self.count))
+    def _next(self, scores: torch.Tensor) -> torch.Tensor:
+        """This step's [n] row of the buffer (made, or doubled, when full)."""
+        if self.recorded is None or self.count == self.recorded.shape[0]:
+            shape = (max(self.steps, 2 * self.count), scores.shape[0])
+            grown = torch.empty(shape, dtype=torch.float32, device=scores.device)
             if self.recorded is not None:
-                grown[:, : self.count] = self.recorded
+                grown[: self.count] = self.recorded
             self.recorded = grown
-        self.recorded[:, self.count : self.count + 1] = self.previous.gather(-1, tokens)
         self.count += 1
+        return self.recorded[self.count - 1]
 
-    def __call__(self, input_ids, scores):
-        if self.previous is not None:
-            self._record(input_ids[:, -1:])
-        scores32 = scores.float()
-        if self.previous is None or self.previous.shape != scores32.shape or self.previous.device != scores.device:
-            self.previous = torch.empty_like(scores32)
-        # why in place: the last step's row is gathered above, so one buffer serves every step (no [n, V] allocated)
-        torch.ops.aten._log_softmax.out(scores32, -1, False, out=self.previous)
-        return scores
+    def record(self, scores: torch.Tensor, tokens: torch.Tensor, buffers: RowBuffers) -> None:
+        column = self._next(scores)
+        for i, j in buffers.blocks(scores.shape[0]):
+            out = buffers.row[: j - i]
+            torch.ops.aten._log_softmax.out(scores[i:j].float(), -1, False, out=out)
+            torch.gather(out, -1, tokens[i:j], out=column[i:j, None])
 
     def finish(self, new_tokens) -> torch.Tensor:
-        """[n, T] log-probs of `new_tokens` (the last token's comes from the last stored step)."""
-        if self.previous is not None and self.count < new_tokens.shape[1]:
-            self._record(new_tokens[:, -1:].to(self.previous.device))
-        self.previous = None  # why: drop the last [n, V] log-softmax as soon as it is used
-        if not self.count:
+        """[n, T] log-probs of `new_tokens`, the rows' chosen tokens (a row generate() pads after its stop token keeps
+        the log-prob of the token it would have chosen there: its completion ends at the stop token)."""
+        count, recorded = min(self.count, new_tokens.shape[1]), self.recorded
+        self.recorded, self.count = None, 0
+        if not count:
             return torch.zeros(new_tokens.shape, dtype=torch.float32)
-        recorded, self.recorded, self.count = self.recorded[:, : self.count].clone(), None, 0
-        return recorded
+        return recorded[:count].t().contiguous()
+
+
+class DecodeStep:
+    """The logits processor placed after `sampling_processors`: the step's token per row (the sampler's draw, or the
+    argmax when greedy), its log-prob recorded, and the scores written over so that generate()'s greedy choice takes
+    that token. Why over its input: transformers hands each step a float32 copy of the logits that nothing else
+    reads (no output_scores / output_logits), so returning a new [rows, vocab] tensor would only add one."""
+
+    def __init__(self, recorder: SampledLogprobs, sampler: Optional[InverseCdfSampler] = None):
+        self.recorder, self.sampler, self.buffers = recorder, sampler, RowBuffers()
+        self.scores: Optional[torch.Tensor] = None  # the step's, until generate() has chosen from them
+
+    def __call__(self, input_ids, scores):
+        buffers = self.buffers.ready(scores)
+        self.scores = scores
+        if self.sampler is None:  # greedy: generate()'s own argmax (the first of equal maxima), scores left as they are
+            tokens = scores.argmax(-1, keepdim=True)
+            self.recorder.record(scores, tokens, buffers)
+            return scores
+        tokens = self.sampler.draw(scores, buffers)
+        self.recorder.record(scores, tokens, buffers)
+        return scores.fill_(float("-inf")).scatter_(-1, tokens, 0.0)
+
+    def release(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        """A stopping criterion that stops nothing: generate() has taken its token from the step's scores when its
+        stopping criteria run, so their storage is let go here (`set_()`: every name generate() holds them by now
+        points at an empty tensor). Why: generate() keeps them until the next step's logits are copied, one more
+        [rows, vocab] float32 through each forward (4.6 MiB at 8 x Qwen2.5's vocabulary)."""
+        if self.scores is not None:
+            self.scores.set_()
+            self.scores = None
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class InPlace:
+    """A transformers logits processor whose result is written over its input (the same values: its temporaries freed
+    as it returns), so the scores generate() holds through a step stay its logits' copy."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __call__(self, input_ids, scores):
+        return scores.copy_(self.processor(input_ids, scores))

@@ -15,6 +15,7 @@ class TurnShapes:
 
     def __init__(self):
         self.on, self.made = False, []
+        self.mark = None  # the turn being recorded ("turn 2"), None outside a tool loop's turn
 
     def wrap(self, call: Callable) -> Callable:
         """`call(ids, mask, cache, max_new_tokens, stop)` (HFGenerator.generate_once, bound), recording its shape."""
@@ -32,9 +33,9 @@ class TurnShapes:
     @contextmanager
     def recording(self, mark: str, into: list):
         """Within: the calls' shapes, each labelled `mark`, appended to `into` (a call cut short records nothing)."""
-        self.on, self.made = True, []
+        self.on, self.made, self.mark = True, [], mark
         try:
             yield
         finally:
             into += [{"mark": mark, **s} for s in self.made]
-            self.on, self.made = False, []
+            self.on, self.made, self.mark = False, [], None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..generation.step_memory import decode_step_bytes
 from ..models.shapes import ModelShape
 
 # (the base weights' bytes, imported by their users from here too)
@@ -366,9 +367,8 @@ def rollout_sequences(config) -> int:
 
 
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
-    """One decoding step's [sequences, vocab] buffers: the compute-dtype logits, their float32 copy, the sampler
-    log-softmax grpo_lab records, the sampling softmax and the sampler's float64 CDF and float32 scores."""
-    return sequences * shape.vocab * (compute_bytes(config) + 4 * 4 + 8)
+    """One decoding step's [sequences, vocab] tensors and buffers (generation/step_memory.py decode_step_bytes)."""
+    return decode_step_bytes(sequences, shape.vocab, compute_bytes(config))
 
 
 def kv_cache_bytes(shape: ModelShape, config, sequences: int) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..generation.step_memory import PREFILL_CHUNK
 from ..models.shapes import ModelShape
 from .estimate import MiB, compute_bytes, generation_step_bytes, rollout_sequences
 
@@ -26,8 +27,8 @@ TOOLS_IMPORTS = 92 * MiB
 
 @dataclass
 class Turn:
-    """One turn of the rows in flight: `prefill` tokens fed at once, `context` tokens in the KV cache after that
-    prefill, then `decode` tokens decoded one step at a time."""
+    """One turn of the rows in flight: `prefill` tokens prefilled (turn 1's in chunks: prefill_forwards), `context`
+    tokens in the KV cache after that prefill, then `decode` tokens decoded one step at a time."""
 
     number: int
     rows: int
@@ -57,6 +58,17 @@ def prefill_bytes(shape: ModelShape, config, rows: int, new: int, context: int) 
     return tokens * context + max(attention, mlp)
 
 
+def prefill_forwards(turn: Turn) -> list[tuple[int, int]]:
+    """The turn's prefill forwards that can be its worst, (tokens fed, KV context after): turn 1's prefill of the
+    prompts feeds PREFILL_CHUNK tokens a forward on a CPU learner (generation/step_memory.py), so its last whole chunk
+    and the rest after it; a later turn's prefill, from the kept cache or afresh, is one forward."""
+    new, context = turn.prefill, turn.context
+    if turn.number != 1 or new != context or new <= PREFILL_CHUNK:
+        return [(new, context)]
+    whole = new // PREFILL_CHUNK * PREFILL_CHUNK
+    return [(PREFILL_CHUNK, whole)] + ([(new - whole, new)] if new > whole else [])
+
+
 def kv_bytes(shape: ModelShape, config, rows: int, tokens: int) -> float:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * compute_bytes(config) * rows * tokens
 
@@ -64,11 +76,14 @@ def kv_bytes(shape: ModelShape, config, rows: int, tokens: int) -> float:
 def turn_bytes(shape: ModelShape, config, turn: Turn) -> dict[str, float]:
     """Turn `turn`'s transient host bytes, by term; "peak" is what it holds at its worst."""
     kv = kv_bytes(shape, config, turn.rows, turn.context + turn.decode)
-    prefill = prefill_bytes(shape, config, turn.rows, turn.prefill, turn.context)
     step = generation_step_bytes(shape, config, turn.rows) if turn.decode else 0.0
     # why two sums: the prefill runs beside the KV of its context alone and is freed before the first decoding step,
     # whose buffers then sit beside the KV the turn's decoded tokens grow
-    at_prefill = kv_bytes(shape, config, turn.rows, turn.context) + prefill
+    at_prefill = max(
+        kv_bytes(shape, config, turn.rows, end) + prefill_bytes(shape, config, turn.rows, fed, end)
+        for fed, end in prefill_forwards(turn)
+    )
+    prefill = at_prefill - kv_bytes(shape, config, turn.rows, turn.context)
     return {"kv": kv, "prefill": prefill, "step": step, "at_prefill": at_prefill, "peak": max(at_prefill, kv + step)}
 
 
