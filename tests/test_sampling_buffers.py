@@ -174,3 +174,12 @@ def test_the_recorded_log_probs_outgrow_their_buffer():
     got = recorder.finish(tokens)
     assert got.shape == (ROWS, 11) and torch.equal(got, torch.stack(expected, 1))
     assert recorder.recorded is None and recorder.count == 0  # (ready for the next call's rows)
+
+
+def test_a_gpu_decoding_step_takes_every_row_at_once():
+    # why: on a GPU a kernel per row costs launches for bytes the card does not miss; the plan follows each device
+    from grpo_lab.generation.step_memory import decode_step_bytes
+
+    assert block_rows(VOCAB, "cuda") is None and block_rows(VOCAB, "cpu") == 2
+    assert decode_step_bytes(8, VOCAB, 2, "cuda") == 8 * VOCAB * (2 + 4) + 8 * VOCAB * (4 + 8)
+    assert decode_step_bytes(8, VOCAB, 2, "cpu") == 8 * VOCAB * (2 + 4) + 2 * VOCAB * (4 + 8)

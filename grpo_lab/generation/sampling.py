@@ -1,7 +1,7 @@
 """The hf backend's decoding step: one logits processor that picks each row's token (InverseCdfSampler's draw, or the
 argmax when greedy), records its log-prob (SampledLogprobs) and writes generate()'s choice over the step's scores.
 Every [vocab]-wide result is made a block of rows at a time (generation/step_memory.py block_rows: one row of
-Qwen2.5's vocabulary) in buffers held for the rollout, so a step allocates nothing of [rows, vocab] width (a CPU
+Qwen2.5's vocabulary on a CPU, every row on a GPU) in buffers held for the rollout, so a step allocates nothing of [rows, vocab] width (a CPU
 learner's RSS rise over a rollout's start is transformers' logits, these buffers and the heap's holes between them:
 docs/benchmarks.md, "A tool-calling rollout beside TRL's tool loop")."""
 
@@ -22,7 +22,8 @@ class RowBuffers:
         self.cdf: Optional[torch.Tensor] = None  # float64 [block, V]
 
     def ready(self, scores: torch.Tensor) -> "RowBuffers":
-        shape = (min(block_rows(scores.shape[-1]), scores.shape[0]), scores.shape[-1])
+        rows = scores.shape[0]
+        shape = (min(block_rows(scores.shape[-1], scores.device.type) or rows, rows), scores.shape[-1])
         if (
             self.row is None
             or self.row.shape[-1] != shape[-1]

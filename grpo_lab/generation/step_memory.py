@@ -31,14 +31,15 @@ def prefill_chunk(device_type: str, cache, first_turn: bool = True) -> Optional[
 BLOCK_BYTES = 2**20
 
 
-def block_rows(vocab: int) -> int:
-    """Rows a decoding step processes at once: its [block, vocab] buffers' float64 CDF within BLOCK_BYTES."""
-    return max(1, BLOCK_BYTES // (8 * vocab))
+def block_rows(vocab: int, device_type: str = "cpu") -> Optional[int]:
+    """Rows a decoding step processes at once: on a CPU, its [block, vocab] buffers' float64 CDF within BLOCK_BYTES;
+    on a GPU every row (None): a kernel per row would cost launches for bytes the card does not miss."""
+    return max(1, BLOCK_BYTES // (8 * vocab)) if device_type == "cpu" else None
 
 
-def decode_step_bytes(rows: int, vocab: int, logits_bytes: int) -> int:
+def decode_step_bytes(rows: int, vocab: int, logits_bytes: int, device_type: str = "cpu") -> int:
     """One decoding step's [rows, vocab] tensors: the LM head's logits (`logits_bytes` an element) and generate()'s
     float32 copy of them (the sampler writes its choice over it; the last step's is let go once generate() has chosen:
     generation/sampling.py DecodeStep.release), and the step's held [block, vocab] buffers: a block of rows' float32
     softmax / recorded log-softmax and float64 CDF."""
-    return rows * vocab * (logits_bytes + 4) + min(block_rows(vocab), rows) * vocab * (4 + 8)
+    return rows * vocab * (logits_bytes + 4) + min(block_rows(vocab, device_type) or rows, rows) * vocab * (4 + 8)

@@ -368,7 +368,9 @@ def rollout_sequences(config) -> int:
 
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
     """One decoding step's [sequences, vocab] tensors and buffers (generation/step_memory.py decode_step_bytes)."""
-    return decode_step_bytes(sequences, shape.vocab, compute_bytes(config))
+    return decode_step_bytes(
+        sequences, shape.vocab, compute_bytes(config), "cpu" if config.placement.learner == "cpu" else "cuda"
+    )
 
 
 def kv_cache_bytes(shape: ModelShape, config, sequences: int) -> float:
