@@ -1,9 +1,9 @@
 """The hf backend's decoding step: one logits processor that picks each row's token (InverseCdfSampler's draw, or the
 argmax when greedy), records its log-prob (SampledLogprobs) and writes generate()'s choice over the step's scores.
 Every [vocab]-wide result is made a block of rows at a time (generation/step_memory.py block_rows: one row of
-Qwen2.5's vocabulary on a CPU, every row on a GPU) in buffers held for the rollout, so a step allocates nothing of [rows, vocab] width (a CPU
-learner's RSS rise over a rollout's start is transformers' logits, these buffers and the heap's holes between them:
-docs/benchmarks.md, "A tool-calling rollout beside TRL's tool loop")."""
+Qwen2.5's vocabulary on a CPU, every row on a GPU) in buffers held for the rollout, so a step allocates nothing of
+[rows, vocab] width (a CPU learner's RSS rise over a rollout's start is transformers' logits, these buffers and the
+heap's holes between them: docs/benchmarks.md, "A tool-calling rollout beside TRL's tool loop")."""
 
 from __future__ import annotations
 
