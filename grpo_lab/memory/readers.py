@@ -18,6 +18,9 @@ MiB = 1024**2
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# the kernel's peak RSS of this process (VmHWM) and its reset ("5" to clear_refs, Linux 4.0+): exact between readings
+PROC_STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
 # per cgroup version, relative to its root: the limit, the usage (which counts page cache), the stats, and the
 # stat of page cache the kernel drops before it kills anything (kubelet subtracts it for its "working set")
 CGROUP_FILES = (
@@ -93,6 +96,8 @@ class HostReader:
         self.budget = budget if budget is not None and budget < self.machine else None
         self._children: list = []
         self._children_at = float("-inf")
+        self.exact = True  # the kernel keeps a resettable peak RSS for this process (set False at the first refusal)
+        self.reset_peak()
 
     def children(self) -> list:
         """Child processes (vLLM workers...), re-listed every 2 s: listing scans /proc (~1.5 ms), reading RSS does
@@ -102,13 +107,40 @@ class HostReader:
             self._children, self._children_at = self.process.children(recursive=True), now
         return self._children
 
+    def reset_peak(self) -> None:
+        """Restart the kernel's peak RSS of this process from its RSS now (a phase's start, a mark)."""
+        if self.exact:
+            try:
+                CLEAR_REFS.write_text("5")
+            except OSError:  # why: no such file (not Linux), no right to it, or a kernel before 4.0
+                self.exact = False
+
+    def peak(self) -> dict[str, float]:
+        """The highest `rss` since `reset_peak`: the kernel's VmHWM of this process (it catches a spike freed before the
+        next reading) plus its children's RSS now; also `used` where `used` is that RSS (a budget the kernel does not
+        enforce). Empty where the kernel keeps no resettable peak: the samples alone then make a peak."""
+        if not self.exact:
+            return {}
+        try:
+            status = PROC_STATUS.read_text()
+            hwm = int(status.split("VmHWM:", 1)[1].split("kB", 1)[0]) * 1024
+        except (OSError, IndexError, ValueError):
+            self.exact = False
+            return {}
+        rss = hwm + sum(self._rss(child) for child in self.children())
+        used_is_rss = self.kernel is None and self.budget is not None
+        return {"rss": rss, "used": rss} if used_is_rss else {"rss": rss}
+
+    @staticmethod
+    def _rss(process) -> int:
+        try:
+            return process.memory_info().rss
+        except psutil.Error:
+            return 0  # a child that just exited
+
     def read(self) -> dict[str, float]:
         rss = self.process.memory_info().rss
-        for child in self.children():
-            try:
-                rss += child.memory_info().rss
-            except psutil.Error:
-                pass  # a child that just exited
+        rss += sum(self._rss(child) for child in self.children())
         used = self.kernel.used() if self.kernel is not None else None
         if used is not None:
             limit = self.kernel.budget

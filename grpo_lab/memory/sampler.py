@@ -3,12 +3,14 @@ step's phase markers (it is a Timeline listener) take a reading at every phase s
 so even a phase shorter than one sampling period has its start, peak and end.
 
 Per phase and device it keeps start / peak / end / delta; on CUDA the peak is torch's exact
-`max_memory_allocated` since the phase began, not just the highest sample. The host-RAM guard (P4: stop before the
-OS or Ray kills the process) runs while a phase's work runs (`live`, memory/live_guard.py): the sample that sees host
-`used` cross `host_threshold` of its limit interrupts the work there, the host read at LIVE_HZ meanwhile; and as the
-phase ends, the backstop: a phase whose host `used` peak crossed fails then. Either way the Lab undoes it, its output
-included, and the retry runs it again with whatever the user changed, as a real out-of-memory would force. A crossing
-between phases (a cell's own allocations) stops the next phase before it starts.
+`max_memory_allocated` since the phase began, not just the highest sample; on the host the kernel's peak RSS of this
+process (VmHWM, reset at every phase start and mark: HostReader.peak), so a spike between two readings counts. The
+host-RAM guard (P4: stop before the OS or Ray kills the process) runs while a phase's work runs (`live`,
+memory/live_guard.py): the sample that sees host `used` cross `host_threshold` of its limit interrupts the work there,
+the host read at LIVE_HZ meanwhile; and as the phase ends, the backstop: a phase whose host `used` peak crossed fails
+then. Either way the Lab undoes it, its output included, and the retry runs it again with whatever the user changed,
+as a real out-of-memory would force. A crossing between phases (a cell's own allocations) stops the next phase before
+it starts.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class MemorySampler:
         the phase's end, with its own peaks (the reading taken here is the end of the one before and the start of
         this one). Outside a phase: nothing."""
         reading = self.read()
+        self._fold_exact_peaks(reset=True)  # why reset: the next mark's exact peak is its own
         with self._lock:
             if self._open is None:
                 return
@@ -169,6 +172,17 @@ class MemorySampler:
             self._segment = {"step": self.step, "phase": self.phase, "mark": label, "start": t, "end": t,
                              "peak": dict(reading), "failed_attempt": None}  # fmt: skip
             self.segments.append(self._segment)
+
+    def _fold_exact_peaks(self, reset: bool) -> None:
+        """Raise the open phase's and mark's peaks to each reader's exact peak since its last reset (the host's
+        VmHWM: a spike between two readings, which a loaded machine's sampler thread can miss); then restart it."""
+        for reader in (r for r in self.readers if hasattr(r, "peak")):  # (a GPU's exact peak: its "peak" reading)
+            exact = {(reader.device, metric): value for metric, value in reader.peak().items()}
+            with self._lock:
+                if self._open is not None:
+                    self._raise_peaks(exact)
+            if reset:
+                reader.reset_peak()
 
     def _close_segment(self, reading: dict) -> None:
         if self._segment is not None:
@@ -259,6 +273,7 @@ class MemorySampler:
         """Close the phase's rows; returns the guard's veto when its host peak crossed the line (the timeline raises
         it, so the phase fails as it ends and the Lab undoes it)."""
         end = self.read()
+        self._fold_exact_peaks(reset=False)
         with self._lock:
             self._close_segment(end)
             opened, self._open = self._open, None
