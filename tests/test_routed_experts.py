@@ -83,9 +83,10 @@ def test_the_count_follows_what_is_routed_with_expert_adapters_too(monkeypatch):
     assert experts_dequantized(model) == 2 * (2 * 2) and not whole  # W + B A folded into the routed experts alone
 
 
-def test_the_plans_experts_dequantized_line_follows_what_a_decoding_step_routes():
-    """8 sequences x top-8 of Qwen3-30B-A3B's 128 experts: at most 64 a layer, half its experts' bytes (with expert
-    adapters too); every expert where the rows route to more than all of them."""
+def test_the_plans_experts_dequantized_line_follows_what_the_prompts_prefill_routes():
+    """Qwen3-30B-A3B's 128 experts, top-8: 8 rows of 1-token prompts route to at most 64 a layer, half its experts'
+    bytes (with expert adapters too); 32 rows, or 8 rows of 256-token prompts (the prefill, not a decoding step), to
+    all of them."""
     from grpo_lab import load_config
     from grpo_lab.models.shapes import load_shape
     from grpo_lab.planner import plan
@@ -94,10 +95,13 @@ def test_the_plans_experts_dequantized_line_follows_what_a_decoding_step_routes(
     base = ["model.name_or_path=builtin:qwen3-30b-a3b-random", "grpo.prompts_per_step=1"]
     shape = load_shape("builtin:qwen3-30b-a3b-random")
     whole = experts_dequant_bytes(shape, load_config("qwen2.5-7b-nf4-24gb", base))
-    for rows, routed, extra in [(8, 64, []), (32, 128, []), (8, 64, ["lora.target_experts=true"])]:
-        config = load_config("qwen2.5-7b-nf4-24gb", [*base, f"grpo.num_generations={rows}", *extra])
+    cases = [(8, 1, 64, []), (32, 1, 128, []), (8, 1, 64, ["lora.target_experts=true"]), (8, 256, 128, [])]
+    for rows, prompt, routed, extra in cases:
+        sets = [f"grpo.num_generations={rows}", f"generator.max_prompt_length={prompt}", *extra]
+        config = load_config("qwen2.5-7b-nf4-24gb", [*base, *sets])
         line = next(i for i in plan(config).devices["cuda:0"].items if i.what == "experts dequantized (one layer)")
         assert line.bytes == whole * routed / 128 and f"{routed} of 128 experts" in line.note, (rows, line)
+        assert f"rows x {prompt} prompt tokens a forward" in line.note, line.note
 
 
 @pytest.mark.parametrize("adapters", [False, True])

@@ -9,8 +9,7 @@ host-RAM guard (P4: stop before the OS or Ray kills the process) runs while a ph
 memory/live_guard.py): the sample that sees host `used` cross `host_threshold` of its limit interrupts the work there,
 the host read at LIVE_HZ meanwhile; and as the phase ends, the backstop: a phase whose host `used` peak crossed fails
 then. Either way the Lab undoes it, its output included, and the retry runs it again with whatever the user changed,
-as a real out-of-memory would force. A crossing between phases (a cell's own allocations) stops the next phase before
-it starts.
+as a real out-of-memory would force. A crossing between phases (a cell's own allocations) stops the next phase.
 """
 
 from __future__ import annotations
@@ -174,15 +173,14 @@ class MemorySampler:
             self.segments.append(self._segment)
 
     def _fold_exact_peaks(self, reset: bool) -> None:
-        """Raise the open phase's and mark's peaks to each reader's exact peak since its last reset (the host's
-        VmHWM: a spike between two readings, which a loaded machine's sampler thread can miss); then restart it."""
-        for reader in (r for r in self.readers if hasattr(r, "peak")):  # (a GPU's exact peak: its "peak" reading)
-            exact = {(reader.device, metric): value for metric, value in reader.peak().items()}
-            with self._lock:
-                if self._open is not None:
-                    self._raise_peaks(exact)
-            if reset:
-                reader.reset_peak()
+        """Raise the open phase's and mark's peaks to the host's exact peak since its last reset (VmHWM: a spike
+        between two readings, which a loaded machine's sampler thread can miss); then restart it."""
+        exact = {(self.readers[0].device, metric): value for metric, value in self.readers[0].peak().items()}
+        with self._lock:
+            if self._open is not None:
+                self._raise_peaks(exact)
+        if reset:
+            self.readers[0].reset_peak()
 
     def _close_segment(self, reading: dict) -> None:
         if self._segment is not None:

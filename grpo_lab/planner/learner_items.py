@@ -6,6 +6,7 @@ during a pass and the layer-at-a-time load. In a world of one each of those is t
 
 from __future__ import annotations
 
+from ..generation.step_memory import PREFILL_CHUNK
 from ..models.shapes import ModelShape
 from .estimate import (
     DTYPE_BYTES,
@@ -327,18 +328,21 @@ def add_graph_pool(lrn: DevicePlan, config) -> None:
 
 
 def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
-    """At every decoding step's forward, one layer's routed 4-bit experts dequantized (models/routed_experts.py; at
-    worst each row routed to others), and with expert adapters one tensor's of them again, W + B A beside W."""
+    """At the prompts' prefill, one layer's 4-bit experts its tokens route to dequantized (models/routed_experts.py;
+    at worst each token to others), and with expert adapters one tensor's of them again, W + B A beside W."""
     share = 1.0  # the routed experts' share of a layer's
     if shape.moe and config.model.load_in_4bit:
-        made = experts_dequant_bytes(shape, config, sequences)
+        # why the prefill: its rows x prompt tokens route to the most experts (a decoding step: one token a row)
+        prompt = min(config.generator.max_prompt_length, PREFILL_CHUNK if on_cpu_learner(config) else 1 << 62)
+        made = experts_dequant_bytes(shape, config, sequences * prompt)
         share = made / experts_dequant_bytes(shape, config)
         lrn.add(
             "experts dequantized (one layer)",
             made,
-            f"{round(share * shape.experts)} of {shape.experts} experts of a layer in {config.model.dtype} (at most "
-            f"{sequences} tokens x {shape.experts_per_token} routed), made at a decoding step's forward "
-            "(a CPU in bfloat16 runs them from their codes, models/experts_gemv.py: then at a long prefill's)",
+            f"{round(share * shape.experts)} of {shape.experts} experts of a layer in {config.model.dtype}, at the "
+            f"prompts' prefill ({sequences} rows x {prompt} prompt tokens a forward, top-{shape.experts_per_token}; a "
+            f"decoding step's {min(sequences * shape.experts_per_token, shape.experts)}, none on a CPU in bfloat16: "
+            "models/experts_gemv.py)",
             phase="rollout",
         )
     if shape.moe and config.lora.target_experts:
