@@ -24,7 +24,7 @@ import torch
 
 from grpo_lab.models import experts_gemv
 
-WAYS = ("whole", "dequantize", "fused, put back", "fused, kept")
+WAYS = ("whole", "dequantize", "fused, put back", "fused, kept", "held")
 
 
 class Meter:
@@ -49,11 +49,12 @@ class Meter:
 
     def pre(self, module, args):
         self.decoding = not torch.is_grad_enabled() and args[0].shape[0] <= self.rows
-        self.start = time.perf_counter()
+        self.start, self.cpu = time.perf_counter(), time.thread_time()
 
     def post(self, module, args, out):
         if self.decoding:
             self.add("decode_s", time.perf_counter() - self.start)
+            self.add("decode_cpu_s", time.thread_time() - self.cpu)  # (this thread's CPU: what a busy machine adds not)
             self.add("decode_calls", 1)
         self.decoding = False
 
@@ -79,6 +80,7 @@ class Meter:
         steps = totals.pop("decode_calls", 0) // self.layers
         totals["decode_steps"], totals["decode_bytes_per_step"] = steps, totals.pop("decode_bytes", 0) // max(steps, 1)
         totals["decode_experts_s_per_step"] = totals.get("decode_s", 0) / max(steps, 1)
+        totals["decode_experts_cpu_s_per_step"] = totals.get("decode_cpu_s", 0) / max(steps, 1)
         return totals
 
     def close(self) -> None:
@@ -90,19 +92,25 @@ class Meter:
 
 @contextlib.contextmanager
 def way(name: str, experts: list):
-    """`name` (WAYS) for these experts modules."""
+    """`name` (WAYS) for these experts modules: the fused ways with the held experts (held_experts.py) left out, at
+    the fused kernel's own cut-off."""
     from bench.probes.routed_experts import only
+    from grpo_lab.models import routed_experts
 
-    kept = experts_gemv.KERNEL_LAYOUT_KEPT
+    kept, paths = experts_gemv.KERNEL_LAYOUT_KEPT, dict(routed_experts.EXPERT_PATHS)
     experts_gemv.KERNEL_LAYOUT_KEPT = name == "fused, kept"
     if name == "whole":
         for m in experts:
             m.config._experts_implementation = "grouped_mm"
+    if name.startswith("fused"):
+        del routed_experts.EXPERT_PATHS["held"]
     try:
         with only("dequantize") if name == "dequantize" else contextlib.nullcontext():
             yield
     finally:
         experts_gemv.KERNEL_LAYOUT_KEPT = kept
+        routed_experts.EXPERT_PATHS.clear()
+        routed_experts.EXPERT_PATHS.update(paths)
 
 
 def tiny(steps: int) -> None:
