@@ -19,8 +19,6 @@ from .estimate import (
     base_weight_split,
     codebook_bytes,
     compute_bytes,
-    expert_lora_bytes,
-    experts_dequant_bytes,
     generation_step_bytes,
     kv_cache_bytes,
     nf4_bits,
@@ -28,6 +26,7 @@ from .estimate import (
     rollout_sequences,
     unit_bytes,
 )
+from .experts_items import add_experts_dequant
 from .parts import head_note
 from .render import count
 
@@ -324,30 +323,6 @@ def add_graph_pool(lrn: DevicePlan, config) -> None:
         "torch's CUDA graph trees record the copy's decode step again at each rollout (new weight addresses) and keep "
         "its memory pool; a placeholder, to be calibrated on a GPU (bench/gpu/fast_path_and_moe.sh)",
     )
-
-
-def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
-    """At every decoding step's forward, one layer's routed 4-bit experts dequantized (models/routed_experts.py; at
-    worst each row routed to others), and with expert adapters one tensor's of them again, W + B A beside W."""
-    share = 1.0  # the routed experts' share of a layer's
-    if shape.moe and config.model.load_in_4bit:
-        made = experts_dequant_bytes(shape, config, sequences)
-        share = made / experts_dequant_bytes(shape, config)
-        lrn.add(
-            "experts dequantized (one layer)",
-            made,
-            f"{round(share * shape.experts)} of {shape.experts} experts of a layer in {config.model.dtype} (at most "
-            f"{sequences} tokens x {shape.experts_per_token} routed), made at a decoding step's forward "
-            "(a CPU in bfloat16 runs them from their codes, models/experts_gemv.py: then at a long prefill's)",
-            phase="rollout",
-        )
-    if shape.moe and config.lora.target_experts:
-        lrn.add(
-            "expert LoRA: W + B A beside W",
-            expert_lora_bytes(shape, config)["transient"] * share,
-            "the expert adapters folded into a copy of one fused tensor at a time (lora.target_experts)",
-            phase="rollout",
-        )
 
 
 def add_passes(

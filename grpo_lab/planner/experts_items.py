@@ -1,0 +1,52 @@
+"""A mixture of experts' rollout items: the 4-bit experts a decoding step dequantizes (models/routed_experts.py), or,
+on a model small enough, every layer's experts held dequantized for the rollout (models/held_experts.py)."""
+
+from __future__ import annotations
+
+from ..models.held_experts import DENSE_TOKENS, holds
+from ..models.shapes import ModelShape
+from .estimate import DTYPE_BYTES, DevicePlan, expert_lora_bytes, experts_dequant_bytes
+
+
+def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
+    """At every decoding step's forward, one layer's routed 4-bit experts dequantized (at worst each row routed to
+    others), or every layer's held (held_experts.holds: by size); with expert adapters one tensor's of them again,
+    W + B A beside W."""
+    share = 1.0  # the routed experts' share of a layer's
+    if shape.moe and config.model.load_in_4bit and held_bytes(shape, config):
+        lrn.add(
+            "experts held (every layer)",
+            held_bytes(shape, config),
+            f"{shape.layers} layers x {shape.experts} experts in {config.model.dtype}, dequantized at the rollout's "
+            "first forward and held for its decoding steps (models/held_experts.py: every layer's under "
+            "HELD_BYTES), and one layer's down_proj again while it is transposed; a decoding step's every-expert "
+            f"activations (at most {DENSE_TOKENS} tokens) are the generation step's",
+            phase="rollout",
+        )
+    elif shape.moe and config.model.load_in_4bit:
+        made = experts_dequant_bytes(shape, config, sequences)
+        share = made / experts_dequant_bytes(shape, config)
+        lrn.add(
+            "experts dequantized (one layer)",
+            made,
+            f"{round(share * shape.experts)} of {shape.experts} experts of a layer in {config.model.dtype} (at most "
+            f"{sequences} tokens x {shape.experts_per_token} routed), made at a decoding step's forward "
+            "(a CPU in bfloat16 runs them from their codes, models/experts_gemv.py: then at a long prefill's)",
+            phase="rollout",
+        )
+    if shape.moe and config.lora.target_experts:
+        lrn.add(
+            "expert LoRA: W + B A beside W",
+            expert_lora_bytes(shape, config)["transient"] * share,
+            "the expert adapters folded into a copy of one fused tensor at a time (lora.target_experts)",
+            phase="rollout",
+        )
+
+
+def held_bytes(shape: ModelShape, config) -> float:
+    """Every layer's 4-bit experts dequantized to model.dtype and held for a rollout (with one layer's down_proj again:
+    held_experts.held_weights transposes it), where held_experts.holds picks it; else 0."""
+    whole = shape.layers * experts_dequant_bytes(shape, config)
+    if not whole or not holds(whole):
+        return 0.0
+    return whole + dict(shape.expert_tensors())["down_proj"] * DTYPE_BYTES[config.model.dtype]
