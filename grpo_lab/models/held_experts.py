@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..algo.logprobs import SCORING
 from .experts import EXPERT_PARAMS
 
 # why 16 MiB: held, every layer's experts stay dequantized for the rollout, and a decoding step computes every expert
@@ -47,8 +48,6 @@ def fits(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, adapter
     """Whether this forward reads the held experts: a rollout's (no gradients, not a pass that scores completions) on a
     model small enough (holds), gated experts without bias in transformers' [experts, out, in] layout, with one
     adapter at most (PEFT's factors: several arrive as a whole delta, not checked cheaply)."""
-    from ..algo.logprobs import SCORING
-
     if torch.is_grad_enabled() or SCORING.get() or not holds(getattr(module, "held_total", HELD_BYTES + 1)):
         return False
     if module.is_transposed or not module.has_gate or module.has_bias:
@@ -56,20 +55,37 @@ def fits(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, adapter
     return all(kind == "factors" for chain in adapters.values() for kind, _, _ in chain)
 
 
+def ready(module):
+    """The held experts where nothing a forward checks has changed since they were made: no gradients, not scoring,
+    made without adapters, each parameter's parametrizations the same and its codes too (a decoding step with LoRA on
+    attention alone); else None, and routed_experts_forward checks everything (held_weights)."""
+    held = getattr(module, "held", None)
+    if held is None or held[0][2] or torch.is_grad_enabled() or SCORING.get():
+        return None
+    chains, codes, _ = held[0]
+    now = module.parametrizations
+    for name, chain, (address, version) in zip(EXPERT_PARAMS, chains, codes):
+        if now[name] is not chain or len(chain) != 1:
+            return None
+        if chain.original._version != version or chain.original.data_ptr() != address:
+            return None
+    return held[1]
+
+
 def stamp(module, adapters: dict) -> tuple:
-    """What the held experts were made from: each parameter's codes (address, version) and its adapter factors
-    (copied: PEFT makes new factor tensors at each forward, so their values are compared)."""
-    codes = [(module.parametrizations[n].original.data_ptr(), module.parametrizations[n].original._version) for n in
-             EXPERT_PARAMS]  # fmt: skip
+    """What the held experts were made from: each parameter's parametrizations, its codes (address, version) and its
+    adapter factors (copied: PEFT makes new factor tensors at each forward, so their values are compared)."""
+    chains = tuple(module.parametrizations[n] for n in EXPERT_PARAMS)
+    codes = tuple((chain.original.data_ptr(), chain.original._version) for chain in chains)
     factors = [(scaling, *(t.detach().clone() for t in tensors)) for n in EXPERT_PARAMS for _, tensors, scaling in
                adapters[n]]  # fmt: skip
-    return codes, factors
+    return chains, codes, factors
 
 
 def same(made: tuple, module, adapters: dict) -> bool:
-    codes, factors = made
-    now = [(module.parametrizations[n].original.data_ptr(), module.parametrizations[n].original._version) for n in
-           EXPERT_PARAMS]  # fmt: skip
+    _, codes, factors = made
+    now = tuple((module.parametrizations[n].original.data_ptr(), module.parametrizations[n].original._version) for n in
+                EXPERT_PARAMS)  # fmt: skip
     chains = [(scaling, *tensors) for n in EXPERT_PARAMS for _, tensors, scaling in adapters[n]]
     if codes != now or len(chains) != len(factors):
         return False
@@ -77,15 +93,16 @@ def same(made: tuple, module, adapters: dict) -> bool:
 
 
 def held_weights(module, adapters: dict, build) -> dict:
-    """The layer's experts dequantized with their adapters folded in (gate_up_proj [E, 2m, h], down_proj [E, m, h]: its
-    transpose), made by `build`
-    (routed_experts.routed_weight) the first time and whenever what they were made from changed."""
+    """The layer's experts dequantized with their adapters folded in, made by `build` (routed_experts.routed_weight)
+    the first time and whenever what they were made from changed: {"experts": E, "gate_up_proj": [E x 2m, h],
+    "down_proj": [E x m, h] (its transpose: dense_forward's one matmul)}."""
     held = getattr(module, "held", None)
     if held is None or not same(held[0], module, adapters):
         module.held = None  # why first: the stale copy freed before the new one is made
         every = torch.arange(module.parametrizations[EXPERT_PARAMS[0]][0].quant_state.shape[0])
-        made = {name: build(module, name, every, adapters[name]) for name in EXPERT_PARAMS}
-        made["down_proj"] = made["down_proj"].transpose(1, 2).contiguous()  # [E, m, h]: dense_forward's one matmul
+        gate_up, down = (build(module, name, every, adapters[name]) for name in EXPERT_PARAMS)
+        made = {"experts": every.numel(), "gate_up_proj": gate_up.flatten(0, 1)}
+        made["down_proj"] = down.transpose(1, 2).flatten(0, 1)  # (a copy: [E, m, h] made contiguous)
         module.held = held = (stamp(module, adapters), made)
         if hasattr(module, "experts_dequantized"):
             module.experts_dequantized += every.numel()
@@ -95,13 +112,13 @@ def held_weights(module, adapters: dict, build) -> dict:
 def dense_forward(module, held: dict, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped_mm experts forward's result from every expert run on every token: the gated up
     projection of all experts in one matmul, each (token, expert)'s activation scaled by its routing weight (0 where
-    not routed), and the down projection summed over the experts in one more (held["down_proj"]: [E, m, h])."""
-    gate_up, down = held["gate_up_proj"], held["down_proj"]  # [E, 2m, h], [E, m, h]
-    tokens, count = hidden_states.shape[0], gate_up.shape[0]
-    up = torch.nn.functional.linear(hidden_states, gate_up.view(-1, gate_up.shape[-1])).view(tokens, count, -1)
-    routes = up.new_zeros(tokens, count).scatter_add_(1, top_k_index, top_k_weights.to(up.dtype))  # [tokens, E]
-    scaled = module._apply_gate(up) * routes.unsqueeze(-1)  # [tokens, E, m]
-    return (scaled.view(tokens, -1) @ down.view(-1, down.shape[-1])).to(hidden_states.dtype)
+    not routed), and the down projection summed over the experts in one more."""
+    tokens = hidden_states.shape[0]
+    up = torch.nn.functional.linear(hidden_states, held["gate_up_proj"]).view(tokens, held["experts"], -1)
+    routes = up.new_zeros(tokens, held["experts"]).scatter_add_(1, top_k_index, top_k_weights.type_as(up))
+    scaled = module._apply_gate(up) * routes.unsqueeze(-1)  # [tokens, E, m], 0 where not routed
+    out = scaled.view(tokens, -1) @ held["down_proj"]
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 
 def release(model) -> None:

@@ -55,6 +55,9 @@ def experts_dequantized(model, what: str = "experts_dequantized") -> int:
 
 def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped_mm experts forward over the routed experts alone, dequantized from their 4-bit slices."""
+    held = held_experts.ready(self)
+    if held is not None:  # why first: a decoding step skips the checks whose answers have not changed since
+        return held_run(self, held, hidden_states, top_k_index, top_k_weights)
     if not all(routable(self, name) for name in EXPERT_PARAMS):  # another parametrization, or not whole blocks
         from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -138,15 +141,22 @@ def gemv_fits(module, hidden_states, top_k_index, adapters: dict) -> bool:
 
 
 def held_forward(self, hidden_states, top_k_index, top_k_weights, adapters: dict):
-    """The layer's experts held for the rollout (held_experts.py): every expert at once for a decoding step's few
-    tokens, transformers' grouped_mm over them for more (a prefill)."""
+    """The layer's experts held for the rollout (held_experts.py), made or made again as `adapters` say."""
     held = held_experts.held_weights(self, adapters, routed_weight)
+    return held_run(self, held, hidden_states, top_k_index, top_k_weights)
+
+
+def held_run(self, held: dict, hidden_states, top_k_index, top_k_weights):
+    """Every held expert at once for a decoding step's few tokens, transformers' grouped_mm over them for more."""
     if hidden_states.shape[0] <= held_experts.DENSE_TOKENS:
         return held_experts.dense_forward(self, held, hidden_states, top_k_index, top_k_weights)
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    view = experts_view(self, held["gate_up_proj"].shape[0], held["gate_up_proj"], held["down_proj"].transpose(1, 2))
-    return grouped_mm_experts_forward(view, hidden_states, top_k_index, top_k_weights)
+    count, hidden = held["experts"], hidden_states.shape[-1]
+    gate_up = held["gate_up_proj"].view(count, -1, hidden)
+    down = held["down_proj"].view(count, -1, hidden).transpose(1, 2)  # [E, h, m]
+    return grouped_mm_experts_forward(experts_view(self, count, gate_up, down), hidden_states, top_k_index,
+                                      top_k_weights)  # fmt: skip
 
 
 # The routed experts' forwards, the first that fits a call runs it: a small model's every layer held dequantized for
