@@ -169,13 +169,52 @@ def layer(sequences: int) -> None:
     meter.close()
 
 
+def profile(calls: int = 300) -> None:
+    """One decoding step (8 rows x top-2) through builtin:tiny-moe's first experts layer, each way: this thread's CPU
+    microseconds a call (the least of 5 rounds), torch.profiler's ATen ops a call and the three that take the most."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiled
+
+    from grpo_lab.config.models_and_devices import ModelSection
+    from grpo_lab.models.learner import load_base
+    from grpo_lab.models.source import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny-moe")
+    model = load_base(ModelSection(name_or_path=path, dtype="bfloat16", bnb_4bit_compute_dtype="bfloat16"), "cpu")
+    module, g = model.get_decoder().layers[0].mlp.experts, torch.Generator().manual_seed(0)
+    args = (torch.randn(8, module.config.hidden_size, generator=g).to(torch.bfloat16),
+            torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(8)]),
+            torch.softmax(torch.randn(8, 2, generator=g), -1).to(torch.bfloat16))  # fmt: skip
+    for name in ("whole", "dequantize", "fused, put back", "held"):
+        with way(name, [module]), torch.no_grad():
+            for _ in range(20):
+                module(*args)
+            rounds = []
+            for _ in range(5):
+                start = time.thread_time()
+                for _ in range(calls):
+                    module(*args)
+                rounds.append((time.thread_time() - start) / calls)
+            with profiled(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(20):
+                    module(*args)
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        record = {"profile": name, "cpu_us": min(rounds) * 1e6, "aten_ops": sum(e.count for e in ops) / 20,
+                  "top": [(e.key, e.count // 20, e.self_cpu_time_total / 20) for e in ops[:3]]}  # fmt: skip
+        module.config._experts_implementation = "grpo_lab_routed_4bit"
+        print("JSON " + json.dumps(record), flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="builtin:tiny-moe's Lab steps, each way")
     parser.add_argument("--layer", action="store_true", help="one 30B-A3B layer, the layout put back and kept")
+    parser.add_argument("--profile", action="store_true", help="one tiny-moe decoding step per layer call, each way")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     print(f"bfloat16; fused kernel: {experts_gemv.gemv_kernel()}", flush=True)
+    if args.profile:
+        profile()
     if args.tiny:
         tiny(args.steps)
     if args.layer:
