@@ -113,29 +113,51 @@ def way(name: str, experts: list):
         routed_experts.EXPERT_PATHS.update(paths)
 
 
-def tiny(steps: int) -> None:
+def tiny(steps: int, ways=WAYS, alternate: bool = False) -> None:
+    """builtin:tiny-moe's Lab steps each way, a Lab a way; `alternate`: the Labs open together, each step taken by
+    every way in turn (so a busy machine's load falls on the ways alike)."""
+    opened = []
+    try:
+        for name in ways if alternate else []:
+            opened.append(open_way(name))
+        for name in [] if alternate else ways:
+            opened[:] = [open_way(name)]
+            for step in range(1, steps + 1):
+                one_step(*opened[0], name, step, "tiny")
+            close_way(*opened.pop())
+        for step in range(1, steps + 1) if alternate else []:
+            for name, way_ in zip(ways, opened):
+                one_step(*way_, name, step, "alternate")
+    finally:
+        for way_ in opened:
+            close_way(*way_)
+
+
+def open_way(name: str) -> tuple:
     from grpo_lab import Lab
 
     knobs = ["model.name_or_path=builtin:tiny-moe", "model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]
     knobs += ["generator.max_completion_length=32", "grpo.num_generations=8", "grpo.prompts_per_step=1"]
-    for name in WAYS:
-        torch.manual_seed(0)
-        lab = Lab("tiny-cpu", overrides=knobs, reward_funcs=["length"]).load()
-        experts = [m for m in lab.learner.model.modules() if hasattr(m, "experts_fused")]
-        meter = Meter(experts, rows=8)
-        try:
-            with way(name, experts):
-                for step in range(1, steps + 1):
-                    meter.phase, start = "rollout", time.perf_counter()
-                    lab.rollout()
-                    middle, meter.phase = time.perf_counter(), "training"
-                    lab.step()
-                    record = {"tiny": name, "step": step, "rollout_s": middle - start}
-                    record |= {"training_s": time.perf_counter() - middle, **meter.take()}
-                    print("JSON " + json.dumps(record), flush=True)
-        finally:
-            meter.close()
-            lab.close()
+    torch.manual_seed(0)
+    lab = Lab("tiny-cpu", overrides=knobs, reward_funcs=["length"]).load()
+    experts = [m for m in lab.learner.model.modules() if hasattr(m, "experts_fused")]
+    return lab, experts, Meter(experts, rows=8)
+
+
+def one_step(lab, experts, meter, name: str, step: int, label: str) -> None:
+    with way(name, experts):
+        meter.phase, start = "rollout", time.perf_counter()
+        lab.rollout()
+        middle, meter.phase = time.perf_counter(), "training"
+        lab.step()
+    record = {label: name, "step": step, "rollout_s": middle - start}
+    record |= {"training_s": time.perf_counter() - middle, **meter.take()}
+    print("JSON " + json.dumps(record), flush=True)
+
+
+def close_way(lab, experts, meter) -> None:
+    meter.close()
+    lab.close()
 
 
 def layer(sequences: int) -> None:
@@ -210,6 +232,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="builtin:tiny-moe's Lab steps, each way")
     parser.add_argument("--layer", action="store_true", help="one 30B-A3B layer, the layout put back and kept")
     parser.add_argument("--profile", action="store_true", help="one tiny-moe decoding step per layer call, each way")
+    parser.add_argument("--alternate", action="store_true", help="tiny-moe's whole and held ways, step by step")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     print(f"bfloat16; fused kernel: {experts_gemv.gemv_kernel()}", flush=True)
@@ -217,6 +240,8 @@ def main(argv=None) -> None:
         profile()
     if args.tiny:
         tiny(args.steps)
+    if args.alternate:
+        tiny(args.steps, ("whole", "held"), alternate=True)
     if args.layer:
         layer(2)
 
