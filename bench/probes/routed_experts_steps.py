@@ -2,15 +2,19 @@
 bytes dequantized a decoding step, the codes' permutations to and from the fused kernel's layout
 (models/experts_gemv.py) and each phase's seconds.
 
+`--profile`: one builtin:tiny-moe decoding step (8 rows x top-2) through a layer each way, repeated in a tight loop:
+CPU microseconds a call and torch.profiler's ATen ops; then the same call repeated inside a rollout, whole and held.
 `--tiny`: builtin:tiny-moe in bfloat16, a Lab's steps 1, 2, 3 (8 rows x 32 sampled tokens; rollout, then the rest
 of the step) each way: every expert of a layer dequantized (bitsandbytes' parametrization under transformers'
 grouped_mm, the first build), the routed experts dequantized (models/routed_experts.py), fused from their codes with
-the kernel's layout put back by each training forward (`experts_gemv.KERNEL_LAYOUT_KEPT` off) and kept (on).
+the kernel's layout put back by each training forward (`experts_gemv.KERNEL_LAYOUT_KEPT` off) and kept (on), and
+every layer's experts held for the rollout (models/held_experts.py). `--alternate`: the whole and held ways again,
+their Labs open together and each step taken by both in turn.
 `--layer`: one experts layer of Qwen3-30B-A3B's shape (bench/probes/routed_experts.py), rollout -> training ->
 rollout -> training -> rollout (a rollout: 4 decoding steps of 8 rows x top-8, fused; training: a forward of 64
 rows with gradients and its backward, which dequantizes the routed experts again), the layout put back and kept.
 
-    OMP_NUM_THREADS=1 python -m bench.probes.routed_experts_steps --tiny --layer
+    OMP_NUM_THREADS=1 python -m bench.probes.routed_experts_steps --profile --tiny --alternate --layer
 """
 
 from __future__ import annotations
@@ -227,17 +231,47 @@ def profile(calls: int = 300) -> None:
         print("JSON " + json.dumps(record), flush=True)
 
 
+def in_rollout(calls: int = 300) -> None:
+    """The same layer call repeated `calls` times inside a rollout (a hook on the first experts layer at its tenth
+    decoding step), whole and held: this thread's CPU microseconds a call, against the rollout's own decoding steps
+    (where the rest of the model runs between two calls of a layer)."""
+    lab, experts, meter = open_way("held")
+    meter.close()
+    module, seen = experts[0], []
+
+    def repeat(mod, args, out):
+        seen.append(1)
+        if len(seen) != 10 or torch.is_grad_enabled():
+            return
+        for name in ("whole", "held"):
+            module.config._experts_implementation = "grouped_mm" if name == "whole" else "grpo_lab_routed_4bit"
+            for _ in range(20):
+                module(*args)
+            start = time.thread_time()
+            for _ in range(calls):
+                module(*args)
+            print("JSON " + json.dumps({"in_rollout": name, "cpu_us": (time.thread_time() - start) / calls * 1e6}))
+
+    hook = module.register_forward_hook(repeat)
+    try:
+        lab.rollout()
+    finally:
+        hook.remove()
+        lab.close()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="builtin:tiny-moe's Lab steps, each way")
     parser.add_argument("--layer", action="store_true", help="one 30B-A3B layer, the layout put back and kept")
-    parser.add_argument("--profile", action="store_true", help="one tiny-moe decoding step per layer call, each way")
+    parser.add_argument("--profile", action="store_true", help="one tiny-moe layer call each way, then in a rollout")
     parser.add_argument("--alternate", action="store_true", help="tiny-moe's whole and held ways, step by step")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     print(f"bfloat16; fused kernel: {experts_gemv.gemv_kernel()}", flush=True)
     if args.profile:
         profile()
+        in_rollout()
     if args.tiny:
         tiny(args.steps)
     if args.alternate:
