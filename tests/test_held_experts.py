@@ -84,6 +84,19 @@ def test_changed_expert_adapters_make_the_held_experts_again():
     torch.testing.assert_close(second, logits(model, decode, "grouped_mm"), rtol=1e-5, atol=1e-5)
 
 
+def test_codes_written_in_place_make_the_held_experts_again():
+    """A decoding step past the checks (held_experts.ready) still sees codes written in place (a load of weights)."""
+    model = moe()
+    decode = torch.randint(0, 384, (4, 1), generator=torch.Generator().manual_seed(4))
+    before = logits(model, decode)
+    codes = layers(model)[0].parametrizations.gate_up_proj.original
+    with torch.no_grad():
+        codes.copy_(codes.view(8, -1).roll(1, 0).view_as(codes))  # each expert's codes moved to the next one
+    after = logits(model, decode)
+    assert not torch.allclose(before, after, atol=1e-4)
+    torch.testing.assert_close(after, logits(model, decode, "grouped_mm"), rtol=1e-5, atol=1e-5)
+
+
 def test_a_training_forward_and_a_rollouts_end_drop_the_held_experts():
     from grpo_lab import Lab
 
