@@ -137,7 +137,10 @@ def test_the_plan_counts_the_held_experts_where_the_rule_holds_them():
     config = load_config("tiny-cpu", ["model.name_or_path=builtin:tiny-moe", "model.dtype=bfloat16"])
     items = {i.what: i for i in plan(config).devices["host"].items}
     down = 8 * 128 * 64 * 2  # one layer's down_proj, transposed beside the held experts
-    assert items["experts held (every layer)"].bytes == held + down and "experts dequantized (one layer)" not in items
+    rows = config.grpo.num_generations * config.grpo.prompts_per_step  # a decoding step's: every expert's activations
+    active = rows * 8 * (2 * 64 + 64 + 64) * 2
+    assert items["experts held (every layer)"].bytes == held + down + active
+    assert "experts dequantized (one layer)" not in items
     big = load_config("qwen2.5-7b-nf4-24gb", ["model.name_or_path=builtin:qwen3-30b-a3b-random"])
     names = {i.what for i in plan(big).devices["cuda:0"].items}
     assert "experts dequantized (one layer)" in names and "experts held (every layer)" not in names

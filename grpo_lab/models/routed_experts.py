@@ -10,6 +10,7 @@ parameter, the forward reads the parameter whole as before.
 
 At decode (no gradients, bfloat16, a few tokens an expert, a CPU with bitsandbytes' fused kernel) the routed
 experts are not dequantized at all: experts_gemv.py runs their matmuls from their 4-bit codes (EXPERT_PATHS chooses).
+A model whose every layer's dequantized experts are small (held_experts.py) holds them for the rollout instead.
 
 Without gradient checkpointing, autograd would keep every layer's dequantized experts for backward (each matmul saves
 its weight; 54 GiB at 30B-A3B): `RedequantizedExperts` keeps the experts' inputs alone and dequantizes again in

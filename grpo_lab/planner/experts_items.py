@@ -13,14 +13,14 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: i
     others), or every layer's held (held_experts.holds: by size); with expert adapters one tensor's of them again,
     W + B A beside W."""
     share = 1.0  # the routed experts' share of a layer's
-    if shape.moe and config.model.load_in_4bit and held_bytes(shape, config):
+    if shape.moe and config.model.load_in_4bit and held_bytes(shape, config, sequences):
         lrn.add(
             "experts held (every layer)",
-            held_bytes(shape, config),
+            held_bytes(shape, config, sequences),
             f"{shape.layers} layers x {shape.experts} experts in {config.model.dtype}, dequantized at the rollout's "
             "first forward and held for its decoding steps (models/held_experts.py: every layer's under "
-            "HELD_BYTES), and one layer's down_proj again while it is transposed; a decoding step's every-expert "
-            f"activations (at most {DENSE_TOKENS} tokens) are the generation step's",
+            "HELD_BYTES), one layer's down_proj again while it is transposed, and a decoding step's every-expert "
+            f"activations ({min(sequences, DENSE_TOKENS)} rows x {shape.experts} experts x 4 x width)",
             phase="rollout",
         )
     elif shape.moe and config.model.load_in_4bit:
@@ -43,10 +43,13 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: i
         )
 
 
-def held_bytes(shape: ModelShape, config) -> float:
-    """Every layer's 4-bit experts dequantized to model.dtype and held for a rollout (with one layer's down_proj again:
-    held_experts.held_weights transposes it), where held_experts.holds picks it; else 0."""
+def held_bytes(shape: ModelShape, config, sequences: int) -> float:
+    """Every layer's 4-bit experts dequantized to model.dtype and held for a rollout, where held_experts.holds picks
+    it (else 0), with one layer's down_proj again (held_experts.held_weights transposes it) and a decoding step's
+    every-expert activations (dense_forward: [rows, E, 2m] up, [rows, E, m] gated and scaled)."""
     whole = shape.layers * experts_dequant_bytes(shape, config)
     if not whole or not holds(whole):
         return 0.0
-    return whole + dict(shape.expert_tensors())["down_proj"] * DTYPE_BYTES[config.model.dtype]
+    e = DTYPE_BYTES[config.model.dtype]
+    active = min(sequences, DENSE_TOKENS) * shape.experts * 4 * shape.expert_intermediate * e
+    return whole + dict(shape.expert_tensors())["down_proj"] * e + active
