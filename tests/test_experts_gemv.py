@@ -18,6 +18,17 @@ pytestmark = [
     pytest.mark.xdist_group("moe"),
     pytest.mark.skipif(not gemv_kernel(), reason="bitsandbytes' fused CPU 4-bit kernel needs AVX512-BF16"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def not_held(monkeypatch):
+    """The paths these tests pin: a model this small otherwise holds its experts dequantized for a rollout
+    (models/held_experts.py; tests/test_held_experts.py)."""
+    from grpo_lab.models import held_experts
+
+    monkeypatch.setattr(held_experts, "HELD_BYTES", -1)
+
+
 BF16 = ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]
 # bfloat16's matmul tolerance: torch's own rtol for bfloat16 (2^-6), and 2^-6 of the largest output as atol (the kernel
 # rounds the scales to bfloat16 and sums in its own order; the logits differ by a bfloat16 ulp or two)

@@ -13,6 +13,15 @@ from grpo_lab.models.routed_experts import ROUTED, experts_dequantized
 pytestmark = pytest.mark.xdist_group("moe")
 
 
+@pytest.fixture(autouse=True)
+def not_held(monkeypatch):
+    """The paths these tests pin: a model this small otherwise holds its experts dequantized for a rollout
+    (models/held_experts.py; tests/test_held_experts.py)."""
+    from grpo_lab.models import held_experts
+
+    monkeypatch.setattr(held_experts, "HELD_BYTES", -1)
+
+
 def tiny_moe(double_quant: bool, name: str = "builtin:tiny-moe"):
     from grpo_lab.config.models_and_devices import ModelSection
     from grpo_lab.models.learner import load_base

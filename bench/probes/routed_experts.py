@@ -73,6 +73,20 @@ def only(path: str):
         experts_gemv.GEMV_TOKENS = GEMV_TOKENS
 
 
+@contextlib.contextmanager
+def without(path: str):
+    """The routed experts' forwards less `path` (routed_experts.EXPERT_PATHS), each at its own cut-off."""
+    from grpo_lab.models import routed_experts
+
+    paths = dict(routed_experts.EXPERT_PATHS)
+    del routed_experts.EXPERT_PATHS[path]
+    try:
+        yield
+    finally:
+        routed_experts.EXPERT_PATHS.clear()
+        routed_experts.EXPERT_PATHS.update(paths)
+
+
 def one_batch(experts, config, rows: int, rounds: int) -> dict:
     """Every way through the layer for one batch of `rows` tokens: experts dequantized, seconds, largest difference."""
     from grpo_lab.models import experts_gemv
@@ -121,17 +135,19 @@ def report(record: dict, per_expert: int) -> None:
 
 
 def tiny_rollout(rounds: int) -> None:
-    """builtin:tiny-moe in bfloat16, each way: a Lab's rollout (8 rows x 32 tokens, sampled) timed, then 3 steps'
-    learner-sampler log-prob mismatch (the learner's forward dequantizes; the sampler's decode may not)."""
+    """builtin:tiny-moe in bfloat16, each way (fused, routed dequantize, held for the rollout): a Lab's rollout (8 rows
+    x 32 tokens, sampled) timed, then 3 steps' learner-sampler log-prob mismatch (the learner's forward dequantizes;
+    the sampler's decode may not)."""
     from grpo_lab import Lab
 
     knobs = ["model.name_or_path=builtin:tiny-moe", "model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16"]
     knobs += ["generator.max_completion_length=32", "grpo.num_generations=8", "grpo.prompts_per_step=1"]
-    for path in ("gemv", "dequantize"):
+    for path in ("gemv", "dequantize", "held"):
         torch.manual_seed(0)
         lab = Lab("tiny-cpu", overrides=knobs, reward_funcs=["length"]).load()
+        chosen = {"gemv": without("held"), "dequantize": only("dequantize")}.get(path, contextlib.nullcontext())
         try:
-            with only(path) if path == "dequantize" else contextlib.nullcontext():  # (fused: at its own cut-off)
+            with chosen:  # (fused: at its own cut-off, the held experts left out; held: the default here)
                 lab.rollout()  # (warm: the first fused rollout permutes the routed experts' codes)
                 seconds, counted = [], []
                 for _ in range(rounds):

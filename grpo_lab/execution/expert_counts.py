@@ -1,11 +1,13 @@
 """How many 4-bit experts a phase dequantized (models/routed_experts.py counts them per experts module): the rollout's
 forwards, and the learner's backward (its forwards, their recomputes under gradient checkpointing, and what the
-experts' backward dequantizes again), for the step's metrics. 0 for a model without 4-bit experts."""
+experts' backward dequantizes again), for the step's metrics. 0 for a model without 4-bit experts. A phase's end drops
+the experts a small model held for it (models/held_experts.py)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+from ..models.held_experts import release
 from ..models.routed_experts import experts_dequantized
 
 
@@ -15,7 +17,11 @@ def counted(phase: Callable, set_count: Callable) -> Callable:
     def run(ex, state, *inputs):
         model = getattr(ex.learner, "model", None)
         before = experts_dequantized(model) if model is not None else 0
-        out = phase(ex, state, *inputs)
+        try:
+            out = phase(ex, state, *inputs)
+        finally:
+            if model is not None:  # why: a small model's experts held for the rollout (held_experts.py) end with it
+                release(model)
         if model is not None:
             set_count(out, experts_dequantized(model) - before)
         return out

@@ -10,6 +10,7 @@ parameter, the forward reads the parameter whole as before.
 
 At decode (no gradients, bfloat16, a few tokens an expert, a CPU with bitsandbytes' fused kernel) the routed
 experts are not dequantized at all: experts_gemv.py runs their matmuls from their 4-bit codes (EXPERT_PATHS chooses).
+A model whose every layer's dequantized experts are small (held_experts.py) holds them for the rollout instead.
 
 Without gradient checkpointing, autograd would keep every layer's dequantized experts for backward (each matmul saves
 its weight; 54 GiB at 30B-A3B): `RedequantizedExperts` keeps the experts' inputs alone and dequantizes again in
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch.nn.utils import parametrize
 
-from . import experts_gemv
+from . import experts_gemv, held_experts
 from .experts import EXPERT_PARAMS
 
 ROUTED = "grpo_lab_routed_4bit"  # the name transformers' ExpertsInterface knows this forward by
@@ -37,7 +38,9 @@ def use_routed_experts(model, redequantize: bool = False) -> int:
 
     ALL_EXPERTS_FUNCTIONS.register(ROUTED, routed_experts_forward)
     experts = [m for m in model.modules() if all(parametrize.is_parametrized(m, n) for n in EXPERT_PARAMS)]
+    total = held_experts.held_total(experts)  # (what holding every layer's experts for a rollout would take)
     for module in experts:
+        module.held_total = total
         module.experts_dequantized = 0  # why a count: what the rollout's and a step's forwards dequantized
         module.experts_fused = 0  # and the experts its decoding steps ran from their codes (experts_gemv.py)
         module.redequantize = redequantize
@@ -53,18 +56,23 @@ def experts_dequantized(model, what: str = "experts_dequantized") -> int:
 
 def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped_mm experts forward over the routed experts alone, dequantized from their 4-bit slices."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
+    held = held_experts.ready(self)
+    if held is not None:  # why first: a decoding step skips the checks whose answers have not changed since
+        return held_run(self, held, hidden_states, top_k_index, top_k_weights)
     if not all(routable(self, name) for name in EXPERT_PARAMS):  # another parametrization, or not whole blocks
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
         count(self, self.num_experts)
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     adapters = {name: lora_factors(self, name) for name in EXPERT_PARAMS}  # PEFT's proxies, while they are registered
-    forward = next(run for fits, run in EXPERT_PATHS.values() if fits(self, hidden_states, top_k_index))
+    forward = next(run for fits, run in EXPERT_PATHS.values() if fits(self, hidden_states, top_k_index, adapters))
     return forward(self, hidden_states, top_k_index, top_k_weights, adapters)
 
 
 def dequantized_forward(self, hidden_states, top_k_index, top_k_weights, adapters: dict):
     """The routed experts dequantized (routed_forward); with gradients and `redequantize`, in RedequantizedExperts."""
+    if torch.is_grad_enabled():
+        self.held = None  # why: a rollout's held experts (held_experts.py) are not kept through training
     if torch.is_grad_enabled() and not experts_gemv.KERNEL_LAYOUT_KEPT:  # why whole: a step reads them several times
         experts_gemv.blockwise(self)
 
@@ -128,17 +136,38 @@ def rebuilt(adapters: dict, factors: list) -> dict:
     }
 
 
-def gemv_fits(module, hidden_states, top_k_index) -> bool:
+def gemv_fits(module, hidden_states, top_k_index, adapters: dict) -> bool:
     routed, local = torch.unique(top_k_index, return_inverse=True)
     return experts_gemv.gemv_fits(module, hidden_states, local, routed.numel())
 
 
-# The routed experts' forwards, the first that fits a call runs it: bitsandbytes' fused 4-bit matmuls at decode
+def held_forward(self, hidden_states, top_k_index, top_k_weights, adapters: dict):
+    """The layer's experts held for the rollout (held_experts.py), made or made again as `adapters` say."""
+    held = held_experts.held_weights(self, adapters, routed_weight)
+    return held_run(self, held, hidden_states, top_k_index, top_k_weights)
+
+
+def held_run(self, held: dict, hidden_states, top_k_index, top_k_weights):
+    """Every held expert at once for a decoding step's few tokens, transformers' grouped_mm over them for more."""
+    if hidden_states.shape[0] <= held_experts.DENSE_TOKENS:
+        return held_experts.dense_forward(self, held, hidden_states, top_k_index, top_k_weights)
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    count, hidden = held["experts"], hidden_states.shape[-1]
+    gate_up = held["gate_up_proj"].view(count, -1, hidden)
+    down = held["down_proj"].view(count, -1, hidden).transpose(1, 2)  # [E, h, m]
+    return grouped_mm_experts_forward(experts_view(self, count, gate_up, down), hidden_states, top_k_index,
+                                      top_k_weights)  # fmt: skip
+
+
+# The routed experts' forwards, the first that fits a call runs it: a small model's every layer held dequantized for
+# the rollout (held_experts.py: by size, the plan counts it), bitsandbytes' fused 4-bit matmuls at decode
 # (experts_gemv.py: nothing dequantized), else the routed experts dequantized (prefill, training, float32, CUDA, a CPU
 # without AVX512-BF16)
 EXPERT_PATHS = {
+    "held": (held_experts.fits, held_forward),
     "gemv": (gemv_fits, experts_gemv.gemv_forward),
-    "dequantize": (lambda module, hidden_states, top_k_index: True, dequantized_forward),
+    "dequantize": (lambda module, hidden_states, top_k_index, adapters: True, dequantized_forward),
 }
 
 
@@ -148,10 +177,18 @@ def routed_forward(module, hidden_states, top_k_index, top_k_weights, adapters: 
 
     routed, local = torch.unique(top_k_index, return_inverse=True)  # [k] expert ids; [tokens, top_k] their places
     count(module, routed.numel())
+    gate_up = routed_weight(module, "gate_up_proj", routed, adapters["gate_up_proj"])  # [k, 2m, h]
+    down = routed_weight(module, "down_proj", routed, adapters["down_proj"])  # [k, h, m]
+    return grouped_mm_experts_forward(experts_view(module, routed.numel(), gate_up, down), hidden_states, local,
+                                      top_k_weights)  # fmt: skip
+
+
+def experts_view(module, count: int, gate_up: torch.Tensor, down: torch.Tensor) -> SimpleNamespace:
+    """What transformers' grouped_mm experts forward reads of `module`, over `count` experts' weights."""
     view = SimpleNamespace(
-        num_experts=routed.numel(),
-        gate_up_proj=routed_weight(module, "gate_up_proj", routed, adapters["gate_up_proj"]),  # [k, 2m, h]
-        down_proj=routed_weight(module, "down_proj", routed, adapters["down_proj"]),  # [k, h, m]
+        num_experts=count,
+        gate_up_proj=gate_up,
+        down_proj=down,
         has_gate=module.has_gate,
         has_bias=module.has_bias,
         is_transposed=module.is_transposed,
@@ -159,7 +196,7 @@ def routed_forward(module, hidden_states, top_k_index, top_k_weights, adapters: 
         act_fn=module.act_fn,
     )
     view._apply_gate = lambda out: module._apply_gate(out)
-    return grouped_mm_experts_forward(view, hidden_states, local, top_k_weights)
+    return view
 
 
 def count(module, experts: int) -> None:
@@ -183,13 +220,21 @@ def routed_weight(module, name: str, experts: torch.Tensor, adapters: list) -> t
 
 def routable(module, name: str) -> bool:
     """Whether `name`'s routed experts can be dequantized alone: bitsandbytes' parametrization first, PEFT's LoRA
-    proxies alone above it, and each expert a whole number of blocks."""
-    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
-    from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
-
+    proxies alone above it, and each expert a whole number of blocks (remembered for the chain's kinds: PEFT makes
+    new proxies at each forward, of the same kinds)."""
     if not parametrize.is_parametrized(module, name):
         return False
     chain = module.parametrizations[name]
+    kinds, known = tuple(map(type, chain)), getattr(module, "_routable", {})
+    if known.get(name, (None,))[0] != kinds:
+        module._routable = {**known, name: (kinds, chain_routable(chain))}
+    return module._routable[name][1]
+
+
+def chain_routable(chain) -> bool:
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+    from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
+
     if not isinstance(chain[0], Bnb4bitParametrization):  # (a LoRA proxy alone, over experts that are not 4-bit)
         return False
     if not all(isinstance(p, (_LoraFactorsProxy, _LoraParameterProxy)) for p in list(chain)[1:]):

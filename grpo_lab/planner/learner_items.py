@@ -6,7 +6,6 @@ during a pass and the layer-at-a-time load. In a world of one each of those is t
 
 from __future__ import annotations
 
-from ..generation.step_memory import PREFILL_CHUNK
 from ..models.shapes import ModelShape
 from .estimate import (
     DTYPE_BYTES,
@@ -20,8 +19,6 @@ from .estimate import (
     base_weight_split,
     codebook_bytes,
     compute_bytes,
-    expert_lora_bytes,
-    experts_dequant_bytes,
     generation_step_bytes,
     kv_cache_bytes,
     nf4_bits,
@@ -29,6 +26,7 @@ from .estimate import (
     rollout_sequences,
     unit_bytes,
 )
+from .experts_items import add_experts_dequant
 from .parts import head_note
 from .render import count
 
@@ -325,33 +323,6 @@ def add_graph_pool(lrn: DevicePlan, config) -> None:
         "torch's CUDA graph trees record the copy's decode step again at each rollout (new weight addresses) and keep "
         "its memory pool; a placeholder, to be calibrated on a GPU (bench/gpu/fast_path_and_moe.sh)",
     )
-
-
-def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
-    """At the prompts' prefill, one layer's 4-bit experts its tokens route to dequantized (models/routed_experts.py;
-    at worst each token to others), and with expert adapters one tensor's of them again, W + B A beside W."""
-    share = 1.0  # the routed experts' share of a layer's
-    if shape.moe and config.model.load_in_4bit:
-        # why the prefill: its rows x prompt tokens route to the most experts (a decoding step: one token a row)
-        prompt = min(config.generator.max_prompt_length, PREFILL_CHUNK if on_cpu_learner(config) else 1 << 62)
-        made = experts_dequant_bytes(shape, config, sequences * prompt)
-        share = made / experts_dequant_bytes(shape, config)
-        lrn.add(
-            "experts dequantized (one layer)",
-            made,
-            f"{round(share * shape.experts)} of {shape.experts} experts of a layer in {config.model.dtype}, at the "
-            f"prompts' prefill ({sequences} rows x {prompt} prompt tokens a forward, top-{shape.experts_per_token}; a "
-            f"decoding step's {min(sequences * shape.experts_per_token, shape.experts)}, none on a CPU in bfloat16: "
-            "models/experts_gemv.py)",
-            phase="rollout",
-        )
-    if shape.moe and config.lora.target_experts:
-        lrn.add(
-            "expert LoRA: W + B A beside W",
-            expert_lora_bytes(shape, config)["transient"] * share,
-            "the expert adapters folded into a copy of one fused tensor at a time (lora.target_experts)",
-            phase="rollout",
-        )
 
 
 def add_passes(

@@ -1,0 +1,128 @@
+"""A small mixture of experts' layers dequantized once a rollout and held for its forwards.
+
+On a model whose experts are small (`builtin:tiny-moe`: 8 experts of width 64 a layer), a decoding step's cost in the
+experts is per-call overhead, not bytes: the routed dequantize gathers and dequantizes the routed experts at every
+step, the fused kernel (experts_gemv.py) makes two calls a routed expert. The 4-bit base does not change within a
+rollout, so where every layer's dequantized experts together fit in HELD_BYTES, a rollout's first forward through a
+layer (its prefill) dequantizes the layer's experts whole, PEFT's expert adapters folded in (lora.target_experts), and
+its decoding steps run every expert at once from them in a handful of dense ops (dense_forward). The held copy is
+checked at each forward against the codes and the adapter factors it was made from (a changed one makes it again),
+dropped by a forward with gradients and at the rollout's end (release); the plan counts it in the rollout
+(`grpo_lab/planner/experts_items.py`). Passes that score completions and training forwards read the routed dequantize.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..algo.logprobs import SCORING
+from .experts import EXPERT_PARAMS
+
+# why 16 MiB: held, every layer's experts stay dequantized for the rollout, and a decoding step computes every expert
+# of a layer (dense_forward: per token, one multiply-add an element of the layer's experts); at 16 MiB in bfloat16 that
+# is at most 8M multiply-adds a token over the model, less than the whole-layer dequantize it replaces writes and reads
+# a step, and a rounding error beside any plan's budget; above it the routed experts are dequantized (or run fused) a
+# step as before, as at Qwen3-30B-A3B (1.1 GiB a layer)
+HELD_BYTES = 16 << 20
+# why 64: dense_forward computes every expert for every token (experts / top-k times the routed work: 4x on the tiny
+# MoE); for more tokens than a decoding step's rows (a prefill), transformers' grouped_mm reads the held experts instead
+DENSE_TOKENS = 64
+
+
+def held_total(modules) -> int:
+    """Bytes of every 4-bit experts module's experts dequantized to their dtype (the copy held, over layers)."""
+    total = 0
+    for module in modules:
+        for name in EXPERT_PARAMS:
+            state = module.parametrizations[name][0].quant_state
+            total += state.shape.numel() * state.dtype.itemsize
+    return total
+
+
+def holds(total: int) -> bool:
+    """Whether a model whose every layer's dequantized experts take `total` bytes holds them for a rollout."""
+    return total <= HELD_BYTES
+
+
+def fits(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, adapters: dict) -> bool:
+    """Whether this forward reads the held experts: a rollout's (no gradients, not a pass that scores completions) on a
+    model small enough (holds), gated experts without bias in transformers' [experts, out, in] layout, with one
+    adapter at most (PEFT's factors: several arrive as a whole delta, not checked cheaply)."""
+    if torch.is_grad_enabled() or SCORING.get() or not holds(getattr(module, "held_total", HELD_BYTES + 1)):
+        return False
+    if module.is_transposed or not module.has_gate or module.has_bias:
+        return False
+    return all(kind == "factors" for chain in adapters.values() for kind, _, _ in chain)
+
+
+def ready(module):
+    """The held experts where nothing a forward checks has changed since they were made: no gradients, not scoring,
+    made without adapters, each parameter's parametrizations the same and its codes too (a decoding step with LoRA on
+    attention alone); else None, and routed_experts_forward checks everything (held_weights)."""
+    held = getattr(module, "held", None)
+    if held is None or held[0][2] or torch.is_grad_enabled() or SCORING.get():
+        return None
+    chains, codes, _ = held[0]
+    now = module.parametrizations
+    for name, chain, (address, version) in zip(EXPERT_PARAMS, chains, codes):
+        if now[name] is not chain or len(chain) != 1:
+            return None
+        if chain.original._version != version or chain.original.data_ptr() != address:
+            return None
+    return held[1]
+
+
+def stamp(module, adapters: dict) -> tuple:
+    """What the held experts were made from: each parameter's parametrizations, its codes (address, version) and its
+    adapter factors (copied: PEFT makes new factor tensors at each forward, so their values are compared)."""
+    chains = tuple(module.parametrizations[n] for n in EXPERT_PARAMS)
+    codes = tuple((chain.original.data_ptr(), chain.original._version) for chain in chains)
+    factors = [(scaling, *(t.detach().clone() for t in tensors)) for n in EXPERT_PARAMS for _, tensors, scaling in
+               adapters[n]]  # fmt: skip
+    return chains, codes, factors
+
+
+def same(made: tuple, module, adapters: dict) -> bool:
+    _, codes, factors = made
+    now = tuple((module.parametrizations[n].original.data_ptr(), module.parametrizations[n].original._version) for n in
+                EXPERT_PARAMS)  # fmt: skip
+    chains = [(scaling, *tensors) for n in EXPERT_PARAMS for _, tensors, scaling in adapters[n]]
+    if codes != now or len(chains) != len(factors):
+        return False
+    return all(a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:])) for a, b in zip(factors, chains))
+
+
+def held_weights(module, adapters: dict, build) -> dict:
+    """The layer's experts dequantized with their adapters folded in, made by `build` (routed_experts.routed_weight)
+    the first time and whenever what they were made from changed: {"experts": E, "gate_up_proj": [E x 2m, h],
+    "down_proj": [E x m, h] (its transpose: dense_forward's one matmul)}."""
+    held = getattr(module, "held", None)
+    if held is None or not same(held[0], module, adapters):
+        module.held = None  # why first: the stale copy freed before the new one is made
+        every = torch.arange(module.parametrizations[EXPERT_PARAMS[0]][0].quant_state.shape[0])
+        gate_up, down = (build(module, name, every, adapters[name]) for name in EXPERT_PARAMS)
+        made = {"experts": every.numel(), "gate_up_proj": gate_up.flatten(0, 1)}
+        made["down_proj"] = down.transpose(1, 2).flatten(0, 1)  # (a copy: [E, m, h] made contiguous)
+        module.held = held = (stamp(module, adapters), made)
+        if hasattr(module, "experts_dequantized"):
+            module.experts_dequantized += every.numel()
+    return held[1]
+
+
+def dense_forward(module, held: dict, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped_mm experts forward's result from every expert run on every token: the gated up
+    projection of all experts in one matmul, each (token, expert)'s activation scaled by its routing weight (0 where
+    not routed), and the down projection summed over the experts in one more."""
+    tokens = hidden_states.shape[0]
+    up = torch.nn.functional.linear(hidden_states, held["gate_up_proj"]).view(tokens, held["experts"], -1)
+    routes = up.new_zeros(tokens, held["experts"]).scatter_add_(1, top_k_index, top_k_weights.type_as(up))
+    scaled = module._apply_gate(up) * routes.unsqueeze(-1)  # [tokens, E, m], 0 where not routed
+    out = scaled.view(tokens, -1) @ held["down_proj"]
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+def release(model) -> None:
+    """Every held copy of `model`'s experts dropped (a rollout's end)."""
+    for module in model.modules():
+        if getattr(module, "held", None) is not None:
+            module.held = None
