@@ -121,6 +121,36 @@ def peak_of(events: list, start: int) -> dict:
     return {"live_peak_mib": round(peak / MiB, 1), "live_at_peak_mib": {k: round(v / MiB, 2) for k, v in top}}
 
 
+def mapped_rss() -> int:
+    """The bytes of mapped checkpoint files (safetensors) resident in this process (/proc/self/smaps' Rss)."""
+    from grpo_lab.models.resident import CHECKPOINT_SUFFIXES
+
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for row in f:
+            fields = row.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) == 6 and fields[5].endswith(CHECKPOINT_SUFFIXES)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def load_line(lab) -> dict:
+    """After `Lab.load()` (gc and malloc_trim): RSS against the plan's resident host memory (what it counts before
+    any phase: libraries, the base weights, LoRA, AdamW, the tools' imports), and the checkpoint pages in RSS."""
+    from grpo_lab.memory.heap import trim_host_heap
+    from grpo_lab.planner import plan
+
+    gc.collect()
+    trim_host_heap()
+    host = plan(lab.config, tools=True).devices["host"]
+    weights = next(i.bytes for i in host.items if i.what == "base weights")
+    return {"after_load_rss_mib": round(rss() / MiB, 1), "planned_resident_mib": round(host.resident / MiB, 1),
+            "load_over_plan": round(rss() / host.resident, 3), "planned_base_weights_mib": round(weights / MiB, 1),
+            "checkpoint_pages_in_rss_mib": round(mapped_rss() / MiB, 1)}  # fmt: skip
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=2)
@@ -140,6 +170,7 @@ def main(argv=None) -> None:
     ns = argparse.Namespace(model="builtin:qwen2-152k", length=args.length, turns=args.turns, generations=4)
     config = lab_config(ns, args.mode) | {"memory": {"host_mmap_threshold_mib": args.mmap}}
     lab = Lab(config, reward_funcs=["length"], train_dataset=rows(), tools=[lookup]).load()
+    print(json.dumps(load_line(lab)), flush=True)
     made = force_calls(lab.learner.tokenizer, args.turns - 1)
     timeline = Timeline()
     instrument(lab, timeline)

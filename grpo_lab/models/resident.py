@@ -1,0 +1,60 @@
+"""A loaded model's weights held in this process's own memory, as the plan counts them from load on.
+
+transformers loads a safetensors checkpoint on the CPU by memory-mapping it: a weight it keeps in the file's dtype
+(the embedding and a tied LM head, norms and biases beside a 4-bit body; every weight without 4-bit) is a view of
+the mapped file, and its pages are read in only when a forward first touches them. The plan counts the base weights
+resident after load, so the first forward to read one whole (the LM head's matmul, in the first rollout's first
+decoding step: 74 MiB at 152k x 128 in float32) would pay the load's memory inside that phase, past its plan.
+`hold_in_memory` copies each such weight off the mapping once, at load, the way a GPU load or a dtype cast holds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# why these: a checkpoint's tensors mapped by transformers (safetensors) or torch.load(mmap=True); not shared memory
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def checkpoint_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
+    """The address ranges [start, end) at which this process maps a checkpoint file (none where /proc is absent)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].endswith(CHECKPOINT_SUFFIXES):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def mapped_tensors(model: torch.nn.Module, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """`model`'s CPU parameters and buffers whose bytes lie in one of `ranges`, each once (a tied weight is one)."""
+    out, seen = [], set()
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "cpu" or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        address = tensor.untyped_storage().data_ptr()
+        if any(start <= address < end for start, end in ranges):
+            out.append(tensor)
+    return out
+
+
+def hold_in_memory(model: torch.nn.Module) -> int:
+    """Copy every CPU weight of `model` that is a view of a mapped checkpoint into memory of its own; the bytes
+    copied. The tensor objects stay (a tied weight stays tied, PEFT's wrappers keep theirs); the mapping goes with
+    its last view."""
+    ranges = checkpoint_mappings()
+    if not ranges:
+        return 0
+    copied = 0
+    for tensor in mapped_tensors(model, ranges):
+        tensor.data = tensor.data.clone()  # why clone: read the mapped pages once, into memory the plan counts
+        copied += tensor.numel() * tensor.element_size()
+    return copied
