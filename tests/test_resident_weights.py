@@ -47,3 +47,10 @@ def test_a_reference_copy_holds_its_weights(tiny_config):
 
     config = load_config(tiny_config(grpo={"beta": 0.04}, reference={"strategy": "copy"}))
     assert mapped_names(CopyReference(config).model) == []
+
+
+def test_a_reward_model_holds_its_weights(tiny_config):
+    from grpo_lab.models.reward_model import load_reward_model
+
+    reward = load_reward_model("builtin:tiny-reward", load_config(tiny_config()), "cpu")
+    assert mapped_names(reward.model) == []
