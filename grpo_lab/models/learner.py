@@ -153,7 +153,7 @@ def load_learner(config, sharding=None) -> Learner:
     else:
         model = add_lora(load_base(config.model, device, config.run.seed), config)
         prepare_like_policy(model, device)
-    hold_in_memory(model)  # why: the plan counts the weights resident from load, not from the first forward
+        hold_in_memory(model)  # why: the plan counts the weights resident from load, not from the first forward
     if device == "cpu" and config.memory.host_mmap_threshold_mib is None:  # why: heap.trim_before_each_layer
         trim_before_each_layer(decoder_layers(model))
     params = [p for p in model.parameters() if p.requires_grad]  # after sharding: FSDP2 replaced them with DTensors

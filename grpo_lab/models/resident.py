@@ -37,7 +37,8 @@ def mapped_tensors(model: torch.nn.Module, ranges: list[tuple[int, int]]) -> lis
     """`model`'s CPU parameters and buffers whose bytes lie in one of `ranges`, each once (a tied weight is one)."""
     out, seen = [], set()
     for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.device.type != "cpu" or id(tensor) in seen:
+        # (a subclass, FSDP2's DTensor, is a rank's shard, read off the file as it loaded: models/meta_load.py)
+        if tensor.device.type != "cpu" or type(tensor.data) is not torch.Tensor or id(tensor) in seen:
             continue
         seen.add(id(tensor))
         address = tensor.untyped_storage().data_ptr()
