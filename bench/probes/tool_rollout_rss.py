@@ -2,12 +2,14 @@
 (builtin:qwen2-152k, 8 rows, every row's tool call forced in each turn but the last), with this process's RSS read
 at ~1 kHz by a thread and every sample labelled by what the main thread was in: a turn's prefill forward, a decoding
 step's forward, the logits processors between two forwards (the sampler, the log-prob recorder, the forced call),
-generate()'s own work around them, the tool calls. Prints one JSON line per rollout: the rollout's rise over its
+generate()'s own work around them, the tool calls. Prints the RSS after `Lab.load()` against the plan's resident
+host memory (and the checkpoint pages in it), then one JSON line per rollout: the rollout's rise over its
 start (after gc and malloc_trim, as the bench starts it) and, per label, the largest rise seen inside it.
 
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --turns 2 --length 384
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --turns 2 --length 384 --mmap 0.125   # pinned threshold
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --profile     # rollout 2's live tensors at their peak
+    OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --first-forward   # a 2-token forward before rollout 1
 
 `--profile`: rollout 2 under torch.profiler(profile_memory=True, record_shapes=True); the CPU allocator's events
 replayed in order give the live tensor bytes over the rollout's start and, at their peak, the tensors live then,
@@ -159,6 +161,8 @@ def main(argv=None) -> None:
     parser.add_argument("--mmap", type=float, default=None, help="memory.host_mmap_threshold_mib")
     parser.add_argument("--rollouts", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="rollout 2 profiled: its live tensors at their peak")
+    parser.add_argument("--first-forward", action="store_true", help="a 2-token forward before rollout 1 (what of "
+                        "rollout 1's rise is the libraries' one-off state of a first forward)")  # fmt: skip
     args = parser.parse_args(argv)
     import torch
 
@@ -171,6 +175,13 @@ def main(argv=None) -> None:
     config = lab_config(ns, args.mode) | {"memory": {"host_mmap_threshold_mib": args.mmap}}
     lab = Lab(config, reward_funcs=["length"], train_dataset=rows(), tools=[lookup]).load()
     print(json.dumps(load_line(lab)), flush=True)
+    if args.first_forward:
+        before = rss()
+        with torch.no_grad():
+            lab.learner.model(input_ids=torch.ones(1, 2, dtype=torch.long))
+        gc.collect()
+        trim_host_heap()
+        print(json.dumps({"first_forward_kept_mib": round((rss() - before) / MiB, 1)}), flush=True)
     made = force_calls(lab.learner.tokenizer, args.turns - 1)
     timeline = Timeline()
     instrument(lab, timeline)
@@ -194,7 +205,8 @@ def main(argv=None) -> None:
         timeline.set("idle")
         peaks = {k: round((v - base) / MiB, 1) for k, v in sorted(timeline.peaks.items(), key=lambda kv: -kv[1])}
         line = {"rollout": index, "turns": args.turns, "mode": args.mode, "mmap": args.mmap,
-                "base_mib": round(base / MiB, 1), "rise_mib": max(peaks.values()), "rise_by_label_mib": peaks,
+                "first_forward": args.first_forward, "base_mib": round(base / MiB, 1), "rise_mib": max(peaks.values()),
+                "rise_by_label_mib": peaks,
                 "after_mib": round((rss() - base) / MiB, 1)}  # fmt: skip
         print(json.dumps(line), flush=True)
     lab.close()
