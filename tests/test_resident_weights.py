@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_lab import load_config
-from grpo_lab.models.resident import checkpoint_mappings, mapped_tensors
+from grpo_lab.models.resident import PAGE, checkpoint_mappings, copy_off, hold_in_memory, mapped_tensors
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 
@@ -54,3 +54,37 @@ def test_a_reward_model_holds_its_weights(tiny_config):
 
     reward = load_reward_model("builtin:tiny-reward", load_config(tiny_config()), "cpu")
     assert mapped_names(reward.model) == []
+
+
+def present_pages(tensor: torch.Tensor) -> int:
+    """How many of the pages wholly inside `tensor`'s bytes this process has mapped in (/proc/self/pagemap bit 63)."""
+    start = -(-tensor.data_ptr() // PAGE)
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start * 8)
+        entries = f.read((end - start) * 8)
+    return sum(int.from_bytes(entries[k : k + 8], "little") >> 63 for k in range(0, len(entries), 8))
+
+
+def test_the_copy_lets_the_mapped_pages_go(tiny_config):
+    """The pages read for a weight's copy leave RSS as it is copied, though the mapping stays while any view of it
+    lives (here one kept on purpose; at load, the weights not yet copied): no load holds a weight twice."""
+    from grpo_lab.models.learner import load_base
+
+    base = load_base(load_config(tiny_config()).model, "cpu")
+    mapped = base.get_input_embeddings().weight.data  # a view of the file: keeps the mapping
+    expected = mapped.clone()  # (reads every page in)
+    assert present_pages(mapped) > 0
+    assert hold_in_memory(base) >= mapped.numel() * mapped.element_size()
+    assert present_pages(mapped) == 0
+    assert torch.equal(base.get_input_embeddings().weight, expected)
+
+
+def test_a_copy_in_chunks_not_on_page_bounds_is_the_same_tensor(tiny_config):
+    from grpo_lab.models.learner import load_base
+
+    mapped = load_base(load_config(tiny_config()).model, "cpu").get_input_embeddings().weight.data
+    expected = mapped.clone()
+    copy = copy_off(mapped, chunk=3 * PAGE + 100)
+    assert present_pages(mapped) == 0
+    assert copy.data_ptr() != mapped.data_ptr() and torch.equal(copy, expected)

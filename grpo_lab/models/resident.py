@@ -10,12 +10,19 @@ decoding step: 74 MiB at 152k x 128 in float32) would pay the load's memory insi
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from pathlib import Path
 
 import torch
 
 # why these: a checkpoint's tensors mapped by transformers (safetensors) or torch.load(mmap=True); not shared memory
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+CHUNK = 16 * 2**20  # bytes copied before their mapped pages are let go
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4  # (Linux's value; /proc/self/maps, which finds the mappings, is Linux's too)
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def checkpoint_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
@@ -54,8 +61,37 @@ def hold_in_memory(model: torch.nn.Module) -> int:
     ranges = checkpoint_mappings()
     if not ranges:
         return 0
-    copied = 0
+    copied, copies = 0, {}
     for tensor in mapped_tensors(model, ranges):
-        tensor.data = tensor.data.clone()  # why clone: read the mapped pages once, into memory the plan counts
-        copied += tensor.numel() * tensor.element_size()
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if key not in copies:  # (two tensors over the same bytes, tied by storage, stay one)
+            copies[key] = copy_off(tensor.data)  # why a copy: the mapped pages read once, into memory the plan counts
+            copied += tensor.numel() * tensor.element_size()
+        tensor.data = copies[key]
     return copied
+
+
+def copy_off(source: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """A copy of `source` (a view of a mapped file) in memory of its own, `chunk` bytes at a time, each chunk's
+    mapped pages let go once copied. Why: the mapping stays until the last weight's copy, so pages read for a copy
+    would otherwise stay resident beside it: a load would pass its end by all the mapped weights' size."""
+    if not source.is_contiguous():
+        return source.clone()
+    target = torch.empty_like(source)
+    src, dst = source.reshape(-1).view(torch.uint8), target.reshape(-1).view(torch.uint8)
+    start = source.data_ptr()
+    released = -(-start // PAGE) * PAGE  # (the pages wholly inside the tensor: its neighbours' stay as they are)
+    for offset in range(0, src.numel(), chunk):
+        dst[offset : offset + chunk].copy_(src[offset : offset + chunk])
+        done = (start + min(offset + chunk, src.numel())) // PAGE * PAGE
+        if done > released:
+            drop_pages(released, done - released)
+            released = done
+    return target
+
+
+def drop_pages(address: int, length: int) -> None:
+    """madvise(MADV_DONTNEED) over [address, address + length) of a file mapping: its pages leave this process's
+    RSS (the page cache keeps them; a later read would map them again). Nothing where there is no libc madvise."""
+    if LIBC is not None:
+        LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_DONTNEED)
