@@ -2,12 +2,14 @@
 (builtin:qwen2-152k, 8 rows, every row's tool call forced in each turn but the last), with this process's RSS read
 at ~1 kHz by a thread and every sample labelled by what the main thread was in: a turn's prefill forward, a decoding
 step's forward, the logits processors between two forwards (the sampler, the log-prob recorder, the forced call),
-generate()'s own work around them, the tool calls. Prints one JSON line per rollout: the rollout's rise over its
+generate()'s own work around them, the tool calls. Prints the RSS after `Lab.load()` against the plan's resident
+host memory (and the checkpoint pages in it), then one JSON line per rollout: the rollout's rise over its
 start (after gc and malloc_trim, as the bench starts it) and, per label, the largest rise seen inside it.
 
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --turns 2 --length 384
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --turns 2 --length 384 --mmap 0.125   # pinned threshold
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --profile     # rollout 2's live tensors at their peak
+    OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_rss --first-forward   # a 2-token forward before rollout 1
 
 `--profile`: rollout 2 under torch.profiler(profile_memory=True, record_shapes=True); the CPU allocator's events
 replayed in order give the live tensor bytes over the rollout's start and, at their peak, the tensors live then,
@@ -121,6 +123,36 @@ def peak_of(events: list, start: int) -> dict:
     return {"live_peak_mib": round(peak / MiB, 1), "live_at_peak_mib": {k: round(v / MiB, 2) for k, v in top}}
 
 
+def mapped_rss() -> int:
+    """The bytes of mapped checkpoint files (safetensors) resident in this process (/proc/self/smaps' Rss)."""
+    from grpo_lab.models.resident import CHECKPOINT_SUFFIXES
+
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for row in f:
+            fields = row.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) == 6 and fields[5].endswith(CHECKPOINT_SUFFIXES)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def load_line(lab) -> dict:
+    """After `Lab.load()` (gc and malloc_trim): RSS against the plan's resident host memory (what it counts before
+    any phase: libraries, the base weights, LoRA, AdamW, the tools' imports), and the checkpoint pages in RSS."""
+    from grpo_lab.memory.heap import trim_host_heap
+    from grpo_lab.planner import plan
+
+    gc.collect()
+    trim_host_heap()
+    host = plan(lab.config, tools=True).devices["host"]
+    weights = next(i.bytes for i in host.items if i.what == "base weights")
+    return {"after_load_rss_mib": round(rss() / MiB, 1), "planned_resident_mib": round(host.resident / MiB, 1),
+            "load_over_plan": round(rss() / host.resident, 3), "planned_base_weights_mib": round(weights / MiB, 1),
+            "checkpoint_pages_in_rss_mib": round(mapped_rss() / MiB, 1)}  # fmt: skip
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=2)
@@ -129,6 +161,8 @@ def main(argv=None) -> None:
     parser.add_argument("--mmap", type=float, default=None, help="memory.host_mmap_threshold_mib")
     parser.add_argument("--rollouts", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="rollout 2 profiled: its live tensors at their peak")
+    parser.add_argument("--first-forward", action="store_true", help="a 2-token forward before rollout 1 (what of "
+                        "rollout 1's rise is the libraries' one-off state of a first forward)")  # fmt: skip
     args = parser.parse_args(argv)
     import torch
 
@@ -140,6 +174,14 @@ def main(argv=None) -> None:
     ns = argparse.Namespace(model="builtin:qwen2-152k", length=args.length, turns=args.turns, generations=4)
     config = lab_config(ns, args.mode) | {"memory": {"host_mmap_threshold_mib": args.mmap}}
     lab = Lab(config, reward_funcs=["length"], train_dataset=rows(), tools=[lookup]).load()
+    print(json.dumps(load_line(lab)), flush=True)
+    if args.first_forward:
+        before = rss()
+        with torch.no_grad():
+            lab.learner.model(input_ids=torch.ones(1, 2, dtype=torch.long))
+        gc.collect()
+        trim_host_heap()
+        print(json.dumps({"first_forward_kept_mib": round((rss() - before) / MiB, 1)}), flush=True)
     made = force_calls(lab.learner.tokenizer, args.turns - 1)
     timeline = Timeline()
     instrument(lab, timeline)
@@ -163,7 +205,8 @@ def main(argv=None) -> None:
         timeline.set("idle")
         peaks = {k: round((v - base) / MiB, 1) for k, v in sorted(timeline.peaks.items(), key=lambda kv: -kv[1])}
         line = {"rollout": index, "turns": args.turns, "mode": args.mode, "mmap": args.mmap,
-                "base_mib": round(base / MiB, 1), "rise_mib": max(peaks.values()), "rise_by_label_mib": peaks,
+                "first_forward": args.first_forward, "base_mib": round(base / MiB, 1), "rise_mib": max(peaks.values()),
+                "rise_by_label_mib": peaks,
                 "after_mib": round((rss() - base) / MiB, 1)}  # fmt: skip
         print(json.dumps(line), flush=True)
     lab.close()

@@ -17,6 +17,7 @@ from ..memory.heap import trim_before_each_layer
 from .fsdp import FSDP, decoder_layers
 from .offload import HostAdamW
 from .quant import pin_training_layout, quiet_bitsandbytes
+from .resident import hold_in_memory
 from .source import check_model_path, require_files, resolve_model_path
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -152,6 +153,7 @@ def load_learner(config, sharding=None) -> Learner:
     else:
         model = add_lora(load_base(config.model, device, config.run.seed), config)
         prepare_like_policy(model, device)
+        hold_in_memory(model)  # why: the plan counts the weights resident from load, not from the first forward
     if device == "cpu" and config.memory.host_mmap_threshold_mib is None:  # why: heap.trim_before_each_layer
         trim_before_each_layer(decoder_layers(model))
     params = [p for p in model.parameters() if p.requires_grad]  # after sharding: FSDP2 replaced them with DTensors

@@ -41,10 +41,12 @@ class CopyReference:
         from ..runtime import runtime
         from .fsdp import check_reference_devices
         from .learner import learner_device, load_base, prepare_like_policy
+        from .resident import hold_in_memory
 
         sharded = runtime().is_rank  # a sharded learner's copy: on the rank's device, sharded the same way (P5)
         self.device = torch.device(learner_device(config) if sharded else config.reference_device)
         self.model = load_base(config.model, str(self.device), config.run.seed)
+        hold_in_memory(self.model)  # why: as the learner's, resident from load as the plan counts it
         add_logprob_head(self.model)
         prepare_like_policy(self.model, str(self.device))
         self.model.eval()

@@ -142,6 +142,7 @@ def load_reward_model(name: str, config, device: str) -> RewardModel:
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from .learner import _DTYPES, quantization_config
+    from .resident import hold_in_memory
 
     path = check_reward_model(name)
     kwargs = dict(dtype=_DTYPES[config.model.dtype], device_map={"": device}, num_labels=1)
@@ -160,6 +161,7 @@ def load_reward_model(name: str, config, device: str) -> RewardModel:
         ) from None
     model.requires_grad_(False)
     model.eval()
+    hold_in_memory(model)  # why: as the learner's, resident from load as the plan counts it
     return RewardModel(model, tokenizer, lambda: config.grpo.micro_batch_size)
 
 
