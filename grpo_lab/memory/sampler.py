@@ -173,14 +173,14 @@ class MemorySampler:
             self.segments.append(self._segment)
 
     def _fold_exact_peaks(self, reset: bool) -> None:
-        """Raise the open phase's and mark's peaks to the host's exact peak since its last reset (VmHWM: a spike
-        between two readings, which a loaded machine's sampler thread can miss); then restart it."""
-        exact = {(self.readers[0].device, metric): value for metric, value in self.readers[0].peak().items()}
+        """Raise the open phase's and mark's peaks to the host's exact peak since its last reset; then restart it."""
+        host = self.readers[0]  # (a reader without `peak`: its readings alone)
+        exact = {(host.device, metric): value for metric, value in getattr(host, "peak", dict)().items()}
         with self._lock:
             if self._open is not None:
                 self._raise_peaks(exact)
-        if reset:
-            self.readers[0].reset_peak()
+        if reset and exact:
+            host.reset_peak()
 
     def _close_segment(self, reading: dict) -> None:
         if self._segment is not None:
