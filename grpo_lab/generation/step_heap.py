@@ -1,7 +1,7 @@
 """A CPU rollout's decoding steps on pages the C heap keeps. Each step allocates the LM head's [rows, vocab] logits
 and generate()'s float32 copy of them and frees both together at the heap's top; at glibc's own (rising) thresholds
 the top trim threshold is twice the largest block it has unmapped, the two blocks' size, so every step gave the pages
-back and faulted them in again (builtin:qwen2-152k's 2-turn tool rollout: ~650,000 minor faults, 12-14 % of its CPU
+back and faulted them in again (builtin:qwen2-152k's 2-turn tool rollout: ~650,000 minor faults, 7-14 % of its CPU
 seconds; docs/benchmarks.md "A tool-calling rollout beside TRL's tool loop"). One block of twice a step's size,
 mapped and freed before the rollout, raises glibc's thresholds as any freed block of that size would (no mallopt:
 they keep rising on their own), so the step's freed top stays for the next step. No page of it is touched: RSS does
