@@ -25,7 +25,6 @@ from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
 from .sampling import DecodeStep, InPlace, InverseCdfSampler, SampledLogprobs
-from .step_heap import keep_step_pages
 from .step_memory import prefill_chunk
 from .turn_cache import TurnCache
 from .turn_shapes import TurnShapes
@@ -199,8 +198,6 @@ class HFGenerator(Generator):
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         settings = self._settings(request)
         samplers = sampler(request, seeds)  # per-row streams, kept across the calls of a rollout whose rows leave
-        if input_ids.device.type == "cpu" and self.learner.device.type == "cpu":  # why: the steps' freed logits
-            keep_step_pages(len(prompt_ids), model.get_output_embeddings().weight.shape[0])  # stay for the next step
         call = self.shapes.wrap(partial(self.generate_once, model, settings, synced, request, samplers))
         cache, turns = None, None if synced else turns
         if turns is not None:  # why no row leaves within a turn: a row that stops may call a tool, its KV going on
