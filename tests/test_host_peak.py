@@ -69,3 +69,17 @@ def test_where_the_peak_cannot_be_reset_the_samples_alone_make_it(monkeypatch, t
     seen = run_marks(sampler)
     assert not sampler.readers[0].exact and sampler.readers[0].peak() == {}
     assert seen["row"]["peak"] < seen["row"]["start"] + 0.5 * SPIKE  # only the readings at the marks: none in it
+
+
+def test_a_reader_made_while_a_phase_runs_leaves_its_peak_as_it_was():
+    """The planner and preflight make host readers of their own (the machine's RAM, a budget): one made inside a phase
+    must not restart the peak the phase's sampler reads."""
+    sampler = sampled_without_thread()
+    sampler.phase_started(0, "rollout")
+    if not sampler.readers[0].exact:
+        pytest.skip("this kernel offers no resettable peak RSS (/proc/self/clear_refs)")
+    spike()
+    HostReader()  # (what planner/parts.py does for the machine's RAM)
+    sampler.phase_ended(SimpleNamespace(step=0, phase="rollout"), None)
+    row = next(r for r in sampler.phase_rows if r["metric"] == "rss")
+    assert row["peak"] >= row["start"] + 0.9 * SPIKE, (row["peak"] - row["start"]) / MiB

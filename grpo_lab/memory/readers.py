@@ -97,7 +97,6 @@ class HostReader:
         self._children: list = []
         self._children_at = float("-inf")
         self.exact = True  # the kernel keeps a resettable peak RSS for this process (set False at the first refusal)
-        self.reset_peak()
 
     def children(self) -> list:
         """Child processes (vLLM workers...), re-listed every 2 s: listing scans /proc (~1.5 ms), reading RSS does
