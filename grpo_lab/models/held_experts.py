@@ -62,9 +62,9 @@ def ready(module):
     held = getattr(module, "held", None)
     if held is None or held[0][2] or torch.is_grad_enabled() or SCORING.get():
         return None
-    chains, codes, _ = held[0]
+    chains, made_codes, _ = held[0]
     now = module.parametrizations
-    for name, chain, (address, version) in zip(EXPERT_PARAMS, chains, codes):
+    for name, chain, (address, version) in zip(EXPERT_PARAMS, chains, made_codes):
         if now[name] is not chain or len(chain) != 1:
             return None
         if chain.original._version != version or chain.original.data_ptr() != address:
@@ -76,18 +76,21 @@ def stamp(module, adapters: dict) -> tuple:
     """What the held experts were made from: each parameter's parametrizations, its codes (address, version) and its
     adapter factors (copied: PEFT makes new factor tensors at each forward, so their values are compared)."""
     chains = tuple(module.parametrizations[n] for n in EXPERT_PARAMS)
-    codes = tuple((chain.original.data_ptr(), chain.original._version) for chain in chains)
     factors = [(scaling, *(t.detach().clone() for t in tensors)) for n in EXPERT_PARAMS for _, tensors, scaling in
                adapters[n]]  # fmt: skip
-    return chains, codes, factors
+    return chains, codes(module), factors
+
+
+def codes(module) -> tuple:
+    """Each expert parameter's 4-bit codes as (address, version): written in place or replaced, they differ."""
+    return tuple((module.parametrizations[n].original.data_ptr(), module.parametrizations[n].original._version) for n in
+                 EXPERT_PARAMS)  # fmt: skip
 
 
 def same(made: tuple, module, adapters: dict) -> bool:
-    _, codes, factors = made
-    now = tuple((module.parametrizations[n].original.data_ptr(), module.parametrizations[n].original._version) for n in
-                EXPERT_PARAMS)  # fmt: skip
+    _, made_codes, factors = made
     chains = [(scaling, *tensors) for n in EXPERT_PARAMS for _, tensors, scaling in adapters[n]]
-    if codes != now or len(chains) != len(factors):
+    if made_codes != codes(module) or len(chains) != len(factors):
         return False
     return all(a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:])) for a, b in zip(factors, chains))
 

@@ -366,11 +366,14 @@ def rollout_sequences(config) -> int:
     return min(config.generator.chunk_size or rows, rows)
 
 
+def on_cpu_learner(config) -> bool:
+    return config.placement.learner == "cpu"
+
+
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
     """One decoding step's [sequences, vocab] tensors and buffers (generation/step_memory.py decode_step_bytes)."""
-    return decode_step_bytes(
-        sequences, shape.vocab, compute_bytes(config), "cpu" if config.placement.learner == "cpu" else "cuda"
-    )
+    device = "cpu" if on_cpu_learner(config) else "cuda"
+    return decode_step_bytes(sequences, shape.vocab, compute_bytes(config), device)
 
 
 def kv_cache_bytes(shape: ModelShape, config, sequences: int) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..generation.step_memory import PREFILL_CHUNK
 from ..models.held_experts import DENSE_TOKENS, holds
 from ..models.shapes import ModelShape
-from .estimate import DTYPE_BYTES, DevicePlan, expert_lora_bytes, experts_dequant_bytes
+from .estimate import DTYPE_BYTES, DevicePlan, expert_lora_bytes, experts_dequant_bytes, on_cpu_learner
 
 
 def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: int) -> None:
@@ -15,10 +15,11 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: i
     or every layer's held (held_experts.holds: by size); with expert adapters one tensor's of them again,
     W + B A beside W."""
     share = 1.0  # the routed experts' share of a layer's
-    if shape.moe and config.model.load_in_4bit and held_bytes(shape, config, sequences):
+    held = held_bytes(shape, config, sequences) if shape.moe and config.model.load_in_4bit else 0.0
+    if held:
         lrn.add(
             "experts held (every layer)",
-            held_bytes(shape, config, sequences),
+            held,
             f"{shape.layers} layers x {shape.experts} experts in {config.model.dtype}, dequantized at the rollout's "
             "first forward and held for its decoding steps (models/held_experts.py: every layer's under "
             "HELD_BYTES), one layer's down_proj again while it is transposed, and a decoding step's every-expert "
@@ -27,8 +28,7 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: i
         )
     elif shape.moe and config.model.load_in_4bit:
         # why the prefill: its rows x prompt tokens route to the most experts (a decoding step: one token a row)
-        on_cpu = config.placement.learner == "cpu"
-        prompt = min(config.generator.max_prompt_length, PREFILL_CHUNK if on_cpu else 1 << 62)
+        prompt = min(config.generator.max_prompt_length, PREFILL_CHUNK if on_cpu_learner(config) else 1 << 62)
         made = experts_dequant_bytes(shape, config, sequences * prompt)
         share = made / experts_dequant_bytes(shape, config)
         lrn.add(

@@ -22,6 +22,7 @@ from .estimate import (
     generation_step_bytes,
     kv_cache_bytes,
     nf4_bits,
+    on_cpu_learner,
     planned_lora,
     rollout_sequences,
     unit_bytes,
@@ -43,7 +44,7 @@ def add_learner(lrn: DevicePlan, host: DevicePlan, ref: DevicePlan, config, shap
     """The learner's items on its device `lrn` (one process), or on one rank's (`procs` > 1): its state, its hf
     rollout, its log-prob and backward passes; the reference pass runs on `ref` (a copy's device, else `lrn`).
     Returns the micro-batch (rows per log-prob/backward pass)."""
-    on_cpu = config.placement.learner == "cpu"
+    on_cpu = on_cpu_learner(config)
     add_state(lrn, host, ref, config, shape, procs, on_cpu)
     if procs > 1:
         add_sharded_load(lrn, config, shape, procs)
@@ -278,10 +279,6 @@ def add_parking(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape) ->
         "one host buffer per Lab (pinned from a GPU), reused every rollout: the learner's 4-bit base, LoRA and "
         "AdamW while the copy decodes",
     )
-
-
-def on_cpu_learner(config) -> bool:
-    return config.placement.learner == "cpu"
 
 
 def add_rollout_copy(lrn: DevicePlan, config, shape: ModelShape, kept: bool) -> None:
