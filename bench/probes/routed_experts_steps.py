@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from grpo_lab.models import experts_gemv
+from grpo_lab.models import experts_gemv, held_experts
 
 WAYS = ("whole", "dequantize", "fused, put back", "fused, kept", "held")
 
@@ -47,6 +47,7 @@ class Meter:
         functional.dequantize_4bit = self.counted
         self.permute, experts_gemv.permute_experts = experts_gemv.permute_experts, self.timed_permute
         self.unpack, experts_gemv.unpacked_slices = experts_gemv.unpacked_slices, self.timed_unpack
+        self.making, held_experts.held_weights = held_experts.held_weights, self.timed_making
 
     def add(self, key: str, value: float) -> None:
         self.totals[key] = self.totals.get(key, 0) + value
@@ -60,7 +61,16 @@ class Meter:
             self.add("decode_s", time.perf_counter() - self.start)
             self.add("decode_cpu_s", time.thread_time() - self.cpu)  # (this thread's CPU: what a busy machine adds not)
             self.add("decode_calls", 1)
+        elif not torch.is_grad_enabled() and self.phase == "rollout":  # (the prompts' prefill, either way)
+            self.add("prefill_cpu_s", time.thread_time() - self.cpu)
         self.decoding = False
+
+    def timed_making(self, *args, **kwargs):
+        """held_experts.held_weights timed (the held copy checked, and made once a rollout: counted with its steps)."""
+        start = time.thread_time()
+        out = self.making(*args, **kwargs)
+        self.add(f"making_{self.phase}_cpu_s", time.thread_time() - start)
+        return out
 
     def counted(self, *args, **kwargs):
         out = self.dequantize(*args, **kwargs)
@@ -85,13 +95,16 @@ class Meter:
         totals["decode_steps"], totals["decode_bytes_per_step"] = steps, totals.pop("decode_bytes", 0) // max(steps, 1)
         totals["decode_experts_s_per_step"] = totals.get("decode_s", 0) / max(steps, 1)
         totals["decode_experts_cpu_s_per_step"] = totals.get("decode_cpu_s", 0) / max(steps, 1)
+        # why the making too: what a rollout does once for its decoding steps (the held copy) is their cost
+        once = totals.get("decode_cpu_s", 0) + totals.get("making_rollout_cpu_s", 0)
+        totals["decode_and_making_cpu_s_per_step"] = once / max(steps, 1)
         return totals
 
     def close(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.functional.dequantize_4bit, experts_gemv.permute_experts = self.dequantize, self.permute
-        experts_gemv.unpacked_slices = self.unpack
+        experts_gemv.unpacked_slices, held_experts.held_weights = self.unpack, self.making
 
 
 @contextlib.contextmanager
