@@ -154,14 +154,16 @@ def dense_forward(module, held: dict, hidden_states, top_k_index, top_k_weights)
     hidden = hidden_states if rows == tokens else torch.nn.functional.pad(hidden_states, (0, 0, 0, rows - tokens))
     up = torch.nn.functional.linear(hidden, held["gate_up_proj"]).view(rows, experts, -1)
     weights = top_k_weights if top_k_weights.dtype == up.dtype else top_k_weights.to(up.dtype)
-    routes = up.new_zeros(rows, experts, 1)
-    routes[:tokens].scatter_(1, top_k_index.unsqueeze(-1), weights.unsqueeze(-1))
+    routes = up.new_zeros(rows, experts)
+    (routes if rows == tokens else routes[:tokens]).scatter_(1, top_k_index, weights)
+    routes = routes.unsqueeze(-1)
     if held["gate"]:
         gate, up = up.chunk(2, dim=-1)
-        scaled = torch.nn.functional.silu(gate).mul_(up).mul_(routes)  # [tokens, E, m], 0 where not routed
+        scaled = torch.nn.functional.silu(gate).mul_(up).mul_(routes)  # [rows, E, m], 0 where not routed
     else:
         scaled = module._apply_gate(up) * routes
-    out = torch.mm(scaled.view(rows, -1), held["down_proj"])[:tokens]
+    out = torch.mm(scaled.view(rows, -1), held["down_proj"])
+    out = out if rows == tokens else out[:tokens]
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 
