@@ -150,14 +150,14 @@ def test_the_plan_counts_the_held_experts_where_the_rule_holds_them():
 
 
 class GateUpRows(torch.overrides.TorchFunctionMode):
-    """The rows of every `F.linear` call on the held experts' gate_up_proj (weight `shape`)."""
+    """The rows of every `torch.mm` call on the held experts' gate_up_proj (transposed: `shape`)."""
 
     def __init__(self, shape):
         super().__init__()
         self.shape, self.rows = shape, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear and tuple(args[1].shape) == self.shape:
+        if func is torch.mm and tuple(args[1].shape) == self.shape:
             self.rows.append(args[0].shape[0])
         return func(*args, **(kwargs or {}))
 
@@ -171,7 +171,7 @@ def test_decoding_steps_run_padded_to_a_power_of_two_of_at_least_eight_rows():
     g = torch.Generator().manual_seed(6)
     for tokens, rows in [(7, 8), (5, 8), (3, 8), (1, 8), (9, 16), (8, 8)]:
         decode = torch.randint(0, 384, (tokens, 1), generator=g)
-        with GateUpRows((8 * 2 * 64, 128)) as seen:
+        with GateUpRows((128, 8 * 2 * 64)) as seen:
             ours = logits(model, decode)
         assert seen.rows == [rows, rows]  # both layers
         assert ours.shape[0] == tokens

@@ -123,6 +123,7 @@ def held_weights(module, adapters: dict, build) -> dict:
         every = torch.arange(module.parametrizations[EXPERT_PARAMS[0]][0].quant_state.shape[0])
         gate_up, down = (build(module, name, every, adapters[name]) for name in EXPERT_PARAMS)
         made = {"experts": every.numel(), "gate_up_proj": gate_up.flatten(0, 1)}
+        made["gate_up_t"] = made["gate_up_proj"].t()  # (a view: dense_forward's mm, no t or matmul dispatched a call)
         made["down_proj"] = down.transpose(1, 2).flatten(0, 1)  # (a copy: [E, m, h] made contiguous)
         made["gate"] = silu_gate(module)
         made_from = stamp(module, adapters)
@@ -152,7 +153,7 @@ def dense_forward(module, held: dict, hidden_states, top_k_index, top_k_weights)
     tokens, experts = hidden_states.shape[0], held["experts"]
     rows = padded_rows(tokens)  # (zero rows: their routes are 0, their outputs cut off)
     hidden = hidden_states if rows == tokens else torch.nn.functional.pad(hidden_states, (0, 0, 0, rows - tokens))
-    up = torch.nn.functional.linear(hidden, held["gate_up_proj"]).view(rows, experts, -1)
+    up = torch.mm(hidden, held["gate_up_t"]).view(rows, experts, -1)
     weights = top_k_weights if top_k_weights.dtype == up.dtype else top_k_weights.to(up.dtype)
     routes = up.new_zeros(rows, experts)
     (routes if rows == tokens else routes[:tokens]).scatter_(1, top_k_index, weights)
