@@ -6,6 +6,8 @@ the plan counts what is held."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -137,10 +139,61 @@ def test_the_plan_counts_the_held_experts_where_the_rule_holds_them():
     config = load_config("tiny-cpu", ["model.name_or_path=builtin:tiny-moe", "model.dtype=bfloat16"])
     items = {i.what: i for i in plan(config).devices["host"].items}
     down = 8 * 128 * 64 * 2  # one layer's down_proj, transposed beside the held experts
-    rows = config.grpo.num_generations * config.grpo.prompts_per_step  # a decoding step's: every expert's activations
-    active = rows * 8 * (2 * 64 + 64 + 64) * 2
+    assert config.grpo.num_generations * config.grpo.prompts_per_step * config.generator.max_prompt_length > 64
+    rows = 64  # a prefill's tokens up to DENSE_TOKENS read every expert: their activations and padded hidden states
+    active = rows * (8 * (2 * 64 + 64 + 64) + 128) * 2
     assert items["experts held (every layer)"].bytes == held + down + active
     assert "experts dequantized (one layer)" not in items
     big = load_config("qwen2.5-7b-nf4-24gb", ["model.name_or_path=builtin:qwen3-30b-a3b-random"])
     names = {i.what for i in plan(big).devices["cuda:0"].items}
     assert "experts dequantized (one layer)" in names and "experts held (every layer)" not in names
+
+
+class GateUpRows(torch.overrides.TorchFunctionMode):
+    """The rows of every `torch.mm` call on the held experts' gate_up_proj (transposed: `shape`)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.rows = shape, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.mm and tuple(args[1].shape) == self.shape:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_decoding_steps_run_padded_to_a_power_of_two_of_at_least_eight_rows():
+    """As a rollout's rows leave, a decoding step's 7, 5, 3, 1 tokens run as 8 rows (one oneDNN kernel for them all),
+    9 as 16; the padded rows cut off, the logits the whole layer's; the plan's rows follow the same rule."""
+    from grpo_lab.planner.experts_items import dense_rows
+
+    model = moe()
+    g = torch.Generator().manual_seed(6)
+    for tokens, rows in [(7, 8), (5, 8), (3, 8), (1, 8), (9, 16), (8, 8)]:
+        decode = torch.randint(0, 384, (tokens, 1), generator=g)
+        with GateUpRows((128, 8 * 2 * 64)) as seen:
+            ours = logits(model, decode)
+        assert seen.rows == [rows, rows]  # both layers
+        assert ours.shape[0] == tokens
+        torch.testing.assert_close(ours, logits(model, decode, "grouped_mm"), rtol=1e-5, atol=1e-5)
+    config = SimpleNamespace(generator=SimpleNamespace(max_prompt_length=1))
+    assert [dense_rows(config, n) for n in (1, 6, 9, 40, 64, 200)] == [8, 8, 16, 64, 64, 64]
+
+
+def test_a_decoding_step_with_the_modules_own_gate_gives_the_same_result():
+    """dense_forward's in-place SiLU gate (transformers' default, checked at the making) and the module's own
+    `_apply_gate` agree, padded rows and all."""
+    model = moe()
+    logits(model, torch.tensor([[5], [7], [9]]))
+    module = layers(model)[0]
+    held = dict(module.held[1])
+    assert held["gate"]  # Qwen3-MoE's experts: the default gate
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(5, 128, generator=g)
+    index = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(5)])
+    weights = torch.softmax(torch.randn(5, 2, generator=g), -1)
+    with torch.no_grad():
+        fast = held_experts.dense_forward(module, held, hidden, index, weights)
+        own = held_experts.dense_forward(module, {**held, "gate": False}, hidden, index, weights)
+    assert fast.shape == (5, 128) and fast.abs().sum() > 0
+    torch.testing.assert_close(fast, own, rtol=0, atol=0)

@@ -9,7 +9,9 @@ of the step) each way: every expert of a layer dequantized (bitsandbytes' parame
 grouped_mm, the first build), the routed experts dequantized (models/routed_experts.py), fused from their codes with
 the kernel's layout put back by each training forward (`experts_gemv.KERNEL_LAYOUT_KEPT` off) and kept (on), and
 every layer's experts held for the rollout (models/held_experts.py). `--alternate`: the whole and held ways again,
-their Labs open together and each step taken by both in turn.
+their Labs open together and each step taken by both in turn, and each step's held / whole ratio printed: decoding
+steps' CPU time, and with the held copy's making (held_experts.held_weights, timed in the rollout) added to the held
+way's, which it does once a rollout for its decoding steps. Alone (`--alternate`), rollout 1 is the process's first.
 `--layer`: one experts layer of Qwen3-30B-A3B's shape (bench/probes/routed_experts.py), rollout -> training ->
 rollout -> training -> rollout (a rollout: 4 decoding steps of 8 rows x top-8, fused; training: a forward of 64
 rows with gradients and its backward, which dequantizes the routed experts again), the layout put back and kept.
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-from grpo_lab.models import experts_gemv
+from grpo_lab.models import experts_gemv, held_experts
 
 WAYS = ("whole", "dequantize", "fused, put back", "fused, kept", "held")
 
@@ -47,6 +49,7 @@ class Meter:
         functional.dequantize_4bit = self.counted
         self.permute, experts_gemv.permute_experts = experts_gemv.permute_experts, self.timed_permute
         self.unpack, experts_gemv.unpacked_slices = experts_gemv.unpacked_slices, self.timed_unpack
+        self.making, held_experts.held_weights = held_experts.held_weights, self.timed_making
 
     def add(self, key: str, value: float) -> None:
         self.totals[key] = self.totals.get(key, 0) + value
@@ -56,11 +59,21 @@ class Meter:
         self.start, self.cpu = time.perf_counter(), time.thread_time()
 
     def post(self, module, args, out):
+        cpu, wall = time.thread_time() - self.cpu, time.perf_counter() - self.start  # (both clocks first)
         if self.decoding:
-            self.add("decode_s", time.perf_counter() - self.start)
-            self.add("decode_cpu_s", time.thread_time() - self.cpu)  # (this thread's CPU: what a busy machine adds not)
+            self.add("decode_s", wall)
+            self.add("decode_cpu_s", cpu)  # (this thread's CPU: what a busy machine adds not)
             self.add("decode_calls", 1)
+        elif not torch.is_grad_enabled() and self.phase == "rollout":  # (the prompts' prefill, either way)
+            self.add("prefill_cpu_s", cpu)
         self.decoding = False
+
+    def timed_making(self, *args, **kwargs):
+        """held_experts.held_weights timed (the held copy checked, and made once a rollout: counted with its steps)."""
+        start = time.thread_time()
+        out = self.making(*args, **kwargs)
+        self.add(f"making_{self.phase}_cpu_s", time.thread_time() - start)
+        return out
 
     def counted(self, *args, **kwargs):
         out = self.dequantize(*args, **kwargs)
@@ -85,13 +98,16 @@ class Meter:
         totals["decode_steps"], totals["decode_bytes_per_step"] = steps, totals.pop("decode_bytes", 0) // max(steps, 1)
         totals["decode_experts_s_per_step"] = totals.get("decode_s", 0) / max(steps, 1)
         totals["decode_experts_cpu_s_per_step"] = totals.get("decode_cpu_s", 0) / max(steps, 1)
+        # why the making too: what a rollout does once for its decoding steps (the held copy) is their cost
+        once = totals.get("decode_cpu_s", 0) + totals.get("making_rollout_cpu_s", 0)
+        totals["decode_and_making_cpu_s_per_step"] = once / max(steps, 1)
         return totals
 
     def close(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.functional.dequantize_4bit, experts_gemv.permute_experts = self.dequantize, self.permute
-        experts_gemv.unpacked_slices = self.unpack
+        experts_gemv.unpacked_slices, held_experts.held_weights = self.unpack, self.making
 
 
 @contextlib.contextmanager
@@ -130,8 +146,8 @@ def tiny(steps: int, ways=WAYS, alternate: bool = False) -> None:
                 one_step(*opened[0], name, step, "tiny")
             close_way(*opened.pop())
         for step in range(1, steps + 1) if alternate else []:
-            for name, way_ in zip(ways, opened):
-                one_step(*way_, name, step, "alternate")
+            records = [one_step(*way_, name, step, "alternate") for name, way_ in zip(ways, opened)]
+            ratios(*records)
     finally:
         for way_ in opened:
             close_way(*way_)
@@ -157,6 +173,17 @@ def one_step(lab, experts, meter, name: str, step: int, label: str) -> None:
     record = {label: name, "step": step, "rollout_s": middle - start}
     record |= {"training_s": time.perf_counter() - middle, **meter.take()}
     print("JSON " + json.dumps(record), flush=True)
+    return record
+
+
+def ratios(whole: dict, held: dict) -> None:
+    """One step's held / whole ratios of the experts' time a decoding step."""
+    base = whole["decode_experts_cpu_s_per_step"]
+    cpu, once = held["decode_experts_cpu_s_per_step"] / base, held["decode_and_making_cpu_s_per_step"] / base
+    wall = held["decode_experts_s_per_step"] / whole["decode_experts_s_per_step"]
+    print(
+        f"rollout {held['step']}: held / whole, CPU {cpu:.3f}, with the making {once:.3f} (goal 0.3), wall {wall:.3f}"
+    )
 
 
 def close_way(lab, experts, meter) -> None:

@@ -27,6 +27,16 @@ HELD_BYTES = 16 << 20
 # why 64: dense_forward computes every expert for every token (experts / top-k times the routed work: 4x on the tiny
 # MoE); for more tokens than a decoding step's rows (a prefill), transformers' grouped_mm reads the held experts instead
 DENSE_TOKENS = 64
+# why 8: a bfloat16 matmul's first call at a new number of rows makes oneDNN's kernel for it (0.5-0.7 ms, against
+# 45-50 us a call for dense_forward's two at 1-8 rows alike), and rows leave a rollout as they finish: each decoding
+# step's tokens run padded to a power of two of at least MIN_ROWS, so a rollout of 8 rows makes its kernels once a
+# process, not once for each count its rows fall through (the plan counts the padded rows: padded_rows)
+MIN_ROWS = 8
+
+
+def padded_rows(tokens: int) -> int:
+    """The rows a decoding step's `tokens` run as in dense_forward: the next power of two, at least MIN_ROWS."""
+    return max(MIN_ROWS, 1 << (tokens - 1).bit_length())
 
 
 def held_total(modules) -> int:
@@ -60,16 +70,24 @@ def ready(module):
     made without adapters, each parameter's parametrizations the same and its codes too (a decoding step with LoRA on
     attention alone); else None, and routed_experts_forward checks everything (held_weights)."""
     held = getattr(module, "held", None)
-    if held is None or held[0][2] or torch.is_grad_enabled() or SCORING.get():
+    if held is None or held[2] is None or torch.is_grad_enabled() or SCORING.get():
         return None
-    chains, made_codes, _ = held[0]
-    now = module.parametrizations
-    for name, chain, (address, version) in zip(EXPERT_PARAMS, chains, made_codes):
-        if now[name] is not chain or len(chain) != 1:
+    chains = module.parametrizations._modules  # why _modules and _parameters: nn.Module's __getattr__ is a layer
+    for name, chain, codes, address, version in held[2]:  # call's few % on the tiny MoE
+        if chains[name] is not chain or len(chain) != 1 or chain._parameters["original"] is not codes:
             return None
-        if chain.original._version != version or chain.original.data_ptr() != address:
+        if codes._version != version or codes.data_ptr() != address:
             return None
     return held[1]
+
+
+def quick(made: tuple) -> tuple | None:
+    """What ready checks, taken once at the making: (name, parametrizations, codes, address, version) a parameter, or
+    None where adapters were folded in (their values are compared at each forward, in same)."""
+    chains, made_codes, factors = made
+    if factors:
+        return None
+    return tuple((n, c, c._parameters["original"], *a) for n, c, a in zip(EXPERT_PARAMS, chains, made_codes))
 
 
 def stamp(module, adapters: dict) -> tuple:
@@ -105,22 +123,48 @@ def held_weights(module, adapters: dict, build) -> dict:
         every = torch.arange(module.parametrizations[EXPERT_PARAMS[0]][0].quant_state.shape[0])
         gate_up, down = (build(module, name, every, adapters[name]) for name in EXPERT_PARAMS)
         made = {"experts": every.numel(), "gate_up_proj": gate_up.flatten(0, 1)}
+        made["gate_up_t"] = made["gate_up_proj"].t()  # (a view: dense_forward's mm, no t or matmul dispatched a call)
         made["down_proj"] = down.transpose(1, 2).flatten(0, 1)  # (a copy: [E, m, h] made contiguous)
-        module.held = held = (stamp(module, adapters), made)
+        made["gate"] = silu_gate(module)
+        made_from = stamp(module, adapters)
+        module.held = held = (made_from, made, quick(made_from))
         if hasattr(module, "experts_dequantized"):
             module.experts_dequantized += every.numel()
     return held[1]
 
 
+def silu_gate(module) -> bool:
+    """Whether the experts' gate is transformers' default (the activation of the gate half times the up half) with
+    SiLU, which dense_forward computes in place; else it calls the module's own `_apply_gate`."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    apply = getattr(type(module)._apply_gate, "__func__", type(module)._apply_gate)
+    concatenated = getattr(module, "is_concatenated", True)  # ([gate; up] an expert, as the default gate splits)
+    return apply is _default_apply_gate and concatenated and type(module.act_fn) in (SiLUActivation, torch.nn.SiLU)
+
+
 def dense_forward(module, held: dict, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped_mm experts forward's result from every expert run on every token: the gated up
     projection of all experts in one matmul, each (token, expert)'s activation scaled by its routing weight (0 where
-    not routed), and the down projection summed over the experts in one more."""
-    tokens = hidden_states.shape[0]
-    up = torch.nn.functional.linear(hidden_states, held["gate_up_proj"]).view(tokens, held["experts"], -1)
-    routes = up.new_zeros(tokens, held["experts"]).scatter_add_(1, top_k_index, top_k_weights.type_as(up))
-    scaled = module._apply_gate(up) * routes.unsqueeze(-1)  # [tokens, E, m], 0 where not routed
-    out = scaled.view(tokens, -1) @ held["down_proj"]
+    not routed: a token's top-k experts are distinct), and the down projection summed over the experts in one more;
+    the tokens padded with zero rows to padded_rows. Why in place and few ops: a decoding step's layer call is
+    per-op overhead beside two small matmuls."""
+    tokens, experts = hidden_states.shape[0], held["experts"]
+    rows = padded_rows(tokens)  # (zero rows: their routes are 0, their outputs cut off)
+    hidden = hidden_states if rows == tokens else torch.nn.functional.pad(hidden_states, (0, 0, 0, rows - tokens))
+    up = torch.mm(hidden, held["gate_up_t"]).view(rows, experts, -1)
+    weights = top_k_weights if top_k_weights.dtype == up.dtype else top_k_weights.to(up.dtype)
+    routes = up.new_zeros(rows, experts)
+    (routes if rows == tokens else routes[:tokens]).scatter_(1, top_k_index, weights)
+    routes = routes.unsqueeze(-1)
+    if held["gate"]:
+        gate, up = up.chunk(2, dim=-1)
+        scaled = torch.nn.functional.silu(gate).mul_(up).mul_(routes)  # [rows, E, m], 0 where not routed
+    else:
+        scaled = module._apply_gate(up) * routes
+    out = torch.mm(scaled.view(rows, -1), held["down_proj"])
+    out = out if rows == tokens else out[:tokens]
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 

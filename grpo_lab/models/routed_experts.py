@@ -252,6 +252,9 @@ def dequantize_experts(module, name: str, experts: torch.Tensor) -> torch.Tensor
 
     chain = module.parametrizations[name]
     state, codes = chain[0].quant_state, chain.original
+    layout = experts_gemv.packed(chain[0])
+    if experts.numel() == state.shape[0] and (layout is None or not layout.any()):  # (every id: torch.unique, sorted)
+        return dequantize_4bit(codes, state)  # why whole: gathering every expert's codes and scales is a copy of all
     picked = gather_rows(codes.view(state.shape[0], -1), experts)  # two 4-bit codes a byte, per expert
     picked = experts_gemv.unpacked_slices(module, name, experts, picked).reshape(-1, 1)  # (if decode permuted them)
     sliced = QuantState(

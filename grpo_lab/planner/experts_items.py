@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from ..generation.step_memory import PREFILL_CHUNK
-from ..models.held_experts import DENSE_TOKENS, holds
+from ..models.held_experts import DENSE_TOKENS, holds, padded_rows
 from ..models.shapes import ModelShape
 from .estimate import DTYPE_BYTES, DevicePlan, expert_lora_bytes, experts_dequant_bytes, on_cpu_learner
 
@@ -23,7 +23,8 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: i
             f"{shape.layers} layers x {shape.experts} experts in {config.model.dtype}, dequantized at the rollout's "
             "first forward and held for its decoding steps (models/held_experts.py: every layer's under "
             "HELD_BYTES), one layer's down_proj again while it is transposed, and a decoding step's every-expert "
-            f"activations ({min(sequences, DENSE_TOKENS)} rows x {shape.experts} experts x 4 x width)",
+            f"activations ({dense_rows(config, sequences)} rows, padded, x {shape.experts} experts x 4 x width, and "
+            "the padded hidden states)",
             phase="rollout",
         )
     elif shape.moe and config.model.load_in_4bit:
@@ -52,10 +53,19 @@ def add_experts_dequant(lrn: DevicePlan, config, shape: ModelShape, sequences: i
 def held_bytes(shape: ModelShape, config, sequences: int) -> float:
     """Every layer's 4-bit experts dequantized to model.dtype and held for a rollout, where held_experts.holds picks
     it (else 0), with one layer's down_proj again (held_experts.held_weights transposes it) and a decoding step's
-    every-expert activations (dense_forward: [rows, E, 2m] up, [rows, E, m] gated and scaled)."""
+    every-expert activations (dense_forward: [rows, E, 2m] up, [rows, E, m] gated and scaled, the hidden states [rows,
+    h] padded: dense_rows)."""
     whole = shape.layers * experts_dequant_bytes(shape, config)
     if not whole or not holds(whole):
         return 0.0
     e = DTYPE_BYTES[config.model.dtype]
-    active = min(sequences, DENSE_TOKENS) * shape.experts * 4 * shape.expert_intermediate * e
+    rows = dense_rows(config, sequences)
+    active = rows * (shape.experts * 4 * shape.expert_intermediate + shape.hidden) * e
     return whole + dict(shape.expert_tensors())["down_proj"] * e + active
+
+
+def dense_rows(config, sequences: int) -> int:
+    """The most rows held_experts.dense_forward runs at once: a forward's tokens (a decoding step's one a row, a
+    prefill's rows x prompt tokens) up to DENSE_TOKENS, padded as it pads them (held_experts.padded_rows). Why the
+    prefill: one of at most DENSE_TOKENS tokens reads the held experts densely too."""
+    return padded_rows(min(sequences * config.generator.max_prompt_length, DENSE_TOKENS))
