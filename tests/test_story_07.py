@@ -21,7 +21,6 @@ MARKS = ["turn 1", "tools 1", "turn 2"]
 # the plan of a turn as it ran over its measured peak (host RSS, the sampler's): the plan's promise, 0.9-1.1 (CPU,
 # builtin:tiny-tools; its prefill's activations: planner/turns.py prefill_bytes)
 RAN_BAND = (0.9, 1.1)
-UNDONE_TOP = 1.15  # (below: the undone turn 1's plan, over the band at its edge)
 
 
 @pytest.mark.slow
@@ -51,9 +50,9 @@ def test_07_the_turn_after_grown_answers_crosses_the_line_and_the_bound_runs_und
     ran = {p["mark"]: p["ran_mib"] and p["ran_mib"] / p["peak_mib"] for p in kept}
     assert ran["tools 1"] is None and all(RAN_BAND[0] <= ran[m] <= RAN_BAND[1] for m in ("turn 1", "turn 2")), ran
     assert undone[0]["ran_mib"] and undone[2]["ran_mib"] is None, undone
-    # the undone attempt's turn 1, the first in its process: its plan reads 1.02-1.10 of it (fresh clones: 1.101, 1.104;
-    # the retry's heap holds more, 0.96-1.00), over the plan's 0.9-1.1 at its edge: an open defect, held here at 1.15
-    assert RAN_BAND[0] <= undone[0]["ran_mib"] / undone[0]["peak_mib"] <= UNDONE_TOP, undone
+    # the undone attempt's turn 1, before the notebook's first figure (the kernel holds no figure library yet: the
+    # plan's kernel lines, planner/kernel_share.py), within the same band
+    assert RAN_BAND[0] <= undone[0]["ran_mib"] / undone[0]["peak_mib"] <= RAN_BAND[1], undone
     text = printed(nb)
     assert "planned (worst)" in text and "planned (as run)" in text
     assert "plan/measured" in text and "stopped at turn 2; the step to run: 1, its next phase: rollout" in text

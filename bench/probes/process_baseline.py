@@ -1,5 +1,7 @@
 """What a process that plans costs before any model memory, per kind of process: a plain Python process with a Lab,
-`grpo-lab run`, a Jupyter kernel with a Lab, and a CPU rank of a sharded learner (under Ray). Each is a fresh process:
+`grpo-lab run`, a Jupyter kernel with a Lab (a person's, its live plot drawn; a headless one, as papermill runs it,
+before any figure; a headless one after a figure, lab.memory_snapshot(), after step 0), and a CPU rank of a sharded
+learner (under Ray). Each is a fresh process:
 it loads tiny-cpu (the random built-in), takes two steps, and its baseline is its RSS as step 1's rollout starts (the
 first step's one-off state in, the heap trimmed: every phase starts so) less what the plan puts beside the baseline in
 that process (the tiny model's weights, LoRA, AdamW, the rollback copy: a few MiB). The planner's lines are
@@ -23,7 +25,8 @@ import tempfile
 from pathlib import Path
 
 MiB = 1024**2
-KINDS = ("process", "run", "kernel", "rank")
+KINDS = ("process", "run", "kernel", "headless", "headless-figure", "rank")
+KERNELS = ("kernel", "headless", "headless-figure")  # run in a Jupyter kernel (the last two without a live frontend)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,7 +44,8 @@ def beside_baseline(kind: str) -> tuple[float, float]:
 
     planned = plan(load_config("tiny-cpu", overrides(kind)))
     device = next(iter(planned.ranks.values())) if kind == "rank" else planned.devices["host"]
-    base = [i for i in device.items if i.phase is None and (i.what.startswith("Python, torch") or "kernel" in i.what)]
+    ours = ("Python, torch", "Jupyter kernel", "figures:", "live plot:")  # (a kernel: planner/kernel_share.py)
+    base = [i for i in device.items if i.phase is None and i.what.startswith(ours)]
     baseline = sum(i.bytes for i in base)
     return device.resident - baseline, baseline
 
@@ -55,9 +59,11 @@ def measure(kind: str) -> dict:
     from grpo_lab import Lab, load_config
 
     lab = Lab(load_config("tiny-cpu", overrides(kind))).load()
-    if kind == "kernel":
-        lab.memory_plot()  # why: a notebook's live plot imports ipywidgets, anywidget and plotly, as the stories do
+    if kind in KERNELS:
+        lab.memory_plot()  # why: a person's live plot imports anywidget and plotly (a headless kernel makes none)
     lab.step()
+    if kind == "headless-figure":
+        lab.memory_snapshot()  # why: a headless kernel draws its figures as PNGs (plotly, then matplotlib)
     lab.step()
     extra = {}
     if kind == "rank":
@@ -96,15 +102,16 @@ def run_cli() -> dict:
     return reading("run", rss_at_second_rollout(steps[1]["memory"], "host"))
 
 
-def run_kernel() -> dict:
-    """A Jupyter kernel (ipykernel, as a notebook's): `measure('kernel')` executed in it."""
+def run_kernel(kind: str = "kernel") -> dict:
+    """A Jupyter kernel (ipykernel, as a notebook's): `measure(kind)` executed in it; a headless kind's cell is sent
+    without stdin, as papermill sends it (runtime.frontend_is_live: no live frontend)."""
     from jupyter_client.manager import start_new_kernel
 
     manager, client = start_new_kernel(kernel_name="python3", cwd=str(ROOT), env=env())
     try:
-        code = "import json; from bench.probes.process_baseline import measure; print(json.dumps(measure('kernel')))"
-        said = []
-        client.execute_interactive(code, output_hook=lambda m: said.append(m), timeout=900)
+        code = f"import json; from bench.probes.process_baseline import measure; print(json.dumps(measure({kind!r})))"
+        said, live = [], kind == "kernel"
+        client.execute_interactive(code, output_hook=lambda m: said.append(m), timeout=900, allow_stdin=live)
         text = "".join(m["content"].get("text", "") for m in said if m["msg_type"] == "stream")
         return json.loads(text.strip().splitlines()[-1])
     finally:
@@ -120,8 +127,8 @@ def env() -> dict:
 def one(kind: str) -> dict:
     if kind == "run":
         return run_cli()
-    if kind == "kernel":
-        return run_kernel()
+    if kind in KERNELS:
+        return run_kernel(kind)
     out = subprocess.run(
         [sys.executable, "-m", "bench.probes.process_baseline", "--child", kind],
         capture_output=True,

@@ -41,7 +41,7 @@ GPU_LAYER_RECOMPUTE = 1.4
 OFFLOAD_IN_FLIGHT = 2
 # Python and the libraries with the one-off state of a first step, by the kind of process that plans: tiny-cpu's RSS
 # as its second step starts, less the plan's other lines (bench/probes/process_baseline.py, 2026-12-05, CPU torch
-# 2.13): a plain process 571 MiB, `grpo-lab run` 572, a Jupyter kernel 659 (KERNEL_BASELINE more), a CPU rank 678
+# 2.13): a plain process 571 MiB, `grpo-lab run` 572, a Jupyter kernel 659 (its live plot drawn), a CPU rank 678
 # (Ray's worker runtime and gloo too). A CUDA build maps its libraries and context into host RAM too (not measured)
 HOST_BASELINE = {"cpu": 572 * MiB, "cuda": 1.0 * GiB}
 RANK_BASELINE_CPU = 680 * MiB
@@ -49,11 +49,9 @@ RANK_BASELINE_CPU = 680 * MiB
 # driver's process tree: 1,038 MiB (bench/probes/process_baseline.py; notebook 06's cell read 641.5 after one step:
 # fewer idle workers); on the machine's plan where placement.ray_address is unset
 RAY_PROCESSES = 1040 * MiB
-# A Jupyter kernel's own share beside HOST_BASELINE: ipykernel and IPython (+23 MiB), then ipywidgets, anywidget and
-# plotly's FigureWidget, which the live plot and the panel import (+63 MiB); measured 2026-11-27 on the CPU build: a
-# kernel read 644 MiB where a plain process with the same grpo_lab stack read 559 (notebook 01 had planned 610 and
-# measured 696: the gap was this)
-KERNEL_BASELINE = 86 * MiB
+# A Jupyter kernel's own share beside HOST_BASELINE, ipykernel and IPython: a headless kernel read 540.8 MiB where a
+# plain process read 520.7 in one run (bench/probes/process_baseline.py); its figures: planner/kernel_share.py
+KERNEL_BASELINE = 20 * MiB
 
 
 def in_kernel() -> bool:

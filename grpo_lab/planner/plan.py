@@ -11,15 +11,14 @@ from ..models.shapes import ModelShape, load_shape
 from .estimate import (
     HEAP_HOLES_CAVEAT,
     HOST_BASELINE,
-    KERNEL_BASELINE,
     VLLM_SPLIT_SHARE,
     DevicePlan,
     activation_bytes,
     base_weight_bytes,
-    in_kernel,
     planned_lora,
     rollout_sequences,
 )
+from .kernel_share import add_kernel_items
 from .learner_items import add_learner, parking_buffer_bytes
 from .parts import _home, add_engine, capacity_of, line_of
 from .reward_items import add_reward_models, reward_device
@@ -87,8 +86,7 @@ def build_devices(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], int
             d.add_cuda_runtime()
     build = "cuda" if any(d != "host" for d in devices) else "cpu"
     devices["host"].add("Python, torch, libraries", HOST_BASELINE[build], f"{build} build of torch")
-    if in_kernel():  # why: a notebook's own process holds IPython, ipywidgets and plotly beside the lab
-        devices["host"].add("Jupyter kernel: IPython, ipywidgets, plotly", KERNEL_BASELINE, "this process is a kernel")
+    add_kernel_items(devices["host"])  # why: a notebook's own process holds IPython and its figures beside the lab
     devices[learner].roles.append("learner")
     ref = devices[_home(config.reference_device)] if config.reference_strategy == "copy" else devices[learner]
     micro = add_learner(devices[learner], devices["host"], ref, config, shape)

@@ -10,15 +10,14 @@ from __future__ import annotations
 from ..models.shapes import ModelShape
 from .estimate import (
     HOST_BASELINE,
-    KERNEL_BASELINE,
     PHASES,
     RAY_PROCESSES,
     DevicePlan,
     GiB,
-    in_kernel,
     planned_lora,
     rollout_sequences,
 )
+from .kernel_share import add_kernel_items
 from .learner_items import add_learner
 from .parts import _home, add_engine, capacity_of, line_of
 from .reward_items import add_reward_models
@@ -73,8 +72,7 @@ def build_sharded(config, shape: ModelShape) -> tuple[dict[str, DevicePlan], dic
             else ", holds no model of the learner's"
         ),
     )
-    if in_kernel():  # why: a notebook driving the ranks holds IPython, ipywidgets and plotly beside the lab
-        host.add("Jupyter kernel: IPython, ipywidgets, plotly", KERNEL_BASELINE, "the driver is a kernel")
+    add_kernel_items(host)  # why: a notebook driving the ranks holds IPython and its figures beside the lab
     if place.ray_address is None:  # why: a local Ray's own processes live in this machine's RAM beside the ranks
         host.add("Ray's own processes", RAY_PROCESSES, "GCS, raylet, agents, idle workers: a local Ray, measured")
     lora = planned_lora(shape, config)
