@@ -2,14 +2,15 @@
 8 rows, 2 turns, every row's tool call forced in the first), three rollouts per process, each timed by the main
 thread's CPU seconds (`time.thread_time`) split by forward hooks and a wrapped logits processor into the LM head, the
 decoder body, the decoding step's processors (generation/sampling.py DecodeStep: the sampler and the log-prob
-recorder) and the rest of generate() (its float32 copy of the logits, its argmax, the KV cache's concatenations, the
-tool calls); beside them the other threads' CPU seconds (the process's less the main thread's: the memory sampler)
-and the minor page faults. Each `--glibc` setting runs in its own process: `default` (glibc's own heap), `kept`
-(GLIBC_TUNABLES mmap threshold 32 MiB, trim threshold 64 MiB: freed [rows, vocab] blocks stay mapped for the next
-step). `--sides trl`: TRL's tool loop as the bench runs it, the same hooks on the same model (its sampling,
-transformers' softmax and multinomial, falls in the rest of generate()). One JSON line per rollout.
+recorder) and the rest of generate() (its float32 copy of the logits where one is made, its argmax, the KV cache's
+concatenations, the tool calls); beside them the other threads' CPU seconds (the process's less the main thread's:
+the memory sampler) and the minor page faults, the rollout's and each part's. Each `--glibc` setting runs in its own
+process: `default` (glibc's own heap), `kept` (GLIBC_TUNABLES mmap threshold 32 MiB, trim threshold 64 MiB: freed
+[rows, vocab] blocks stay mapped for the next step). `--sides trl`: TRL's tool loop as the bench runs it, the same
+hooks on the same model (its sampling, transformers' softmax and multinomial, falls in the rest of generate()). One
+JSON line per rollout.
 
-    OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_cpu --glibc default kept
+    OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_cpu --glibc default
     OMP_NUM_THREADS=1 python -m bench.probes.tool_rollout_cpu --sides trl --glibc default
 
 docs/benchmarks.md "A tool-calling rollout beside TRL's tool loop (CPU)" keeps the figures.
