@@ -21,6 +21,7 @@ def test_the_kept_head_gives_the_heads_own_logits_bit_for_bit():
     assert kept(hidden[:, -1:, :]).requires_grad and kept.made == 2
     assert not keeps_logits(head, "cuda") and not keeps_logits(head, "cpu", compiled=True)
     assert not keeps_logits(torch.nn.Linear(4, 8), "cpu")  # (a bias: left alone)
+    assert keeps_logits(head, "cpu")
 
 
 def check_steps(kept, head, hidden):

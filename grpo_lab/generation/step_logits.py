@@ -99,10 +99,11 @@ class KeptLogits:
 
 
 def keeps_logits(head, device_type: str, compiled: bool = False) -> bool:
-    """Whether `head` can write into a kept buffer: a plain bias-free nn.Linear (not a PEFT or quantised wrapper) on
-    a CPU learner (a GPU's freed blocks stay in torch's caching allocator: nothing to keep), its forward not compiled
-    (generator.hf_decode compiled: the graph is torch's own)."""
-    return device_type == "cpu" and not compiled and type(head) is torch.nn.Linear and head.bias is None
+    """Whether `head` can write into a kept buffer: a plain bias-free nn.Linear (not a PEFT or quantised wrapper) with
+    a plain weight (not a sharded DTensor) on a CPU learner (a GPU's freed blocks stay in torch's caching allocator:
+    nothing to keep), its forward not compiled (generator.hf_decode compiled: the graph is torch's own)."""
+    plain = type(head) is torch.nn.Linear and head.bias is None
+    return device_type == "cpu" and not compiled and plain and type(head.weight) in (torch.Tensor, torch.nn.Parameter)
 
 
 @contextmanager
