@@ -24,6 +24,19 @@ def test_the_kept_head_gives_the_heads_own_logits_bit_for_bit():
     assert keeps_logits(head, "cpu")
 
 
+def test_a_lower_precision_heads_float32_copy_is_a_second_kept_buffer():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(96, 5000, bias=False).to(torch.bfloat16)
+    kept = KeptLogits(head)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 1, 96, dtype=torch.bfloat16)
+            copy = kept(x)[:, -1].to(copy=True, dtype=torch.float32, device="cpu")
+            assert copy.dtype == torch.float32 and copy.data_ptr() == kept.scores.data_ptr() != kept.buffer.data_ptr()
+            assert torch.equal(copy, head(x)[:, -1].float())
+    assert kept.made == 1
+
+
 def check_steps(kept, head, hidden):
     for x in (hidden[:, -1:, :], hidden[:, -1:, :].contiguous(), hidden[:3, 2:3, :].contiguous()):
         out = kept(x)
@@ -42,16 +55,15 @@ def test_a_rollouts_decoding_steps_write_into_one_buffer_a_call(tiny_config, mon
     from grpo_lab import Lab
     from grpo_lab.generation import step_logits
 
-    calls, outputs, plain = [], [], KeptLogits.__call__
-    made = step_logits.KeptLogits.__init__
+    calls, outputs, plain, made = [], [], KeptLogits.__call__, KeptLogits.__init__
 
     def init(self, head):
         made(self, head)
         calls.append(self)
 
-    def call(self, hidden):
+    def call(self, hidden):  # whether this forward's logits are the kept buffer
         out = plain(self, hidden)
-        outputs.append((len(calls), out.data_ptr() == (self.buffer.data_ptr() if self.buffer is not None else -1)))
+        outputs.append(self.buffer is not None and out.data_ptr() == self.buffer.data_ptr())
         return out
 
     monkeypatch.setattr(step_logits.KeptLogits, "__init__", init)
@@ -65,7 +77,7 @@ def test_a_rollouts_decoding_steps_write_into_one_buffer_a_call(tiny_config, mon
         lab.close()
     assert "forward" not in head.__dict__  # the head's own forward again after the rollout
     assert len(calls) == 1 and calls[0].made == 1 and calls[0].buffer is None  # one buffer, let go at the end
-    assert len(outputs) >= 12 and all(same for _, same in outputs)  # the prefill's and every step's logits in it
+    assert len(outputs) >= 12 and all(outputs)  # the prefill's and every step's logits in it
 
 
 def big_allocations(model, kept: bool, rows: int, steps: int, seed: int):

@@ -211,7 +211,8 @@ class HFGenerator(Generator):
             with (
                 self.learner.sharding.generation(model, request.gather_for_generation),
                 compiled_decode(model, request.decode),
-                kept_logits(model, self.learner.device.type, request.decode == "compiled"),  # why: see its module
+                # why: a CPU step's [rows, vocab] logits in one kept buffer, not freed and faulted back each step
+                kept_logits(model, self.learner.device.type, request.decode == "compiled"),
                 precision(self.learner.model),  # why: the rollout samples in the numerics the log-prob passes score in
             ):
                 tokens, logprobs = decode_leaving(
