@@ -183,3 +183,5 @@ def test_a_gpu_decoding_step_takes_every_row_at_once():
     assert block_rows(VOCAB, "cuda") is None and block_rows(VOCAB, "cpu") == 2
     assert decode_step_bytes(8, VOCAB, 2, "cuda") == 8 * VOCAB * (2 + 4) + 8 * VOCAB * (4 + 8)
     assert decode_step_bytes(8, VOCAB, 2, "cpu") == 8 * VOCAB * (2 + 4) + 2 * VOCAB * (4 + 8)
+    # a CPU step's float32 logits are generate()'s float32 copy too (generation/step_logits.py): one block, not two
+    assert decode_step_bytes(8, VOCAB, 4, "cpu") == 8 * VOCAB * 4 + 2 * VOCAB * (4 + 8)

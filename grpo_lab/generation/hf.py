@@ -25,6 +25,7 @@ from .compile_counts import CompileCounts
 from .leaving import decode_leaving, keep_sampler_rows
 from .rollout_copy import RolloutCopy
 from .sampling import DecodeStep, InPlace, InverseCdfSampler, SampledLogprobs
+from .step_logits import kept_logits
 from .step_memory import prefill_chunk
 from .turn_cache import TurnCache
 from .turn_shapes import TurnShapes
@@ -210,6 +211,8 @@ class HFGenerator(Generator):
             with (
                 self.learner.sharding.generation(model, request.gather_for_generation),
                 compiled_decode(model, request.decode),
+                # why: a CPU step's [rows, vocab] logits in one kept buffer, not freed and faulted back each step
+                kept_logits(model, self.learner.device.type, request.decode == "compiled"),
                 precision(self.learner.model),  # why: the rollout samples in the numerics the log-prob passes score in
             ):
                 tokens, logprobs = decode_leaving(

@@ -117,7 +117,8 @@ class DecodeStep:
     """The logits processor placed after `sampling_processors`: the step's token per row (the sampler's draw, or the
     argmax when greedy), its log-prob recorded, and the scores written over so that generate()'s greedy choice takes
     that token. Why over its input: transformers hands each step a float32 copy of the logits that nothing else
-    reads (no output_scores / output_logits), so returning a new [rows, vocab] tensor would only add one."""
+    reads (no output_scores / output_logits; on a CPU learner a view of the kept logits, generation/step_logits.py),
+    so returning a new [rows, vocab] tensor would only add one."""
 
     def __init__(self, recorder: SampledLogprobs, sampler: Optional[InverseCdfSampler] = None):
         self.recorder, self.sampler, self.buffers = recorder, sampler, RowBuffers()

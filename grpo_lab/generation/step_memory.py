@@ -41,5 +41,7 @@ def decode_step_bytes(rows: int, vocab: int, logits_bytes: int, device_type: str
     """One decoding step's [rows, vocab] tensors: the LM head's logits (`logits_bytes` an element) and generate()'s
     float32 copy of them (the sampler writes its choice over it; the last step's is let go once generate() has chosen:
     generation/sampling.py DecodeStep.release), and the step's held [block, vocab] buffers: a block of rows' float32
-    softmax / recorded log-softmax and float64 CDF."""
-    return rows * vocab * (logits_bytes + 4) + min(block_rows(vocab, device_type) or rows, rows) * vocab * (4 + 8)
+    softmax / recorded log-softmax and float64 CDF. On a CPU the copy is a view of the kept logits where they are
+    float32 (generation/step_logits.py), so a float32 step holds one [rows, vocab] block, not two."""
+    copy = 0 if device_type == "cpu" and logits_bytes == 4 else 4
+    return rows * vocab * (logits_bytes + copy) + min(block_rows(vocab, device_type) or rows, rows) * vocab * (4 + 8)
