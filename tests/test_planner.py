@@ -405,6 +405,8 @@ def test_a_plan_made_in_a_jupyter_kernel_counts_the_kernels_own_memory(monkeypat
     plain = plan(cfg).devices["host"]
     monkeypatch.setattr(kernel_share, "in_kernel", lambda: True)
     monkeypatch.setattr(importlib.import_module("grpo_lab.runtime"), "frontend_is_live", lambda: True)
+    # (no figure library imported yet: this worker's earlier tests may have imported matplotlib's)
+    monkeypatch.setattr(kernel_share, "imported", lambda: set())
     kernel = plan(cfg).devices["host"]
     assert [i.what for i in kernel.items if i.what not in {j.what for j in plain.items}] == [
         "Jupyter kernel: IPython, ipykernel",
