@@ -197,3 +197,21 @@ def test_a_decoding_step_with_the_modules_own_gate_gives_the_same_result():
         own = held_experts.dense_forward(module, {**held, "gate": False}, hidden, index, weights)
     assert fast.shape == (5, 128) and fast.abs().sum() > 0
     torch.testing.assert_close(fast, own, rtol=0, atol=0)
+
+
+def test_a_decoding_steps_matmul_kernels_are_made_at_load(monkeypatch, capfd):
+    """oneDNN makes a bfloat16 matmul's kernel at the first call of a shape; the load makes the held experts' two
+    (held_experts.warm), so a rollout's first decoding step finds them made. MIN_ROWS 24 (never a power of two's
+    padding): kernels no earlier test in this process made."""
+    monkeypatch.setattr(held_experts, "MIN_ROWS", 24)
+    model = moe(dtype="bfloat16")
+    decode = torch.randint(0, 384, (5, 1), generator=torch.Generator().manual_seed(8))
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        logits(model, decode)
+    made = [line for line in capfd.readouterr().out.splitlines() if line.split(",")[3:4] and "create" in line]
+    held = [line for line in made if line.split(",")[-2] in ("24x128:128x1024", "24x512:512x128")]
+    if not made:
+        pytest.skip("this CPU's bfloat16 matmuls are not oneDNN's")
+    assert all(m.held is not None for m in layers(model))
+    assert len(held) == 2 * 2 and all("cache_hit" in line for line in held), held  # both layers, both matmuls

@@ -11,7 +11,8 @@ the kernel's layout put back by each training forward (`experts_gemv.KERNEL_LAYO
 every layer's experts held for the rollout (models/held_experts.py). `--alternate`: the whole and held ways again,
 their Labs open together and each step taken by both in turn, and each step's held / whole ratio printed: decoding
 steps' CPU time, and with the held copy's making (held_experts.held_weights, timed in the rollout) added to the held
-way's, which it does once a rollout for its decoding steps. Alone (`--alternate`), rollout 1 is the process's first.
+way's, which it does once a rollout for its decoding steps. Alone (`--alternate`), rollout 1 is the process's first;
+each Lab's load made the held kernels (held_experts.warm, timed: printed beside rollout 1, and added to it too).
 `--layer`: one experts layer of Qwen3-30B-A3B's shape (bench/probes/routed_experts.py), rollout -> training ->
 rollout -> training -> rollout (a rollout: 4 decoding steps of 8 rows x top-8, fused; training: a forward of 64
 rows with gradients and its backward, which dequantizes the routed experts again), the layout put back and kept.
@@ -136,7 +137,8 @@ def way(name: str, experts: list):
 def tiny(steps: int, ways=WAYS, alternate: bool = False) -> None:
     """builtin:tiny-moe's Lab steps each way, a Lab a way; `alternate`: the Labs open together, each step taken by
     every way in turn (so a busy machine's load falls on the ways alike)."""
-    opened = []
+    opened, warm = [], held_experts.warm
+    held_experts.warm, LOADS[:] = timed_warm(warm), []
     try:
         for name in ways if alternate else []:
             opened.append(open_way(name))
@@ -149,8 +151,22 @@ def tiny(steps: int, ways=WAYS, alternate: bool = False) -> None:
             records = [one_step(*way_, name, step, "alternate") for name, way_ in zip(ways, opened)]
             ratios(*records)
     finally:
+        held_experts.warm = warm
         for way_ in opened:
             close_way(*way_)
+
+
+LOADS: list = []  # held_experts.warm's CPU seconds at each Lab's load (the held kernels made, once a process)
+
+
+def timed_warm(warm):
+    def timed(modules):
+        start = time.thread_time()
+        out = warm(modules)
+        LOADS.append(time.thread_time() - start)
+        return out
+
+    return timed
 
 
 def open_way(name: str) -> tuple:
@@ -184,6 +200,11 @@ def ratios(whole: dict, held: dict) -> None:
     print(
         f"rollout {held['step']}: held / whole, CPU {cpu:.3f}, with the making {once:.3f} (goal 0.3), wall {wall:.3f}"
     )
+    if held["step"] == 1:  # why: the load made the held kernels this rollout would have (held_experts.warm)
+        loads = ", ".join(f"{s * 1e3:.2f}" for s in LOADS)
+        made = (held["decode_and_making_cpu_s_per_step"] * held["decode_steps"] + sum(LOADS)) / held["decode_steps"]
+        print(f"load: held kernels made in {loads} ms CPU (each Lab's load, once a process); rollout 1 with them "
+              f"too: {made / base:.3f}")  # fmt: skip
 
 
 def close_way(lab, experts, meter) -> None:

@@ -168,6 +168,33 @@ def dense_forward(module, held: dict, hidden_states, top_k_index, top_k_weights)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 
+def warm(modules) -> int:
+    """A decoding step of MIN_ROWS rows through dense_forward on zero weights in the held copy's layout, once for each
+    distinct layer shape among `modules` (4-bit experts on a CPU that fits holds and dense_forward): oneDNN makes its
+    matmul kernels for shapes and strides alone, so a rollout's first step finds them made. Returns the shapes warmed.
+    Why at load: a process's first bfloat16 step through them made both kernels and took the first calls of the ops
+    around them (1.0-1.3 ms on the tiny MoE, against 0.2 ms a step after), in the rollout's counted time."""
+    made = set()
+    for module in modules:
+        gate_up, down = (module.parametrizations[n][0].quant_state for n in EXPERT_PARAMS)
+        key = (tuple(gate_up.shape), tuple(down.shape), gate_up.dtype)
+        if key in made or module.parametrizations[EXPERT_PARAMS[0]].original.device.type != "cpu":
+            continue
+        if module.is_transposed or not module.has_gate or module.has_bias:  # (what fits reads the held copy for)
+            continue
+        made.add(key)
+        experts, width, hidden = gate_up.shape
+        # why zeros the size of one layer's held copy: the kernel is made for its layout, for a moment at load, below
+        # the rollout's held copy of every layer that the plan counts (planner/experts_items.held_bytes)
+        held = {"experts": experts, "gate": silu_gate(module)}
+        held["gate_up_t"] = torch.zeros(experts * width, hidden, dtype=gate_up.dtype).t()
+        held["down_proj"] = torch.zeros(experts * down.shape[2], hidden, dtype=down.dtype)
+        token = torch.zeros(1, hidden, dtype=gate_up.dtype)  # (padded as any step of up to MIN_ROWS tokens is)
+        with torch.no_grad():
+            dense_forward(module, held, token, torch.zeros(1, 1, dtype=torch.long), token[:, :1])
+    return len(made)
+
+
 def release(model) -> None:
     """Every held copy of `model`'s experts dropped (a rollout's end)."""
     for module in model.modules():

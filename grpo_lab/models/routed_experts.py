@@ -45,6 +45,8 @@ def use_routed_experts(model, redequantize: bool = False) -> int:
         module.experts_fused = 0  # and the experts its decoding steps ran from their codes (experts_gemv.py)
         module.redequantize = redequantize
         module.config._experts_implementation = ROUTED
+    if held_experts.holds(total):  # why at load: a rollout's first decoding step would make its kernels (warm)
+        held_experts.warm(experts)
     return len(experts)
 
 
