@@ -2,7 +2,7 @@
 bitsandbytes' whole-layer dequantize (float32, 1e-5) at a decoding step (every expert at once) and a prefill
 (grouped_mm over the held experts), with PEFT's expert adapters too; made once and made again when the adapters
 change; dropped by a training forward and at a rollout's end; a model over the bound dequantizes a step as before;
-the plan counts what is held."""
+the plan counts what is held; the load makes a decoding step's matmul kernels."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ layer (its prefill) dequantizes the layer's experts whole, PEFT's expert adapter
 its decoding steps run every expert at once from them in a handful of dense ops (dense_forward). The held copy is
 checked at each forward against the codes and the adapter factors it was made from (a changed one makes it again),
 dropped by a forward with gradients and at the rollout's end (release); the plan counts it in the rollout
-(`grpo_lab/planner/experts_items.py`). Passes that score completions and training forwards read the routed dequantize.
+(`grpo_lab/planner/experts_items.py`). The load makes a decoding step's matmul kernels (warm), so a process's first
+rollout does not. Passes that score completions and training forwards read the routed dequantize.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ HELD_BYTES = 16 << 20
 DENSE_TOKENS = 64
 # why 8: a bfloat16 matmul's first call at a new number of rows makes oneDNN's kernel for it (0.5-0.7 ms, against
 # 45-50 us a call for dense_forward's two at 1-8 rows alike), and rows leave a rollout as they finish: each decoding
-# step's tokens run padded to a power of two of at least MIN_ROWS, so a rollout of 8 rows makes its kernels once a
-# process, not once for each count its rows fall through (the plan counts the padded rows: padded_rows)
+# step's tokens run padded to a power of two of at least MIN_ROWS, so a rollout of 8 rows reads the kernels the load
+# made (warm), not one for each count its rows fall through (the plan counts the padded rows: padded_rows)
 MIN_ROWS = 8
 
 
