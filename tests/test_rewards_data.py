@@ -20,6 +20,12 @@ def test_extract_and_exact_answer():
     assert exact_answer([""], chat, answer=["5"]) == [1.0] and format_reward([""], chat) == [1.0]
 
 
+def test_exact_answer_compares_numbers_as_numbers_whatever_type_the_column_holds():
+    # an answer column Arrow reads as float (2.0), or an int column, against a completion's "2"
+    completions = ["<answer>2</answer>", "2.0", "<answer>-3.50</answer>", "<answer>7</answer>", "<answer>two</answer>"]
+    assert exact_answer([""] * 5, completions, answer=[2.0, 2, "-3.5", 7.25, "two"]) == [1.0, 1.0, 1.0, 0.0, 1.0]
+
+
 def test_format_and_length_rewards():
     assert format_reward([""] * 3, ["<answer>4</answer>", "<answer>four</answer>", "4"]) == [1.0, 0.5, 0.0]
     assert length_reward([""] * 3, ["", "", ""], completion_ids=[[1] * 16, [1] * 8, [1] * 40]) == [1.0, 0.5, -0.5]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+from decimal import Decimal
 from typing import Callable, Optional, Union
 
 from ..errors import LabError
@@ -38,7 +39,18 @@ def exact_answer(prompts, completions, answer=None, **kwargs) -> list[float]:
     """1.0 when the extracted answer equals the reference answer, else 0.0."""
     if answer is None:
         raise LabError("reward 'exact_answer' needs an 'answer' for every prompt; use a dataset with answers")
-    return [float(extract_answer(completion_text(c)) == str(a).strip()) for c, a in zip(completions, answer)]
+    got = [extract_answer(completion_text(c)) for c in completions]
+    return [float(_same_answer(g, str(a).strip())) for g, a in zip(got, answer)]
+
+
+def _same_answer(got: Optional[str], want: str) -> bool:
+    """Equal text, or equal numbers where both are numbers: an answer column Arrow reads as float holds 2.0 for a
+    completion's 2."""
+    if got is None:
+        return False
+    if _NUMBER.fullmatch(got) and _NUMBER.fullmatch(want):
+        return Decimal(got) == Decimal(want)
+    return got == want
 
 
 def format_reward(prompts, completions, **kwargs) -> list[float]:
