@@ -122,7 +122,7 @@ NULL_MEANS_DEFAULT = {  # null is the documented "automatic" value of these fiel
     "grpo.importance_sampling_clip_min": "no lower bound",
     "reference.strategy": "auto from beta",
     "reference.device": "the learner's device",
-    "data.system_prompt": "no system message",
+    "data.system_prompt": "the prompts as the dataset has them",
     "data.dataset_config": "no configuration (load_dataset's name=None)",
     "data.reward_weights": "all 1",
     "run.output_dir": "runs/<date-time>",

@@ -121,6 +121,29 @@ def test_the_builtin_set_is_conversational_so_trl_rewards_run_on_it_by_name(tiny
     lab.close()
 
 
+def test_a_users_prompts_reach_the_model_and_the_rewards_as_trl_renders_them_and_the_knob_replaces_their_system(
+    tiny_config,
+):
+    """By default (data.system_prompt: null) a user's conversational rows are rendered as TRL 1.16 renders them (its
+    maybe_apply_chat_template as the oracle) and reach the rewards as the dataset has them; the knob, once set, is the
+    prompts' one system message, in place of a row's own."""
+    from trl.data_utils import maybe_apply_chat_template
+
+    user_only = [
+        {"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(4)
+    ]
+    rows = user_only + chat_rows(4)
+    cfg = tiny_config(generator={"max_completion_length": 1}, grpo={"prompts_per_step": 8, "num_generations": 2})
+    lab = Lab(cfg, train_dataset=rows).load()
+    batch, tokenizer = lab.rollout().batch, lab.learner.tokenizer
+    assert sorted(map(str, batch.raw)) == sorted(str(r["prompt"]) for r in rows)  # every row, each as it is
+    assert batch.prompts == [maybe_apply_chat_template({"prompt": raw}, tokenizer)["prompt"] for raw in batch.raw]
+    lab.configure({"data.system_prompt": "Be brief."})
+    for raw in lab.rollout().batch.raw:
+        assert raw[0] == {"role": "system", "content": "Be brief."} and [m["role"] for m in raw[1:]] == ["user"]
+    lab.close()
+
+
 def test_async_rewards_run_concurrently_even_under_a_running_loop():
     """Two async rewards that each wait for the other: they finish only if they run at once (a sequential runner
     times out); called from inside a running event loop, as a notebook cell is."""

@@ -24,16 +24,16 @@ def trl_trainer(cfg, callback, steps, out_dir, device: str = "cpu"):
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_lab.algo.rewards import resolve_reward
-    from grpo_lab.data.arithmetic import arithmetic_problems
+    from grpo_lab.data.arithmetic import arithmetic_rows
+    from grpo_lab.data.formats import reward_prompt
     from grpo_lab.models.learner import load_base, load_tokenizer
 
     g, grpo = cfg.generator, cfg.grpo
     batch = grpo.prompts_per_step * grpo.num_generations
     micro = grpo.micro_batch_size or batch
-    rows = arithmetic_problems(cfg.data.num_prompts, cfg.run.seed)
-    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+    rows = arithmetic_rows(cfg.data.num_prompts, cfg.run.seed)
     dataset = Dataset.from_list(
-        [{"prompt": system + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+        [{"prompt": reward_prompt(r["prompt"], cfg.data.system_prompt), "answer": r["answer"]} for r in rows]
     )
     args = GRPOConfig(
         output_dir=out_dir,

@@ -10,7 +10,6 @@ from pydantic import field_validator
 
 from ..algo.losses import LOSSES, RATIO_LEVELS
 from ..algo.rewards import REWARDS, TRL_REWARDS
-from ..data.arithmetic import SYSTEM_PROMPT
 from .fields import Section, knob, normalize_device
 
 
@@ -216,7 +215,10 @@ class DataSection(Section):
         description="Size of the built-in arithmetic set (made in memory at load; at most 100000).",
     )
     system_prompt: Optional[str] = knob(
-        "rebuild", SYSTEM_PROMPT, description="System message prepended to every prompt; null = none."
+        "rebuild",
+        None,
+        description="A system message for every prompt, in place of the dataset's own; null = the prompts as the "
+        "dataset has them (the built-in set's carry their own instruction).",
     )
     rewards: list[str] = knob(
         "rebuild",

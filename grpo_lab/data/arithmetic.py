@@ -44,9 +44,10 @@ def arithmetic_problems(n: int, seed: int = 0, worked: bool = False) -> list[dic
 
 
 def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
-    """`n` problems as dataset rows: the prompt as one user message (the run's system prompt goes before it when the
-    prompt is formatted), the answer as text."""
+    """`n` problems as dataset rows: the prompt as the set's system message (SYSTEM_PROMPT: how to give the answer) and
+    one user message, the answer as text."""
+    system = {"role": "system", "content": SYSTEM_PROMPT}
     return [
-        {"prompt": [{"role": "user", "content": row["prompt"]}], "answer": row["answer"]}
+        {"prompt": [system, {"role": "user", "content": row["prompt"]}], "answer": row["answer"]}
         for row in arithmetic_problems(n, seed)
     ]

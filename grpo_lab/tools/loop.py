@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 from ..algo.containers import PromptBatch
+from ..data.formats import with_system
 from ..errors import LabError
 from ..generation.base import Sample
 from .environments import Environments
@@ -272,8 +273,7 @@ def cut_to_tokens(tokenizer, text: str, bound: Optional[int]) -> str:
 
 def as_messages(prompt, system_prompt) -> list[dict]:
     """A prompt as chat messages: a conversational one as it is, a standard one as its user message, the system
-    prompt first where the conversation has none."""
-    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if system_prompt and messages[0].get("role") != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
-    return messages
+    prompt in place of the conversation's own where one is set (data/formats.with_system)."""
+    return with_system(
+        list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}], system_prompt
+    )
