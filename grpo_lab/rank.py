@@ -63,7 +63,6 @@ class RankWorker:
         from transformers.utils import logging as hf_logging
 
         from .checks.world import backend_for
-        from .execution.sharded.driven import RankTools
         from .execution.sharded.rank_guard import cap_rank_gpu
         from .lab import Lab
         from .runtime import Runtime, init_decisions, runtime, set_runtime
@@ -87,8 +86,7 @@ class RankWorker:
                 timeout=timedelta(seconds=TIMEOUT_S),
             )
             init_decisions()  # the group every cross-rank decision is agreed on (runtime.agree)
-            self.lab = Lab(config)
-            self.lab.executor.tools = RankTools(tools) if tools is not None else None  # (none of its own: the driver's)
+            self.lab = Lab(config, tools=tools)  # (the driver's tools as a rank holds them: execution/contract.TOOLS)
             self.lab.load()
             if restore is not None:
                 restore_boundary(self.lab, restore)

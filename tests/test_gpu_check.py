@@ -165,11 +165,9 @@ QWEN25_05B_SHAPE = {  # builtin:qwen2.5-0.5b-random's config.json, the fields th
 def recorded_step_extra(record: dict, model: str) -> float:
     """What the recorded run's decoding step held beside today's (generation/sampling.py before DecodeStep): a float32
     [rows, vocab] log-softmax and scores copy of its own, 8 bytes an element that today's plan no longer counts."""
-    from grpo_lab import load_config
     from grpo_lab.planner.estimate import rollout_sequences
 
-    overrides = gpu_check.base_overrides(model, "cuda:0", record["length"]) + record.get("overrides", [])
-    config = load_config("tiny-cpu", overrides + ["placement.gpu_memory_gib=80"])
+    config = gpu_check.replan_config(record, model, "cuda:0")  # (the config gpu_check.replan plans)
     return rollout_sequences(config) * QWEN25_05B_SHAPE["vocab_size"] * 8
 
 

@@ -214,3 +214,24 @@ def test_a_rank_budget_is_each_rank_s_capacity_checked_and_shown_per_rank():
     assert (
         sharded(2, "placement.gpu_memory_gib=40", "placement.rank_memory_gib=80").devices["cuda:1"].capacity == 40 * GiB
     )
+
+
+def test_a_cpu_rank_generating_layer_by_layer_holds_the_float32_logits_copy_as_a_block_of_its_own():
+    """generation/step_logits.py makes generate()'s float32 copy of a CPU step's float32 logits a view of them only
+    for an LM head with a plain weight: a rank generating through its sharded model (gather_for_generation false)
+    reaches its head as a DTensor shard, its own forward runs, and the copy is a second [rows, vocab] block. Gathered
+    whole, the head's weight is plain again: one block, as in one process."""
+    from grpo_lab.planner.estimate import rollout_sequences
+
+    f32 = ["placement.learner=cpu", "model.dtype=float32", "model.bnb_4bit_compute_dtype=float32"]
+    config = load_config(PRESET, f32)
+    block, vocab = rollout_sequences(config) * 4, 152064  # (Qwen2.5-7B's vocabulary, float32)
+
+    def step(procs: int, *more: str) -> float:
+        result = sharded(procs, *f32, *more) if procs > 1 else plan(load_config(PRESET, f32))
+        device = result.ranks["host (rank 0)"] if procs > 1 else result.devices["host"]
+        return items(device)[("generation logits step", "rollout")]
+
+    one = step(1)
+    assert step(2, "generator.gather_for_generation=true") == one
+    assert step(2, "generator.gather_for_generation=false") == one + block * vocab

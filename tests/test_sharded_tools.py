@@ -208,6 +208,22 @@ def test_a_rank_holds_no_tool_the_driver_answers_its_rows_and_calls():
     assert driven.tool_calls(0, [unknown], 5.0) == ([("sub", str({"error": "Tool sub not found."}))], 1)
 
 
+def test_a_ranks_lab_is_made_with_the_drivers_tools_as_a_rank_holds_them(monkeypatch):
+    """rank.py makes its Lab with the driver's description of the tools (DriverTools.description), and the executor
+    executor_for makes holds them as RankTools: their schemas, the environments' get_reward as given scores."""
+    import grpo_lab.runtime
+    from grpo_lab.execution.sharded.driven import RankTools
+    from grpo_lab.runtime import Runtime
+
+    schema = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {}}}
+    description = {"schemas": [schema], "rewards": ["calls"]}
+    monkeypatch.setattr(grpo_lab.runtime, "_RUNTIME", Runtime(1, 2, is_rank=True))
+    tools = Lab("tiny-tools", overrides=SHARDED, tools=description).executor.tools
+    assert isinstance(tools, RankTools) and tools.schemas == [schema] and tools.toolbox is None
+    assert [f.__name__ for f in tools.reward_funcs] == ["calls"]
+    assert Lab("tiny-tools", overrides=SHARDED, tools=None).executor.tools is None  # (the driver had none)
+
+
 def test_an_unpicklable_environment_is_one_line_when_the_ranks_rewards_need_its_copy():
     from types import SimpleNamespace
 

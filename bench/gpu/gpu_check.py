@@ -174,13 +174,19 @@ def planned_phases(device_plan, metric: str, first_step: bool) -> dict:
 def replan(record: dict, model: str, device: str, gpu_gib: float = 80.0) -> dict:
     """A recorded run's per-phase plan from today's planner (the same overrides; the capacity given, so a machine
     without the GPU plans for it): how a change to the plan's GPU terms reads against measured figures."""
-    from grpo_lab import load_config
     from grpo_lab.planner import plan
 
-    overrides = base_overrides(model, device, record["length"]) + record.get("overrides", [])
-    cfg = load_config("tiny-cpu", overrides + [f"placement.gpu_memory_gib={gpu_gib}"])
+    cfg = replan_config(record, model, device, gpu_gib)
     first = len(record.get("seconds", [])) == 1 and record["length"] > LONG  # a long run's one step is its first
     return planned_phases(plan(cfg).devices[device], record.get("metric", "allocated"), first)
+
+
+def replan_config(record: dict, model: str, device: str, gpu_gib: float = 80.0):
+    """The config a recorded run ran with (its length and overrides) for `model` on `device` of `gpu_gib` GiB."""
+    from grpo_lab import load_config
+
+    overrides = base_overrides(model, device, record["length"]) + record.get("overrides", [])
+    return load_config("tiny-cpu", overrides + [f"placement.gpu_memory_gib={gpu_gib}"])
 
 
 def device_figures(device: str) -> dict:

@@ -18,6 +18,13 @@ EXECUTORS: dict[str, str] = {
     "local": "grpo_lab.execution.local:LocalExecutor",
     "ranks": "grpo_lab.execution.sharded.driver:RankExecutor",
 }
+# an executor's tools made from the Lab's `tools` and `environment_factory`, by the process it runs in: a rank of a
+# sharded learner is given the driver's description of them (execution/sharded/driven.py: the driver runs them),
+# any other process TRL's tools, checked at construction into tools.Tools
+TOOLS: dict[str, str] = {
+    "rank": "grpo_lab.execution.sharded.driven:rank_tools",
+    "process": "grpo_lab.tools:tools_for",
+}
 
 
 class Sharding(Protocol):
@@ -97,12 +104,14 @@ def executor_for(
     """The executor a config asks for: its ranks' driver when placement.learner_procs > 1 (in the driver; a rank runs
     its phases locally). `reward_funcs`, `train_dataset`: as passed to the Lab (None: data.rewards and data.dataset
     name them); `tools`, `environment_factory`: TRL's, checked here (at construction) into tools.Tools, which only
-    the local executor runs (tools/ refuses the rest)."""
-    from ..tools import tools_for
-
+    the local executor runs (tools/ refuses the rest); on a rank, `tools` is its driver's description (TOOLS)."""
     name = "ranks" if config.placement.learner_procs > 1 and runtime().is_driver else "local"
-    module, _, attr = EXECUTORS[name].partition(":")
-    # a rank holds no tools: its driver runs them, and gives the rank their schemas (execution/sharded/driven.py)
-    checked = tools_for(tools, environment_factory, config) if not runtime().is_rank else None
+    checked = imported(TOOLS["rank" if runtime().is_rank else "process"])(tools, environment_factory, config)
     given = {"tools": checked} if checked is not None else {}
-    return getattr(importlib.import_module(module), attr)(config, reward_funcs, step_index, train_dataset, **given)
+    return imported(EXECUTORS[name])(config, reward_funcs, step_index, train_dataset, **given)
+
+
+def imported(path: str):
+    """The object a registry names as "module:attribute"."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,7 +1,8 @@
 """How many 4-bit experts a phase dequantized (models/routed_experts.py counts them per experts module): the rollout's
 forwards, and the learner's backward (its forwards, their recomputes under gradient checkpointing, and what the
 experts' backward dequantizes again), for the step's metrics. 0 for a model without 4-bit experts. A phase's end drops
-the experts a small model held for it (models/held_experts.py)."""
+the experts a small model held for it (models/held_experts.py). Both read the experts modules found once a model
+(models/experts_found.py): a dense model's phase walks none of its modules."""
 
 from __future__ import annotations
 

@@ -37,11 +37,12 @@ def block_rows(vocab: int, device_type: str = "cpu") -> Optional[int]:
     return max(1, BLOCK_BYTES // (8 * vocab)) if device_type == "cpu" else None
 
 
-def decode_step_bytes(rows: int, vocab: int, logits_bytes: int, device_type: str = "cpu") -> int:
+def decode_step_bytes(rows: int, vocab: int, logits_bytes: int, device_type: str = "cpu", kept: bool = True) -> int:
     """One decoding step's [rows, vocab] tensors: the LM head's logits (`logits_bytes` an element) and generate()'s
     float32 copy of them (the sampler writes its choice over it; the last step's is let go once generate() has chosen:
     generation/sampling.py DecodeStep.release), and the step's held [block, vocab] buffers: a block of rows' float32
     softmax / recorded log-softmax and float64 CDF. On a CPU the copy is a view of the kept logits where they are
-    float32 (generation/step_logits.py), so a float32 step holds one [rows, vocab] block, not two."""
-    copy = 0 if device_type == "cpu" and logits_bytes == 4 else 4
+    float32 (generation/step_logits.py), so a float32 step holds one [rows, vocab] block, not two; `kept`: whether
+    the LM head keeps its logits there (not a sharded head that is a DTensor at generate time: its own forward)."""
+    copy = 0 if device_type == "cpu" and kept and logits_bytes == 4 else 4
     return rows * vocab * (logits_bytes + copy) + min(block_rows(vocab, device_type) or rows, rows) * vocab * (4 + 8)

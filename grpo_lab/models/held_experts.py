@@ -18,6 +18,7 @@ import torch
 
 from ..algo.logprobs import SCORING
 from .experts import EXPERT_PARAMS
+from .experts_found import experts_modules
 
 # why 16 MiB: held, every layer's experts stay dequantized for the rollout, and a decoding step computes every expert
 # of a layer (dense_forward: per token, one multiply-add an element of the layer's experts); at 16 MiB in bfloat16 that
@@ -198,6 +199,6 @@ def warm(modules) -> int:
 
 def release(model) -> None:
     """Every held copy of `model`'s experts dropped (a rollout's end)."""
-    for module in model.modules():
+    for module in experts_modules(model):  # why not every module: a phase's end, on a dense model too
         if getattr(module, "held", None) is not None:
             module.held = None

@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 
 from . import experts_gemv, held_experts
 from .experts import EXPERT_PARAMS
+from .experts_found import experts_modules, marked
 
 ROUTED = "grpo_lab_routed_4bit"  # the name transformers' ExpertsInterface knows this forward by
 
@@ -45,6 +46,7 @@ def use_routed_experts(model, redequantize: bool = False) -> int:
         module.experts_fused = 0  # and the experts its decoding steps ran from their codes (experts_gemv.py)
         module.redequantize = redequantize
         module.config._experts_implementation = ROUTED
+    marked()  # why: a model's experts found before they were marked are searched again (experts_found.py)
     if held_experts.holds(total):  # why at load: a rollout's first decoding step would make its kernels (warm)
         held_experts.warm(experts)
     return len(experts)
@@ -53,7 +55,7 @@ def use_routed_experts(model, redequantize: bool = False) -> int:
 def experts_dequantized(model, what: str = "experts_dequantized") -> int:
     """How many experts `model`'s forwards dequantized so far (summed over layers and forwards); `what`:
     "experts_fused", how many they ran from their 4-bit codes instead."""
-    return sum(getattr(m, what, 0) for m in model.modules())
+    return sum(getattr(m, what, 0) for m in experts_modules(model))
 
 
 def routed_experts_forward(self, hidden_states, top_k_index, top_k_weights):

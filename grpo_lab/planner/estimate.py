@@ -371,7 +371,10 @@ def on_cpu_learner(config) -> bool:
 def generation_step_bytes(shape: ModelShape, config, sequences: int) -> float:
     """One decoding step's [sequences, vocab] tensors and buffers (generation/step_memory.py decode_step_bytes)."""
     device = "cpu" if on_cpu_learner(config) else "cuda"
-    return decode_step_bytes(sequences, shape.vocab, compute_bytes(config), device)
+    # why: a rank generating through its sharded model (not gathered whole) reaches its LM head as a DTensor shard,
+    # which keeps its own forward (generation/step_logits.py keeps_logits): generate()'s float32 copy is a block too
+    kept = config.placement.learner_procs == 1 or config.generator.gather_for_generation
+    return decode_step_bytes(sequences, shape.vocab, compute_bytes(config), device, kept)
 
 
 def kv_cache_bytes(shape: ModelShape, config, sequences: int) -> float:

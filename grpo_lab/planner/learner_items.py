@@ -257,8 +257,8 @@ def add_hf_rollout(lrn: DevicePlan, host: DevicePlan, config, shape: ModelShape,
     lrn.add(
         "generation logits step",
         generation_step_bytes(shape, config, sequences),
-        "one decoding step: logits, their float32 copy (a view of float32 logits on a CPU), a block of rows' softmax "
-        "and CDF",
+        "one decoding step: logits, their float32 copy (a view of float32 logits on a CPU, not through a sharded "
+        "head left ungathered), a block of rows' softmax and CDF",
         phase="rollout",
     )
 

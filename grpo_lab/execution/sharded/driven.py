@@ -79,6 +79,12 @@ class DriverTools:
         return {"environments": copies, "scores": scores}
 
 
+def rank_tools(description: Optional[dict], environment_factory, config) -> Optional["RankTools"]:
+    """A rank's tools (execution/contract.TOOLS): the driver's `description` of them (DriverTools.description; None:
+    the driver has none). The rank's own config's generator.tools and environment_factory are the driver's to run."""
+    return RankTools(description) if description is not None else None
+
+
 class RankTools:
     """A rank's tools: the driver's. It holds their schemas, the loop that asks the driver (DrivenLoop) and the
     environments' get_reward scores as the driver computed them (its rewards phase reads them after the models')."""
