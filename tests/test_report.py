@@ -165,7 +165,9 @@ def test_the_live_plot_stacks_the_gpu_ledger_too(tmp_path):
 def test_first_step_set_up_is_not_charged_to_the_advantages_phase(tiny_model, tmp_path):
     """A fresh process's step 0 charged ~90 MiB to advantages (TRL's utilities imported on first use), so
     report.html's heatmap and compare showed advantages as the heavy phase. That set-up is now done during load:
-    step 0's advantages add almost nothing, backward is the heaviest phase. A fresh interpreter, as a user's run."""
+    step 0's advantages add almost nothing, and the heaviest phase is one that holds the step's tensors (the rollout,
+    ~17 MiB, or backward, 19-22 MiB here: which of the two varies with the machine). A fresh interpreter, as a user's
+    run."""
     import json
     import subprocess
     import sys
@@ -197,4 +199,4 @@ def test_first_step_set_up_is_not_charged_to_the_advantages_phase(tiny_model, tm
     ]
     delta = {r["phase"]: float(r["delta"]) / 2**20 for r in rows}
     assert delta["advantages"] < 8, delta
-    assert max(delta, key=delta.get) == "backward", delta
+    assert max(delta, key=delta.get) in ("rollout", "backward"), delta
