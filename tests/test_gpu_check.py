@@ -240,8 +240,7 @@ def test_both_sides_train_the_same_expert_adapters_trls_over_16_bit_experts(tmp_
     with LoRA on its nf4 experts and TRL 1.16's with PEFT's target_parameters on the same experts, left in bfloat16 as
     transformers' 4-bit load leaves them, read from each side's model: the same trainable parameters, an expert
     adapter on every expert parameter of every layer at expert_r, none on a router."""
-    from bench.gpu.moe_experts import EXPERTS
-    from bench.gpu.trl_side import trl_experts_worker
+    from bench.gpu.trl_side import EXPERTS, trl_experts_worker
 
     overrides = gpu_check.base_overrides("builtin:tiny-moe", "cpu", 8) + list(EXPERTS)
     ours = gpu_check.grpo_lab_worker(overrides, steps=1, warmup=0)

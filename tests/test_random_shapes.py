@@ -139,7 +139,7 @@ def test_the_builder_on_cuda_is_seeded_and_holds_one_linear_layer_in_16_bit_at_a
 
 
 def test_a_mixture_of_experts_drawn_as_transformers_4bit_load_leaves_it_keeps_its_experts_16_bit():
-    """`experts_4bit=False` (TRL's side of the device check, bench/gpu/moe_experts.py): nn.Linear in nf4, the fused
+    """`experts_4bit=False` (TRL's side of the device check, bench/gpu/trl_side.py): nn.Linear in nf4, the fused
     experts in the model's dtype, as transformers' bitsandbytes quantizer leaves them; by default they are nf4 too."""
     from torch.nn.utils import parametrize
 

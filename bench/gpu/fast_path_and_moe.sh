@@ -12,7 +12,7 @@
 #      cap with PEFT's target_parameters on the same experts at the same rank, its experts in bfloat16 as transformers'
 #      4-bit load leaves them (its failure, e.g. out of memory at load, recorded with the stage it came in).
 #      expert_r 1: PEFT gives each of the 128 experts its own rank-expert_r adapter, and r / num_experts (8 / 128)
-#      rounds up to rank 1 (bench/gpu/moe_experts.py says more; planned 20.2 GiB allocated at 512 tokens, 21.8 at
+#      rounds up to rank 1 (bench/gpu/trl_side.py says more; planned 20.2 GiB allocated at 512 tokens, 21.8 at
 #      1,024; expert_r 8 plans 26.4 GiB at 1,024: over the card). Why 512 tokens, no run without expert LoRA: a 30B-A3B
 #      decoding step is ~62k aten ops (4.7x the 0.5B shape's, counted on the CPU), ~0.2-0.26 s at the 0.5B's H100
 #      rate (run 2), so 1,024 tokens alone would take the part's whole budget.
@@ -23,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/fast_path_and_moe}
 PY=${PYTHON:-python}
-EXPERTS=$($PY -c "from bench.gpu.moe_experts import EXPERTS; print(','.join(EXPERTS))") || exit 1
+EXPERTS=$($PY -c "from bench.gpu.trl_side import EXPERTS; print(','.join(EXPERTS))") || exit 1
 if [ "${1:-}" = "--dry-run" ]; then  # the plumbing on the CPU: 1 layer, 8 tokens, one side at a time, nothing timed
   $PY -m bench.gpu.gpu_check --device cpu --model "builtin:qwen3-30b-a3b-random:layers=1" --lengths 8 \
     --steps 1 --warmup 0 --skip-smoke --sides grpo_lab trl_experts --common "$EXPERTS" --serial \

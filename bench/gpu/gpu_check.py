@@ -21,7 +21,7 @@ Parts:
    per-phase peak resets), seconds per step after `--warmup` steps, and the rollout's tokens per second.
 3. the plan: each grpo_lab process's per-phase allocated peaks beside `plan(cfg)`'s per-phase peak on the device.
 `--common KEY=VALUE,...` sets overrides for every run, each side's (issue 70: `lora.target_experts=true`); the side
-`trl_experts` is TRL given a mixture of experts as it loads one, with LoRA on its experts (bench/gpu/moe_experts.py).
+`trl_experts` is TRL given a mixture of experts as it loads one, with LoRA on its experts (bench/gpu/trl_side.py).
 `--variant LABEL:KEY=VALUE,...` adds a grpo_lab run with those overrides; on a GPU, by default, the hf rollout's other
 decode paths (generator.hf_decode static, compiled and merged: the first compiled rollout compiles, so at 1,024 tokens,
 with no warm-up step, its one step includes the compile). Each grpo_lab record has the step's sampler-learner log-prob
@@ -127,7 +127,7 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     metric = "rss" if device == "cpu" else "allocated"
     lab = Lab(cfg).load()
     at_load = device_figures(device)  # why: the plan's resident lines (weights, context) against what loading took
-    from bench.gpu.moe_experts import adapter_facts
+    from bench.gpu.trl_side import adapter_facts
 
     facts = adapter_facts(lab.learner.model)  # what it trains (issue 70: the expert adapters)
     seconds, rollout_tps, phases, every, mismatch = [], [], {}, {}, []

@@ -82,7 +82,7 @@ def build_random(shape: RandomShape, device: str, seed: int, dtype, quantization
     BitsAndBytesConfig, through transformers' own bitsandbytes quantizer; None: not quantized); the same seed on the
     same device gives the same bytes. `experts_4bit=False`: a mixture of experts' fused experts stay in `dtype`, as
     transformers' bitsandbytes load leaves them (it quantizes nn.Linear only): the model TRL trains from a checkpoint
-    (bench/gpu/moe_experts.py)."""
+    (bench/gpu/trl_side.py)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
