@@ -14,8 +14,8 @@
 #      expert_r 1: PEFT gives each of the 128 experts its own rank-expert_r adapter, and r / num_experts (8 / 128)
 #      rounds up to rank 1 (bench/gpu/trl_side.py says more; planned 20.2 GiB allocated at 512 tokens, 21.8 at
 #      1,024; expert_r 8 plans 26.4 GiB at 1,024: over the card). Why 512 tokens, no run without expert LoRA: a 30B-A3B
-#      decoding step is ~62k aten ops (4.7x the 0.5B shape's, counted on the CPU), ~0.2-0.26 s at the 0.5B's H100
-#      rate (run 2), so 1,024 tokens alone would take the part's whole budget.
+#      decoding step is ~62-69k aten ops (4.7-5.2x the 0.5B shape's, counted on the CPU: bench/probes/decode_ops.py),
+#      ~0.2-0.28 s at the 0.5B's H100 rate (run 2), so 1,024 tokens alone would take more than the part's budget.
 #   2. Qwen3-8B's shape on 24 GiB, 1,024 tokens: the merged rollout copy with the learner parked, against dynamic and
 #      TRL, rollouts' tokens/s and each phase's peak against plan.
 #   3. Qwen2.5-0.5B's shape, 256 tokens: rollouts 1-3 of dynamic, merged and auto (warm-up 2 steps, then 1 timed).
