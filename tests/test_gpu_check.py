@@ -190,3 +190,82 @@ def test_the_plans_gpu_terms_hold_against_the_h100s_recorded_phases(tmp_path):
 
     assert abs(CUDA_CONTEXT_ONLY - (context["nvml_context"] - context["nvml_before"])) < 2 * gpu_check.MiB
     assert CUDA_WORKSPACE >= context["after_bf16_matmul"]
+
+
+EXPERT_LORA_RUN = ["--sides", "grpo_lab", "trl_experts", "--common", "lora.target_experts=true,lora.expert_r=1"]
+
+
+def test_common_overrides_reach_every_sides_process_and_record(monkeypatch, tmp_path):
+    """Issue 70: `--common` sets the expert LoRA on both sides (grpo_lab's and TRL's), each run's record says so."""
+    import grpo_lab.models.source
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(grpo_lab.models.source, "resolve_model_path", lambda name: name)
+    ran = []
+
+    def run_part(out, part, cmd, timeout):
+        ran.append((part, cmd))
+        return {**part, "failed": "stub", "process_seconds": 0.0}
+
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    argv = ["gpu_check", "--device", "cpu", "--out", str(tmp_path), "--lengths", "8", "--skip-smoke", *EXPERT_LORA_RUN]
+    monkeypatch.setattr(sys, "argv", argv)
+    gpu_check.main()
+    assert [cmd[cmd.index("--worker") + 1] for _, cmd in ran] == ["grpo_lab", "trl_experts"]
+    for part, cmd in ran:
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        assert {"lora.target_experts=true", "lora.expert_r=1"} <= set(sets), sets
+        assert part["common"] == ["lora.target_experts=true", "lora.expert_r=1"]
+
+
+def test_trls_out_of_memory_is_a_record_naming_its_stage(monkeypatch):
+    """Issue 70: TRL's side on a 24 GiB cap may run out of memory loading 30B-A3B's experts in 16-bit; the worker
+    returns a record saying so and where (its stage), with the peak so far, instead of dying in a traceback."""
+    from bench.gpu import trl_side
+
+    def out_of_memory(cfg, build, steps, warmup, out_dir, seen):
+        seen["stage"] = "load"
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.12 GiB.\nmore")
+
+    monkeypatch.setattr(trl_side, "trl_steps", out_of_memory)
+    record = trl_side.trl_worker(["placement.learner=cpu"], steps=1, warmup=0)
+    assert record["failed"] == "CUDA out of memory at TRL's load: CUDA out of memory. Tried to allocate 1.12 GiB."
+    assert record["stage"] == "load" and record["peak"] > 0
+
+
+def test_both_sides_train_the_same_expert_adapters_trls_over_16_bit_experts(tmp_path):
+    """Issue 70's plumbing on the CPU (bench/gpu/fast_path_and_moe.sh's part 1 at `builtin:tiny-moe`): grpo_lab's step
+    with LoRA on its nf4 experts and TRL 1.16's with PEFT's target_parameters on the same experts, left in bfloat16 as
+    transformers' 4-bit load leaves them, read from each side's model: the same trainable parameters, an expert
+    adapter on every expert parameter of every layer at expert_r, none on a router."""
+    from bench.gpu.trl_side import EXPERTS, trl_experts_worker
+
+    overrides = gpu_check.base_overrides("builtin:tiny-moe", "cpu", 8) + list(EXPERTS)
+    ours = gpu_check.grpo_lab_worker(overrides, steps=1, warmup=0)
+    theirs = trl_experts_worker(overrides, steps=1, warmup=0)
+    layers = 2  # builtin:tiny-moe
+    assert "failed" not in theirs and theirs["completion_length"] == [8.0]
+    for side in (ours, theirs):
+        assert side["expert_adapters"] == 2 * layers and side["expert_ranks"] == [1]
+    assert ours["trainable_params"] == theirs["trainable_params"] > ours["expert_adapter_params"] > 0
+    assert ours["expert_adapter_params"] == theirs["expert_adapter_params"]
+    assert ours["experts_stored"] == ["parametrizations.down_proj.original uint8",
+                                      "parametrizations.gate_up_proj.original uint8"]  # fmt: skip
+    assert theirs["experts_stored"] == ["down_proj bfloat16", "gate_up_proj bfloat16"]
+
+
+def test_the_device_calls_parts_fit_one_call_and_part_1_runs_the_expert_lora_step():
+    """The prepared device call (bench/gpu/fast_path_and_moe.sh) fits one call of at most 9 minutes: its parts'
+    timeouts sum to <= 540 s, each part's processes stop before its own timeout; part 1 runs issue 70's step with
+    the expert LoRA on both sides, and its dry run the same parts."""
+    import re
+
+    script = (Path(__file__).resolve().parents[1] / "bench/gpu/fast_path_and_moe.sh").read_text()
+    gpu = script.split("\nfi\n", 1)[1]
+    outer = [int(t) for t in re.findall(r"^timeout (\d+) ", gpu, re.M)]
+    inner = [int(t) for t in re.findall(r"--timeout(?:-long)? (\d+)", gpu)]
+    assert len(outer) == len(inner) == 3 and sum(outer) <= 540, (outer, inner)
+    assert all(i + 10 <= o for i, o in zip(inner, outer)), (outer, inner)
+    dry, part1 = script.split("\nfi\n", 1)[0].split("--dry-run", 1)[1], re.split(r"^timeout ", gpu, flags=re.M)[1]
+    for text in (dry, part1):
+        assert "qwen3-30b-a3b-random" in text and '--sides grpo_lab trl_experts --common "$EXPERTS"' in text

@@ -136,3 +136,30 @@ def test_the_builder_on_cuda_is_seeded_and_holds_one_linear_layer_in_16_bit_at_a
         biggest_linear = 12288 * 4096 * 2  # why: one 16-bit linear weight drawn, then quantized
         assert over < 1.5 * biggest_linear, over / 2**20
     assert sums[0] == sums[1]
+
+
+def test_a_mixture_of_experts_drawn_as_transformers_4bit_load_leaves_it_keeps_its_experts_16_bit():
+    """`experts_4bit=False` (TRL's side of the device check, bench/gpu/trl_side.py): nn.Linear in nf4, the fused
+    experts in the model's dtype, as transformers' bitsandbytes quantizer leaves them; by default they are nf4 too."""
+    from torch.nn.utils import parametrize
+
+    from grpo_lab import load_config
+    from grpo_lab.models.learner import quantization_config
+    from grpo_lab.models.random_shapes import RandomShape, build_random
+
+    class Small(RandomShape):  # Qwen3-30B-A3B's config.json at a test's size
+        def hf_config(self):
+            small = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         head_dim=16, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=512)  # fmt: skip
+            return {**RandomShape.hf_config(self), **small}
+
+    shape = Small("qwen3-30b-a3b-random", RANDOM_SHAPES["qwen3-30b-a3b-random"], 1)
+    quant = quantization_config(load_config("tiny-cpu").model)
+    for experts_4bit in (False, True):
+        model = build_random(shape, "cpu", 0, torch.bfloat16, quant, experts_4bit=experts_4bit)
+        experts = model.model.layers[0].mlp.experts
+        assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+        assert parametrize.is_parametrized(experts, "gate_up_proj") == experts_4bit
+        if not experts_4bit:
+            assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj.shape == (8, 64, 64)

@@ -20,6 +20,8 @@ Parts:
    Figures: the peak allocated over the whole process (torch's max_memory_allocated, kept across the Lab's own
    per-phase peak resets), seconds per step after `--warmup` steps, and the rollout's tokens per second.
 3. the plan: each grpo_lab process's per-phase allocated peaks beside `plan(cfg)`'s per-phase peak on the device.
+`--common KEY=VALUE,...` sets overrides for every run, each side's (issue 70: `lora.target_experts=true`); the side
+`trl_experts` is TRL given a mixture of experts as it loads one, with LoRA on its experts (bench/gpu/trl_side.py).
 `--variant LABEL:KEY=VALUE,...` adds a grpo_lab run with those overrides; on a GPU, by default, the hf rollout's other
 decode paths (generator.hf_decode static, compiled and merged: the first compiled rollout compiles, so at 1,024 tokens,
 with no warm-up step, its one step includes the compile). Each grpo_lab record has the step's sampler-learner log-prob
@@ -41,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024**2
 LONG = 256  # completion lengths above this are "long": no warm-up step, --timeout-long, --long-only runs
+TRL_SIDES = ("trl", "trl_experts")  # the sides a grpo_lab run's peak is read against
 PHASES = ("rollout", "rewards", "advantages", "logprobs", "backward", "optimizer", "sync")
 
 
@@ -124,6 +127,9 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     metric = "rss" if device == "cpu" else "allocated"
     lab = Lab(cfg).load()
     at_load = device_figures(device)  # why: the plan's resident lines (weights, context) against what loading took
+    from bench.gpu.trl_side import adapter_facts
+
+    facts = adapter_facts(lab.learner.model)  # what it trains (issue 70: the expert adapters)
     seconds, rollout_tps, phases, every, mismatch = [], [], {}, {}, []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -153,6 +159,7 @@ def grpo_lab_worker(overrides: list[str], steps: int, warmup: int) -> dict:
         "at_load": at_load,
         "phase_peaks_every_metric": every,
         "metric": metric,
+        **facts,
     }
 
 
@@ -185,7 +192,7 @@ def replan_config(record: dict, model: str, device: str, gpu_gib: float = 80.0):
     """The config a recorded run ran with (its length and overrides) for `model` on `device` of `gpu_gib` GiB."""
     from grpo_lab import load_config
 
-    overrides = base_overrides(model, device, record["length"]) + record.get("overrides", [])
+    overrides = base_overrides(model, device, record["length"]) + record.get("common", []) + record.get("overrides", [])
     return load_config("tiny-cpu", overrides + [f"placement.gpu_memory_gib={gpu_gib}"])
 
 
@@ -206,54 +213,6 @@ def device_figures(device: str) -> dict:
     except Exception as err:  # why so broad: a figure that cannot be read must not lose the others
         figures["nvml_error"] = str(err)[:200]
     return figures
-
-
-def trl_worker(overrides: list[str], steps: int, warmup: int) -> dict:
-    import tempfile
-
-    from transformers import TrainerCallback
-
-    from bench.vs_trl.step_vs_trl import trl_trainer
-    from grpo_lab import load_config
-    from grpo_lab.models.source import resolve_model_path
-
-    cfg = load_config("tiny-cpu", overrides)
-    cap_card(cfg)
-    cfg.update({"model.name_or_path": resolve_model_path(cfg.model.name_or_path)})
-    peak = ProcessPeak(cfg.placement.learner)
-    seconds, marks, lengths = [], {}, []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args_, state, control, **kwargs):
-            marks["t0"] = time.perf_counter()
-
-        def on_step_end(self, args_, state, control, **kwargs):
-            if state.global_step > warmup:
-                seconds.append(time.perf_counter() - marks["t0"])
-
-        def on_log(self, args_, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(logs["completions/mean_length"])
-
-    generating = []  # seconds in TRL's generation, per call
-
-    def timed(generate):
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = generate(*args, **kwargs)
-            generating.append(time.perf_counter() - t0)
-            return out
-
-        return run
-
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = trl_trainer(cfg, Timer(), warmup + steps, tmp, device=cfg.placement.learner)
-        trainer.args.logging_steps = 1
-        trainer._generate = timed(trainer._generate)  # why: TRL logs no generation time of its own
-        trainer.train()
-    batch = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
-    tps = [length * batch / s for length, s in zip(lengths[warmup:], generating[warmup:]) if s > 0]
-    return {"seconds": seconds, "peak": peak.read(), "rollout_tokens_per_s": tps, "completion_length": lengths[-1:]}
 
 
 def context_worker(overrides: list[str], steps: int, warmup: int) -> dict:
@@ -300,7 +259,9 @@ def context_worker(overrides: list[str], steps: int, warmup: int) -> dict:
     return figures
 
 
-WORKERS = {"grpo_lab": grpo_lab_worker, "trl": trl_worker, "context": context_worker}
+from bench.gpu.trl_side import trl_experts_worker, trl_worker  # noqa: E402 (after ProcessPeak and cap_card, it reads)
+
+WORKERS = {"grpo_lab": grpo_lab_worker, "trl": trl_worker, "trl_experts": trl_experts_worker, "context": context_worker}
 
 
 def run_part(out: Path, part: dict, cmd: list[str], timeout: int) -> dict:
@@ -362,7 +323,7 @@ def table(records: list[dict]) -> str:
         "| length | side | peak (MiB) | s/step | rollout tok/s | peak / TRL | log-prob mismatch |",
         "|---|---|---|---|---|---|---|",
     ]
-    trl = {r["length"]: r for r in records if r.get("side") == "trl" and "failed" not in r}
+    trl = {r["length"]: r for r in records if r.get("side") in TRL_SIDES and "failed" not in r}
     for r in records:
         if "side" not in r:
             continue
@@ -443,6 +404,9 @@ def main() -> int:
     parser.add_argument("--serial", dest="parallel", action="store_false", help="one side's process at a time")
     parser.add_argument("--no-variants", action="store_true", help="the sides only, not the default decode paths")
     parser.add_argument("--cap-gib", type=float, help="hold the learner's GPU to this many GiB (a smaller card)")
+    parser.add_argument(
+        "--common", action="append", default=[], metavar="KEY=VALUE,...", help="overrides for every run, each side's"
+    )
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -474,6 +438,7 @@ def main() -> int:
     background = ThreadPoolExecutor(1)
     smoke_done = None if args.skip_smoke else background.submit(smoke, out, args.smoke_timeout)
     records = []
+    common = [s for spec in args.common for s in spec.split(",") if s]  # e.g. lora.target_experts=true, both sides
     for length in args.lengths:
         # why at once: each side is a process of its own (torch's peaks are per process), HF decoding leaves the GPU
         # mostly idle and the CPUs serve every process; one after another would not fit the check in 8 minutes
@@ -482,7 +447,7 @@ def main() -> int:
         for label, side, extra in runs:
             if label in args.long_only and length <= LONG:
                 continue
-            overrides = base_overrides(args.model, args.device, length) + extra
+            overrides = base_overrides(args.model, args.device, length) + common + extra
             if args.cap_gib:
                 overrides.append(f"placement.gpu_memory_gib={args.cap_gib}")
             cmd = [
@@ -497,7 +462,8 @@ def main() -> int:
                 str(warmup),
                 *[a for o in overrides for a in ("--set", o)],
             ]
-            parts.append(({"part": "side_by_side", "side": label, "length": length, "overrides": extra}, cmd))
+            part = {"part": "side_by_side", "side": label, "length": length, "overrides": extra, "common": common}
+            parts.append((part, cmd))
         with ThreadPoolExecutor(len(parts) if args.parallel else 1) as pool:
             timeout = args.timeout if length <= LONG else args.timeout_long
             records += list(pool.map(lambda pc, t=timeout: run_part(out, pc[0], pc[1], t), parts))

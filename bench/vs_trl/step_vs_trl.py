@@ -18,7 +18,9 @@ import time
 import warnings
 
 
-def trl_trainer(cfg, callback, steps, out_dir, device: str = "cpu"):
+def trl_trainer(cfg, callback, steps, out_dir, device: str = "cpu", model=None, peft_config=None):
+    """TRL 1.16's GRPOTrainer on `cfg`'s run: `model` (default: the lab's load of cfg.model) wrapped by TRL with
+    `peft_config` (default: LoRA on cfg.lora.target_modules)."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -63,20 +65,21 @@ def trl_trainer(cfg, callback, steps, out_dir, device: str = "cpu"):
         disable_tqdm=True,
     )
     lora = cfg.lora
+    peft_config = peft_config or LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
     return GRPOTrainer(
-        model=load_base(cfg.model, device),
+        model=load_base(cfg.model, device) if model is None else model,
         args=args,
         train_dataset=dataset,
         processing_class=load_tokenizer(cfg.model.name_or_path),
         reward_funcs=[resolve_reward(r) for r in cfg.data.rewards],
         callbacks=[callback],
-        peft_config=LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.lora_alpha,
-            lora_dropout=lora.lora_dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        ),
+        peft_config=peft_config,
     )
 
 

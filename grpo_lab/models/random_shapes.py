@@ -77,10 +77,12 @@ def random_tokenizer():
     return _train_tokenizer(384, seed=0)
 
 
-def build_random(shape: RandomShape, device: str, seed: int, dtype, quantization=None):
+def build_random(shape: RandomShape, device: str, seed: int, dtype, quantization=None, experts_4bit: bool = True):
     """The model of `shape` on `device` with weights drawn from `seed` in `dtype`, quantized by `quantization` (a
     BitsAndBytesConfig, through transformers' own bitsandbytes quantizer; None: not quantized); the same seed on the
-    same device gives the same bytes."""
+    same device gives the same bytes. `experts_4bit=False`: a mixture of experts' fused experts stay in `dtype`, as
+    transformers' bitsandbytes load leaves them (it quantizes nn.Linear only): the model TRL trains from a checkpoint
+    (bench/gpu/trl_side.py)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -100,7 +102,7 @@ def build_random(shape: RandomShape, device: str, seed: int, dtype, quantization
     for module_name, module in list(model.named_modules()):
         for leaf, param in list(module.named_parameters(recurse=False)):
             module._parameters[leaf] = _drawn(param, leaf, module_name, config, dtype, device, draw)
-        if quantization is not None:  # why here: one layer's experts in 16-bit at a time, never the model's
+        if quantization is not None and experts_4bit:  # why here: one layer's experts in 16-bit at a time
             from .experts import quantize_experts
 
             quantize_experts(module, quantization, recurse=False)
