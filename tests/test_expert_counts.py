@@ -36,8 +36,8 @@ def phase(model):
     return run(SimpleNamespace(learner=SimpleNamespace(model=model)), None).experts
 
 
-def test_a_dense_models_phase_walks_none_of_its_modules(monkeypatch):
-    model = learner("builtin:tiny-qwen2", lora=True)  # (PEFT's wrapper, as a learner's model is)
+def test_a_dense_models_phase_walks_none_of_its_modules(tiny_model, monkeypatch):
+    model = learner(str(tiny_model), lora=True)  # (the suite's dense model in PEFT's wrapper, as a learner's model is)
     assert phase(model) == 0  # (the first phase finds the model's experts modules: none)
     walks = []
     named = torch.nn.Module.named_modules
