@@ -62,9 +62,14 @@ def fits(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, adapter
     adapter at most (PEFT's factors: several arrive as a whole delta, not checked cheaply)."""
     if torch.is_grad_enabled() or SCORING.get() or not holds(getattr(module, "held_total", HELD_BYTES + 1)):
         return False
-    if module.is_transposed or not module.has_gate or module.has_bias:
+    if not dense_layout(module):
         return False
     return all(kind == "factors" for chain in adapters.values() for kind, _, _ in chain)
+
+
+def dense_layout(module) -> bool:
+    """Gated experts without bias in transformers' [experts, out, in] layout: what dense_forward runs."""
+    return not module.is_transposed and module.has_gate and not module.has_bias
 
 
 def ready(module):
@@ -182,7 +187,7 @@ def warm(modules) -> int:
         key = (tuple(gate_up.shape), tuple(down.shape), gate_up.dtype)
         if key in made or module.parametrizations[EXPERT_PARAMS[0]].original.device.type != "cpu":
             continue
-        if module.is_transposed or not module.has_gate or module.has_bias:  # (what fits reads the held copy for)
+        if not dense_layout(module):  # (what fits reads the held copy for)
             continue
         made.add(key)
         experts, width, hidden = gate_up.shape
